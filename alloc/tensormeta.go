@@ -1,0 +1,235 @@
+package alloc
+
+import (
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
+)
+
+// Dtype is an element type, stored by its canonical (PyTorch) spelling.
+type Dtype struct {
+	Name string // canonical PyTorch spelling without "torch.", such as "float32"
+	Size int64  // bytes per element
+}
+
+// dtypeSizes maps each canonical dtype name to its element size in bytes.
+var dtypeSizes = map[string]int64{
+	"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2,
+	"complex64": 8, "complex128": 16,
+	"int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
+	"uint16": 2, "uint32": 4, "uint64": 8,
+	"float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+// dtypeNames maps every accepted lower-case spelling to its canonical name.
+var dtypeNames = buildDtypeNames()
+
+// buildDtypeNames lists the accepted spellings. Where PyTorch and NumPy disagree ("float",
+// "int", "cfloat"), PyTorch wins. NumPy's one-letter type codes are not accepted: matching is
+// case-insensitive, and "b"/"B" or "l"/"L" would then be ambiguous.
+func buildDtypeNames() map[string]string {
+	names := map[string]string{}
+	// PyTorch names and aliases, bare or as "torch.NAME".
+	torch := map[string]string{
+		"float": "float32", "double": "float64", "half": "float16",
+		"cfloat": "complex64", "cdouble": "complex128",
+		"short": "int16", "int": "int32", "long": "int64",
+	}
+	for name := range dtypeSizes {
+		torch[name] = name
+	}
+	for alias, name := range torch {
+		names[alias] = name
+		names["torch."+alias] = name
+	}
+	// NumPy names.
+	for alias, name := range map[string]string{
+		"single": "float32", "csingle": "complex64", "bool_": "bool",
+	} {
+		names[alias] = name
+	}
+	// NumPy array-protocol codes, with an optional little-endian, native or
+	// not-applicable byte order.
+	for code, name := range map[string]string{
+		"f2": "float16", "f4": "float32", "f8": "float64", "c8": "complex64", "c16": "complex128",
+		"i1": "int8", "i2": "int16", "i4": "int32", "i8": "int64",
+		"u1": "uint8", "u2": "uint16", "u4": "uint32", "u8": "uint64",
+		"b1": "bool", "?": "bool",
+	} {
+		for _, order := range []string{"", "<", "=", "|"} {
+			names[order+code] = name
+		}
+	}
+	return names
+}
+
+// ParseDtype parses a PyTorch or NumPy dtype spelling, such as "torch.float32", "float",
+// "<f4" or "single", case-insensitively and ignoring surrounding whitespace, and returns the
+// canonical Dtype. Big-endian NumPy codes (">f4") and unknown names are errors wrapping
+// ErrInvalid.
+func ParseDtype(s string) (Dtype, error) {
+	s = lowerASCII(strings.TrimSpace(s))
+	if name, ok := dtypeNames[s]; ok {
+		return Dtype{Name: name, Size: dtypeSizes[name]}, nil
+	}
+	if strings.HasPrefix(s, ">") || strings.HasPrefix(s, "!") {
+		return Dtype{}, fmt.Errorf("%w: big-endian dtype %q, only little-endian is stored", ErrInvalid, s)
+	}
+	return Dtype{}, fmt.Errorf("%w: unknown dtype %q", ErrInvalid, s)
+}
+
+// Limits on shape and stride values.
+const (
+	maxDims     = 64
+	maxShapeLen = 4096
+)
+
+// ParseShape parses a shape or stride: comma-separated non-negative decimal integers,
+// optionally in brackets or parentheses, with whitespace ignored and a trailing comma allowed,
+// such as "[1024, 768]", "(3,)" or "1024,768". "[]" and "()" give a scalar (an empty, non-nil
+// slice). More than 64 dims, input over 4096 bytes and anything else that does not
+// parse are errors wrapping ErrInvalid.
+func ParseShape(s string) ([]int64, error) {
+	if len(s) > maxShapeLen {
+		return nil, fmt.Errorf("%w: shape longer than %d bytes", ErrInvalid, maxShapeLen)
+	}
+	body := strings.TrimSpace(s)
+	if body == "" {
+		return nil, fmt.Errorf("%w: empty shape, use \"[]\" for a scalar", ErrInvalid)
+	}
+	if body[0] == '[' || body[0] == '(' {
+		closer := "]"
+		if body[0] == '(' {
+			closer = ")"
+		}
+		if len(body) < 2 || !strings.HasSuffix(body, closer) {
+			return nil, fmt.Errorf("%w: unbalanced brackets in shape %q", ErrInvalid, s)
+		}
+		body = strings.TrimSpace(body[1 : len(body)-1])
+	}
+	dims := []int64{}
+	if body == "" {
+		return dims, nil
+	}
+	elems := strings.Split(body, ",")
+	if len(elems) > 1 && strings.TrimSpace(elems[len(elems)-1]) == "" {
+		elems = elems[:len(elems)-1] // trailing comma, as in "(3,)"
+	}
+	if len(elems) > maxDims {
+		return nil, fmt.Errorf("%w: shape has more than %d dims", ErrInvalid, maxDims)
+	}
+	for _, e := range elems {
+		n, err := parseNonNegative(strings.TrimSpace(e))
+		if err != nil {
+			return nil, fmt.Errorf("%w in shape %q", err, s)
+		}
+		dims = append(dims, n)
+	}
+	return dims, nil
+}
+
+// FormatShape returns the canonical form of a shape or stride, such as "[1024, 768]", or
+// "[]" for a scalar.
+func FormatShape(dims []int64) string {
+	parts := make([]string, len(dims))
+	for i, d := range dims {
+		parts[i] = strconv.FormatInt(d, 10)
+	}
+	return "[" + strings.Join(parts, ", ") + "]"
+}
+
+// ParseOffset parses a storage offset: a non-negative decimal int64, surrounding whitespace
+// ignored. Anything else is an error wrapping ErrInvalid.
+func ParseOffset(s string) (int64, error) {
+	n, err := parseNonNegative(strings.TrimSpace(s))
+	if err != nil {
+		return 0, fmt.Errorf("%w as storage offset", err)
+	}
+	return n, nil
+}
+
+// parseNonNegative parses a string of decimal digits that fits in an int64.
+func parseNonNegative(s string) (int64, error) {
+	if s == "" || strings.Trim(s, "0123456789") != "" {
+		return 0, fmt.Errorf("%w: %q is not a non-negative integer", ErrInvalid, s)
+	}
+	n, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("%w: %q does not fit in int64", ErrInvalid, s)
+	}
+	return n, nil
+}
+
+// Extent returns the number of bytes a tensor with this layout reaches into its storage:
+// (offset + 1 + sum((shape[i]-1)*stride[i])) * d.Size, or 0 when any shape dim is 0. A nil
+// stride means contiguous. Shape, stride and offset are in elements and must be non-negative.
+// A stride whose length differs from the shape's, a negative value, a Dtype without a size
+// and int64 overflow are errors wrapping ErrInvalid.
+func Extent(d Dtype, shape, stride []int64, offset int64) (int64, error) {
+	if stride == nil {
+		stride = ContiguousStride(shape)
+	}
+	if len(stride) != len(shape) {
+		return 0, fmt.Errorf("%w: stride has %d dims, shape has %d", ErrInvalid, len(stride), len(shape))
+	}
+	if d.Size <= 0 {
+		return 0, fmt.Errorf("%w: dtype %q has no element size", ErrInvalid, d.Name)
+	}
+	if offset < 0 {
+		return 0, fmt.Errorf("%w: negative storage offset %d", ErrInvalid, offset)
+	}
+	for i := range shape {
+		if shape[i] < 0 || stride[i] < 0 {
+			return 0, fmt.Errorf("%w: negative shape or stride in dim %d", ErrInvalid, i)
+		}
+	}
+	for _, n := range shape {
+		if n == 0 {
+			return 0, nil
+		}
+	}
+	end, ok := checkedAdd(offset, 1)
+	for i := 0; ok && i < len(shape); i++ {
+		var reach int64
+		if reach, ok = checkedMul(shape[i]-1, stride[i]); ok {
+			end, ok = checkedAdd(end, reach)
+		}
+	}
+	if ok {
+		end, ok = checkedMul(end, d.Size)
+	}
+	if !ok {
+		return 0, fmt.Errorf("%w: tensor extent overflows int64", ErrInvalid)
+	}
+	return end, nil
+}
+
+// ContiguousStride returns the row-major strides, in elements, of a contiguous tensor with
+// this shape, as PyTorch computes them (a 0 dim counts as 1). Strides that would overflow
+// int64 saturate at math.MaxInt64.
+func ContiguousStride(shape []int64) []int64 {
+	stride := make([]int64, len(shape))
+	next := int64(1)
+	for i := len(shape) - 1; i >= 0; i-- {
+		stride[i] = next
+		var ok bool
+		if next, ok = checkedMul(next, max(shape[i], 1)); !ok {
+			next = math.MaxInt64
+		}
+	}
+	return stride
+}
+
+// checkedAdd returns a+b for non-negative a and b, and whether it fits in int64.
+func checkedAdd(a, b int64) (int64, bool) {
+	return a + b, a <= math.MaxInt64-b
+}
+
+// checkedMul returns a*b for non-negative a and b, and whether it fits in int64.
+func checkedMul(a, b int64) (int64, bool) {
+	if a != 0 && b > math.MaxInt64/a {
+		return 0, false
+	}
+	return a * b, true
+}
