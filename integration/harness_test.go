@@ -1,0 +1,857 @@
+// Package integration tests the real tensorfs binary through real mounts.
+//
+// TestMain builds ./cmd/tensorfs once; mountFS starts it in the foreground
+// on a fresh mountpoint and registers a cleanup that unmounts it and checks
+// that nothing leaked: no panic or data race in the daemon, no mount left
+// behind, no file descriptor left open by the test.
+//
+// Tests here must not call t.Parallel: the leak checks compare process-wide
+// state (open fds, the mount table) before and after each mount.
+//
+// Without root or /dev/fuse, or when the binary cannot be built or mounted,
+// the tests skip with the reason; under CI=true (or TENSORFS_STRICT=1, which
+// scripts/test.sh sets) they fail instead. TENSORFS_BIN=path runs them
+// against a prebuilt binary instead of building ./cmd/tensorfs;
+// TENSORFS_DEBUG=1 adds --debug to every mount.
+package integration
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"runtime/debug"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+const (
+	readyTimeout   = 20 * time.Second // from start to the ready line
+	exitTimeout    = 30 * time.Second // from unmount to daemon exit
+	commandTimeout = 2 * time.Minute  // any helper command (run, python, unmount)
+	statsXattr     = "user.tensorfs.stats"
+)
+
+var (
+	repoRoot   string // absolute path of the module root
+	tmpRoot    string // TMPDIR for this test process; every mountpoint is under it
+	tensorfs   string // the built binary
+	buildErr   error  // why the binary is not there
+	fuseAtBoot map[int]bool
+
+	// mountMu serialises daemon start-up and tear-down so that the mounts
+	// appearing in the mount table can be attributed to one daemon.
+	mountMu sync.Mutex
+)
+
+// strict reports whether an environment problem must fail rather than skip.
+func strict() bool {
+	return os.Getenv("CI") == "true" || os.Getenv("TENSORFS_STRICT") == "1"
+}
+
+// skipOrFail skips the test with the reason, or fails it under strict().
+func skipOrFail(t testing.TB, format string, args ...any) {
+	t.Helper()
+	if strict() {
+		t.Fatalf(format, args...)
+	}
+	t.Skipf(format, args...)
+}
+
+func TestMain(m *testing.M) {
+	os.Exit(testMain(m))
+}
+
+func testMain(m *testing.M) int {
+	var err error
+	repoRoot, err = findRepoRoot()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "integration:", err)
+		return 1
+	}
+	tmpRoot, err = os.MkdirTemp("", "tensorfs-integration-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "integration:", err)
+		return 1
+	}
+	if tmpRoot, err = filepath.EvalSymlinks(tmpRoot); err != nil {
+		fmt.Fprintln(os.Stderr, "integration:", err)
+		return 1
+	}
+	// t.TempDir honours TMPDIR, so every mountpoint lands under tmpRoot and
+	// a mount leaked by this process can be told from other packages' ones.
+	os.Setenv("TMPDIR", tmpRoot)
+
+	// Start the runtime poller now, so its fds are not counted as leaks.
+	if r, w, err := os.Pipe(); err == nil {
+		r.Close()
+		w.Close()
+	}
+
+	fuseAtBoot = map[int]bool{}
+	for _, e := range readMountinfo() {
+		if isFuse(e) {
+			fuseAtBoot[e.id] = true
+		}
+	}
+
+	if bin := os.Getenv("TENSORFS_BIN"); bin != "" {
+		tensorfs = bin // a prebuilt binary, for debugging the harness
+	} else {
+		tensorfs, buildErr = buildBinary(filepath.Join(tmpRoot, "tensorfs"))
+	}
+	if buildErr != nil {
+		fmt.Fprintln(os.Stderr, "integration: building tensorfs:", buildErr)
+	}
+
+	code := m.Run()
+
+	// Any fuse mount of ours still there is a leak: report and detach it.
+	for _, e := range readMountinfo() {
+		if !isFuse(e) || fuseAtBoot[e.id] {
+			continue
+		}
+		if e.mountPoint == tmpRoot || strings.HasPrefix(e.mountPoint, tmpRoot+"/") {
+			fmt.Fprintf(os.Stderr, "integration: leaked mount %s (%s)\n", e.mountPoint, e.fsType)
+			lazyUnmount(e.mountPoint)
+			code = 1
+		}
+	}
+	if err := os.RemoveAll(tmpRoot); err != nil {
+		fmt.Fprintln(os.Stderr, "integration:", err)
+	}
+	return code
+}
+
+// findRepoRoot walks up from the working directory to the tensorfs go.mod.
+func findRepoRoot() (string, error) {
+	dir, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for {
+		data, err := os.ReadFile(filepath.Join(dir, "go.mod"))
+		if err == nil && bytes.HasPrefix(bytes.TrimSpace(data), []byte("module tensorfs")) {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", errors.New("no go.mod of module tensorfs above the working directory")
+		}
+		dir = parent
+	}
+}
+
+// raceEnabled reports whether this test binary was built with -race; the
+// daemon is then built with -race too, so its races show in its stderr.
+func raceEnabled() bool {
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return false
+	}
+	for _, s := range bi.Settings {
+		if s.Key == "-race" && s.Value == "true" {
+			return true
+		}
+	}
+	return false
+}
+
+// buildBinary runs go build ./cmd/tensorfs into out.
+func buildBinary(out string) (string, error) {
+	gobin, err := exec.LookPath("go")
+	if err != nil {
+		gobin = filepath.Join(runtime.GOROOT(), "bin", "go")
+	}
+	args := []string{"build", "-o", out}
+	if raceEnabled() {
+		args = append(args, "-race")
+	}
+	args = append(args, "./cmd/tensorfs")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, gobin, args...)
+	cmd.Dir = repoRoot
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("go %s: %v\n%s", strings.Join(args, " "), err, b)
+	}
+	return out, nil
+}
+
+// lockedBuffer is a bytes.Buffer safe for concurrent Write and String.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// lineWatcher collects the daemon's stdout and hands its first line to ready.
+type lineWatcher struct {
+	lockedBuffer
+	once  sync.Once
+	ready chan string
+}
+
+func (w *lineWatcher) Write(p []byte) (int, error) {
+	n, err := w.lockedBuffer.Write(p)
+	if s := w.String(); strings.Contains(s, "\n") {
+		w.once.Do(func() { w.ready <- strings.TrimSpace(s[:strings.Index(s, "\n")]) })
+	}
+	return n, err
+}
+
+// mount is one running tensorfs daemon and its mountpoint.
+type mount struct {
+	dir    string // absolute mountpoint
+	mode   string // "passthrough" or "classic", as reported by the daemon
+	pid    int
+	cmd    *exec.Cmd
+	stderr *lockedBuffer
+
+	args     []string      // extra arguments, for remount
+	stdout   *lineWatcher  // everything the daemon printed on stdout
+	exited   chan struct{} // closed once the daemon has exited
+	exitErr  error         // cmd.Wait's result, valid after exited
+	fdsAtUp  map[string]string
+	added    []mountEntry // mounts that appeared while this daemon started
+	crashed  bool         // killed by kill9: only check that it was cleaned
+	finished bool         // cleanup done
+}
+
+// mountFS mounts tensorfs in mode ("passthrough" or "classic") on a fresh
+// mountpoint under t.TempDir, waits for its ready line and registers the
+// unmount-and-check cleanup. extraArgs go before the mountpoint.
+func mountFS(t *testing.T, mode string, extraArgs ...string) *mount {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "mnt")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return startMount(t, dir, mode, extraArgs)
+}
+
+// remount starts a new daemon on the same mountpoint with the same mode and
+// arguments (after kill9, or after unmount without purge) and returns it.
+func (m *mount) remount(t *testing.T) *mount {
+	t.Helper()
+	return startMount(t, m.dir, m.mode, m.args)
+}
+
+// forEachMode runs fn as subtests "passthrough" and "classic", each on its
+// own fresh mount made with extraArgs.
+func forEachMode(t *testing.T, fn func(t *testing.T, m *mount), extraArgs ...string) {
+	t.Helper()
+	for _, mode := range []string{"passthrough", "classic"} {
+		t.Run(mode, func(t *testing.T) {
+			fn(t, mountFS(t, mode, extraArgs...))
+		})
+	}
+}
+
+func requireEnvironment(t *testing.T) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		skipOrFail(t, "tensorfs integration tests need root (uid %d)", os.Geteuid())
+	}
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		skipOrFail(t, "no /dev/fuse: %v", err)
+	}
+	if buildErr != nil {
+		skipOrFail(t, "tensorfs binary did not build: %v", buildErr)
+	}
+}
+
+func startMount(t *testing.T, dir, mode string, extraArgs []string) *mount {
+	t.Helper()
+	requireEnvironment(t)
+	args := []string{"mount", "-f", "--capacity", "256M"}
+	switch mode {
+	case "passthrough":
+	case "classic":
+		args = append(args, "--no-passthrough")
+	default:
+		t.Fatalf("mountFS: unknown mode %q", mode)
+	}
+	if os.Getenv("TENSORFS_DEBUG") == "1" {
+		args = append(args, "--debug")
+	}
+	args = append(args, extraArgs...)
+	args = append(args, dir)
+
+	m := &mount{
+		dir:    dir,
+		mode:   mode,
+		args:   slices.Clone(extraArgs),
+		stderr: &lockedBuffer{},
+		stdout: &lineWatcher{ready: make(chan string, 1)},
+		exited: make(chan struct{}),
+	}
+	m.fdsAtUp = openFDs()
+
+	mountMu.Lock()
+	defer mountMu.Unlock()
+	before := mountIDs()
+
+	m.cmd = exec.Command(tensorfs, args...)
+	m.cmd.Stdout = m.stdout
+	m.cmd.Stderr = m.stderr
+	m.cmd.WaitDelay = 5 * time.Second // a helper holding our pipes cannot hang Wait
+	// If the test process dies, the daemon gets SIGTERM and unmounts.
+	m.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	if err := m.cmd.Start(); err != nil {
+		skipOrFail(t, "starting %s: %v", tensorfs, err)
+	}
+	go func() {
+		m.exitErr = m.cmd.Wait()
+		close(m.exited)
+	}()
+
+	timer := time.NewTimer(readyTimeout)
+	defer timer.Stop()
+	var line string
+	select {
+	case line = <-m.stdout.ready:
+	case <-m.exited:
+		m.finished = true
+		m.cleanupFailedStart(t)
+		skipOrFail(t, "tensorfs %s exited before ready: %v\nstdout:\n%s\nstderr:\n%s",
+			strings.Join(args, " "), m.exitErr, m.stdout.String(), tail(m.stderr.String()))
+	case <-timer.C:
+		m.cmd.Process.Kill()
+		<-m.exited
+		m.finished = true
+		m.cleanupFailedStart(t)
+		skipOrFail(t, "tensorfs %s: no ready line within %v\nstdout:\n%s\nstderr:\n%s",
+			strings.Join(args, " "), readyTimeout, m.stdout.String(), tail(m.stderr.String()))
+	}
+	t.Cleanup(func() { m.finish(t, true) })
+
+	fields := parseReady(line)
+	if fields == nil {
+		t.Fatalf("bad ready line %q (want \"ready pid=N mode=M mountpoint=P\")", line)
+	}
+	if pid, err := strconv.Atoi(fields["pid"]); err != nil || pid != m.cmd.Process.Pid {
+		t.Errorf("ready line %q: pid is not the foreground daemon's %d", line, m.cmd.Process.Pid)
+	}
+	m.pid = m.cmd.Process.Pid
+	if fields["mode"] != mode {
+		t.Fatalf("asked for %s mode, daemon reports mode=%s (ready line %q)\nstderr:\n%s",
+			mode, fields["mode"], line, tail(m.stderr.String()))
+	}
+	if fields["mountpoint"] != dir {
+		t.Errorf("ready line %q: mountpoint is not %s", line, dir)
+	}
+	if !isMounted(dir) {
+		t.Fatalf("ready line printed but %s is not a fuse mount in /proc/self/mountinfo", dir)
+	}
+	for _, e := range readMountinfo() {
+		if before[e.id] {
+			continue
+		}
+		// Fuse mounts elsewhere belong to other test processes.
+		if isFuse(e) && e.mountPoint != dir {
+			continue
+		}
+		m.added = append(m.added, e)
+	}
+	return m
+}
+
+// parseReady splits "ready k=v k=v ..." into a map, or returns nil.
+func parseReady(line string) map[string]string {
+	f := strings.Fields(line)
+	if len(f) < 4 || f[0] != "ready" {
+		return nil
+	}
+	out := map[string]string{}
+	for _, kv := range f[1:] {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok {
+			return nil
+		}
+		out[k] = v
+	}
+	for _, k := range []string{"pid", "mode", "mountpoint"} {
+		if out[k] == "" {
+			return nil
+		}
+	}
+	return out
+}
+
+// cleanupFailedStart detaches whatever a daemon that never got ready left.
+func (m *mount) cleanupFailedStart(t *testing.T) {
+	if isMounted(m.dir) {
+		t.Logf("detaching %s left by a failed start", m.dir)
+		lazyUnmount(m.dir)
+	}
+}
+
+// path returns the absolute path of rel inside the mount.
+func (m *mount) path(rel string) string {
+	return filepath.Join(m.dir, rel)
+}
+
+// stats returns the root's user.tensorfs.stats JSON, decoded.
+func (m *mount) stats(t *testing.T) map[string]any {
+	t.Helper()
+	raw, err := getxattr(m.dir, statsXattr)
+	if err != nil {
+		t.Fatalf("getxattr %s %s: %v", m.dir, statsXattr, err)
+	}
+	var out map[string]any
+	if err := json.Unmarshal(raw, &out); err != nil {
+		t.Fatalf("%s is not a JSON object: %v\n%s", statsXattr, err, raw)
+	}
+	return out
+}
+
+// requests returns how many FUSE requests of opcode op ("READ", "OPEN"...)
+// the daemon has served, from stats()["requests"]; 0 if op never came.
+func (m *mount) requests(t *testing.T, op string) int {
+	t.Helper()
+	st := m.stats(t)
+	reqs, ok := st["requests"].(map[string]any)
+	if !ok {
+		t.Fatalf("%s has no \"requests\" object: %v", statsXattr, st)
+	}
+	v, ok := reqs[op]
+	if !ok {
+		return 0
+	}
+	n, ok := v.(float64)
+	if !ok {
+		t.Fatalf("%s requests[%q] = %v, not a number", statsXattr, op, v)
+	}
+	return int(n)
+}
+
+// getxattr reads a whole extended attribute, growing the buffer as needed.
+func getxattr(path, name string) ([]byte, error) {
+	size := 4096
+	for {
+		buf := make([]byte, size)
+		n, err := unix.Getxattr(path, name, buf)
+		if err == unix.ERANGE {
+			n, err = unix.Getxattr(path, name, nil)
+			if err != nil {
+				return nil, err
+			}
+			size = n + 1024
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		return buf[:n], nil
+	}
+}
+
+// kill9 SIGKILLs the daemon and waits for it. The mount is then stale; its
+// cleanup only checks that a remount or unmount cleaned it up, detaching it
+// with fusermount3 -u -z / umount -l if not.
+func (m *mount) kill9(t *testing.T) {
+	t.Helper()
+	m.crashed = true
+	if err := m.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatalf("kill -9 %d: %v", m.pid, err)
+	}
+	select {
+	case <-m.exited:
+	case <-time.After(exitTimeout):
+		t.Fatalf("daemon %d did not die of SIGKILL within %v", m.pid, exitTimeout)
+	}
+}
+
+// unmount unmounts now (tensorfs unmount [--purge]) and runs every leak
+// check; the cleanup then does nothing more for this mount.
+func (m *mount) unmount(t *testing.T, purge bool) {
+	t.Helper()
+	m.finish(t, purge)
+}
+
+// finish tears the mount down and runs the leak checks, once.
+func (m *mount) finish(t *testing.T, purge bool) {
+	t.Helper()
+	if m.finished {
+		return
+	}
+	m.finished = true
+	defer func() {
+		if t.Failed() {
+			t.Logf("daemon %s (pid %d) stderr:\n%s", m.dir, m.pid, tail(m.stderr.String()))
+		}
+	}()
+	mountMu.Lock()
+	defer mountMu.Unlock()
+
+	if m.crashed {
+		m.finishCrashed(t)
+		m.checkOutput(t)
+		return
+	}
+
+	if leaked := fdsUnder(m.dir); len(leaked) > 0 {
+		t.Errorf("test still holds fds on %s at unmount: %s", m.dir, strings.Join(leaked, ", "))
+	}
+
+	args := []string{"unmount"}
+	if purge {
+		args = append(args, "--purge")
+	}
+	args = append(args, m.dir)
+	wait := exitTimeout
+	if out, err := runTimeout(exitTimeout, tensorfs, args...); err != nil {
+		t.Errorf("tensorfs %s: %v\n%s", strings.Join(args, " "), err, out)
+		m.cmd.Process.Signal(syscall.SIGTERM)
+		wait = 5 * time.Second // already failed: give SIGTERM a moment only
+	}
+	select {
+	case <-m.exited:
+	case <-time.After(wait):
+		t.Errorf("daemon %d still running %v after unmount; killing it", m.pid, wait)
+		m.cmd.Process.Kill()
+		<-m.exited
+	}
+	if m.exitErr != nil {
+		t.Errorf("daemon exited with %v, want exit 0", m.exitErr)
+	}
+	m.checkOutput(t)
+
+	if isMounted(m.dir) {
+		t.Errorf("%s still mounted after unmount", m.dir)
+		lazyUnmount(m.dir)
+	}
+	if purge {
+		m.checkAddedGone(t)
+	}
+
+	after := openFDs()
+	if len(after) != len(m.fdsAtUp) {
+		var diff []string
+		for fd, target := range after {
+			if _, ok := m.fdsAtUp[fd]; !ok {
+				diff = append(diff, fd+"->"+target)
+			}
+		}
+		slices.Sort(diff)
+		t.Errorf("test process has %d open fds after unmount, %d before mount; new: %s",
+			len(after), len(m.fdsAtUp), strings.Join(diff, ", "))
+	}
+}
+
+// finishCrashed makes sure a killed daemon's mounts are gone: a remount's
+// cleanup or tensorfs unmount --purge must have removed them.
+func (m *mount) finishCrashed(t *testing.T) {
+	t.Helper()
+	if isMounted(m.dir) || m.addedPresent() {
+		if out, err := runTimeout(exitTimeout, tensorfs, "unmount", "--purge", m.dir); err != nil {
+			t.Errorf("tensorfs unmount --purge %s after kill -9: %v\n%s", m.dir, err, out)
+		}
+	}
+	if isMounted(m.dir) {
+		t.Errorf("stale mount %s survived tensorfs unmount --purge", m.dir)
+		lazyUnmount(m.dir)
+	}
+	m.checkAddedGone(t)
+}
+
+// checkOutput fails on panics and data races in what the daemon printed.
+func (m *mount) checkOutput(t *testing.T) {
+	t.Helper()
+	out := m.stderr.String() + m.stdout.String()
+	for _, bad := range []string{"panic", "DATA RACE"} {
+		if strings.Contains(out, bad) {
+			t.Errorf("daemon output contains %q:\n%s", bad, tail(out))
+		}
+	}
+}
+
+// addedPresent reports whether any mount the daemon made is still there.
+func (m *mount) addedPresent() bool {
+	ids := mountIDs()
+	for _, e := range m.added {
+		if ids[e.id] {
+			return true
+		}
+	}
+	return false
+}
+
+// checkAddedGone fails for, and detaches, every mount that appeared with
+// this daemon (its fuse mount, its private tmpfs) and is still there.
+func (m *mount) checkAddedGone(t *testing.T) {
+	t.Helper()
+	ids := mountIDs()
+	for _, e := range m.added {
+		if ids[e.id] {
+			t.Errorf("mount %s (%s %s) made by the daemon is still there after unmount --purge",
+				e.mountPoint, e.fsType, e.source)
+			lazyUnmount(e.mountPoint)
+		}
+	}
+}
+
+// run runs a real tool and returns its combined output, failing the test
+// (with that output) if it does not exit 0.
+func run(t *testing.T, name string, args ...string) string {
+	t.Helper()
+	out, err := runTimeout(commandTimeout, name, args...)
+	if err != nil {
+		t.Fatalf("%s %s: %v\n%s", name, strings.Join(args, " "), err, out)
+	}
+	return out
+}
+
+// runExpectFail runs a real tool that must fail and returns its combined
+// output; a zero exit fails the test.
+func runExpectFail(t *testing.T, name string, args ...string) string {
+	t.Helper()
+	out, err := runTimeout(commandTimeout, name, args...)
+	var exitErr *exec.ExitError
+	if err == nil {
+		t.Fatalf("%s %s succeeded, want failure\n%s", name, strings.Join(args, " "), out)
+	} else if !errors.As(err, &exitErr) {
+		t.Fatalf("%s %s did not run: %v\n%s", name, strings.Join(args, " "), err, out)
+	}
+	return out
+}
+
+func runTimeout(d time.Duration, name string, args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.WaitDelay = 5 * time.Second
+	b, err := cmd.CombinedOutput()
+	if ctx.Err() != nil {
+		err = fmt.Errorf("%w (timed out after %v)", err, d)
+	}
+	return string(b), err
+}
+
+const systemPython = "/usr/bin/python3"
+
+var (
+	numpyOnce sync.Once
+	numpyErr  error
+)
+
+// python runs /usr/bin/python3 -c script args... and returns its stdout,
+// failing with stdout and stderr if it exits non-zero. Without numpy it
+// skips (fails under CI).
+func python(t *testing.T, script string, args ...string) string {
+	t.Helper()
+	numpyOnce.Do(func() {
+		var out string
+		out, numpyErr = runTimeout(commandTimeout, systemPython, "-c", "import numpy")
+		if numpyErr != nil {
+			numpyErr = fmt.Errorf("%s cannot import numpy: %v %s", systemPython, numpyErr, out)
+		}
+	})
+	if numpyErr != nil {
+		skipOrFail(t, "%v (apt-get install python3-numpy)", numpyErr)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), commandTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, systemPython, append([]string{"-c", script}, args...)...)
+	cmd.WaitDelay = 5 * time.Second
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("python: %v\nscript:\n%s\nstdout:\n%s\nstderr:\n%s", err, script, stdout.String(), stderr.String())
+	}
+	return stdout.String()
+}
+
+// mountEntry is one line of /proc/self/mountinfo.
+type mountEntry struct {
+	id         int
+	mountPoint string
+	fsType     string
+	source     string
+}
+
+func isFuse(e mountEntry) bool {
+	return e.fsType == "fuse" || strings.HasPrefix(e.fsType, "fuse.")
+}
+
+func readMountinfo() []mountEntry {
+	data, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return nil
+	}
+	var out []mountEntry
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		sep := slices.Index(f, "-")
+		if len(f) < 5 || sep < 0 || sep+2 >= len(f) {
+			continue
+		}
+		id, err := strconv.Atoi(f[0])
+		if err != nil {
+			continue
+		}
+		out = append(out, mountEntry{
+			id:         id,
+			mountPoint: unescapeMountinfo(f[4]),
+			fsType:     f[sep+1],
+			source:     unescapeMountinfo(f[sep+2]),
+		})
+	}
+	return out
+}
+
+// unescapeMountinfo undoes the kernel's octal escapes (\040 for space...).
+func unescapeMountinfo(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(v))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+func mountIDs() map[int]bool {
+	ids := map[int]bool{}
+	for _, e := range readMountinfo() {
+		ids[e.id] = true
+	}
+	return ids
+}
+
+// isMounted reports whether dir is a fuse mountpoint.
+func isMounted(dir string) bool {
+	for _, e := range readMountinfo() {
+		if e.mountPoint == dir && isFuse(e) {
+			return true
+		}
+	}
+	return false
+}
+
+// lazyUnmount detaches dir with fusermount3 -u -z, else umount -l, else
+// umount2(MNT_DETACH).
+func lazyUnmount(dir string) {
+	if _, err := runTimeout(exitTimeout, "fusermount3", "-u", "-z", dir); err == nil {
+		return
+	}
+	if _, err := runTimeout(exitTimeout, "umount", "-l", dir); err == nil {
+		return
+	}
+	unix.Unmount(dir, unix.MNT_DETACH)
+}
+
+// openFDs maps this process's open fds to what they point at.
+func openFDs() map[string]string {
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		return nil
+	}
+	out := map[string]string{}
+	for _, e := range ents {
+		target, err := os.Readlink("/proc/self/fd/" + e.Name())
+		if err != nil {
+			continue // the fd ReadDir itself used, closed by now
+		}
+		out[e.Name()] = target
+	}
+	return out
+}
+
+// fdsUnder lists this process's fds that point inside dir.
+func fdsUnder(dir string) []string {
+	var out []string
+	for fd, target := range openFDs() {
+		if target == dir || strings.HasPrefix(target, dir+"/") {
+			out = append(out, fd+"->"+target)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// tail keeps the last 64 KiB of s.
+func tail(s string) string {
+	const max = 64 << 10
+	if len(s) > max {
+		return "...\n" + s[len(s)-max:]
+	}
+	return s
+}
+
+// TestMountSmoke proves the harness: dd in, cp and cmp out, df, ls, stats.
+func TestMountSmoke(t *testing.T) {
+	src := filepath.Join(t.TempDir(), "src.bin")
+	run(t, "dd", "if=/dev/urandom", "of="+src, "bs=1M", "count=4", "status=none")
+
+	forEachMode(t, func(t *testing.T, m *mount) {
+		dst := m.path("smoke.bin")
+		run(t, "dd", "if="+src, "of="+dst, "bs=64k", "conv=fsync", "status=none")
+
+		back := filepath.Join(t.TempDir(), "back.bin")
+		run(t, "cp", dst, back)
+		run(t, "cmp", src, back)
+		run(t, "cmp", src, dst)
+
+		if fi, err := os.Stat(dst); err != nil || fi.Size() != 4<<20 {
+			t.Fatalf("stat %s: %v %v, want 4 MiB", dst, fi, err)
+		}
+		if out := run(t, "df", "-P", m.dir); !strings.Contains(out, m.dir) {
+			t.Errorf("df -P %s does not show the mount:\n%s", m.dir, out)
+		}
+		if out := run(t, "ls", m.dir); strings.TrimSpace(out) != "smoke.bin" {
+			t.Errorf("ls %s = %q, want smoke.bin", m.dir, out)
+		}
+
+		if got := m.stats(t)["mode"]; got != m.mode {
+			t.Errorf("stats mode = %v, want %s", got, m.mode)
+		}
+		if n := m.requests(t, "OPEN"); n == 0 {
+			t.Errorf("stats counted no OPEN requests")
+		}
+		reads, writes := m.requests(t, "READ"), m.requests(t, "WRITE")
+		switch m.mode {
+		case "passthrough":
+			// The kernel carries the data: no read or write reaches the daemon.
+			if reads != 0 || writes != 0 {
+				t.Errorf("passthrough: daemon served %d READ and %d WRITE requests, want 0", reads, writes)
+			}
+		case "classic":
+			if writes == 0 {
+				t.Errorf("classic: daemon served no WRITE requests")
+			}
+		}
+	})
+}

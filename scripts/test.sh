@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# THE test command: sudo ./scripts/test.sh
+#
+# Installs what the tests need when it is missing, checks formatting and
+# go vet, runs every Go test with the race detector (the integration tests
+# mount the real binary, so this needs root and /dev/fuse), then the Python
+# client tests when python/tests exists. Exits non-zero on any failure.
+# Extra arguments go to `go test` (e.g. -run TestMountSmoke -v).
+set -euo pipefail
+
+if [ "$(id -u)" -ne 0 ]; then
+	if command -v sudo >/dev/null 2>&1; then
+		exec sudo -E env "PATH=$PATH" bash "$0" "$@"
+	fi
+	echo "test.sh: the tests mount FUSE filesystems and need root; run it as root (no sudo here)" >&2
+	exit 1
+fi
+
+cd "$(dirname "$0")/.."
+
+if ! command -v go >/dev/null 2>&1 && [ -x /usr/local/go/bin/go ]; then
+	export PATH="$PATH:/usr/local/go/bin"
+fi
+if ! command -v go >/dev/null 2>&1; then
+	echo "test.sh: no go toolchain on PATH (expected Go $(sed -n 's/^go //p' go.mod) at /usr/local/go)" >&2
+	exit 1
+fi
+
+# Debian packages the tests use, installed only when one is missing.
+packages=(fuse3 attr fio python3-numpy python3-torch)
+command -v gcc >/dev/null 2>&1 || packages+=(gcc libc6-dev) # go test -race needs cgo
+missing=()
+for p in "${packages[@]}"; do
+	if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
+		missing+=("$p")
+	fi
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+	echo "test.sh: installing ${missing[*]}"
+	apt-get update -q
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${packages[@]}"
+fi
+
+# Integration tests fail instead of skipping when they cannot mount.
+export TENSORFS_STRICT="${TENSORFS_STRICT:-1}"
+
+echo "== gofmt"
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+	mapfile -t gofiles < <(git ls-files -co --exclude-standard -- '*.go')
+else
+	mapfile -t gofiles < <(find . -name '*.go' -not -path './.*')
+fi
+if [ "${#gofiles[@]}" -gt 0 ]; then
+	unformatted=$(gofmt -l "${gofiles[@]}")
+	if [ -n "$unformatted" ]; then
+		echo "gofmt -l lists (run gofmt -w):" >&2
+		echo "$unformatted" >&2
+		exit 1
+	fi
+fi
+
+echo "== go vet"
+go vet ./...
+
+echo "== go test"
+go test -race -count=1 -timeout 30m "$@" ./...
+
+if [ -d python/tests ]; then
+	echo "== python tests"
+	rc=0
+	(cd python && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" /usr/bin/python3 -m unittest discover -s tests -v) || rc=$?
+	if [ "$rc" -eq 5 ]; then
+		rc=0 # Python >= 3.12: no tests found
+	fi
+	[ "$rc" -eq 0 ] || exit "$rc"
+fi
+echo "== all tests passed"
