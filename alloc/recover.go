@@ -1,0 +1,35 @@
+package alloc
+
+import (
+	"io/fs"
+	"os"
+	"path/filepath"
+)
+
+// Recover prepares a backing left by an earlier daemon for a new mount.
+// Reference counts restart at zero, so every UNLINK segment has no holder
+// and is removed, as its last holder's exit would have removed it. It
+// returns the number of segments and bytes kept.
+func (s *Store) Recover() (segments, bytes int64, err error) {
+	err = filepath.WalkDir(s.Dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || !d.Type().IsRegular() {
+			return err
+		}
+		f, err := ReadFlags(p)
+		if err != nil {
+			s.log.Warn("recover: unreadable flags, keeping segment", "path", p, "err", err)
+		}
+		if f&Unlink != 0 {
+			s.log.Info("recover: removing UNLINK segment without holders", "path", p)
+			return os.Remove(p)
+		}
+		info, err := d.Info()
+		if err != nil {
+			return err
+		}
+		segments++
+		bytes += info.Size()
+		return nil
+	})
+	return segments, bytes, err
+}

@@ -1,0 +1,187 @@
+package alloc
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// MaxSegmentSize is the largest size a segment may be truncated to (1 TiB);
+// past it a resize fails with ErrTooBig.
+const MaxSegmentSize = 1 << 40
+
+// Config says where a store keeps its segments.
+type Config struct {
+	// Mountpoint is the absolute path the store is mounted at; it names
+	// the private backing when Backing is empty.
+	Mountpoint string
+	// Backing is the backing directory. Empty: a private tmpfs (root) or
+	// a directory under /dev/shm (not root), chosen from Mountpoint.
+	Backing string
+	// Capacity sizes the private tmpfs in bytes; 0 keeps the kernel default.
+	Capacity int64
+	// Disk is where SHARED segments live; empty disables SHARED.
+	Disk string
+}
+
+// Store is an open backing directory.
+type Store struct {
+	// Dir is the absolute path of the backing directory.
+	Dir string
+	// RootFd is an O_PATH descriptor of Dir, valid until Close.
+	RootFd int
+	// Disk is the directory of SHARED segments, "" if none.
+	Disk string
+	// Private is true when the store mounted its own tmpfs at Dir.
+	Private bool
+	log     *slog.Logger
+}
+
+// Open prepares the backing directory described by cfg, mounting a private
+// tmpfs when that is the default and we are root, and returns the store.
+func Open(cfg Config, log *slog.Logger) (*Store, error) {
+	s := &Store{Dir: cfg.Backing, Disk: cfg.Disk, log: log}
+	if s.Dir == "" {
+		s.Dir = PrivateBacking(cfg.Mountpoint)
+		if err := os.MkdirAll(s.Dir, 0o755); err != nil {
+			return nil, fmt.Errorf("create backing %s: %w", s.Dir, err)
+		}
+		if os.Geteuid() == 0 {
+			if err := mountTmpfs(s.Dir, cfg.Capacity); err != nil {
+				return nil, err
+			}
+			s.Private = true
+		}
+	}
+	dir, err := filepath.Abs(s.Dir)
+	if err != nil {
+		return nil, err
+	}
+	s.Dir = dir
+	if s.Disk != "" {
+		if err := os.MkdirAll(s.Disk, 0o755); err != nil {
+			return nil, fmt.Errorf("create disk directory %s: %w", s.Disk, err)
+		}
+		if s.Disk, err = filepath.Abs(s.Disk); err != nil {
+			return nil, err
+		}
+	}
+	fd, err := unix.Open(s.Dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open backing %s: %w", s.Dir, err)
+	}
+	s.RootFd = fd
+	return s, nil
+}
+
+// Close releases the store's descriptor. The backing keeps its contents.
+func (s *Store) Close() error {
+	return unix.Close(s.RootFd)
+}
+
+// stateDir is where tensorfs keeps per-mount state: private backings, logs.
+func stateDir() string {
+	if os.Geteuid() == 0 {
+		return "/run/tensorfs"
+	}
+	return filepath.Join("/dev/shm", "tensorfs-"+strconv.Itoa(os.Geteuid()))
+}
+
+// PrivateBacking returns the default backing directory for a mountpoint.
+// The same mountpoint always maps to the same directory, so mounting again
+// after a crash finds the segments it left.
+func PrivateBacking(mountpoint string) string {
+	sum := sha256.Sum256([]byte(mountpoint))
+	name := strings.ReplaceAll(strings.Trim(mountpoint, "/"), "/", "-")
+	if len(name) > 64 {
+		name = name[len(name)-64:]
+	}
+	return filepath.Join(stateDir(), name+"-"+hex.EncodeToString(sum[:4]))
+}
+
+// mountTmpfs mounts a tmpfs of the given size at dir, or resizes the one
+// already there (left by an earlier daemon).
+func mountTmpfs(dir string, capacity int64) error {
+	opts := "mode=0755"
+	if capacity > 0 {
+		opts += ",size=" + strconv.FormatInt(capacity, 10)
+	}
+	if isMountpoint(dir) {
+		if capacity == 0 {
+			return nil
+		}
+		if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_REMOUNT, opts); err != nil {
+			return fmt.Errorf("resize backing tmpfs %s: %w", dir, err)
+		}
+		return nil
+	}
+	if err := unix.Mount("tensorfs-backing", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
+		return fmt.Errorf("mount backing tmpfs at %s: %w", dir, err)
+	}
+	return nil
+}
+
+// isMountpoint reports whether dir is the root of a mount.
+func isMountpoint(dir string) bool {
+	var st, parent unix.Stat_t
+	if unix.Lstat(dir, &st) != nil || unix.Lstat(filepath.Dir(dir), &parent) != nil {
+		return false
+	}
+	return st.Dev != parent.Dev
+}
+
+// Purge releases the private backing of mountpoint: the tmpfs is unmounted
+// (root) or the directory removed. SHARED segments on disk are kept.
+func Purge(mountpoint string) error {
+	dir := PrivateBacking(mountpoint)
+	if isMountpoint(dir) {
+		if err := unix.Unmount(dir, unix.MNT_DETACH); err != nil {
+			return fmt.Errorf("unmount backing %s: %w", dir, err)
+		}
+	}
+	if err := os.RemoveAll(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// Statfs reports the backing's capacity and use.
+func (s *Store) Statfs(st *unix.Statfs_t) error {
+	return unix.Fstatfs(s.RootFd, st)
+}
+
+// Resize sets the size of the open regular file fd. Growth reserves every
+// page (fallocate), so a full backing answers ErrNoSpace here rather than
+// SIGBUS at first touch of an mmap; on failure the size is unchanged.
+func Resize(fd int, size int64) error {
+	if size < 0 {
+		return fmt.Errorf("%w: negative size %d", ErrInvalid, size)
+	}
+	if size > MaxSegmentSize {
+		return fmt.Errorf("%w: %d bytes is past the maximum of %d", ErrTooBig, size, int64(MaxSegmentSize))
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	if size <= st.Size {
+		return unix.Ftruncate(fd, size)
+	}
+	err := unix.Fallocate(fd, 0, 0, size)
+	if errors.Is(err, unix.ENOSPC) {
+		return fmt.Errorf("%w: cannot reserve %d bytes", ErrNoSpace, size)
+	}
+	if errors.Is(err, unix.EOPNOTSUPP) {
+		// A backing that cannot reserve (not tmpfs): grow sparsely.
+		return unix.Ftruncate(fd, size)
+	}
+	return err
+}

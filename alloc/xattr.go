@@ -1,0 +1,280 @@
+package alloc
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// Names of the attributes tensorfs gives meaning to (DESIGN.md §4).
+const (
+	AttrFlags     = "user.tensorfs.flags"
+	AttrDevice    = "user.tensorfs.device"
+	AttrDtype     = "user.tensor.dtype"
+	AttrShape     = "user.tensor.shape"
+	AttrStride    = "user.tensor.stride"
+	AttrOffset    = "user.tensor.storage_offset"
+	AttrRefcount  = "user.tensorfs.refcount"
+	AttrHolders   = "user.tensorfs.holders"
+	AttrHandle    = "user.tensorfs.handle"
+	AttrRbytes    = "user.tensorfs.rbytes"
+	AttrRsegments = "user.tensorfs.rsegments"
+	AttrSocket    = "user.tensorfs.socket"
+	AttrStats     = "user.tensorfs.stats"
+)
+
+// ReadOnlyAttr reports whether name is computed by tensorfs and cannot be
+// written by clients.
+func ReadOnlyAttr(name string) bool {
+	switch name {
+	case AttrRefcount, AttrHolders, AttrHandle, AttrRbytes, AttrRsegments, AttrSocket, AttrStats:
+		return true
+	}
+	return strings.HasPrefix(name, "user.tensorfs.cuda.")
+}
+
+// Object is a backing file or directory as the attribute functions see it.
+type Object struct {
+	// Path reaches the object through /proc/self/fd (see the package doc).
+	Path string
+	// Dir is true for directories.
+	Dir bool
+	// Size is the segment's size in bytes (0 for directories).
+	Size int64
+	// HasDisk is true when the mount has a --disk directory.
+	HasDisk bool
+}
+
+// Getxattr reads a stored attribute into dest (sized like getxattr(2):
+// a zero-length dest asks for the size).
+func Getxattr(path, name string, dest []byte) (int, error) {
+	n, err := unix.Lgetxattr(path, name, dest)
+	if errors.Is(err, unix.ENODATA) {
+		return 0, ErrNoAttr
+	}
+	return n, err
+}
+
+// ReadFlags returns the flags stored on the object at path; none stored is 0.
+func ReadFlags(path string) (Flags, error) {
+	v, err := readAttr(path, AttrFlags)
+	if err != nil || v == "" {
+		return 0, err
+	}
+	return ParseFlags(v)
+}
+
+// readAttr returns a stored attribute as a string, "" when it is absent.
+func readAttr(path, name string) (string, error) {
+	buf := make([]byte, 256)
+	for {
+		n, err := unix.Lgetxattr(path, name, buf)
+		switch {
+		case errors.Is(err, unix.ENODATA):
+			return "", nil
+		case errors.Is(err, unix.ERANGE):
+			buf = make([]byte, 2*len(buf))
+			continue
+		case err != nil:
+			return "", err
+		}
+		return string(buf[:n]), nil
+	}
+}
+
+// Setxattr validates and stores an attribute. tensorfs's own names are
+// parsed and stored in canonical form; other names are stored verbatim.
+// Refusals change nothing and say why: ErrReadOnly, ErrInvalid,
+// ErrNotEmpty, ErrNoDisk, ErrNoDevice.
+func Setxattr(obj Object, name string, value []byte, flags int) error {
+	if ReadOnlyAttr(name) {
+		return fmt.Errorf("%w: %s is computed by tensorfs", ErrReadOnly, name)
+	}
+	v := string(value)
+	var err error
+	switch name {
+	case AttrFlags:
+		return setFlags(obj, v, flags)
+	case AttrDevice:
+		return setDevice(obj, v, flags)
+	case AttrDtype, AttrShape, AttrStride, AttrOffset:
+		if obj.Dir {
+			return fmt.Errorf("%w: %s applies to segments, not directories", ErrInvalid, name)
+		}
+		if v, err = canonicalTensorAttr(name, v); err != nil {
+			return err
+		}
+		if err := checkLayout(obj, name, v); err != nil {
+			return err
+		}
+	}
+	return unix.Lsetxattr(obj.Path, name, []byte(v), flags)
+}
+
+func setFlags(obj Object, v string, xflags int) error {
+	f, err := ParseFlags(v)
+	if err != nil {
+		return err
+	}
+	old, err := ReadFlags(obj.Path)
+	if err != nil {
+		return err
+	}
+	switch {
+	case f&FromFD != old&FromFD:
+		return fmt.Errorf("%w: FROMFD is set only by the import operation", ErrReadOnly)
+	case f&Shared != 0 && !obj.HasDisk:
+		return fmt.Errorf("%w: SHARED segments live under --disk, and this mount has none", ErrNoDisk)
+	case !obj.Dir && f&(Exclusive|NoCreate) != 0:
+		return fmt.Errorf("%w: EXCLUSIVE and NOCREATE apply to directories", ErrInvalid)
+	case !obj.Dir && f&Shared != old&Shared:
+		return fmt.Errorf("%w: SHARED is chosen when a segment is created; set it on the directory", ErrInvalid)
+	case !obj.Dir && f != old && obj.Size > 0:
+		return fmt.Errorf("%w: flags of a segment are set while it is empty (it has %d bytes)", ErrNotEmpty, obj.Size)
+	}
+	return storeFlags(obj.Path, f, xflags)
+}
+
+// storeFlags writes f in canonical form; 0 removes the attribute.
+func storeFlags(path string, f Flags, xflags int) error {
+	if f == 0 {
+		err := unix.Lremovexattr(path, AttrFlags)
+		if errors.Is(err, unix.ENODATA) {
+			return nil
+		}
+		return err
+	}
+	return unix.Lsetxattr(path, AttrFlags, []byte(f.String()), xflags)
+}
+
+func setDevice(obj Object, v string, xflags int) error {
+	dev := strings.TrimSpace(v)
+	if !obj.Dir && obj.Size > 0 {
+		return fmt.Errorf("%w: the device of a segment is set while it is empty", ErrNotEmpty)
+	}
+	switch {
+	case dev == "cpu":
+		err := unix.Lremovexattr(obj.Path, AttrDevice)
+		if errors.Is(err, unix.ENODATA) {
+			return nil
+		}
+		return err
+	case dev == "cuda" || strings.HasPrefix(dev, "cuda:"):
+		return fmt.Errorf("%w: %s: GPU segments are not available on this mount", ErrNoDevice, dev)
+	}
+	return fmt.Errorf("%w: device %q is neither cpu nor cuda:N", ErrInvalid, dev)
+}
+
+// canonicalTensorAttr parses a dtype/shape/stride/offset value and returns
+// its canonical spelling.
+func canonicalTensorAttr(name, v string) (string, error) {
+	switch name {
+	case AttrDtype:
+		d, err := ParseDtype(v)
+		return d.Name, err
+	case AttrShape, AttrStride:
+		dims, err := ParseShape(v)
+		return FormatShape(dims), err
+	default:
+		off, err := ParseOffset(v)
+		return fmt.Sprint(off), err
+	}
+}
+
+// checkLayout refuses a dtype/shape/stride/offset whose layout, together
+// with the attributes already stored, reaches past the segment's bytes.
+func checkLayout(obj Object, name, v string) error {
+	get := func(n string) (string, error) {
+		if n == name {
+			return v, nil
+		}
+		return readAttr(obj.Path, n)
+	}
+	shapeV, err := get(AttrShape)
+	if err != nil || shapeV == "" {
+		return err // nothing to lay out yet
+	}
+	shape, _ := ParseShape(shapeV)
+	dtype := Dtype{Name: "uint8", Size: 1}
+	if dv, err := get(AttrDtype); err != nil {
+		return err
+	} else if dv != "" {
+		if dtype, err = ParseDtype(dv); err != nil {
+			return err
+		}
+	}
+	var stride []int64
+	if sv, err := get(AttrStride); err != nil {
+		return err
+	} else if sv != "" {
+		if stride, err = ParseShape(sv); err != nil {
+			return err
+		}
+	}
+	var offset int64
+	if ov, err := get(AttrOffset); err != nil {
+		return err
+	} else if ov != "" {
+		if offset, err = ParseOffset(ov); err != nil {
+			return err
+		}
+	}
+	extent, err := Extent(dtype, shape, stride, offset)
+	if err != nil {
+		return err
+	}
+	if obj.Size > 0 && extent > obj.Size {
+		return fmt.Errorf("%w: %s %s lays out %d bytes, the segment has %d", ErrInvalid, name, v, extent, obj.Size)
+	}
+	return nil
+}
+
+// Listxattr returns the names stored on the object at path.
+func Listxattr(path string) ([]string, error) {
+	buf := make([]byte, 1024)
+	for {
+		n, err := unix.Llistxattr(path, buf)
+		if errors.Is(err, unix.ERANGE) {
+			buf = make([]byte, 2*len(buf))
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		var names []string
+		for _, s := range strings.Split(string(buf[:n]), "\x00") {
+			if s != "" {
+				names = append(names, s)
+			}
+		}
+		return names, nil
+	}
+}
+
+// Removexattr removes a stored attribute; tensorfs's read-only names
+// cannot be removed.
+func Removexattr(path, name string) error {
+	if ReadOnlyAttr(name) {
+		return fmt.Errorf("%w: %s is computed by tensorfs", ErrReadOnly, name)
+	}
+	err := unix.Lremovexattr(path, name)
+	if errors.Is(err, unix.ENODATA) {
+		return ErrNoAttr
+	}
+	return err
+}
+
+// InheritFlags stores on a new child the flags it inherits from its parent
+// directory: a directory inherits them all, a segment its storage modes.
+func InheritFlags(parent Flags, childPath string, dir bool) error {
+	f := parent
+	if !dir {
+		f &= SharedMem | Shared | Unlink | KeepFD
+	}
+	if f == 0 {
+		return nil
+	}
+	return storeFlags(childPath, f, 0)
+}

@@ -1,0 +1,285 @@
+package main
+
+import (
+	"bufio"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/fs"
+)
+
+// mountFlags are the flags of "tensorfs mount".
+type mountFlags struct {
+	foreground    bool
+	backing       string
+	capacity      string
+	disk          string
+	gpu           string
+	allowOther    bool
+	debug         bool
+	noPassthrough bool
+}
+
+func (m *mountFlags) register(set *flag.FlagSet) {
+	set.BoolVar(&m.foreground, "f", false, "stay in the foreground")
+	set.StringVar(&m.backing, "backing", "", "backing directory (default: a private tmpfs chosen from MOUNTPOINT)")
+	set.StringVar(&m.capacity, "capacity", "", "size of the private tmpfs, e.g. 8G")
+	set.StringVar(&m.disk, "disk", "", "directory where SHARED segments live")
+	set.StringVar(&m.gpu, "gpu", "none", "GPU backend: none | sim | cuda")
+	set.BoolVar(&m.allowOther, "allow-other", false, "let other users in (permissions are always checked by the kernel)")
+	set.BoolVar(&m.debug, "debug", false, "log every FUSE request")
+	set.BoolVar(&m.noPassthrough, "no-passthrough", false, "serve read/write from the daemon instead of FUSE passthrough")
+}
+
+func runMount(args []string, stdout, stderr io.Writer) int {
+	var m mountFlags
+	set := flag.NewFlagSet("tensorfs mount", flag.ContinueOnError)
+	set.SetOutput(stderr)
+	m.register(set)
+	if err := set.Parse(args); err != nil {
+		return 2
+	}
+	if set.NArg() != 1 {
+		fmt.Fprintln(stderr, "tensorfs mount: want exactly one MOUNTPOINT; see tensorfs mount -h")
+		return 2
+	}
+	mp, err := filepath.Abs(set.Arg(0))
+	if err != nil {
+		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
+		return 1
+	}
+	if err := checkMountFlags(&m); err != nil {
+		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
+		return 2
+	}
+	if err := prepareMountpoint(mp); err != nil {
+		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
+		return 1
+	}
+	if !m.foreground {
+		return daemonize(args, mp, stdout, stderr)
+	}
+	if err := serve(&m, mp, stdout, stderr); err != nil {
+		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
+		return 1
+	}
+	return 0
+}
+
+func checkMountFlags(m *mountFlags) error {
+	if m.gpu != "none" {
+		return fmt.Errorf("--gpu %s: GPU segments are not part of this build yet; use --gpu none", m.gpu)
+	}
+	if m.capacity != "" && m.backing != "" {
+		return errors.New("--capacity sizes the private tmpfs and cannot be used with --backing")
+	}
+	_, err := parseSize(m.capacity)
+	return err
+}
+
+// parseSize reads sizes such as 512M, 8G, 1T or plain bytes; "" is 0.
+func parseSize(s string) (int64, error) {
+	if s == "" {
+		return 0, nil
+	}
+	mult := int64(1)
+	num := strings.TrimSuffix(strings.ToUpper(s), "B")
+	if i := strings.IndexAny(num, "KMGT"); i >= 0 && i == len(num)-1 {
+		mult = int64(1) << (10 * (1 + strings.IndexByte("KMGT", num[i])))
+		num = num[:i]
+	}
+	v, err := strconv.ParseInt(num, 10, 64)
+	if err != nil || v <= 0 || v > (1<<62)/mult {
+		return 0, fmt.Errorf("--capacity %q: want a positive size such as 512M or 8G", s)
+	}
+	return v * mult, nil
+}
+
+// prepareMountpoint checks the mountpoint and cleans up a stale mount
+// left by a daemon that died (ENOTCONN).
+func prepareMountpoint(mp string) error {
+	var st unix.Stat_t
+	err := unix.Stat(mp, &st)
+	if errors.Is(err, unix.ENOTCONN) {
+		if err := unix.Unmount(mp, unix.MNT_DETACH); err != nil {
+			if out, ferr := exec.Command("fusermount3", "-u", "-z", mp).CombinedOutput(); ferr != nil {
+				return fmt.Errorf("clean stale mount at %s: %v (%s)", mp, err, strings.TrimSpace(string(out)))
+			}
+		}
+		err = unix.Stat(mp, &st)
+	}
+	if err != nil {
+		return fmt.Errorf("mountpoint %s: %w (create it with mkdir -p)", mp, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
+		return fmt.Errorf("mountpoint %s is not a directory", mp)
+	}
+	if mountedAt(mp) {
+		return fmt.Errorf("%s is already mounted; run tensorfs unmount %s first", mp, mp)
+	}
+	return nil
+}
+
+// mountedAt reports whether mp is a live mount root.
+func mountedAt(mp string) bool {
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 4 && unescapeMountinfo(f[4]) == mp {
+			return true
+		}
+	}
+	return false
+}
+
+// unescapeMountinfo undoes the octal escapes of /proc/self/mountinfo.
+func unescapeMountinfo(s string) string {
+	for _, e := range []struct{ from, to string }{{`\040`, " "}, {`\011`, "\t"}, {`\012`, "\n"}, {`\134`, `\`}} {
+		s = strings.ReplaceAll(s, e.from, e.to)
+	}
+	return s
+}
+
+// statePath is where the daemon of mp keeps its pid and log.
+func statePath(mp, ext string) string {
+	return alloc.PrivateBacking(mp) + ext
+}
+
+// daemonize starts "tensorfs mount -f" in a new session and returns once
+// it says the mount is ready.
+func daemonize(args []string, mp string, stdout, stderr io.Writer) int {
+	logPath := statePath(mp, ".log")
+	if err := os.MkdirAll(filepath.Dir(logPath), 0o755); err != nil {
+		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
+		return 1
+	}
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
+		return 1
+	}
+	defer logf.Close()
+	self, err := os.Executable()
+	if err != nil {
+		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
+		return 1
+	}
+	cmd := exec.Command(self, append([]string{"mount", "-f"}, args...)...)
+	cmd.Stderr = logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
+		return 1
+	}
+	if err := cmd.Start(); err != nil {
+		fmt.Fprintf(stderr, "tensorfs mount: start daemon: %v\n", err)
+		return 1
+	}
+	line, _ := bufio.NewReader(out).ReadString('\n')
+	if !strings.HasPrefix(line, "ready ") {
+		cmd.Wait()
+		fmt.Fprintf(stderr, "tensorfs mount: the daemon failed; its log %s says:\n%s", logPath, tail(logPath, 5))
+		return 1
+	}
+	fmt.Fprintf(stdout, "tensorfs: mounted %s (%s; log %s)\n", mp, strings.TrimSpace(line), logPath)
+	return 0
+}
+
+// tail returns the last n lines of a file.
+func tail(path string, n int) string {
+	b, _ := os.ReadFile(path)
+	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n") + "\n"
+}
+
+// serve mounts and serves until unmounted or signalled.
+func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
+	level := slog.LevelInfo
+	if m.debug {
+		level = slog.LevelDebug
+	}
+	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+	// Modes are exactly what clients ask for: the kernel applied their
+	// umask already.
+	unix.Umask(0)
+	raiseFileLimit()
+
+	capacity, _ := parseSize(m.capacity)
+	store, err := alloc.Open(alloc.Config{Mountpoint: mp, Backing: m.backing, Capacity: capacity, Disk: m.disk}, log)
+	if err != nil {
+		return err
+	}
+	defer store.Close()
+	segs, bytes, err := store.Recover()
+	if err != nil {
+		return fmt.Errorf("recover backing %s: %w", store.Dir, err)
+	}
+	srv, err := fs.Mount(fs.Options{
+		Mountpoint:    mp,
+		Store:         store,
+		NoPassthrough: m.noPassthrough,
+		AllowOther:    m.allowOther,
+		Debug:         m.debug,
+		Log:           log,
+	})
+	if err != nil {
+		return err
+	}
+	pidPath := statePath(mp, ".pid")
+	os.WriteFile(pidPath, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644)
+	defer os.Remove(pidPath)
+	log.Info("mounted", "mountpoint", mp, "backing", store.Dir, "mode", srv.Mode(), "segments", segs, "bytes", bytes)
+	fmt.Fprintf(stdout, "ready pid=%d mode=%s mountpoint=%s\n", os.Getpid(), srv.Mode(), mp)
+
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { srv.Wait(); close(done) }()
+	select {
+	case <-done:
+		log.Info("unmounted", "mountpoint", mp)
+		return nil
+	case s := <-sigs:
+		log.Info("signal, unmounting", "signal", s.String())
+	}
+	if err := unmount(mp); err != nil {
+		return err
+	}
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		return fmt.Errorf("unmount %s: the kernel did not release the mount", mp)
+	}
+	return nil
+}
+
+// raiseFileLimit lifts the soft limit on open files to the hard one:
+// every directory the kernel knows and every open segment holds one.
+func raiseFileLimit() {
+	var r unix.Rlimit
+	if unix.Getrlimit(unix.RLIMIT_NOFILE, &r) == nil && r.Cur < r.Max {
+		r.Cur = r.Max
+		unix.Setrlimit(unix.RLIMIT_NOFILE, &r)
+	}
+}

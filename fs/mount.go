@@ -1,0 +1,275 @@
+// Package fs is tensorfs's FUSE front end: the only package that imports
+// go-fuse. It translates FUSE requests into operations on the backing
+// store of package alloc and maps their errors to errnos (toErrno).
+//
+// Data never passes through the daemon in passthrough mode: opens hand
+// the kernel a backing descriptor (FOPEN_PASSTHROUGH) and read, write and
+// mmap run against the backing tmpfs file. Without passthrough the daemon
+// serves read and write from the same descriptor.
+//
+// The daemon must never mmap a file of its own mount (go-fuse's
+// documented deadlock); tests do that from child processes.
+package fs
+
+import (
+	"context"
+	"fmt"
+	"log"
+	"log/slog"
+	"os"
+	"runtime"
+	"strconv"
+	"syscall"
+	"time"
+
+	fusefs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+)
+
+// Options configures a mount.
+type Options struct {
+	// Mountpoint is the absolute path to mount at.
+	Mountpoint string
+	// Store holds the segments.
+	Store *alloc.Store
+	// NoPassthrough forces the daemon to serve read and write itself.
+	NoPassthrough bool
+	// AllowOther lets other users in; the kernel checks permissions.
+	AllowOther bool
+	// Debug logs every FUSE request.
+	Debug bool
+	// Log receives refusals and events.
+	Log *slog.Logger
+}
+
+// Server is a mounted tensorfs.
+type Server struct {
+	*fuse.Server
+	fs *filesystem
+}
+
+// Mode says how data is served: "passthrough" or "classic".
+func (s *Server) Mode() string { return s.fs.mode() }
+
+// filesystem is the state shared by all nodes of one mount.
+type filesystem struct {
+	store *alloc.Store
+	log   *slog.Logger
+	root  *node
+	// passthrough is true when opens are answered with FOPEN_PASSTHROUGH.
+	passthrough bool
+	// dev is the device number of the mount, as /proc/PID/maps shows it.
+	dev      uint64
+	requests counters
+	started  time.Time
+	// unlinkWatch receives UNLINK segments still mapped after their last
+	// handle went.
+	unlinkWatch chan *node
+}
+
+func (fsys *filesystem) mode() string {
+	if fsys.passthrough {
+		return "passthrough"
+	}
+	return "classic"
+}
+
+// Mount mounts tensorfs at opts.Mountpoint and returns once the kernel
+// serves it.
+func Mount(opts Options) (*Server, error) {
+	fsys := &filesystem{
+		store:       opts.Store,
+		log:         opts.Log,
+		started:     time.Now(),
+		unlinkWatch: make(chan *node, 64),
+	}
+	root := fsys.newNode()
+	fd, err := unix.Dup(opts.Store.RootFd)
+	if err != nil {
+		return nil, err
+	}
+	unix.CloseOnExec(fd)
+	root.dirfd = fd
+	fsys.root = root
+
+	// Kernel caching: entries and attributes are kept one second. Every
+	// change made through the mount updates the kernel's copy, and the
+	// daemon notifies the kernel of what it removes itself (UNLINK).
+	timeout := time.Second
+	fopts := &fusefs.Options{
+		EntryTimeout: &timeout,
+		AttrTimeout:  &timeout,
+		// Modes are exactly what the caller asked for: the kernel has
+		// applied the caller's umask; ours (0) must not apply twice.
+		NullPermissions: true,
+		Logger:          log.New(os.Stderr, "go-fuse: ", 0),
+		MountOptions: fuse.MountOptions{
+			FsName: "tensorfs",
+			Name:   "tensorfs",
+			// Permissions are always checked by the kernel.
+			Options:    []string{"default_permissions"},
+			AllowOther: opts.AllowOther,
+			// As root, mount(2) directly; otherwise fusermount3.
+			DirectMount: os.Geteuid() == 0,
+			// 1 MiB requests keep the classic path's reads large.
+			MaxWrite:      1 << 20,
+			MaxReadAhead:  1 << 20,
+			EnableLocks:   true,
+			Debug:         opts.Debug,
+			DisableXAttrs: false,
+		},
+	}
+	if opts.Debug {
+		fopts.Logger = log.New(os.Stderr, "go-fuse: ", log.Lmicroseconds)
+	}
+	bridge := fusefs.NewNodeFS(root, fopts)
+	srv, err := fuse.NewServer(&countingFS{RawFileSystem: bridge, c: &fsys.requests}, opts.Mountpoint, &fopts.MountOptions)
+	if err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("mount %s: %w", opts.Mountpoint, err)
+	}
+	go srv.Serve()
+	if err := srv.WaitMount(); err != nil {
+		srv.Unmount()
+		return nil, err
+	}
+	kernelOK := srv.KernelSettings().Flags64()&fuse.CAP_PASSTHROUGH != 0
+	fsys.passthrough = !opts.NoPassthrough && kernelOK && os.Geteuid() == 0
+	var st unix.Stat_t
+	if err := unix.Stat(opts.Mountpoint, &st); err == nil {
+		fsys.dev = st.Dev
+	}
+	if !opts.NoPassthrough && !fsys.passthrough {
+		fsys.log.Warn("FUSE passthrough unavailable, the daemon serves read and write itself",
+			"kernel_offers_it", kernelOK, "root", os.Geteuid() == 0)
+	}
+	go fsys.watchUnlinked()
+	return &Server{Server: srv, fs: fsys}, nil
+}
+
+// errno logs a refusal with its reason and returns the errno for it.
+func (fsys *filesystem) errno(op string, n *node, name string, err error) syscall.Errno {
+	if err == nil {
+		return 0
+	}
+	fsys.refuse(op, n, fmt.Errorf("%s: %w", name, err))
+	return toErrno(err)
+}
+
+// refuse logs why a request was refused. Plain absence is not worth a line.
+func (fsys *filesystem) refuse(op string, n *node, err error) {
+	if e := toErrno(err); e == syscall.ENOENT || e == syscall.EEXIST && op == "create" {
+		return
+	}
+	fsys.log.Info("refused", "op", op, "path", n.Path(nil), "err", err)
+}
+
+// own gives a new backing object to the caller that created it; the
+// daemon may run as root, the caller usually not.
+func (fsys *filesystem) own(ctx context.Context, dirfd int, name string) error {
+	if os.Geteuid() != 0 {
+		return nil
+	}
+	c := caller(ctx)
+	gid := int(c.Gid)
+	var parent unix.Stat_t
+	if err := unix.Fstat(dirfd, &parent); err == nil && parent.Mode&unix.S_ISGID != 0 {
+		gid = int(parent.Gid)
+	}
+	return unix.Fchownat(dirfd, name, int(c.Uid), gid, unix.AT_SYMLINK_NOFOLLOW)
+}
+
+// reclaimLater removes an UNLINK segment that no one holds any more. It
+// runs outside the request that released the handle, since it notifies
+// the kernel.
+func (fsys *filesystem) reclaimLater(n *node) {
+	go fsys.reclaim(n)
+}
+
+// reclaim removes n's names if it is an UNLINK segment without holders.
+// It returns false when the segment must be looked at again later.
+func (fsys *filesystem) reclaim(n *node) bool {
+	if len(n.openHandles()) > 0 {
+		return true
+	}
+	f, err := n.flags()
+	if err != nil || f&alloc.Unlink == 0 {
+		return true
+	}
+	if len(n.mappers(nil)) > 0 {
+		select {
+		case fsys.unlinkWatch <- n:
+		default:
+			fsys.log.Warn("too many mapped UNLINK segments waiting; removal deferred to the next release", "path", n.Path(nil))
+		}
+		return false
+	}
+	for {
+		name, parent := n.Parent()
+		if parent == nil {
+			return true
+		}
+		err := parent.Operations().(*node).withDir(func(fd int) error {
+			var st unix.Stat_t
+			if err := unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil || st.Ino != n.StableAttr().Ino {
+				return syscall.ENOENT
+			}
+			return unix.Unlinkat(fd, name, 0)
+		})
+		parent.RmChild(name)
+		parent.NotifyDelete(name, n.EmbeddedInode())
+		if err == nil {
+			fsys.log.Info("removed UNLINK segment without holders", "name", name)
+		}
+	}
+}
+
+// watchUnlinked polls UNLINK segments that are still mapped after their
+// last handle went, and removes each once no process maps it.
+func (fsys *filesystem) watchUnlinked() {
+	var waiting []*node
+	tick := time.NewTicker(500 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case n := <-fsys.unlinkWatch:
+			waiting = append(waiting, n)
+		case <-tick.C:
+			kept := waiting[:0]
+			for _, n := range waiting {
+				if !fsys.reclaim(n) {
+					kept = append(kept, n)
+				}
+			}
+			waiting = kept
+		}
+	}
+}
+
+// stats is the root's user.tensorfs.stats.
+func (fsys *filesystem) stats() map[string]any {
+	var sfs unix.Statfs_t
+	fsys.store.Statfs(&sfs)
+	segs, bytes := subtreeUsage(fsys.store.Dir)
+	var ru unix.Rusage
+	unix.Getrusage(unix.RUSAGE_SELF, &ru)
+	return map[string]any{
+		"mode":      fsys.mode(),
+		"segments":  segs,
+		"bytes":     bytes,
+		"capacity":  int64(sfs.Blocks) * sfs.Bsize,
+		"used":      int64(sfs.Blocks-sfs.Bfree) * sfs.Bsize,
+		"backing":   fsys.store.Dir,
+		"limbo":     map[string]int64{"blocks": 0, "bytes": 0},
+		"requests":  fsys.requests.snapshot(),
+		"daemon":    map[string]any{"pid": os.Getpid(), "cpu_seconds": cpuSeconds(&ru), "max_rss_bytes": ru.Maxrss * 1024, "goroutines": runtime.NumGoroutine()},
+		"uptime_ns": strconv.FormatInt(int64(time.Since(fsys.started)), 10),
+	}
+}
+
+func cpuSeconds(ru *unix.Rusage) float64 {
+	return float64(ru.Utime.Sec+ru.Stime.Sec) + float64(ru.Utime.Usec+ru.Stime.Usec)/1e6
+}

@@ -1,0 +1,265 @@
+package fs
+
+import (
+	"context"
+	"strconv"
+	"sync"
+	"syscall"
+	"unsafe"
+
+	fusefs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+)
+
+// node is a file, directory or special file of the mount. It keeps no
+// descriptor of its own unless it is a directory: a segment is reached
+// through its parent's descriptor and its name, so nothing leaks when
+// go-fuse drops a node that lost a lookup race.
+type node struct {
+	fusefs.Inode
+	fs *filesystem
+
+	// fdMu protects dirfd: held for reading while dirfd is used, for
+	// writing while it is opened or closed. Lock order: a node before
+	// its parent.
+	fdMu sync.RWMutex
+	// dirfd is an O_PATH descriptor of a directory's backing, opened on
+	// first use relative to the parent's and closed on forget; -1 when
+	// closed or not a directory.
+	dirfd int
+
+	// mu protects handles.
+	mu sync.Mutex
+	// handles counts open file handles of a segment by the pid that
+	// opened them.
+	handles map[uint32]int
+}
+
+func (fsys *filesystem) newNode() *node {
+	return &node{fs: fsys, dirfd: -1}
+}
+
+func (n *node) isDir() bool { return n.StableAttr().Mode == syscall.S_IFDIR }
+
+// procPath names backing object name in the directory open at fd; an
+// empty name names the directory itself.
+func procPath(fd int, name string) string {
+	if name == "" {
+		name = "."
+	}
+	return "/proc/self/fd/" + strconv.Itoa(fd) + "/" + name
+}
+
+// withDir runs fn with the O_PATH descriptor of directory n's backing.
+func (n *node) withDir(fn func(fd int) error) error {
+	n.fdMu.RLock()
+	if n.dirfd >= 0 {
+		defer n.fdMu.RUnlock()
+		return fn(n.dirfd)
+	}
+	n.fdMu.RUnlock()
+
+	n.fdMu.Lock()
+	if n.dirfd < 0 {
+		if err := n.openDirLocked(); err != nil {
+			n.fdMu.Unlock()
+			return err
+		}
+	}
+	n.fdMu.Unlock()
+	return n.withDir(fn)
+}
+
+// openDirLocked opens dirfd relative to the parent's descriptor, making
+// sure the name still leads to this directory.
+func (n *node) openDirLocked() error {
+	name, parent := n.Parent()
+	if parent == nil {
+		return syscall.ENOENT
+	}
+	return parent.Operations().(*node).withDir(func(pfd int) error {
+		fd, err := unix.Openat(pfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil || st.Ino != n.StableAttr().Ino {
+			unix.Close(fd)
+			return syscall.ESTALE
+		}
+		n.dirfd = fd
+		return nil
+	})
+}
+
+// at runs fn with the directory descriptor and name that reach n's
+// backing: its parent's and its name, or for a directory its own and "".
+func (n *node) at(fn func(dirfd int, name string) error) error {
+	if n.isDir() {
+		return n.withDir(func(fd int) error { return fn(fd, "") })
+	}
+	name, parent := n.Parent()
+	if parent == nil {
+		return syscall.ENOENT
+	}
+	return parent.Operations().(*node).withDir(func(fd int) error { return fn(fd, name) })
+}
+
+// path runs fn with a /proc path of n's backing object.
+func (n *node) path(fn func(p string) error) error {
+	return n.at(func(fd int, name string) error { return fn(procPath(fd, name)) })
+}
+
+// stat fills st with the backing object's attributes.
+func (n *node) stat(st *unix.Stat_t) error {
+	return n.at(func(fd int, name string) error {
+		if name == "" {
+			return unix.Fstat(fd, st)
+		}
+		return unix.Fstatat(fd, name, st, unix.AT_SYMLINK_NOFOLLOW)
+	})
+}
+
+// flags returns the flags stored on n's backing object.
+func (n *node) flags() (alloc.Flags, error) {
+	var f alloc.Flags
+	err := n.path(func(p string) (err error) {
+		f, err = alloc.ReadFlags(p)
+		return err
+	})
+	return f, err
+}
+
+var _ = (fusefs.NodeOnForgetter)((*node)(nil))
+
+// OnForget closes a directory's descriptor; it is opened again if the
+// node comes back.
+func (n *node) OnForget() {
+	n.fdMu.Lock()
+	defer n.fdMu.Unlock()
+	if n.dirfd >= 0 && n != n.fs.root {
+		unix.Close(n.dirfd)
+		n.dirfd = -1
+	}
+}
+
+var _ = (fusefs.NodeGetattrer)((*node)(nil))
+
+// Getattr answers stat from the backing, through an open handle when the
+// kernel names one (so fstat of an unlinked segment works).
+func (n *node) Getattr(ctx context.Context, f fusefs.FileHandle, out *fuse.AttrOut) syscall.Errno {
+	var st unix.Stat_t
+	var err error
+	if h, ok := f.(*handle); ok {
+		err = unix.Fstat(h.fd, &st)
+	} else {
+		err = n.stat(&st)
+	}
+	if err != nil {
+		return toErrno(err)
+	}
+	out.FromStat(toSyscallStat(&st))
+	return 0
+}
+
+var _ = (fusefs.NodeSetattrer)((*node)(nil))
+
+// Setattr changes mode, owner, size and times of the backing object.
+// Growth reserves pages (alloc.Resize), so ENOSPC comes here, not as a
+// SIGBUS later.
+func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
+	err := n.at(func(fd int, name string) error {
+		p := procPath(fd, name)
+		if m, ok := in.GetMode(); ok {
+			if n.StableAttr().Mode == syscall.S_IFLNK {
+				return syscall.EOPNOTSUPP
+			}
+			if err := unix.Chmod(p, m&07777); err != nil {
+				return err
+			}
+		}
+		uid, uok := in.GetUID()
+		gid, gok := in.GetGID()
+		if uok || gok {
+			suid, sgid := -1, -1
+			if uok {
+				suid = int(uid)
+			}
+			if gok {
+				sgid = int(gid)
+			}
+			if err := unix.Lchown(p, suid, sgid); err != nil {
+				return err
+			}
+		}
+		if sz, ok := in.GetSize(); ok {
+			if err := n.resize(f, p, int64(sz)); err != nil {
+				return err
+			}
+		}
+		mtime, mok := in.GetMTime()
+		atime, aok := in.GetATime()
+		if mok || aok {
+			ts := []unix.Timespec{{Nsec: unix.UTIME_OMIT}, {Nsec: unix.UTIME_OMIT}}
+			if aok {
+				ts[0] = unix.NsecToTimespec(atime.UnixNano())
+			}
+			if mok {
+				ts[1] = unix.NsecToTimespec(mtime.UnixNano())
+			}
+			if err := unix.UtimesNanoAt(unix.AT_FDCWD, p, ts, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		n.fs.refuse("setattr", n, err)
+		return toErrno(err)
+	}
+	return n.Getattr(ctx, f, out)
+}
+
+// resize truncates or grows the segment, through the handle when there
+// is one.
+func (n *node) resize(f fusefs.FileHandle, p string, size int64) error {
+	if h, ok := f.(*handle); ok && h.writable {
+		return alloc.Resize(h.fd, size)
+	}
+	fd, err := unix.Open(p, unix.O_WRONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	return alloc.Resize(fd, size)
+}
+
+var _ = (fusefs.NodeStatfser)((*node)(nil))
+
+// Statfs reports the backing's capacity and use, so df shows them.
+func (n *node) Statfs(ctx context.Context, out *fuse.StatfsOut) syscall.Errno {
+	var st unix.Statfs_t
+	if err := n.fs.store.Statfs(&st); err != nil {
+		return toErrno(err)
+	}
+	out.FromStatfsT((*syscall.Statfs_t)(unsafe.Pointer(&st)))
+	return 0
+}
+
+// toSyscallStat converts a unix.Stat_t for go-fuse, which takes syscall's;
+// on Linux the two are the same kernel struct.
+func toSyscallStat(st *unix.Stat_t) *syscall.Stat_t {
+	return (*syscall.Stat_t)(unsafe.Pointer(st))
+}
+
+// caller returns the credentials of the process behind a request.
+func caller(ctx context.Context) *fuse.Caller {
+	c, ok := fuse.FromContext(ctx)
+	if !ok {
+		return &fuse.Caller{}
+	}
+	return c
+}

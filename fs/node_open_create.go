@@ -1,0 +1,196 @@
+package fs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"syscall"
+
+	fusefs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+)
+
+// handle is an open segment. In passthrough mode the kernel does its
+// reads, writes and mmaps against fd; otherwise the embedded
+// LoopbackFile serves them from fd (with splice for reads).
+type handle struct {
+	*fusefs.LoopbackFile
+	node *node
+	fd   int
+	pid  uint32
+	// writable is true when fd was opened for writing.
+	writable bool
+}
+
+var (
+	_ = (fusefs.FilePassthroughFder)((*handle)(nil))
+	_ = (fusefs.FileReleaser)((*handle)(nil))
+)
+
+// PassthroughFd hands fd to the kernel when passthrough is in force.
+func (h *handle) PassthroughFd() (int, bool) {
+	return h.fd, h.node.fs.passthrough
+}
+
+// Release closes the backing descriptor and drops the handle's
+// reference; an UNLINK segment whose last reference goes is removed.
+func (h *handle) Release(ctx context.Context) syscall.Errno {
+	errno := h.LoopbackFile.Release(ctx)
+	h.node.release(h.pid)
+	return errno
+}
+
+// backingFlags turns the flags of a FUSE open into those of the backing
+// open. In passthrough mode the kernel shares one backing file among all
+// opens of a segment, so it is opened read-write without O_APPEND or
+// O_DIRECT, which the kernel applies per open itself.
+func (fsys *filesystem) backingFlags(flags uint32) int {
+	if fsys.passthrough {
+		return unix.O_RDWR | unix.O_CLOEXEC | unix.O_NOFOLLOW
+	}
+	keep := unix.O_ACCMODE | unix.O_APPEND | unix.O_DIRECT | unix.O_SYNC | unix.O_DSYNC | unix.O_NOATIME
+	return int(flags)&keep | unix.O_CLOEXEC | unix.O_NOFOLLOW
+}
+
+// openFlags is the FOPEN_ answer: without passthrough the page cache is
+// kept across opens, since every write comes through this mount.
+func (fsys *filesystem) openFlags() uint32 {
+	if fsys.passthrough {
+		return 0
+	}
+	return fuse.FOPEN_KEEP_CACHE
+}
+
+// newHandle wraps an open backing descriptor and counts the reference.
+func (n *node) newHandle(ctx context.Context, fd, flags int) *handle {
+	h := &handle{
+		LoopbackFile: fusefs.NewLoopbackFile(fd).(*fusefs.LoopbackFile),
+		node:         n,
+		fd:           fd,
+		pid:          caller(ctx).Pid,
+		writable:     flags&unix.O_ACCMODE != unix.O_RDONLY,
+	}
+	n.acquire(h.pid)
+	return h
+}
+
+var _ = (fusefs.NodeOpener)((*node)(nil))
+
+// Open opens a segment. Writing a FROMFD segment is refused; O_TRUNC of
+// a segment with bytes in an EXCLUSIVE directory is refused (the kernel
+// hides O_CREAT from OPEN, and truncation is the harm EXCLUSIVE prevents).
+func (n *node) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint32, syscall.Errno) {
+	var h *handle
+	err := n.at(func(dirfd int, name string) error {
+		p := procPath(dirfd, name)
+		f, err := alloc.ReadFlags(p)
+		if err != nil {
+			return err
+		}
+		write := flags&unix.O_ACCMODE != unix.O_RDONLY
+		if f&alloc.FromFD != 0 && write {
+			return fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
+		}
+		if flags&unix.O_TRUNC != 0 {
+			if err := n.checkTruncate(); err != nil {
+				return err
+			}
+		}
+		bflags := n.fs.backingFlags(flags)
+		fd, err := unix.Open(p, bflags, 0)
+		if err != nil {
+			return err
+		}
+		if flags&unix.O_TRUNC != 0 {
+			if err := unix.Ftruncate(fd, 0); err != nil {
+				unix.Close(fd)
+				return err
+			}
+		}
+		h = n.newHandle(ctx, fd, bflags)
+		return nil
+	})
+	if err != nil {
+		return nil, 0, n.fs.errno("open", n, "", err)
+	}
+	return h, n.fs.openFlags(), 0
+}
+
+// checkTruncate refuses O_TRUNC of a segment with bytes in an EXCLUSIVE
+// directory.
+func (n *node) checkTruncate() error {
+	_, parent := n.Parent()
+	if parent == nil {
+		return nil
+	}
+	pf, err := parent.Operations().(*node).flags()
+	if err != nil || pf&alloc.Exclusive == 0 {
+		return err
+	}
+	var st unix.Stat_t
+	if err := n.stat(&st); err != nil {
+		return err
+	}
+	if st.Size > 0 {
+		return fmt.Errorf("%w: O_TRUNC of a segment with %d bytes", alloc.ErrExists, st.Size)
+	}
+	return nil
+}
+
+var _ = (fusefs.NodeCreater)((*node)(nil))
+
+// Create makes and opens a new segment that inherits the directory's
+// flags. In an EXCLUSIVE directory an existing name is EEXIST.
+func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint32, out *fuse.EntryOut) (*fusefs.Inode, fusefs.FileHandle, uint32, syscall.Errno) {
+	var ch *fusefs.Inode
+	var h *handle
+	err := n.withDir(func(dirfd int) error {
+		pf, err := n.creatable()
+		if err != nil {
+			return err
+		}
+		bflags := n.fs.backingFlags(flags)
+		fd, err := unix.Openat(dirfd, name, bflags|unix.O_CREAT|unix.O_EXCL, mode)
+		if errors.Is(err, unix.EEXIST) {
+			if flags&unix.O_EXCL != 0 {
+				return err
+			}
+			if pf&alloc.Exclusive != 0 {
+				return fmt.Errorf("%w: %s", alloc.ErrExists, name)
+			}
+			// Lost a race with another creator: open what is there.
+			return n.openExisting(ctx, dirfd, name, flags, out, &ch, &h)
+		}
+		if err != nil {
+			return err
+		}
+		if ch, err = n.adopt(ctx, dirfd, name, pf, out); err != nil {
+			unix.Close(fd)
+			return err
+		}
+		h = ch.Operations().(*node).newHandle(ctx, fd, bflags)
+		return nil
+	})
+	if err != nil {
+		return nil, nil, 0, n.fs.errno("create", n, name, err)
+	}
+	return ch, h, n.fs.openFlags(), 0
+}
+
+// openExisting serves a CREATE whose name turned out to exist.
+func (n *node) openExisting(ctx context.Context, dirfd int, name string, flags uint32, out *fuse.EntryOut, ch **fusefs.Inode, h **handle) error {
+	var st unix.Stat_t
+	if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return err
+	}
+	*ch = n.child(ctx, &st, out)
+	fh, _, errno := (*ch).Operations().(*node).Open(ctx, flags)
+	if errno != 0 {
+		return errno
+	}
+	*h = fh.(*handle)
+	return nil
+}

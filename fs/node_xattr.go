@@ -1,0 +1,291 @@
+package fs
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+
+	fusefs "github.com/hanwen/go-fuse/v2/fs"
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+)
+
+var _ = (fusefs.NodeGetxattrer)((*node)(nil))
+
+// Getxattr answers tensorfs's virtual attributes and reads stored ones.
+func (n *node) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, syscall.Errno) {
+	v, ok, err := n.virtualAttr(attr)
+	if err != nil {
+		return 0, toErrno(err)
+	}
+	if ok {
+		if len(dest) == 0 {
+			return uint32(len(v)), 0
+		}
+		if len(dest) < len(v) {
+			return uint32(len(v)), syscall.ERANGE
+		}
+		return uint32(copy(dest, v)), 0
+	}
+	var sz int
+	err = n.path(func(p string) (err error) {
+		sz, err = alloc.Getxattr(p, attr, dest)
+		return err
+	})
+	return uint32(sz), toErrno(err)
+}
+
+// virtualAttr computes the attributes tensorfs derives rather than stores.
+// ok is false when attr is stored (or absent) on the backing.
+func (n *node) virtualAttr(attr string) (v []byte, ok bool, err error) {
+	dir := n.isDir()
+	file := n.StableAttr().Mode == syscall.S_IFREG
+	switch {
+	case attr == alloc.AttrFlags && (dir || file):
+		f, err := n.flags()
+		if err != nil {
+			return nil, false, err
+		}
+		if f&(alloc.SharedMem|alloc.Shared) == 0 {
+			f |= alloc.SharedMem
+		}
+		return []byte(f.String()), true, nil
+	case attr == alloc.AttrDevice && (dir || file):
+		var sz int
+		buf := make([]byte, 64)
+		err := n.path(func(p string) (err error) {
+			sz, err = alloc.Getxattr(p, attr, buf)
+			return err
+		})
+		if err == alloc.ErrNoAttr {
+			return []byte("cpu"), true, nil
+		}
+		return buf[:sz], true, err
+	case attr == alloc.AttrRefcount && file:
+		return []byte(strconv.Itoa(n.refcount())), true, nil
+	case attr == alloc.AttrHolders && file:
+		return []byte(n.holders()), true, nil
+	case attr == alloc.AttrHandle && file:
+		var target string
+		err := n.at(func(fd int, name string) error {
+			d, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd))
+			target = filepath.Join(d, name)
+			return err
+		})
+		return []byte(target), true, err
+	case (attr == alloc.AttrRbytes || attr == alloc.AttrRsegments) && dir:
+		var segs, size int64
+		err := n.path(func(p string) error {
+			segs, size = subtreeUsage(p)
+			return nil
+		})
+		if attr == alloc.AttrRbytes {
+			return []byte(strconv.FormatInt(size, 10)), true, err
+		}
+		return []byte(strconv.FormatInt(segs, 10)), true, err
+	case attr == alloc.AttrStats && n == n.fs.root:
+		b, err := json.Marshal(n.fs.stats())
+		return b, true, err
+	}
+	return nil, false, nil
+}
+
+// virtualNames lists the computed attributes a node of this kind has.
+func (n *node) virtualNames() []string {
+	switch {
+	case n == n.fs.root:
+		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRbytes, alloc.AttrRsegments, alloc.AttrStats}
+	case n.isDir():
+		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRbytes, alloc.AttrRsegments}
+	case n.StableAttr().Mode == syscall.S_IFREG:
+		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRefcount, alloc.AttrHolders, alloc.AttrHandle}
+	}
+	return nil
+}
+
+var _ = (fusefs.NodeListxattrer)((*node)(nil))
+
+// Listxattr lists stored and virtual names, so getfattr -d shows them all.
+func (n *node) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errno) {
+	var stored []string
+	err := n.path(func(p string) (err error) {
+		stored, err = alloc.Listxattr(p)
+		return err
+	})
+	if err != nil {
+		return 0, toErrno(err)
+	}
+	var b bytes.Buffer
+	virtual := n.virtualNames()
+	for _, name := range virtual {
+		b.WriteString(name)
+		b.WriteByte(0)
+	}
+	for _, name := range stored {
+		if name != alloc.AttrFlags && name != alloc.AttrDevice {
+			b.WriteString(name)
+			b.WriteByte(0)
+		}
+	}
+	if len(dest) == 0 {
+		return uint32(b.Len()), 0
+	}
+	if len(dest) < b.Len() {
+		return uint32(b.Len()), syscall.ERANGE
+	}
+	return uint32(copy(dest, b.Bytes())), 0
+}
+
+var _ = (fusefs.NodeSetxattrer)((*node)(nil))
+
+// Setxattr validates and stores an attribute; a refusal changes nothing
+// and is logged with its reason.
+func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uint32) syscall.Errno {
+	var st unix.Stat_t
+	err := n.at(func(fd int, name string) error {
+		if err := statAt(fd, name, &st); err != nil {
+			return err
+		}
+		return alloc.Setxattr(alloc.Object{
+			Path:    procPath(fd, name),
+			Dir:     n.isDir(),
+			Size:    st.Size * int64(btoi(!n.isDir())),
+			HasDisk: n.fs.store.Disk != "",
+		}, attr, data, int(flags))
+	})
+	return n.fs.errno("setxattr "+attr, n, "", err)
+}
+
+var _ = (fusefs.NodeRemovexattrer)((*node)(nil))
+
+// Removexattr removes a stored attribute.
+func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
+	err := n.path(func(p string) error { return alloc.Removexattr(p, attr) })
+	if err == alloc.ErrNoAttr {
+		return syscall.ENODATA
+	}
+	return n.fs.errno("removexattr "+attr, n, "", err)
+}
+
+// statAt stats name in dirfd, or dirfd itself for an empty name.
+func statAt(dirfd int, name string, st *unix.Stat_t) error {
+	if name == "" {
+		return unix.Fstat(dirfd, st)
+	}
+	return unix.Fstatat(dirfd, name, st, unix.AT_SYMLINK_NOFOLLOW)
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// subtreeUsage counts the regular files and their bytes under dir.
+func subtreeUsage(dir string) (segments, bytes int64) {
+	filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() {
+			if info, err := d.Info(); err == nil {
+				segments++
+				bytes += info.Size()
+			}
+		}
+		return nil
+	})
+	return segments, bytes
+}
+
+// acquire counts a new open handle of pid.
+func (n *node) acquire(pid uint32) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.handles == nil {
+		n.handles = map[uint32]int{}
+	}
+	n.handles[pid]++
+}
+
+// release drops a handle of pid and reclaims an UNLINK segment whose
+// last reference went.
+func (n *node) release(pid uint32) {
+	n.mu.Lock()
+	n.handles[pid]--
+	if n.handles[pid] <= 0 {
+		delete(n.handles, pid)
+	}
+	left := len(n.handles)
+	n.mu.Unlock()
+	if left == 0 {
+		n.fs.reclaimLater(n)
+	}
+}
+
+// openHandles returns the open handles by pid.
+func (n *node) openHandles() map[uint32]int {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	m := make(map[uint32]int, len(n.handles))
+	for pid, c := range n.handles {
+		m[pid] = c
+	}
+	return m
+}
+
+// mappers returns the pids that map the segment without holding an open
+// handle: in passthrough mode an mmap outlives the FUSE handle, so the
+// daemon finds those in /proc. Without passthrough the mapping keeps the
+// handle open and it is counted already.
+func (n *node) mappers(open map[uint32]int) []int {
+	if !n.fs.passthrough {
+		return nil
+	}
+	pids, _ := alloc.Mappers(n.fs.dev, n.StableAttr().Ino)
+	var out []int
+	for _, pid := range pids {
+		if _, ok := open[uint32(pid)]; !ok && pid != os.Getpid() {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// refcount is the number of open handles across all processes, with a
+// mapping that outlived its handle counted as one.
+func (n *node) refcount() int {
+	open := n.openHandles()
+	c := len(n.mappers(open))
+	for _, h := range open {
+		c += h
+	}
+	return c
+}
+
+// holders returns one line per process: pid, command name, handles.
+func (n *node) holders() string {
+	open := n.openHandles()
+	var b strings.Builder
+	for pid, c := range open {
+		fmt.Fprintf(&b, "%d %s %d\n", pid, comm(int(pid)), c)
+	}
+	for _, pid := range n.mappers(open) {
+		fmt.Fprintf(&b, "%d %s 1\n", pid, comm(pid))
+	}
+	return b.String()
+}
+
+// comm returns a process's command name, "?" once it has exited.
+func comm(pid int) string {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/comm")
+	if err != nil {
+		return "?"
+	}
+	return strings.TrimSpace(string(b))
+}
