@@ -155,7 +155,10 @@ func (fsys *filesystem) errno(op string, n *node, name string, err error) syscal
 	if err == nil {
 		return 0
 	}
-	fsys.refuse(op, n, fmt.Errorf("%s: %w", name, err))
+	if name != "" {
+		err = fmt.Errorf("%s: %w", name, err)
+	}
+	fsys.refuse(op, n, err)
 	return toErrno(err)
 }
 
@@ -167,19 +170,21 @@ func (fsys *filesystem) refuse(op string, n *node, err error) {
 	fsys.log.Info("refused", "op", op, "path", n.Path(nil), "err", err)
 }
 
-// own gives a new backing object to the caller that created it; the
-// daemon may run as root, the caller usually not.
-func (fsys *filesystem) own(ctx context.Context, dirfd int, name string) error {
+// owner returns who a new backing object made in dirfd must belong to:
+// the caller that created it, with the directory's group if it is
+// set-group-ID. ok is false when the daemon is not root and the kernel
+// made it the caller's already.
+func (fsys *filesystem) owner(ctx context.Context, dirfd int) (uid, gid int, ok bool) {
 	if os.Geteuid() != 0 {
-		return nil
+		return 0, 0, false
 	}
 	c := caller(ctx)
-	gid := int(c.Gid)
+	gid = int(c.Gid)
 	var parent unix.Stat_t
 	if err := unix.Fstat(dirfd, &parent); err == nil && parent.Mode&unix.S_ISGID != 0 {
 		gid = int(parent.Gid)
 	}
-	return unix.Fchownat(dirfd, name, int(c.Uid), gid, unix.AT_SYMLINK_NOFOLLOW)
+	return int(c.Uid), gid, true
 }
 
 // reclaimLater removes an UNLINK segment that no one holds any more. It

@@ -33,9 +33,8 @@ type node struct {
 
 	// mu protects handles.
 	mu sync.Mutex
-	// handles counts open file handles of a segment by the pid that
-	// opened them.
-	handles map[uint32]int
+	// handles are the segment's open file handles.
+	handles map[*handle]struct{}
 }
 
 func (fsys *filesystem) newNode() *node {
@@ -108,8 +107,20 @@ func (n *node) at(fn func(dirfd int, name string) error) error {
 	return parent.Operations().(*node).withDir(func(fd int) error { return fn(fd, name) })
 }
 
-// path runs fn with a /proc path of n's backing object.
+// path runs fn with a /proc path of n's backing object. A segment in no
+// directory (unlinked, or made with O_TMPFILE) is reached through one of
+// its open handles.
 func (n *node) path(fn func(p string) error) error {
+	if !n.isDir() {
+		if _, parent := n.Parent(); parent == nil {
+			n.mu.Lock()
+			defer n.mu.Unlock()
+			for h := range n.handles {
+				return fn("/proc/self/fd/" + strconv.Itoa(h.fd))
+			}
+			return syscall.ENOENT
+		}
+	}
 	return n.at(func(fd int, name string) error { return fn(procPath(fd, name)) })
 }
 

@@ -50,7 +50,10 @@ func (n *node) creatable() (alloc.Flags, error) {
 // daemon may be root), inherits the directory's flags, and is returned
 // as an inode. On failure the object is removed again.
 func (n *node) adopt(ctx context.Context, dirfd int, name string, parentFlags alloc.Flags, out *fuse.EntryOut) (*fusefs.Inode, error) {
-	err := n.fs.own(ctx, dirfd, name)
+	var err error
+	if uid, gid, ok := n.fs.owner(ctx, dirfd); ok {
+		err = unix.Fchownat(dirfd, name, uid, gid, unix.AT_SYMLINK_NOFOLLOW)
+	}
 	var st unix.Stat_t
 	if err == nil {
 		err = unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
@@ -134,8 +137,14 @@ func (n *node) Link(ctx context.Context, target fusefs.InodeEmbedder, name strin
 		if _, err := n.creatable(); err != nil {
 			return err
 		}
-		return target.(*node).path(func(p string) error {
-			if err := unix.Linkat(unix.AT_FDCWD, p, fd, name, 0); err != nil {
+		t := target.(*node)
+		follow := 0
+		if _, parent := t.Parent(); parent == nil {
+			// An O_TMPFILE segment: p is its handle's /proc link.
+			follow = unix.AT_SYMLINK_FOLLOW
+		}
+		return t.path(func(p string) error {
+			if err := unix.Linkat(unix.AT_FDCWD, p, fd, name, follow); err != nil {
 				return err
 			}
 			var st unix.Stat_t

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"syscall"
 
 	fusefs "github.com/hanwen/go-fuse/v2/fs"
@@ -39,7 +40,7 @@ func (h *handle) PassthroughFd() (int, bool) {
 // reference; an UNLINK segment whose last reference goes is removed.
 func (h *handle) Release(ctx context.Context) syscall.Errno {
 	errno := h.LoopbackFile.Release(ctx)
-	h.node.release(h.pid)
+	h.node.release(h)
 	return errno
 }
 
@@ -73,7 +74,7 @@ func (n *node) newHandle(ctx context.Context, fd, flags int) *handle {
 		pid:          caller(ctx).Pid,
 		writable:     flags&unix.O_ACCMODE != unix.O_RDONLY,
 	}
-	n.acquire(h.pid)
+	n.acquire(h)
 	return h
 }
 
@@ -193,4 +194,47 @@ func (n *node) openExisting(ctx context.Context, dirfd int, name string, flags u
 	}
 	*h = fh.(*handle)
 	return nil
+}
+
+var _ = (fusefs.NodeTmpfiler)((*node)(nil))
+
+// Tmpfile makes an open segment in no directory (O_TMPFILE); linkat can
+// give it a name later.
+func (n *node) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *fuse.EntryOut) (*fusefs.Inode, fusefs.FileHandle, uint32, syscall.Errno) {
+	var ch *fusefs.Inode
+	var h *handle
+	err := n.withDir(func(dirfd int) error {
+		pf, err := n.creatable()
+		if err != nil {
+			return err
+		}
+		bflags := n.fs.backingFlags(flags) &^ unix.O_NOFOLLOW
+		fd, err := unix.Openat(dirfd, ".", bflags|unix.O_TMPFILE, mode)
+		if err != nil {
+			return err
+		}
+		p := "/proc/self/fd/" + strconv.Itoa(fd)
+		var st unix.Stat_t
+		if uid, gid, ok := n.fs.owner(ctx, dirfd); ok {
+			err = unix.Fchown(fd, uid, gid)
+		}
+		if err == nil {
+			err = alloc.InheritFlags(pf, p, false)
+		}
+		if err == nil {
+			err = unix.Fstat(fd, &st)
+		}
+		if err != nil {
+			unix.Close(fd)
+			return err
+		}
+		out.Attr.FromStat(toSyscallStat(&st))
+		ch = n.NewInode(ctx, n.fs.newNode(), fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: st.Ino})
+		h = ch.Operations().(*node).newHandle(ctx, fd, bflags)
+		return nil
+	})
+	if err != nil {
+		return nil, nil, 0, n.fs.errno("tmpfile", n, "", err)
+	}
+	return ch, h, n.fs.openFlags(), 0
 }

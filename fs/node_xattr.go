@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
 	"syscall"
@@ -203,24 +204,21 @@ func subtreeUsage(dir string) (segments, bytes int64) {
 	return segments, bytes
 }
 
-// acquire counts a new open handle of pid.
-func (n *node) acquire(pid uint32) {
+// acquire records a new open handle.
+func (n *node) acquire(h *handle) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if n.handles == nil {
-		n.handles = map[uint32]int{}
+		n.handles = map[*handle]struct{}{}
 	}
-	n.handles[pid]++
+	n.handles[h] = struct{}{}
 }
 
-// release drops a handle of pid and reclaims an UNLINK segment whose
-// last reference went.
-func (n *node) release(pid uint32) {
+// release drops an open handle and reclaims an UNLINK segment whose last
+// reference went.
+func (n *node) release(h *handle) {
 	n.mu.Lock()
-	n.handles[pid]--
-	if n.handles[pid] <= 0 {
-		delete(n.handles, pid)
-	}
+	delete(n.handles, h)
 	left := len(n.handles)
 	n.mu.Unlock()
 	if left == 0 {
@@ -228,13 +226,13 @@ func (n *node) release(pid uint32) {
 	}
 }
 
-// openHandles returns the open handles by pid.
+// openHandles returns the number of open handles by the pid that opened them.
 func (n *node) openHandles() map[uint32]int {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	m := make(map[uint32]int, len(n.handles))
-	for pid, c := range n.handles {
-		m[pid] = c
+	for h := range n.handles {
+		m[h.pid]++
 	}
 	return m
 }
@@ -271,12 +269,21 @@ func (n *node) refcount() int {
 // holders returns one line per process: pid, command name, handles.
 func (n *node) holders() string {
 	open := n.openHandles()
-	var b strings.Builder
+	count := make(map[int]int, len(open))
 	for pid, c := range open {
-		fmt.Fprintf(&b, "%d %s %d\n", pid, comm(int(pid)), c)
+		count[int(pid)] = c
 	}
 	for _, pid := range n.mappers(open) {
-		fmt.Fprintf(&b, "%d %s 1\n", pid, comm(pid))
+		count[pid] = 1
+	}
+	pids := make([]int, 0, len(count))
+	for pid := range count {
+		pids = append(pids, pid)
+	}
+	sort.Ints(pids)
+	var b strings.Builder
+	for _, pid := range pids {
+		fmt.Fprintf(&b, "%d %s %d\n", pid, comm(pid), count[pid])
 	}
 	return b.String()
 }
