@@ -49,7 +49,7 @@ var (
 	tmpRoot    string // TMPDIR for this test process; every mountpoint is under it
 	tensorfs   string // the built binary
 	buildErr   error  // why the binary is not there
-	fuseAtBoot map[int]bool
+	fuseAtBoot map[mountEntry]bool
 
 	// mountMu serialises daemon start-up and tear-down so that the mounts
 	// appearing in the mount table can be attributed to one daemon.
@@ -100,10 +100,10 @@ func testMain(m *testing.M) int {
 		w.Close()
 	}
 
-	fuseAtBoot = map[int]bool{}
+	fuseAtBoot = map[mountEntry]bool{}
 	for _, e := range readMountinfo() {
 		if isFuse(e) {
-			fuseAtBoot[e.id] = true
+			fuseAtBoot[e] = true
 		}
 	}
 
@@ -120,7 +120,7 @@ func testMain(m *testing.M) int {
 
 	// Any fuse mount of ours still there is a leak: report and detach it.
 	for _, e := range readMountinfo() {
-		if !isFuse(e) || fuseAtBoot[e.id] {
+		if !isFuse(e) || fuseAtBoot[e] {
 			continue
 		}
 		if e.mountPoint == tmpRoot || strings.HasPrefix(e.mountPoint, tmpRoot+"/") {
@@ -313,7 +313,7 @@ func startMount(t *testing.T, dir, mode string, extraArgs []string) *mount {
 
 	mountMu.Lock()
 	defer mountMu.Unlock()
-	before := mountIDs()
+	before := mountSet()
 
 	m.cmd = exec.Command(tensorfs, args...)
 	m.cmd.Stdout = m.stdout
@@ -367,13 +367,29 @@ func startMount(t *testing.T, dir, mode string, extraArgs []string) *mount {
 	if !isMounted(dir) {
 		t.Fatalf("ready line printed but %s is not a fuse mount in /proc/self/mountinfo", dir)
 	}
+	// Attribute to this daemon its fuse mount and the mount holding its
+	// backing directory (stats "backing"), if they are new; other mounts
+	// appearing meanwhile belong to other processes.
+	backing := ""
+	if raw, err := getxattr(dir, statsXattr); err == nil {
+		var st map[string]any
+		if json.Unmarshal(raw, &st) == nil {
+			backing, _ = st["backing"].(string)
+		}
+	}
 	for _, e := range readMountinfo() {
-		if before[e.id] {
+		if before[e] {
 			continue
 		}
-		// Fuse mounts elsewhere belong to other test processes.
-		if isFuse(e) && e.mountPoint != dir {
-			continue
+		switch {
+		case isFuse(e):
+			if e.mountPoint != dir {
+				continue
+			}
+		case backing != "":
+			if backing != e.mountPoint && !strings.HasPrefix(backing, e.mountPoint+"/") {
+				continue
+			}
 		}
 		m.added = append(m.added, e)
 	}
@@ -592,9 +608,9 @@ func (m *mount) checkOutput(t *testing.T) {
 
 // addedPresent reports whether any mount the daemon made is still there.
 func (m *mount) addedPresent() bool {
-	ids := mountIDs()
+	ids := mountSet()
 	for _, e := range m.added {
-		if ids[e.id] {
+		if ids[e] {
 			return true
 		}
 	}
@@ -605,9 +621,9 @@ func (m *mount) addedPresent() bool {
 // this daemon (its fuse mount, its private tmpfs) and is still there.
 func (m *mount) checkAddedGone(t *testing.T) {
 	t.Helper()
-	ids := mountIDs()
+	ids := mountSet()
 	for _, e := range m.added {
-		if ids[e.id] {
+		if ids[e] {
 			t.Errorf("mount %s (%s %s) made by the daemon is still there after unmount --purge",
 				e.mountPoint, e.fsType, e.source)
 			lazyUnmount(e.mountPoint)
@@ -743,12 +759,14 @@ func unescapeMountinfo(s string) string {
 	return b.String()
 }
 
-func mountIDs() map[int]bool {
-	ids := map[int]bool{}
+// mountSet returns the current mounts. Entries are compared whole, as the
+// kernel reuses mount ids as soon as they are free.
+func mountSet() map[mountEntry]bool {
+	set := map[mountEntry]bool{}
 	for _, e := range readMountinfo() {
-		ids[e.id] = true
+		set[e] = true
 	}
-	return ids
+	return set
 }
 
 // isMounted reports whether dir is a fuse mountpoint.
