@@ -7,5 +7,7 @@
 // Backing objects are addressed by paths under /proc/self/fd/N, where N is
 // an O_PATH descriptor of the directory that holds them: no operation ever
 // builds a path from the backing root, so deep trees and directories
-// renamed while open work as they do on tmpfs.
+// renamed while open work as they do on tmpfs. Attribute calls follow the
+// path (a /proc/self/fd link of an unnamed segment must be followed); the
+// front end answers attribute requests on symbolic links itself.
 package alloc

@@ -9,11 +9,17 @@ import (
 // Recover prepares a backing left by an earlier daemon for a new mount.
 // Reference counts restart at zero, so every UNLINK segment has no holder
 // and is removed, as its last holder's exit would have removed it. It
-// returns the number of segments and bytes kept.
+// returns the number of segments and bytes kept. SHARED segments whose
+// markers are gone (a purged backing) are restored from --disk.
 func (s *Store) Recover() (segments, bytes int64, err error) {
+	known := map[string]bool{}
 	err = filepath.WalkDir(s.Dir, func(p string, d fs.DirEntry, err error) error {
 		if err != nil || !d.Type().IsRegular() {
 			return err
+		}
+		if id := SharedID(p); id != "" && s.Disk != "" {
+			known[id] = true
+			return nil
 		}
 		f, err := ReadFlags(p)
 		if err != nil {
@@ -31,5 +37,8 @@ func (s *Store) Recover() (segments, bytes int64, err error) {
 		bytes += info.Size()
 		return nil
 	})
+	if err == nil && s.Disk != "" {
+		err = s.recoverShared(known)
+	}
 	return segments, bytes, err
 }

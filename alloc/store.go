@@ -40,6 +40,8 @@ type Store struct {
 	RootFd int
 	// Disk is the directory of SHARED segments, "" if none.
 	Disk string
+	// DiskFd is an O_PATH descriptor of Disk, -1 if none.
+	DiskFd int
 	// Private is true when the store mounted its own tmpfs at Dir.
 	Private bool
 	log     *slog.Logger
@@ -48,7 +50,7 @@ type Store struct {
 // Open prepares the backing directory described by cfg, mounting a private
 // tmpfs when that is the default and we are root, and returns the store.
 func Open(cfg Config, log *slog.Logger) (*Store, error) {
-	s := &Store{Dir: cfg.Backing, Disk: cfg.Disk, log: log}
+	s := &Store{Dir: cfg.Backing, Disk: cfg.Disk, DiskFd: -1, log: log}
 	if s.Dir == "" {
 		s.Dir = PrivateBacking(cfg.Mountpoint)
 		if err := os.MkdirAll(s.Dir, 0o755); err != nil {
@@ -73,6 +75,9 @@ func Open(cfg Config, log *slog.Logger) (*Store, error) {
 		if s.Disk, err = filepath.Abs(s.Disk); err != nil {
 			return nil, err
 		}
+		if s.DiskFd, err = unix.Open(s.Disk, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err != nil {
+			return nil, fmt.Errorf("open disk directory %s: %w", s.Disk, err)
+		}
 	}
 	fd, err := unix.Open(s.Dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -84,6 +89,9 @@ func Open(cfg Config, log *slog.Logger) (*Store, error) {
 
 // Close releases the store's descriptor. The backing keeps its contents.
 func (s *Store) Close() error {
+	if s.DiskFd >= 0 {
+		unix.Close(s.DiskFd)
+	}
 	return unix.Close(s.RootFd)
 }
 

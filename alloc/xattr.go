@@ -32,7 +32,7 @@ func ReadOnlyAttr(name string) bool {
 	case AttrRefcount, AttrHolders, AttrHandle, AttrRbytes, AttrRsegments, AttrSocket, AttrStats:
 		return true
 	}
-	return strings.HasPrefix(name, "user.tensorfs.cuda.")
+	return strings.HasPrefix(name, "user.tensorfs.cuda.") || InternalAttr(name)
 }
 
 // Object is a backing file or directory as the attribute functions see it.
@@ -50,7 +50,10 @@ type Object struct {
 // Getxattr reads a stored attribute into dest (sized like getxattr(2):
 // a zero-length dest asks for the size).
 func Getxattr(path, name string, dest []byte) (int, error) {
-	n, err := unix.Lgetxattr(path, name, dest)
+	if InternalAttr(name) {
+		return 0, ErrNoAttr
+	}
+	n, err := unix.Getxattr(path, name, dest)
 	if errors.Is(err, unix.ENODATA) {
 		return 0, ErrNoAttr
 	}
@@ -70,7 +73,7 @@ func ReadFlags(path string) (Flags, error) {
 func readAttr(path, name string) (string, error) {
 	buf := make([]byte, 256)
 	for {
-		n, err := unix.Lgetxattr(path, name, buf)
+		n, err := unix.Getxattr(path, name, buf)
 		switch {
 		case errors.Is(err, unix.ENODATA):
 			return "", nil
@@ -110,7 +113,7 @@ func Setxattr(obj Object, name string, value []byte, flags int) error {
 			return err
 		}
 	}
-	return unix.Lsetxattr(obj.Path, name, []byte(v), flags)
+	return unix.Setxattr(obj.Path, name, []byte(v), flags)
 }
 
 func setFlags(obj Object, v string, xflags int) error {
@@ -140,13 +143,13 @@ func setFlags(obj Object, v string, xflags int) error {
 // storeFlags writes f in canonical form; 0 removes the attribute.
 func storeFlags(path string, f Flags, xflags int) error {
 	if f == 0 {
-		err := unix.Lremovexattr(path, AttrFlags)
+		err := unix.Removexattr(path, AttrFlags)
 		if errors.Is(err, unix.ENODATA) {
 			return nil
 		}
 		return err
 	}
-	return unix.Lsetxattr(path, AttrFlags, []byte(f.String()), xflags)
+	return unix.Setxattr(path, AttrFlags, []byte(f.String()), xflags)
 }
 
 func setDevice(obj Object, v string, xflags int) error {
@@ -156,7 +159,7 @@ func setDevice(obj Object, v string, xflags int) error {
 	}
 	switch {
 	case dev == "cpu":
-		err := unix.Lremovexattr(obj.Path, AttrDevice)
+		err := unix.Removexattr(obj.Path, AttrDevice)
 		if errors.Is(err, unix.ENODATA) {
 			return nil
 		}
@@ -235,7 +238,7 @@ func checkLayout(obj Object, name, v string) error {
 func Listxattr(path string) ([]string, error) {
 	buf := make([]byte, 1024)
 	for {
-		n, err := unix.Llistxattr(path, buf)
+		n, err := unix.Listxattr(path, buf)
 		if errors.Is(err, unix.ERANGE) {
 			buf = make([]byte, 2*len(buf))
 			continue
@@ -245,7 +248,7 @@ func Listxattr(path string) ([]string, error) {
 		}
 		var names []string
 		for _, s := range strings.Split(string(buf[:n]), "\x00") {
-			if s != "" {
+			if s != "" && !InternalAttr(s) {
 				names = append(names, s)
 			}
 		}
@@ -259,7 +262,7 @@ func Removexattr(path, name string) error {
 	if ReadOnlyAttr(name) {
 		return fmt.Errorf("%w: %s is computed by tensorfs", ErrReadOnly, name)
 	}
-	err := unix.Lremovexattr(path, name)
+	err := unix.Removexattr(path, name)
 	if errors.Is(err, unix.ENODATA) {
 		return ErrNoAttr
 	}

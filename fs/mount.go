@@ -278,3 +278,37 @@ func (fsys *filesystem) stats() map[string]any {
 func cpuSeconds(ru *unix.Rusage) float64 {
 	return float64(ru.Utime.Sec+ru.Stime.Sec) + float64(ru.Utime.Usec+ru.Stime.Usec)/1e6
 }
+
+// target returns where the bytes and attributes of the backing object
+// name in dirfd live: there, or for a SHARED segment's marker, in its
+// disk file, whose id it also returns.
+func (fsys *filesystem) target(dirfd int, name string, st *unix.Stat_t) (int, string, string) {
+	if fsys.store.Disk == "" || st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+		return dirfd, name, ""
+	}
+	id := alloc.SharedID(procPath(dirfd, name))
+	if id == "" {
+		return dirfd, name, ""
+	}
+	return fsys.store.DiskFd, id, id
+}
+
+// lastSharedName returns the disk id of the SHARED segment at name when
+// name is its last link, so that removing name must remove the disk file.
+func (fsys *filesystem) lastSharedName(dirfd int, name string) string {
+	var st unix.Stat_t
+	if fsys.store.Disk == "" || unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil || st.Nlink != 1 {
+		return ""
+	}
+	_, _, id := fsys.target(dirfd, name, &st)
+	return id
+}
+
+// sharedFile makes the disk file of a new SHARED segment whose marker is
+// name in dirfd, below the directory at rel in the mount.
+func (fsys *filesystem) sharedFile(dirfd int, name, rel string, flags int, mode uint32) (int, string, error) {
+	if fsys.store.Disk == "" {
+		return -1, "", fmt.Errorf("%w: the directory is SHARED", alloc.ErrNoDisk)
+	}
+	return fsys.store.CreateShared(procPath(dirfd, name), rel+"/"+name, flags, mode)
+}

@@ -31,6 +31,10 @@ type node struct {
 	// closed or not a directory.
 	dirfd int
 
+	// disk is the id of a SHARED segment's disk file, where its bytes
+	// and attributes live; "" for other nodes. Set at creation.
+	disk string
+
 	// mu protects handles.
 	mu sync.Mutex
 	// handles are the segment's open file handles.
@@ -42,6 +46,8 @@ func (fsys *filesystem) newNode() *node {
 }
 
 func (n *node) isDir() bool { return n.StableAttr().Mode == syscall.S_IFDIR }
+
+func (n *node) isSymlink() bool { return n.StableAttr().Mode == syscall.S_IFLNK }
 
 // procPath names backing object name in the directory open at fd; an
 // empty name names the directory itself.
@@ -95,8 +101,12 @@ func (n *node) openDirLocked() error {
 }
 
 // at runs fn with the directory descriptor and name that reach n's
-// backing: its parent's and its name, or for a directory its own and "".
+// backing: its parent's and its name, for a directory its own and "",
+// for a SHARED segment the disk directory's and its id.
 func (n *node) at(fn func(dirfd int, name string) error) error {
+	if n.disk != "" {
+		return fn(n.fs.store.DiskFd, n.disk)
+	}
 	if n.isDir() {
 		return n.withDir(func(fd int) error { return fn(fd, "") })
 	}
@@ -173,6 +183,7 @@ func (n *node) Getattr(ctx context.Context, f fusefs.FileHandle, out *fuse.AttrO
 		return toErrno(err)
 	}
 	out.FromStat(toSyscallStat(&st))
+	out.Ino = n.StableAttr().Ino
 	return 0
 }
 
@@ -185,7 +196,7 @@ func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAtt
 	err := n.at(func(fd int, name string) error {
 		p := procPath(fd, name)
 		if m, ok := in.GetMode(); ok {
-			if n.StableAttr().Mode == syscall.S_IFLNK {
+			if n.isSymlink() {
 				return syscall.EOPNOTSUPP
 			}
 			if err := unix.Chmod(p, m&07777); err != nil {

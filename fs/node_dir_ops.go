@@ -17,20 +17,37 @@ var _ = (fusefs.NodeLookuper)((*node)(nil))
 
 // Lookup finds name in the backing directory.
 func (n *node) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
-	var st unix.Stat_t
-	err := n.withDir(func(fd int) error {
-		return unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
+	var ch *fusefs.Inode
+	err := n.withDir(func(fd int) (err error) {
+		ch, err = n.child(ctx, fd, name, out)
+		return err
 	})
 	if err != nil {
 		return nil, toErrno(err)
 	}
-	return n.child(ctx, &st, out), 0
+	return ch, 0
 }
 
-// child makes the inode for a backing object just found or created.
-func (n *node) child(ctx context.Context, st *unix.Stat_t, out *fuse.EntryOut) *fusefs.Inode {
-	out.Attr.FromStat(toSyscallStat(st))
-	return n.NewInode(ctx, n.fs.newNode(), fusefs.StableAttr{Mode: st.Mode & syscall.S_IFMT, Ino: st.Ino})
+// child makes the inode for the backing object name in dirfd, just found
+// or created. A SHARED segment takes its attributes from its disk file
+// and its inode number from its marker.
+func (n *node) child(ctx context.Context, dirfd int, name string, out *fuse.EntryOut) (*fusefs.Inode, error) {
+	var st unix.Stat_t
+	if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return nil, err
+	}
+	ch := n.fs.newNode()
+	tfd, tname, id := n.fs.target(dirfd, name, &st)
+	if id != "" {
+		ino := st.Ino
+		if err := unix.Fstatat(tfd, tname, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			return nil, err
+		}
+		st.Ino = ino
+		ch.disk = id
+	}
+	out.Attr.FromStat(toSyscallStat(&st))
+	return n.NewInode(ctx, ch, fusefs.StableAttr{Mode: st.Mode & syscall.S_IFMT, Ino: st.Ino}), nil
 }
 
 // creatable returns the directory's flags, or ErrNoCreate for a NOCREATE
@@ -50,24 +67,29 @@ func (n *node) creatable() (alloc.Flags, error) {
 // daemon may be root), inherits the directory's flags, and is returned
 // as an inode. On failure the object is removed again.
 func (n *node) adopt(ctx context.Context, dirfd int, name string, parentFlags alloc.Flags, out *fuse.EntryOut) (*fusefs.Inode, error) {
-	var err error
-	if uid, gid, ok := n.fs.owner(ctx, dirfd); ok {
-		err = unix.Fchownat(dirfd, name, uid, gid, unix.AT_SYMLINK_NOFOLLOW)
-	}
 	var st unix.Stat_t
-	if err == nil {
-		err = unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
+	err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
+	tfd, tname, id := n.fs.target(dirfd, name, &st)
+	if uid, gid, ok := n.fs.owner(ctx, dirfd); ok && err == nil {
+		err = unix.Fchownat(tfd, tname, uid, gid, unix.AT_SYMLINK_NOFOLLOW)
 	}
 	if err == nil && st.Mode&syscall.S_IFMT != syscall.S_IFLNK {
-		err = alloc.InheritFlags(parentFlags, procPath(dirfd, name), st.Mode&syscall.S_IFMT == syscall.S_IFDIR)
+		err = alloc.InheritFlags(parentFlags, procPath(tfd, tname), st.Mode&syscall.S_IFMT == syscall.S_IFDIR)
+	}
+	var ch *fusefs.Inode
+	if err == nil {
+		ch, err = n.child(ctx, dirfd, name, out)
 	}
 	if err != nil {
 		if unix.Unlinkat(dirfd, name, 0) != nil {
 			unix.Unlinkat(dirfd, name, unix.AT_REMOVEDIR)
 		}
+		if id != "" {
+			n.fs.store.RemoveShared(id)
+		}
 		return nil, err
 	}
-	return n.child(ctx, &st, out), nil
+	return ch, nil
 }
 
 var _ = (fusefs.NodeMkdirer)((*node)(nil))
@@ -138,6 +160,9 @@ func (n *node) Link(ctx context.Context, target fusefs.InodeEmbedder, name strin
 			return err
 		}
 		t := target.(*node)
+		if t.disk != "" {
+			return fmt.Errorf("%w: a SHARED segment has one name", syscall.EXDEV)
+		}
 		follow := 0
 		if _, parent := t.Parent(); parent == nil {
 			// An O_TMPFILE segment: p is its handle's /proc link.
@@ -147,12 +172,9 @@ func (n *node) Link(ctx context.Context, target fusefs.InodeEmbedder, name strin
 			if err := unix.Linkat(unix.AT_FDCWD, p, fd, name, follow); err != nil {
 				return err
 			}
-			var st unix.Stat_t
-			if err := unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
-				return err
-			}
-			ch = n.child(ctx, &st, out)
-			return nil
+			var err error
+			ch, err = n.child(ctx, fd, name, out)
+			return err
 		})
 	})
 	return ch, n.fs.errno("link", n, name, err)
@@ -162,7 +184,16 @@ var _ = (fusefs.NodeUnlinker)((*node)(nil))
 
 // Unlink removes a name.
 func (n *node) Unlink(ctx context.Context, name string) syscall.Errno {
-	err := n.withDir(func(fd int) error { return unix.Unlinkat(fd, name, 0) })
+	err := n.withDir(func(fd int) error {
+		id := n.fs.lastSharedName(fd, name)
+		if err := unix.Unlinkat(fd, name, 0); err != nil {
+			return err
+		}
+		if id != "" {
+			return n.fs.store.RemoveShared(id)
+		}
+		return nil
+	})
 	return n.fs.errno("unlink", n, name, err)
 }
 
@@ -194,9 +225,19 @@ func (n *node) Rename(ctx context.Context, name string, newParent fusefs.InodeEm
 					flags |= unix.RENAME_NOREPLACE
 				}
 			}
+			var replaced string
+			if flags&unix.RENAME_EXCHANGE == 0 {
+				replaced = n.fs.lastSharedName(dfd, newName)
+			}
 			err := unix.Renameat2(fd, name, dfd, newName, uint(flags))
 			if errors.Is(err, unix.EEXIST) && flags&unix.RENAME_NOREPLACE != 0 {
 				return fmt.Errorf("%w: %s", alloc.ErrExists, newName)
+			}
+			if err == nil && replaced != "" {
+				err = n.fs.store.RemoveShared(replaced)
+			}
+			if err == nil {
+				n.fs.store.RecordSharedPath(procPath(dfd, newName), dst.Path(nil)+"/"+newName)
 			}
 			return err
 		})

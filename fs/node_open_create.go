@@ -168,6 +168,14 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 		if err != nil {
 			return err
 		}
+		if pf&alloc.Shared != 0 {
+			// The marker stays empty; the bytes live on --disk.
+			unix.Close(fd)
+			if fd, _, err = n.fs.sharedFile(dirfd, name, n.Path(nil), bflags, mode); err != nil {
+				unix.Unlinkat(dirfd, name, 0)
+				return err
+			}
+		}
 		if ch, err = n.adopt(ctx, dirfd, name, pf, out); err != nil {
 			unix.Close(fd)
 			return err
@@ -183,11 +191,10 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 
 // openExisting serves a CREATE whose name turned out to exist.
 func (n *node) openExisting(ctx context.Context, dirfd int, name string, flags uint32, out *fuse.EntryOut, ch **fusefs.Inode, h **handle) error {
-	var st unix.Stat_t
-	if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+	var err error
+	if *ch, err = n.child(ctx, dirfd, name, out); err != nil {
 		return err
 	}
-	*ch = n.child(ctx, &st, out)
 	fh, _, errno := (*ch).Operations().(*node).Open(ctx, flags)
 	if errno != 0 {
 		return errno

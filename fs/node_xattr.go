@@ -22,6 +22,9 @@ var _ = (fusefs.NodeGetxattrer)((*node)(nil))
 
 // Getxattr answers tensorfs's virtual attributes and reads stored ones.
 func (n *node) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, syscall.Errno) {
+	if n.isSymlink() {
+		return 0, syscall.ENODATA
+	}
 	v, ok, err := n.virtualAttr(attr)
 	if err != nil {
 		return 0, toErrno(err)
@@ -115,6 +118,9 @@ var _ = (fusefs.NodeListxattrer)((*node)(nil))
 
 // Listxattr lists stored and virtual names, so getfattr -d shows them all.
 func (n *node) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errno) {
+	if n.isSymlink() {
+		return 0, 0
+	}
 	var stored []string
 	err := n.path(func(p string) (err error) {
 		stored, err = alloc.Listxattr(p)
@@ -149,6 +155,9 @@ var _ = (fusefs.NodeSetxattrer)((*node)(nil))
 // Setxattr validates and stores an attribute; a refusal changes nothing
 // and is logged with its reason.
 func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uint32) syscall.Errno {
+	if n.isSymlink() {
+		return syscall.EPERM // as on tmpfs: symbolic links carry no user attributes
+	}
 	var st unix.Stat_t
 	err := n.at(func(fd int, name string) error {
 		if err := statAt(fd, name, &st); err != nil {
@@ -168,6 +177,9 @@ var _ = (fusefs.NodeRemovexattrer)((*node)(nil))
 
 // Removexattr removes a stored attribute.
 func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
+	if n.isSymlink() {
+		return syscall.ENODATA
+	}
 	err := n.path(func(p string) error { return alloc.Removexattr(p, attr) })
 	if err == alloc.ErrNoAttr {
 		return syscall.ENODATA

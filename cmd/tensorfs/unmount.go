@@ -85,14 +85,20 @@ func daemonPid(mp string) int {
 	return pid
 }
 
-// waitExit waits for a process to exit.
+// waitExit waits for a process to exit. A pidfd becomes readable once
+// the process has exited, reaped or not (the daemon is not our child).
 func waitExit(pid int, timeout time.Duration) bool {
-	deadline := time.Now().Add(timeout)
-	for time.Now().Before(deadline) {
-		if unix.Kill(pid, 0) != nil {
-			return true
-		}
-		time.Sleep(20 * time.Millisecond)
+	fd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		return errors.Is(err, unix.ESRCH)
 	}
-	return false
+	defer unix.Close(fd)
+	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+	for {
+		n, err := unix.Poll(fds, int(timeout.Milliseconds()))
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		return err == nil && n > 0
+	}
 }
