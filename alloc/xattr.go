@@ -101,7 +101,7 @@ func Setxattr(obj Object, name string, value []byte, flags int) error {
 	case AttrFlags:
 		return setFlags(obj, v, flags)
 	case AttrDevice:
-		return setDevice(obj, v, flags)
+		return setDevice(v, obj.Path)
 	case AttrDtype, AttrShape, AttrStride, AttrOffset:
 		if obj.Dir {
 			return fmt.Errorf("%w: %s applies to segments, not directories", ErrInvalid, name)
@@ -152,14 +152,13 @@ func storeFlags(path string, f Flags, xflags int) error {
 	return unix.Setxattr(path, AttrFlags, []byte(f.String()), xflags)
 }
 
-func setDevice(obj Object, v string, xflags int) error {
+// setDevice stores a segment's device. Only cpu exists until a GPU
+// backend serves cuda:N; cpu is the default and is stored as no attribute.
+func setDevice(v string, path string) error {
 	dev := strings.TrimSpace(v)
-	if !obj.Dir && obj.Size > 0 {
-		return fmt.Errorf("%w: the device of a segment is set while it is empty", ErrNotEmpty)
-	}
 	switch {
 	case dev == "cpu":
-		err := unix.Removexattr(obj.Path, AttrDevice)
+		err := unix.Removexattr(path, AttrDevice)
 		if errors.Is(err, unix.ENODATA) {
 			return nil
 		}

@@ -1,0 +1,141 @@
+package alloc
+
+import (
+	"errors"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+func setAttrRaw(path, name, value string) error {
+	return unix.Setxattr(path, name, []byte(value), 0)
+}
+
+// smallTmpfs mounts a tmpfs of size bytes for the test (root only).
+func smallTmpfs(t *testing.T, size int64) string {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		if os.Getenv("CI") == "true" {
+			t.Fatal("tests need root under CI")
+		}
+		t.Skip("needs root to mount a tmpfs")
+	}
+	dir := t.TempDir()
+	if err := mountTmpfs(dir, size); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
+	return dir
+}
+
+func TestResizeReservesPages(t *testing.T) {
+	dir := smallTmpfs(t, 8<<20)
+	f, err := os.Create(filepath.Join(dir, "seg"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	fd := int(f.Fd())
+	if err := Resize(fd, 6<<20); err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	unix.Fstat(fd, &st)
+	if st.Blocks*512 < 6<<20 {
+		t.Errorf("growth reserved %d bytes, want all 6 MiB", st.Blocks*512)
+	}
+	g, err := os.Create(filepath.Join(dir, "other"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	if err := Resize(int(g.Fd()), 4<<20); !errors.Is(err, ErrNoSpace) {
+		t.Fatalf("growth past capacity: %v, want ErrNoSpace", err)
+	}
+	if info, _ := g.Stat(); info.Size() != 0 {
+		t.Errorf("failed growth left size %d, want 0", info.Size())
+	}
+	if err := Resize(fd, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if err := Resize(int(g.Fd()), 4<<20); err != nil {
+		t.Errorf("growth after shrinking the other segment: %v", err)
+	}
+	if err := Resize(fd, MaxSegmentSize+1); !errors.Is(err, ErrTooBig) {
+		t.Errorf("growth past MaxSegmentSize: %v, want ErrTooBig", err)
+	}
+}
+
+func TestRecoverRemovesUnlinkSegmentsAndRestoresShared(t *testing.T) {
+	backing, disk := t.TempDir(), t.TempDir()
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	s, err := Open(Config{Backing: backing, Disk: disk}, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	keep := filepath.Join(backing, "keep")
+	temp := filepath.Join(backing, "temp")
+	os.WriteFile(keep, []byte("1234"), 0o644)
+	os.WriteFile(temp, []byte("gone"), 0o644)
+	if err := storeFlags(temp, Unlink, 0); err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(backing, "marker"), nil, 0o644)
+	fd, id, err := s.CreateShared(filepath.Join(backing, "marker"), "sub/w", unix.O_RDWR|unix.O_CLOEXEC, 0o640)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unix.Write(fd, []byte("on disk"))
+	unix.Close(fd)
+	// A purged backing: the marker is gone, the disk file stays.
+	os.Remove(filepath.Join(backing, "marker"))
+
+	segs, bytes, err := s.Recover()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if segs != 1 || bytes != 4 {
+		t.Errorf("Recover kept %d segments, %d bytes; want 1, 4", segs, bytes)
+	}
+	if _, err := os.Stat(temp); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("UNLINK segment survived recovery: %v", err)
+	}
+	restored := filepath.Join(backing, "sub", "w")
+	if got := SharedID(restored); got != id {
+		t.Errorf("restored marker names %q, want %q", got, id)
+	}
+}
+
+func TestMappersFindsMapping(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "seg")
+	if err := os.WriteFile(p, make([]byte, 4096), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(int(f.Fd()), 0, 4096, unix.PROT_READ, unix.MAP_SHARED)
+	f.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	unix.Stat(p, &st)
+	pids, err := Mappers(st.Dev, st.Ino)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(pids) != 1 || pids[0] != os.Getpid() {
+		t.Errorf("Mappers = %v, want [%d]", pids, os.Getpid())
+	}
+	unix.Munmap(mem)
+	if pids, _ := Mappers(st.Dev, st.Ino); len(pids) != 0 {
+		t.Errorf("after munmap Mappers = %v, want none", pids)
+	}
+}
