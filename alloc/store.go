@@ -61,6 +61,8 @@ func Open(cfg Config, log *slog.Logger) (*Store, error) {
 				return nil, err
 			}
 			s.Private = true
+		} else if cfg.Capacity > 0 {
+			log.Warn("--capacity needs root to mount a private tmpfs; segments share /dev/shm's limit", "backing", s.Dir)
 		}
 	}
 	dir, err := filepath.Abs(s.Dir)

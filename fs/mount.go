@@ -136,18 +136,39 @@ func Mount(opts Options) (*Server, error) {
 		srv.Unmount()
 		return nil, err
 	}
-	kernelOK := srv.KernelSettings().Flags64()&fuse.CAP_PASSTHROUGH != 0
-	fsys.passthrough = !opts.NoPassthrough && kernelOK && os.Geteuid() == 0
+	if !opts.NoPassthrough {
+		if err := probePassthrough(srv, opts.Store.RootFd); err != nil {
+			fsys.log.Warn("FUSE passthrough unavailable, the daemon serves read and write itself", "why", err)
+		} else {
+			fsys.passthrough = true
+		}
+	}
 	var st unix.Stat_t
 	if err := unix.Stat(opts.Mountpoint, &st); err == nil {
 		fsys.dev = st.Dev
 	}
-	if !opts.NoPassthrough && !fsys.passthrough {
-		fsys.log.Warn("FUSE passthrough unavailable, the daemon serves read and write itself",
-			"kernel_offers_it", kernelOK, "root", os.Geteuid() == 0)
-	}
 	go fsys.watchUnlinked()
 	return &Server{Server: srv, fs: fsys}, nil
+}
+
+// probePassthrough checks that the kernel accepts backing files from
+// this daemon: it must offer FUSE passthrough and let us register one
+// (root, CAP_SYS_ADMIN in the initial namespace).
+func probePassthrough(srv *fuse.Server, dirfd int) error {
+	if srv.KernelSettings().Flags64()&fuse.CAP_PASSTHROUGH == 0 {
+		return fmt.Errorf("the kernel does not offer FUSE passthrough")
+	}
+	fd, err := unix.Openat(dirfd, ".", unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return fmt.Errorf("probe file: %w", err)
+	}
+	defer unix.Close(fd)
+	id, errno := srv.RegisterBackingFd(&fuse.BackingMap{Fd: int32(fd)})
+	if errno != 0 {
+		return fmt.Errorf("registering a backing file: %w (passthrough needs root)", errno)
+	}
+	srv.UnregisterBackingFd(id)
+	return nil
 }
 
 // errno logs a refusal with its reason and returns the errno for it.
