@@ -1,10 +1,9 @@
 package integration
 
 // Crash safety, capacity, shutdown and command-line error tests
-// (DESIGN.md §2, §5, §8). Every mmap happens in a child process: the test
-// process never maps a file of a mount it serves through a child daemon
-// it also talks to (go-fuse's documented deadlock applies to the daemon,
-// but keeping the rule everywhere keeps the tests honest).
+// (DESIGN.md §2, §5, §8). Every mmap happens in a child process, never in
+// the test process (go-fuse's deadlock). Nothing waits on a fixed sleep:
+// tests wait for a ready line, a process exit or poll with a deadline.
 
 import (
 	"bufio"
@@ -34,7 +33,7 @@ import (
 )
 
 const (
-	mib = int64(1) << 20
+	ccMiB = int64(1) << 20
 	// ccPollTimeout bounds every poll-with-deadline in this file.
 	ccPollTimeout = 15 * time.Second
 )
@@ -245,12 +244,14 @@ type ccHolder struct {
 
 // ccHolderScript writes the segments described by a JSON spec, prints
 // "ready PID" and holds every fd (and mapping) it did not close until it
-// gets SIGUSR1; then it exits 0.
+// gets SIGUSR1; then it reads back the segments it must verify through
+// the fds it held and exits 0 if they match.
 const ccHolderScript = `
-import json, mmap, os, signal, sys
+import hashlib, json, mmap, os, signal, sys
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
 spec = json.loads(sys.argv[1])
 keep = []
+verify = []
 for s in spec:
     p = s["path"]
     fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o640)
@@ -266,7 +267,7 @@ for s in spec:
         m[:] = data
         m.flush()
         keep.append(m)
-    else:
+    elif data:
         mv = memoryview(data)
         off = 0
         while off < len(data):
@@ -278,17 +279,33 @@ for s in spec:
         os.close(fd)
     else:
         keep.append(fd)
+        if s.get("verify"):
+            verify.append((p, fd, s["verify"]))
 print("ready", os.getpid(), flush=True)
 signal.sigwait({signal.SIGUSR1})
+for p, fd, want in verify:
+    h = hashlib.sha256()
+    off = 0
+    while True:
+        b = os.pread(fd, 1 << 20, off)
+        if not b:
+            break
+        h.update(b)
+        off += len(b)
+    if h.hexdigest() != want:
+        print(p, "read back through the held fd: sha256", h.hexdigest(), "want", want, file=sys.stderr)
+        sys.exit(3)
 `
 
 // ccSeg is one entry of a holder's spec.
 type ccSeg struct {
-	Path   string            `json:"path"`
-	Src    string            `json:"src,omitempty"`
-	Flags  string            `json:"flags,omitempty"`
-	Mmap   bool              `json:"mmap,omitempty"`
-	Close  bool              `json:"close,omitempty"`
+	Path  string `json:"path"`
+	Src   string `json:"src,omitempty"`
+	Flags string `json:"flags,omitempty"`
+	Mmap  bool   `json:"mmap,omitempty"`
+	Close bool   `json:"close,omitempty"`
+	// Verify is the sha256 the held fd must read back on release.
+	Verify string            `json:"verify,omitempty"`
 	Xattrs map[string]string `json:"xattrs,omitempty"`
 }
 
@@ -475,8 +492,8 @@ func TestCrashRecovery(t *testing.T) {
 		name string
 		size int64
 	}{
-		{"w0", 4 * mib}, {"small", 7}, {"weight", 3*mib + 5}, {"bias", 1000},
-		{"emb", 2 * mib}, {"scratch", 64 << 10}, {"u1", 100 << 10}, {"u2", 1 * mib}, {"late", 12345},
+		{"w0", 4 * ccMiB}, {"small", 7}, {"weight", 3*ccMiB + 5}, {"bias", 1000},
+		{"emb", 2 * ccMiB}, {"scratch", 64 << 10}, {"u1", 100 << 10}, {"u2", 1 * ccMiB}, {"late", 12345},
 	} {
 		p, sha := ccWriteRandom(t, s.name, s.size, uint64(i+1)*7919)
 		srcs[s.name] = src{p, sha}
@@ -629,7 +646,7 @@ func TestCrashRecovery(t *testing.T) {
 // the mountpoint succeeds (DESIGN.md §8: mounting over a stale mount left
 // by a crashed daemon cleans it up and recovers).
 func TestCrashRemountImmediately(t *testing.T) {
-	src, sha := ccWriteRandom(t, "seg", 1*mib+17, 42)
+	src, sha := ccWriteRandom(t, "seg", 1*ccMiB+17, 42)
 	forEachMode(t, func(t *testing.T, m *mount) {
 		run(t, "dd", "if="+src, "of="+m.path("seg"), "bs=64k", "status=none")
 		run(t, "setfattr", "-n", "user.tensor.dtype", "-v", "uint8", m.path("seg"))
@@ -667,6 +684,29 @@ func TestCrashPurge(t *testing.T) {
 		m2 := ccRemountStrict(t, m)
 		if ents, err := os.ReadDir(m2.dir); err != nil || len(ents) != 0 {
 			t.Errorf("mount after --purge: readdir = %v %v, want empty", ents, err)
+		}
+	})
+}
+
+// TestCrashUnmountThenRemount: tensorfs unmount (no --purge) cleans a
+// crashed daemon's stale mount and keeps the data; the next mount has it.
+func TestCrashUnmountThenRemount(t *testing.T) {
+	src, sha := ccWriteRandom(t, "seg", 1*ccMiB+99, 13)
+	forEachMode(t, func(t *testing.T, m *mount) {
+		run(t, "dd", "if="+src, "of="+m.path("seg"), "bs=64k", "status=none")
+		run(t, "setfattr", "-n", "user.foo", "-v", "after-crash", m.path("seg"))
+		m.kill9(t)
+		ccExpectENOTCONN(t, m, "seg")
+		run(t, tensorfs, "unmount", m.dir)
+		if isMounted(m.dir) {
+			t.Fatalf("%s still mounted after tensorfs unmount of a crashed mount", m.dir)
+		}
+		m2 := ccRemountStrict(t, m)
+		if got, _, err := ccSha256(m2.path("seg")); err != nil || got != sha {
+			t.Errorf("seg after unmount and remount: sha256 %s %v, want %s", got, err, sha)
+		}
+		if got := ccXattr(t, m2.path("seg"), "user.foo"); got != "after-crash" {
+			t.Errorf("user.foo = %q, want after-crash", got)
 		}
 	})
 }
@@ -728,51 +768,51 @@ os.close(fd)
 func TestCapacityENOSPC(t *testing.T) {
 	forEachMode(t, func(t *testing.T, m *mount) {
 		total, avail := ccStatfs(t, m.dir)
-		if total < 63*mib || total > 65*mib {
+		if total < 63*ccMiB || total > 65*ccMiB {
 			t.Errorf("statfs total = %d bytes, want about 64 MiB", total)
 		}
-		if avail < 60*mib {
+		if avail < 60*ccMiB {
 			t.Errorf("statfs available on an empty 64M mount = %d bytes", avail)
 		}
 		df := strings.Fields(run(t, "df", "-B1", "--output=size", m.dir))
 		if len(df) != 2 {
 			t.Fatalf("df -B1 --output=size %s: %q", m.dir, df)
 		}
-		if size, err := strconv.ParseInt(df[1], 10, 64); err != nil || size < 63*mib || size > 65*mib {
+		if size, err := strconv.ParseInt(df[1], 10, 64); err != nil || size < 63*ccMiB || size > 65*ccMiB {
 			t.Errorf("df size = %q, want about 64 MiB", df[1])
 		}
-		if c, _ := m.stats(t)["capacity"].(float64); int64(c) < 63*mib || int64(c) > 65*mib {
+		if c, _ := m.stats(t)["capacity"].(float64); int64(c) < 63*ccMiB || int64(c) > 65*ccMiB {
 			t.Errorf("stats capacity = %v, want about 64 MiB", m.stats(t)["capacity"])
 		}
 
 		seg, other := m.path("seg"), m.path("other")
-		src, _ := ccWriteRandom(t, "first", 1*mib, 7)
+		src, _ := ccWriteRandom(t, "first", 1*ccMiB, 7)
 		run(t, "dd", "if="+src, "of="+seg, "bs=64k", "status=none")
 
 		out := runExpectFail(t, "truncate", "-s", "100M", seg)
 		if !strings.Contains(out, "No space left on device") {
 			t.Errorf("truncate -s 100M: %q, want ENOSPC (No space left on device)", out)
 		}
-		if got := ccSize(t, seg); got != 1*mib {
-			t.Errorf("size after the refused truncate = %d, want %d", got, 1*mib)
+		if got := ccSize(t, seg); got != 1*ccMiB {
+			t.Errorf("size after the refused truncate = %d, want %d", got, 1*ccMiB)
 		}
-		if got := strings.TrimSpace(python(t, ccPyFtruncate, seg, strconv.FormatInt(100*mib, 10))); got != "ENOSPC" {
+		if got := strings.TrimSpace(python(t, ccPyFtruncate, seg, strconv.FormatInt(100*ccMiB, 10))); got != "ENOSPC" {
 			t.Errorf("os.ftruncate(100M) = %s, want ENOSPC", got)
 		}
-		if got := ccSize(t, seg); got != 1*mib {
-			t.Errorf("size after the refused ftruncate = %d, want %d", got, 1*mib)
+		if got := ccSize(t, seg); got != 1*ccMiB {
+			t.Errorf("size after the refused ftruncate = %d, want %d", got, 1*ccMiB)
 		}
 		run(t, "cmp", src, seg) // and the bytes are untouched
 
 		run(t, "truncate", "-s", "40M", seg)
-		if got := ccSize(t, seg); got != 40*mib {
+		if got := ccSize(t, seg); got != 40*ccMiB {
 			t.Fatalf("size after truncate -s 40M = %d", got)
 		}
-		if _, avail := ccStatfs(t, m.dir); avail > 25*mib {
+		if _, avail := ccStatfs(t, m.dir); avail > 25*ccMiB {
 			t.Errorf("after growing a segment to 40M, %d bytes still free of 64M: pages not reserved", avail)
 		}
 		touched := strings.TrimSpace(python(t, ccPyTouch, seg))
-		if sha, n, err := ccSha256(seg); err != nil || sha != touched || n != 40*mib {
+		if sha, n, err := ccSha256(seg); err != nil || sha != touched || n != 40*ccMiB {
 			t.Errorf("read back after the child's mmap writes: sha256 %s (%d bytes) %v, child saw %s", sha, n, err, touched)
 		}
 		copyOut := filepath.Join(t.TempDir(), "seg.copy")
@@ -785,7 +825,7 @@ func TestCapacityENOSPC(t *testing.T) {
 		if got := ccSize(t, other); got != 0 {
 			t.Errorf("size of %s after the refused truncate = %d, want 0", other, got)
 		}
-		if got := strings.TrimSpace(python(t, ccPyFtruncate, other, strconv.FormatInt(40*mib, 10))); got != "ENOSPC" {
+		if got := strings.TrimSpace(python(t, ccPyFtruncate, other, strconv.FormatInt(40*ccMiB, 10))); got != "ENOSPC" {
 			t.Errorf("os.ftruncate(other, 40M) = %s, want ENOSPC", got)
 		}
 
@@ -794,7 +834,7 @@ func TestCapacityENOSPC(t *testing.T) {
 		if !strings.Contains(out, "No space left on device") {
 			t.Errorf("dd until full: %q, want No space left on device", out)
 		}
-		if _, avail := ccStatfs(t, m.dir); avail >= 1*mib {
+		if _, avail := ccStatfs(t, m.dir); avail >= 1*ccMiB {
 			t.Errorf("after filling, statfs still shows %d bytes available", avail)
 		}
 
@@ -817,10 +857,10 @@ func TestCapacityENOSPC(t *testing.T) {
 		// The space comes back (releases reach the daemon asynchronously).
 		ccEventually(t, "space freed after unlink", func() (bool, string) {
 			_, avail := ccStatfs(t, m.dir)
-			return avail >= 60*mib, fmt.Sprintf("%d bytes available", avail)
+			return avail >= 60*ccMiB, fmt.Sprintf("%d bytes available", avail)
 		})
 		run(t, "truncate", "-s", "40M", other)
-		if got := ccSize(t, other); got != 40*mib {
+		if got := ccSize(t, other); got != 40*ccMiB {
 			t.Errorf("size after truncate -s 40M on the freed mount = %d", got)
 		}
 		python(t, ccPyTouch, other)
@@ -915,6 +955,37 @@ func TestSignalShutdown(t *testing.T) {
 			})
 		})
 	}
+}
+
+// TestSignalShutdownBusy: SIGTERM while a child holds a segment open
+// detaches the mount at once; the child keeps reading through its fd, and
+// once it lets go the daemon exits 0 with nothing left mounted.
+func TestSignalShutdownBusy(t *testing.T) {
+	src, sha := ccWriteRandom(t, "held", 2*ccMiB+3, 11)
+	forEachMode(t, func(t *testing.T, m *mount) {
+		run(t, "dd", "if="+src, "of="+m.path("held"), "bs=64k", "status=none")
+		h := ccStartHolder(t, []ccSeg{{Path: m.path("held"), Verify: sha}})
+		h.waitReady(t)
+		if err := m.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+			t.Fatal(err)
+		}
+		ccEventually(t, "mount detached after SIGTERM", func() (bool, string) {
+			return !isMounted(m.dir), m.dir + " is still in the mount table"
+		})
+		h.release(t) // reads the whole segment back through its fd
+		select {
+		case <-m.exited:
+		case <-time.After(exitTimeout):
+			t.Fatalf("daemon %d still running %v after SIGTERM and the last holder's exit", m.pid, exitTimeout)
+		}
+		if m.exitErr != nil {
+			t.Errorf("daemon exited with %v after SIGTERM on a busy mount, want exit 0\nstderr:\n%s", m.exitErr, tail(m.stderr.String()))
+		}
+		m2 := ccRemountStrict(t, m)
+		if got, _, err := ccSha256(m2.path("held")); err != nil || got != sha {
+			t.Errorf("held after remount: sha256 %s %v, want %s", got, err, sha)
+		}
+	})
 }
 
 // TestShutdownUnmountKeepsData: tensorfs unmount without --purge keeps
@@ -1051,7 +1122,7 @@ func TestShutdownDaemonizedMount(t *testing.T) {
 // TestCrashRemountDaemonized: after kill -9, plain tensorfs mount (no -f)
 // on the same mountpoint cleans the stale mount and recovers the data.
 func TestCrashRemountDaemonized(t *testing.T) {
-	src, sha := ccWriteRandom(t, "seg", 3*mib+1, 5)
+	src, sha := ccWriteRandom(t, "seg", 3*ccMiB+1, 5)
 	forEachMode(t, func(t *testing.T, m *mount) {
 		run(t, "mkdir", "-p", m.path("a/b"))
 		run(t, "dd", "if="+src, "of="+m.path("a/b/seg"), "bs=64k", "status=none")
