@@ -11,6 +11,9 @@ import (
 const usage = `usage:
   tensorfs mount [flags] MOUNTPOINT     mount; returns once ready (-f: stay in the foreground)
   tensorfs unmount [--purge] MOUNTPOINT unmount; --purge also releases the backing memory
+  tensorfs ls [-l] PATH...              segments: size, device, flags, refs, dtype, shape (-l: holders)
+  tensorfs import FILE DIR              a .safetensors file into DIR (new or empty), one segment per tensor
+  tensorfs export DIR FILE              the tensors under DIR into a .safetensors file
 Run "tensorfs mount -h" for the mount flags.
 `
 
@@ -29,6 +32,12 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runMount(args[1:], stdout, stderr)
 	case "unmount", "umount":
 		return runUnmount(args[1:], stdout, stderr)
+	case "ls":
+		return runLs(args[1:], stdout, stderr)
+	case "import":
+		return runImport(args[1:], stdout, stderr)
+	case "export":
+		return runExport(args[1:], stdout, stderr)
 	case "-h", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return 0

@@ -1,0 +1,240 @@
+package main
+
+// tensorfs ls [-l] PATH...: a table of segments and what their extended
+// attributes say about them.
+//
+// Files named on the command line come first, in one table. Each directory
+// then gets a block: a summary line "DIR  <rbytes>  <rsegments> segments"
+// for its whole subtree, and a table of its entries (not recursive;
+// subdirectories show as NAME/ with their subtree's bytes). Hidden names
+// are listed too: a segment uses memory whatever its name. An attribute
+// that is absent, or a file outside tensorfs, shows "-".
+
+import (
+	"bytes"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+)
+
+func runLs(args []string, stdout, stderr io.Writer) int {
+	set := flag.NewFlagSet("tensorfs ls", flag.ContinueOnError)
+	set.SetOutput(stderr)
+	long := set.Bool("l", false, "also list the processes holding each segment (HOLDERS: pid:command(handles))")
+	set.Usage = func() {
+		fmt.Fprintln(stderr, "usage: tensorfs ls [-l] PATH...")
+		set.PrintDefaults()
+	}
+	if err := set.Parse(args); err != nil {
+		return 2
+	}
+	paths := set.Args()
+	if len(paths) == 0 {
+		paths = []string{"."}
+	}
+	status := 0
+	var files, dirs []string
+	for _, p := range paths {
+		fi, err := os.Stat(p)
+		switch {
+		case err != nil:
+			fmt.Fprintf(stderr, "tensorfs ls: %v\n", err)
+			status = 1
+		case fi.IsDir():
+			dirs = append(dirs, p)
+		default:
+			files = append(files, p)
+		}
+	}
+	blocks := 0
+	if len(files) > 0 {
+		writeTable(stdout, *long, files, func(p string) string { return p })
+		blocks++
+	}
+	for _, dir := range dirs {
+		names, err := readDirNames(dir, 0)
+		if err != nil {
+			fmt.Fprintf(stderr, "tensorfs ls: %v\n", err)
+			status = 1
+			continue
+		}
+		slices.Sort(names)
+		if blocks > 0 {
+			fmt.Fprintln(stdout)
+		}
+		blocks++
+		segs := attrOr(dir, alloc.AttrRsegments)
+		plural := "s"
+		if segs == "1" {
+			plural = ""
+		}
+		fmt.Fprintf(stdout, "%s  %s  %s segment%s\n", dir, humanAttr(dir, alloc.AttrRbytes), segs, plural)
+		entries := make([]string, len(names))
+		for i, name := range names {
+			entries[i] = filepath.Join(dir, name)
+		}
+		writeTable(stdout, *long, entries, filepath.Base)
+	}
+	return status
+}
+
+// writeTable prints one row per path that is a regular file or a
+// directory, named by name(path).
+func writeTable(w io.Writer, long bool, paths []string, name func(string) string) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	header := "NAME\tSIZE\tDEVICE\tFLAGS\tREFS\tDTYPE\tSHAPE"
+	if long {
+		header += "\tHOLDERS"
+	}
+	fmt.Fprintln(tw, header)
+	for _, p := range paths {
+		fi, err := os.Lstat(p)
+		if err != nil {
+			continue // gone since it was listed
+		}
+		var row []string
+		switch {
+		case fi.Mode().IsRegular():
+			row = []string{name(p), humanSize(fi.Size()), attrOr(p, alloc.AttrDevice), attrOr(p, alloc.AttrFlags),
+				attrOr(p, alloc.AttrRefcount), attrOr(p, alloc.AttrDtype), attrOr(p, alloc.AttrShape)}
+			if long {
+				row = append(row, holders(p))
+			}
+		case fi.IsDir():
+			row = []string{name(p) + "/", humanAttr(p, alloc.AttrRbytes), attrOr(p, alloc.AttrDevice),
+				attrOr(p, alloc.AttrFlags), "-", "-", "-"}
+			if long {
+				row = append(row, "-")
+			}
+		default:
+			continue
+		}
+		fmt.Fprintln(tw, strings.Join(row, "\t"))
+	}
+	tw.Flush()
+}
+
+// attrOr returns the attribute as text, or "-" when it cannot be read.
+func attrOr(path, name string) string {
+	v, ok, err := getxattr(path, name)
+	if err != nil || !ok || len(v) == 0 {
+		return "-"
+	}
+	return strings.TrimSpace(string(v))
+}
+
+// humanAttr returns a decimal byte count attribute as a human-readable size.
+func humanAttr(path, name string) string {
+	v := attrOr(path, name)
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil {
+		return v
+	}
+	return humanSize(n)
+}
+
+// holders turns user.tensorfs.holders ("PID COMM HANDLES" lines, where
+// COMM may contain spaces) into "PID:COMM(HANDLES),...", "-" for none.
+func holders(path string) string {
+	v, ok, err := getxattr(path, alloc.AttrHolders)
+	if err != nil || !ok {
+		return "-"
+	}
+	var out []string
+	for _, line := range strings.Split(strings.TrimSpace(string(v)), "\n") {
+		pid, rest, ok1 := strings.Cut(strings.TrimSpace(line), " ")
+		comm, n, ok2 := cutLast(rest, " ")
+		if !ok1 || !ok2 {
+			continue
+		}
+		out = append(out, fmt.Sprintf("%s:%s(%s)", pid, comm, n))
+	}
+	if len(out) == 0 {
+		return "-"
+	}
+	return strings.Join(out, ",")
+}
+
+// cutLast slices s around the last sep.
+func cutLast(s, sep string) (before, after string, found bool) {
+	if i := strings.LastIndex(s, sep); i >= 0 {
+		return s[:i], s[i+len(sep):], true
+	}
+	return s, "", false
+}
+
+// humanSize prints a byte count as ls -h does: 512, 1.0K, 3.5M, 1.0G...
+func humanSize(n int64) string {
+	if n < 1024 {
+		return strconv.FormatInt(n, 10)
+	}
+	const units = "KMGTPE"
+	f := float64(n) / 1024
+	u := 0
+	for f >= 1024 && u < len(units)-1 {
+		f /= 1024
+		u++
+	}
+	return strconv.FormatFloat(f, 'f', 1, 64) + string(units[u])
+}
+
+// getxattr reads an extended attribute whole; ok is false when it is
+// absent or the filesystem has none.
+func getxattr(path, name string) (v []byte, ok bool, err error) {
+	buf := make([]byte, 256)
+	for {
+		n, err := unix.Getxattr(path, name, buf)
+		switch {
+		case errors.Is(err, unix.ENODATA), errors.Is(err, unix.ENOTSUP):
+			return nil, false, nil
+		case errors.Is(err, unix.ERANGE):
+			if n, err = unix.Getxattr(path, name, nil); err != nil {
+				return nil, false, err
+			}
+			buf = make([]byte, n+256) // it may grow meanwhile
+			continue
+		case err != nil:
+			return nil, false, err
+		}
+		return buf[:n], true, nil
+	}
+}
+
+// listxattr returns the names of path's extended attributes.
+func listxattr(path string) ([]string, error) {
+	for {
+		n, err := unix.Listxattr(path, nil)
+		if err != nil {
+			if errors.Is(err, unix.ENOTSUP) {
+				return nil, nil
+			}
+			return nil, err
+		}
+		buf := make([]byte, n+256)
+		n, err = unix.Listxattr(path, buf)
+		if errors.Is(err, unix.ERANGE) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		var names []string
+		for _, b := range bytes.Split(buf[:n], []byte{0}) {
+			if len(b) > 0 {
+				names = append(names, string(b))
+			}
+		}
+		return names, nil
+	}
+}
