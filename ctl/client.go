@@ -1,0 +1,137 @@
+package ctl
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// Client is a connection to the control socket. Its methods may be called
+// from several goroutines; requests are sent one at a time.
+type Client struct {
+	conn *net.UnixConn
+	mu   sync.Mutex // one request/reply at a time
+}
+
+// Dial connects to the control socket at path.
+func Dial(path string) (*Client, error) {
+	conn, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		return nil, fmt.Errorf("ctl: %w", err)
+	}
+	return &Client{conn: conn}, nil
+}
+
+// Close closes the connection. A group request waiting on it leaves its
+// group.
+func (c *Client) Close() error { return c.conn.Close() }
+
+// Export returns the segment at path (relative to the mount root),
+// read-write if write is set.
+func (c *Client) Export(path string, write bool) (*os.File, error) {
+	files, err := c.roundTrip(&request{Op: opExport, Path: path, Write: write}, nil, 1)
+	if err != nil {
+		return nil, err
+	}
+	return files[0], nil
+}
+
+// Import makes f the segment at path without copying, with dtype and shape
+// if they are not "". f stays open and remains the caller's.
+func (c *Client) Import(path string, f *os.File, dtype, shape string) error {
+	_, err := c.roundTrip(&request{Op: opImport, Path: path, Dtype: dtype, Shape: shape}, f, 0)
+	return err
+}
+
+// AllGather sends f as rank of a group of world ranks and returns the
+// world files of all ranks, ordered by rank, once all have joined.
+func (c *Client) AllGather(group string, rank, world int, f *os.File) ([]*os.File, error) {
+	return c.roundTrip(&request{Op: opAllGather, Group: group, Rank: rank, World: world}, f, world)
+}
+
+// Broadcast joins a broadcast from root among world ranks. At root it sends
+// f and returns nil once all ranks have joined; elsewhere f is ignored and
+// it returns root's file.
+func (c *Client) Broadcast(group string, rank, world, root int, f *os.File) (*os.File, error) {
+	r := &request{Op: opBroadcast, Group: group, Rank: rank, World: world, Root: root}
+	if rank == root {
+		_, err := c.roundTrip(r, f, 0)
+		return nil, err
+	}
+	files, err := c.roundTrip(r, nil, 1)
+	if err != nil {
+		return nil, err
+	}
+	return files[0], nil
+}
+
+// roundTrip sends r with f's descriptor attached (none if f is nil) and
+// returns the want files of a successful reply.
+func (c *Client) roundTrip(r *request, f *os.File, want int) ([]*os.File, error) {
+	b, err := r.marshal()
+	if err != nil {
+		return nil, fmt.Errorf("ctl %s: %w", r.Op, err)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var fds []int
+	if f != nil {
+		fd, err := dupFile(f)
+		if err != nil {
+			return nil, fmt.Errorf("ctl %s: %w", r.Op, err)
+		}
+		defer closeFDs([]int{fd})
+		fds = []int{fd}
+	}
+	if err := sendMsg(c.conn, b, fds); err != nil {
+		return nil, fmt.Errorf("ctl %s: %w", r.Op, err)
+	}
+	m, err := recvMsg(c.conn, maxWorld)
+	if errors.Is(err, io.EOF) {
+		err = errors.New("connection closed by the daemon")
+	}
+	if err != nil {
+		return nil, fmt.Errorf("ctl %s: %w", r.Op, err)
+	}
+	rep, err := checkReply(m)
+	if err != nil {
+		closeFDs(m.fds)
+		return nil, fmt.Errorf("ctl %s: %w", r.Op, err)
+	}
+	if !rep.OK {
+		return nil, &RemoteError{Op: r.Op, Errno: syscall.Errno(rep.Errno), Msg: rep.Error}
+	}
+	if len(m.fds) != want {
+		closeFDs(m.fds)
+		return nil, fmt.Errorf("ctl %s: reply has %d descriptors, want %d", r.Op, len(m.fds), want)
+	}
+	files := make([]*os.File, len(m.fds))
+	for i, fd := range m.fds {
+		name := r.Path
+		switch r.Op {
+		case opAllGather:
+			name = fmt.Sprintf("%s[%d]", r.Group, i)
+		case opBroadcast:
+			name = fmt.Sprintf("%s[%d]", r.Group, r.Root)
+		}
+		files[i] = os.NewFile(uintptr(fd), "tensorfs-ctl:"+name)
+	}
+	return files, nil
+}
+
+// checkReply validates a received reply message.
+func checkReply(m message) (reply, error) {
+	switch {
+	case m.flags&unix.MSG_CTRUNC != 0:
+		return reply{}, errors.New("reply's descriptors truncated (out of descriptors?)")
+	case m.flags&unix.MSG_TRUNC != 0:
+		return reply{}, errors.New("reply truncated")
+	}
+	return parseReply(m.data, len(m.fds))
+}

@@ -1,0 +1,142 @@
+// Package ctl is tensorfs's control socket (DESIGN.md §7), in the spirit of
+// PyTorch's IpcChannel (send_fd, recv_fd, all_gather_fds, broadcast_fds):
+// clients receive a segment's descriptor (export), turn a descriptor of
+// their own into a segment without a copy (import), and exchange
+// descriptors among the local ranks of a named group (all_gather,
+// broadcast). It knows nothing of FUSE: the segment operations are served
+// by a Backend, which package fs implements, and every request carries the
+// peer's credentials as the kernel reported them at connect time
+// (SO_PEERCRED), against which the backend checks permissions.
+//
+// # Transport
+//
+// The daemon listens on a unix socket of type SOCK_SEQPACKET whose mode is
+// 0666 (permissions are checked per request, not by the socket's mode).
+// A session is a sequence of request/reply pairs on one connection: the
+// client sends one request message and reads one reply message before
+// sending the next (requests are answered in order, so ranks that wait in
+// groups concurrently need a connection each). Each request and each reply
+// is exactly one SOCK_SEQPACKET message, whose bytes are one JSON object
+// (UTF-8, RFC 8259). Descriptors travel as SCM_RIGHTS ancillary data
+// attached to that same message. A zero-length message, like closing the
+// socket, ends the session: the daemon closes its end (and any descriptor
+// that came with it) without a reply.
+//
+// # Requests
+//
+// A request is a JSON object with exactly the members listed for its op.
+// Every request has
+//
+//	"v"   integer, required, must be 1 (the protocol version)
+//	"op"  string, required: "export", "import", "all_gather" or "broadcast"
+//
+// and, by op (fds is the number of descriptors attached):
+//
+//	op          members                                         fds
+//	export      "path" (required), "write" (bool, optional)     0
+//	import      "path" (required), "dtype", "shape" (optional)  1
+//	all_gather  "group", "rank", "world" (all required)          1
+//	broadcast   "group", "rank", "world", "root" (required)      1 if rank == root, else 0
+//
+// Member names are case-sensitive and may appear once. A member that is
+// not listed for the op, a missing required member, a value of the wrong
+// JSON type (null included; integers must be written without fraction or
+// exponent), or anything after the object is an error (EINVAL). Strings:
+//
+//   - path: the segment, relative to the mount root, 1 to 4096 bytes.
+//     Absolute paths, paths with a ".." component or a NUL byte, and paths
+//     that name the root itself ("." or "./") are refused with EINVAL; a
+//     longer path with ENAMETOOLONG. Redundant "/" and "." are removed
+//     before the backend sees the path ("a//./b/" is "a/b").
+//   - write (export): true asks for a read-write descriptor; default false
+//     (read-only).
+//   - dtype, shape (import): the segment's user.tensor.dtype and
+//     user.tensor.shape, e.g. "float32" and "[1024, 768]"; "" or absent
+//     leaves them unset. The backend validates them.
+//   - group: 1 to 256 bytes, no NUL byte.
+//
+// Integers: 1 <= world <= 253, 0 <= rank < world, 0 <= root < world. The
+// bound on world is the kernel's limit on descriptors in one message
+// (SCM_MAX_FD), since an all_gather reply carries world descriptors.
+//
+// A request message may be at most 65536 bytes. The daemon accepts at most
+// 16 descriptors on one message; more are an error (EINVAL).
+//
+// # Replies
+//
+// Success is
+//
+//	{"v":1,"ok":true}              no descriptor attached
+//	{"v":1,"ok":true,"fds":N}      N descriptors attached (SCM_RIGHTS)
+//
+// where export returns 1 (the segment, O_RDONLY or O_RDWR as asked),
+// import 0, all_gather world descriptors in rank order (rank 0 first, the
+// caller's own included), broadcast 1 (the root's descriptor) to every
+// rank but the root, which gets 0. Failure is
+//
+//	{"v":1,"ok":false,"errno":E,"error":"why"}
+//
+// with E a positive Linux errno and "why" a human-readable reason; no
+// descriptor comes with a failure. Replies never exceed 65536 bytes. A
+// client receives with room for 253 descriptors of ancillary data
+// (CMSG_SPACE(253*4) bytes), preferably with MSG_CMSG_CLOEXEC, and checks
+// that "fds" matches the descriptors attached; members it does not know
+// may be ignored.
+//
+// Errors the daemon itself answers (others come from the backend):
+//
+//	EPROTONOSUPPORT  "v" is not 1
+//	EOPNOTSUPP       unknown "op"
+//	EINVAL           not a JSON object, bad member, bad path or group,
+//	                 integer out of range, wrong number of descriptors,
+//	                 inconsistent group membership (below)
+//	ENAMETOOLONG     path longer than 4096 bytes
+//	EMSGSIZE         request longer than 65536 bytes (MSG_TRUNC)
+//	EPERM            group joined under another uid (below)
+//	ETIMEDOUT        the group did not fill in time (below)
+//
+// After an error reply the connection stays usable; every descriptor that
+// came with a refused request has been closed by the daemon.
+//
+// # Groups
+//
+// all_gather and broadcast are collective: each of the world ranks of a
+// group sends one request on its own connection, and the daemon replies to
+// all of them once the last has arrived; then the group name is free for
+// the next round. The first request names the group and fixes its op,
+// world, root (broadcast) and uid (the requester's). A later request must
+// agree on op, world and root, come from the same uid or from uid 0, and
+// bring a rank not yet taken: otherwise that request alone is refused
+// (EINVAL, or EPERM for the uid) and the group keeps waiting. A rank whose
+// connection closes while it waits leaves the group (its descriptor is
+// closed) and the rank may be joined again (a connection that sent a
+// further request meanwhile is noticed only once the group completes or
+// times out); a group whose last member
+// leaves is forgotten. If a group is not full within the daemon's wait
+// limit (60 s by default) counted from its first request, every waiting
+// rank gets ETIMEDOUT and the group is forgotten. In a broadcast the root
+// too is answered only when all ranks have joined.
+//
+// Group names are shared by all users of the socket: a group is held by
+// its first member's uid until it completes, times out or empties.
+//
+// # Example
+//
+// Export, then all_gather of rank 1 of 2 (descriptors shown in brackets):
+//
+//	-> {"v":1,"op":"export","path":"model/w0","write":false}
+//	<- {"v":1,"ok":true,"fds":1}                                     [segment]
+//	-> {"v":1,"op":"all_gather","group":"step7","rank":1,"world":2}  [mine]
+//	<- {"v":1,"ok":true,"fds":2}                                     [rank0, rank1]
+//
+// In Python:
+//
+//	s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+//	s.connect(path)  # os.getxattr(mountpoint, "user.tensorfs.socket")
+//	s.sendmsg([json.dumps(req).encode()],
+//	          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else [])
+//	data, anc, flags, _ = s.recvmsg(65536, socket.CMSG_SPACE(253 * 4), socket.MSG_CMSG_CLOEXEC)
+//	rep = json.loads(data)
+//	got = [fd for level, typ, d in anc if (level, typ) == (socket.SOL_SOCKET, socket.SCM_RIGHTS)
+//	       for fd in array.array("i", d[:len(d) - len(d) % 4])]
+package ctl

@@ -1,0 +1,384 @@
+package ctl
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Cred is a peer's credentials, from SO_PEERCRED.
+type Cred struct {
+	Pid      int32
+	Uid, Gid uint32
+}
+
+// Backend serves the segment operations (package fs implements it). Paths
+// are relative to the mount root, cleaned, never escaping it (ctl rejects
+// absolute paths, "..", empty and NUL-containing paths with EINVAL before
+// calling the backend). The backend checks cred's permissions, as open(2)
+// on the path would. Calls come concurrently, one goroutine per
+// connection.
+type Backend interface {
+	// Export opens the KEEPFD segment at path for the peer; write asks for
+	// a read-write descriptor. ctl sends the file to the peer and then
+	// closes it.
+	Export(cred Cred, path string, write bool) (*os.File, error)
+	// Import makes f the segment at path without copying (FROMFD), with
+	// optional dtype and shape ("" = unset). f is whatever descriptor the
+	// peer sent: the backend checks its type, and uses f.SyscallConn rather
+	// than f.Fd, which would clear O_NONBLOCK on the peer's open file
+	// description. ctl closes f when Import returns; a backend that keeps
+	// the descriptor duplicates it.
+	Import(cred Cred, path string, f *os.File, dtype, shape string) error
+}
+
+// Config configures a Server.
+type Config struct {
+	// Path is where the socket is created.
+	Path string
+	// Backend serves export and import.
+	Backend Backend
+	// Errno maps a Backend error to the errno the peer gets; nil uses the
+	// syscall.Errno in the error's chain, ENOENT for fs.ErrNotExist, EACCES
+	// for fs.ErrPermission, EIO otherwise.
+	Errno func(error) syscall.Errno
+	// Log receives refusals and events; nil discards them.
+	Log *slog.Logger
+	// MaxGroupWait bounds how long a group may take to fill, from its first
+	// request; 0 means 60s.
+	MaxGroupWait time.Duration
+}
+
+// Server is a listening control socket.
+type Server struct {
+	cfg    Config
+	ln     *net.UnixListener
+	ino    uint64 // of the socket file, to remove only our own
+	dev    uint64
+	groups *groups
+	ctx    context.Context // cancelled by Close
+	cancel context.CancelFunc
+	wg     sync.WaitGroup // the accept loop and the connections
+
+	mu     sync.Mutex
+	conns  map[*net.UnixConn]struct{}
+	closed bool
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// Listen creates the socket at cfg.Path, removing a stale socket file
+// there first, and serves it in goroutines until Close.
+func Listen(cfg Config) (*Server, error) {
+	if cfg.Path == "" || cfg.Backend == nil {
+		return nil, errors.New("ctl: Config needs Path and Backend")
+	}
+	if cfg.Errno == nil {
+		cfg.Errno = defaultErrno
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.MaxGroupWait <= 0 {
+		cfg.MaxGroupWait = 60 * time.Second
+	}
+	if err := removeStale(cfg.Path); err != nil {
+		return nil, err
+	}
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: cfg.Path, Net: "unixpacket"})
+	if err != nil {
+		return nil, fmt.Errorf("ctl: %w", err)
+	}
+	ln.SetUnlinkOnClose(false) // Close removes the file only if it is still ours
+	var st unix.Stat_t
+	if err := unix.Stat(cfg.Path, &st); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("ctl: stat %s: %w", cfg.Path, err)
+	}
+	if err := os.Chmod(cfg.Path, 0o666); err != nil {
+		ln.Close()
+		os.Remove(cfg.Path)
+		return nil, fmt.Errorf("ctl: %w", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	s := &Server{
+		cfg:    cfg,
+		ln:     ln,
+		dev:    st.Dev,
+		ino:    st.Ino,
+		groups: newGroups(cfg.MaxGroupWait),
+		ctx:    ctx,
+		cancel: cancel,
+		conns:  make(map[*net.UnixConn]struct{}),
+	}
+	s.wg.Add(1)
+	go s.accept()
+	return s, nil
+}
+
+// removeStale removes a socket file at path that nobody listens on. Any
+// other file, or a live socket, is an error.
+func removeStale(path string) error {
+	fi, err := os.Lstat(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("ctl: %w", err)
+	}
+	if fi.Mode().Type() != fs.ModeSocket {
+		return fmt.Errorf("ctl: %s exists and is not a socket", path)
+	}
+	c, err := net.Dial("unixpacket", path)
+	if err == nil {
+		c.Close()
+		return fmt.Errorf("ctl: %s: %w", path, syscall.EADDRINUSE)
+	}
+	if !errors.Is(err, syscall.ECONNREFUSED) {
+		return fmt.Errorf("ctl: %s is a socket in use: %w", path, err)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("ctl: removing stale socket: %w", err)
+	}
+	return nil
+}
+
+// defaultErrno is Config.Errno's default.
+func defaultErrno(err error) syscall.Errno {
+	var errno syscall.Errno
+	switch {
+	case errors.As(err, &errno) && errno != 0:
+		return errno
+	case errors.Is(err, fs.ErrNotExist):
+		return syscall.ENOENT
+	case errors.Is(err, fs.ErrPermission):
+		return syscall.EACCES
+	}
+	return syscall.EIO
+}
+
+// Close stops accepting, closes every connection (waiting group members
+// leave their groups), waits for their goroutines and removes the socket
+// file if it is still this server's. It is safe to call more than once.
+func (s *Server) Close() error {
+	s.closeOnce.Do(func() {
+		s.mu.Lock()
+		s.closed = true
+		for c := range s.conns {
+			c.Close()
+		}
+		s.mu.Unlock()
+		s.cancel()
+		s.closeErr = s.ln.Close()
+		s.wg.Wait()
+		var st unix.Stat_t
+		if unix.Stat(s.cfg.Path, &st) == nil && st.Dev == s.dev && st.Ino == s.ino {
+			if err := os.Remove(s.cfg.Path); err != nil && s.closeErr == nil {
+				s.closeErr = err
+			}
+		}
+	})
+	return s.closeErr
+}
+
+// accept accepts connections until Close, backing off while the process
+// is out of descriptors.
+func (s *Server) accept() {
+	defer s.wg.Done()
+	var backoff time.Duration
+	for {
+		c, err := s.ln.AcceptUnix()
+		if err != nil {
+			if s.ctx.Err() != nil {
+				return
+			}
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			s.cfg.Log.Warn("ctl: accept", "err", err, "retry", backoff)
+			select {
+			case <-time.After(backoff):
+			case <-s.ctx.Done():
+				return
+			}
+			continue
+		}
+		backoff = 0
+		s.mu.Lock()
+		if s.closed {
+			s.mu.Unlock()
+			c.Close()
+			return
+		}
+		s.conns[c] = struct{}{}
+		s.wg.Add(1)
+		s.mu.Unlock()
+		go s.serve(c)
+	}
+}
+
+// serve runs one connection: a reader goroutine receives messages, which
+// this goroutine answers in order. The reader also notices the peer
+// leaving while a group request waits.
+func (s *Server) serve(c *net.UnixConn) {
+	defer s.wg.Done()
+	defer func() {
+		s.mu.Lock()
+		delete(s.conns, c)
+		s.mu.Unlock()
+		c.Close()
+	}()
+	cred, err := peerCred(c)
+	if err != nil {
+		s.cfg.Log.Warn("ctl: SO_PEERCRED", "err", err)
+		return
+	}
+	ctx, cancel := context.WithCancel(s.ctx)
+	defer cancel()
+	msgs := make(chan message)
+	go func() {
+		defer close(msgs)
+		defer cancel()
+		for {
+			m, err := recvMsg(c, maxRequestFDs)
+			if err != nil {
+				return
+			}
+			select {
+			case msgs <- m:
+			case <-ctx.Done():
+				closeFDs(m.fds)
+				return
+			}
+		}
+	}()
+	for m := range msgs {
+		s.handle(ctx, c, cred, m)
+	}
+}
+
+// peerCred returns the credentials of c's peer.
+func peerCred(c *net.UnixConn) (Cred, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return Cred{}, err
+	}
+	var uc *unix.Ucred
+	var credErr error
+	if err := rc.Control(func(fd uintptr) {
+		uc, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return Cred{}, err
+	}
+	if credErr != nil {
+		return Cred{}, credErr
+	}
+	return Cred{Pid: uc.Pid, Uid: uc.Uid, Gid: uc.Gid}, nil
+}
+
+// handle answers one request message, taking ownership of its fds.
+func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m message) {
+	req, err := s.decode(m)
+	if err != nil {
+		closeFDs(m.fds)
+		s.refuse(c, cred, req.Op, err)
+		return
+	}
+	switch req.Op {
+	case opExport:
+		f, err := s.cfg.Backend.Export(cred, req.Path, req.Write)
+		if err != nil {
+			s.refuse(c, cred, req.Op, err)
+			return
+		}
+		fd, err := dupFile(f)
+		f.Close()
+		if err != nil {
+			s.refuse(c, cred, req.Op, fmt.Errorf("backend's file: %w", err))
+			return
+		}
+		s.reply(c, cred, req.Op, reply{V: version, OK: true, FDs: 1}, []int{fd})
+		closeFDs([]int{fd})
+	case opImport:
+		f := os.NewFile(uintptr(m.fds[0]), "ctl-import:"+req.Path)
+		err := s.cfg.Backend.Import(cred, req.Path, f, req.Dtype, req.Shape)
+		f.Close()
+		if err != nil {
+			s.refuse(c, cred, req.Op, err)
+			return
+		}
+		s.reply(c, cred, req.Op, reply{V: version, OK: true}, nil)
+	case opAllGather, opBroadcast:
+		s.collective(ctx, c, cred, &req, m.fds)
+	}
+}
+
+// decode checks a message's flags and parses it.
+func (s *Server) decode(m message) (request, error) {
+	switch {
+	case m.flags&unix.MSG_TRUNC != 0:
+		return request{}, protoErrorf(syscall.EMSGSIZE, "request exceeds %d bytes", maxMessage)
+	case m.flags&unix.MSG_CTRUNC != 0:
+		return request{}, protoErrorf(syscall.EINVAL, "more than %d descriptors attached", maxRequestFDs)
+	}
+	return parseRequest(m.data, len(m.fds))
+}
+
+// collective runs an all_gather or broadcast request: it joins the group
+// with fds (one or none) and waits for the group to complete, time out or
+// the connection to close.
+func (s *Server) collective(ctx context.Context, c *net.UnixConn, cred Cred, req *request, fds []int) {
+	fd := -1
+	if len(fds) == 1 {
+		fd = fds[0]
+	}
+	g, mem, err := s.groups.join(cred, req, fd)
+	if err != nil {
+		s.refuse(c, cred, req.Op, err)
+		return
+	}
+	var o outcome
+	select {
+	case o = <-mem.done:
+	case <-ctx.Done():
+		if s.groups.leave(g, mem) {
+			s.cfg.Log.Debug("ctl: left group", "group", req.Group, "rank", req.Rank, "pid", cred.Pid)
+			return
+		}
+		o = <-mem.done
+	}
+	if o.err != nil {
+		s.refuse(c, cred, req.Op, o.err)
+		return
+	}
+	s.reply(c, cred, req.Op, reply{V: version, OK: true, FDs: len(o.fds)}, o.fds)
+	o.shared.release()
+}
+
+// refuse sends the error reply for err and logs the refusal.
+func (s *Server) refuse(c *net.UnixConn, cred Cred, op string, err error) {
+	var errno syscall.Errno
+	var pe *protoErr
+	if errors.As(err, &pe) {
+		errno = pe.errno
+	} else if errno = s.cfg.Errno(err); errno == 0 {
+		errno = syscall.EIO
+	}
+	s.cfg.Log.Info("ctl: refused", "op", op, "pid", cred.Pid, "uid", cred.Uid, "errno", errno, "reason", err.Error())
+	s.reply(c, cred, op, errorReply(errno, err.Error()), nil)
+}
+
+// reply sends r with fds attached; a peer that went away is only logged.
+func (s *Server) reply(c *net.UnixConn, cred Cred, op string, r reply, fds []int) {
+	if err := sendReply(c, r, fds); err != nil {
+		s.cfg.Log.Debug("ctl: reply", "op", op, "pid", cred.Pid, "err", err)
+	}
+}
