@@ -49,11 +49,11 @@ func (n *node) isDir() bool { return n.StableAttr().Mode == syscall.S_IFDIR }
 
 func (n *node) isSymlink() bool { return n.StableAttr().Mode == syscall.S_IFLNK }
 
-// procPath names backing object name in the directory open at fd; an
-// empty name names the directory itself.
+// procPath names the backing object name in the directory open at fd;
+// an empty name names the object open at fd itself.
 func procPath(fd int, name string) string {
 	if name == "" {
-		name = "."
+		return "/proc/self/fd/" + strconv.Itoa(fd)
 	}
 	return "/proc/self/fd/" + strconv.Itoa(fd) + "/" + name
 }
@@ -100,47 +100,60 @@ func (n *node) openDirLocked() error {
 	})
 }
 
-// at runs fn with the directory descriptor and name that reach n's
-// backing: its parent's and its name, for a directory its own and "",
-// for a SHARED segment the disk directory's and its id.
+// at runs fn with a descriptor and a name that reach n's backing: its
+// parent's and its name; for a directory its own and "."; for a SHARED
+// segment the disk directory's and its id. A segment in no directory
+// (unlinked, or made with O_TMPFILE) is reached through one of its open
+// handles, with the name "": the object open at the descriptor itself.
 func (n *node) at(fn func(dirfd int, name string) error) error {
 	if n.disk != "" {
 		return fn(n.fs.store.DiskFd, n.disk)
 	}
 	if n.isDir() {
-		return n.withDir(func(fd int) error { return fn(fd, "") })
+		return n.withDir(func(fd int) error { return fn(fd, ".") })
 	}
 	name, parent := n.Parent()
 	if parent == nil {
-		return syscall.ENOENT
+		fd, err := n.dupHandleFd()
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		return fn(fd, "")
 	}
 	return parent.Operations().(*node).withDir(func(fd int) error { return fn(fd, name) })
 }
 
-// path runs fn with a /proc path of n's backing object. A segment in no
-// directory (unlinked, or made with O_TMPFILE) is reached through one of
-// its open handles.
-func (n *node) path(fn func(p string) error) error {
-	if !n.isDir() {
-		if _, parent := n.Parent(); parent == nil {
-			n.mu.Lock()
-			defer n.mu.Unlock()
-			for h := range n.handles {
-				return fn("/proc/self/fd/" + strconv.Itoa(h.fd))
-			}
-			return syscall.ENOENT
-		}
+// dupHandleFd returns a duplicate of an open handle's descriptor, for a
+// segment that is in no directory; the caller closes it. A duplicate
+// stays valid when the handle is released meanwhile.
+func (n *node) dupHandleFd() (int, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	for h := range n.handles {
+		return unix.FcntlInt(uintptr(h.fd), unix.F_DUPFD_CLOEXEC, 0)
 	}
+	return -1, syscall.ENOENT
+}
+
+// path runs fn with a /proc path of n's backing object.
+func (n *node) path(fn func(p string) error) error {
 	return n.at(func(fd int, name string) error { return fn(procPath(fd, name)) })
+}
+
+// nofollow is the *at flag that acts on name itself rather than what it
+// links to, and on the descriptor itself for an empty name.
+func nofollow(name string) int {
+	if name == "" {
+		return unix.AT_EMPTY_PATH
+	}
+	return unix.AT_SYMLINK_NOFOLLOW
 }
 
 // stat fills st with the backing object's attributes.
 func (n *node) stat(st *unix.Stat_t) error {
 	return n.at(func(fd int, name string) error {
-		if name == "" {
-			return unix.Fstat(fd, st)
-		}
-		return unix.Fstatat(fd, name, st, unix.AT_SYMLINK_NOFOLLOW)
+		return unix.Fstatat(fd, name, st, nofollow(name))
 	})
 }
 
@@ -213,12 +226,12 @@ func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAtt
 			if gok {
 				sgid = int(gid)
 			}
-			if err := unix.Lchown(p, suid, sgid); err != nil {
+			if err := unix.Fchownat(fd, name, suid, sgid, nofollow(name)); err != nil {
 				return err
 			}
 		}
 		if sz, ok := in.GetSize(); ok {
-			if err := n.resize(f, p, int64(sz)); err != nil {
+			if err := n.resize(f, p, name, int64(sz)); err != nil {
 				return err
 			}
 		}
@@ -232,7 +245,11 @@ func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAtt
 			if mok {
 				ts[1] = unix.NsecToTimespec(mtime.UnixNano())
 			}
-			if err := unix.UtimesNanoAt(unix.AT_FDCWD, p, ts, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+			flags := unix.AT_SYMLINK_NOFOLLOW
+			if name == "" {
+				flags = 0 // follow the /proc link to the segment
+			}
+			if err := unix.UtimesNanoAt(unix.AT_FDCWD, p, ts, flags); err != nil {
 				return err
 			}
 		}
@@ -247,11 +264,11 @@ func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAtt
 
 // resize truncates or grows the segment, through the handle when there
 // is one.
-func (n *node) resize(f fusefs.FileHandle, p string, size int64) error {
+func (n *node) resize(f fusefs.FileHandle, p, name string, size int64) error {
 	if h, ok := f.(*handle); ok && h.writable {
 		return alloc.Resize(h.fd, size)
 	}
-	fd, err := unix.Open(p, unix.O_WRONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+	fd, err := unix.Open(p, unix.O_WRONLY|unix.O_CLOEXEC|openNofollow(name), 0)
 	if err != nil {
 		return err
 	}
@@ -284,4 +301,13 @@ func caller(ctx context.Context) *fuse.Caller {
 		return &fuse.Caller{}
 	}
 	return c
+}
+
+// openNofollow is O_NOFOLLOW for a named object; an empty name is a /proc
+// link that must be followed.
+func openNofollow(name string) int {
+	if name == "" {
+		return 0
+	}
+	return unix.O_NOFOLLOW
 }

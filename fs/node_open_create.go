@@ -39,9 +39,8 @@ func (h *handle) PassthroughFd() (int, bool) {
 // Release closes the backing descriptor and drops the handle's
 // reference; an UNLINK segment whose last reference goes is removed.
 func (h *handle) Release(ctx context.Context) syscall.Errno {
-	errno := h.LoopbackFile.Release(ctx)
-	h.node.release(h)
-	return errno
+	h.node.release(h) // first: the node must not hand out a closed fd
+	return h.LoopbackFile.Release(ctx)
 }
 
 // backingFlags turns the flags of a FUSE open into those of the backing
@@ -100,7 +99,7 @@ func (n *node) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint3
 				return err
 			}
 		}
-		bflags := n.fs.backingFlags(flags)
+		bflags := n.fs.backingFlags(flags)&^unix.O_NOFOLLOW | openNofollow(name)
 		fd, err := unix.Open(p, bflags, 0)
 		if err != nil {
 			return err
@@ -244,4 +243,31 @@ func (n *node) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *fuse
 		return nil, nil, 0, n.fs.errno("tmpfile", n, "", err)
 	}
 	return ch, h, n.fs.openFlags(), 0
+}
+
+var (
+	_ = (fusefs.FileWriter)((*handle)(nil))
+	_ = (fusefs.FileWritever)((*handle)(nil))
+)
+
+// Write refuses to grow a segment past alloc.MaxSegmentSize (EFBIG).
+// Only classic mode sees writes; in passthrough mode the kernel's own
+// limits apply.
+func (h *handle) Write(ctx context.Context, data []byte, off int64) (uint32, syscall.Errno) {
+	if off+int64(len(data)) > alloc.MaxSegmentSize {
+		return 0, syscall.EFBIG
+	}
+	return h.LoopbackFile.Write(ctx, data, off)
+}
+
+// Writev is Write for a vector of buffers.
+func (h *handle) Writev(ctx context.Context, data [][]byte, off int64) (uint32, syscall.Errno) {
+	end := off
+	for _, d := range data {
+		end += int64(len(d))
+	}
+	if end > alloc.MaxSegmentSize {
+		return 0, syscall.EFBIG
+	}
+	return h.LoopbackFile.Writev(ctx, data, off)
 }

@@ -160,7 +160,7 @@ func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uin
 	}
 	var st unix.Stat_t
 	err := n.at(func(fd int, name string) error {
-		if err := statAt(fd, name, &st); err != nil {
+		if err := unix.Fstatat(fd, name, &st, nofollow(name)); err != nil {
 			return err
 		}
 		return alloc.Setxattr(alloc.Object{
@@ -185,14 +185,6 @@ func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
 		return syscall.ENODATA
 	}
 	return n.fs.errno("removexattr "+attr, n, "", err)
-}
-
-// statAt stats name in dirfd, or dirfd itself for an empty name.
-func statAt(dirfd int, name string, st *unix.Stat_t) error {
-	if name == "" {
-		return unix.Fstat(dirfd, st)
-	}
-	return unix.Fstatat(dirfd, name, st, unix.AT_SYMLINK_NOFOLLOW)
 }
 
 func btoi(b bool) int {

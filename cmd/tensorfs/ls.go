@@ -30,14 +30,9 @@ import (
 
 func runLs(args []string, stdout, stderr io.Writer) int {
 	set := flag.NewFlagSet("tensorfs ls", flag.ContinueOnError)
-	set.SetOutput(stderr)
 	long := set.Bool("l", false, "also list the processes holding each segment (HOLDERS: pid:command(handles))")
-	set.Usage = func() {
-		fmt.Fprintln(stderr, "usage: tensorfs ls [-l] PATH...")
-		set.PrintDefaults()
-	}
-	if err := set.Parse(args); err != nil {
-		return 2
+	if code, ok := parseFlags(set, args, "[-l] PATH...", stdout, stderr); !ok {
+		return code
 	}
 	paths := set.Args()
 	if len(paths) == 0 {

@@ -3,6 +3,8 @@
 package main
 
 import (
+	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -44,4 +46,22 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintf(stderr, "tensorfs: unknown command %q\n%s", args[0], usage)
 	return 2
+}
+
+// parseFlags parses a command's flags. Errors are one line; -h prints the
+// usage on stdout. ok is false when the command should exit with code.
+func parseFlags(set *flag.FlagSet, args []string, synopsis string, stdout, stderr io.Writer) (code int, ok bool) {
+	set.SetOutput(io.Discard)
+	err := set.Parse(args)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		fmt.Fprintf(stdout, "usage: %s %s\n", set.Name(), synopsis)
+		set.SetOutput(stdout)
+		set.PrintDefaults()
+		return 0, false
+	case err != nil:
+		fmt.Fprintf(stderr, "%s: %v (see %s -h)\n", set.Name(), err, set.Name())
+		return 2, false
+	}
+	return 0, true
 }

@@ -14,7 +14,6 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -48,10 +47,9 @@ func (m *mountFlags) register(set *flag.FlagSet) {
 func runMount(args []string, stdout, stderr io.Writer) int {
 	var m mountFlags
 	set := flag.NewFlagSet("tensorfs mount", flag.ContinueOnError)
-	set.SetOutput(stderr)
 	m.register(set)
-	if err := set.Parse(args); err != nil {
-		return 2
+	if code, ok := parseFlags(set, args, "[flags] MOUNTPOINT", stdout, stderr); !ok {
+		return code
 	}
 	if set.NArg() != 1 {
 		fmt.Fprintln(stderr, "tensorfs mount: want exactly one MOUNTPOINT; see tensorfs mount -h")
@@ -110,19 +108,20 @@ func parseSize(s string) (int64, error) {
 }
 
 // prepareMountpoint checks the mountpoint and cleans up a stale mount
-// left by a daemon that died (ENOTCONN).
+// left by a daemon that died (ENOTCONN). statfs asks the daemon every
+// time, where stat may be answered from the kernel's attribute cache.
 func prepareMountpoint(mp string) error {
-	var st unix.Stat_t
-	err := unix.Stat(mp, &st)
+	var sfs unix.Statfs_t
+	err := unix.Statfs(mp, &sfs)
 	if errors.Is(err, unix.ENOTCONN) {
 		if err := unix.Unmount(mp, unix.MNT_DETACH); err != nil {
 			if out, ferr := exec.Command("fusermount3", "-u", "-z", mp).CombinedOutput(); ferr != nil {
 				return fmt.Errorf("clean stale mount at %s: %v (%s)", mp, err, strings.TrimSpace(string(out)))
 			}
 		}
-		err = unix.Stat(mp, &st)
 	}
-	if err != nil {
+	var st unix.Stat_t
+	if err := unix.Stat(mp, &st); err != nil {
 		return fmt.Errorf("mountpoint %s: %w (create it with mkdir -p)", mp, err)
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
@@ -252,7 +251,7 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 	log.Info("mounted", "mountpoint", mp, "backing", store.Dir, "mode", srv.Mode(), "segments", segs, "bytes", bytes)
 	fmt.Fprintf(stdout, "ready pid=%d mode=%s mountpoint=%s\n", os.Getpid(), srv.Mode(), mp)
 
-	sigs := make(chan os.Signal, 1)
+	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 	done := make(chan struct{})
 	go func() { srv.Wait(); close(done) }()
@@ -263,13 +262,17 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 	case s := <-sigs:
 		log.Info("signal, unmounting", "signal", s.String())
 	}
+	// A busy mount is detached: it leaves the namespace now and the
+	// daemon serves the open files until their last user closes them.
+	// A second signal stops serving at once.
 	if err := unmount(mp); err != nil {
 		return err
 	}
 	select {
 	case <-done:
-	case <-time.After(10 * time.Second):
-		return fmt.Errorf("unmount %s: the kernel did not release the mount", mp)
+		log.Info("unmounted", "mountpoint", mp)
+	case s := <-sigs:
+		log.Warn("second signal: exiting while files are still open; their users get ENOTCONN", "signal", s.String())
 	}
 	return nil
 }

@@ -70,12 +70,8 @@ var errInterrupted = errors.New("interrupted")
 
 func runImport(args []string, stdout, stderr io.Writer) int {
 	set := flag.NewFlagSet("tensorfs import", flag.ContinueOnError)
-	set.SetOutput(stderr)
-	set.Usage = func() {
-		fmt.Fprintln(stderr, "usage: tensorfs import FILE.safetensors DIR   (DIR: new or empty, inside a tensorfs mount)")
-	}
-	if err := set.Parse(args); err != nil {
-		return 2
+	if code, ok := parseFlags(set, args, "FILE.safetensors DIR   (DIR: new or empty, inside a tensorfs mount)", stdout, stderr); !ok {
+		return code
 	}
 	if set.NArg() != 2 {
 		fmt.Fprintln(stderr, "tensorfs import: want FILE.safetensors DIR")
@@ -95,12 +91,8 @@ func runImport(args []string, stdout, stderr io.Writer) int {
 
 func runExport(args []string, stdout, stderr io.Writer) int {
 	set := flag.NewFlagSet("tensorfs export", flag.ContinueOnError)
-	set.SetOutput(stderr)
-	set.Usage = func() {
-		fmt.Fprintln(stderr, "usage: tensorfs export DIR FILE.safetensors")
-	}
-	if err := set.Parse(args); err != nil {
-		return 2
+	if code, ok := parseFlags(set, args, "DIR FILE.safetensors", stdout, stderr); !ok {
+		return code
 	}
 	if set.NArg() != 2 {
 		fmt.Fprintln(stderr, "tensorfs export: want DIR FILE.safetensors")

@@ -19,10 +19,9 @@ import (
 
 func runUnmount(args []string, stdout, stderr io.Writer) int {
 	set := flag.NewFlagSet("tensorfs unmount", flag.ContinueOnError)
-	set.SetOutput(stderr)
 	purge := set.Bool("purge", false, "also release the backing memory (SHARED segments on disk are kept)")
-	if err := set.Parse(args); err != nil {
-		return 2
+	if code, ok := parseFlags(set, args, "[--purge] MOUNTPOINT", stdout, stderr); !ok {
+		return code
 	}
 	if set.NArg() != 1 {
 		fmt.Fprintln(stderr, "tensorfs unmount: want exactly one MOUNTPOINT")
