@@ -1,0 +1,255 @@
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Contender names, as the report shows them.
+const (
+	tmpfsName   = "tmpfs"
+	ptName      = "passthrough"
+	classicName = "classic"
+	loopName    = "loopback"
+	shmName     = "share_memory_()"
+	copyName    = "own copy"
+)
+
+// contender is one thing a case runs against: a directory, and for
+// tensorfs and loopbackfs the daemon serving it.
+type contender struct {
+	name string
+	dir  string // where cases put their files
+	mp   string // mountpoint; "" for plain tmpfs
+	// backing is the loopback mount's underlying directory.
+	backing  string
+	cmd      *exec.Cmd
+	pid      int
+	tensorfs bool
+}
+
+// start mounts the named contenders; on error it stops those it started.
+func (b *bench) start(names ...string) ([]*contender, error) {
+	var cs []*contender
+	for _, n := range names {
+		c, err := b.startOne(n)
+		if err != nil {
+			b.stop(cs)
+			return nil, fmt.Errorf("start %s: %w", n, err)
+		}
+		cs = append(cs, c)
+		b.mu.Lock()
+		b.live[c] = true
+		b.mu.Unlock()
+	}
+	return cs, nil
+}
+
+func (b *bench) startOne(name string) (*contender, error) {
+	c := &contender{name: name}
+	switch name {
+	case tmpfsName:
+		c.dir = filepath.Join(b.tmpfs, "plain")
+		return c, os.Mkdir(c.dir, 0o755)
+	case loopName:
+		c.backing = filepath.Join(b.tmpfs, "loopback")
+		if err := os.Mkdir(c.backing, 0o755); err != nil {
+			return nil, err
+		}
+		c.mp = filepath.Join(b.work, "mnt-loopback")
+		c.cmd = exec.Command(b.lbBin, c.mp, c.backing)
+	default:
+		c.tensorfs = true
+		c.mp = filepath.Join(b.work, "mnt-"+name)
+		args := []string{"mount", "-f", "--capacity", "12G"}
+		if name == classicName {
+			args = append(args, "--no-passthrough")
+		}
+		c.cmd = exec.Command(b.bin, append(args, c.mp)...)
+	}
+	c.dir = c.mp
+	if err := os.MkdirAll(c.mp, 0o755); err != nil {
+		return nil, err
+	}
+	logf, err := os.OpenFile(filepath.Join(b.work, name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	defer logf.Close()
+	c.cmd.Stderr = logf
+	out, err := c.cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := c.cmd.Start(); err != nil {
+		return nil, err
+	}
+	line := make(chan string, 1)
+	go func() {
+		l, _ := bufio.NewReader(out).ReadString('\n')
+		line <- l
+	}()
+	var ready string
+	select {
+	case ready = <-line:
+	case <-time.After(30 * time.Second):
+	}
+	f := strings.Fields(ready)
+	if len(f) < 2 || f[0] != "ready" {
+		c.cmd.Process.Kill()
+		c.cmd.Wait()
+		return nil, fmt.Errorf("no ready line from %s (log in %s)", c.cmd.Path, logf.Name())
+	}
+	c.pid, _ = strconv.Atoi(strings.TrimPrefix(f[1], "pid="))
+	if c.tensorfs {
+		want := "mode=passthrough"
+		if name == classicName {
+			want = "mode=classic"
+		}
+		if !strings.Contains(ready, want) {
+			b.stopOne(c)
+			return nil, fmt.Errorf("tensorfs mounted with %q, want %s", strings.TrimSpace(ready), want)
+		}
+	}
+	return c, nil
+}
+
+// stop unmounts the contenders and removes what they held.
+func (b *bench) stop(cs []*contender) {
+	for _, c := range cs {
+		b.stopOne(c)
+	}
+}
+
+func (b *bench) stopOne(c *contender) {
+	b.mu.Lock()
+	delete(b.live, c)
+	b.mu.Unlock()
+	switch {
+	case c.tensorfs:
+		if out, err := exec.Command(b.bin, "unmount", "--purge", c.mp).CombinedOutput(); err != nil {
+			fmt.Fprintf(os.Stderr, "bench: unmount %s: %v %s", c.mp, err, out)
+		}
+	case c.cmd != nil:
+		if err := unix.Unmount(c.mp, 0); err != nil {
+			unix.Unmount(c.mp, unix.MNT_DETACH)
+		}
+	}
+	if c.cmd != nil {
+		done := make(chan error, 1)
+		go func() { done <- c.cmd.Wait() }()
+		select {
+		case <-done:
+		case <-time.After(30 * time.Second):
+			c.cmd.Process.Kill()
+			<-done
+		}
+		os.Remove(c.mp)
+	}
+	if c.mp == "" {
+		os.RemoveAll(c.dir)
+	}
+	if c.backing != "" {
+		os.RemoveAll(c.backing)
+	}
+}
+
+// daemonStats is the part of tensorfs's user.tensorfs.stats that the
+// report uses.
+type daemonStats struct {
+	Requests map[string]int64 `json:"requests"`
+	Daemon   struct {
+		CPUSeconds float64 `json:"cpu_seconds"`
+	} `json:"daemon"`
+}
+
+// stats reads the daemon's counters from the mount root.
+func (c *contender) stats() (daemonStats, error) {
+	var st daemonStats
+	buf := make([]byte, 64*kiB)
+	n, err := unix.Getxattr(c.mp, "user.tensorfs.stats", buf)
+	if err != nil {
+		return st, fmt.Errorf("getxattr user.tensorfs.stats: %w", err)
+	}
+	return st, json.Unmarshal(buf[:n], &st)
+}
+
+// counters reads a daemon's request counters and CPU time: tensorfs's
+// stats xattr, or for other daemons the CPU time in /proc/PID/stat (in
+// clock ticks of 10 ms) alone.
+func (c *contender) counters() (daemonStats, error) {
+	if c.tensorfs {
+		return c.stats()
+	}
+	var st daemonStats
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", c.pid))
+	if err != nil {
+		return st, err
+	}
+	// Fields after the command name, which ends in the last ')': state is
+	// field 3, utime and stime are 14 and 15.
+	f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
+	if len(f) < 13 {
+		return st, fmt.Errorf("short /proc/%d/stat", c.pid)
+	}
+	utime, err1 := strconv.ParseInt(f[11], 10, 64)
+	stime, err2 := strconv.ParseInt(f[12], 10, 64)
+	if err1 != nil || err2 != nil {
+		return st, fmt.Errorf("unreadable /proc/%d/stat", c.pid)
+	}
+	st.Daemon.CPUSeconds = float64(utime+stime) / clockTicks
+	return st, nil
+}
+
+// clockTicks is USER_HZ, the unit of /proc/PID/stat's times, on Linux.
+const clockTicks = 100
+
+// rss returns the daemon's resident set size now (VmRSS) and its peak
+// (VmHWM). The peak in user.tensorfs.stats comes from getrusage, whose
+// maxrss a process inherits across execve from the process that started
+// it (here the bench, with its mappings), so it is not used.
+func (c *contender) rss() (now, peak int64, err error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", c.pid))
+	if err != nil {
+		return 0, 0, err
+	}
+	field := func(name string) (int64, error) {
+		for _, line := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(line, name+":"); ok {
+				kb, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+				return kb * kiB, err
+			}
+		}
+		return 0, fmt.Errorf("no %s for pid %d", name, c.pid)
+	}
+	if now, err = field("VmRSS"); err != nil {
+		return 0, 0, err
+	}
+	peak, err = field("VmHWM")
+	return now, peak, err
+}
+
+func mountTmpfs(dir string) error {
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		return err
+	}
+	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=16G,mode=0755"); err != nil {
+		return fmt.Errorf("mount tmpfs at %s: %w", dir, err)
+	}
+	return nil
+}
+
+func unmountTmpfs(dir string) {
+	if err := unix.Unmount(dir, 0); err != nil {
+		unix.Unmount(dir, unix.MNT_DETACH)
+	}
+}

@@ -1,0 +1,195 @@
+package main
+
+import (
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+var (
+	mMmapCold  = metricDef{"mmap cold touch, one byte per page", "GiB/s", true}
+	mMmapWarm  = metricDef{"mmap warm sum, every byte", "GiB/s", true}
+	mMmapSet   = metricDef{"mmap memset + msync", "GiB/s", true}
+	mOpenBig   = metricDef{"open() of the cached mmap segment", "µs", false}
+	mOpenSmall = metricDef{"open() of a cached 4 KiB segment", "µs", false}
+)
+
+const pageSize = 4096
+
+// openSamples is how many open() timings each round takes per segment,
+// each right after reading the segment.
+const openSamples = 3
+
+// sink keeps the sums of the mmap cases alive.
+var sink uint64
+
+// groupMmap maps one large segment per contender: first touch of every
+// page of a fresh mapping, a sum over the now mapped bytes, memset and
+// msync; then open() right after the segment was read into the cache,
+// which must not cost in proportion to its size.
+func (b *bench) groupMmap() error {
+	cs, err := b.start(tmpfsName, ptName, classicName)
+	if err != nil {
+		return err
+	}
+	defer b.stop(cs)
+	size := b.cfg.mmapSize
+	for _, c := range cs {
+		if err := writeFile(filepath.Join(c.dir, "big.seg"), size); err != nil {
+			return err
+		}
+		if err := writeFile(filepath.Join(c.dir, "small.seg"), 4*kiB); err != nil {
+			return err
+		}
+	}
+	return b.rounds(cs, func(c *contender) error {
+		big := filepath.Join(c.dir, "big.seg")
+		if err := b.mmapRound(c, big, size); err != nil {
+			return err
+		}
+		for _, o := range []struct {
+			m    metricDef
+			path string
+		}{{mOpenBig, big}, {mOpenSmall, filepath.Join(c.dir, "small.seg")}} {
+			for range openSamples {
+				if _, err := readFile(o.path); err != nil {
+					return err
+				}
+				err := b.observe(c, "open() cached", func() (int64, error) {
+					d, err := timeOpen(o.path)
+					b.res.add(o.m, c.name, float64(d.Nanoseconds())/1e3)
+					return 0, err
+				})
+				if err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	})
+}
+
+// mmapRound maps path afresh and runs the three mmap cases on it. The
+// FUSE page cache of the classic mount is dropped first, so that its
+// touch is cold too (on tmpfs and in passthrough the pages are the file).
+func (b *bench) mmapRound(c *contender, path string, size int64) error {
+	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	if err := unix.Fadvise(fd, 0, 0, unix.FADV_DONTNEED); err != nil {
+		return err
+	}
+	var m []byte
+	gib := float64(size) / giB
+	err = b.observe(c, "mmap cold touch", func() (int64, error) {
+		var err error
+		if m, err = unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED); err != nil {
+			return 0, err
+		}
+		t := time.Now()
+		var s uint64
+		for i := 0; i < len(m); i += pageSize {
+			s += uint64(m[i])
+		}
+		b.res.add(mMmapCold, c.name, gib/time.Since(t).Seconds())
+		sink += s
+		return size, nil
+	})
+	if err != nil {
+		return err
+	}
+	defer unix.Munmap(m)
+	err = b.observe(c, "mmap warm sum", func() (int64, error) {
+		t := time.Now()
+		var s uint64
+		for _, w := range unsafe.Slice((*uint64)(unsafe.Pointer(&m[0])), len(m)/8) {
+			s += w
+		}
+		b.res.add(mMmapWarm, c.name, gib/time.Since(t).Seconds())
+		sink += s
+		return size, nil
+	})
+	if err != nil {
+		return err
+	}
+	return b.observe(c, "mmap memset + msync", func() (int64, error) {
+		t := time.Now()
+		fill(m, byte(sink|1))
+		if err := unix.Msync(m, unix.MS_SYNC); err != nil {
+			return 0, err
+		}
+		b.res.add(mMmapSet, c.name, gib/time.Since(t).Seconds())
+		return size, nil
+	})
+}
+
+// fill sets every byte of m to v at memmove speed.
+func fill(m []byte, v byte) {
+	if len(m) == 0 {
+		return
+	}
+	m[0] = v
+	for n := 1; n < len(m); n *= 2 {
+		copy(m[n:], m[:n])
+	}
+}
+
+// timeOpen times one open() of path.
+func timeOpen(path string) (time.Duration, error) {
+	t := time.Now()
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	d := time.Since(t)
+	if err != nil {
+		return 0, err
+	}
+	return d, unix.Close(fd)
+}
+
+// writeFile writes size non-zero bytes to a new file at path, 1 MiB at a
+// time.
+func writeFile(path string, size int64) error {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o644)
+	if err != nil {
+		return err
+	}
+	buf := make([]byte, min(size, miB))
+	for i := range buf {
+		buf[i] = byte(i%251 + 1)
+	}
+	for off := int64(0); off < size; off += int64(len(buf)) {
+		if _, err := f.Write(buf[:min(int64(len(buf)), size-off)]); err != nil {
+			f.Close()
+			return err
+		}
+	}
+	return f.Close()
+}
+
+// readFile reads path to the end, 1 MiB at a time, and returns the bytes
+// read.
+func readFile(path string) (int64, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	buf := make([]byte, miB)
+	var n int64
+	for {
+		k, err := f.Read(buf)
+		n += int64(k)
+		if errors.Is(err, io.EOF) {
+			return n, nil
+		}
+		if err != nil {
+			return n, err
+		}
+	}
+}
