@@ -9,13 +9,19 @@ import (
 // Recover prepares a backing left by an earlier daemon for a new mount.
 // Reference counts restart at zero, so every UNLINK segment has no holder
 // and is removed, as its last holder's exit would have removed it. It
-// returns the number of segments and bytes kept. SHARED segments whose
-// markers are gone (a purged backing) are restored from --disk.
+// returns the number of segments and bytes kept. Imported segments ended
+// with the daemon that held them and their markers are removed. SHARED
+// segments whose markers are gone (a purged backing) are restored from
+// --disk.
 func (s *Store) Recover() (segments, bytes int64, err error) {
 	known := map[string]bool{}
 	err = filepath.WalkDir(s.Dir, func(p string, d fs.DirEntry, err error) error {
 		if err != nil || !d.Type().IsRegular() {
 			return err
+		}
+		if ImportID(p) != "" {
+			s.log.Info("recover: removing imported segment, its descriptor ended with the daemon", "path", p)
+			return os.Remove(p)
 		}
 		if id := SharedID(p); id != "" && s.Disk != "" {
 			known[id] = true

@@ -110,32 +110,3 @@ func TestRecoverRemovesUnlinkSegmentsAndRestoresShared(t *testing.T) {
 		t.Errorf("restored marker names %q, want %q", got, id)
 	}
 }
-
-func TestMappersFindsMapping(t *testing.T) {
-	p := filepath.Join(t.TempDir(), "seg")
-	if err := os.WriteFile(p, make([]byte, 4096), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	f, err := os.Open(p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	mem, err := unix.Mmap(int(f.Fd()), 0, 4096, unix.PROT_READ, unix.MAP_SHARED)
-	f.Close()
-	if err != nil {
-		t.Fatal(err)
-	}
-	var st unix.Stat_t
-	unix.Stat(p, &st)
-	pids, err := Mappers(st.Dev, st.Ino)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(pids) != 1 || pids[0] != os.Getpid() {
-		t.Errorf("Mappers = %v, want [%d]", pids, os.Getpid())
-	}
-	unix.Munmap(mem)
-	if pids, _ := Mappers(st.Dev, st.Ino); len(pids) != 0 {
-		t.Errorf("after munmap Mappers = %v, want none", pids)
-	}
-}

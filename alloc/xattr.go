@@ -269,11 +269,12 @@ func Removexattr(path, name string) error {
 }
 
 // InheritFlags stores on a new child the flags it inherits from its parent
-// directory: a directory inherits them all, a segment its storage modes.
+// directory: a directory inherits them all, a segment its storage modes
+// (and FROMFD, which only the import operation passes).
 func InheritFlags(parent Flags, childPath string, dir bool) error {
 	f := parent
 	if !dir {
-		f &= SharedMem | Shared | Unlink | KeepFD
+		f &= SharedMem | Shared | Unlink | KeepFD | FromFD
 	}
 	if f == 0 {
 		return nil

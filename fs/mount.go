@@ -27,6 +27,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/ctl"
 )
 
 // Options configures a mount.
@@ -43,12 +44,23 @@ type Options struct {
 	Debug bool
 	// Log receives refusals and events.
 	Log *slog.Logger
+	// Socket is the path of the control socket; "" for none.
+	Socket string
 }
 
 // Server is a mounted tensorfs.
 type Server struct {
 	*fuse.Server
-	fs *filesystem
+	fs  *filesystem
+	ctl *ctl.Server
+}
+
+// Close stops the control socket; the mount itself ends with Unmount.
+func (s *Server) Close() error {
+	if s.ctl == nil {
+		return nil
+	}
+	return s.ctl.Close()
 }
 
 // Mode says how data is served: "passthrough" or "classic".
@@ -59,15 +71,14 @@ type filesystem struct {
 	store *alloc.Store
 	log   *slog.Logger
 	root  *node
+	// socket is the control socket's path, "" if none.
+	socket string
 	// passthrough is true when opens are answered with FOPEN_PASSTHROUGH.
 	passthrough bool
-	// dev is the device number of the mount, as /proc/PID/maps shows it.
-	dev      uint64
-	requests counters
-	started  time.Time
-	// unlinkWatch receives UNLINK segments still mapped after their last
-	// handle went.
-	unlinkWatch chan *node
+	requests    counters
+	started     time.Time
+	// imports holds the descriptors of imported (FROMFD) segments.
+	imports imports
 }
 
 func (fsys *filesystem) mode() string {
@@ -81,10 +92,10 @@ func (fsys *filesystem) mode() string {
 // serves it.
 func Mount(opts Options) (*Server, error) {
 	fsys := &filesystem{
-		store:       opts.Store,
-		log:         opts.Log,
-		started:     time.Now(),
-		unlinkWatch: make(chan *node, 64),
+		store:   opts.Store,
+		log:     opts.Log,
+		socket:  opts.Socket,
+		started: time.Now(),
 	}
 	root := fsys.newNode()
 	fd, err := unix.Dup(opts.Store.RootFd)
@@ -115,11 +126,16 @@ func Mount(opts Options) (*Server, error) {
 			// As root, mount(2) directly; otherwise fusermount3.
 			DirectMount: os.Geteuid() == 0,
 			// 1 MiB requests keep the classic path's reads large.
-			MaxWrite:      1 << 20,
-			MaxReadAhead:  1 << 20,
-			EnableLocks:   true,
-			Debug:         opts.Debug,
-			DisableXAttrs: false,
+			MaxWrite:     1 << 20,
+			MaxReadAhead: 1 << 20,
+			EnableLocks:  true,
+			// O_TRUNC arrives with OPEN rather than as a separate
+			// SETATTR, so an EXCLUSIVE directory can refuse it.
+			ExtraCapabilities: fuse.CAP_ATOMIC_O_TRUNC,
+			// Symbolic links never change; the kernel may keep them.
+			EnableSymlinkCaching: true,
+			Debug:                opts.Debug,
+			DisableXAttrs:        false,
 		},
 	}
 	if opts.Debug {
@@ -143,12 +159,15 @@ func Mount(opts Options) (*Server, error) {
 			fsys.passthrough = true
 		}
 	}
-	var st unix.Stat_t
-	if err := unix.Stat(opts.Mountpoint, &st); err == nil {
-		fsys.dev = st.Dev
+	s := &Server{Server: srv, fs: fsys}
+	if opts.Socket != "" {
+		s.ctl, err = ctl.Listen(ctl.Config{Path: opts.Socket, Backend: controlBackend{fsys}, Errno: toErrno, Log: opts.Log})
+		if err != nil {
+			srv.Unmount()
+			return nil, fmt.Errorf("control socket: %w", err)
+		}
 	}
-	go fsys.watchUnlinked()
-	return &Server{Server: srv, fs: fsys}, nil
+	return s, nil
 }
 
 // probePassthrough checks that the kernel accepts backing files from
@@ -216,61 +235,33 @@ func (fsys *filesystem) reclaimLater(n *node) {
 }
 
 // reclaim removes n's names if it is an UNLINK segment without holders.
-// It returns false when the segment must be looked at again later.
-func (fsys *filesystem) reclaim(n *node) bool {
+func (fsys *filesystem) reclaim(n *node) {
 	if len(n.openHandles()) > 0 {
-		return true
+		return
 	}
-	f, err := n.flags()
-	if err != nil || f&alloc.Unlink == 0 {
-		return true
-	}
-	if len(n.mappers(nil)) > 0 {
-		select {
-		case fsys.unlinkWatch <- n:
-		default:
-			fsys.log.Warn("too many mapped UNLINK segments waiting; removal deferred to the next release", "path", n.Path(nil))
-		}
-		return false
+	if f, err := n.flags(); err != nil || f&alloc.Unlink == 0 {
+		return
 	}
 	for {
 		name, parent := n.Parent()
 		if parent == nil {
-			return true
+			return
 		}
 		err := parent.Operations().(*node).withDir(func(fd int) error {
 			var st unix.Stat_t
 			if err := unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil || st.Ino != n.StableAttr().Ino {
 				return syscall.ENOENT
 			}
-			return unix.Unlinkat(fd, name, 0)
+			r := fsys.lastLinkRedirect(fd, name)
+			if err := unix.Unlinkat(fd, name, 0); err != nil {
+				return err
+			}
+			return fsys.release(r)
 		})
 		parent.RmChild(name)
 		parent.NotifyDelete(name, n.EmbeddedInode())
 		if err == nil {
 			fsys.log.Info("removed UNLINK segment without holders", "name", name)
-		}
-	}
-}
-
-// watchUnlinked polls UNLINK segments that are still mapped after their
-// last handle went, and removes each once no process maps it.
-func (fsys *filesystem) watchUnlinked() {
-	var waiting []*node
-	tick := time.NewTicker(500 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		select {
-		case n := <-fsys.unlinkWatch:
-			waiting = append(waiting, n)
-		case <-tick.C:
-			kept := waiting[:0]
-			for _, n := range waiting {
-				if !fsys.reclaim(n) {
-					kept = append(kept, n)
-				}
-			}
-			waiting = kept
 		}
 	}
 }
@@ -298,31 +289,6 @@ func (fsys *filesystem) stats() map[string]any {
 
 func cpuSeconds(ru *unix.Rusage) float64 {
 	return float64(ru.Utime.Sec+ru.Stime.Sec) + float64(ru.Utime.Usec+ru.Stime.Usec)/1e6
-}
-
-// target returns where the bytes and attributes of the backing object
-// name in dirfd live: there, or for a SHARED segment's marker, in its
-// disk file, whose id it also returns.
-func (fsys *filesystem) target(dirfd int, name string, st *unix.Stat_t) (int, string, string) {
-	if fsys.store.Disk == "" || st.Mode&syscall.S_IFMT != syscall.S_IFREG {
-		return dirfd, name, ""
-	}
-	id := alloc.SharedID(procPath(dirfd, name))
-	if id == "" {
-		return dirfd, name, ""
-	}
-	return fsys.store.DiskFd, id, id
-}
-
-// lastSharedName returns the disk id of the SHARED segment at name when
-// name is its last link, so that removing name must remove the disk file.
-func (fsys *filesystem) lastSharedName(dirfd int, name string) string {
-	var st unix.Stat_t
-	if fsys.store.Disk == "" || unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil || st.Nlink != 1 {
-		return ""
-	}
-	_, _, id := fsys.target(dirfd, name, &st)
-	return id
 }
 
 // sharedFile makes the disk file of a new SHARED segment whose marker is

@@ -2,6 +2,7 @@ package fs
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 	"sync"
 	"syscall"
@@ -31,9 +32,9 @@ type node struct {
 	// closed or not a directory.
 	dirfd int
 
-	// disk is the id of a SHARED segment's disk file, where its bytes
-	// and attributes live; "" for other nodes. Set at creation.
-	disk string
+	// redir says where a SHARED or imported segment's bytes and
+	// attributes live; zero for other nodes. Set at creation.
+	redir redirect
 
 	// mu protects handles.
 	mu sync.Mutex
@@ -102,12 +103,12 @@ func (n *node) openDirLocked() error {
 
 // at runs fn with a descriptor and a name that reach n's backing: its
 // parent's and its name; for a directory its own and "."; for a SHARED
-// segment the disk directory's and its id. A segment in no directory
+// or imported segment what its redirect says. A segment in no directory
 // (unlinked, or made with O_TMPFILE) is reached through one of its open
 // handles, with the name "": the object open at the descriptor itself.
 func (n *node) at(fn func(dirfd int, name string) error) error {
-	if n.disk != "" {
-		return fn(n.fs.store.DiskFd, n.disk)
+	if n.redir != (redirect{}) {
+		return n.fs.withTarget(n.redir, -1, "", fn)
 	}
 	if n.isDir() {
 		return n.withDir(func(fd int) error { return fn(fd, ".") })
@@ -231,6 +232,9 @@ func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAtt
 			}
 		}
 		if sz, ok := in.GetSize(); ok {
+			if n.redir.imported != "" {
+				return fmt.Errorf("%w: an imported (FROMFD) segment keeps the size its owner gave it", alloc.ErrReadOnly)
+			}
 			if err := n.resize(f, p, name, int64(sz)); err != nil {
 				return err
 			}

@@ -37,14 +37,16 @@ func (n *node) child(ctx context.Context, dirfd int, name string, out *fuse.Entr
 		return nil, err
 	}
 	ch := n.fs.newNode()
-	tfd, tname, id := n.fs.target(dirfd, name, &st)
-	if id != "" {
+	ch.redir = n.fs.redirectOf(dirfd, name, &st)
+	if ch.redir != (redirect{}) {
 		ino := st.Ino
-		if err := unix.Fstatat(tfd, tname, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		err := n.fs.withTarget(ch.redir, dirfd, name, func(tfd int, tname string) error {
+			return unix.Fstatat(tfd, tname, &st, nofollow(tname))
+		})
+		if err != nil {
 			return nil, err
 		}
 		st.Ino = ino
-		ch.disk = id
 	}
 	out.Attr.FromStat(toSyscallStat(&st))
 	return n.NewInode(ctx, ch, fusefs.StableAttr{Mode: st.Mode & syscall.S_IFMT, Ino: st.Ino}), nil
@@ -68,13 +70,21 @@ func (n *node) creatable() (alloc.Flags, error) {
 // as an inode. On failure the object is removed again.
 func (n *node) adopt(ctx context.Context, dirfd int, name string, parentFlags alloc.Flags, out *fuse.EntryOut) (*fusefs.Inode, error) {
 	var st unix.Stat_t
+	var r redirect
 	err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
-	tfd, tname, id := n.fs.target(dirfd, name, &st)
-	if uid, gid, ok := n.fs.owner(ctx, dirfd); ok && err == nil {
-		err = unix.Fchownat(tfd, tname, uid, gid, unix.AT_SYMLINK_NOFOLLOW)
-	}
-	if err == nil && st.Mode&syscall.S_IFMT != syscall.S_IFLNK {
-		err = alloc.InheritFlags(parentFlags, procPath(tfd, tname), st.Mode&syscall.S_IFMT == syscall.S_IFDIR)
+	if err == nil {
+		r = n.fs.redirectOf(dirfd, name, &st)
+		err = n.fs.withTarget(r, dirfd, name, func(tfd int, tname string) error {
+			if uid, gid, ok := n.fs.owner(ctx, dirfd); ok {
+				if err := unix.Fchownat(tfd, tname, uid, gid, nofollow(tname)); err != nil {
+					return err
+				}
+			}
+			if st.Mode&syscall.S_IFMT == syscall.S_IFLNK {
+				return nil
+			}
+			return alloc.InheritFlags(parentFlags, procPath(tfd, tname), st.Mode&syscall.S_IFMT == syscall.S_IFDIR)
+		})
 	}
 	var ch *fusefs.Inode
 	if err == nil {
@@ -84,9 +94,7 @@ func (n *node) adopt(ctx context.Context, dirfd int, name string, parentFlags al
 		if unix.Unlinkat(dirfd, name, 0) != nil {
 			unix.Unlinkat(dirfd, name, unix.AT_REMOVEDIR)
 		}
-		if id != "" {
-			n.fs.store.RemoveShared(id)
-		}
+		n.fs.release(r)
 		return nil, err
 	}
 	return ch, nil
@@ -160,8 +168,8 @@ func (n *node) Link(ctx context.Context, target fusefs.InodeEmbedder, name strin
 			return err
 		}
 		t := target.(*node)
-		if t.disk != "" {
-			return fmt.Errorf("%w: a SHARED segment has one name", syscall.EXDEV)
+		if t.redir != (redirect{}) {
+			return fmt.Errorf("%w: SHARED and imported segments have one name", syscall.EXDEV)
 		}
 		follow := 0
 		if _, parent := t.Parent(); parent == nil {
@@ -185,14 +193,11 @@ var _ = (fusefs.NodeUnlinker)((*node)(nil))
 // Unlink removes a name.
 func (n *node) Unlink(ctx context.Context, name string) syscall.Errno {
 	err := n.withDir(func(fd int) error {
-		id := n.fs.lastSharedName(fd, name)
+		r := n.fs.lastLinkRedirect(fd, name)
 		if err := unix.Unlinkat(fd, name, 0); err != nil {
 			return err
 		}
-		if id != "" {
-			return n.fs.store.RemoveShared(id)
-		}
-		return nil
+		return n.fs.release(r)
 	})
 	return n.fs.errno("unlink", n, name, err)
 }
@@ -225,16 +230,16 @@ func (n *node) Rename(ctx context.Context, name string, newParent fusefs.InodeEm
 					flags |= unix.RENAME_NOREPLACE
 				}
 			}
-			var replaced string
+			var replaced redirect
 			if flags&unix.RENAME_EXCHANGE == 0 {
-				replaced = n.fs.lastSharedName(dfd, newName)
+				replaced = n.fs.lastLinkRedirect(dfd, newName)
 			}
 			err := unix.Renameat2(fd, name, dfd, newName, uint(flags))
 			if errors.Is(err, unix.EEXIST) && flags&unix.RENAME_NOREPLACE != 0 {
 				return fmt.Errorf("%w: %s", alloc.ErrExists, newName)
 			}
-			if err == nil && replaced != "" {
-				err = n.fs.store.RemoveShared(replaced)
+			if err == nil {
+				err = n.fs.release(replaced)
 			}
 			if err == nil {
 				n.fs.store.RecordSharedPath(procPath(dfd, newName), dst.Path(nil)+"/"+newName)

@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"strconv"
+	"strings"
 	"syscall"
 
 	fusefs "github.com/hanwen/go-fuse/v2/fs"
@@ -64,13 +66,33 @@ func (fsys *filesystem) openFlags() uint32 {
 	return fuse.FOPEN_KEEP_CACHE
 }
 
+// processOf returns the process (thread group) of a thread: FUSE names
+// the calling thread, holders are processes.
+func processOf(tid uint32) uint32 {
+	f, err := os.Open("/proc/" + strconv.Itoa(int(tid)) + "/status")
+	if err != nil {
+		return tid
+	}
+	defer f.Close()
+	buf := make([]byte, 512) // Tgid is among the first lines
+	n, _ := f.Read(buf)
+	for _, line := range strings.Split(string(buf[:n]), "\n") {
+		if v, ok := strings.CutPrefix(line, "Tgid:"); ok {
+			if pid, err := strconv.Atoi(strings.TrimSpace(v)); err == nil {
+				return uint32(pid)
+			}
+		}
+	}
+	return tid
+}
+
 // newHandle wraps an open backing descriptor and counts the reference.
 func (n *node) newHandle(ctx context.Context, fd, flags int) *handle {
 	h := &handle{
 		LoopbackFile: fusefs.NewLoopbackFile(fd).(*fusefs.LoopbackFile),
 		node:         n,
 		fd:           fd,
-		pid:          caller(ctx).Pid,
+		pid:          processOf(caller(ctx).Pid),
 		writable:     flags&unix.O_ACCMODE != unix.O_RDONLY,
 	}
 	n.acquire(h)
@@ -100,6 +122,9 @@ func (n *node) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint3
 			}
 		}
 		bflags := n.fs.backingFlags(flags)&^unix.O_NOFOLLOW | openNofollow(name)
+		if f&alloc.FromFD != 0 {
+			bflags = unix.O_RDONLY | unix.O_CLOEXEC
+		}
 		fd, err := unix.Open(p, bflags, 0)
 		if err != nil {
 			return err

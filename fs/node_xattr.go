@@ -94,6 +94,8 @@ func (n *node) virtualAttr(attr string) (v []byte, ok bool, err error) {
 			return []byte(strconv.FormatInt(size, 10)), true, err
 		}
 		return []byte(strconv.FormatInt(segs, 10)), true, err
+	case attr == alloc.AttrSocket && n == n.fs.root && n.fs.socket != "":
+		return []byte(n.fs.socket), true, nil
 	case attr == alloc.AttrStats && n == n.fs.root:
 		b, err := json.Marshal(n.fs.stats())
 		return b, true, err
@@ -105,7 +107,11 @@ func (n *node) virtualAttr(attr string) (v []byte, ok bool, err error) {
 func (n *node) virtualNames() []string {
 	switch {
 	case n == n.fs.root:
-		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRbytes, alloc.AttrRsegments, alloc.AttrStats}
+		names := []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRbytes, alloc.AttrRsegments, alloc.AttrStats}
+		if n.fs.socket != "" {
+			names = append(names, alloc.AttrSocket)
+		}
+		return names
 	case n.isDir():
 		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRbytes, alloc.AttrRsegments}
 	case n.StableAttr().Mode == syscall.S_IFREG:
@@ -241,30 +247,12 @@ func (n *node) openHandles() map[uint32]int {
 	return m
 }
 
-// mappers returns the pids that map the segment without holding an open
-// handle: in passthrough mode an mmap outlives the FUSE handle, so the
-// daemon finds those in /proc. Without passthrough the mapping keeps the
-// handle open and it is counted already.
-func (n *node) mappers(open map[uint32]int) []int {
-	if !n.fs.passthrough {
-		return nil
-	}
-	pids, _ := alloc.Mappers(n.fs.dev, n.StableAttr().Ino)
-	var out []int
-	for _, pid := range pids {
-		if _, ok := open[uint32(pid)]; !ok && pid != os.Getpid() {
-			out = append(out, pid)
-		}
-	}
-	return out
-}
-
-// refcount is the number of open handles across all processes, with a
-// mapping that outlived its handle counted as one.
+// refcount is the number of open handles across all processes. The
+// kernel keeps a handle open while an mmap made through it lives, in
+// passthrough mode too, so a mapping that outlives close() still counts.
 func (n *node) refcount() int {
-	open := n.openHandles()
-	c := len(n.mappers(open))
-	for _, h := range open {
+	c := 0
+	for _, h := range n.openHandles() {
 		c += h
 	}
 	return c
@@ -273,21 +261,14 @@ func (n *node) refcount() int {
 // holders returns one line per process: pid, command name, handles.
 func (n *node) holders() string {
 	open := n.openHandles()
-	count := make(map[int]int, len(open))
-	for pid, c := range open {
-		count[int(pid)] = c
-	}
-	for _, pid := range n.mappers(open) {
-		count[pid] = 1
-	}
-	pids := make([]int, 0, len(count))
-	for pid := range count {
-		pids = append(pids, pid)
+	pids := make([]int, 0, len(open))
+	for pid := range open {
+		pids = append(pids, int(pid))
 	}
 	sort.Ints(pids)
 	var b strings.Builder
 	for _, pid := range pids {
-		fmt.Fprintf(&b, "%d %s %d\n", pid, comm(pid), count[pid])
+		fmt.Fprintf(&b, "%d %s %d\n", pid, comm(pid), open[uint32(pid)])
 	}
 	return b.String()
 }

@@ -241,10 +241,12 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 		AllowOther:    m.allowOther,
 		Debug:         m.debug,
 		Log:           log,
+		Socket:        statePath(mp, ".sock"),
 	})
 	if err != nil {
 		return err
 	}
+	defer srv.Close()
 	pidPath := statePath(mp, ".pid")
 	os.WriteFile(pidPath, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644)
 	defer os.Remove(pidPath)

@@ -11,20 +11,41 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// SHARED segments keep their bytes and attributes in a file DISK/<id> on
-// the persistent --disk directory. The backing tree holds an empty marker
-// file at the segment's name whose attrDisk attribute is the id; the disk
-// file records the segment's path in attrPath, so a purged backing can be
-// rebuilt from the disk alone.
+// Two kinds of segment keep their bytes and attributes outside the
+// backing tree, which holds an empty marker file at the segment's name:
+//
+//   - SHARED segments live in a file DISK/<id> on the persistent --disk
+//     directory; the marker's attrDisk attribute is the id. The disk file
+//     records the segment's path in attrPath, so a purged backing can be
+//     rebuilt from the disk alone.
+//   - Imported (FROMFD) segments live in a descriptor a client sent over
+//     the control socket, held by the daemon; the marker's attrImport
+//     attribute names it. Such a segment ends with the daemon.
 const (
-	attrDisk = "user.tensorfs.disk"
-	attrPath = "user.tensorfs.path"
+	attrDisk   = "user.tensorfs.disk"
+	attrPath   = "user.tensorfs.path"
+	attrImport = "user.tensorfs.import"
 )
 
 // InternalAttr reports whether name is tensorfs's own bookkeeping, which
 // clients neither see nor set.
 func InternalAttr(name string) bool {
-	return name == attrDisk || name == attrPath
+	return name == attrDisk || name == attrPath || name == attrImport
+}
+
+// ImportID returns the import id of the marker at path, "" if it is not
+// an imported segment.
+func ImportID(path string) string {
+	id, err := readAttr(path, attrImport)
+	if err != nil {
+		return ""
+	}
+	return id
+}
+
+// MarkImport makes the empty file at path the marker of imported segment id.
+func MarkImport(path, id string) error {
+	return unix.Setxattr(path, attrImport, []byte(id), 0)
 }
 
 // SharedID returns the disk id of the marker at path, "" if it is an
@@ -41,11 +62,7 @@ func SharedID(path string) string {
 // at markerPath and whose name in the mount is rel, and returns an open
 // descriptor of it (opened with flags) and its id.
 func (s *Store) CreateShared(markerPath, rel string, flags int, mode uint32) (fd int, id string, err error) {
-	var b [8]byte
-	if _, err := rand.Read(b[:]); err != nil {
-		return -1, "", err
-	}
-	id = hex.EncodeToString(b[:])
+	id = NewID()
 	fd, err = unix.Open(s.DiskPath(id), flags|unix.O_CREAT|unix.O_EXCL, mode)
 	if err != nil {
 		return -1, "", fmt.Errorf("create SHARED segment on disk: %w", err)
@@ -119,4 +136,11 @@ func (s *Store) RecordSharedPath(markerPath, rel string) {
 	if id := SharedID(markerPath); id != "" {
 		unix.Setxattr(s.DiskPath(id), attrPath, []byte(rel), 0)
 	}
+}
+
+// NewID returns a random id for a marker.
+func NewID() string {
+	var b [8]byte
+	rand.Read(b[:]) // never fails on Linux
+	return hex.EncodeToString(b[:])
 }

@@ -1,0 +1,236 @@
+package fs
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/ctl"
+)
+
+// controlBackend serves the control socket's segment operations (package
+// ctl) on the mount's backing, checking each request against the peer's
+// credentials with the permission rules of open(2).
+type controlBackend struct{ fsys *filesystem }
+
+var _ = (ctl.Backend)(controlBackend{})
+
+// Export opens a KEEPFD segment for the peer.
+func (b controlBackend) Export(cred ctl.Cred, path string, write bool) (*os.File, error) {
+	f, err := b.export(cred, path, write)
+	if err != nil {
+		b.fsys.log.Info("refused", "op", "export", "path", path, "pid", cred.Pid, "err", err)
+	}
+	return f, err
+}
+
+func (b controlBackend) export(cred ctl.Cred, path string, write bool) (*os.File, error) {
+	dirfd, name, err := b.walk(cred, path)
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(dirfd)
+	var st unix.Stat_t
+	if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return nil, err
+	}
+	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+		return nil, fmt.Errorf("%w: %s is not a segment", alloc.ErrInvalid, path)
+	}
+	var file *os.File
+	err = b.fsys.withTarget(b.fsys.redirectOf(dirfd, name, &st), dirfd, name, func(tfd int, tname string) error {
+		p := procPath(tfd, tname)
+		if err := unix.Fstatat(tfd, tname, &st, nofollow(tname)); err != nil {
+			return err
+		}
+		want := uint32(4)
+		if write {
+			want |= 2
+		}
+		if !permitted(cred, &st, want) {
+			return syscall.EACCES
+		}
+		f, err := alloc.ReadFlags(p)
+		switch {
+		case err != nil:
+			return err
+		case f&alloc.KeepFD == 0:
+			return fmt.Errorf("%w: export hands out descriptors of KEEPFD segments only", alloc.ErrReadOnly)
+		case write && f&alloc.FromFD != 0:
+			return fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
+		}
+		mode := unix.O_RDONLY
+		if write {
+			mode = unix.O_RDWR
+		}
+		fd, err := unix.Open(p, mode|unix.O_CLOEXEC|openNofollow(tname), 0)
+		if err != nil {
+			return err
+		}
+		file = os.NewFile(uintptr(fd), path)
+		return nil
+	})
+	return file, err
+}
+
+// Import makes the peer's descriptor the segment at path, without a copy.
+func (b controlBackend) Import(cred ctl.Cred, path string, f *os.File, dtype, shape string) error {
+	err := b.importFile(cred, path, f, dtype, shape)
+	if err != nil {
+		b.fsys.log.Info("refused", "op", "import", "path", path, "pid", cred.Pid, "err", err)
+	}
+	return err
+}
+
+func (b controlBackend) importFile(cred ctl.Cred, path string, f *os.File, dtype, shape string) error {
+	dirfd, name, err := b.walk(cred, path)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(dirfd)
+	var dir unix.Stat_t
+	if err := unix.Fstat(dirfd, &dir); err != nil {
+		return err
+	}
+	if !permitted(cred, &dir, 2|1) {
+		return syscall.EACCES
+	}
+	pf, err := alloc.ReadFlags(procPath(dirfd, ""))
+	if err != nil {
+		return err
+	}
+	if pf&alloc.NoCreate != 0 {
+		return fmt.Errorf("%w: nothing new may be created here", alloc.ErrNoCreate)
+	}
+	fd, err := dupFile(f)
+	if err != nil {
+		return err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+		unix.Close(fd)
+		return fmt.Errorf("%w: import takes a regular file or memfd", alloc.ErrInvalid)
+	}
+	p := procPath(fd, "")
+	obj := alloc.Object{Path: p, Size: st.Size}
+	// The descriptor is the segment: its flags and metadata go on it.
+	err = alloc.InheritFlags(pf|alloc.FromFD, p, false)
+	for attr, v := range map[string]string{alloc.AttrDtype: dtype, alloc.AttrShape: shape} {
+		if err == nil && v != "" {
+			err = alloc.Setxattr(obj, attr, []byte(v), 0)
+		}
+	}
+	if err != nil {
+		unix.Close(fd)
+		return err
+	}
+	marker, err := unix.Openat(dirfd, name, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_CLOEXEC, 0o444)
+	if err != nil {
+		unix.Close(fd)
+		return err
+	}
+	unix.Close(marker)
+	id := alloc.NewID()
+	err = alloc.MarkImport(procPath(dirfd, name), id)
+	if err == nil {
+		err = unix.Fchownat(dirfd, name, int(cred.Uid), int(cred.Gid), unix.AT_SYMLINK_NOFOLLOW)
+	}
+	if err != nil {
+		unix.Unlinkat(dirfd, name, 0)
+		unix.Close(fd)
+		return err
+	}
+	b.fsys.imports.add(id, fd)
+	b.fsys.log.Info("imported", "path", path, "bytes", st.Size, "pid", cred.Pid)
+	return nil
+}
+
+// dupFile duplicates f's descriptor without switching f to blocking mode.
+func dupFile(f *os.File) (int, error) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return -1, err
+	}
+	fd := -1
+	cerr := rc.Control(func(raw uintptr) {
+		fd, err = unix.FcntlInt(raw, unix.F_DUPFD_CLOEXEC, 0)
+	})
+	if cerr != nil {
+		return -1, cerr
+	}
+	return fd, err
+}
+
+// walk resolves the parent directory of path in the backing as the peer
+// would: every directory on the way must grant it search permission. It
+// returns an O_PATH descriptor of that directory and the final name.
+func (b controlBackend) walk(cred ctl.Cred, path string) (int, string, error) {
+	parts := strings.Split(filepath.Clean(path), "/")
+	fd, err := unix.FcntlInt(uintptr(b.fsys.store.RootFd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return -1, "", err
+	}
+	for _, part := range parts[:len(parts)-1] {
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil || !permitted(cred, &st, 1) {
+			unix.Close(fd)
+			return -1, "", syscall.EACCES
+		}
+		next, err := unix.Openat(fd, part, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		unix.Close(fd)
+		if err != nil {
+			return -1, "", err
+		}
+		fd = next
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || !permitted(cred, &st, 1) {
+		unix.Close(fd)
+		return -1, "", syscall.EACCES
+	}
+	return fd, parts[len(parts)-1], nil
+}
+
+// permitted applies the mode bits of st to the peer as the kernel would for
+// want (4 read, 2 write, 1 execute/search); root may do anything.
+func permitted(cred ctl.Cred, st *unix.Stat_t, want uint32) bool {
+	if cred.Uid == 0 {
+		return true
+	}
+	mode := st.Mode & 0o777
+	switch {
+	case cred.Uid == st.Uid:
+		mode >>= 6
+	case inGroup(cred, st.Gid):
+		mode >>= 3
+	}
+	return mode&want == want
+}
+
+// inGroup reports whether the peer's primary or supplementary groups
+// include gid.
+func inGroup(cred ctl.Cred, gid uint32) bool {
+	if cred.Gid == gid {
+		return true
+	}
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(int(cred.Pid)) + "/status")
+	if err != nil {
+		return false
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if groups, ok := strings.CutPrefix(line, "Groups:"); ok {
+			for _, g := range strings.Fields(groups) {
+				if g == strconv.FormatUint(uint64(gid), 10) {
+					return true
+				}
+			}
+		}
+	}
+	return false
+}

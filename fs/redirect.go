@@ -1,0 +1,105 @@
+package fs
+
+import (
+	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+)
+
+// redirect says where the bytes and attributes of a segment whose backing
+// file is only a marker live (see alloc's marker.go). The zero value
+// means the backing object itself.
+type redirect struct {
+	// disk is the id of a SHARED segment's disk file.
+	disk string
+	// imported is the id of a descriptor imported over the control socket.
+	imported string
+}
+
+// imports holds the descriptors of imported (FROMFD) segments.
+type imports struct {
+	// mu is held for reading while a descriptor is used, for writing
+	// while one is added or closed.
+	mu  sync.RWMutex
+	fds map[string]int
+}
+
+func (im *imports) add(id string, fd int) {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	if im.fds == nil {
+		im.fds = map[string]int{}
+	}
+	im.fds[id] = fd
+}
+
+// with runs fn with the descriptor of import id.
+func (im *imports) with(id string, fn func(fd int) error) error {
+	im.mu.RLock()
+	defer im.mu.RUnlock()
+	fd, ok := im.fds[id]
+	if !ok {
+		return syscall.ENOENT
+	}
+	return fn(fd)
+}
+
+func (im *imports) drop(id string) {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	if fd, ok := im.fds[id]; ok {
+		unix.Close(fd)
+		delete(im.fds, id)
+	}
+}
+
+// redirectOf reads the marker at name in dirfd; st is its stat.
+func (fsys *filesystem) redirectOf(dirfd int, name string, st *unix.Stat_t) redirect {
+	if st.Mode&syscall.S_IFMT != syscall.S_IFREG || st.Size != 0 {
+		return redirect{}
+	}
+	p := procPath(dirfd, name)
+	if id := alloc.ImportID(p); id != "" {
+		return redirect{imported: id}
+	}
+	if fsys.store.Disk != "" {
+		return redirect{disk: alloc.SharedID(p)}
+	}
+	return redirect{}
+}
+
+// withTarget runs fn with a descriptor and name that reach a segment's
+// bytes and attributes: dirfd and name themselves unless r redirects.
+func (fsys *filesystem) withTarget(r redirect, dirfd int, name string, fn func(tfd int, tname string) error) error {
+	switch {
+	case r.disk != "":
+		return fn(fsys.store.DiskFd, r.disk)
+	case r.imported != "":
+		return fsys.imports.with(r.imported, func(fd int) error { return fn(fd, "") })
+	}
+	return fn(dirfd, name)
+}
+
+// lastLinkRedirect returns the redirect of the marker at name when name is
+// its last link, so that removing name must release what it redirects to.
+func (fsys *filesystem) lastLinkRedirect(dirfd int, name string) redirect {
+	var st unix.Stat_t
+	if unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil || st.Nlink != 1 {
+		return redirect{}
+	}
+	return fsys.redirectOf(dirfd, name, &st)
+}
+
+// release frees what a removed marker redirected to.
+func (fsys *filesystem) release(r redirect) error {
+	switch {
+	case r.disk != "":
+		return fsys.store.RemoveShared(r.disk)
+	case r.imported != "":
+		fsys.imports.drop(r.imported)
+	}
+	return nil
+}
