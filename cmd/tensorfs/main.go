@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 )
 
 const usage = `usage:
@@ -25,6 +26,9 @@ func main() {
 
 // run executes one tensorfs command and returns its exit status.
 func run(args []string, stdout, stderr io.Writer) int {
+	if filepath.Base(os.Args[0]) == helperName {
+		return runMountHelper(args, stdout, stderr)
+	}
 	if len(args) == 0 {
 		fmt.Fprint(stderr, usage)
 		return 2
