@@ -29,7 +29,6 @@ import errno as _errno
 import json as _json
 import os as _os
 import socket as _socket
-import stat as _stat
 
 __all__ = [
     "Client",
@@ -47,7 +46,6 @@ __all__ = [
     "socket_path",
 ]
 
-_builtin_open = open
 
 XATTR_DTYPE = "user.tensor.dtype"
 XATTR_SHAPE = "user.tensor.shape"
@@ -193,10 +191,11 @@ def open(path, mode="r+", *, dtype=None, shape=None):
 
     dtype, shape, stride and storage_offset come from the segment's xattrs;
     dtype or shape arguments override them (the array then starts at byte 0
-    and is contiguous; a missing shape spans the segment). mode is "r+" (read-write,
-    shared with every other process), "r" (read-only; needed for FROMFD
-    segments, which refuse write opens with EPERM) or "c" (copy-on-write).
-    bfloat16 and float8 segments raise TypeError: use open_torch().
+    and is contiguous; a missing shape spans the segment). mode is "r+"
+    (read-write, shared with every other process), "r" (read-only; needed
+    for FROMFD segments, which refuse write opens with EPERM) or "c"
+    (copy-on-write). bfloat16 and float8 segments raise TypeError: use
+    open_torch().
     """
     if mode not in ("r+", "r", "c"):
         raise ValueError("tensorfs.open: mode must be 'r+', 'r' or 'c', not %r" % (mode,))
@@ -563,9 +562,13 @@ def publish(tensor, path, *, mount=None):
             _os.close(fd)
     if not plain:
         full = _os.path.join(mount, rel)
-        _os.setxattr(full, XATTR_STRIDE, _format_dims(stride).encode())
-        _os.setxattr(full, XATTR_OFFSET, str(offset).encode())
-        _os.setxattr(full, XATTR_SHAPE, _format_dims(shape).encode())
+        try:
+            _os.setxattr(full, XATTR_STRIDE, _format_dims(stride).encode())
+            _os.setxattr(full, XATTR_OFFSET, str(offset).encode())
+            _os.setxattr(full, XATTR_SHAPE, _format_dims(shape).encode())
+        except BaseException:
+            _os.unlink(full)
+            raise
     return tensor
 
 
