@@ -35,6 +35,8 @@ type contender struct {
 	cmd      *exec.Cmd
 	pid      int
 	tensorfs bool
+	// log is the daemon's stderr, with the Go runtime's GC trace.
+	log string
 }
 
 // start mounts the named contenders; on error it stops those it started.
@@ -80,12 +82,14 @@ func (b *bench) startOne(name string) (*contender, error) {
 	if err := os.MkdirAll(c.mp, 0o755); err != nil {
 		return nil, err
 	}
-	logf, err := os.OpenFile(filepath.Join(b.work, name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	c.log = filepath.Join(b.work, name+".log")
+	logf, err := os.Create(c.log)
 	if err != nil {
 		return nil, err
 	}
 	defer logf.Close()
 	c.cmd.Stderr = logf
+	c.cmd.Env = append(os.Environ(), "GODEBUG=gctrace=1")
 	out, err := c.cmd.StdoutPipe()
 	if err != nil {
 		return nil, err
@@ -121,6 +125,16 @@ func (b *bench) startOne(name string) (*contender, error) {
 		}
 	}
 	return c, nil
+}
+
+// named returns the contender called name.
+func named(cs []*contender, name string) *contender {
+	for _, c := range cs {
+		if c.name == name {
+			return c
+		}
+	}
+	panic("bench: no contender " + name)
 }
 
 // stop unmounts the contenders and removes what they held.
@@ -236,6 +250,27 @@ func (c *contender) rss() (now, peak int64, err error) {
 	}
 	peak, err = field("VmHWM")
 	return now, peak, err
+}
+
+// liveHeap returns the daemon's live heap in MiB after its last garbage
+// collection, from the GC trace in its log ("gc N ...: A->B->C MB").
+func (c *contender) liveHeap() (float64, error) {
+	b, err := os.ReadFile(c.log)
+	if err != nil {
+		return 0, err
+	}
+	lines := strings.Split(string(b), "\n")
+	for i := len(lines) - 1; i >= 0; i-- {
+		if !strings.HasPrefix(lines[i], "gc ") {
+			continue
+		}
+		for _, f := range strings.Split(lines[i], ",") {
+			if heap, ok := strings.CutSuffix(strings.TrimSpace(f), " MB"); ok && strings.Count(heap, "->") == 2 {
+				return strconv.ParseFloat(heap[strings.LastIndex(heap, "->")+2:], 64)
+			}
+		}
+	}
+	return 0, fmt.Errorf("no GC trace in %s", c.log)
 }
 
 func mountTmpfs(dir string) error {

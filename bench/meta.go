@@ -18,11 +18,74 @@ var (
 	mReaddir  = metricDef{"readdir of the large directory", "ms", false}
 	mRSSDir   = metricDef{"daemon RSS with the directory's segments", "MiB", false}
 	mPeakDir  = metricDef{"daemon peak RSS (VmHWM) by then", "MiB", false}
+	mHeapDir  = metricDef{"daemon live heap after its last GC (gctrace)", "MiB", false}
 )
 
 const shapeXattr = "user.tensor.shape"
 
-// groupMeta runs the metadata loops, each metaN times per round.
+// metaLoop is one metadata loop: op is its i-th iteration.
+type metaLoop struct {
+	m    metricDef
+	name string
+	op   func(i int) error
+}
+
+// run runs the loop n times and returns how long it took.
+func (l metaLoop) run(n int) (time.Duration, error) {
+	t := time.Now()
+	for i := 0; i < n; i++ {
+		if err := l.op(i); err != nil {
+			return 0, fmt.Errorf("%s #%d: %w", l.name, i, err)
+		}
+	}
+	return time.Since(t), nil
+}
+
+// metaLoops are the metadata loops in c's directory, over the segment
+// "seg" and, for creation, over names.
+func metaLoops(c *contender, names []string) []metaLoop {
+	seg := filepath.Join(c.dir, "seg")
+	data := make([]byte, 4*kiB)
+	shapes := [][]byte{[]byte("[32, 32]"), []byte("[64, 16]")}
+	val := make([]byte, 64)
+	var st unix.Stat_t
+	return []metaLoop{
+		{mCreate, "create+write+stat+unlink", func(i int) error {
+			p := filepath.Join(c.dir, names[i])
+			fd, err := unix.Open(p, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
+			if err != nil {
+				return err
+			}
+			if _, err := unix.Write(fd, data); err != nil {
+				unix.Close(fd)
+				return err
+			}
+			if err := unix.Close(fd); err != nil {
+				return err
+			}
+			if err := unix.Stat(p, &st); err != nil {
+				return err
+			}
+			return unix.Unlink(p)
+		}},
+		{mOpen, "open+close", func(int) error {
+			fd, err := unix.Open(seg, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+			if err != nil {
+				return err
+			}
+			return unix.Close(fd)
+		}},
+		{mStat, "stat", func(int) error { return unix.Stat(seg, &st) }},
+		{mSetxattr, "setxattr", func(i int) error { return unix.Setxattr(seg, shapeXattr, shapes[i%2], 0) }},
+		{mGetxattr, "getxattr", func(int) error {
+			_, err := unix.Getxattr(seg, shapeXattr, val)
+			return err
+		}},
+	}
+}
+
+// groupMeta runs the metadata loops, each metaN times per round, then
+// once more on passthrough tensorfs under perf.
 func (b *bench) groupMeta() error {
 	cs, err := b.start(tmpfsName, ptName, classicName, loopName)
 	if err != nil {
@@ -39,60 +102,13 @@ func (b *bench) groupMeta() error {
 			return err
 		}
 	}
-	return b.rounds(cs, func(c *contender) error {
-		seg := filepath.Join(c.dir, "seg")
-		data := make([]byte, 4*kiB)
-		shapes := [][]byte{[]byte("[32, 32]"), []byte("[64, 16]")}
-		val := make([]byte, 64)
-		var st unix.Stat_t
-		loops := []struct {
-			m    metricDef
-			name string
-			op   func(i int) error
-		}{
-			{mCreate, "create+write+stat+unlink", func(i int) error {
-				p := filepath.Join(c.dir, names[i])
-				fd, err := unix.Open(p, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
-				if err != nil {
-					return err
-				}
-				if _, err := unix.Write(fd, data); err != nil {
-					unix.Close(fd)
-					return err
-				}
-				if err := unix.Close(fd); err != nil {
-					return err
-				}
-				if err := unix.Stat(p, &st); err != nil {
-					return err
-				}
-				return unix.Unlink(p)
-			}},
-			{mOpen, "open+close", func(int) error {
-				fd, err := unix.Open(seg, unix.O_RDONLY|unix.O_CLOEXEC, 0)
-				if err != nil {
-					return err
-				}
-				return unix.Close(fd)
-			}},
-			{mStat, "stat", func(int) error { return unix.Stat(seg, &st) }},
-			{mSetxattr, "setxattr", func(i int) error { return unix.Setxattr(seg, shapeXattr, shapes[i%2], 0) }},
-			{mGetxattr, "getxattr", func(int) error {
-				_, err := unix.Getxattr(seg, shapeXattr, val)
-				return err
-			}},
-		}
-		for _, l := range loops {
+	err = b.rounds(cs, func(c *contender) error {
+		for _, l := range metaLoops(c, names) {
 			b.res.opsPerRun[l.name] = n
 			err := b.observe(c, l.name, func() (int64, error) {
-				t := time.Now()
-				for i := 0; i < n; i++ {
-					if err := l.op(i); err != nil {
-						return 0, fmt.Errorf("%s #%d: %w", l.name, i, err)
-					}
-				}
-				b.res.add(l.m, c.name, float64(n)/time.Since(t).Seconds()/1e3)
-				return 0, nil
+				d, err := l.run(n)
+				b.res.add(l.m, c.name, float64(n)/d.Seconds()/1e3)
+				return 0, err
 			})
 			if err != nil {
 				return err
@@ -100,6 +116,19 @@ func (b *bench) groupMeta() error {
 		}
 		return nil
 	})
+	if err != nil {
+		return err
+	}
+	pt := named(cs, ptName)
+	for _, l := range metaLoops(pt, names) {
+		if l.m == mStat {
+			continue // served by the kernel
+		}
+		if err := b.profile(pt, l.name, func() error { _, err := l.run(n); return err }); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // groupReaddir lists a directory of dirN empty segments in every round,
@@ -138,6 +167,14 @@ func (b *bench) groupReaddir() error {
 	if err != nil {
 		return err
 	}
+	pt := named(cs, ptName)
+	err = b.profile(pt, "readdir", func() error {
+		_, err := countEntries(filepath.Join(pt.dir, "many"))
+		return err
+	})
+	if err != nil {
+		return err
+	}
 	for _, c := range cs {
 		if c.pid == 0 {
 			continue
@@ -154,6 +191,9 @@ func (b *bench) groupReaddir() error {
 		}
 		b.res.add(mRSSDir, c.name, float64(rss)/miB)
 		b.res.add(mPeakDir, c.name, float64(peak)/miB)
+		if heap, err := c.liveHeap(); err == nil {
+			b.res.add(mHeapDir, c.name, heap)
+		}
 	}
 	return nil
 }

@@ -30,7 +30,7 @@ func (b *bench) tables() []table {
 		{"Metadata", []metricDef{mCreate, mOpen, mStat, mSetxattr, mGetxattr, mReaddir},
 			[]string{tmpfsName, ptName, classicName, loopName},
 			[][2]string{{ptName, tmpfsName}, {classicName, tmpfsName}, {loopName, tmpfsName}, {ptName, loopName}}},
-		{"Scale (one sample each)", []metricDef{mRSSDir, mPeakDir, mRSSEmpty, mRSSData},
+		{"Scale (one sample each)", []metricDef{mRSSDir, mPeakDir, mHeapDir, mRSSEmpty, mRSSData},
 			[]string{ptName, classicName, loopName}, nil},
 		{"PyTorch", []metricDef{mTorchReady, mTorchMem, mTorchCopies},
 			[]string{ptName, classicName, shmName, copyName}, [][2]string{{ptName, shmName}}},
@@ -95,6 +95,14 @@ func (b *bench) report() string {
 		}
 	}
 	b.writeUsage(&w)
+	if len(b.res.profiles) > 0 {
+		fmt.Fprintf(&w, "\n## Where the daemon's time goes\n\nOne more untimed run of each case on passthrough "+
+			"tensorfs under `perf record -g`: the tensorfs functions with the largest share of the daemon's samples, "+
+			"callees included (the rest is go-fuse, the Go runtime and the kernel).\n\n")
+		for _, p := range b.res.profiles {
+			fmt.Fprintf(&w, "- %s\n", p)
+		}
+	}
 	return w.String()
 }
 

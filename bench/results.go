@@ -20,6 +20,7 @@ type results struct {
 	// report's requests per operation.
 	opsPerRun map[string]int
 	facts     []string // lines for the report that are not samples
+	profiles  []string // where the daemon's time goes, per profiled case
 }
 
 // usageKey is one case run against one tensorfs contender.
