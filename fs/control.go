@@ -147,6 +147,7 @@ func (b controlBackend) importFile(cred ctl.Cred, path string, f *os.File, dtype
 		return err
 	}
 	b.fsys.imports.add(id, fd)
+	b.fsys.notifyNewName(path)
 	b.fsys.log.Info("imported", "path", path, "bytes", st.Size, "pid", cred.Pid)
 	return nil
 }

@@ -17,8 +17,11 @@ import (
 	"log"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"runtime"
 	"strconv"
+	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -79,6 +82,10 @@ type filesystem struct {
 	started     time.Time
 	// imports holds the descriptors of imported (FROMFD) segments.
 	imports imports
+	// tgidsMu protects tgids, the process of each thread that opened a
+	// segment; thread ids are not reused before the pid space wraps.
+	tgidsMu sync.Mutex
+	tgids   map[uint32]uint32
 }
 
 func (fsys *filesystem) mode() string {
@@ -96,23 +103,26 @@ func Mount(opts Options) (*Server, error) {
 		log:     opts.Log,
 		socket:  opts.Socket,
 		started: time.Now(),
+		tgids:   map[uint32]uint32{},
 	}
-	root := fsys.newNode()
+	root := fsys.newNode(syscall.S_IFDIR, nil)
 	fd, err := unix.Dup(opts.Store.RootFd)
 	if err != nil {
 		return nil, err
 	}
 	unix.CloseOnExec(fd)
-	root.dirfd = fd
+	root.dir.fd = fd
 	fsys.root = root
 
-	// Kernel caching: entries and attributes are kept one second. Every
-	// change made through the mount updates the kernel's copy, and the
-	// daemon notifies the kernel of what it removes itself (UNLINK).
+	// Kernel caching: entries, absent names and attributes are kept one
+	// second. Every change made through the mount updates the kernel's
+	// copy, and the daemon tells the kernel of the names it adds
+	// (imports) or removes (UNLINK) itself.
 	timeout := time.Second
 	fopts := &fusefs.Options{
-		EntryTimeout: &timeout,
-		AttrTimeout:  &timeout,
+		EntryTimeout:    &timeout,
+		AttrTimeout:     &timeout,
+		NegativeTimeout: &timeout,
 		// Modes are exactly what the caller asked for: the kernel has
 		// applied the caller's umask; ours (0) must not apply twice.
 		NullPermissions: true,
@@ -264,6 +274,20 @@ func (fsys *filesystem) reclaim(n *node) {
 			fsys.log.Info("removed UNLINK segment without holders", "name", name)
 		}
 	}
+}
+
+// notifyNewName tells the kernel that path (relative to the root) now
+// exists, so that a cached "no such name" for it goes. A directory the
+// kernel has not looked up has nothing cached.
+func (fsys *filesystem) notifyNewName(path string) {
+	dir := fsys.root.EmbeddedInode()
+	parts := strings.Split(filepath.Clean(path), "/")
+	for _, part := range parts[:len(parts)-1] {
+		if dir = dir.GetChild(part); dir == nil {
+			return
+		}
+	}
+	dir.NotifyEntry(parts[len(parts)-1])
 }
 
 // stats is the root's user.tensorfs.stats.

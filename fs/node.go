@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"unsafe"
 
@@ -23,30 +24,50 @@ type node struct {
 	fusefs.Inode
 	fs *filesystem
 
-	// fdMu protects dirfd: held for reading while dirfd is used, for
-	// writing while it is opened or closed. Lock order: a node before
-	// its parent.
-	fdMu sync.RWMutex
-	// dirfd is an O_PATH descriptor of a directory's backing, opened on
-	// first use relative to the parent's and closed on forget; -1 when
-	// closed or not a directory.
-	dirfd int
+	// dir is a directory's descriptor; nil for other nodes.
+	dir *dirState
 
 	// redir says where a SHARED or imported segment's bytes and
-	// attributes live; zero for other nodes. Set at creation.
-	redir redirect
+	// attributes live; nil for other nodes. Set at creation.
+	redir *redirect
+
+	// flagsPlus1 caches the stored flags plus one; 0 means not read yet.
+	// Flags change only through Setxattr and Removexattr, which reset it.
+	flagsPlus1 atomic.Int64
 
 	// mu protects handles.
 	mu sync.Mutex
-	// handles are the segment's open file handles.
-	handles map[*handle]struct{}
+	// handles are the segment's open file handles; nil when none, so a
+	// closed segment costs no memory for them.
+	handles []*handle
 }
 
-func (fsys *filesystem) newNode() *node {
-	return &node{fs: fsys, dirfd: -1}
+// dirState is what a directory node keeps beyond other nodes.
+type dirState struct {
+	// mu protects fd: held for reading while fd is used, for writing
+	// while it is opened or closed. Lock order: a node before its parent.
+	mu sync.RWMutex
+	// fd is an O_PATH descriptor of the directory's backing, opened on
+	// first use relative to the parent's and closed on forget; -1 when
+	// closed.
+	fd int
+}
+
+// newNode makes a node for a backing object of the given type (S_IFMT
+// bits) whose bytes live where r says (nil: in the backing object).
+func (fsys *filesystem) newNode(mode uint32, r *redirect) *node {
+	n := &node{fs: fsys, redir: r}
+	if mode == syscall.S_IFDIR {
+		n.dir = &dirState{fd: -1}
+	}
+	return n
 }
 
 func (n *node) isDir() bool { return n.StableAttr().Mode == syscall.S_IFDIR }
+
+// imported reports whether n is a segment imported over the control
+// socket (FROMFD).
+func (n *node) imported() bool { return n.redir != nil && n.redir.imported != "" }
 
 func (n *node) isSymlink() bool { return n.StableAttr().Mode == syscall.S_IFLNK }
 
@@ -61,21 +82,25 @@ func procPath(fd int, name string) string {
 
 // withDir runs fn with the O_PATH descriptor of directory n's backing.
 func (n *node) withDir(fn func(fd int) error) error {
-	n.fdMu.RLock()
-	if n.dirfd >= 0 {
-		defer n.fdMu.RUnlock()
-		return fn(n.dirfd)
+	d := n.dir
+	if d == nil {
+		return syscall.ENOTDIR
 	}
-	n.fdMu.RUnlock()
+	d.mu.RLock()
+	if d.fd >= 0 {
+		defer d.mu.RUnlock()
+		return fn(d.fd)
+	}
+	d.mu.RUnlock()
 
-	n.fdMu.Lock()
-	if n.dirfd < 0 {
+	d.mu.Lock()
+	if d.fd < 0 {
 		if err := n.openDirLocked(); err != nil {
-			n.fdMu.Unlock()
+			d.mu.Unlock()
 			return err
 		}
 	}
-	n.fdMu.Unlock()
+	d.mu.Unlock()
 	return n.withDir(fn)
 }
 
@@ -96,7 +121,7 @@ func (n *node) openDirLocked() error {
 			unix.Close(fd)
 			return syscall.ESTALE
 		}
-		n.dirfd = fd
+		n.dir.fd = fd
 		return nil
 	})
 }
@@ -107,7 +132,7 @@ func (n *node) openDirLocked() error {
 // (unlinked, or made with O_TMPFILE) is reached through one of its open
 // handles, with the name "": the object open at the descriptor itself.
 func (n *node) at(fn func(dirfd int, name string) error) error {
-	if n.redir != (redirect{}) {
+	if n.redir != nil {
 		return n.fs.withTarget(n.redir, -1, "", fn)
 	}
 	if n.isDir() {
@@ -131,10 +156,10 @@ func (n *node) at(fn func(dirfd int, name string) error) error {
 func (n *node) dupHandleFd() (int, error) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	for h := range n.handles {
-		return unix.FcntlInt(uintptr(h.fd), unix.F_DUPFD_CLOEXEC, 0)
+	if len(n.handles) == 0 {
+		return -1, syscall.ENOENT
 	}
-	return -1, syscall.ENOENT
+	return unix.FcntlInt(uintptr(n.handles[0].fd), unix.F_DUPFD_CLOEXEC, 0)
 }
 
 // path runs fn with a /proc path of n's backing object.
@@ -160,11 +185,17 @@ func (n *node) stat(st *unix.Stat_t) error {
 
 // flags returns the flags stored on n's backing object.
 func (n *node) flags() (alloc.Flags, error) {
+	if v := n.flagsPlus1.Load(); v > 0 {
+		return alloc.Flags(v - 1), nil
+	}
 	var f alloc.Flags
 	err := n.path(func(p string) (err error) {
 		f, err = alloc.ReadFlags(p)
 		return err
 	})
+	if err == nil {
+		n.flagsPlus1.Store(int64(f) + 1)
+	}
 	return f, err
 }
 
@@ -173,11 +204,14 @@ var _ = (fusefs.NodeOnForgetter)((*node)(nil))
 // OnForget closes a directory's descriptor; it is opened again if the
 // node comes back.
 func (n *node) OnForget() {
-	n.fdMu.Lock()
-	defer n.fdMu.Unlock()
-	if n.dirfd >= 0 && n != n.fs.root {
-		unix.Close(n.dirfd)
-		n.dirfd = -1
+	if n.dir == nil || n == n.fs.root {
+		return
+	}
+	n.dir.mu.Lock()
+	defer n.dir.mu.Unlock()
+	if n.dir.fd >= 0 {
+		unix.Close(n.dir.fd)
+		n.dir.fd = -1
 	}
 }
 
@@ -232,7 +266,7 @@ func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAtt
 			}
 		}
 		if sz, ok := in.GetSize(); ok {
-			if n.redir.imported != "" {
+			if n.imported() {
 				return fmt.Errorf("%w: an imported (FROMFD) segment keeps the size its owner gave it", alloc.ErrReadOnly)
 			}
 			if err := n.resize(f, p, name, int64(sz)); err != nil {

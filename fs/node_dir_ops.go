@@ -28,27 +28,32 @@ func (n *node) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (*fu
 	return ch, 0
 }
 
-// child makes the inode for the backing object name in dirfd, just found
-// or created. A SHARED segment takes its attributes from its disk file
-// and its inode number from its marker.
+// child makes the inode for the backing object name in dirfd, found by
+// a lookup.
 func (n *node) child(ctx context.Context, dirfd int, name string, out *fuse.EntryOut) (*fusefs.Inode, error) {
 	var st unix.Stat_t
 	if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		return nil, err
 	}
-	ch := n.fs.newNode()
-	ch.redir = n.fs.redirectOf(dirfd, name, &st)
-	if ch.redir != (redirect{}) {
+	return n.newChild(ctx, dirfd, name, &st, n.fs.redirectOf(dirfd, name, &st), out)
+}
+
+// newChild makes the inode for the backing object name in dirfd, whose
+// stat is st and whose redirect is r. A SHARED or imported segment takes
+// its attributes from where r leads and its inode number from its marker.
+func (n *node) newChild(ctx context.Context, dirfd int, name string, st *unix.Stat_t, r *redirect, out *fuse.EntryOut) (*fusefs.Inode, error) {
+	if r != nil {
 		ino := st.Ino
-		err := n.fs.withTarget(ch.redir, dirfd, name, func(tfd int, tname string) error {
-			return unix.Fstatat(tfd, tname, &st, nofollow(tname))
+		err := n.fs.withTarget(r, dirfd, name, func(tfd int, tname string) error {
+			return unix.Fstatat(tfd, tname, st, nofollow(tname))
 		})
 		if err != nil {
 			return nil, err
 		}
 		st.Ino = ino
 	}
-	out.Attr.FromStat(toSyscallStat(&st))
+	out.Attr.FromStat(toSyscallStat(st))
+	ch := n.fs.newNode(st.Mode&syscall.S_IFMT, r)
 	return n.NewInode(ctx, ch, fusefs.StableAttr{Mode: st.Mode & syscall.S_IFMT, Ino: st.Ino}), nil
 }
 
@@ -65,20 +70,21 @@ func (n *node) creatable() (alloc.Flags, error) {
 	return f, nil
 }
 
-// adopt finishes a new backing object: it belongs to the caller (the
-// daemon may be root), inherits the directory's flags, and is returned
-// as an inode. On failure the object is removed again.
-func (n *node) adopt(ctx context.Context, dirfd int, name string, parentFlags alloc.Flags, out *fuse.EntryOut) (*fusefs.Inode, error) {
+// adopt finishes a new backing object, name in dirfd, whose bytes live
+// where r says: it belongs to the caller (the daemon may be root),
+// inherits the directory's flags, and is returned as an inode. On
+// failure the object is removed again.
+func (n *node) adopt(ctx context.Context, dirfd int, name string, parentFlags alloc.Flags, r *redirect, out *fuse.EntryOut) (*fusefs.Inode, error) {
 	var st unix.Stat_t
-	var r redirect
 	err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
 	if err == nil {
-		r = n.fs.redirectOf(dirfd, name, &st)
 		err = n.fs.withTarget(r, dirfd, name, func(tfd int, tname string) error {
-			if uid, gid, ok := n.fs.owner(ctx, dirfd); ok {
+			uid, gid, ok := n.fs.owner(ctx, dirfd)
+			if ok && (r != nil || uint32(uid) != st.Uid || uint32(gid) != st.Gid) {
 				if err := unix.Fchownat(tfd, tname, uid, gid, nofollow(tname)); err != nil {
 					return err
 				}
+				st.Uid, st.Gid = uint32(uid), uint32(gid)
 			}
 			if st.Mode&syscall.S_IFMT == syscall.S_IFLNK {
 				return nil
@@ -88,7 +94,7 @@ func (n *node) adopt(ctx context.Context, dirfd int, name string, parentFlags al
 	}
 	var ch *fusefs.Inode
 	if err == nil {
-		ch, err = n.child(ctx, dirfd, name, out)
+		ch, err = n.newChild(ctx, dirfd, name, &st, r, out)
 	}
 	if err != nil {
 		if unix.Unlinkat(dirfd, name, 0) != nil {
@@ -113,7 +119,7 @@ func (n *node) Mkdir(ctx context.Context, name string, mode uint32, out *fuse.En
 		if err := unix.Mkdirat(fd, name, mode); err != nil {
 			return err
 		}
-		ch, err = n.adopt(ctx, fd, name, f, out)
+		ch, err = n.adopt(ctx, fd, name, f, nil, out)
 		return err
 	})
 	return ch, n.fs.errno("mkdir", n, name, err)
@@ -133,7 +139,7 @@ func (n *node) Mknod(ctx context.Context, name string, mode, rdev uint32, out *f
 		if err := unix.Mknodat(fd, name, mode, int(rdev)); err != nil {
 			return err
 		}
-		ch, err = n.adopt(ctx, fd, name, f, out)
+		ch, err = n.adopt(ctx, fd, name, f, nil, out)
 		return err
 	})
 	return ch, n.fs.errno("mknod", n, name, err)
@@ -152,7 +158,7 @@ func (n *node) Symlink(ctx context.Context, target, name string, out *fuse.Entry
 		if err := unix.Symlinkat(target, fd, name); err != nil {
 			return err
 		}
-		ch, err = n.adopt(ctx, fd, name, f, out)
+		ch, err = n.adopt(ctx, fd, name, f, nil, out)
 		return err
 	})
 	return ch, n.fs.errno("symlink", n, name, err)
@@ -168,7 +174,7 @@ func (n *node) Link(ctx context.Context, target fusefs.InodeEmbedder, name strin
 			return err
 		}
 		t := target.(*node)
-		if t.redir != (redirect{}) {
+		if t.redir != nil {
 			return fmt.Errorf("%w: SHARED and imported segments have one name", syscall.EXDEV)
 		}
 		follow := 0
@@ -230,7 +236,7 @@ func (n *node) Rename(ctx context.Context, name string, newParent fusefs.InodeEm
 					flags |= unix.RENAME_NOREPLACE
 				}
 			}
-			var replaced redirect
+			var replaced *redirect
 			if flags&unix.RENAME_EXCHANGE == 0 {
 				replaced = n.fs.lastLinkRedirect(dfd, newName)
 			}

@@ -57,18 +57,41 @@ func (fsys *filesystem) backingFlags(flags uint32) int {
 	return int(flags)&keep | unix.O_CLOEXEC | unix.O_NOFOLLOW
 }
 
-// openFlags is the FOPEN_ answer: without passthrough the page cache is
-// kept across opens, since every write comes through this mount.
+// openFlags is the FOPEN_ answer. close() needs no FLUSH: writes never
+// wait in the daemon and locks are the kernel's. Without passthrough the
+// page cache is kept across opens, since every write comes through this
+// mount.
 func (fsys *filesystem) openFlags() uint32 {
 	if fsys.passthrough {
-		return 0
+		return fuse.FOPEN_NOFLUSH
 	}
-	return fuse.FOPEN_KEEP_CACHE
+	return fuse.FOPEN_NOFLUSH | fuse.FOPEN_KEEP_CACHE
 }
 
 // processOf returns the process (thread group) of a thread: FUSE names
 // the calling thread, holders are processes.
-func processOf(tid uint32) uint32 {
+func (fsys *filesystem) processOf(tid uint32) uint32 {
+	fsys.tgidsMu.Lock()
+	pid, ok := fsys.tgids[tid]
+	fsys.tgidsMu.Unlock()
+	if ok {
+		return pid
+	}
+	pid = readTgid(tid)
+	fsys.tgidsMu.Lock()
+	if len(fsys.tgids) >= maxTgids {
+		fsys.tgids = map[uint32]uint32{}
+	}
+	fsys.tgids[tid] = pid
+	fsys.tgidsMu.Unlock()
+	return pid
+}
+
+// maxTgids bounds the thread to process cache; it starts over when full.
+const maxTgids = 1 << 16
+
+// readTgid reads a thread's process from /proc.
+func readTgid(tid uint32) uint32 {
 	f, err := os.Open("/proc/" + strconv.Itoa(int(tid)) + "/status")
 	if err != nil {
 		return tid
@@ -92,7 +115,7 @@ func (n *node) newHandle(ctx context.Context, fd, flags int) *handle {
 		LoopbackFile: fusefs.NewLoopbackFile(fd).(*fusefs.LoopbackFile),
 		node:         n,
 		fd:           fd,
-		pid:          processOf(caller(ctx).Pid),
+		pid:          n.fs.processOf(caller(ctx).Pid),
 		writable:     flags&unix.O_ACCMODE != unix.O_RDONLY,
 	}
 	n.acquire(h)
@@ -106,23 +129,20 @@ var _ = (fusefs.NodeOpener)((*node)(nil))
 // hides O_CREAT from OPEN, and truncation is the harm EXCLUSIVE prevents).
 func (n *node) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint32, syscall.Errno) {
 	var h *handle
+	imported := n.imported()
+	if imported && flags&unix.O_ACCMODE != unix.O_RDONLY {
+		err := fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
+		return nil, 0, n.fs.errno("open", n, "", err)
+	}
 	err := n.at(func(dirfd int, name string) error {
 		p := procPath(dirfd, name)
-		f, err := alloc.ReadFlags(p)
-		if err != nil {
-			return err
-		}
-		write := flags&unix.O_ACCMODE != unix.O_RDONLY
-		if f&alloc.FromFD != 0 && write {
-			return fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
-		}
 		if flags&unix.O_TRUNC != 0 {
 			if err := n.checkTruncate(); err != nil {
 				return err
 			}
 		}
 		bflags := n.fs.backingFlags(flags)&^unix.O_NOFOLLOW | openNofollow(name)
-		if f&alloc.FromFD != 0 {
+		if imported {
 			bflags = unix.O_RDONLY | unix.O_CLOEXEC
 		}
 		fd, err := unix.Open(p, bflags, 0)
@@ -192,15 +212,18 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 		if err != nil {
 			return err
 		}
+		var r *redirect
 		if pf&alloc.Shared != 0 {
 			// The marker stays empty; the bytes live on --disk.
 			unix.Close(fd)
-			if fd, _, err = n.fs.sharedFile(dirfd, name, n.Path(nil), bflags, mode); err != nil {
+			var id string
+			if fd, id, err = n.fs.sharedFile(dirfd, name, n.Path(nil), bflags, mode); err != nil {
 				unix.Unlinkat(dirfd, name, 0)
 				return err
 			}
+			r = &redirect{disk: id}
 		}
-		if ch, err = n.adopt(ctx, dirfd, name, pf, out); err != nil {
+		if ch, err = n.adopt(ctx, dirfd, name, pf, r, out); err != nil {
 			unix.Close(fd)
 			return err
 		}
@@ -260,7 +283,7 @@ func (n *node) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *fuse
 			return err
 		}
 		out.Attr.FromStat(toSyscallStat(&st))
-		ch = n.NewInode(ctx, n.fs.newNode(), fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: st.Ino})
+		ch = n.NewInode(ctx, n.fs.newNode(syscall.S_IFREG, nil), fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: st.Ino})
 		h = ch.Operations().(*node).newHandle(ctx, fd, bflags)
 		return nil
 	})

@@ -164,6 +164,9 @@ func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uin
 	if n.isSymlink() {
 		return syscall.EPERM // as on tmpfs: symbolic links carry no user attributes
 	}
+	if attr == alloc.AttrFlags {
+		defer n.flagsPlus1.Store(0)
+	}
 	var st unix.Stat_t
 	err := n.at(func(fd int, name string) error {
 		if err := unix.Fstatat(fd, name, &st, nofollow(name)); err != nil {
@@ -185,6 +188,9 @@ var _ = (fusefs.NodeRemovexattrer)((*node)(nil))
 func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
 	if n.isSymlink() {
 		return syscall.ENODATA
+	}
+	if attr == alloc.AttrFlags {
+		defer n.flagsPlus1.Store(0)
 	}
 	err := n.path(func(p string) error { return alloc.Removexattr(p, attr) })
 	if err == alloc.ErrNoAttr {
@@ -218,18 +224,23 @@ func subtreeUsage(dir string) (segments, bytes int64) {
 func (n *node) acquire(h *handle) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
-	if n.handles == nil {
-		n.handles = map[*handle]struct{}{}
-	}
-	n.handles[h] = struct{}{}
+	n.handles = append(n.handles, h)
 }
 
 // release drops an open handle and reclaims an UNLINK segment whose last
 // reference went.
 func (n *node) release(h *handle) {
 	n.mu.Lock()
-	delete(n.handles, h)
+	for i, o := range n.handles {
+		if o == h {
+			n.handles = append(n.handles[:i], n.handles[i+1:]...)
+			break
+		}
+	}
 	left := len(n.handles)
+	if left == 0 {
+		n.handles = nil
+	}
 	n.mu.Unlock()
 	if left == 0 {
 		n.fs.reclaimLater(n)
@@ -241,7 +252,7 @@ func (n *node) openHandles() map[uint32]int {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	m := make(map[uint32]int, len(n.handles))
-	for h := range n.handles {
+	for _, h := range n.handles {
 		m[h.pid]++
 	}
 	return m

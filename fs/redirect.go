@@ -10,7 +10,7 @@ import (
 )
 
 // redirect says where the bytes and attributes of a segment whose backing
-// file is only a marker live (see alloc's marker.go). The zero value
+// file is only a marker live (see alloc's marker.go). A nil *redirect
 // means the backing object itself.
 type redirect struct {
 	// disk is the id of a SHARED segment's disk file.
@@ -36,6 +36,14 @@ func (im *imports) add(id string, fd int) {
 	im.fds[id] = fd
 }
 
+// any reports whether the daemon holds imports; markers of an earlier
+// daemon's imports were removed at recovery.
+func (im *imports) any() bool {
+	im.mu.RLock()
+	defer im.mu.RUnlock()
+	return len(im.fds) > 0
+}
+
 // with runs fn with the descriptor of import id.
 func (im *imports) with(id string, fn func(fd int) error) error {
 	im.mu.RLock()
@@ -56,25 +64,31 @@ func (im *imports) drop(id string) {
 	}
 }
 
-// redirectOf reads the marker at name in dirfd; st is its stat.
-func (fsys *filesystem) redirectOf(dirfd int, name string, st *unix.Stat_t) redirect {
+// redirectOf reads the marker at name in dirfd, whose stat is st: nil
+// for an ordinary backing object. Only empty files can be markers.
+func (fsys *filesystem) redirectOf(dirfd int, name string, st *unix.Stat_t) *redirect {
 	if st.Mode&syscall.S_IFMT != syscall.S_IFREG || st.Size != 0 {
-		return redirect{}
+		return nil
 	}
 	p := procPath(dirfd, name)
-	if id := alloc.ImportID(p); id != "" {
-		return redirect{imported: id}
+	if fsys.imports.any() {
+		if id := alloc.ImportID(p); id != "" {
+			return &redirect{imported: id}
+		}
 	}
 	if fsys.store.Disk != "" {
-		return redirect{disk: alloc.SharedID(p)}
+		if id := alloc.SharedID(p); id != "" {
+			return &redirect{disk: id}
+		}
 	}
-	return redirect{}
+	return nil
 }
 
 // withTarget runs fn with a descriptor and name that reach a segment's
 // bytes and attributes: dirfd and name themselves unless r redirects.
-func (fsys *filesystem) withTarget(r redirect, dirfd int, name string, fn func(tfd int, tname string) error) error {
+func (fsys *filesystem) withTarget(r *redirect, dirfd int, name string, fn func(tfd int, tname string) error) error {
 	switch {
+	case r == nil:
 	case r.disk != "":
 		return fn(fsys.store.DiskFd, r.disk)
 	case r.imported != "":
@@ -85,17 +99,18 @@ func (fsys *filesystem) withTarget(r redirect, dirfd int, name string, fn func(t
 
 // lastLinkRedirect returns the redirect of the marker at name when name is
 // its last link, so that removing name must release what it redirects to.
-func (fsys *filesystem) lastLinkRedirect(dirfd int, name string) redirect {
+func (fsys *filesystem) lastLinkRedirect(dirfd int, name string) *redirect {
 	var st unix.Stat_t
 	if unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil || st.Nlink != 1 {
-		return redirect{}
+		return nil
 	}
 	return fsys.redirectOf(dirfd, name, &st)
 }
 
 // release frees what a removed marker redirected to.
-func (fsys *filesystem) release(r redirect) error {
+func (fsys *filesystem) release(r *redirect) error {
 	switch {
+	case r == nil:
 	case r.disk != "":
 		return fsys.store.RemoveShared(r.disk)
 	case r.imported != "":
