@@ -1,0 +1,531 @@
+package gpu
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+const (
+	// stagingSlot and stagingSlots size the staging area shared with the
+	// helper: CopyIn and CopyOut move up to stagingSlot bytes per round
+	// trip, and up to stagingSlots of them at once.
+	stagingSlot  = 4 << 20
+	stagingSlots = 4
+	// helloTimeout bounds the helper's start, CUDA initialisation included.
+	helloTimeout = time.Minute
+	// exitTimeout is how long a closed helper gets to free the device and
+	// exit before it is killed.
+	exitTimeout = 10 * time.Second
+)
+
+// Start starts a helper process that serves device index with backend
+// ("cuda" or "sim"), and returns a Device forwarding every call to it, so
+// that a CUDA failure takes down the helper and never the daemon. The
+// helper is `exe gpu-helper --backend B --device N` (see HelperMain), with
+// one end of a socket pair as file descriptor 3, its own process group
+// (a terminal's Ctrl-C reaches the daemon, which then closes the device),
+// and SIGKILL should the daemon die. log receives the helper's output at
+// debug level and its death as a warning; nil discards them.
+//
+// Backend "none" returns Unavailable, and no error. An unknown backend is
+// ErrInvalid. When the helper cannot start, or exits before it serves
+// (cuInit failing, say), the error wraps ErrUnavailable and ends with the
+// helper's last line of output: one line to tell why GPU segments are off.
+// The daemon can then keep Unavailable(err) as its device. Start the helper
+// before mounting, so that it inherits nothing of the mount.
+//
+// Build exe without -tags cuda when it is also the daemon: gorgonia.org/cu's
+// init calls cuInit in every process that links it and exits if that
+// fails. A helper for the cuda backend is built on its own, with -tags
+// cuda, from gpu/cmd/tensorfs-gpu.
+func Start(exe, backend string, index int, log *slog.Logger) (Device, error) {
+	switch backend {
+	case "none":
+		return Unavailable(errors.New("GPU segments are off (--gpu none)")), nil
+	case "sim", "cuda":
+	default:
+		return nil, fmt.Errorf("%w: gpu backend %q (want cuda, sim or none)", ErrInvalid, backend)
+	}
+	if index < 0 {
+		return nil, fmt.Errorf("%w: gpu device %d", ErrInvalid, index)
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return start(exe, []string{"gpu-helper", "--backend", backend, "--device", fmt.Sprint(index)}, log)
+}
+
+// remote is a Device served by a helper process.
+type remote struct {
+	log           *slog.Logger
+	conn          *net.UnixConn
+	proc          *os.Process
+	out           *tail
+	exited        chan struct{}    // closed once the helper has exited and its output is read
+	state         *os.ProcessState // the helper's exit, set before exited is closed
+	name, backend string
+	slots         chan int64 // offsets of the free staging slots
+
+	stagingMu sync.RWMutex // read-held while a copy uses staging, write-held to unmap it
+	staging   []byte       // the staging area, mapped shared; nil once unmapped
+
+	mu      sync.Mutex // guards the fields below
+	lastID  uint32
+	pending map[uint32]chan reply // calls waiting for their reply, by id
+	closing bool
+	err     error         // why the helper is gone, once it is
+	gone    chan struct{} // closed when err is set
+}
+
+// reply is what a call waits for: a message with its file descriptor, or
+// the error that ended the helper.
+type reply struct {
+	m   *message
+	fd  int
+	err error
+}
+
+func start(exe string, args []string, log *slog.Logger) (_ Device, err error) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("%w: socketpair: %v", ErrUnavailable, err)
+	}
+	ours := os.NewFile(uintptr(fds[0]), "gpu-socket")
+	theirs := os.NewFile(uintptr(fds[1]), "gpu-socket")
+	defer theirs.Close()
+	c, err := net.FileConn(ours)
+	ours.Close()
+	if err != nil {
+		return nil, fmt.Errorf("%w: socket: %v", ErrUnavailable, err)
+	}
+	r := &remote{
+		log:     log,
+		conn:    c.(*net.UnixConn),
+		out:     &tail{log: log},
+		exited:  make(chan struct{}),
+		slots:   make(chan int64, stagingSlots),
+		pending: make(map[uint32]chan reply),
+		gone:    make(chan struct{}),
+	}
+	cmd := exec.Command(exe, args...)
+	cmd.ExtraFiles = []*os.File{theirs}
+	cmd.Stdout, cmd.Stderr = r.out, r.out // cu's init failure goes to stdout
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		r.conn.Close()
+		return nil, fmt.Errorf("%w: start gpu helper: %v", ErrUnavailable, err)
+	}
+	r.proc = cmd.Process
+	go func() {
+		cmd.Wait()
+		r.state = cmd.ProcessState
+		close(r.exited)
+	}()
+	defer func() {
+		if err != nil {
+			r.proc.Kill()
+			<-r.exited
+			r.conn.Close()
+			if r.staging != nil {
+				unix.Munmap(r.staging)
+			}
+		}
+	}()
+	theirs.Close()
+
+	if err := r.hello(); err != nil {
+		return nil, err
+	}
+	for i := range stagingSlots {
+		r.slots <- int64(i) * stagingSlot
+	}
+	go r.readLoop(newReceiver(r.conn))
+	log.Debug("gpu helper started", "pid", r.proc.Pid, "device", r.name, "backend", r.backend)
+	return r, nil
+}
+
+// hello makes and maps the staging area, sends it to the helper and waits
+// for the helper's name and backend.
+func (r *remote) hello() error {
+	size := int64(stagingSlot * stagingSlots)
+	fd, err := unix.MemfdCreate("tensorfs-gpu-staging", unix.MFD_CLOEXEC)
+	if err != nil {
+		return fmt.Errorf("%w: memfd_create: %v", ErrUnavailable, err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Ftruncate(fd, size); err != nil {
+		return fmt.Errorf("%w: staging area: %v", ErrUnavailable, err)
+	}
+	if r.staging, err = unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED); err != nil {
+		return fmt.Errorf("%w: mmap staging area: %v", ErrUnavailable, err)
+	}
+	if err := send(r.conn, &message{op: opHello, args: []int64{size}}, fd); err != nil {
+		return r.exitError()
+	}
+	r.conn.SetReadDeadline(time.Now().Add(helloTimeout))
+	m, rfd, err := newReceiver(r.conn).receive()
+	r.conn.SetReadDeadline(time.Time{})
+	if rfd >= 0 {
+		unix.Close(rfd)
+	}
+	switch {
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return fmt.Errorf("%w: gpu helper did not answer within %v", ErrUnavailable, helloTimeout)
+	case errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET):
+		return r.exitError()
+	case err != nil:
+		return fmt.Errorf("%w: %v", ErrUnavailable, err)
+	case m.err() != nil:
+		return fmt.Errorf("%w: gpu helper: %v", ErrUnavailable, m.err())
+	}
+	name, backend, ok := strings.Cut(string(m.data), "\x00")
+	if !ok {
+		return fmt.Errorf("%w: %w: hello reply %q", ErrUnavailable, errProtocol, m.data)
+	}
+	r.name, r.backend = name, backend
+	return nil
+}
+
+// exitError waits for the helper to exit, killing it if it takes too
+// long, and says why it is gone.
+func (r *remote) exitError() error {
+	select {
+	case <-r.exited:
+	case <-time.After(exitTimeout):
+		r.proc.Kill()
+		<-r.exited
+	}
+	if line := r.out.last(); line != "" {
+		return fmt.Errorf("%w: gpu helper exited (%v): %s", ErrUnavailable, r.state, line)
+	}
+	return fmt.Errorf("%w: gpu helper exited (%v)", ErrUnavailable, r.state)
+}
+
+// readLoop hands each reply to its call, until the connection ends.
+func (r *remote) readLoop(rx *receiver) {
+	for {
+		m, fd, err := rx.receive()
+		if err != nil {
+			r.fail(err)
+			return
+		}
+		r.mu.Lock()
+		ch := r.pending[m.id]
+		delete(r.pending, m.id)
+		r.mu.Unlock()
+		if ch == nil { // not a call of ours: the protocol is broken
+			if fd >= 0 {
+				unix.Close(fd)
+			}
+			r.fail(fmt.Errorf("%w: reply to no call (id %d)", errProtocol, m.id))
+			return
+		}
+		ch <- reply{m: m, fd: fd}
+	}
+}
+
+// fail records why the helper is gone and fails every waiting call.
+func (r *remote) fail(cause error) {
+	r.mu.Lock()
+	closing := r.closing
+	r.mu.Unlock()
+	var err error
+	switch {
+	case closing:
+		err = errClosed
+	case errors.Is(cause, io.EOF) || errors.Is(cause, syscall.ECONNRESET):
+		err = r.exitError()
+	default:
+		r.proc.Kill()
+		err = fmt.Errorf("%w: %v", ErrUnavailable, cause)
+	}
+	if !closing {
+		r.log.Warn("gpu helper gone; GPU segments are unavailable", "err", err)
+	}
+	r.mu.Lock()
+	r.err = err
+	pending := r.pending
+	r.pending = nil
+	close(r.gone)
+	r.mu.Unlock()
+	for _, ch := range pending {
+		ch <- reply{err: err}
+	}
+}
+
+// call sends a request, with fd attached when fd >= 0, and waits for its
+// reply. It returns the reply's file descriptor, or -1.
+func (r *remote) call(m *message, fd int) (*message, int, error) {
+	ch := make(chan reply, 1)
+	r.mu.Lock()
+	if r.err != nil {
+		err := r.err
+		r.mu.Unlock()
+		return nil, -1, err
+	}
+	r.lastID++
+	m.id = r.lastID
+	r.pending[m.id] = ch
+	r.mu.Unlock()
+
+	if err := send(r.conn, m, fd); err != nil {
+		r.mu.Lock()
+		_, waiting := r.pending[m.id]
+		delete(r.pending, m.id)
+		r.mu.Unlock()
+		switch {
+		case !waiting: // the reader failed the call already
+			return nil, -1, (<-ch).err
+		case errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET):
+			<-r.gone // the reader will tell why
+			r.mu.Lock()
+			defer r.mu.Unlock()
+			return nil, -1, r.err
+		case errors.Is(err, syscall.EBADF):
+			return nil, -1, fmt.Errorf("%w: file descriptor %d: %v", ErrInvalid, fd, err)
+		}
+		return nil, -1, fmt.Errorf("send to gpu helper: %w", err)
+	}
+	rep := <-ch
+	if rep.err != nil {
+		return nil, -1, rep.err
+	}
+	if err := rep.m.err(); err != nil {
+		if rep.fd >= 0 {
+			unix.Close(rep.fd)
+		}
+		return nil, -1, err
+	}
+	return rep.m, rep.fd, nil
+}
+
+// callBlock is call for requests that name a block and return no file.
+func (r *remote) callBlock(op uint8, b Block, args ...int64) (*message, error) {
+	m, fd, err := r.call(&message{op: op, args: append([]int64{int64(b.ID), b.Size}, args...)}, -1)
+	if fd >= 0 {
+		unix.Close(fd)
+	}
+	return m, err
+}
+
+func (r *remote) Name() string    { return r.name }
+func (r *remote) Backend() string { return r.backend }
+
+func (r *remote) Alloc(size int64) (Block, error) { return r.alloc(opAlloc, size) }
+
+func (r *remote) AllocExportable(size int64) (Block, error) {
+	return r.alloc(opAllocExportable, size)
+}
+
+func (r *remote) alloc(op uint8, size int64) (Block, error) {
+	m, fd, err := r.call(&message{op: op, args: []int64{size}}, -1)
+	if fd >= 0 {
+		unix.Close(fd)
+	}
+	if err != nil {
+		return Block{}, err
+	}
+	if err := m.want(2); err != nil {
+		return Block{}, err
+	}
+	return Block{ID: uint64(m.args[0]), Size: m.args[1]}, nil
+}
+
+func (r *remote) Free(b Block) error {
+	_, err := r.callBlock(opFree, b)
+	return err
+}
+
+func (r *remote) CopyIn(b Block, off int64, src []byte) error {
+	return r.viaStaging(opCopyIn, b, off, int64(len(src)), func(slot []byte, pos int64) {
+		copy(slot, src[pos:])
+	}, nil)
+}
+
+func (r *remote) CopyOut(b Block, off int64, dst []byte) error {
+	return r.viaStaging(opCopyOut, b, off, int64(len(dst)), nil, func(slot []byte, pos int64) {
+		copy(dst[pos:], slot)
+	})
+}
+
+// viaStaging runs op over the n bytes of b at off, a staging slot at a
+// time: in fills the slot with the source bytes at pos before the request,
+// out takes the slot's bytes after it.
+func (r *remote) viaStaging(op uint8, b Block, off, n int64, in, out func(slot []byte, pos int64)) error {
+	r.stagingMu.RLock()
+	defer r.stagingMu.RUnlock()
+	if r.staging == nil {
+		return errClosed
+	}
+	for pos := int64(0); ; {
+		k := min(n-pos, stagingSlot)
+		so := <-r.slots
+		slot := r.staging[so : so+k]
+		if in != nil {
+			in(slot, pos)
+		}
+		_, err := r.callBlock(op, b, off+pos, so, k)
+		if err == nil && out != nil {
+			out(slot, pos)
+		}
+		r.slots <- so
+		if err != nil {
+			return err
+		}
+		if pos += k; pos >= n {
+			return nil
+		}
+	}
+}
+
+func (r *remote) CopyFromFile(b Block, off int64, fd int, fileOff, n int64) error {
+	return r.fileCopy(opCopyFromFile, b, off, fd, fileOff, n)
+}
+
+func (r *remote) CopyToFile(b Block, off int64, fd int, fileOff, n int64) error {
+	return r.fileCopy(opCopyToFile, b, off, fd, fileOff, n)
+}
+
+func (r *remote) fileCopy(op uint8, b Block, off int64, fd int, fileOff, n int64) error {
+	if fd < 0 {
+		return fmt.Errorf("%w: file descriptor %d", ErrInvalid, fd)
+	}
+	_, rfd, err := r.call(&message{op: op, args: []int64{int64(b.ID), b.Size, off, fileOff, n}}, fd)
+	if rfd >= 0 {
+		unix.Close(rfd)
+	}
+	return err
+}
+
+func (r *remote) IPC(b Block) (IPCInfo, error) {
+	m, err := r.callBlock(opIPC, b)
+	if err != nil {
+		return IPCInfo{}, err
+	}
+	var info IPCInfo
+	if err := m.want(1); err != nil {
+		return IPCInfo{}, err
+	}
+	if len(m.data) != len(info.MemHandle)+len(info.EventHandle) {
+		return IPCInfo{}, fmt.Errorf("%w: %d bytes of IPC handles", errProtocol, len(m.data))
+	}
+	info.Offset = m.args[0]
+	copy(info.MemHandle[:], m.data)
+	copy(info.EventHandle[:], m.data[len(info.MemHandle):])
+	return info, nil
+}
+
+func (r *remote) Export(b Block) (*os.File, error) {
+	_, fd, err := r.call(&message{op: opExport, args: []int64{int64(b.ID), b.Size}}, -1)
+	if err != nil {
+		return nil, err
+	}
+	if fd < 0 {
+		return nil, fmt.Errorf("%w: export without a file", errProtocol)
+	}
+	return os.NewFile(uintptr(fd), "gpu-export"), nil
+}
+
+func (r *remote) Stats() Stats {
+	m, fd, err := r.call(&message{op: opStats}, -1)
+	if fd >= 0 {
+		unix.Close(fd)
+	}
+	if err != nil || m.want(6) != nil {
+		return Stats{}
+	}
+	a := m.args
+	return Stats{Blocks: int(a[0]), BlockBytes: a[1], PooledBlocks: int(a[2]),
+		Allocations: int(a[3]), PoolChunks: int(a[4]), DeviceBytes: a[5]}
+}
+
+// Close shuts the connection for writing, so that the helper answers what
+// it has, frees the device and exits; it is killed after exitTimeout.
+func (r *remote) Close() error {
+	r.mu.Lock()
+	if r.closing {
+		r.mu.Unlock()
+		return nil
+	}
+	r.closing = true
+	r.mu.Unlock()
+	r.conn.CloseWrite()
+	var err error
+	select {
+	case <-r.exited:
+	case <-time.After(exitTimeout):
+		r.proc.Kill()
+		<-r.exited
+		err = fmt.Errorf("gpu helper did not exit within %v; killed", exitTimeout)
+	}
+	<-r.gone // every call has its answer
+	r.conn.Close()
+	r.stagingMu.Lock()
+	defer r.stagingMu.Unlock()
+	unix.Munmap(r.staging)
+	r.staging = nil
+	return err
+}
+
+// tail is the helper's stdout and stderr: it logs each line and keeps the
+// last one, the helper's last word on why it exits.
+type tail struct {
+	log *slog.Logger
+
+	mu       sync.Mutex // guards partial and lastLine
+	partial  []byte     // output after the last newline
+	lastLine string
+}
+
+// maxLine bounds a line kept or logged.
+const maxLine = 1 << 10
+
+func (t *tail) Write(p []byte) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.partial = append(t.partial, p...)
+	for {
+		i := bytes.IndexByte(t.partial, '\n')
+		if i < 0 {
+			break
+		}
+		t.line(t.partial[:i])
+		t.partial = t.partial[i+1:]
+	}
+	if len(t.partial) > maxLine {
+		t.line(t.partial)
+		t.partial = nil
+	}
+	return len(p), nil
+}
+
+func (t *tail) line(b []byte) {
+	s := strings.TrimSpace(string(b[:min(len(b), maxLine)]))
+	if s != "" {
+		t.log.Debug("gpu helper says", "line", s)
+		t.lastLine = s
+	}
+}
+
+// last returns the last non-empty line written, a final one without a
+// newline included.
+func (t *tail) last() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if s := strings.TrimSpace(string(t.partial)); s != "" {
+		return s
+	}
+	return t.lastLine
+}

@@ -1,0 +1,590 @@
+//go:build cuda
+
+package gpu
+
+// The cuda backend: gorgonia.org/cu for the context, allocations, copies,
+// streams and staging events; the small C functions below for what cu
+// lacks (IPC handles, interprocess events, pinned host memory and the
+// virtual memory management calls behind AllocExportable).
+
+/*
+#cgo LDFLAGS: -lcuda
+#include <cuda.h>
+#include <string.h>
+
+// tfs_prop describes device memory exportable as a POSIX file descriptor.
+static void tfs_prop(CUmemAllocationProp *p, int dev) {
+	memset(p, 0, sizeof *p);
+	p->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+	p->requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+	p->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	p->location.id = dev;
+}
+
+// tfs_vmm_granularity sets *g to the allocation granularity of exportable
+// memory, or to 0 when the device cannot export memory as a file descriptor.
+static CUresult tfs_vmm_granularity(int dev, size_t *g) {
+	int vmm = 0, posix = 0;
+	CUmemAllocationProp p;
+	CUresult r;
+
+	*g = 0;
+	r = cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
+	if (r == CUDA_SUCCESS)
+		r = cuDeviceGetAttribute(&posix, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev);
+	if (r != CUDA_SUCCESS || !vmm || !posix)
+		return r;
+	tfs_prop(&p, dev);
+	return cuMemGetAllocationGranularity(g, &p, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+}
+
+// tfs_vmm_alloc creates size bytes (a multiple of the granularity) of
+// exportable memory, maps them at a reserved address range and makes them
+// readable and writable by dev.
+static CUresult tfs_vmm_alloc(int dev, size_t size, CUmemGenericAllocationHandle *h, CUdeviceptr *ptr) {
+	CUmemAllocationProp p;
+	CUmemAccessDesc a;
+	CUresult r;
+
+	tfs_prop(&p, dev);
+	r = cuMemCreate(h, size, &p, 0);
+	if (r != CUDA_SUCCESS)
+		return r;
+	r = cuMemAddressReserve(ptr, size, 0, 0, 0);
+	if (r != CUDA_SUCCESS)
+		goto release;
+	r = cuMemMap(*ptr, size, 0, *h, 0);
+	if (r != CUDA_SUCCESS)
+		goto unreserve;
+	memset(&a, 0, sizeof a);
+	a.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+	a.location.id = dev;
+	a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+	r = cuMemSetAccess(*ptr, size, &a, 1);
+	if (r == CUDA_SUCCESS)
+		return r;
+	cuMemUnmap(*ptr, size);
+unreserve:
+	cuMemAddressFree(*ptr, size);
+release:
+	cuMemRelease(*h);
+	return r;
+}
+
+// tfs_vmm_free undoes tfs_vmm_alloc and returns the first error.
+static CUresult tfs_vmm_free(CUmemGenericAllocationHandle h, CUdeviceptr ptr, size_t size) {
+	CUresult r = cuMemUnmap(ptr, size);
+	CUresult r2 = cuMemAddressFree(ptr, size);
+	CUresult r3 = cuMemRelease(h);
+	if (r != CUDA_SUCCESS)
+		return r;
+	return r2 != CUDA_SUCCESS ? r2 : r3;
+}
+
+static CUresult tfs_vmm_export(CUmemGenericAllocationHandle h, int *fd) {
+	return cuMemExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+}
+
+// tfs_ipc_mem copies the IPC handle of the allocation at ptr to out.
+static CUresult tfs_ipc_mem(CUdeviceptr ptr, void *out) {
+	CUipcMemHandle h;
+	CUresult r = cuIpcGetMemHandle(&h, ptr);
+	if (r == CUDA_SUCCESS)
+		memcpy(out, h.reserved, sizeof h.reserved);
+	return r;
+}
+
+// tfs_ipc_event creates an interprocess event and copies its handle to out.
+static CUresult tfs_ipc_event(CUevent *ev, void *out) {
+	CUipcEventHandle h;
+	CUresult r = cuEventCreate(ev, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING);
+	if (r != CUDA_SUCCESS)
+		return r;
+	r = cuIpcGetEventHandle(&h, *ev);
+	if (r != CUDA_SUCCESS) {
+		cuEventDestroy(*ev);
+		return r;
+	}
+	memcpy(out, h.reserved, sizeof h.reserved);
+	return r;
+}
+*/
+import "C"
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"sync"
+	"unsafe"
+
+	"gorgonia.org/cu"
+)
+
+// cudaStaging is the size of each pinned staging buffer of a lane.
+const cudaStaging = 8 << 20
+
+// cudaDevice is the cuda backend. Every CUDA call runs in run, on a locked
+// OS thread with the device's primary context current.
+type cudaDevice struct {
+	name        string
+	dev         cu.Device
+	ctx         cu.CUContext
+	granularity int64 // of exportable allocations; 0 when the device cannot export
+	pool        *pool[*cudaMem]
+	lanes       *lanes
+
+	mu     sync.Mutex          // guards events, pinned and cudaMem.ipc
+	events map[uint64]ipcEvent // interprocess events of blocks, by block ID
+	pinned []hostRange         // host memory registered by pin
+}
+
+// cudaMem is one device allocation.
+type cudaMem struct {
+	ptr        cu.DevicePtr
+	size       int64
+	exportable bool                           // made by tfs_vmm_alloc
+	handle     C.CUmemGenericAllocationHandle // when exportable
+	ipc        *[64]byte                      // its IPC handle, once asked for
+}
+
+type ipcEvent struct {
+	ev     C.CUevent
+	handle [64]byte
+}
+
+type hostRange struct{ start, end uintptr }
+
+// cudaLane is a lane: two pinned buffers, a stream and an event per buffer.
+type cudaLane struct {
+	d      *cudaDevice
+	host   [2]unsafe.Pointer
+	bufs   [2][]byte
+	stream cu.Stream
+	done   [2]cu.Event
+}
+
+var (
+	_ Device = (*cudaDevice)(nil)
+	_ pinner = (*cudaDevice)(nil)
+)
+
+// newCUDA opens CUDA device index (cuInit ran in gorgonia.org/cu's init).
+func newCUDA(index int) (Device, error) {
+	n, err := cu.NumDevices()
+	if err != nil {
+		return nil, cuWrap("cuDeviceGetCount", err)
+	}
+	if index >= n {
+		return nil, fmt.Errorf("%w: cuda:%d asked for, %d CUDA devices present", ErrInvalid, index, n)
+	}
+	dev, err := cu.GetDevice(index)
+	if err != nil {
+		return nil, cuWrap("cuDeviceGet", err)
+	}
+	ctx, err := dev.RetainPrimaryCtx()
+	if err != nil {
+		return nil, cuWrap("cuDevicePrimaryCtxRetain", err)
+	}
+	d := &cudaDevice{name: fmt.Sprintf("cuda:%d", index), dev: dev, ctx: ctx, events: make(map[uint64]ipcEvent)}
+	err = d.run(func() error {
+		var g C.size_t
+		err := cuErr("cuMemGetAllocationGranularity", C.tfs_vmm_granularity(C.int(dev), &g))
+		d.granularity = int64(g)
+		return err
+	})
+	if err != nil {
+		dev.ReleasePrimaryCtx()
+		return nil, err
+	}
+	d.pool = newPool(d.newMem, d.freeMem)
+	d.lanes = newLanes(maxLanes, d.newLane)
+	return d, nil
+}
+
+// run calls f on a locked OS thread with the device's context current.
+func (d *cudaDevice) run(f func() error) error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if err := cu.SetCurrentContext(d.ctx); err != nil {
+		return cuWrap("cuCtxSetCurrent", err)
+	}
+	return f()
+}
+
+// cuErr turns a CUresult from the C functions above into an error.
+func cuErr(call string, r C.CUresult) error {
+	if r == C.CUDA_SUCCESS {
+		return nil
+	}
+	var name *C.char
+	text := fmt.Sprintf("CUresult %d", int(r))
+	if C.cuGetErrorName(r, &name) == C.CUDA_SUCCESS && name != nil {
+		text = C.GoString(name)
+	}
+	if r == C.CUDA_ERROR_OUT_OF_MEMORY {
+		return fmt.Errorf("%w: %s: %s", ErrOutOfMemory, call, text)
+	}
+	return fmt.Errorf("%s: %s", call, text)
+}
+
+// cuWrap names the call an error of gorgonia.org/cu came from.
+func cuWrap(call string, err error) error {
+	if err == nil {
+		return nil
+	}
+	if errors.Is(err, cu.OutOfMemory) {
+		return fmt.Errorf("%w: %s: %v", ErrOutOfMemory, call, err)
+	}
+	return fmt.Errorf("%s: %v", call, err)
+}
+
+func (d *cudaDevice) newMem(size int64, exportable bool) (*cudaMem, int64, error) {
+	m := &cudaMem{exportable: exportable}
+	if !exportable {
+		err := d.run(func() (err error) {
+			m.ptr, err = cu.MemAlloc(size)
+			return cuWrap("cuMemAlloc", err)
+		})
+		m.size = size
+		return m, size, err
+	}
+	if d.granularity == 0 {
+		return nil, 0, fmt.Errorf("%w: %s has no virtual memory management with POSIX file descriptors", ErrNotExportable, d.name)
+	}
+	m.size = (size + d.granularity - 1) / d.granularity * d.granularity
+	err := d.run(func() error {
+		var ptr C.CUdeviceptr
+		err := cuErr("cuMemCreate", C.tfs_vmm_alloc(C.int(d.dev), C.size_t(m.size), &m.handle, &ptr))
+		m.ptr = cu.DevicePtr(ptr)
+		return err
+	})
+	return m, m.size, err
+}
+
+func (d *cudaDevice) freeMem(m *cudaMem) error {
+	return d.run(func() error {
+		if m.exportable {
+			return cuErr("cuMemUnmap", C.tfs_vmm_free(m.handle, C.CUdeviceptr(m.ptr), C.size_t(m.size)))
+		}
+		return cuWrap("cuMemFree", cu.MemFree(m.ptr))
+	})
+}
+
+func (d *cudaDevice) newLane() (lane, error) {
+	l := &cudaLane{d: d}
+	err := d.run(func() error {
+		for i := range l.host {
+			if err := cuErr("cuMemHostAlloc", C.cuMemHostAlloc(&l.host[i], cudaStaging, C.CU_MEMHOSTALLOC_PORTABLE)); err != nil {
+				return err
+			}
+			l.bufs[i] = unsafe.Slice((*byte)(l.host[i]), cudaStaging)
+			var err error
+			if l.done[i], err = cu.MakeEvent(cu.DisableTiming); err != nil {
+				return cuWrap("cuEventCreate", err)
+			}
+		}
+		var err error
+		l.stream, err = cu.MakeStream(cu.NonBlocking)
+		return cuWrap("cuStreamCreate", err)
+	})
+	if err != nil {
+		l.close()
+		return nil, err
+	}
+	return l, nil
+}
+
+func (l *cudaLane) buffers() *[2][]byte { return &l.bufs }
+
+// wait runs inside cudaDevice.run, as do the staged copies that call it.
+func (l *cudaLane) wait(i int) error {
+	return cuWrap("cuEventSynchronize", l.done[i].Synchronize())
+}
+
+func (l *cudaLane) close() error {
+	return l.d.run(func() error {
+		var errs []error
+		for i := range l.host {
+			if l.host[i] != nil {
+				errs = append(errs, cuWrap("cuMemFreeHost", cu.MemFreeHost(l.host[i])))
+			}
+			if l.done[i] != (cu.Event{}) {
+				errs = append(errs, cuWrap("cuEventDestroy", cu.DestroyEvent(&l.done[i])))
+			}
+		}
+		if l.stream != (cu.Stream{}) {
+			errs = append(errs, cuWrap("cuStreamDestroy", l.stream.Destroy()))
+		}
+		return errors.Join(errs...)
+	})
+}
+
+// cstream is s as this package's C type.
+func cstream(s cu.Stream) C.CUstream { return C.CUstream(unsafe.Pointer(s.C())) }
+
+// Name returns "cuda:N".
+func (d *cudaDevice) Name() string { return d.name }
+
+// Backend returns "cuda".
+func (d *cudaDevice) Backend() string { return "cuda" }
+
+func (d *cudaDevice) Alloc(size int64) (Block, error) { return d.pool.alloc(size, false) }
+
+func (d *cudaDevice) AllocExportable(size int64) (Block, error) {
+	if d.granularity == 0 {
+		return Block{}, fmt.Errorf("%w: %s has no virtual memory management with POSIX file descriptors", ErrNotExportable, d.name)
+	}
+	return d.pool.alloc(size, true)
+}
+
+func (d *cudaDevice) Free(b Block) error {
+	d.mu.Lock()
+	e, ok := d.events[b.ID]
+	delete(d.events, b.ID)
+	d.mu.Unlock()
+	err := d.pool.free(b)
+	if ok {
+		if derr := d.run(func() error { return cuErr("cuEventDestroy", C.cuEventDestroy(e.ev)) }); err == nil {
+			err = derr
+		}
+	}
+	return err
+}
+
+// CopyIn copies directly when src lies in memory registered by pin (the
+// helper's staging area), through a lane otherwise.
+func (d *cudaDevice) CopyIn(b Block, off int64, src []byte) error {
+	if d.isPinned(src) {
+		return d.direct(b, off, int64(len(src)), func(dev cu.DevicePtr) error {
+			return cuWrap("cuMemcpyHtoD", cu.MemcpyHtoD(dev, unsafe.Pointer(unsafe.SliceData(src)), int64(len(src))))
+		}, true)
+	}
+	return d.upload(b, off, int64(len(src)), copyFill(src))
+}
+
+// CopyOut copies directly when dst lies in memory registered by pin,
+// through a lane otherwise.
+func (d *cudaDevice) CopyOut(b Block, off int64, dst []byte) error {
+	if d.isPinned(dst) {
+		return d.direct(b, off, int64(len(dst)), func(dev cu.DevicePtr) error {
+			return cuWrap("cuMemcpyDtoH", cu.MemcpyDtoH(unsafe.Pointer(unsafe.SliceData(dst)), dev, int64(len(dst))))
+		}, false)
+	}
+	return d.download(b, off, int64(len(dst)), copyDrain(dst))
+}
+
+func (d *cudaDevice) CopyFromFile(b Block, off int64, fd int, fileOff, n int64) error {
+	return d.upload(b, off, n, preadFill(fd, fileOff))
+}
+
+func (d *cudaDevice) CopyToFile(b Block, off int64, fd int, fileOff, n int64) error {
+	return d.download(b, off, n, pwriteDrain(fd, fileOff))
+}
+
+// direct runs a synchronous copy of the n bytes of b at off, given their
+// device address; write says it changes the block.
+func (d *cudaDevice) direct(b Block, off, n int64, xfer func(cu.DevicePtr) error, write bool) error {
+	pl, release, err := d.pool.acquire(b, off, n)
+	if err != nil {
+		return err
+	}
+	defer release()
+	if n == 0 {
+		return nil
+	}
+	return d.run(func() error {
+		if err := xfer(pl.alloc.mem.ptr + cu.DevicePtr(pl.off+off)); err != nil || !write {
+			return err
+		}
+		return d.recordWrite(b, cu.Stream{})
+	})
+}
+
+// upload runs stagedUpload into the n bytes of b at off on a lane.
+func (d *cudaDevice) upload(b Block, off, n int64, fill func([]byte, int64) error) error {
+	pl, release, err := d.pool.acquire(b, off, n)
+	if err != nil {
+		return err
+	}
+	defer release()
+	l, err := d.lanes.get()
+	if err != nil {
+		return err
+	}
+	defer d.lanes.put(l)
+	cl := l.(*cudaLane)
+	dev := pl.alloc.mem.ptr + cu.DevicePtr(pl.off+off)
+	return d.run(func() error {
+		err := stagedUpload(l, n, fill, func(i int, pos int64, k int) error {
+			if err := cu.MemcpyHtoDAsync(dev+cu.DevicePtr(pos), cl.host[i], int64(k), cl.stream); err != nil {
+				return cuWrap("cuMemcpyHtoDAsync", err)
+			}
+			return cuWrap("cuEventRecord", cl.done[i].Record(cl.stream))
+		})
+		if err != nil {
+			return err
+		}
+		return d.recordWrite(b, cl.stream)
+	})
+}
+
+// download runs stagedDownload from the n bytes of b at off on a lane.
+func (d *cudaDevice) download(b Block, off, n int64, drain func([]byte, int64) error) error {
+	pl, release, err := d.pool.acquire(b, off, n)
+	if err != nil {
+		return err
+	}
+	defer release()
+	l, err := d.lanes.get()
+	if err != nil {
+		return err
+	}
+	defer d.lanes.put(l)
+	cl := l.(*cudaLane)
+	dev := pl.alloc.mem.ptr + cu.DevicePtr(pl.off+off)
+	return d.run(func() error {
+		return stagedDownload(l, n, func(i int, pos int64, k int) error {
+			if err := cu.MemcpyDtoHAsync(cl.host[i], dev+cu.DevicePtr(pos), int64(k), cl.stream); err != nil {
+				return cuWrap("cuMemcpyDtoHAsync", err)
+			}
+			return cuWrap("cuEventRecord", cl.done[i].Record(cl.stream))
+		}, drain)
+	})
+}
+
+// recordWrite records b's interprocess event, if it has one, on stream
+// after a write; it runs inside run.
+func (d *cudaDevice) recordWrite(b Block, stream cu.Stream) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	e, ok := d.events[b.ID]
+	if !ok {
+		return nil
+	}
+	return cuErr("cuEventRecord", C.cuEventRecord(e.ev, cstream(stream)))
+}
+
+// IPC implements Device; the event is made on the first call for a block
+// and recorded after each later write to it.
+func (d *cudaDevice) IPC(b Block) (IPCInfo, error) {
+	pl, release, err := d.pool.acquire(b, 0, 0)
+	if err != nil {
+		return IPCInfo{}, err
+	}
+	defer release()
+	m := pl.alloc.mem
+	if m.exportable {
+		return IPCInfo{}, fmt.Errorf("%w: block %d is exportable; use Export", ErrNoIPC, b.ID)
+	}
+	info := IPCInfo{Offset: pl.off}
+	err = d.run(func() error {
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		if m.ipc == nil {
+			var h [64]byte
+			if err := cuErr("cuIpcGetMemHandle", C.tfs_ipc_mem(C.CUdeviceptr(m.ptr), unsafe.Pointer(&h[0]))); err != nil {
+				return err
+			}
+			m.ipc = &h
+		}
+		info.MemHandle = *m.ipc
+		e, ok := d.events[b.ID]
+		if !ok {
+			if err := cuErr("cuIpcGetEventHandle", C.tfs_ipc_event(&e.ev, unsafe.Pointer(&e.handle[0]))); err != nil {
+				return err
+			}
+			// Writes so far have completed; recording now orders a
+			// consumer after them all the same.
+			if err := cuErr("cuEventRecord", C.cuEventRecord(e.ev, nil)); err != nil {
+				C.cuEventDestroy(e.ev)
+				return err
+			}
+			d.events[b.ID] = e
+		}
+		info.EventHandle = e.handle
+		return nil
+	})
+	return info, err
+}
+
+func (d *cudaDevice) Export(b Block) (*os.File, error) {
+	pl, release, err := d.pool.acquire(b, 0, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	m := pl.alloc.mem
+	if !m.exportable {
+		return nil, fmt.Errorf("%w: block %d", ErrNotExportable, b.ID)
+	}
+	var fd C.int
+	if err := d.run(func() error { return cuErr("cuMemExportToShareableHandle", C.tfs_vmm_export(m.handle, &fd)) }); err != nil {
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), "cuda-export"), nil
+}
+
+func (d *cudaDevice) Stats() Stats { return d.pool.stats() }
+
+// Close frees every block, lane and event and releases the primary context.
+func (d *cudaDevice) Close() error {
+	errs := []error{d.pool.close(), d.lanes.close()}
+	d.mu.Lock()
+	events := d.events
+	d.events = make(map[uint64]ipcEvent)
+	d.mu.Unlock()
+	errs = append(errs, d.run(func() error {
+		for _, e := range events {
+			C.cuEventDestroy(e.ev)
+		}
+		return nil
+	}))
+	errs = append(errs, cuWrap("cuDevicePrimaryCtxRelease", d.dev.ReleasePrimaryCtx()))
+	return errors.Join(errs...)
+}
+
+// pin page-locks mem, so that CopyIn and CopyOut from and to it copy
+// directly at DMA speed.
+func (d *cudaDevice) pin(mem []byte) (func() error, error) {
+	p := unsafe.Pointer(unsafe.SliceData(mem))
+	err := d.run(func() error {
+		return cuErr("cuMemHostRegister", C.cuMemHostRegister(p, C.size_t(len(mem)), C.CU_MEMHOSTREGISTER_PORTABLE))
+	})
+	if err != nil {
+		return nil, err
+	}
+	r := hostRange{uintptr(p), uintptr(p) + uintptr(len(mem))}
+	d.mu.Lock()
+	d.pinned = append(d.pinned, r)
+	d.mu.Unlock()
+	return func() error {
+		d.mu.Lock()
+		for i, q := range d.pinned {
+			if q == r {
+				d.pinned = append(d.pinned[:i], d.pinned[i+1:]...)
+				break
+			}
+		}
+		d.mu.Unlock()
+		return d.run(func() error { return cuErr("cuMemHostUnregister", C.cuMemHostUnregister(p)) })
+	}, nil
+}
+
+// isPinned reports whether b lies in memory registered by pin.
+func (d *cudaDevice) isPinned(b []byte) bool {
+	if len(b) == 0 {
+		return false
+	}
+	start := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
+	end := start + uintptr(len(b))
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, r := range d.pinned {
+		if r.start <= start && end <= r.end {
+			return true
+		}
+	}
+	return false
+}

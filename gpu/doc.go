@@ -1,0 +1,66 @@
+// Package gpu is tensorfs's device memory: GPU segments live in blocks of
+// a Device (DESIGN.md §6). It knows nothing of FUSE and returns Go errors,
+// the sentinel ones from errors.go where a caller must tell them apart.
+//
+// # Backends
+//
+// A Device has three backends behind one interface:
+//
+//   - cuda: a real GPU through gorgonia.org/cu plus small cgo shims for
+//     what cu lacks (IPC handles, interprocess events, pinned host memory,
+//     virtual memory management). Built only with -tags cuda, so that a
+//     default build never links libcuda; scripts/cuda-sdk.sh fetches the
+//     headers and link stub to build and vet it without a GPU.
+//   - sim: NewSim, device memory simulated on host memory with the same
+//     behaviour, so that every path is tested on machines without a GPU.
+//   - none: Unavailable, no device at all (`--gpu none`).
+//
+// Small blocks are sub-allocated from pooled device allocations (the
+// MemPool idea), so a block is an allocation plus an offset; IPCInfo
+// carries both. Copies go through pinned staging buffers, two per copy,
+// double-buffered so that host reads and writes overlap device copies.
+//
+// # The helper process
+//
+// The daemon never talks to CUDA itself. Start runs the backend in a
+// helper process and returns a Device that forwards each call over a
+// socket (Serve and HelperMain are the helper's side; proto.go describes
+// the protocol). A CUDA failure, even one that kills the process, costs
+// the helper and the device memory it held, never the daemon: calls then
+// fail with ErrUnavailable, whose text ends with the helper's last line of
+// output, and host segments go on. Start again for a new helper; blocks of
+// the old one are gone.
+//
+// gorgonia.org/cu's init calls cuInit and exits the process when that
+// fails, in every process that links it. So the daemon is built without
+// -tags cuda, and the cuda helper is a binary of its own built with it
+// (gpu/cmd/tensorfs-gpu), passed to Start as exe. A helper that cannot
+// initialise CUDA exits before it serves, and Start reports why.
+//
+// The daemon's side, with the cmd wiring `tensorfs gpu-helper ARGS` to
+// HelperMain(ARGS, stderr):
+//
+//	dev, err := gpu.Start(exe, backend, 0, log) // backend from --gpu
+//	if err != nil {
+//		log.Warn("GPU segments are off", "err", err) // one line: why
+//		dev = gpu.Unavailable(err)
+//	}
+//	defer dev.Close()
+//
+// where exe is the daemon's own executable for sim, and a tensorfs-gpu
+// built with -tags cuda for cuda.
+//
+// # Sharing with consumers
+//
+// A consumer opens a block with its own CUDA stack from IPC (or Export
+// for a block from AllocExportable) while it holds the segment's file open
+// or a reference counter (RefCounters). Blocks whose segment was unlinked
+// or shrunk while referenced wait in a Limbo until Collect finds them
+// unreferenced, as PyTorch's CudaIPCSentDataLimbo does.
+//
+// # Caveats
+//
+// Free a block only when no consumer can still reach it: its device memory
+// may be handed out again at once, to another segment. A Device's Block
+// values mean nothing to another Device, nor to a new helper.
+package gpu

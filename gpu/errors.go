@@ -1,0 +1,32 @@
+package gpu
+
+import "errors"
+
+// Sentinel errors returned by this package. Callers match them with
+// errors.Is; errors from a helper process keep their sentinel across the
+// socket.
+var (
+	// ErrUnavailable is returned when no device serves the call: the
+	// helper process failed to start or died (the error text ends with its
+	// last line of output, e.g. why cuInit failed), the backend is none, or
+	// the Device was closed. Blocks of a dead helper are gone with it.
+	ErrUnavailable = errors.New("gpu unavailable")
+	// ErrOutOfMemory is returned when the device cannot hold another
+	// allocation.
+	ErrOutOfMemory = errors.New("out of device memory")
+	// ErrNotExportable is returned when Export is called on a block that
+	// AllocExportable did not make, or when AllocExportable is called on a
+	// device without POSIX file descriptor handles for its virtual memory.
+	ErrNotExportable = errors.New("block is not exportable")
+	// ErrNoIPC is returned when IPC is called on a block from
+	// AllocExportable: CUDA IPC handles do not cover such memory.
+	ErrNoIPC = errors.New("block has no IPC handle")
+	// ErrNoBlock is returned when a Block is not one the Device handed
+	// out, or was freed already.
+	ErrNoBlock = errors.New("no such block")
+	// ErrInvalid is returned when a size, offset, length or backend name is
+	// out of range or unknown.
+	ErrInvalid = errors.New("invalid argument")
+	// ErrNoSlots is returned when every slot of a RefCounters file is in use.
+	ErrNoSlots = errors.New("no free reference counter slot")
+)

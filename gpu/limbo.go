@@ -1,0 +1,71 @@
+package gpu
+
+import "sync"
+
+// Limbo holds blocks whose segment was unlinked or shrunk while consumers
+// still referenced them (PyTorch's CudaIPCSentDataLimbo): a consumer that
+// opened the block's IPC handle may still read it, so its device memory
+// must not be handed out again yet. Collect frees the blocks nobody
+// references any more; call it periodically, when a reference is dropped,
+// and when Alloc fails with ErrOutOfMemory (then retry the Alloc).
+// Methods are safe for concurrent use.
+type Limbo struct {
+	dev Device
+
+	mu      sync.Mutex // guards entries and bytes
+	entries []limboEntry
+	bytes   int64
+}
+
+type limboEntry struct {
+	block           Block
+	stillReferenced func() bool
+}
+
+// NewLimbo returns an empty limbo whose blocks are freed on dev.
+func NewLimbo(dev Device) *Limbo { return &Limbo{dev: dev} }
+
+// Add puts b in limbo until stillReferenced reports false, typically "the
+// reference counter is not zero or a file handle is still open".
+// stillReferenced is called from Collect, without the limbo's lock held.
+func (l *Limbo) Add(b Block, stillReferenced func() bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.entries = append(l.entries, limboEntry{b, stillReferenced})
+	l.bytes += b.Size
+}
+
+// Collect frees the blocks no longer referenced and returns how many it
+// freed. A block whose Free fails leaves the limbo all the same: the
+// device no longer has it (the helper died, or it was freed elsewhere).
+func (l *Limbo) Collect() (freed int) {
+	l.mu.Lock()
+	entries := l.entries
+	l.entries = nil
+	l.mu.Unlock()
+
+	var keep []limboEntry
+	for _, e := range entries {
+		if e.stillReferenced() {
+			keep = append(keep, e)
+			continue
+		}
+		if l.dev.Free(e.block) == nil {
+			freed++
+		}
+		l.mu.Lock()
+		l.bytes -= e.block.Size
+		l.mu.Unlock()
+	}
+	l.mu.Lock()
+	l.entries = append(keep, l.entries...) // with those added meanwhile
+	l.mu.Unlock()
+	return freed
+}
+
+// Stats returns the number of blocks in limbo and their bytes.
+func (l *Limbo) Stats() (blocks int, bytes int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.entries), l.bytes
+}

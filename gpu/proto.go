@@ -1,0 +1,212 @@
+package gpu
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+
+	"golang.org/x/sys/unix"
+)
+
+// The helper protocol. Daemon and helper exchange messages over a
+// SOCK_SEQPACKET socket pair, one message per packet:
+//
+//	[0] version (protoVersion)  [1] op  [2] status (replies)  [3] nargs
+//	[4:8] request id            then nargs int64 arguments, then data
+//
+// all integers little-endian. Every request gets one reply with its id and
+// op; replies may come out of order, as the helper serves requests
+// concurrently. Status 0 is success; any other status names a sentinel
+// error (wireErrors) and data holds the error text.
+//
+// The first request is opHello, with the staging area attached: a memfd
+// that both processes map, split into slots of stagingSlot bytes, through
+// which CopyIn and CopyOut move their bytes (the socket carries only
+// offsets). CopyFromFile and CopyToFile carry the caller's file descriptor
+// and the reply to Export carries the exported one, as SCM_RIGHTS.
+const protoVersion = 1
+
+const (
+	opHello           = 1 + iota // args: staging size; fd: staging memfd. reply data: name NUL backend
+	opAlloc                      // args: size. reply args: block id, size
+	opAllocExportable            // args: size. reply args: block id, size
+	opFree                       // args: block id, size
+	opCopyIn                     // args: block id, size, off, staging offset, n
+	opCopyOut                    // args: block id, size, off, staging offset, n
+	opCopyFromFile               // args: block id, size, off, file offset, n; fd: the file
+	opCopyToFile                 // args: block id, size, off, file offset, n; fd: the file
+	opIPC                        // args: block id, size. reply args: offset; data: mem handle, event handle
+	opExport                     // args: block id, size. reply fd: the export
+	opStats                      // reply args: the Stats fields in order
+)
+
+const (
+	headerSize = 8
+	maxMessage = 64 << 10 // bytes of one message, header included
+	maxErrText = 4 << 10  // bytes of error text in a reply
+	statusMisc = 255      // an error without a sentinel
+)
+
+// wireErrors are the errors a reply's status can name, by index.
+var wireErrors = [...]error{
+	1: ErrUnavailable,
+	2: ErrOutOfMemory,
+	3: ErrNotExportable,
+	4: ErrNoIPC,
+	5: ErrNoBlock,
+	6: ErrInvalid,
+	7: io.ErrUnexpectedEOF,
+}
+
+// errProtocol reports a message that does not follow the protocol.
+var errProtocol = errors.New("gpu helper protocol error")
+
+type message struct {
+	op     uint8
+	status uint8
+	id     uint32
+	args   []int64
+	data   []byte
+}
+
+func (m *message) marshal() []byte {
+	b := make([]byte, headerSize+8*len(m.args)+len(m.data))
+	b[0], b[1], b[2], b[3] = protoVersion, m.op, m.status, uint8(len(m.args))
+	binary.LittleEndian.PutUint32(b[4:], m.id)
+	for i, a := range m.args {
+		binary.LittleEndian.PutUint64(b[headerSize+8*i:], uint64(a))
+	}
+	copy(b[headerSize+8*len(m.args):], m.data)
+	return b
+}
+
+func unmarshal(b []byte) (*message, error) {
+	if len(b) < headerSize {
+		return nil, fmt.Errorf("%w: %d-byte message", errProtocol, len(b))
+	}
+	if b[0] != protoVersion {
+		return nil, fmt.Errorf("%w: version %d, want %d", errProtocol, b[0], protoVersion)
+	}
+	n := int(b[3])
+	if len(b) < headerSize+8*n {
+		return nil, fmt.Errorf("%w: %d arguments in %d bytes", errProtocol, n, len(b))
+	}
+	m := &message{op: b[1], status: b[2], id: binary.LittleEndian.Uint32(b[4:]), args: make([]int64, n)}
+	for i := range m.args {
+		m.args[i] = int64(binary.LittleEndian.Uint64(b[headerSize+8*i:]))
+	}
+	m.data = append([]byte(nil), b[headerSize+8*n:]...)
+	return m, nil
+}
+
+// want checks that m has at least n arguments.
+func (m *message) want(n int) error {
+	if len(m.args) < n {
+		return fmt.Errorf("%w: op %d with %d arguments, want %d", errProtocol, m.op, len(m.args), n)
+	}
+	return nil
+}
+
+// block returns the Block named by the first two arguments.
+func (m *message) block() Block { return Block{ID: uint64(m.args[0]), Size: m.args[1]} }
+
+// setError makes m a reply that carries err.
+func (m *message) setError(err error) {
+	m.status = statusMisc
+	for i, e := range wireErrors {
+		if e != nil && errors.Is(err, e) {
+			m.status = uint8(i)
+			break
+		}
+	}
+	text := err.Error()
+	if len(text) > maxErrText {
+		text = text[:maxErrText]
+	}
+	m.args, m.data = nil, []byte(text)
+}
+
+// err returns the error a reply carries, nil on success.
+func (m *message) err() error {
+	if m.status == 0 {
+		return nil
+	}
+	e := &remoteError{text: string(m.data)}
+	if int(m.status) < len(wireErrors) {
+		e.sentinel = wireErrors[m.status]
+	}
+	return e
+}
+
+// remoteError is an error returned by the helper: its text, and its
+// sentinel for errors.Is.
+type remoteError struct {
+	sentinel error
+	text     string
+}
+
+func (e *remoteError) Error() string { return e.text }
+func (e *remoteError) Unwrap() error { return e.sentinel }
+
+// send writes m with the file descriptor fd attached when fd >= 0.
+func send(c *net.UnixConn, m *message, fd int) error {
+	var oob []byte
+	if fd >= 0 {
+		oob = unix.UnixRights(fd)
+	}
+	_, _, err := c.WriteMsgUnix(m.marshal(), oob, nil)
+	return err
+}
+
+// receiver reads messages from one connection.
+type receiver struct {
+	c   *net.UnixConn
+	buf []byte
+	oob []byte
+}
+
+func newReceiver(c *net.UnixConn) *receiver {
+	return &receiver{c: c, buf: make([]byte, maxMessage), oob: make([]byte, unix.CmsgSpace(4*4))}
+}
+
+// receive reads one message and the file descriptor attached to it, or -1.
+// It returns io.EOF when the peer has closed the connection.
+func (r *receiver) receive() (*message, int, error) {
+	n, oobn, flags, _, err := r.c.ReadMsgUnix(r.buf, r.oob)
+	if err != nil {
+		return nil, -1, err
+	}
+	fd := -1
+	if oobn > 0 {
+		cmsgs, err := unix.ParseSocketControlMessage(r.oob[:oobn])
+		if err != nil {
+			return nil, -1, fmt.Errorf("%w: control message: %v", errProtocol, err)
+		}
+		for _, cm := range cmsgs {
+			fds, err := unix.ParseUnixRights(&cm)
+			if err != nil {
+				continue
+			}
+			for _, f := range fds {
+				if fd < 0 {
+					fd = f
+				} else {
+					unix.Close(f)
+				}
+			}
+		}
+	}
+	m, err := unmarshal(r.buf[:n])
+	if err == nil && flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0 {
+		err = fmt.Errorf("%w: truncated message", errProtocol)
+	}
+	if err != nil {
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+		return nil, -1, err
+	}
+	return m, fd, nil
+}

@@ -1,0 +1,249 @@
+package gpu
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// maxInFlight bounds the requests a helper serves at once.
+const maxInFlight = 64
+
+// pinner is implemented by devices that can page-lock host memory so that
+// copies from and to it run at DMA speed without further staging. Serve
+// pins the shared staging area with it.
+type pinner interface {
+	pin(mem []byte) (unpin func() error, err error)
+}
+
+// openBackend makes the device a helper process serves. Tests replace it
+// to make helpers that misbehave.
+var openBackend = func(backend string, index int) (Device, error) {
+	switch backend {
+	case "sim":
+		return NewSim(index, 0), nil
+	case "cuda":
+		return newCUDA(index)
+	}
+	return nil, fmt.Errorf("%w: --backend %q (want sim or cuda)", ErrInvalid, backend)
+}
+
+// HelperMain is the helper process: `tensorfs gpu-helper --backend sim|cuda
+// --device N`, with args the arguments after "gpu-helper". It opens the
+// device and serves it on file descriptor 3, one end of the socket pair
+// Start made, until the daemon closes the socket. Errors go to stderr as
+// one line, which Start reports as the reason the GPU is unavailable. It
+// returns the exit status: 0 after a clean shutdown, 1 when the device or
+// the socket fails, 2 on bad arguments.
+//
+// With --backend cuda, the process must be built with -tags cuda, and
+// gorgonia.org/cu's init has already called cuInit, exiting the process if
+// that failed.
+func HelperMain(args []string, stderr io.Writer) int {
+	set := flag.NewFlagSet("gpu-helper", flag.ContinueOnError)
+	set.SetOutput(io.Discard)
+	backend := set.String("backend", "", "device backend: sim or cuda")
+	index := set.Int("device", 0, "device ordinal")
+	if err := set.Parse(args); err != nil {
+		fmt.Fprintf(stderr, "gpu-helper: %v (usage: gpu-helper --backend sim|cuda --device N)\n", err)
+		return 2
+	}
+	if set.NArg() > 0 || *index < 0 || (*backend != "sim" && *backend != "cuda") {
+		fmt.Fprintf(stderr, "gpu-helper: want --backend sim or --backend cuda, and --device N >= 0; got %q (usage: gpu-helper --backend sim|cuda --device N)\n", args)
+		return 2
+	}
+	dev, err := openBackend(*backend, *index)
+	if err != nil {
+		fmt.Fprintf(stderr, "gpu-helper: %v\n", err)
+		return 1
+	}
+	defer dev.Close()
+
+	f := os.NewFile(3, "gpu-socket")
+	c, err := net.FileConn(f)
+	f.Close()
+	if err != nil {
+		fmt.Fprintf(stderr, "gpu-helper: fd 3 is not the daemon's socket: %v\n", err)
+		return 1
+	}
+	conn, ok := c.(*net.UnixConn)
+	if !ok {
+		c.Close()
+		fmt.Fprintf(stderr, "gpu-helper: fd 3 is a %T, not a unix socket\n", c)
+		return 1
+	}
+	defer conn.Close()
+	if err := Serve(conn, dev); err != nil {
+		fmt.Fprintf(stderr, "gpu-helper: %v\n", err)
+		return 1
+	}
+	return 0
+}
+
+// server serves one connection.
+type server struct {
+	conn    *net.UnixConn
+	dev     Device
+	staging []byte // the daemon's staging area, mapped shared
+}
+
+// Serve serves dev to the daemon at the other end of conn, a SOCK_SEQPACKET
+// socket, until the daemon closes it; requests run concurrently. It returns
+// nil once the daemon has closed the connection and every request is
+// answered. It neither closes conn nor dev.
+func Serve(conn *net.UnixConn, dev Device) error {
+	s := &server{conn: conn, dev: dev}
+	rx := newReceiver(conn)
+	m, fd, err := rx.receive()
+	if err != nil {
+		return fmt.Errorf("no hello from the daemon: %w", err)
+	}
+	unpin, err := s.hello(m, fd)
+	if fd >= 0 {
+		unix.Close(fd)
+	}
+	reply := &message{op: m.op, id: m.id}
+	if err != nil {
+		reply.setError(err)
+	} else {
+		reply.data = []byte(dev.Name() + "\x00" + dev.Backend())
+	}
+	if serr := send(conn, reply, -1); err == nil {
+		err = serr
+	}
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if unpin != nil {
+			unpin()
+		}
+		unix.Munmap(s.staging)
+	}()
+
+	var wg sync.WaitGroup
+	defer wg.Wait()
+	sem := make(chan struct{}, maxInFlight)
+	for {
+		m, fd, err := rx.receive()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			s.handle(m, fd)
+		})
+	}
+}
+
+// hello maps the staging area and pins it when the device can.
+func (s *server) hello(m *message, fd int) (unpin func() error, err error) {
+	if m.op != opHello {
+		return nil, fmt.Errorf("%w: first op %d, want hello", errProtocol, m.op)
+	}
+	if err := m.want(1); err != nil {
+		return nil, err
+	}
+	if fd < 0 || m.args[0] <= 0 {
+		return nil, fmt.Errorf("%w: hello without a staging area", errProtocol)
+	}
+	s.staging, err = unix.Mmap(fd, 0, int(m.args[0]), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("mmap staging area: %w", err)
+	}
+	if p, ok := s.dev.(pinner); ok {
+		if unpin, err = p.pin(s.staging); err != nil {
+			unix.Munmap(s.staging)
+			return nil, fmt.Errorf("pin staging area: %w", err)
+		}
+	}
+	return unpin, nil
+}
+
+// handle answers one request; fd, when not -1, is closed afterwards.
+func (s *server) handle(m *message, fd int) {
+	if fd >= 0 {
+		defer unix.Close(fd)
+	}
+	reply := &message{op: m.op, id: m.id}
+	export, err := s.do(m, fd, reply)
+	if err != nil {
+		reply.setError(err)
+	}
+	replyFD := -1
+	if export != nil {
+		defer export.Close()
+		replyFD = int(export.Fd())
+	}
+	send(s.conn, reply, replyFD) // fails only when the daemon is gone
+}
+
+// requestArgs is the number of arguments of each request but hello.
+var requestArgs = map[uint8]int{
+	opAlloc: 1, opAllocExportable: 1, opFree: 2, opCopyIn: 5, opCopyOut: 5,
+	opCopyFromFile: 5, opCopyToFile: 5, opIPC: 2, opExport: 2, opStats: 0,
+}
+
+// do runs a request and fills in reply; Export's file is returned, to be
+// sent with the reply.
+func (s *server) do(m *message, fd int, reply *message) (*os.File, error) {
+	n, ok := requestArgs[m.op]
+	if !ok {
+		return nil, fmt.Errorf("%w: unknown op %d", errProtocol, m.op)
+	}
+	if err := m.want(n); err != nil {
+		return nil, err
+	}
+	switch m.op {
+	case opAlloc, opAllocExportable:
+		alloc := s.dev.Alloc
+		if m.op == opAllocExportable {
+			alloc = s.dev.AllocExportable
+		}
+		b, err := alloc(m.args[0])
+		reply.args = []int64{int64(b.ID), b.Size}
+		return nil, err
+	case opFree:
+		return nil, s.dev.Free(m.block())
+	case opCopyIn, opCopyOut:
+		so, k := m.args[3], m.args[4]
+		if so < 0 || k < 0 || so > int64(len(s.staging)) || k > int64(len(s.staging))-so {
+			return nil, fmt.Errorf("%w: staging range at %d of %d bytes", errProtocol, so, k)
+		}
+		buf := s.staging[so : so+k]
+		if m.op == opCopyIn {
+			return nil, s.dev.CopyIn(m.block(), m.args[2], buf)
+		}
+		return nil, s.dev.CopyOut(m.block(), m.args[2], buf)
+	case opCopyFromFile, opCopyToFile:
+		if fd < 0 {
+			return nil, fmt.Errorf("%w: file copy without a file", errProtocol)
+		}
+		if m.op == opCopyFromFile {
+			return nil, s.dev.CopyFromFile(m.block(), m.args[2], fd, m.args[3], m.args[4])
+		}
+		return nil, s.dev.CopyToFile(m.block(), m.args[2], fd, m.args[3], m.args[4])
+	case opIPC:
+		info, err := s.dev.IPC(m.block())
+		reply.args = []int64{info.Offset}
+		reply.data = append(info.MemHandle[:], info.EventHandle[:]...)
+		return nil, err
+	case opExport:
+		return s.dev.Export(m.block())
+	default: // opStats
+		st := s.dev.Stats()
+		reply.args = []int64{int64(st.Blocks), st.BlockBytes, int64(st.PooledBlocks),
+			int64(st.Allocations), int64(st.PoolChunks), st.DeviceBytes}
+		return nil, nil
+	}
+}

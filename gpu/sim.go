@@ -1,0 +1,228 @@
+package gpu
+
+import (
+	"encoding/binary"
+	"fmt"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// DefaultSimCapacity is the simulated device memory of NewSim with capacity
+// 0, and of a sim helper process.
+const DefaultSimCapacity = 16 << 30
+
+const (
+	// simGranularity is what exportable sim allocations round up to, as
+	// cuMemCreate sizes round up to the allocation granularity.
+	simGranularity = 2 << 20
+	// simStaging is the size of each sim staging buffer: small, so that
+	// copies cross many buffer boundaries.
+	simStaging = 64 << 10
+	// maxLanes bounds the copy operations running at once on a device.
+	maxLanes = 4
+)
+
+// Sim is a Device simulated on host memory, for machines without a GPU.
+// It behaves as the cuda backend does: the same pool and offsets, copies
+// through double-buffered staging, IPC information with deterministic fake
+// handles (see IPCInfo), and exportable blocks. Every device allocation is
+// a memfd mapped into this process, so the fd from Export, or
+// /proc/PID/fd/N named by an IPC handle, really shares the block's bytes.
+type Sim struct {
+	name     string
+	capacity int64
+	used     int64 // device bytes allocated; guarded by pool.mu
+	pool     *pool[*simMem]
+	lanes    *lanes
+}
+
+var _ Device = (*Sim)(nil)
+
+// simMem is one simulated device allocation.
+type simMem struct {
+	fd   int
+	data []byte // the memfd, mapped shared
+}
+
+// simLane is a lane whose copies run synchronously, so wait has nothing to
+// wait for.
+type simLane struct{ bufs [2][]byte }
+
+func (l *simLane) buffers() *[2][]byte { return &l.bufs }
+func (l *simLane) wait(int) error      { return nil }
+func (l *simLane) close() error        { return nil }
+
+// NewSim returns a simulated device named "cuda:index" with capacity bytes
+// of device memory (DefaultSimCapacity when capacity is 0 or less).
+func NewSim(index int, capacity int64) *Sim {
+	if capacity <= 0 {
+		capacity = DefaultSimCapacity
+	}
+	s := &Sim{name: fmt.Sprintf("cuda:%d", index), capacity: capacity}
+	s.pool = newPool(s.newMem, s.freeMem)
+	s.lanes = newLanes(maxLanes, func() (lane, error) {
+		return &simLane{bufs: [2][]byte{make([]byte, simStaging), make([]byte, simStaging)}}, nil
+	})
+	return s
+}
+
+func (s *Sim) newMem(size int64, exportable bool) (*simMem, int64, error) {
+	if exportable {
+		size = (size + simGranularity - 1) / simGranularity * simGranularity
+	}
+	if size > s.capacity-s.used {
+		return nil, 0, fmt.Errorf("%w: %d bytes asked, %d of %d free", ErrOutOfMemory, size, s.capacity-s.used, s.capacity)
+	}
+	fd, err := unix.MemfdCreate("tensorfs-sim", unix.MFD_CLOEXEC)
+	if err != nil {
+		return nil, 0, fmt.Errorf("memfd_create: %w", err)
+	}
+	if err := unix.Ftruncate(fd, size); err != nil {
+		unix.Close(fd)
+		return nil, 0, fmt.Errorf("ftruncate memfd: %w", err)
+	}
+	data, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		unix.Close(fd)
+		return nil, 0, fmt.Errorf("mmap memfd: %w", err)
+	}
+	s.used += size
+	return &simMem{fd: fd, data: data}, size, nil
+}
+
+func (s *Sim) freeMem(m *simMem) error {
+	s.used -= int64(len(m.data))
+	err := unix.Munmap(m.data)
+	if cerr := unix.Close(m.fd); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// Name returns "cuda:N".
+func (s *Sim) Name() string { return s.name }
+
+// Backend returns "sim".
+func (s *Sim) Backend() string { return "sim" }
+
+// Alloc implements Device.
+func (s *Sim) Alloc(size int64) (Block, error) { return s.pool.alloc(size, false) }
+
+// AllocExportable implements Device.
+func (s *Sim) AllocExportable(size int64) (Block, error) { return s.pool.alloc(size, true) }
+
+// Free implements Device.
+func (s *Sim) Free(b Block) error { return s.pool.free(b) }
+
+// CopyIn implements Device.
+func (s *Sim) CopyIn(b Block, off int64, src []byte) error {
+	return s.upload(b, off, int64(len(src)), copyFill(src))
+}
+
+// CopyOut implements Device.
+func (s *Sim) CopyOut(b Block, off int64, dst []byte) error {
+	return s.download(b, off, int64(len(dst)), copyDrain(dst))
+}
+
+// CopyFromFile implements Device.
+func (s *Sim) CopyFromFile(b Block, off int64, fd int, fileOff, n int64) error {
+	return s.upload(b, off, n, preadFill(fd, fileOff))
+}
+
+// CopyToFile implements Device.
+func (s *Sim) CopyToFile(b Block, off int64, fd int, fileOff, n int64) error {
+	return s.download(b, off, n, pwriteDrain(fd, fileOff))
+}
+
+// upload runs stagedUpload into the n bytes of b at off.
+func (s *Sim) upload(b Block, off, n int64, fill func([]byte, int64) error) error {
+	pl, release, err := s.pool.acquire(b, off, n)
+	if err != nil {
+		return err
+	}
+	defer release()
+	l, err := s.lanes.get()
+	if err != nil {
+		return err
+	}
+	defer s.lanes.put(l)
+	mem := pl.alloc.mem.data[pl.off+off:]
+	bufs := l.buffers()
+	return stagedUpload(l, n, fill, func(i int, pos int64, k int) error {
+		copy(mem[pos:], bufs[i][:k])
+		return nil
+	})
+}
+
+// download runs stagedDownload from the n bytes of b at off.
+func (s *Sim) download(b Block, off, n int64, drain func([]byte, int64) error) error {
+	pl, release, err := s.pool.acquire(b, off, n)
+	if err != nil {
+		return err
+	}
+	defer release()
+	l, err := s.lanes.get()
+	if err != nil {
+		return err
+	}
+	defer s.lanes.put(l)
+	mem := pl.alloc.mem.data[pl.off+off:]
+	bufs := l.buffers()
+	return stagedDownload(l, n, func(i int, pos int64, k int) error {
+		copy(bufs[i][:k], mem[pos:])
+		return nil
+	}, drain)
+}
+
+// IPC implements Device with the fake handles described at IPCInfo.
+func (s *Sim) IPC(b Block) (IPCInfo, error) {
+	pl, release, err := s.pool.acquire(b, 0, 0)
+	if err != nil {
+		return IPCInfo{}, err
+	}
+	defer release()
+	a := pl.alloc
+	if a.exportable {
+		return IPCInfo{}, fmt.Errorf("%w: block %d is exportable; use Export", ErrNoIPC, b.ID)
+	}
+	info := IPCInfo{Offset: pl.off}
+	copy(info.MemHandle[:], "tensorfs-sim-mem")
+	binary.LittleEndian.PutUint64(info.MemHandle[16:], a.id)
+	binary.LittleEndian.PutUint64(info.MemHandle[24:], uint64(a.size))
+	binary.LittleEndian.PutUint32(info.MemHandle[32:], uint32(os.Getpid()))
+	binary.LittleEndian.PutUint32(info.MemHandle[36:], uint32(a.mem.fd))
+	copy(info.EventHandle[:], "tensorfs-sim-evt")
+	binary.LittleEndian.PutUint64(info.EventHandle[16:], b.ID)
+	return info, nil
+}
+
+// Export implements Device: the file is a new descriptor of the block's
+// memfd.
+func (s *Sim) Export(b Block) (*os.File, error) {
+	pl, release, err := s.pool.acquire(b, 0, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	if !pl.alloc.exportable {
+		return nil, fmt.Errorf("%w: block %d", ErrNotExportable, b.ID)
+	}
+	fd, err := unix.FcntlInt(uintptr(pl.alloc.mem.fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("dup memfd: %w", err)
+	}
+	return os.NewFile(uintptr(fd), "tensorfs-sim-export"), nil
+}
+
+// Stats implements Device.
+func (s *Sim) Stats() Stats { return s.pool.stats() }
+
+// Close frees every block. Later calls fail with ErrUnavailable.
+func (s *Sim) Close() error {
+	err := s.pool.close()
+	if lerr := s.lanes.close(); err == nil {
+		err = lerr
+	}
+	return err
+}
