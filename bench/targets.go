@@ -165,22 +165,35 @@ func (b *bench) why(m metricDef, c string) string {
 			"override per call) before shmem, a fixed cost per call that shows most with small reads%s",
 			b.requests(k, ptName), extra)
 	case mCreate:
-		return b.metaNote("create+write+stat+unlink",
-			"2× needs fewer round trips: FUSE_HANDLE_KILLPRIV_V2 drops the GETXATTR of security.capability on write, "+
-				"FOPEN_NOFLUSH drops FLUSH (a tmpfs backing has nothing to flush on close); the LOOKUP before CREATE "+
-				"and the GETATTRs stay (the kernel drops a directory's attributes on every create and unlink, "+
-				"default_permissions needs them on the next path walk, and a write drops the file's size)")
+		k := "create+write+stat+unlink"
+		var drop []string
+		if b.count(k, "GETXATTR") > 0 {
+			drop = append(drop, "FUSE_HANDLE_KILLPRIV_V2 would drop the GETXATTR of security.capability on write")
+		}
+		if b.count(k, "FLUSH") > 0 {
+			drop = append(drop, "FOPEN_NOFLUSH would drop the FLUSH (a tmpfs backing has nothing to flush on close)")
+		}
+		explain := "2× needs fewer round trips than loopback's"
+		if len(drop) > 0 {
+			explain += ": " + strings.Join(drop, ", ") + ";"
+		}
+		return b.metaNote(k, explain+" the LOOKUP before CREATE and the GETATTRs stay (the kernel drops a "+
+			"directory's attributes on every create and unlink, default_permissions needs them on the next "+
+			"path walk, and a write drops the file's size)")
 	case mOpen:
-		return b.metaNote("open+close",
-			"FOPEN_NOFLUSH would drop the FLUSH, a third of the requests; OPEN and RELEASE stay, since passthrough "+
-				"needs an OPEN to hand the kernel the backing file, so 2× also needs a handler far cheaper than "+
-				"loopback's")
+		explain := ""
+		if b.count("open+close", "FLUSH") > 0 {
+			explain = "FOPEN_NOFLUSH would drop the FLUSH, a third of the requests; "
+		}
+		return b.metaNote("open+close", explain+"OPEN and RELEASE stay, since passthrough needs an OPEN to hand "+
+			"the kernel the backing file; beside the handlers"+b.seeProfile()+", the round trip itself (kernel, "+
+			"go-fuse, wake-ups) is what stands between it and 2×")
 	case mSetxattr, mGetxattr:
 		k := map[metricDef]string{mSetxattr: "setxattr", mGetxattr: "getxattr"}[m]
 		return b.metaNote(k,
 			"FUSE caches no extended attributes, so each call is one round trip to either daemon and only the "+
-				"handler differs: 2× loopback needs the request's own cost (kernel, go-fuse) halved, which no "+
-				"handler can do")
+				"handler differs"+b.seeProfile()+": 2× loopback needs the round trip itself (kernel, go-fuse) "+
+				"halved, which no handler can do")
 	case mRSSDir:
 		heap, rss, lheap := b.medianOr0(mHeapDir, ptName), b.medianOr0(mRSSDir, ptName), b.medianOr0(mHeapDir, loopName)
 		if heap == 0 {
@@ -194,11 +207,28 @@ func (b *bench) why(m metricDef, c string) string {
 			fmtNum(heap), heap*kiB/float64(b.cfg.dirN), fmtNum(rss), fmtNum(lheap))
 	case mReaddir:
 		return b.metaNote("readdir",
-			"every listing is answered by the daemon again; FOPEN_CACHE_DIR with KEEP_CACHE on OPENDIR lets the "+
-				"kernel keep it (changes through the mount reset it; the daemon's own removals are notified "+
+			"every listing is answered by the daemon again, with a lookup of every entry (READDIRPLUS)"+
+				b.seeProfile()+"; FOPEN_CACHE_DIR with KEEP_CACHE on OPENDIR lets the kernel "+
+				"keep the listing (changes through the mount reset it; the daemon's own removals are notified "+
 				"already)")
 	}
 	return ""
+}
+
+// seeProfile points to the profile section when the run has one.
+func (b *bench) seeProfile() string {
+	if len(b.res.profiles) == 0 {
+		return ""
+	}
+	return " (profile below)"
+}
+
+// count is how many op requests passthrough tensorfs served for a case.
+func (b *bench) count(caseName, op string) int64 {
+	if u := b.res.usage[usageKey{caseName, ptName}]; u != nil {
+		return u.requests[op]
+	}
+	return 0
 }
 
 // medianOr0 is the median of m for contender c, or 0 without samples.
@@ -210,7 +240,7 @@ func (b *bench) medianOr0(m metricDef, c string) float64 {
 // killprivNote explains daemon GETXATTR requests during writes.
 func (b *bench) killprivNote(caseName string) string {
 	u := b.res.usage[usageKey{caseName, ptName}]
-	if u == nil || u.requests["GETXATTR"] == 0 {
+	if b.count(caseName, "GETXATTR") == 0 {
 		return ""
 	}
 	return fmt.Sprintf("before every write(2) the kernel asks the daemon for security.capability (%s: %s GETXATTR "+
@@ -233,8 +263,8 @@ func (b *bench) metaNote(caseName, explain string) string {
 		}
 		return fmt.Sprintf("%.1f µs per op", u.cpu/float64(u.runs*ops)*1e6)
 	}
-	return fmt.Sprintf("the kernel sends %s (loopback, mounted alike, gets the same requests); daemon CPU %s "+
-		"against loopback's %s; %s", b.requests(caseName, ptName), per(t), per(l), explain)
+	return fmt.Sprintf("the kernel sends tensorfs %s; daemon CPU %s against loopback's %s; %s",
+		b.requests(caseName, ptName), per(t), per(l), explain)
 }
 
 // requests lists a case's requests per run or per op.
