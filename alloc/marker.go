@@ -30,7 +30,11 @@ const (
 // InternalAttr reports whether name is tensorfs's own bookkeeping, which
 // clients neither see nor set.
 func InternalAttr(name string) bool {
-	return name == attrDisk || name == attrPath || name == attrImport
+	switch name {
+	case attrDisk, attrPath, attrImport, attrDevSize, attrSpilled:
+		return true
+	}
+	return false
 }
 
 // ImportID returns the import id of the marker at path, "" if it is not

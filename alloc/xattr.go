@@ -23,6 +23,11 @@ const (
 	AttrRsegments = "user.tensorfs.rsegments"
 	AttrSocket    = "user.tensorfs.socket"
 	AttrStats     = "user.tensorfs.stats"
+
+	AttrCudaIPCHandle   = "user.tensorfs.cuda.ipc_handle"
+	AttrCudaOffset      = "user.tensorfs.cuda.offset"
+	AttrCudaEventHandle = "user.tensorfs.cuda.event_handle"
+	AttrCudaRefCounter  = "user.tensorfs.cuda.ref_counter"
 )
 
 // ReadOnlyAttr reports whether name is computed by tensorfs and cannot be
@@ -45,6 +50,8 @@ type Object struct {
 	Size int64
 	// HasDisk is true when the mount has a --disk directory.
 	HasDisk bool
+	// GPU names the device the mount serves ("cuda:0"), "" for none.
+	GPU string
 }
 
 // Getxattr reads a stored attribute into dest (sized like getxattr(2):
@@ -101,7 +108,7 @@ func Setxattr(obj Object, name string, value []byte, flags int) error {
 	case AttrFlags:
 		return setFlags(obj, v, flags)
 	case AttrDevice:
-		return setDevice(v, obj.Path)
+		return setDevice(obj, v)
 	case AttrDtype, AttrShape, AttrStride, AttrOffset:
 		if obj.Dir {
 			return fmt.Errorf("%w: %s applies to segments, not directories", ErrInvalid, name)
@@ -152,21 +159,29 @@ func storeFlags(path string, f Flags, xflags int) error {
 	return unix.Setxattr(path, AttrFlags, []byte(f.String()), xflags)
 }
 
-// setDevice stores a segment's device. Only cpu exists until a GPU
-// backend serves cuda:N; cpu is the default and is stored as no attribute.
-func setDevice(v string, path string) error {
-	dev := strings.TrimSpace(v)
+// setDevice stores a segment's or directory's device: cpu, the default,
+// is stored as no attribute; cuda:N only when the mount serves that
+// device. A segment changes device only while it is empty.
+func setDevice(obj Object, v string) error {
+	dev, ok := ParseDevice(v)
 	switch {
+	case !ok:
+		return fmt.Errorf("%w: device %q is neither cpu nor cuda:N", ErrInvalid, strings.TrimSpace(v))
+	case dev != "cpu" && dev != obj.GPU:
+		if obj.GPU == "" {
+			return fmt.Errorf("%w: %s: this mount serves no GPU (mount with --gpu sim or --gpu cuda)", ErrNoDevice, dev)
+		}
+		return fmt.Errorf("%w: %s: this mount serves %s only", ErrNoDevice, dev, obj.GPU)
+	case !obj.Dir && obj.Size > 0 && dev != DeviceOf(obj.Path):
+		return fmt.Errorf("%w: the device of a segment is set while it is empty", ErrNotEmpty)
 	case dev == "cpu":
-		err := unix.Removexattr(path, AttrDevice)
+		err := unix.Removexattr(obj.Path, AttrDevice)
 		if errors.Is(err, unix.ENODATA) {
 			return nil
 		}
 		return err
-	case dev == "cuda" || strings.HasPrefix(dev, "cuda:"):
-		return fmt.Errorf("%w: %s: GPU segments are not available on this mount", ErrNoDevice, dev)
 	}
-	return fmt.Errorf("%w: device %q is neither cpu nor cuda:N", ErrInvalid, dev)
+	return unix.Setxattr(obj.Path, AttrDevice, []byte(dev), 0)
 }
 
 // canonicalTensorAttr parses a dtype/shape/stride/offset value and returns

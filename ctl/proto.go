@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"syscall"
+	"unicode/utf8"
 )
 
 // Protocol constants; doc.go states them for client writers.
@@ -88,6 +89,11 @@ func parseRequest(b []byte, nfds int) (request, error) {
 	var r request
 	if len(b) > maxMessage {
 		return r, protoErrorf(syscall.EMSGSIZE, "request of %d bytes exceeds %d", len(b), maxMessage)
+	}
+	if !utf8.Valid(b) {
+		// encoding/json would turn bad bytes into U+FFFD, which could
+		// name a real segment.
+		return r, protoErrorf(syscall.EINVAL, "request is not valid UTF-8")
 	}
 	members, order, err := decodeObject(b)
 	if err != nil {

@@ -43,33 +43,39 @@ func (b controlBackend) export(cred ctl.Cred, path string, write bool) (*os.File
 	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
 		return nil, fmt.Errorf("%w: %s is not a segment", alloc.ErrInvalid, path)
 	}
+	r := b.fsys.redirectOf(dirfd, name, &st)
+	if err := b.fsys.statSegment(r, dirfd, name, &st); err != nil {
+		return nil, err
+	}
+	want := uint32(4)
+	if write {
+		want |= 2
+	}
+	if !permitted(cred, &st, want) {
+		return nil, syscall.EACCES
+	}
+	var f alloc.Flags
+	err = b.fsys.withAttrs(r, dirfd, name, func(tfd int, tname string) (err error) {
+		f, err = alloc.ReadFlags(procPath(tfd, tname))
+		return err
+	})
+	switch {
+	case err != nil:
+		return nil, err
+	case f&alloc.KeepFD == 0:
+		return nil, fmt.Errorf("%w: export hands out descriptors of KEEPFD segments only", alloc.ErrReadOnly)
+	case write && f&alloc.FromFD != 0:
+		return nil, fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
+	case r != nil && r.dev != nil:
+		return r.dev.export()
+	}
 	var file *os.File
-	err = b.fsys.withTarget(b.fsys.redirectOf(dirfd, name, &st), dirfd, name, func(tfd int, tname string) error {
-		p := procPath(tfd, tname)
-		if err := unix.Fstatat(tfd, tname, &st, nofollow(tname)); err != nil {
-			return err
-		}
-		want := uint32(4)
-		if write {
-			want |= 2
-		}
-		if !permitted(cred, &st, want) {
-			return syscall.EACCES
-		}
-		f, err := alloc.ReadFlags(p)
-		switch {
-		case err != nil:
-			return err
-		case f&alloc.KeepFD == 0:
-			return fmt.Errorf("%w: export hands out descriptors of KEEPFD segments only", alloc.ErrReadOnly)
-		case write && f&alloc.FromFD != 0:
-			return fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
-		}
+	err = b.fsys.withData(r, dirfd, name, func(tfd int, tname string) error {
 		mode := unix.O_RDONLY
 		if write {
 			mode = unix.O_RDWR
 		}
-		fd, err := unix.Open(p, mode|unix.O_CLOEXEC|openNofollow(tname), 0)
+		fd, err := unix.Open(procPath(tfd, tname), mode|unix.O_CLOEXEC|openNofollow(tname), 0)
 		if err != nil {
 			return err
 		}
@@ -117,29 +123,28 @@ func (b controlBackend) importFile(cred ctl.Cred, path string, f *os.File, dtype
 		unix.Close(fd)
 		return fmt.Errorf("%w: import takes a regular file or memfd", alloc.ErrInvalid)
 	}
-	p := procPath(fd, "")
-	obj := alloc.Object{Path: p, Size: st.Size}
-	// The descriptor is the segment: its flags and metadata go on it.
-	err = alloc.InheritFlags(pf|alloc.FromFD, p, false)
-	for attr, v := range map[string]string{alloc.AttrDtype: dtype, alloc.AttrShape: shape} {
-		if err == nil && v != "" {
-			err = alloc.Setxattr(obj, attr, []byte(v), 0)
-		}
-	}
-	if err != nil {
-		unix.Close(fd)
-		return err
-	}
+	// The marker carries the segment's name, owner, flags and metadata;
+	// the sender's file is never written.
 	marker, err := unix.Openat(dirfd, name, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_CLOEXEC, 0o444)
 	if err != nil {
 		unix.Close(fd)
 		return err
 	}
 	unix.Close(marker)
+	p := procPath(dirfd, name)
+	obj := alloc.Object{Path: p, Size: st.Size}
 	id := alloc.NewID()
-	err = alloc.MarkImport(procPath(dirfd, name), id)
+	err = unix.Fchownat(dirfd, name, int(cred.Uid), int(cred.Gid), unix.AT_SYMLINK_NOFOLLOW)
 	if err == nil {
-		err = unix.Fchownat(dirfd, name, int(cred.Uid), int(cred.Gid), unix.AT_SYMLINK_NOFOLLOW)
+		err = alloc.InheritFlags(pf|alloc.FromFD, p, false)
+	}
+	for _, a := range [][2]string{{alloc.AttrDtype, dtype}, {alloc.AttrShape, shape}} {
+		if err == nil && a[1] != "" {
+			err = alloc.Setxattr(obj, a[0], []byte(a[1]), 0)
+		}
+	}
+	if err == nil {
+		err = alloc.MarkImport(p, id)
 	}
 	if err != nil {
 		unix.Unlinkat(dirfd, name, 0)
@@ -172,6 +177,9 @@ func dupFile(f *os.File) (int, error) {
 // would: every directory on the way must grant it search permission. It
 // returns an O_PATH descriptor of that directory and the final name.
 func (b controlBackend) walk(cred ctl.Cred, path string) (int, string, error) {
+	if !b.fsys.allowOther && cred.Uid != 0 && int(cred.Uid) != os.Geteuid() {
+		return -1, "", fmt.Errorf("%w: the mount is private to its user (mount with --allow-other to share it)", syscall.EACCES)
+	}
 	parts := strings.Split(filepath.Clean(path), "/")
 	fd, err := unix.FcntlInt(uintptr(b.fsys.store.RootFd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {

@@ -34,10 +34,11 @@ const (
 	opREADDIR
 	opREADDIRPLUS
 	opSTATFS
+	opCOPYFILERANGE
 	numOpcodes
 )
 
-var opcodeNames = [numOpcodes]string{"LOOKUP", "FORGET", "GETATTR", "SETATTR", "MKNOD", "MKDIR", "UNLINK", "RMDIR", "RENAME", "GETXATTR", "SETXATTR", "LISTXATTR", "CREATE", "OPEN", "READ", "WRITE", "RELEASE", "FLUSH", "FALLOCATE", "OPENDIR", "READDIR", "READDIRPLUS", "STATFS"}
+var opcodeNames = [numOpcodes]string{"LOOKUP", "FORGET", "GETATTR", "SETATTR", "MKNOD", "MKDIR", "UNLINK", "RMDIR", "RENAME", "GETXATTR", "SETXATTR", "LISTXATTR", "CREATE", "OPEN", "READ", "WRITE", "RELEASE", "FLUSH", "FALLOCATE", "OPENDIR", "READDIR", "READDIRPLUS", "STATFS", "COPY_FILE_RANGE"}
 
 // counters counts FUSE requests by opcode, so stats and benchmarks can
 // show where daemon time goes (a passthrough mount serves no READ/WRITE).
@@ -181,4 +182,9 @@ func (f *countingFS) ReadDirPlus(cancel <-chan struct{}, in *fuse.ReadIn, out *f
 func (f *countingFS) StatFs(cancel <-chan struct{}, h *fuse.InHeader, out *fuse.StatfsOut) fuse.Status {
 	f.c.add(opSTATFS)
 	return f.RawFileSystem.StatFs(cancel, h, out)
+}
+
+func (f *countingFS) CopyFileRange(cancel <-chan struct{}, in *fuse.CopyFileRangeIn) (uint32, fuse.Status) {
+	f.c.add(opCOPYFILERANGE)
+	return f.RawFileSystem.CopyFileRange(cancel, in)
 }

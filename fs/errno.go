@@ -2,11 +2,13 @@ package fs
 
 import (
 	"errors"
+	"io"
 	"syscall"
 
 	fusefs "github.com/hanwen/go-fuse/v2/fs"
 
 	"tensorfs/alloc"
+	"tensorfs/gpu"
 )
 
 // toErrno maps an error from alloc or the kernel to the errno a client
@@ -31,6 +33,12 @@ func toErrno(err error) syscall.Errno {
 		return syscall.ENOSPC
 	case errors.Is(err, alloc.ErrNoAttr):
 		return syscall.ENODATA
+	case errors.Is(err, gpu.ErrUnavailable):
+		return syscall.ENODEV
+	case errors.Is(err, gpu.ErrInvalid):
+		return syscall.EINVAL
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		return syscall.EIO
 	}
 	var errno syscall.Errno
 	if errors.As(err, &errno) {

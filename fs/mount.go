@@ -31,6 +31,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/ctl"
+	"tensorfs/gpu"
 )
 
 // Options configures a mount.
@@ -49,6 +50,8 @@ type Options struct {
 	Log *slog.Logger
 	// Socket is the path of the control socket; "" for none.
 	Socket string
+	// GPU serves device segments; nil for none.
+	GPU gpu.Device
 }
 
 // Server is a mounted tensorfs.
@@ -58,8 +61,12 @@ type Server struct {
 	ctl *ctl.Server
 }
 
-// Close stops the control socket; the mount itself ends with Unmount.
+// Close stops the control socket and spills device segments into their
+// backing files for the next mount; call it once the mount is gone.
 func (s *Server) Close() error {
+	if s.fs.gpu != nil {
+		s.fs.gpu.spill()
+	}
 	if s.ctl == nil {
 		return nil
 	}
@@ -76,6 +83,10 @@ type filesystem struct {
 	root  *node
 	// socket is the control socket's path, "" if none.
 	socket string
+	// allowOther is true when users other than the daemon's may enter.
+	allowOther bool
+	// gpu serves device segments; nil when the mount has no GPU.
+	gpu *devices
 	// passthrough is true when opens are answered with FOPEN_PASSTHROUGH.
 	passthrough bool
 	requests    counters
@@ -99,11 +110,18 @@ func (fsys *filesystem) mode() string {
 // serves it.
 func Mount(opts Options) (*Server, error) {
 	fsys := &filesystem{
-		store:   opts.Store,
-		log:     opts.Log,
-		socket:  opts.Socket,
-		started: time.Now(),
-		tgids:   map[uint32]uint32{},
+		store:      opts.Store,
+		log:        opts.Log,
+		socket:     opts.Socket,
+		allowOther: opts.AllowOther,
+		started:    time.Now(),
+		tgids:      map[uint32]uint32{},
+	}
+	if opts.GPU != nil && opts.GPU.Backend() != "none" {
+		var err error
+		if fsys.gpu, err = newDevices(opts.GPU, opts.Store, opts.Log); err != nil {
+			return nil, fmt.Errorf("GPU segments: %w", err)
+		}
 	}
 	root := fsys.newNode(syscall.S_IFDIR, nil)
 	fd, err := unix.Dup(opts.Store.RootFd)
@@ -304,11 +322,29 @@ func (fsys *filesystem) stats() map[string]any {
 		"capacity":  int64(sfs.Blocks) * sfs.Bsize,
 		"used":      int64(sfs.Blocks-sfs.Bfree) * sfs.Bsize,
 		"backing":   fsys.store.Dir,
-		"limbo":     map[string]int64{"blocks": 0, "bytes": 0},
+		"limbo":     fsys.limboStats(),
+		"gpu":       fsys.gpuStats(),
 		"requests":  fsys.requests.snapshot(),
 		"daemon":    map[string]any{"pid": os.Getpid(), "cpu_seconds": cpuSeconds(&ru), "max_rss_bytes": ru.Maxrss * 1024, "goroutines": runtime.NumGoroutine()},
 		"uptime_ns": strconv.FormatInt(int64(time.Since(fsys.started)), 10),
 	}
+}
+
+// limboStats counts the device blocks waiting for their consumers.
+func (fsys *filesystem) limboStats() map[string]int64 {
+	if fsys.gpu == nil {
+		return map[string]int64{"blocks": 0, "bytes": 0}
+	}
+	blocks, bytes := fsys.gpu.limbo.Stats()
+	return map[string]int64{"blocks": int64(blocks), "bytes": bytes}
+}
+
+// gpuStats describes the device behind device segments.
+func (fsys *filesystem) gpuStats() map[string]any {
+	if fsys.gpu == nil {
+		return map[string]any{"backend": "none"}
+	}
+	return map[string]any{"backend": fsys.gpu.dev.Backend(), "device": fsys.gpu.dev.Name(), "memory": fsys.gpu.dev.Stats()}
 }
 
 func cpuSeconds(ru *unix.Rusage) float64 {

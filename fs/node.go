@@ -27,9 +27,10 @@ type node struct {
 	// dir is a directory's descriptor; nil for other nodes.
 	dir *dirState
 
-	// redir says where a SHARED or imported segment's bytes and
-	// attributes live; nil for other nodes. Set at creation.
-	redir *redirect
+	// redirPtr says where a SHARED, imported or device segment's bytes
+	// and attributes live; nil for other nodes. Set at creation, and when
+	// an empty segment changes device.
+	redirPtr atomic.Pointer[redirect]
 
 	// flagsPlus1 caches the stored flags plus one; 0 means not read yet.
 	// Flags change only through Setxattr and Removexattr, which reset it.
@@ -56,7 +57,8 @@ type dirState struct {
 // newNode makes a node for a backing object of the given type (S_IFMT
 // bits) whose bytes live where r says (nil: in the backing object).
 func (fsys *filesystem) newNode(mode uint32, r *redirect) *node {
-	n := &node{fs: fsys, redir: r}
+	n := &node{fs: fsys}
+	n.redirPtr.Store(r)
 	if mode == syscall.S_IFDIR {
 		n.dir = &dirState{fd: -1}
 	}
@@ -67,7 +69,21 @@ func (n *node) isDir() bool { return n.StableAttr().Mode == syscall.S_IFDIR }
 
 // imported reports whether n is a segment imported over the control
 // socket (FROMFD).
-func (n *node) imported() bool { return n.redir != nil && n.redir.imported != "" }
+func (n *node) imported() bool {
+	r := n.redir()
+	return r != nil && r.imported != ""
+}
+
+// redir returns where n's bytes live (see redirect); nil for the backing.
+func (n *node) redir() *redirect { return n.redirPtr.Load() }
+
+// device returns n's device segment, nil for a host segment.
+func (n *node) device() *devSeg {
+	if r := n.redir(); r != nil {
+		return r.dev
+	}
+	return nil
+}
 
 func (n *node) isSymlink() bool { return n.StableAttr().Mode == syscall.S_IFLNK }
 
@@ -126,14 +142,14 @@ func (n *node) openDirLocked() error {
 	})
 }
 
-// at runs fn with a descriptor and a name that reach n's backing: its
-// parent's and its name; for a directory its own and "."; for a SHARED
-// or imported segment what its redirect says. A segment in no directory
+// at runs fn with a descriptor and a name that reach n's backing, where
+// its attributes live: its parent's and its name; for a directory its own
+// and "."; for a SHARED segment its disk file. A segment in no directory
 // (unlinked, or made with O_TMPFILE) is reached through one of its open
 // handles, with the name "": the object open at the descriptor itself.
 func (n *node) at(fn func(dirfd int, name string) error) error {
-	if n.redir != nil {
-		return n.fs.withTarget(n.redir, -1, "", fn)
+	if r := n.redir(); r != nil && r.disk != "" {
+		return n.fs.withAttrs(r, -1, "", fn)
 	}
 	if n.isDir() {
 		return n.withDir(func(fd int) error { return fn(fd, ".") })
@@ -176,9 +192,21 @@ func nofollow(name string) int {
 	return unix.AT_SYMLINK_NOFOLLOW
 }
 
-// stat fills st with the backing object's attributes.
+// dataAt is at for n's bytes: an imported segment's are in the
+// descriptor it was imported from.
+func (n *node) dataAt(fn func(fd int, name string) error) error {
+	if n.imported() {
+		return n.fs.imports.with(n.redir().imported, func(fd int) error { return fn(fd, "") })
+	}
+	return n.at(fn)
+}
+
+// stat fills st with the segment's attributes.
 func (n *node) stat(st *unix.Stat_t) error {
 	return n.at(func(fd int, name string) error {
+		if r := n.redir(); r != nil && r.disk == "" {
+			return n.fs.statSegment(r, fd, name, st)
+		}
 		return unix.Fstatat(fd, name, st, nofollow(name))
 	})
 }
@@ -222,7 +250,7 @@ var _ = (fusefs.NodeGetattrer)((*node)(nil))
 func (n *node) Getattr(ctx context.Context, f fusefs.FileHandle, out *fuse.AttrOut) syscall.Errno {
 	var st unix.Stat_t
 	var err error
-	if h, ok := f.(*handle); ok {
+	if h, ok := f.(*handle); ok && h.seg == nil {
 		err = unix.Fstat(h.fd, &st)
 	} else {
 		err = n.stat(&st)
@@ -303,6 +331,11 @@ func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAtt
 // resize truncates or grows the segment, through the handle when there
 // is one.
 func (n *node) resize(f fusefs.FileHandle, p, name string, size int64) error {
+	if seg := n.device(); seg != nil {
+		seg.mu.Lock()
+		defer seg.mu.Unlock()
+		return seg.resize(size)
+	}
 	if h, ok := f.(*handle); ok && h.writable {
 		return alloc.Resize(h.fd, size)
 	}

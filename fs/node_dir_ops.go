@@ -39,18 +39,13 @@ func (n *node) child(ctx context.Context, dirfd int, name string, out *fuse.Entr
 }
 
 // newChild makes the inode for the backing object name in dirfd, whose
-// stat is st and whose redirect is r. A SHARED or imported segment takes
-// its attributes from where r leads and its inode number from its marker.
+// stat is st and whose redirect is r; a redirected segment's stat is
+// taken again (statSegment).
 func (n *node) newChild(ctx context.Context, dirfd int, name string, st *unix.Stat_t, r *redirect, out *fuse.EntryOut) (*fusefs.Inode, error) {
 	if r != nil {
-		ino := st.Ino
-		err := n.fs.withTarget(r, dirfd, name, func(tfd int, tname string) error {
-			return unix.Fstatat(tfd, tname, st, nofollow(tname))
-		})
-		if err != nil {
+		if err := n.fs.statSegment(r, dirfd, name, st); err != nil {
 			return nil, err
 		}
-		st.Ino = ino
 	}
 	out.Attr.FromStat(toSyscallStat(st))
 	ch := n.fs.newNode(st.Mode&syscall.S_IFMT, r)
@@ -78,7 +73,7 @@ func (n *node) adopt(ctx context.Context, dirfd int, name string, parentFlags al
 	var st unix.Stat_t
 	err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
 	if err == nil {
-		err = n.fs.withTarget(r, dirfd, name, func(tfd int, tname string) error {
+		err = n.fs.withAttrs(r, dirfd, name, func(tfd int, tname string) error {
 			uid, gid, ok := n.fs.owner(ctx, dirfd)
 			if ok && (r != nil || uint32(uid) != st.Uid || uint32(gid) != st.Gid) {
 				if err := unix.Fchownat(tfd, tname, uid, gid, nofollow(tname)); err != nil {
@@ -91,6 +86,9 @@ func (n *node) adopt(ctx context.Context, dirfd int, name string, parentFlags al
 			}
 			return alloc.InheritFlags(parentFlags, procPath(tfd, tname), st.Mode&syscall.S_IFMT == syscall.S_IFDIR)
 		})
+	}
+	if err == nil && r == nil && n.fs.gpu != nil {
+		r, err = n.fs.inheritDevice(dirfd, name, &st)
 	}
 	var ch *fusefs.Inode
 	if err == nil {
@@ -174,7 +172,7 @@ func (n *node) Link(ctx context.Context, target fusefs.InodeEmbedder, name strin
 			return err
 		}
 		t := target.(*node)
-		if t.redir != nil {
+		if t.redir() != nil {
 			return fmt.Errorf("%w: SHARED and imported segments have one name", syscall.EXDEV)
 		}
 		follow := 0

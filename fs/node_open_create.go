@@ -26,6 +26,9 @@ type handle struct {
 	pid  uint32
 	// writable is true when fd was opened for writing.
 	writable bool
+	// seg is the device segment whose bytes this handle reads and
+	// writes; nil for host segments, whose bytes are at fd.
+	seg *devSeg
 }
 
 var (
@@ -35,13 +38,16 @@ var (
 
 // PassthroughFd hands fd to the kernel when passthrough is in force.
 func (h *handle) PassthroughFd() (int, bool) {
-	return h.fd, h.node.fs.passthrough
+	return h.fd, h.node.fs.passthrough && h.seg == nil
 }
 
 // Release closes the backing descriptor and drops the handle's
 // reference; an UNLINK segment whose last reference goes is removed.
 func (h *handle) Release(ctx context.Context) syscall.Errno {
 	h.node.release(h) // first: the node must not hand out a closed fd
+	if h.seg != nil {
+		h.seg.closed()
+	}
 	return h.LoopbackFile.Release(ctx)
 }
 
@@ -57,12 +63,22 @@ func (fsys *filesystem) backingFlags(flags uint32) int {
 	return int(flags)&keep | unix.O_CLOEXEC | unix.O_NOFOLLOW
 }
 
-// openFlags is the FOPEN_ answer. close() needs no FLUSH: writes never
-// wait in the daemon and locks are the kernel's. Without passthrough the
-// page cache is kept across opens, since every write comes through this
-// mount.
-func (fsys *filesystem) openFlags() uint32 {
-	if fsys.passthrough {
+// openFlags is the FOPEN_ answer for n. A device segment is read and
+// written through the daemon (direct I/O), which also makes mmap fail
+// with ENODEV: its bytes are not in host memory. close() needs no FLUSH: writes
+// never wait in the daemon and locks are the kernel's. Without
+// passthrough the page cache is kept across opens, since writes come
+// through this mount, except for segments whose bytes also change
+// outside it: imported ones and KEEPFD ones, whose descriptors are handed
+// out.
+func (n *node) openFlags() uint32 {
+	if n.device() != nil {
+		return fuse.FOPEN_DIRECT_IO | fuse.FOPEN_NOFLUSH
+	}
+	if n.fs.passthrough {
+		return fuse.FOPEN_NOFLUSH
+	}
+	if f, err := n.flags(); err != nil || f&(alloc.KeepFD|alloc.FromFD) != 0 {
 		return fuse.FOPEN_NOFLUSH
 	}
 	return fuse.FOPEN_NOFLUSH | fuse.FOPEN_KEEP_CACHE
@@ -117,6 +133,10 @@ func (n *node) newHandle(ctx context.Context, fd, flags int) *handle {
 		fd:           fd,
 		pid:          n.fs.processOf(caller(ctx).Pid),
 		writable:     flags&unix.O_ACCMODE != unix.O_RDONLY,
+		seg:          n.device(),
+	}
+	if h.seg != nil {
+		h.seg.opened()
 	}
 	n.acquire(h)
 	return h
@@ -134,7 +154,7 @@ func (n *node) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint3
 		err := fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
 		return nil, 0, n.fs.errno("open", n, "", err)
 	}
-	err := n.at(func(dirfd int, name string) error {
+	err := n.dataAt(func(dirfd int, name string) error {
 		p := procPath(dirfd, name)
 		if flags&unix.O_TRUNC != 0 {
 			if err := n.checkTruncate(); err != nil {
@@ -150,7 +170,13 @@ func (n *node) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint3
 			return err
 		}
 		if flags&unix.O_TRUNC != 0 {
-			if err := unix.Ftruncate(fd, 0); err != nil {
+			err := unix.Ftruncate(fd, 0)
+			if seg := n.device(); seg != nil {
+				seg.mu.Lock()
+				err = seg.resize(0)
+				seg.mu.Unlock()
+			}
+			if err != nil {
 				unix.Close(fd)
 				return err
 			}
@@ -161,7 +187,7 @@ func (n *node) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint3
 	if err != nil {
 		return nil, 0, n.fs.errno("open", n, "", err)
 	}
-	return h, n.fs.openFlags(), 0
+	return h, n.openFlags(), 0
 }
 
 // checkTruncate refuses O_TRUNC of a segment with bytes in an EXCLUSIVE
@@ -233,7 +259,7 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 	if err != nil {
 		return nil, nil, 0, n.fs.errno("create", n, name, err)
 	}
-	return ch, h, n.fs.openFlags(), 0
+	return ch, h, ch.Operations().(*node).openFlags(), 0
 }
 
 // openExisting serves a CREATE whose name turned out to exist.
@@ -290,7 +316,7 @@ func (n *node) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *fuse
 	if err != nil {
 		return nil, nil, 0, n.fs.errno("tmpfile", n, "", err)
 	}
-	return ch, h, n.fs.openFlags(), 0
+	return ch, h, ch.Operations().(*node).openFlags(), 0
 }
 
 var (
@@ -305,6 +331,12 @@ func (h *handle) Write(ctx context.Context, data []byte, off int64) (uint32, sys
 	if off+int64(len(data)) > alloc.MaxSegmentSize {
 		return 0, syscall.EFBIG
 	}
+	if h.seg != nil {
+		if err := h.seg.write(data, off); err != nil {
+			return 0, h.node.fs.errno("write", h.node, "", err)
+		}
+		return uint32(len(data)), 0
+	}
 	return h.LoopbackFile.Write(ctx, data, off)
 }
 
@@ -317,5 +349,49 @@ func (h *handle) Writev(ctx context.Context, data [][]byte, off int64) (uint32, 
 	if end > alloc.MaxSegmentSize {
 		return 0, syscall.EFBIG
 	}
+	if h.seg != nil {
+		var n uint32
+		for _, d := range data {
+			w, errno := h.Write(ctx, d, off)
+			n, off = n+w, off+int64(w)
+			if errno != 0 {
+				return n, errno
+			}
+		}
+		return n, 0
+	}
 	return h.LoopbackFile.Writev(ctx, data, off)
+}
+
+var (
+	_ = (fusefs.FileReader)((*handle)(nil))
+	_ = (fusefs.FileAllocater)((*handle)(nil))
+)
+
+// Read serves a device segment's bytes; a host segment's come from fd.
+func (h *handle) Read(ctx context.Context, buf []byte, off int64) (fuse.ReadResult, syscall.Errno) {
+	if h.seg == nil {
+		return h.LoopbackFile.Read(ctx, buf, off)
+	}
+	n, err := h.seg.read(buf, off)
+	if err != nil {
+		return nil, h.node.fs.errno("read", h.node, "", err)
+	}
+	return fuse.ReadResultData(buf[:n]), 0
+}
+
+// Allocate reserves a host segment's pages; a device segment grows.
+func (h *handle) Allocate(ctx context.Context, off, size uint64, mode uint32) syscall.Errno {
+	if h.seg == nil {
+		return h.LoopbackFile.Allocate(ctx, off, size, mode)
+	}
+	if mode != 0 {
+		return syscall.EOPNOTSUPP
+	}
+	h.seg.mu.Lock()
+	defer h.seg.mu.Unlock()
+	if end := int64(off + size); end > h.seg.size {
+		return h.node.fs.errno("fallocate", h.node, "", h.seg.resize(end))
+	}
+	return 0
 }

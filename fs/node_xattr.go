@@ -57,8 +57,8 @@ func (n *node) virtualAttr(attr string) (v []byte, ok bool, err error) {
 		if err != nil {
 			return nil, false, err
 		}
-		if f&(alloc.SharedMem|alloc.Shared) == 0 {
-			f |= alloc.SharedMem
+		if f&(alloc.SharedMem|alloc.Shared|alloc.FromFD) == 0 && n.device() == nil {
+			f |= alloc.SharedMem // the default storage
 		}
 		return []byte(f.String()), true, nil
 	case attr == alloc.AttrDevice && (dir || file):
@@ -76,6 +76,15 @@ func (n *node) virtualAttr(attr string) (v []byte, ok bool, err error) {
 		return []byte(strconv.Itoa(n.refcount())), true, nil
 	case attr == alloc.AttrHolders && file:
 		return []byte(n.holders()), true, nil
+	case attr == alloc.AttrHandle && file && n.imported():
+		// The sender's file may have no name; the daemon's descriptor
+		// opens the same pages (for processes allowed to read it).
+		var target string
+		err := n.dataAt(func(fd int, _ string) error {
+			target = "/proc/" + strconv.Itoa(os.Getpid()) + "/fd/" + strconv.Itoa(fd)
+			return nil
+		})
+		return []byte(target), true, err
 	case attr == alloc.AttrHandle && file:
 		var target string
 		err := n.at(func(fd int, name string) error {
@@ -94,6 +103,9 @@ func (n *node) virtualAttr(attr string) (v []byte, ok bool, err error) {
 			return []byte(strconv.FormatInt(size, 10)), true, err
 		}
 		return []byte(strconv.FormatInt(segs, 10)), true, err
+	case strings.HasPrefix(attr, "user.tensorfs.cuda.") && n.device() != nil:
+		v, err := n.fs.cudaAttr(n.device(), attr)
+		return v, true, err
 	case attr == alloc.AttrSocket && n == n.fs.root && n.fs.socket != "":
 		return []byte(n.fs.socket), true, nil
 	case attr == alloc.AttrStats && n == n.fs.root:
@@ -114,6 +126,9 @@ func (n *node) virtualNames() []string {
 		return names
 	case n.isDir():
 		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRbytes, alloc.AttrRsegments}
+	case n.device() != nil:
+		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRefcount, alloc.AttrHolders,
+			alloc.AttrCudaIPCHandle, alloc.AttrCudaOffset, alloc.AttrCudaEventHandle, alloc.AttrCudaRefCounter}
 	case n.StableAttr().Mode == syscall.S_IFREG:
 		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRefcount, alloc.AttrHolders, alloc.AttrHandle}
 	}
@@ -168,17 +183,25 @@ func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uin
 		defer n.flagsPlus1.Store(0)
 	}
 	var st unix.Stat_t
-	err := n.at(func(fd int, name string) error {
-		if err := unix.Fstatat(fd, name, &st, nofollow(name)); err != nil {
+	err := n.stat(&st)
+	if err == nil && attr == alloc.AttrDevice && !n.isDir() && len(n.openHandles()) > 0 {
+		err = fmt.Errorf("%w: the device of a segment changes while nobody has it open", alloc.ErrNotEmpty)
+	}
+	if err == nil {
+		err = n.at(func(fd int, name string) error {
+			err := alloc.Setxattr(alloc.Object{
+				Path:    procPath(fd, name),
+				Dir:     n.isDir(),
+				Size:    st.Size * int64(btoi(!n.isDir())),
+				HasDisk: n.fs.store.Disk != "",
+				GPU:     n.fs.gpuName(),
+			}, attr, data, int(flags))
+			if err == nil && attr == alloc.AttrDevice && !n.isDir() {
+				err = n.fs.moveToDevice(n, fd, name, &st)
+			}
 			return err
-		}
-		return alloc.Setxattr(alloc.Object{
-			Path:    procPath(fd, name),
-			Dir:     n.isDir(),
-			Size:    st.Size * int64(btoi(!n.isDir())),
-			HasDisk: n.fs.store.Disk != "",
-		}, attr, data, int(flags))
-	})
+		})
+	}
 	return n.fs.errno("setxattr "+attr, n, "", err)
 }
 

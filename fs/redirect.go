@@ -9,14 +9,20 @@ import (
 	"tensorfs/alloc"
 )
 
-// redirect says where the bytes and attributes of a segment whose backing
-// file is only a marker live (see alloc's marker.go). A nil *redirect
-// means the backing object itself.
+// redirect says where the bytes of a segment whose backing file is only
+// a marker live (see alloc's marker.go), and its attributes. A nil
+// *redirect means the backing object itself.
 type redirect struct {
-	// disk is the id of a SHARED segment's disk file.
+	// disk is the id of a SHARED segment's disk file, which holds its
+	// bytes and its attributes (so that both outlive the backing).
 	disk string
-	// imported is the id of a descriptor imported over the control socket.
+	// imported is the id of a descriptor imported over the control socket,
+	// which holds the bytes; the attributes stay on the marker, never on
+	// the sender's file.
 	imported string
+	// dev is a device segment, whose bytes are in GPU memory; the
+	// attributes stay on the (empty) backing file.
+	dev *devSeg
 }
 
 // imports holds the descriptors of imported (FROMFD) segments.
@@ -81,20 +87,54 @@ func (fsys *filesystem) redirectOf(dirfd int, name string, st *unix.Stat_t) *red
 			return &redirect{disk: id}
 		}
 	}
+	if fsys.gpu != nil && alloc.DeviceOf(p) != "cpu" {
+		if seg, err := fsys.gpu.segment(st.Ino, dirfd, name); err == nil {
+			return &redirect{dev: seg}
+		}
+	}
 	return nil
 }
 
-// withTarget runs fn with a descriptor and name that reach a segment's
-// bytes and attributes: dirfd and name themselves unless r redirects.
-func (fsys *filesystem) withTarget(r *redirect, dirfd int, name string, fn func(tfd int, tname string) error) error {
-	switch {
-	case r == nil:
-	case r.disk != "":
+// withAttrs runs fn with a descriptor and name that reach the attributes
+// of the segment whose marker is name in dirfd.
+func (fsys *filesystem) withAttrs(r *redirect, dirfd int, name string, fn func(tfd int, tname string) error) error {
+	if r != nil && r.disk != "" {
 		return fn(fsys.store.DiskFd, r.disk)
-	case r.imported != "":
-		return fsys.imports.with(r.imported, func(fd int) error { return fn(fd, "") })
 	}
 	return fn(dirfd, name)
+}
+
+// withData runs fn with a descriptor and name that reach the bytes of the
+// segment whose marker is name in dirfd.
+func (fsys *filesystem) withData(r *redirect, dirfd int, name string, fn func(tfd int, tname string) error) error {
+	if r != nil && r.imported != "" {
+		return fsys.imports.with(r.imported, func(fd int) error { return fn(fd, "") })
+	}
+	return fsys.withAttrs(r, dirfd, name, fn)
+}
+
+// statSegment fills st for the segment whose marker is name in dirfd:
+// the marker's identity, owner and mode with the size and times of where
+// its bytes live.
+func (fsys *filesystem) statSegment(r *redirect, dirfd int, name string, st *unix.Stat_t) error {
+	if err := unix.Fstatat(dirfd, name, st, nofollow(name)); err != nil || r == nil {
+		return err
+	}
+	if r.dev != nil {
+		st.Size = r.dev.Size()
+		st.Blocks = (st.Size + 511) / 512
+		return nil
+	}
+	ino, nlink := st.Ino, st.Nlink
+	mode, uid, gid := st.Mode, st.Uid, st.Gid
+	err := fsys.withData(r, dirfd, name, func(tfd int, tname string) error {
+		return unix.Fstatat(tfd, tname, st, nofollow(tname))
+	})
+	st.Ino, st.Nlink = ino, nlink
+	if r.imported != "" {
+		st.Mode, st.Uid, st.Gid = mode, uid, gid
+	}
+	return err
 }
 
 // lastLinkRedirect returns the redirect of the marker at name when name is
@@ -115,6 +155,8 @@ func (fsys *filesystem) release(r *redirect) error {
 		return fsys.store.RemoveShared(r.disk)
 	case r.imported != "":
 		fsys.imports.drop(r.imported)
+	case r.dev != nil:
+		fsys.gpu.drop(r.dev.ino)
 	}
 	return nil
 }

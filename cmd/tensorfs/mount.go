@@ -20,6 +20,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/fs"
+	"tensorfs/gpu"
 )
 
 // mountFlags are the flags of "tensorfs mount".
@@ -80,8 +81,10 @@ func runMount(args []string, stdout, stderr io.Writer) int {
 }
 
 func checkMountFlags(m *mountFlags) error {
-	if m.gpu != "none" {
-		return fmt.Errorf("--gpu %s: GPU segments are not part of this build yet; use --gpu none", m.gpu)
+	switch m.gpu {
+	case "none", "sim", "cuda":
+	default:
+		return fmt.Errorf("--gpu %s: want none, sim or cuda", m.gpu)
 	}
 	if m.capacity != "" && m.backing != "" {
 		return errors.New("--capacity sizes the private tmpfs and cannot be used with --backing")
@@ -229,6 +232,8 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 	// little CPU.
 	debug.SetGCPercent(50)
 
+	// The GPU helper starts before the mount, so it inherits nothing of it.
+	dev := startGPU(m.gpu, log)
 	capacity, _ := parseSize(m.capacity)
 	store, err := alloc.Open(alloc.Config{Mountpoint: mp, Backing: m.backing, Capacity: capacity, Disk: m.disk}, log)
 	if err != nil {
@@ -247,6 +252,7 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 		Debug:         m.debug,
 		Log:           log,
 		Socket:        statePath(mp, ".sock"),
+		GPU:           dev,
 	})
 	if err != nil {
 		return err
@@ -292,4 +298,41 @@ func raiseFileLimit() {
 		r.Cur = r.Max
 		unix.Setrlimit(unix.RLIMIT_NOFILE, &r)
 	}
+}
+
+// startGPU starts the device process for --gpu sim or cuda. When it cannot
+// start, the mount serves host segments and the log says why, in one line.
+func startGPU(backend string, log *slog.Logger) gpu.Device {
+	if backend == "none" {
+		return nil
+	}
+	exe, err := os.Executable()
+	if err == nil && backend == "cuda" {
+		// CUDA lives in a helper binary of its own (built with -tags cuda),
+		// so that this one never links libcuda.
+		exe, err = findCUDAHelper(exe)
+	}
+	var dev gpu.Device
+	if err == nil {
+		dev, err = gpu.Start(exe, backend, 0, log)
+	}
+	if err != nil {
+		log.Warn("GPU segments off", "why", err.Error())
+		return nil
+	}
+	log.Info("GPU segments on", "backend", dev.Backend(), "device", dev.Name())
+	return dev
+}
+
+// findCUDAHelper looks for tensorfs-gpu beside the tensorfs binary, then
+// on PATH.
+func findCUDAHelper(self string) (string, error) {
+	p := filepath.Join(filepath.Dir(self), "tensorfs-gpu")
+	if _, err := os.Stat(p); err == nil {
+		return p, nil
+	}
+	if p, err := exec.LookPath("tensorfs-gpu"); err == nil {
+		return p, nil
+	}
+	return "", errors.New("no tensorfs-gpu helper beside tensorfs or on PATH; build it with scripts/cuda-sdk.sh and go build -tags cuda ./gpu/cmd/tensorfs-gpu")
 }

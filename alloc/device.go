@@ -1,0 +1,91 @@
+package alloc
+
+import (
+	"io/fs"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// A device segment's bytes live in GPU memory while it is mounted; its
+// backing file stays empty and records the device (AttrDevice), the
+// segment's size (attrDevSize) and, after a clean unmount spilled the
+// bytes into the backing file, attrSpilled.
+const (
+	attrDevSize = "user.tensorfs.devsize"
+	attrSpilled = "user.tensorfs.spilled"
+)
+
+// DeviceOf returns the device of the backing object at path: "cpu" unless
+// a GPU device is stored.
+func DeviceOf(path string) string {
+	v, err := readAttr(path, AttrDevice)
+	if err != nil || v == "" {
+		return "cpu"
+	}
+	return v
+}
+
+// ParseDevice returns the canonical name of a device value: "cpu" or
+// "cuda:N" ("cuda" is "cuda:0").
+func ParseDevice(v string) (string, bool) {
+	dev := strings.TrimSpace(v)
+	switch {
+	case dev == "cpu":
+		return dev, true
+	case dev == "cuda":
+		return "cuda:0", true
+	case strings.HasPrefix(dev, "cuda:"):
+		n, err := strconv.ParseUint(dev[len("cuda:"):], 10, 16)
+		return "cuda:" + strconv.FormatUint(n, 10), err == nil
+	}
+	return "", false
+}
+
+// DeviceState is what a device segment's backing file records.
+type DeviceState struct {
+	// Size is the segment's size in bytes.
+	Size int64
+	// Spilled is true when the backing file holds the bytes (a clean
+	// unmount); false after a crash, when they are lost.
+	Spilled bool
+}
+
+// ReadDeviceState reads the device segment state stored at path.
+func ReadDeviceState(path string) DeviceState {
+	var ds DeviceState
+	if v, err := readAttr(path, attrDevSize); err == nil {
+		ds.Size, _ = strconv.ParseInt(v, 10, 64)
+	}
+	v, _ := readAttr(path, attrSpilled)
+	ds.Spilled = v == "1"
+	return ds
+}
+
+// WriteDeviceState records a device segment's state at path.
+func WriteDeviceState(path string, ds DeviceState) error {
+	if err := unix.Setxattr(path, attrDevSize, []byte(strconv.FormatInt(ds.Size, 10)), 0); err != nil {
+		return err
+	}
+	if ds.Spilled {
+		return unix.Setxattr(path, attrSpilled, []byte("1"), 0)
+	}
+	if err := unix.Removexattr(path, attrSpilled); err != nil && err != unix.ENODATA {
+		return err
+	}
+	return nil
+}
+
+// DeviceSegments returns the paths of the device segments in the backing.
+func (s *Store) DeviceSegments() ([]string, error) {
+	var paths []string
+	err := filepath.WalkDir(s.Dir, func(p string, d fs.DirEntry, err error) error {
+		if err == nil && d.Type().IsRegular() && DeviceOf(p) != "cpu" {
+			paths = append(paths, p)
+		}
+		return err
+	})
+	return paths, err
+}

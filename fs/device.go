@@ -1,0 +1,534 @@
+package fs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	fusefs "github.com/hanwen/go-fuse/v2/fs"
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/gpu"
+)
+
+// devices serves the mount's device segments, whose bytes live in GPU
+// memory (package gpu, through its helper process). Their backing files
+// stay empty while mounted; a clean unmount spills the bytes into them
+// and the next mount restores them (DESIGN.md §6).
+type devices struct {
+	dev      gpu.Device
+	limbo    *gpu.Limbo
+	counters *gpu.RefCounters
+	// countersPath is the host file of the consumer reference counters.
+	countersPath string
+	log          *slog.Logger
+
+	// mu protects segs, every device segment by backing inode number.
+	mu   sync.Mutex
+	segs map[uint64]*devSeg
+}
+
+// devSeg is one device segment.
+type devSeg struct {
+	d *devices
+	// ino is the backing file's inode number, its key in devices.segs.
+	ino uint64
+	// mu protects the fields below; it is held across device calls, so
+	// copies into one segment are serialised.
+	mu    sync.Mutex
+	block gpu.Block // Size 0 while the segment has no bytes
+	size  int64
+	// exportable is true when block came from AllocExportable (export).
+	exportable bool
+	// backing is the backing file, open for spilling; nil once removed.
+	backing *os.File
+	// opens counts the open handles; atomic, so that the limbo can ask.
+	opens atomic.Int64
+	// slot is the offset of the consumer reference counter plus one, 0
+	// until a consumer asks for one; atomic like opens.
+	slot atomic.Int64
+}
+
+// refCounterSlots is how many consumer counters the mount offers.
+const refCounterSlots = 1 << 16
+
+// newDevices serves dev for store: it creates the reference counter file
+// beside the backing and restores the segments an earlier mount left.
+func newDevices(dev gpu.Device, store *alloc.Store, log *slog.Logger) (*devices, error) {
+	d := &devices{dev: dev, limbo: gpu.NewLimbo(dev), log: log, segs: map[uint64]*devSeg{},
+		countersPath: store.Dir + ".refcounters"}
+	f, err := os.OpenFile(d.countersPath, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("reference counter file: %w", err)
+	}
+	defer f.Close()
+	if err := f.Truncate(refCounterSlots * 8); err != nil {
+		return nil, err
+	}
+	if d.counters, err = gpu.NewRefCounters(f); err != nil {
+		return nil, err
+	}
+	paths, err := store.DeviceSegments()
+	if err != nil {
+		return nil, err
+	}
+	for _, p := range paths {
+		if err := d.restore(p); err != nil {
+			log.Warn("device segment not restored", "path", p, "err", err)
+		}
+	}
+	go d.collect()
+	return d, nil
+}
+
+// restore brings the device segment whose backing file is at path back
+// into device memory: its spilled bytes, or zeros after a crash lost them.
+func (d *devices) restore(path string) error {
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		return err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		f.Close()
+		return err
+	}
+	seg := &devSeg{d: d, ino: st.Ino, backing: f}
+	ds := alloc.ReadDeviceState(path)
+	if err := seg.resize(ds.Size); err != nil {
+		f.Close()
+		return err
+	}
+	if ds.Spilled && ds.Size > 0 {
+		if err := d.dev.CopyFromFile(seg.block, 0, int(f.Fd()), 0, ds.Size); err != nil {
+			f.Close()
+			return err
+		}
+	} else if ds.Size > 0 {
+		d.log.Warn("device segment lost its contents in a crash; it reads as zeros", "path", path, "bytes", ds.Size)
+	}
+	if err := f.Truncate(0); err != nil {
+		f.Close()
+		return err
+	}
+	if err := alloc.WriteDeviceState(path, alloc.DeviceState{Size: ds.Size}); err != nil {
+		f.Close()
+		return err
+	}
+	d.mu.Lock()
+	d.segs[st.Ino] = seg
+	d.mu.Unlock()
+	return nil
+}
+
+// segment returns the device segment of the backing file name in dirfd,
+// whose inode is ino, making it when it is new.
+func (d *devices) segment(ino uint64, dirfd int, name string) (*devSeg, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if seg := d.segs[ino]; seg != nil {
+		return seg, nil
+	}
+	fd, err := unix.Open(procPath(dirfd, name), unix.O_RDWR|unix.O_CLOEXEC|openNofollow(name), 0)
+	if err != nil {
+		return nil, err
+	}
+	seg := &devSeg{d: d, ino: ino, backing: os.NewFile(uintptr(fd), name)}
+	d.segs[ino] = seg
+	return seg, nil
+}
+
+// drop removes a segment whose last name went; its memory waits in limbo
+// until no handle or consumer counter refers to it.
+func (d *devices) drop(ino uint64) {
+	d.mu.Lock()
+	seg := d.segs[ino]
+	delete(d.segs, ino)
+	d.mu.Unlock()
+	if seg == nil {
+		return
+	}
+	seg.mu.Lock()
+	defer seg.mu.Unlock()
+	seg.retire(seg.block, true)
+	seg.block = gpu.Block{}
+	seg.backing.Close()
+	seg.backing = nil
+}
+
+// collect frees limbo blocks nobody refers to any more, every second.
+func (d *devices) collect() {
+	for range time.Tick(time.Second) {
+		d.limbo.Collect()
+	}
+}
+
+// spill copies every device segment into its backing file, for the next
+// mount to restore, and releases the device.
+func (d *devices) spill() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, seg := range d.segs {
+		seg.mu.Lock()
+		if err := seg.spillLocked(); err != nil {
+			d.log.Error("device segment not spilled; its contents are lost", "file", seg.backing.Name(), "err", err)
+		}
+		seg.mu.Unlock()
+	}
+	d.dev.Close()
+}
+
+func (seg *devSeg) spillLocked() error {
+	fd := int(seg.backing.Fd())
+	if err := unix.Ftruncate(fd, seg.size); err != nil {
+		return err
+	}
+	if seg.size > 0 {
+		if err := seg.d.dev.CopyToFile(seg.block, 0, fd, 0, seg.size); err != nil {
+			return err
+		}
+	}
+	return alloc.WriteDeviceState(procPath(fd, ""), alloc.DeviceState{Size: seg.size, Spilled: true})
+}
+
+// retire puts a block that left its segment in limbo: it is freed once
+// the segment has no open handle and its consumer counter is zero. The
+// last block of a removed segment (final) also gives its counter back.
+func (seg *devSeg) retire(b gpu.Block, final bool) {
+	referenced := func() bool {
+		slot := seg.slot.Load() - 1
+		return seg.opens.Load() > 0 || slot >= 0 && seg.d.counters.Value(slot) > 0
+	}
+	if b.Size == 0 {
+		if final && !referenced() && seg.slot.Load() > 0 {
+			seg.d.counters.Release(seg.slot.Load() - 1)
+		}
+		return
+	}
+	seg.d.limbo.Add(b, func() bool {
+		if referenced() {
+			return true
+		}
+		if final && seg.slot.Load() > 0 {
+			seg.d.counters.Release(seg.slot.Swap(0) - 1)
+		}
+		return false
+	})
+}
+
+// Size returns the segment's size in bytes.
+func (seg *devSeg) Size() int64 {
+	seg.mu.Lock()
+	defer seg.mu.Unlock()
+	return seg.size
+}
+
+// resize gives the segment size bytes, keeping its leading bytes; the
+// old block waits in limbo while consumers may hold it.
+func (seg *devSeg) resize(size int64) error {
+	if size > alloc.MaxSegmentSize {
+		return fmt.Errorf("%w: %d bytes", alloc.ErrTooBig, size)
+	}
+	if size == seg.size {
+		return nil
+	}
+	var nb gpu.Block
+	if size > 0 {
+		var err error
+		if nb, err = seg.alloc(size); err != nil {
+			return err
+		}
+		if err := seg.copyPrefix(nb, min(seg.size, size)); err != nil {
+			seg.d.dev.Free(nb)
+			return err
+		}
+	}
+	seg.retire(seg.block, false)
+	seg.block, seg.size, seg.exportable = nb, size, false
+	if seg.backing != nil {
+		return alloc.WriteDeviceState(procPath(int(seg.backing.Fd()), ""), alloc.DeviceState{Size: size})
+	}
+	return nil
+}
+
+// alloc allocates a zeroed block, collecting the limbo once if the
+// device is full.
+func (seg *devSeg) alloc(size int64) (gpu.Block, error) {
+	b, err := seg.d.dev.Alloc(size)
+	if errors.Is(err, gpu.ErrOutOfMemory) && seg.d.limbo.Collect() > 0 {
+		b, err = seg.d.dev.Alloc(size)
+	}
+	if errors.Is(err, gpu.ErrOutOfMemory) {
+		return b, fmt.Errorf("%w: device memory: %v", alloc.ErrNoSpace, err)
+	}
+	if err != nil {
+		return b, err
+	}
+	zero := make([]byte, min(size, 1<<20))
+	for off := int64(0); off < size; off += int64(len(zero)) {
+		if err := seg.d.dev.CopyIn(b, off, zero[:min(int64(len(zero)), size-off)]); err != nil {
+			seg.d.dev.Free(b)
+			return b, err
+		}
+	}
+	return b, nil
+}
+
+// copyPrefix copies the first n bytes of the segment into nb.
+func (seg *devSeg) copyPrefix(nb gpu.Block, n int64) error {
+	buf := make([]byte, min(n, 4<<20))
+	for off := int64(0); off < n; off += int64(len(buf)) {
+		chunk := buf[:min(int64(len(buf)), n-off)]
+		if err := seg.d.dev.CopyOut(seg.block, off, chunk); err != nil {
+			return err
+		}
+		if err := seg.d.dev.CopyIn(nb, off, chunk); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// read copies bytes at off into buf and returns how many there were.
+func (seg *devSeg) read(buf []byte, off int64) (int, error) {
+	seg.mu.Lock()
+	defer seg.mu.Unlock()
+	if off >= seg.size {
+		return 0, nil
+	}
+	n := min(int64(len(buf)), seg.size-off)
+	return int(n), seg.d.dev.CopyOut(seg.block, off, buf[:n])
+}
+
+// write copies data to off, growing the segment as a file grows.
+func (seg *devSeg) write(data []byte, off int64) error {
+	seg.mu.Lock()
+	defer seg.mu.Unlock()
+	if end := off + int64(len(data)); end > seg.size {
+		if err := seg.resize(end); err != nil {
+			return err
+		}
+	}
+	return seg.d.dev.CopyIn(seg.block, off, data)
+}
+
+// fromFile copies n bytes of the host file fd at fileOff to off, growing
+// the segment as needed; the device reads the file itself.
+func (seg *devSeg) fromFile(fd int, fileOff, off, n int64) error {
+	seg.mu.Lock()
+	defer seg.mu.Unlock()
+	if off+n > seg.size {
+		if err := seg.resize(off + n); err != nil {
+			return err
+		}
+	}
+	return seg.d.dev.CopyFromFile(seg.block, off, fd, fileOff, n)
+}
+
+// toFile copies up to n bytes at off into the host file fd at fileOff and
+// returns how many there were.
+func (seg *devSeg) toFile(fd int, off, fileOff, n int64) (int64, error) {
+	seg.mu.Lock()
+	defer seg.mu.Unlock()
+	n = min(n, seg.size-off)
+	if n <= 0 {
+		return 0, nil
+	}
+	return n, seg.d.dev.CopyToFile(seg.block, off, fd, fileOff, n)
+}
+
+// ipc returns the segment's IPC information; ErrNoAttr while it has no
+// bytes.
+func (seg *devSeg) ipc() (gpu.IPCInfo, error) {
+	seg.mu.Lock()
+	defer seg.mu.Unlock()
+	if seg.block.Size == 0 {
+		return gpu.IPCInfo{}, fmt.Errorf("%w: the segment has no device memory yet", alloc.ErrNoAttr)
+	}
+	return seg.d.dev.IPC(seg.block)
+}
+
+// refCounter returns the offset of the segment's consumer counter,
+// taking a slot on first use.
+func (seg *devSeg) refCounter() (int64, error) {
+	seg.mu.Lock()
+	defer seg.mu.Unlock()
+	if seg.slot.Load() == 0 {
+		slot, err := seg.d.counters.Slot()
+		if err != nil {
+			return 0, err
+		}
+		seg.slot.Store(slot + 1)
+	}
+	return seg.slot.Load() - 1, nil
+}
+
+// opened and closed count the segment's open handles.
+func (seg *devSeg) opened() { seg.opens.Add(1) }
+
+func (seg *devSeg) closed() {
+	seg.opens.Add(-1)
+	seg.d.limbo.Collect()
+}
+
+// gpuName is the device the mount serves, "" for none.
+func (fsys *filesystem) gpuName() string {
+	if fsys.gpu == nil {
+		return ""
+	}
+	return fsys.gpu.dev.Name()
+}
+
+// moveToDevice makes the empty segment n, whose backing file is name in
+// dirfd and whose stat is st, follow the device just stored on it.
+func (fsys *filesystem) moveToDevice(n *node, dirfd int, name string, st *unix.Stat_t) error {
+	onDevice := alloc.DeviceOf(procPath(dirfd, name)) != "cpu"
+	switch seg := n.device(); {
+	case onDevice && seg == nil:
+		seg, err := fsys.gpu.segment(st.Ino, dirfd, name)
+		if err != nil {
+			return err
+		}
+		n.redirPtr.Store(&redirect{dev: seg})
+	case !onDevice && seg != nil:
+		fsys.gpu.drop(seg.ino)
+		n.redirPtr.Store(nil)
+	}
+	return nil
+}
+
+// cudaAttr answers the user.tensorfs.cuda.* attributes of a device
+// segment: raw 64-byte handles, decimal offset, and "PATH:OFFSET" of its
+// consumer reference counter.
+func (fsys *filesystem) cudaAttr(seg *devSeg, attr string) ([]byte, error) {
+	if attr == alloc.AttrCudaRefCounter {
+		off, err := seg.refCounter()
+		return []byte(fmt.Sprintf("%s:%d", fsys.gpu.countersPath, off)), err
+	}
+	info, err := seg.ipc()
+	if err != nil {
+		return nil, err
+	}
+	switch attr {
+	case alloc.AttrCudaIPCHandle:
+		return info.MemHandle[:], nil
+	case alloc.AttrCudaOffset:
+		return []byte(fmt.Sprint(info.Offset)), nil
+	case alloc.AttrCudaEventHandle:
+		return info.EventHandle[:], nil
+	}
+	return nil, alloc.ErrNoAttr
+}
+
+// inheritDevice gives the new object name in dirfd, whose stat is st, the
+// device of its directory; a new segment in a cuda:N directory lives in
+// device memory, and the returned redirect says so.
+func (fsys *filesystem) inheritDevice(dirfd int, name string, st *unix.Stat_t) (*redirect, error) {
+	dev := alloc.DeviceOf(procPath(dirfd, ""))
+	if dev == "cpu" {
+		return nil, nil
+	}
+	if err := unix.Setxattr(procPath(dirfd, name), alloc.AttrDevice, []byte(dev), 0); err != nil {
+		return nil, err
+	}
+	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+		return nil, nil
+	}
+	seg, err := fsys.gpu.segment(st.Ino, dirfd, name)
+	if err != nil {
+		return nil, err
+	}
+	return &redirect{dev: seg}, nil
+}
+
+var _ = (fusefs.NodeCopyFileRanger)((*node)(nil))
+
+// maxCopyChunk bounds one copy_file_range reply (a uint32 count); the
+// kernel asks again for the rest.
+const maxCopyChunk = 1 << 30
+
+// CopyFileRange copies between two open segments of the mount inside the
+// daemon: host to device and back run in the device process at DMA speed
+// (cp uses copy_file_range), host to host in the kernel.
+func (n *node) CopyFileRange(ctx context.Context, fhIn fusefs.FileHandle, offIn uint64, out *fusefs.Inode,
+	fhOut fusefs.FileHandle, offOut uint64, length uint64, flags uint64) (uint32, syscall.Errno) {
+	in, okIn := fhIn.(*handle)
+	dst, okOut := fhOut.(*handle)
+	if !okIn || !okOut || flags != 0 {
+		return 0, syscall.EINVAL
+	}
+	size := int64(min(length, maxCopyChunk))
+	var copied int64
+	var err error
+	switch {
+	case in.seg == nil && dst.seg == nil:
+		var c int
+		oi, oo := int64(offIn), int64(offOut)
+		c, err = unix.CopyFileRange(in.fd, &oi, dst.fd, &oo, int(size), 0)
+		copied = int64(c)
+	case in.seg == nil:
+		var st unix.Stat_t
+		if err = unix.Fstat(in.fd, &st); err == nil {
+			copied = min(size, st.Size-int64(offIn))
+			if copied > 0 {
+				err = dst.seg.fromFile(in.fd, int64(offIn), int64(offOut), copied)
+			}
+		}
+	case dst.seg == nil:
+		copied, err = in.seg.toFile(dst.fd, int64(offIn), int64(offOut), size)
+	default:
+		copied, err = copyDeviceToDevice(in.seg, int64(offIn), dst.seg, int64(offOut), size)
+	}
+	if err != nil {
+		return 0, n.fs.errno("copy_file_range", n, "", err)
+	}
+	return uint32(max(copied, 0)), 0
+}
+
+// copyDeviceToDevice copies through host memory; the pair is rare.
+func copyDeviceToDevice(src *devSeg, offIn int64, dst *devSeg, offOut, size int64) (int64, error) {
+	buf := make([]byte, min(size, 4<<20))
+	var done int64
+	for done < size {
+		n, err := src.read(buf[:min(int64(len(buf)), size-done)], offIn+done)
+		if err != nil || n == 0 {
+			return done, err
+		}
+		if err := dst.write(buf[:n], offOut+done); err != nil {
+			return done, err
+		}
+		done += int64(n)
+	}
+	return done, nil
+}
+
+// export returns a POSIX descriptor of the segment's device memory, for
+// the control socket's export of KEEPFD segments. The first export moves
+// the bytes to an exportable (VMM) allocation; the old block goes to limbo.
+func (seg *devSeg) export() (*os.File, error) {
+	seg.mu.Lock()
+	defer seg.mu.Unlock()
+	if seg.size == 0 {
+		return nil, fmt.Errorf("%w: the segment has no device memory yet", alloc.ErrInvalid)
+	}
+	if !seg.exportable {
+		nb, err := seg.d.dev.AllocExportable(seg.size)
+		if err != nil {
+			return nil, err
+		}
+		if err := seg.copyPrefix(nb, seg.size); err != nil {
+			seg.d.dev.Free(nb)
+			return nil, err
+		}
+		seg.retire(seg.block, false)
+		seg.block, seg.exportable = nb, true
+	}
+	return seg.d.dev.Export(seg.block)
+}
