@@ -106,6 +106,9 @@ func (fsys *filesystem) mode() string {
 	return "classic"
 }
 
+// maxRequest is the largest read or write request the kernel sends.
+const maxRequest = 1<<20 - 8192
+
 // Mount mounts tensorfs at opts.Mountpoint and returns once the kernel
 // serves it.
 func Mount(opts Options) (*Server, error) {
@@ -153,10 +156,15 @@ func Mount(opts Options) (*Server, error) {
 			AllowOther: opts.AllowOther,
 			// As root, mount(2) directly; otherwise fusermount3.
 			DirectMount: os.Geteuid() == 0,
-			// 1 MiB requests keep the classic path's reads large.
-			MaxWrite:     1 << 20,
-			MaxReadAhead: 1 << 20,
-			EnableLocks:  true,
+			// Large requests keep the classic path fast; two pages under
+			// 1 MiB so that a read, its reply header and go-fuse's spare
+			// page fit the largest pipe (pipe-max-size, 1 MiB) and splice.
+			MaxWrite:     maxRequest,
+			MaxReadAhead: maxRequest,
+			// Locks are taken on the backing descriptor (open file
+			// description locks, as go-fuse's posixtest expects); they go
+			// with RELEASE, so close() needs no FLUSH (FOPEN_NOFLUSH).
+			EnableLocks: true,
 			// O_TRUNC arrives with OPEN rather than as a separate
 			// SETATTR, so an EXCLUSIVE directory can refuse it.
 			ExtraCapabilities: fuse.CAP_ATOMIC_O_TRUNC,
@@ -315,6 +323,7 @@ func (fsys *filesystem) stats() map[string]any {
 	segs, bytes := subtreeUsage(fsys.store.Dir)
 	var ru unix.Rusage
 	unix.Getrusage(unix.RUSAGE_SELF, &ru)
+	rss, peak := memoryUse()
 	return map[string]any{
 		"mode":      fsys.mode(),
 		"segments":  segs,
@@ -325,7 +334,7 @@ func (fsys *filesystem) stats() map[string]any {
 		"limbo":     fsys.limboStats(),
 		"gpu":       fsys.gpuStats(),
 		"requests":  fsys.requests.snapshot(),
-		"daemon":    map[string]any{"pid": os.Getpid(), "cpu_seconds": cpuSeconds(&ru), "max_rss_bytes": ru.Maxrss * 1024, "goroutines": runtime.NumGoroutine()},
+		"daemon":    map[string]any{"pid": os.Getpid(), "cpu_seconds": cpuSeconds(&ru), "rss_bytes": rss, "max_rss_bytes": peak, "goroutines": runtime.NumGoroutine()},
 		"uptime_ns": strconv.FormatInt(int64(time.Since(fsys.started)), 10),
 	}
 }
@@ -345,6 +354,23 @@ func (fsys *filesystem) gpuStats() map[string]any {
 		return map[string]any{"backend": "none"}
 	}
 	return map[string]any{"backend": fsys.gpu.dev.Backend(), "device": fsys.gpu.dev.Name(), "memory": fsys.gpu.dev.Stats()}
+}
+
+// memoryUse reads the daemon's resident set and its peak from
+// /proc/self/status (getrusage's peak includes the parent's before exec).
+func memoryUse() (rss, peak int64) {
+	b, _ := os.ReadFile("/proc/self/status")
+	for _, line := range strings.Split(string(b), "\n") {
+		k, v, _ := strings.Cut(line, ":")
+		kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+		switch k {
+		case "VmRSS":
+			rss = kb * 1024
+		case "VmHWM":
+			peak = kb * 1024
+		}
+	}
+	return rss, peak
 }
 
 func cpuSeconds(ru *unix.Rusage) float64 {
