@@ -320,7 +320,7 @@ func (fsys *filesystem) notifyNewName(path string) {
 func (fsys *filesystem) stats() map[string]any {
 	var sfs unix.Statfs_t
 	fsys.store.Statfs(&sfs)
-	segs, bytes := subtreeUsage(fsys.store.Dir)
+	segs, bytes := fsys.subtreeUsage(fsys.store.Dir)
 	var ru unix.Rusage
 	unix.Getrusage(unix.RUSAGE_SELF, &ru)
 	rss, peak := memoryUse()

@@ -96,7 +96,7 @@ func (n *node) virtualAttr(attr string) (v []byte, ok bool, err error) {
 	case (attr == alloc.AttrRbytes || attr == alloc.AttrRsegments) && dir:
 		var segs, size int64
 		err := n.path(func(p string) error {
-			segs, size = subtreeUsage(p)
+			segs, size = n.fs.subtreeUsage(p)
 			return nil
 		})
 		if attr == alloc.AttrRbytes {
@@ -229,15 +229,34 @@ func btoi(b bool) int {
 	return 0
 }
 
-// subtreeUsage counts the regular files and their bytes under dir.
-func subtreeUsage(dir string) (segments, bytes int64) {
+// subtreeUsage counts the segments under dir and the bytes they hold:
+// an imported or device segment's backing file is an empty marker, so its
+// bytes are counted where they live.
+func (fsys *filesystem) subtreeUsage(dir string) (segments, bytes int64) {
 	filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
-		if err == nil && d.Type().IsRegular() {
-			if info, err := d.Info(); err == nil {
-				segments++
-				bytes += info.Size()
+		if err != nil || !d.Type().IsRegular() {
+			return nil
+		}
+		info, err := d.Info()
+		if err != nil {
+			return nil
+		}
+		segments++
+		size := info.Size()
+		if size == 0 {
+			if id := alloc.ImportID(p); id != "" {
+				fsys.imports.with(id, func(fd int) error {
+					var st unix.Stat_t
+					if unix.Fstat(fd, &st) == nil {
+						size = st.Size
+					}
+					return nil
+				})
+			} else if alloc.DeviceOf(p) != "cpu" {
+				size = alloc.ReadDeviceState(p).Size
 			}
 		}
+		bytes += size
 		return nil
 	})
 	return segments, bytes

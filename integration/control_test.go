@@ -214,15 +214,16 @@ func wantRemote(t *testing.T, what string, err error, errno syscall.Errno) {
 	}
 }
 
-// classicCacheBug reports a failed coherence check. Without passthrough the
-// mount keeps its own page cache across opens (FOPEN_KEEP_CACHE in
-// fs/node_open_create.go), so bytes changed outside the mount, through an
-// exported or imported descriptor, do not show through it. That known bug
-// is logged in classic mode, and fails the test in passthrough mode.
+// classicCacheBug reports a failed coherence check. Without passthrough a
+// mapping or open file of the mount is served from the mount's own page
+// cache, so bytes changed outside the mount, through an exported or
+// imported descriptor, while it is open do not show through it (a fresh
+// open sees them). That limit of classic mode is logged there, and fails
+// the test in passthrough mode.
 func classicCacheBug(t *testing.T, m *mount, format string, args ...any) {
 	t.Helper()
 	if m.mode == "classic" {
-		t.Logf("KNOWN BUG (--no-passthrough page cache not coherent with exported/imported fds): "+format, args...)
+		t.Logf("classic mode limit (a page-cache copy, not the exported/imported pages): "+format, args...)
 		return
 	}
 	t.Errorf(format, args...)

@@ -230,12 +230,13 @@ def _is_read_only(path):
 def open_torch(path, mode=None):
     """Map the segment at path as a torch CPU tensor, zero-copy.
 
-    Uses torch.from_file(path, shared=True) on the whole segment, then
-    as_strided to the xattrs' shape, stride and storage_offset. mode "r+"
-    maps it shared and writable; "r" maps it MAP_PRIVATE (torch has no
-    read-only tensors: stores then stay private to this process, while
-    unmodified pages keep showing the segment's current bytes). The default
-    is "r" for FROMFD or unwritable segments, else "r+".
+    mode "r+" uses torch.from_file(path, shared=True) on the whole segment,
+    then as_strided to the xattrs' shape, stride and storage_offset: a
+    shared, writable mapping. mode "r" maps the segment copy-on-write
+    (torch has no read-only tensors; torch.from_file(shared=False) would
+    copy the file): pages stay the segment's own, showing its current
+    bytes, until this process stores into them. The default is "r" for
+    FROMFD or unwritable segments, else "r+".
     """
     torch = _torch()
     if mode is None:
@@ -251,10 +252,14 @@ def open_torch(path, mode=None):
         if _numel(m.shape) != 0:
             raise ValueError("tensorfs.open_torch: %s is empty, shape %r needs data" % (path, m.shape))
         return torch.zeros(m.shape, dtype=tdt)
-    if mode == "r+":
-        # Fail early with the mount's errno (from_file's message has none).
-        _os.close(_os.open(path, _os.O_RDWR | _os.O_CLOEXEC))
-    base = torch.from_file(path, shared=(mode == "r+"), size=numel, dtype=tdt)
+    if mode == "r":
+        np = _np()
+        raw = np.memmap(path, dtype=np.uint8, mode="c", shape=(numel * size,))
+        base = torch.from_numpy(raw).view(tdt)
+        return base.as_strided(m.shape, stride, m.storage_offset)
+    # Fail early with the mount's errno (from_file's message has none).
+    _os.close(_os.open(path, _os.O_RDWR | _os.O_CLOEXEC))
+    base = torch.from_file(path, shared=True, size=numel, dtype=tdt)
     return base.as_strided(m.shape, stride, m.storage_offset)
 
 

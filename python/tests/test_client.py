@@ -200,14 +200,14 @@ class Child:
         self.p.stderr.close()
 
 
-# Known product bug (reported): without passthrough the mount has its own
-# page cache, kept across opens (FOPEN_KEEP_CACHE), so bytes changed outside
-# the mount (through an imported fd or an exported read-write fd) do not show
-# through it, and stores into a mapping of the mount reach those fds only at
-# writeback. Such checks skip in classic mode with this message while the
-# bug lasts, and simply pass once it is fixed.
-CLASSIC_CACHE_BUG = ("KNOWN BUG (--no-passthrough): the mount's page cache is not coherent with "
-                     "imported/exported fds")
+# A limit of classic mode (--no-passthrough, README "Passthrough and classic
+# mode"): a mapping through the mount is a copy in the mount's page cache,
+# so bytes changed outside the mount (through an imported fd or an exported
+# read-write fd) while it is mapped do not show in it, and stores into it
+# reach those fds only at writeback. A fresh open sees the current bytes.
+# Such checks skip in classic mode and must hold with passthrough.
+CLASSIC_CACHE_BUG = ("classic mode limit (--no-passthrough): a mapping through the mount is a "
+                     "page-cache copy, not the imported/exported pages")
 
 NP_DTYPES = ["float32", "float16", "float64", "int8", "uint8", "int16", "int32", "int64",
              "bool", "complex64", "complex128", "uint16", "uint32", "uint64"]
@@ -280,7 +280,7 @@ class _ClientTests:
         return d
 
     def classic_bug(self, ok, what):
-        """Skip as the known classic-mode bug when ok is false there; fail elsewhere."""
+        """Skip as the classic-mode limit when ok is false there; fail elsewhere."""
         if ok:
             return
         if self.MODE == "classic":
