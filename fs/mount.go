@@ -167,7 +167,11 @@ func Mount(opts Options) (*Server, error) {
 			EnableLocks: true,
 			// O_TRUNC arrives with OPEN rather than as a separate
 			// SETATTR, so an EXCLUSIVE directory can refuse it.
-			ExtraCapabilities: fuse.CAP_ATOMIC_O_TRUNC,
+			// HANDLE_KILLPRIV_V2 spares every write(2) a GETXATTR of
+			// security.capability (FUSE superblocks are not SB_NOSEC);
+			// the price is that set-id bits are not cleared on write,
+			// which means nothing for tensor segments.
+			ExtraCapabilities: fuse.CAP_ATOMIC_O_TRUNC | fuse.CAP_HANDLE_KILLPRIV_V2,
 			// Symbolic links never change; the kernel may keep them.
 			EnableSymlinkCaching: true,
 			Debug:                opts.Debug,
