@@ -170,8 +170,10 @@ func Mount(opts Options) (*Server, error) {
 			// HANDLE_KILLPRIV_V2 spares every write(2) a GETXATTR of
 			// security.capability (FUSE superblocks are not SB_NOSEC);
 			// the price is that set-id bits are not cleared on write,
-			// which means nothing for tensor segments.
-			ExtraCapabilities: fuse.CAP_ATOMIC_O_TRUNC | fuse.CAP_HANDLE_KILLPRIV_V2,
+			// which means nothing for tensor segments. READDIRPLUS_AUTO
+			// lets the kernel ask for attributes with a listing only when
+			// the lister also stats the entries (ls -l, not os.listdir).
+			ExtraCapabilities: fuse.CAP_ATOMIC_O_TRUNC | fuse.CAP_HANDLE_KILLPRIV_V2 | fuse.CAP_READDIRPLUS_AUTO,
 			// Symbolic links never change; the kernel may keep them.
 			EnableSymlinkCaching: true,
 			Debug:                opts.Debug,
