@@ -75,7 +75,7 @@ func (b controlBackend) export(cred ctl.Cred, path string, write bool) (*os.File
 		if write {
 			mode = unix.O_RDWR
 		}
-		fd, err := unix.Open(procPath(tfd, tname), mode|unix.O_CLOEXEC|openNofollow(tname), 0)
+		fd, err := openAt(tfd, tname, mode|unix.O_CLOEXEC)
 		if err != nil {
 			return err
 		}

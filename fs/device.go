@@ -136,7 +136,7 @@ func (d *devices) segment(ino uint64, dirfd int, name string) (*devSeg, error) {
 	if seg := d.segs[ino]; seg != nil {
 		return seg, nil
 	}
-	fd, err := unix.Open(procPath(dirfd, name), unix.O_RDWR|unix.O_CLOEXEC|openNofollow(name), 0)
+	fd, err := openAt(dirfd, name, unix.O_RDWR|unix.O_CLOEXEC)
 	if err != nil {
 		return nil, err
 	}

@@ -297,7 +297,7 @@ func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAtt
 			if n.imported() {
 				return fmt.Errorf("%w: an imported (FROMFD) segment keeps the size its owner gave it", alloc.ErrReadOnly)
 			}
-			if err := n.resize(f, p, name, int64(sz)); err != nil {
+			if err := n.resize(f, fd, name, int64(sz)); err != nil {
 				return err
 			}
 		}
@@ -330,7 +330,7 @@ func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAtt
 
 // resize truncates or grows the segment, through the handle when there
 // is one.
-func (n *node) resize(f fusefs.FileHandle, p, name string, size int64) error {
+func (n *node) resize(f fusefs.FileHandle, dirfd int, name string, size int64) error {
 	if seg := n.device(); seg != nil {
 		seg.mu.Lock()
 		defer seg.mu.Unlock()
@@ -339,7 +339,7 @@ func (n *node) resize(f fusefs.FileHandle, p, name string, size int64) error {
 	if h, ok := f.(*handle); ok && h.writable {
 		return alloc.Resize(h.fd, size)
 	}
-	fd, err := unix.Open(p, unix.O_WRONLY|unix.O_CLOEXEC|openNofollow(name), 0)
+	fd, err := openAt(dirfd, name, unix.O_WRONLY|unix.O_CLOEXEC)
 	if err != nil {
 		return err
 	}
@@ -374,11 +374,11 @@ func caller(ctx context.Context) *fuse.Caller {
 	return c
 }
 
-// openNofollow is O_NOFOLLOW for a named object; an empty name is a /proc
-// link that must be followed.
-func openNofollow(name string) int {
+// openAt opens the backing object name in dirfd, never following a
+// symbolic link at name; an empty name reopens the object open at dirfd.
+func openAt(dirfd int, name string, flags int) (int, error) {
 	if name == "" {
-		return 0
+		return unix.Open(procPath(dirfd, ""), flags&^unix.O_NOFOLLOW, 0)
 	}
-	return unix.O_NOFOLLOW
+	return unix.Openat(dirfd, name, flags|unix.O_NOFOLLOW, 0)
 }

@@ -57,10 +57,10 @@ func (h *handle) Release(ctx context.Context) syscall.Errno {
 // O_DIRECT, which the kernel applies per open itself.
 func (fsys *filesystem) backingFlags(flags uint32) int {
 	if fsys.passthrough {
-		return unix.O_RDWR | unix.O_CLOEXEC | unix.O_NOFOLLOW
+		return unix.O_RDWR | unix.O_CLOEXEC
 	}
 	keep := unix.O_ACCMODE | unix.O_APPEND | unix.O_DIRECT | unix.O_SYNC | unix.O_DSYNC | unix.O_NOATIME
-	return int(flags)&keep | unix.O_CLOEXEC | unix.O_NOFOLLOW
+	return int(flags)&keep | unix.O_CLOEXEC
 }
 
 // openFlags is the FOPEN_ answer for n. A device segment is read and
@@ -155,17 +155,16 @@ func (n *node) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint3
 		return nil, 0, n.fs.errno("open", n, "", err)
 	}
 	err := n.dataAt(func(dirfd int, name string) error {
-		p := procPath(dirfd, name)
 		if flags&unix.O_TRUNC != 0 {
 			if err := n.checkTruncate(); err != nil {
 				return err
 			}
 		}
-		bflags := n.fs.backingFlags(flags)&^unix.O_NOFOLLOW | openNofollow(name)
+		bflags := n.fs.backingFlags(flags)
 		if imported {
 			bflags = unix.O_RDONLY | unix.O_CLOEXEC
 		}
-		fd, err := unix.Open(p, bflags, 0)
+		fd, err := openAt(dirfd, name, bflags)
 		if err != nil {
 			return err
 		}
@@ -288,7 +287,7 @@ func (n *node) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *fuse
 		if err != nil {
 			return err
 		}
-		bflags := n.fs.backingFlags(flags) &^ unix.O_NOFOLLOW
+		bflags := n.fs.backingFlags(flags)
 		fd, err := unix.Openat(dirfd, ".", bflags|unix.O_TMPFILE, mode)
 		if err != nil {
 			return err
