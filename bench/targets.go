@@ -207,7 +207,7 @@ func (b *bench) why(m metricDef, c string) string {
 			fmtNum(heap), heap*kiB/float64(b.cfg.dirN), fmtNum(rss), fmtNum(lheap))
 	case mReaddir:
 		return b.metaNote("readdir",
-			"every listing is answered by the daemon again, with a lookup of every entry (READDIRPLUS)"+
+			"every listing is answered by the daemon again, with a lookup of every entry by READDIRPLUS"+
 				b.seeProfile()+"; FOPEN_CACHE_DIR with KEEP_CACHE on OPENDIR lets the kernel "+
 				"keep the listing (changes through the mount reset it; the daemon's own removals are notified "+
 				"already)")
