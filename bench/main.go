@@ -133,6 +133,8 @@ type bench struct {
 	live map[*contender]bool
 	// torchVersion is what the PyTorch case reported.
 	torchVersion string
+	// version says which tensorfs was measured.
+	version string
 }
 
 func newBench(cfg config) (*bench, error) {
@@ -144,9 +146,11 @@ func newBench(cfg config) (*bench, error) {
 	b.res.init()
 	b.bin, b.lbBin = cfg.tensorfs, filepath.Join(work, "loopbackfs")
 	builds := map[string]string{"./bench/loopbackfs": b.lbBin}
+	b.version = "prebuilt " + b.bin
 	if b.bin == "" {
 		b.bin = filepath.Join(work, "tensorfs")
 		builds["./cmd/tensorfs"] = b.bin
+		b.version = "built from " + firstLine("git", "describe", "--always", "--dirty")
 	}
 	for pkg, out := range builds {
 		if out, err := exec.Command("go", "build", "-o", out, pkg).CombinedOutput(); err != nil {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"cmp"
 	"fmt"
 	"os"
 	"os/exec"
@@ -49,7 +50,8 @@ func (b *bench) report() string {
 	fmt.Fprintf(&w, "- Command: `%s`\n", command())
 	fmt.Fprintf(&w, "- Date: %s, run time %s\n", time.Now().UTC().Format("2006-01-02 15:04 MST"), b.elapsed.Round(time.Second))
 	fmt.Fprintf(&w, "- Machine: %s\n", machine())
-	fmt.Fprintf(&w, "- Kernel: %s; %s; %s; torch %s; tensorfs %s\n", kernel(), runtime.Version(), firstLine("fio", "--version"), b.torchVersion, firstLine("git", "describe", "--always", "--dirty"))
+	torch := cmp.Or(b.torchVersion, "not run")
+	fmt.Fprintf(&w, "- Kernel: %s; %s; %s; torch %s; tensorfs %s\n", kernel(), runtime.Version(), firstLine("fio", "--version"), torch, b.version)
 	fmt.Fprintf(&w, "- Sizes: fio file %s, random reads %s per run; mmap and open() segment %s; metadata loops %d ops; "+
 		"readdir directory %d segments; scale data %s; PyTorch weights %s; open(): %d samples per round\n",
 		fmtSize(cfg.ioSize), cfg.randTime, fmtSize(cfg.mmapSize), cfg.metaN, cfg.dirN, fmtSize(cfg.scaleSize), fmtSize(cfg.torchSize), openSamples)
