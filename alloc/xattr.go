@@ -3,6 +3,7 @@ package alloc
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -203,9 +204,16 @@ func canonicalTensorAttr(name, v string) (string, error) {
 // checkLayout refuses a dtype/shape/stride/offset whose layout, together
 // with the attributes already stored, reaches past the segment's bytes.
 func checkLayout(obj Object, name, v string) error {
+	stored, err := Listxattr(obj.Path) // one call, then read only what is there
+	if err != nil {
+		return err
+	}
 	get := func(n string) (string, error) {
 		if n == name {
 			return v, nil
+		}
+		if !slices.Contains(stored, n) {
+			return "", nil
 		}
 		return readAttr(obj.Path, n)
 	}
