@@ -42,11 +42,15 @@ type devSeg struct {
 	ino uint64
 	// mu protects the fields below; it is held across device calls, so
 	// copies into one segment are serialised.
-	mu    sync.Mutex
-	block gpu.Block // Size 0 while the segment has no bytes
+	mu sync.Mutex
+	// block holds the bytes; its Size is the capacity, at least size
+	// (appending writes grow it geometrically). Size 0: no memory yet.
+	block gpu.Block
 	size  int64
 	// exportable is true when block came from AllocExportable (export).
 	exportable bool
+	// removed is true once the segment's last name is gone.
+	removed bool
 	// backing is the backing file, open for spilling; nil once removed.
 	backing *os.File
 	// opens counts the open handles; atomic, so that the limbo can ask.
@@ -145,8 +149,9 @@ func (d *devices) segment(ino uint64, dirfd int, name string) (*devSeg, error) {
 	return seg, nil
 }
 
-// drop removes a segment whose last name went; its memory waits in limbo
-// until no handle or consumer counter refers to it.
+// drop removes a segment whose last name went: its memory goes to limbo,
+// where open handles keep reading and writing it until the last closes
+// and no consumer counter refers to it.
 func (d *devices) drop(ino uint64) {
 	d.mu.Lock()
 	seg := d.segs[ino]
@@ -157,10 +162,12 @@ func (d *devices) drop(ino uint64) {
 	}
 	seg.mu.Lock()
 	defer seg.mu.Unlock()
-	seg.retire(seg.block, true)
-	seg.block = gpu.Block{}
+	seg.removed = true
 	seg.backing.Close()
 	seg.backing = nil
+	// Open handles keep using the block; limbo frees it only once none
+	// is open and no consumer counter refers to it.
+	seg.retire(seg.block, true)
 }
 
 // collect frees limbo blocks nobody refers to any more, every second.
@@ -230,19 +237,49 @@ func (seg *devSeg) Size() int64 {
 	return seg.size
 }
 
-// resize gives the segment size bytes, keeping its leading bytes; the
-// old block waits in limbo while consumers may hold it.
+// resize gives the segment size bytes (truncate), keeping its leading
+// bytes. Growth within the block's capacity zeroes the new bytes; other
+// changes move to a block of exactly size bytes, the old one waiting in
+// limbo while consumers may hold it.
 func (seg *devSeg) resize(size int64) error {
 	if size > alloc.MaxSegmentSize {
 		return fmt.Errorf("%w: %d bytes", alloc.ErrTooBig, size)
 	}
-	if size == seg.size {
-		return nil
+	if size >= seg.size && size <= seg.block.Size && size > 0 {
+		return seg.growInPlace(size)
 	}
+	return seg.realloc(size, size)
+}
+
+// extend grows the segment to end for a write past its end. Capacity at
+// least doubles, so a segment written by appends is copied O(log n) times.
+func (seg *devSeg) extend(end int64) error {
+	if end > alloc.MaxSegmentSize {
+		return fmt.Errorf("%w: %d bytes", alloc.ErrTooBig, end)
+	}
+	if end <= seg.block.Size {
+		return seg.growInPlace(end)
+	}
+	return seg.realloc(min(max(end, 2*seg.block.Size), alloc.MaxSegmentSize), end)
+}
+
+// growInPlace grows the segment to size within its block, zeroing the
+// bytes between the old and the new end.
+func (seg *devSeg) growInPlace(size int64) error {
+	if err := seg.zero(seg.block, seg.size, size); err != nil {
+		return err
+	}
+	seg.size = size
+	return seg.recordSize()
+}
+
+// realloc moves the segment's first size bytes to a zeroed block of
+// capacity bytes; the old block waits in limbo while consumers may hold it.
+func (seg *devSeg) realloc(capacity, size int64) error {
 	var nb gpu.Block
-	if size > 0 {
+	if capacity > 0 {
 		var err error
-		if nb, err = seg.alloc(size); err != nil {
+		if nb, err = seg.alloc(capacity); err != nil {
 			return err
 		}
 		if err := seg.copyPrefix(nb, min(seg.size, size)); err != nil {
@@ -251,11 +288,20 @@ func (seg *devSeg) resize(size int64) error {
 		}
 	}
 	seg.retire(seg.block, false)
-	seg.block, seg.size, seg.exportable = nb, size, false
-	if seg.backing != nil {
-		return alloc.WriteDeviceState(procPath(int(seg.backing.Fd()), ""), alloc.DeviceState{Size: size})
+	if seg.removed {
+		seg.retire(nb, true) // a removed segment's memory is all in limbo
 	}
-	return nil
+	seg.block, seg.size, seg.exportable = nb, size, false
+	return seg.recordSize()
+}
+
+// recordSize notes the segment's size on its backing file, so that a
+// crash loses the bytes but not the size.
+func (seg *devSeg) recordSize() error {
+	if seg.backing == nil {
+		return nil
+	}
+	return alloc.WriteDeviceState(procPath(int(seg.backing.Fd()), ""), alloc.DeviceState{Size: seg.size})
 }
 
 // alloc allocates a zeroed block, collecting the limbo once if the
@@ -271,14 +317,22 @@ func (seg *devSeg) alloc(size int64) (gpu.Block, error) {
 	if err != nil {
 		return b, err
 	}
-	zero := make([]byte, min(size, 1<<20))
-	for off := int64(0); off < size; off += int64(len(zero)) {
-		if err := seg.d.dev.CopyIn(b, off, zero[:min(int64(len(zero)), size-off)]); err != nil {
-			seg.d.dev.Free(b)
-			return b, err
-		}
+	if err := seg.zero(b, 0, size); err != nil {
+		seg.d.dev.Free(b)
+		return b, err
 	}
 	return b, nil
+}
+
+// zero clears bytes [from, to) of block b.
+func (seg *devSeg) zero(b gpu.Block, from, to int64) error {
+	zero := make([]byte, min(max(to-from, 0), 1<<20))
+	for off := from; off < to; off += int64(len(zero)) {
+		if err := seg.d.dev.CopyIn(b, off, zero[:min(int64(len(zero)), to-off)]); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // copyPrefix copies the first n bytes of the segment into nb.
@@ -312,7 +366,7 @@ func (seg *devSeg) write(data []byte, off int64) error {
 	seg.mu.Lock()
 	defer seg.mu.Unlock()
 	if end := off + int64(len(data)); end > seg.size {
-		if err := seg.resize(end); err != nil {
+		if err := seg.extend(end); err != nil {
 			return err
 		}
 	}
@@ -325,7 +379,7 @@ func (seg *devSeg) fromFile(fd int, fileOff, off, n int64) error {
 	seg.mu.Lock()
 	defer seg.mu.Unlock()
 	if off+n > seg.size {
-		if err := seg.resize(off + n); err != nil {
+		if err := seg.extend(off + n); err != nil {
 			return err
 		}
 	}

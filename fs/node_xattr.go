@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 
 	fusefs "github.com/hanwen/go-fuse/v2/fs"
 	"golang.org/x/sys/unix"
@@ -127,8 +128,11 @@ func (n *node) virtualNames() []string {
 	case n.isDir():
 		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRbytes, alloc.AttrRsegments}
 	case n.device() != nil:
-		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRefcount, alloc.AttrHolders,
-			alloc.AttrCudaIPCHandle, alloc.AttrCudaOffset, alloc.AttrCudaEventHandle, alloc.AttrCudaRefCounter}
+		names := []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRefcount, alloc.AttrHolders, alloc.AttrCudaRefCounter}
+		if n.device().Size() > 0 { // no memory, no handles yet
+			names = append(names, alloc.AttrCudaIPCHandle, alloc.AttrCudaOffset, alloc.AttrCudaEventHandle)
+		}
+		return names
 	case n.StableAttr().Mode == syscall.S_IFREG:
 		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRefcount, alloc.AttrHolders, alloc.AttrHandle}
 	}
@@ -184,7 +188,7 @@ func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uin
 	}
 	var st unix.Stat_t
 	err := n.stat(&st)
-	if err == nil && attr == alloc.AttrDevice && !n.isDir() && len(n.openHandles()) > 0 {
+	if err == nil && attr == alloc.AttrDevice && !n.isDir() && !n.awaitClosed() {
 		err = fmt.Errorf("%w: the device of a segment changes while nobody has it open", alloc.ErrNotEmpty)
 	}
 	if err == nil {
@@ -287,6 +291,19 @@ func (n *node) release(h *handle) {
 	if left == 0 {
 		n.fs.reclaimLater(n)
 	}
+}
+
+// awaitClosed waits a moment for n's handles to be released and reports
+// whether none is left: the kernel sends RELEASE after close(2) returns,
+// so a close followed at once by a request may find the handle still open.
+func (n *node) awaitClosed() bool {
+	for i := 0; i < 200; i++ {
+		if len(n.openHandles()) == 0 {
+			return true
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return false
 }
 
 // openHandles returns the number of open handles by the pid that opened them.

@@ -12,9 +12,12 @@ import "sync"
 type Limbo struct {
 	dev Device
 
-	mu      sync.Mutex // guards entries and bytes
+	mu      sync.Mutex // guards entries, blocks and bytes
 	entries []limboEntry
-	bytes   int64
+	// blocks and bytes count what is in limbo, entries being looked at
+	// by a Collect included.
+	blocks int
+	bytes  int64
 }
 
 type limboEntry struct {
@@ -32,6 +35,7 @@ func (l *Limbo) Add(b Block, stillReferenced func() bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.entries = append(l.entries, limboEntry{b, stillReferenced})
+	l.blocks++
 	l.bytes += b.Size
 }
 
@@ -54,6 +58,7 @@ func (l *Limbo) Collect() (freed int) {
 			freed++
 		}
 		l.mu.Lock()
+		l.blocks--
 		l.bytes -= e.block.Size
 		l.mu.Unlock()
 	}
@@ -67,5 +72,5 @@ func (l *Limbo) Collect() (freed int) {
 func (l *Limbo) Stats() (blocks int, bytes int64) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return len(l.entries), l.bytes
+	return l.blocks, l.bytes
 }
