@@ -36,11 +36,17 @@ if [ ! -e "$root/.complete" ]; then
 	keyring=/usr/share/keyrings/debian-archive-keyring.gpg
 	[ -r "$keyring" ] || { log "no $keyring (apt-get install debian-archive-keyring)"; exit 1; }
 
+	# The Debian archive this machine's apt already uses, with non-free added.
+	mirror=$({ awk '/^URIs:/ {print $2}' /etc/apt/sources.list.d/*.sources 2>/dev/null
+		awk '$1 == "deb" {print ($2 ~ /^\[/) ? $3 : $2}' /etc/apt/sources.list 2>/dev/null
+	} | grep -v -e security -e '^$' | head -n 1) || true # a missing file or an early head is fine
+	[ -n "$mirror" ] || { log "no Debian archive in this machine's apt sources"; exit 1; }
+
 	rm -rf "$apt" "$root"
 	mkdir -p "$apt/lists/partial" "$apt/cache/archives/partial" "$apt/download" "$root"
 	cat >"$apt/sources.list" <<-EOF
-		deb [signed-by=$keyring] http://deb.debian.org/debian $codename main contrib non-free
-		deb [signed-by=$keyring] http://deb.debian.org/debian $codename-updates main contrib non-free
+		deb [signed-by=$keyring] $mirror $codename main contrib non-free
+		deb [signed-by=$keyring] $mirror $codename-updates main contrib non-free
 	EOF
 	aptopts=(
 		-q

@@ -73,7 +73,7 @@ echo "== go vet/build -tags cuda"
 (
 	if ! sdk_env=$(scripts/cuda-sdk.sh); then
 		echo "test.sh: scripts/cuda-sdk.sh could not provide the CUDA SDK (headers and libcuda.so stub)," >&2
-		echo "  which it downloads from deb.debian.org (non-free nvidia-cuda-dev) into" >&2
+		echo "  which it downloads from this machine's Debian archive (non-free nvidia-cuda-dev) into" >&2
 		echo "  ${TENSORFS_CUDA_SDK:-\$HOME/.cache/tensorfs/cuda-sdk}; see its messages above." >&2
 		echo "  Without network access to the Debian mirrors, fill that cache on a machine that has it." >&2
 		if [ "${CI:-}" = "true" ] || [ "$TENSORFS_STRICT" = "1" ]; then
