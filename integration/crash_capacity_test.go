@@ -34,28 +34,7 @@ import (
 
 const (
 	ccMiB = int64(1) << 20
-	// ccPollTimeout bounds every poll-with-deadline in this file.
-	ccPollTimeout = 15 * time.Second
 )
-
-// ccEventually polls cond until it reports true or ccPollTimeout passes,
-// then fails with cond's last explanation.
-func ccEventually(t *testing.T, what string, cond func() (bool, string)) {
-	t.Helper()
-	deadline := time.Now().Add(ccPollTimeout)
-	delay := time.Millisecond
-	for {
-		ok, why := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not true after %v: %s", what, ccPollTimeout, why)
-		}
-		time.Sleep(delay)
-		delay = min(2*delay, 100*time.Millisecond)
-	}
-}
 
 // ccWriteRandom writes n pseudo-random bytes (seeded) to a fresh file
 // outside any mount and returns its path and sha256.
@@ -446,7 +425,7 @@ func ccHex(s string) string { return hex.EncodeToString([]byte(s)) }
 // daemon's mount answers it once the kernel's cached attributes expire.
 func ccWaitENOTCONN(t *testing.T, path string) {
 	t.Helper()
-	ccEventually(t, "stat "+path+" answers ENOTCONN", func() (bool, string) {
+	eventually(t, "stat "+path+" answers ENOTCONN", func() (bool, string) {
 		_, err := os.Stat(path)
 		return errors.Is(err, syscall.ENOTCONN), fmt.Sprintf("stat: %v", err)
 	})
@@ -855,7 +834,7 @@ func TestCapacityENOSPC(t *testing.T) {
 		}
 
 		// The space comes back (releases reach the daemon asynchronously).
-		ccEventually(t, "space freed after unlink", func() (bool, string) {
+		eventually(t, "space freed after unlink", func() (bool, string) {
 			_, avail := ccStatfs(t, m.dir)
 			return avail >= 60*ccMiB, fmt.Sprintf("%d bytes available", avail)
 		})
@@ -969,7 +948,7 @@ func TestSignalShutdownBusy(t *testing.T) {
 		if err := m.cmd.Process.Signal(syscall.SIGTERM); err != nil {
 			t.Fatal(err)
 		}
-		ccEventually(t, "mount detached after SIGTERM", func() (bool, string) {
+		eventually(t, "mount detached after SIGTERM", func() (bool, string) {
 			return !isMounted(m.dir), m.dir + " is still in the mount table"
 		})
 		h.release(t) // reads the whole segment back through its fd
@@ -1083,7 +1062,7 @@ func ccUnmountPurgeDaemonized(t *testing.T, dir string, pid int, before map[moun
 	if isMounted(dir) {
 		t.Errorf("%s still mounted after tensorfs unmount --purge", dir)
 	}
-	ccEventually(t, "daemon exits", func() (bool, string) {
+	eventually(t, "daemon exits", func() (bool, string) {
 		err := unix.Kill(pid, 0)
 		return errors.Is(err, unix.ESRCH), fmt.Sprintf("kill(%d, 0) = %v", pid, err)
 	})

@@ -8,125 +8,16 @@ package integration
 // must never mmap a file of a FUSE mount.
 
 import (
-	"bufio"
 	"bytes"
-	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 )
-
-// dtChild is a long-running python child that talks line by line over
-// its stdin and stdout.
-type dtChild struct {
-	name   string
-	cmd    *exec.Cmd
-	stdin  io.WriteCloser
-	lines  chan string
-	stderr *lockedBuffer
-	done   chan struct{}
-	err    error
-}
-
-// dtStartPython starts /usr/bin/python3 -c script args... with pipes; the
-// cleanup kills it if the test did not wait for it.
-func dtStartPython(t *testing.T, name, script string, args ...string) *dtChild {
-	t.Helper()
-	python(t, "import mmap") // the harness's check for a usable python
-	ctx, cancel := context.WithTimeout(context.Background(), commandTimeout)
-	c := &dtChild{
-		name:   name,
-		cmd:    exec.CommandContext(ctx, systemPython, append([]string{"-u", "-c", script}, args...)...),
-		lines:  make(chan string, 64),
-		stderr: &lockedBuffer{},
-		done:   make(chan struct{}),
-	}
-	c.cmd.Stderr = c.stderr
-	c.cmd.WaitDelay = 5 * time.Second
-	var err error
-	if c.stdin, err = c.cmd.StdinPipe(); err != nil {
-		cancel()
-		t.Fatal(err)
-	}
-	stdout, err := c.cmd.StdoutPipe()
-	if err != nil {
-		cancel()
-		t.Fatal(err)
-	}
-	if err := c.cmd.Start(); err != nil {
-		cancel()
-		t.Fatalf("start %s: %v", name, err)
-	}
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			c.lines <- sc.Text()
-		}
-		close(c.lines)
-		c.err = c.cmd.Wait()
-		cancel()
-		close(c.done)
-	}()
-	t.Cleanup(func() {
-		select {
-		case <-c.done:
-		default:
-			c.cmd.Process.Kill()
-			<-c.done
-		}
-	})
-	return c
-}
-
-// expect reads the child's next line and fails unless it is want (or
-// starts with want+" " when prefix; the rest is returned).
-func (c *dtChild) expect(t *testing.T, want string) string {
-	t.Helper()
-	select {
-	case line, ok := <-c.lines:
-		if !ok {
-			<-c.done
-			t.Fatalf("%s exited (%v) before saying %q\nstderr:\n%s", c.name, c.err, want, c.stderr.String())
-		}
-		if line == want {
-			return ""
-		}
-		if rest, ok := strings.CutPrefix(line, want+" "); ok {
-			return rest
-		}
-		t.Fatalf("%s said %q, want %q\nstderr:\n%s", c.name, line, want, c.stderr.String())
-	case <-time.After(commandTimeout):
-		t.Fatalf("%s said nothing within %v, want %q\nstderr:\n%s", c.name, commandTimeout, want, c.stderr.String())
-	}
-	return ""
-}
-
-// send writes one line to the child's stdin.
-func (c *dtChild) send(t *testing.T, line string) {
-	t.Helper()
-	if _, err := io.WriteString(c.stdin, line+"\n"); err != nil {
-		t.Fatalf("telling %s %q: %v\nstderr:\n%s", c.name, line, err, c.stderr.String())
-	}
-}
-
-// wait closes stdin and waits for a zero exit.
-func (c *dtChild) wait(t *testing.T) {
-	t.Helper()
-	c.stdin.Close()
-	for range c.lines {
-	}
-	<-c.done
-	if c.err != nil {
-		t.Fatalf("%s: %v\nstderr:\n%s", c.name, c.err, c.stderr.String())
-	}
-}
 
 // dtCheckRequests asserts the core claim: a passthrough mount serves no
 // READ or WRITE; a classic one serves both (when both happened).
@@ -298,9 +189,9 @@ os.close(fd)
 `
 	forEachMode(t, func(t *testing.T, m *mount) {
 		p := m.path("shared.seg")
-		ca := dtStartPython(t, "child A", a, p)
+		ca := startPython(t, "child A", a, p)
 		ca.expect(t, "mapped")
-		cb := dtStartPython(t, "child B", b, p)
+		cb := startPython(t, "child B", b, p)
 		if got := cb.expect(t, "saw"); got != "A-was-here A-end" {
 			t.Errorf("B saw %q in its mapping, want A's stores \"A-was-here A-end\"", got)
 		}
@@ -374,7 +265,7 @@ os.close(fd)
 		if m.mode == "classic" {
 			sync = "sync"
 		}
-		c := dtStartPython(t, "mapper", mapper, p, sync)
+		c := startPython(t, "mapper", mapper, p, sync)
 		c.expect(t, "stored")
 
 		h, err := getxattr(p, "user.tensorfs.handle")

@@ -13,15 +13,11 @@ package integration
 // a file of a FUSE mount.
 
 import (
-	"bufio"
 	"bytes"
-	"context"
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -43,9 +39,6 @@ const (
 	gtRefCounter  = "user.tensorfs.cuda.ref_counter"
 	gtRefcount    = "user.tensorfs.refcount"
 
-	// gtDeadline bounds every wait for something the daemon does on its
-	// own (a release, the once-a-second limbo collection, a helper exit).
-	gtDeadline = 15 * time.Second
 	// gtCollectPeriod is how often the daemon collects the limbo.
 	gtCollectPeriod = time.Second
 
@@ -54,25 +47,6 @@ const (
 
 // gtSim is the mount option of every test here but the no-GPU ones.
 var gtSim = []string{"--gpu", "sim"}
-
-// gtEventually polls cond until it holds or gtDeadline passes, then fails
-// with cond's last explanation.
-func gtEventually(t *testing.T, what string, cond func() (bool, string)) {
-	t.Helper()
-	deadline := time.Now().Add(gtDeadline)
-	delay := time.Millisecond
-	for {
-		ok, why := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not so after %v: %s", what, gtDeadline, why)
-		}
-		time.Sleep(delay)
-		delay = min(2*delay, 50*time.Millisecond)
-	}
-}
 
 // gtHolds checks that cond holds at every poll for the whole window d
 // (what must not change while the daemon works on its own, such as a
@@ -207,7 +181,7 @@ func gtDeviceSegment(t *testing.T, path string) string {
 // kernel's release reaches the daemon.
 func gtWaitRefcount0(t *testing.T, path string) {
 	t.Helper()
-	gtEventually(t, "refcount of "+path, func() (bool, string) {
+	eventually(t, "refcount of "+path, func() (bool, string) {
 		v, err := gtTryGetfattr(path, gtRefcount)
 		return err == nil && string(v) == "0", fmt.Sprintf("%s = %q %v", gtRefcount, v, err)
 	})
@@ -277,7 +251,7 @@ func gtLimboIs(t *testing.T, m *mount, blocks, bytes int64) func() (bool, string
 // gtWantLimboEmpty waits until nothing is in limbo.
 func gtWantLimboEmpty(t *testing.T, m *mount, what string) {
 	t.Helper()
-	gtEventually(t, what+": limbo empty", gtLimboIs(t, m, 0, 0))
+	eventually(t, what+": limbo empty", gtLimboIs(t, m, 0, 0))
 }
 
 // gtGPUBackend returns stats "gpu"."backend".
@@ -324,7 +298,7 @@ func gtHelperPIDs(m *mount) []int {
 // gone: their parent, the daemon, may be dead too).
 func gtWantGone(t *testing.T, what string, pids []int) {
 	t.Helper()
-	gtEventually(t, what, func() (bool, string) {
+	eventually(t, what, func() (bool, string) {
 		for _, pid := range pids {
 			stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 			if err != nil {
@@ -337,114 +311,6 @@ func gtWantGone(t *testing.T, what string, pids []int) {
 		}
 		return true, ""
 	})
-}
-
-// gtChild is a long-running python child that answers line by line.
-type gtChild struct {
-	name   string
-	cmd    *exec.Cmd
-	stdin  io.WriteCloser
-	lines  chan string
-	stderr *lockedBuffer
-	done   chan struct{}
-	err    error
-}
-
-// gtStartPython starts /usr/bin/python3 -u -c script args...; the cleanup
-// kills it if the test did not end it.
-func gtStartPython(t *testing.T, name, script string, args ...string) *gtChild {
-	t.Helper()
-	python(t, "import mmap") // the harness's check for a usable python
-	ctx, cancel := context.WithTimeout(context.Background(), commandTimeout)
-	c := &gtChild{
-		name:   name,
-		cmd:    exec.CommandContext(ctx, systemPython, append([]string{"-u", "-c", script}, args...)...),
-		lines:  make(chan string, 16),
-		stderr: &lockedBuffer{},
-		done:   make(chan struct{}),
-	}
-	c.cmd.Stderr = c.stderr
-	c.cmd.WaitDelay = 5 * time.Second
-	var err error
-	if c.stdin, err = c.cmd.StdinPipe(); err != nil {
-		cancel()
-		t.Fatal(err)
-	}
-	stdout, err := c.cmd.StdoutPipe()
-	if err != nil {
-		cancel()
-		t.Fatal(err)
-	}
-	if err := c.cmd.Start(); err != nil {
-		cancel()
-		t.Fatalf("start %s: %v", name, err)
-	}
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			c.lines <- sc.Text()
-		}
-		close(c.lines)
-		c.err = c.cmd.Wait()
-		cancel()
-		close(c.done)
-	}()
-	t.Cleanup(func() {
-		select {
-		case <-c.done:
-		default:
-			c.cmd.Process.Kill()
-			<-c.done
-		}
-	})
-	return c
-}
-
-// do sends one line and returns the child's answer.
-func (c *gtChild) do(t *testing.T, line string) string {
-	t.Helper()
-	if _, err := io.WriteString(c.stdin, line+"\n"); err != nil {
-		t.Fatalf("telling %s %q: %v\nstderr:\n%s", c.name, line, err, c.stderr.String())
-	}
-	select {
-	case ans, ok := <-c.lines:
-		if !ok {
-			<-c.done
-			t.Fatalf("%s exited (%v) before answering %q\nstderr:\n%s", c.name, c.err, line, c.stderr.String())
-		}
-		return ans
-	case <-time.After(commandTimeout):
-		t.Fatalf("%s did not answer %q within %v\nstderr:\n%s", c.name, line, commandTimeout, c.stderr.String())
-	}
-	return ""
-}
-
-// next returns the child's next line.
-func (c *gtChild) next(t *testing.T) string {
-	t.Helper()
-	select {
-	case line, ok := <-c.lines:
-		if !ok {
-			<-c.done
-			t.Fatalf("%s exited (%v) before saying anything more\nstderr:\n%s", c.name, c.err, c.stderr.String())
-		}
-		return line
-	case <-time.After(commandTimeout):
-		t.Fatalf("%s said nothing within %v\nstderr:\n%s", c.name, commandTimeout, c.stderr.String())
-	}
-	return ""
-}
-
-// end closes the child's stdin and waits for a zero exit.
-func (c *gtChild) end(t *testing.T) {
-	t.Helper()
-	c.stdin.Close()
-	for range c.lines {
-	}
-	<-c.done
-	if c.err != nil {
-		t.Fatalf("%s: %v\nstderr:\n%s", c.name, c.err, c.stderr.String())
-	}
 }
 
 // TestGPUDeviceXattr: user.tensorfs.device cuda:0 on an empty segment, or
@@ -983,14 +849,14 @@ m.close()
 `
 
 // gtStartConsumer starts a consumer of the counter of seg.
-func gtStartConsumer(t *testing.T, seg string) *gtChild {
+func gtStartConsumer(t *testing.T, seg string) *pyChild {
 	t.Helper()
 	rc := string(gtGetfattr(t, seg, gtRefCounter))
 	path, off, ok := strings.Cut(rc, ":")
 	if !ok {
 		t.Fatalf("%s of %s = %q", gtRefCounter, seg, rc)
 	}
-	c := gtStartPython(t, "consumer of "+filepath.Base(seg), gtCounterScript, path, off)
+	c := startPython(t, "consumer of "+filepath.Base(seg), gtCounterScript, path, off)
 	if line := c.next(t); line != "ready 0" {
 		t.Fatalf("consumer of %s: %q, want \"ready 0\" (a fresh counter)\nstderr:\n%s", seg, line, c.stderr.String())
 	}
@@ -1003,7 +869,7 @@ func gtTriggerCollect(t *testing.T, m *mount, seg string) {
 	t.Helper()
 	before := m.requests(t, "RELEASE")
 	run(t, "cat", seg)
-	gtEventually(t, "the release of "+seg, func() (bool, string) {
+	eventually(t, "the release of "+seg, func() (bool, string) {
 		n := m.requests(t, "RELEASE")
 		return n > before, fmt.Sprintf("RELEASE requests %d, %d before", n, before)
 	})
@@ -1029,7 +895,7 @@ func TestGPULimboRefCounter(t *testing.T) {
 		if _, err := os.Stat(seg); !errors.Is(err, os.ErrNotExist) {
 			t.Fatalf("stat %s after rm: %v", seg, err)
 		}
-		gtEventually(t, "unlinked while counted", gtLimboIs(t, m, 1, 3*gtMiB))
+		eventually(t, "unlinked while counted", gtLimboIs(t, m, 1, 3*gtMiB))
 		gtTriggerCollect(t, m, other)
 		gtHolds(t, "limbo while the counter is 1 (two collection periods)", 2*gtCollectPeriod+gtCollectPeriod/2,
 			gtLimboIs(t, m, 1, 3*gtMiB))
@@ -1052,7 +918,7 @@ func TestGPULimboRefCounter(t *testing.T) {
 			t.Fatalf("consumer add 2: %q", got)
 		}
 		run(t, "truncate", "-s", "1M", seg2)
-		gtEventually(t, "shrunk while counted", gtLimboIs(t, m, 1, 4*gtMiB))
+		eventually(t, "shrunk while counted", gtLimboIs(t, m, 1, 4*gtMiB))
 		run(t, "cmp", "-n", strconv.Itoa(gtMiB), src, seg2)
 		if n := gtSize(t, seg2); n != gtMiB {
 			t.Errorf("size after truncate -s 1M = %d", n)
@@ -1066,8 +932,8 @@ func TestGPULimboRefCounter(t *testing.T) {
 			t.Fatalf("consumer add -1: %q", got)
 		}
 		gtWantLimboEmpty(t, m, "shrunk segment's counter back to 0")
-		c.end(t)
-		c2.end(t)
+		c.wait(t)
+		c2.wait(t)
 		run(t, "cmp", "-n", strconv.Itoa(gtMiB), src, seg2)
 
 		// A counter still held by a consumer that exits without a decrement
@@ -1076,7 +942,7 @@ func TestGPULimboRefCounter(t *testing.T) {
 		run(t, "truncate", "-s", "2M", seg3)
 		c3 := gtStartConsumer(t, seg3)
 		c3.do(t, "add 1")
-		c3.end(t)
+		c3.wait(t)
 		run(t, "rm", seg3)
 		gtTriggerCollect(t, m, other)
 		gtHolds(t, "limbo after the consumer exited with its counter at 1", 2*gtCollectPeriod, gtLimboIs(t, m, 1, 2*gtMiB))
@@ -1093,7 +959,7 @@ func TestGPULimboOpenHandle(t *testing.T) {
 		// Two handles: the memory waits for the last.
 		f1, f2 := gtOpen(t, seg, os.O_RDONLY), gtOpen(t, seg, os.O_RDONLY)
 		run(t, "rm", seg)
-		gtEventually(t, "unlinked while open", gtLimboIs(t, m, 1, 3*gtMiB))
+		eventually(t, "unlinked while open", gtLimboIs(t, m, 1, 3*gtMiB))
 		f1.Close()
 		gtHolds(t, "limbo while one handle is left", 2*gtCollectPeriod+gtCollectPeriod/2, gtLimboIs(t, m, 1, 3*gtMiB))
 		f2.Close()
@@ -1104,7 +970,7 @@ func TestGPULimboOpenHandle(t *testing.T) {
 		run(t, "truncate", "-s", "5M", seg2)
 		f3 := gtOpen(t, seg2, os.O_RDWR)
 		run(t, "truncate", "-s", "1M", seg2)
-		gtEventually(t, "shrunk while open", gtLimboIs(t, m, 1, 5*gtMiB))
+		eventually(t, "shrunk while open", gtLimboIs(t, m, 1, 5*gtMiB))
 		if fi, err := f3.Stat(); err != nil || fi.Size() != gtMiB {
 			t.Errorf("fstat of the open handle after the shrink: %v %v, want %d bytes", fi, err, gtMiB)
 		}
@@ -1120,7 +986,7 @@ func TestGPULimboOpenHandle(t *testing.T) {
 		// Many handles of one process (a python child), released at its exit.
 		seg3 := gtDeviceSegment(t, m.path("child"))
 		run(t, "truncate", "-s", "1M", seg3)
-		c := gtStartPython(t, "holder", `
+		c := startPython(t, "holder", `
 import os, sys
 fds = [os.open(sys.argv[1], os.O_RDONLY) for _ in range(4)]
 print("open")
@@ -1130,8 +996,8 @@ sys.stdin.readline()
 			t.Fatalf("holder: %q\n%s", got, c.stderr.String())
 		}
 		run(t, "rm", seg3)
-		gtEventually(t, "unlinked while a child holds it", gtLimboIs(t, m, 1, gtMiB))
-		c.end(t)
+		eventually(t, "unlinked while a child holds it", gtLimboIs(t, m, 1, gtMiB))
+		c.wait(t)
 		gtWantLimboEmpty(t, m, "the holding child exited")
 	}, gtSim...)
 }
@@ -1145,7 +1011,7 @@ func TestGPULimboStats(t *testing.T) {
 		run(t, "mkdir", dir)
 		gtSetDevice(t, dir, "cuda:0")
 		gtWantLimboEmpty(t, m, "at start")
-		c := gtStartPython(t, "holder", `
+		c := startPython(t, "holder", `
 import os, sys
 d, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 fds = []
@@ -1160,11 +1026,11 @@ sys.stdin.readline()
 			t.Fatalf("holder: %q\n%s", got, c.stderr.String())
 		}
 		run(t, "rm", "-r", dir)
-		gtEventually(t, "all unlinked while held", gtLimboIs(t, m, n, n*size))
+		eventually(t, "all unlinked while held", gtLimboIs(t, m, n, n*size))
 		c.stdin.Close()
 		var bad []string
 		reads := 0
-		gtEventually(t, "holder gone, limbo empty", func() (bool, string) {
+		eventually(t, "holder gone, limbo empty", func() (bool, string) {
 			b, by := gtLimbo(t, m)
 			reads++
 			if by != b*size && len(bad) < 5 {
@@ -1172,7 +1038,7 @@ sys.stdin.readline()
 			}
 			return b == 0 && by == 0, fmt.Sprintf("limbo has %d blocks of %d bytes", b, by)
 		})
-		c.end(t)
+		c.wait(t)
 		if len(bad) > 0 {
 			t.Errorf("while the limbo emptied, stats limbo disagreed with itself (every block is %d bytes) at some of %d reads: %s",
 				size, reads, strings.Join(bad, " "))

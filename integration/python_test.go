@@ -205,9 +205,9 @@ sys.stdin.readline()
 		if err := os.WriteFile(p, make([]byte, n*4), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		first := dtStartPython(t, "torch first", proc, p, fmt.Sprint(n), "first")
+		first := startPython(t, "torch first", proc, p, fmt.Sprint(n), "first")
 		first.expect(t, "stored")
-		second := dtStartPython(t, "torch second", proc, p, fmt.Sprint(n), "second")
+		second := startPython(t, "torch second", proc, p, fmt.Sprint(n), "second")
 		if got := second.expect(t, "saw"); got != "11.0" {
 			t.Errorf("second torch process saw %q at [0], want the first's 11.0", got)
 		}

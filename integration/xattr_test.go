@@ -334,22 +334,6 @@ func xaUnquote(s string) (string, error) {
 	return b.String(), nil
 }
 
-// xaEventually polls cond until it holds or xaDeadline passes.
-func xaEventually(t *testing.T, what string, cond func() (bool, string)) {
-	t.Helper()
-	deadline := time.Now().Add(xaDeadline)
-	for {
-		ok, state := cond()
-		if ok {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: still not true after %v (%s)", what, xaDeadline, state)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // xaExists reports whether path exists (lstat), failing on odd errors.
 func xaExists(t *testing.T, path string) bool {
 	t.Helper()
@@ -366,7 +350,7 @@ func xaExists(t *testing.T, path string) bool {
 // xaWaitGone waits until path no longer exists.
 func xaWaitGone(t *testing.T, path string) {
 	t.Helper()
-	xaEventually(t, path+" removed", func() (bool, string) {
+	eventually(t, path+" removed", func() (bool, string) {
 		return !xaExists(t, path), "it still exists"
 	})
 }
@@ -374,7 +358,7 @@ func xaWaitGone(t *testing.T, path string) {
 // xaWaitRefcount waits until path's refcount reads want.
 func xaWaitRefcount(t *testing.T, path, want string) {
 	t.Helper()
-	xaEventually(t, fmt.Sprintf("refcount of %s = %s", path, want), func() (bool, string) {
+	eventually(t, fmt.Sprintf("refcount of %s = %s", path, want), func() (bool, string) {
 		got := xaGet(t, path, xaRefcount)
 		return got == want, fmt.Sprintf("refcount %q, holders %q", got, xaGet(t, path, xaHolders))
 	})
