@@ -194,6 +194,7 @@ func Mount(opts Options) (*Server, error) {
 		srv.Unmount()
 		return nil, err
 	}
+	widenReadahead(opts.Mountpoint, fsys.log)
 	if !opts.NoPassthrough {
 		if err := probePassthrough(srv, opts.Store.RootFd); err != nil {
 			fsys.log.Warn("FUSE passthrough unavailable, the daemon serves read and write itself", "why", err)
@@ -210,6 +211,20 @@ func Mount(opts Options) (*Server, error) {
 		}
 	}
 	return s, nil
+}
+
+// widenReadahead lets the kernel read ahead as much as one request holds
+// (the default window is 128 KiB), so that the classic path serves few,
+// large READs. It needs root; without, the default stays.
+func widenReadahead(mountpoint string, log *slog.Logger) {
+	var st unix.Stat_t
+	if err := unix.Stat(mountpoint, &st); err != nil {
+		return
+	}
+	p := fmt.Sprintf("/sys/class/bdi/%d:%d/read_ahead_kb", unix.Major(st.Dev), unix.Minor(st.Dev))
+	if err := os.WriteFile(p, []byte(strconv.Itoa(maxRequest/1024)), 0); err != nil {
+		log.Debug("readahead window left at the kernel's default", "err", err)
+	}
 }
 
 // probePassthrough checks that the kernel accepts backing files from
