@@ -49,5 +49,5 @@ tensorfs is mounted at $mp. Try:
   getfattr -d -m - $mp/w                              # a segment's attributes
   getfattr -n user.tensorfs.stats --only-values $mp   # mount statistics
 Unmount (and release its memory):
-  sudo $repo/bin/tensorfs unmount --purge $mp
+  $repo/bin/tensorfs unmount --purge $mp
 MSG
