@@ -149,7 +149,8 @@ func isMountpoint(dir string) bool {
 }
 
 // Purge releases the private backing of mountpoint: the tmpfs is unmounted
-// (root) or the directory removed. SHARED segments on disk are kept.
+// (root) or the directory removed, with the daemon's reference counter
+// and pid files. SHARED segments on disk are kept.
 func Purge(mountpoint string) error {
 	dir := PrivateBacking(mountpoint)
 	if isMountpoint(dir) {
@@ -159,6 +160,12 @@ func Purge(mountpoint string) error {
 	}
 	if err := os.RemoveAll(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return err
+	}
+	// The daemon's state beside the backing goes too; its log stays.
+	for _, ext := range []string{".refcounters", ".pid"} {
+		if err := os.Remove(dir + ext); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
 	}
 	return nil
 }
