@@ -284,19 +284,18 @@ func (fsys *filesystem) owner(ctx context.Context, dirfd int) (uid, gid int, ok 
 	return int(c.Uid), gid, true
 }
 
-// reclaimLater removes an UNLINK segment that no one holds any more. It
-// runs outside the request that released the handle, since it notifies
-// the kernel.
+// reclaimLater removes an UNLINK segment that no one holds any more. The
+// removal runs outside the request that released the handle, since it
+// notifies the kernel; other segments cost only a cached flag check.
 func (fsys *filesystem) reclaimLater(n *node) {
-	go fsys.reclaim(n)
+	if f, err := n.flags(); err == nil && f&alloc.Unlink != 0 {
+		go fsys.reclaim(n)
+	}
 }
 
 // reclaim removes n's names if it is an UNLINK segment without holders.
 func (fsys *filesystem) reclaim(n *node) {
 	if len(n.openHandles()) > 0 {
-		return
-	}
-	if f, err := n.flags(); err != nil || f&alloc.Unlink == 0 {
 		return
 	}
 	for {

@@ -188,6 +188,9 @@ func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uin
 	}
 	var st unix.Stat_t
 	err := n.stat(&st)
+	if n.isDir() {
+		st.Size = 0 // flags and device of a directory have no emptiness rule
+	}
 	if err == nil && attr == alloc.AttrDevice && !n.isDir() && !n.awaitClosed() {
 		err = fmt.Errorf("%w: the device of a segment changes while nobody has it open", alloc.ErrNotEmpty)
 	}
@@ -196,7 +199,7 @@ func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uin
 			err := alloc.Setxattr(alloc.Object{
 				Path:    procPath(fd, name),
 				Dir:     n.isDir(),
-				Size:    st.Size * int64(btoi(!n.isDir())),
+				Size:    st.Size,
 				HasDisk: n.fs.store.Disk != "",
 				GPU:     n.fs.gpuName(),
 			}, attr, data, int(flags))
@@ -224,13 +227,6 @@ func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
 		return syscall.ENODATA
 	}
 	return n.fs.errno("removexattr "+attr, n, "", err)
-}
-
-func btoi(b bool) int {
-	if b {
-		return 1
-	}
-	return 0
 }
 
 // subtreeUsage counts the segments under dir and the bytes they hold:
