@@ -1,0 +1,70 @@
+package integration
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// Unprivileged users of the attack tests. No account is needed: a child
+// runs with these ids through SysProcAttr.Credential, no groups added.
+const (
+	userA = 1000
+	userB = 1001
+)
+
+// asUser makes cmd run as uid (gid = uid, no supplementary groups).
+func asUser(cmd *exec.Cmd, uid int) *exec.Cmd {
+	cmd.SysProcAttr = &syscall.SysProcAttr{
+		Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(uid), Groups: []uint32{}},
+	}
+	return cmd
+}
+
+// runAs runs a command as uid in dir, bounded by commandTimeout, and
+// returns its combined output and error.
+func runAs(t *testing.T, uid int, dir, name string, args ...string) (string, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), commandTimeout)
+	defer cancel()
+	cmd := asUser(exec.CommandContext(ctx, name, args...), uid)
+	cmd.Dir = dir
+	cmd.WaitDelay = 5 * time.Second
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+// pythonAs runs /usr/bin/python3 -c script as uid in dir; it fails the
+// test unless the script exits 0, and returns its stdout and stderr.
+func pythonAs(t *testing.T, uid int, dir, script string, args ...string) string {
+	t.Helper()
+	out, err := runAs(t, uid, dir, systemPython, append([]string{"-c", script}, args...)...)
+	if err != nil {
+		t.Fatalf("python as uid %d: %v\n%s", uid, err, out)
+	}
+	return out
+}
+
+// reachable lets every user search the directories above path that the
+// test made (t.TempDir's are 0700), so an unprivileged child can reach a
+// mount below them; it lists nothing.
+func reachable(t *testing.T, path string) {
+	t.Helper()
+	tmp := filepath.Clean(os.TempDir())
+	for d := filepath.Dir(path); strings.HasPrefix(d, tmp+"/"); d = filepath.Dir(d) {
+		var st syscall.Stat_t
+		if err := syscall.Stat(d, &st); err != nil {
+			t.Fatal(err)
+		}
+		if st.Mode&0o111 != 0o111 {
+			if err := os.Chmod(d, os.FileMode(st.Mode&0o777|0o111)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+}
