@@ -49,11 +49,16 @@ type Store struct {
 
 // Open prepares the backing directory described by cfg, mounting a private
 // tmpfs when that is the default and we are root, and returns the store.
+// The backing and the disk directory belong to the daemon: they are made
+// (or changed to) mode 0700, and a directory of another user is refused.
 func Open(cfg Config, log *slog.Logger) (*Store, error) {
 	s := &Store{Dir: cfg.Backing, Disk: cfg.Disk, DiskFd: -1, log: log}
 	if s.Dir == "" {
 		s.Dir = PrivateBacking(cfg.Mountpoint)
-		if err := os.MkdirAll(s.Dir, 0o755); err != nil {
+		if err := MakeStateDir(); err != nil {
+			return nil, err
+		}
+		if err := os.Mkdir(s.Dir, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
 			return nil, fmt.Errorf("create backing %s: %w", s.Dir, err)
 		}
 		if os.Geteuid() == 0 {
@@ -65,28 +70,56 @@ func Open(cfg Config, log *slog.Logger) (*Store, error) {
 			log.Warn("--capacity needs root to mount a private tmpfs; segments share /dev/shm's limit", "backing", s.Dir)
 		}
 	}
-	dir, err := filepath.Abs(s.Dir)
-	if err != nil {
+	var err error
+	if s.RootFd, err = openPrivateDir(s.Dir, "backing", log); err != nil {
 		return nil, err
 	}
-	s.Dir = dir
+	if s.Dir, err = filepath.Abs(s.Dir); err != nil {
+		unix.Close(s.RootFd)
+		return nil, err
+	}
 	if s.Disk != "" {
-		if err := os.MkdirAll(s.Disk, 0o755); err != nil {
+		if err := os.MkdirAll(s.Disk, 0o700); err != nil {
+			unix.Close(s.RootFd)
 			return nil, fmt.Errorf("create disk directory %s: %w", s.Disk, err)
 		}
-		if s.Disk, err = filepath.Abs(s.Disk); err != nil {
+		if s.DiskFd, err = openPrivateDir(s.Disk, "disk directory", log); err == nil {
+			s.Disk, err = filepath.Abs(s.Disk)
+		}
+		if err != nil {
+			s.Close()
 			return nil, err
 		}
-		if s.DiskFd, err = unix.Open(s.Disk, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err != nil {
-			return nil, fmt.Errorf("open disk directory %s: %w", s.Disk, err)
-		}
 	}
-	fd, err := unix.Open(s.Dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("open backing %s: %w", s.Dir, err)
-	}
-	s.RootFd = fd
 	return s, nil
+}
+
+// openPrivateDir opens the directory dir for the daemon's use alone: it
+// must belong to the daemon's user and is made mode 0700, so that no one
+// else can read, plant or replace anything in it. It returns an O_PATH
+// descriptor of dir.
+func openPrivateDir(dir, what string, log *slog.Logger) (int, error) {
+	fd, err := unix.Open(dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("open %s %s: %w", what, dir, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	if int(st.Uid) != os.Geteuid() {
+		unix.Close(fd)
+		return -1, fmt.Errorf("%s %s belongs to uid %d, not to the daemon's user %d: choose a directory of the daemon's own", what, dir, st.Uid, os.Geteuid())
+	}
+	if st.Mode&0o7777 != 0o700 {
+		if err := unix.Chmod(FdPath(fd), 0o700); err != nil {
+			unix.Close(fd)
+			return -1, fmt.Errorf("make %s %s private: %w", what, dir, err)
+		}
+		log.Info("made the directory private to the daemon", "dir", dir, "was", fmt.Sprintf("%#o", st.Mode&0o7777), "now", "0700")
+	}
+	return fd, nil
 }
 
 // Close releases the store's descriptor. The backing keeps its contents.
@@ -95,6 +128,17 @@ func (s *Store) Close() error {
 		unix.Close(s.DiskFd)
 	}
 	return unix.Close(s.RootFd)
+}
+
+// MakeStateDir makes the directory of per-mount state: private backings,
+// logs, pid files and control sockets. Others may pass through it (to
+// reach a socket) but not list it: mode 0711.
+func MakeStateDir() error {
+	dir := stateDir()
+	if err := os.MkdirAll(dir, 0o711); err != nil {
+		return fmt.Errorf("create %s: %w", dir, err)
+	}
+	return os.Chmod(dir, 0o711)
 }
 
 // stateDir is where tensorfs keeps per-mount state: private backings, logs.
@@ -118,20 +162,22 @@ func PrivateBacking(mountpoint string) string {
 }
 
 // mountTmpfs mounts a tmpfs of the given size at dir, or resizes the one
-// already there (left by an earlier daemon).
+// already there (left by an earlier daemon). Either way it is nosuid and
+// nodev, and its root is private to the daemon.
 func mountTmpfs(dir string, capacity int64) error {
-	opts := "mode=0755"
+	size := ""
 	if capacity > 0 {
-		opts += ",size=" + strconv.FormatInt(capacity, 10)
+		size = "size=" + strconv.FormatInt(capacity, 10)
 	}
 	if isMountpoint(dir) {
-		if capacity == 0 {
-			return nil
-		}
-		if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_REMOUNT, opts); err != nil {
-			return fmt.Errorf("resize backing tmpfs %s: %w", dir, err)
+		if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV, size); err != nil {
+			return fmt.Errorf("remount backing tmpfs %s: %w", dir, err)
 		}
 		return nil
+	}
+	opts := "mode=0700"
+	if size != "" {
+		opts += "," + size
 	}
 	if err := unix.Mount("tensorfs-backing", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 		return fmt.Errorf("mount backing tmpfs at %s: %w", dir, err)

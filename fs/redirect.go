@@ -1,6 +1,8 @@
 package fs
 
 import (
+	"os"
+	"strconv"
 	"sync"
 	"syscall"
 
@@ -25,11 +27,19 @@ type redirect struct {
 	dev *devSeg
 }
 
+// attrIno is the inode that alloc.At must find where r's attributes live,
+// for the segment whose marker is inode ino: 0 (any) for a SHARED
+// segment's disk file, which the daemon names by its own id.
+func (r *redirect) attrIno(ino uint64) uint64 {
+	if r != nil && r.disk != "" {
+		return 0
+	}
+	return ino
+}
+
 // imports holds the descriptors of imported (FROMFD) segments.
 type imports struct {
-	// mu is held for reading while a descriptor is used, for writing
-	// while one is added or closed.
-	mu  sync.RWMutex
+	mu  sync.RWMutex // protects fds
 	fds map[string]int
 }
 
@@ -50,14 +60,38 @@ func (im *imports) any() bool {
 	return len(im.fds) > 0
 }
 
-// with runs fn with the descriptor of import id.
-func (im *imports) with(id string, fn func(fd int) error) error {
+// dup returns a duplicate of import id's descriptor, which the caller
+// closes: the same open file, with exactly the access its sender gave.
+func (im *imports) dup(id string) (int, error) {
 	im.mu.RLock()
 	defer im.mu.RUnlock()
 	fd, ok := im.fds[id]
 	if !ok {
-		return syscall.ENOENT
+		return -1, syscall.ENOENT
 	}
+	return unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+}
+
+// procLink returns the /proc path of the daemon's descriptor of import id,
+// which opens the sender's file.
+func (im *imports) procLink(id string) (string, error) {
+	im.mu.RLock()
+	defer im.mu.RUnlock()
+	fd, ok := im.fds[id]
+	if !ok {
+		return "", syscall.ENOENT
+	}
+	return "/proc/" + strconv.Itoa(os.Getpid()) + "/fd/" + strconv.Itoa(fd), nil
+}
+
+// with runs fn with a duplicate of import id's descriptor. No lock is
+// held while fn runs.
+func (im *imports) with(id string, fn func(fd int) error) error {
+	fd, err := im.dup(id)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
 	return fn(fd)
 }
 
@@ -76,23 +110,30 @@ func (fsys *filesystem) redirectOf(dirfd int, name string, st *unix.Stat_t) *red
 	if st.Mode&syscall.S_IFMT != syscall.S_IFREG || st.Size != 0 {
 		return nil
 	}
-	p := procPath(dirfd, name)
-	if fsys.imports.any() {
-		if id := alloc.ImportID(p); id != "" {
-			return &redirect{imported: id}
+	var r *redirect
+	onDevice := false
+	alloc.At(dirfd, name, st.Ino, func(p string) error {
+		if fsys.imports.any() {
+			if id := alloc.ImportID(p); id != "" {
+				r = &redirect{imported: id}
+				return nil
+			}
 		}
-	}
-	if fsys.store.Disk != "" {
-		if id := alloc.SharedID(p); id != "" {
-			return &redirect{disk: id}
+		if fsys.store.Disk != "" {
+			if id := alloc.SharedID(p); id != "" {
+				r = &redirect{disk: id}
+				return nil
+			}
 		}
-	}
-	if fsys.gpu != nil && alloc.DeviceOf(p) != "cpu" {
+		onDevice = fsys.gpu != nil && alloc.DeviceOf(p) != "cpu"
+		return nil
+	})
+	if onDevice {
 		if seg, err := fsys.gpu.segment(st.Ino, dirfd, name); err == nil {
 			return &redirect{dev: seg}
 		}
 	}
-	return nil
+	return r
 }
 
 // withAttrs runs fn with a descriptor and name that reach the attributes
