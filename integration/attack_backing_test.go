@@ -291,7 +291,7 @@ func TestAttackImportDescriptors(t *testing.T) {
 		}
 		for _, c := range []struct {
 			file, how, dest string
-			errno          syscall.Errno
+			errno           syscall.Errno
 		}{
 			{"/etc/shadow", "path", "shared/c1", syscall.EBADF},
 			{wo, "w", "shared/wo", syscall.EBADF},
