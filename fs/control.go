@@ -157,6 +157,10 @@ func (b controlBackend) importFile(cred ctl.Cred, path string, f *os.File, dtype
 		}
 	}
 	if err == nil {
+		err = b.fsys.imports.add(id, fd, cred.Uid)
+	}
+	if err == nil {
+		fd = -1 // held by the import now; dropped below on failure
 		err = alloc.MarkImport(p, id)
 	}
 	if err == nil {
@@ -164,10 +168,11 @@ func (b controlBackend) importFile(cred ctl.Cred, path string, f *os.File, dtype
 	}
 	if err != nil {
 		unlinkIfSame(dirfd, name, marker)
+		if fd < 0 {
+			b.fsys.imports.drop(id)
+		}
 		return err
 	}
-	b.fsys.imports.add(id, fd)
-	fd = -1
 	b.fsys.notifyNewName(path)
 	b.fsys.log.Info("imported", "path", path, "bytes", st.Size, "pid", cred.Pid)
 	return nil

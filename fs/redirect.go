@@ -1,6 +1,7 @@
 package fs
 
 import (
+	"fmt"
 	"os"
 	"strconv"
 	"sync"
@@ -39,17 +40,35 @@ func (r *redirect) attrIno(ino uint64) uint64 {
 
 // imports holds the descriptors of imported (FROMFD) segments.
 type imports struct {
-	mu  sync.RWMutex // protects fds
-	fds map[string]int
+	mu    sync.RWMutex // protects fds and perUID
+	fds   map[string]imported
+	count map[uint32]int // imports held, by owner
 }
 
-func (im *imports) add(id string, fd int) {
+// imported is the descriptor of one import and the uid that sent it.
+type imported struct {
+	fd  int
+	uid uint32
+}
+
+// maxImportsPerUID bounds the descriptors one user's imports keep open in
+// the daemon, so that no user can take the descriptors FUSE service needs.
+const maxImportsPerUID = 4096
+
+// add keeps fd as import id of uid, or refuses with EMFILE when uid holds
+// maxImportsPerUID imports already.
+func (im *imports) add(id string, fd int, uid uint32) error {
 	im.mu.Lock()
 	defer im.mu.Unlock()
 	if im.fds == nil {
-		im.fds = map[string]int{}
+		im.fds, im.count = map[string]imported{}, map[uint32]int{}
 	}
-	im.fds[id] = fd
+	if im.count[uid] >= maxImportsPerUID {
+		return fmt.Errorf("%w: uid %d holds %d imported segments, the most one user may", syscall.EMFILE, uid, maxImportsPerUID)
+	}
+	im.fds[id] = imported{fd, uid}
+	im.count[uid]++
+	return nil
 }
 
 // any reports whether the daemon holds imports; markers of an earlier
@@ -65,11 +84,11 @@ func (im *imports) any() bool {
 func (im *imports) dup(id string) (int, error) {
 	im.mu.RLock()
 	defer im.mu.RUnlock()
-	fd, ok := im.fds[id]
+	in, ok := im.fds[id]
 	if !ok {
 		return -1, syscall.ENOENT
 	}
-	return unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	return unix.FcntlInt(uintptr(in.fd), unix.F_DUPFD_CLOEXEC, 0)
 }
 
 // procLink returns the /proc path of the daemon's descriptor of import id,
@@ -77,11 +96,11 @@ func (im *imports) dup(id string) (int, error) {
 func (im *imports) procLink(id string) (string, error) {
 	im.mu.RLock()
 	defer im.mu.RUnlock()
-	fd, ok := im.fds[id]
+	in, ok := im.fds[id]
 	if !ok {
 		return "", syscall.ENOENT
 	}
-	return "/proc/" + strconv.Itoa(os.Getpid()) + "/fd/" + strconv.Itoa(fd), nil
+	return "/proc/" + strconv.Itoa(os.Getpid()) + "/fd/" + strconv.Itoa(in.fd), nil
 }
 
 // with runs fn with a duplicate of import id's descriptor. No lock is
@@ -98,9 +117,10 @@ func (im *imports) with(id string, fn func(fd int) error) error {
 func (im *imports) drop(id string) {
 	im.mu.Lock()
 	defer im.mu.Unlock()
-	if fd, ok := im.fds[id]; ok {
-		unix.Close(fd)
+	if in, ok := im.fds[id]; ok {
+		unix.Close(in.fd)
 		delete(im.fds, id)
+		im.count[in.uid]--
 	}
 }
 
