@@ -161,10 +161,12 @@ func Mount(opts Options) (*Server, error) {
 			// page fit the largest pipe (pipe-max-size, 1 MiB) and splice.
 			MaxWrite:     maxRequest,
 			MaxReadAhead: maxRequest,
-			// Locks are taken on the backing descriptor (open file
-			// description locks, as go-fuse's posixtest expects); they go
-			// with RELEASE, so close() needs no FLUSH (FOPEN_NOFLUSH).
-			EnableLocks: true,
+			// Record locks are not negotiated: a mount is one machine's,
+			// and the kernel keeps them itself exactly as on tmpfs (POSIX
+			// locks per process, gone with any close or exit; flock per
+			// open file; F_GETLK names the holder; F_SETLKW interruptible),
+			// so close() needs no FLUSH either (FOPEN_NOFLUSH).
+			EnableLocks: false,
 			// O_TRUNC arrives with OPEN rather than as a separate
 			// SETATTR, so an EXCLUSIVE directory can refuse it.
 			// HANDLE_KILLPRIV_V2 spares every write(2) a GETXATTR of

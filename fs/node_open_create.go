@@ -66,7 +66,7 @@ func (fsys *filesystem) backingFlags(flags uint32) int {
 // openFlags is the FOPEN_ answer for n. A device segment is read and
 // written through the daemon (direct I/O), which also makes mmap fail
 // with ENODEV: its bytes are not in host memory. close() needs no FLUSH: writes
-// never wait in the daemon and locks go with RELEASE. Without
+// never wait in the daemon and the kernel keeps locks itself. Without
 // passthrough the page cache is kept across opens, since writes come
 // through this mount, except for segments whose bytes also change
 // outside it: imported ones and KEEPFD ones, whose descriptors are handed
