@@ -49,17 +49,31 @@ func (c *Client) Import(path string, f *os.File, dtype, shape string) error {
 	return err
 }
 
+// A GroupOption modifies an AllGather or Broadcast request.
+type GroupOption func(*request)
+
+// OpenGroup joins the group of that name that is open to every uid,
+// rather than the caller's uid's own. Every rank must ask for it.
+func OpenGroup() GroupOption { return func(r *request) { r.Open = true } }
+
 // AllGather sends f as rank of a group of world ranks and returns the
 // world files of all ranks, ordered by rank, once all have joined.
-func (c *Client) AllGather(group string, rank, world int, f *os.File) ([]*os.File, error) {
-	return c.roundTrip(&request{Op: opAllGather, Group: group, Rank: rank, World: world}, f, world)
+func (c *Client) AllGather(group string, rank, world int, f *os.File, opts ...GroupOption) ([]*os.File, error) {
+	r := &request{Op: opAllGather, Group: group, Rank: rank, World: world}
+	for _, o := range opts {
+		o(r)
+	}
+	return c.roundTrip(r, f, world)
 }
 
 // Broadcast joins a broadcast from root among world ranks. At root it sends
 // f and returns nil once all ranks have joined; elsewhere f is ignored and
 // it returns root's file.
-func (c *Client) Broadcast(group string, rank, world, root int, f *os.File) (*os.File, error) {
+func (c *Client) Broadcast(group string, rank, world, root int, f *os.File, opts ...GroupOption) (*os.File, error) {
 	r := &request{Op: opBroadcast, Group: group, Rank: rank, World: world, Root: root}
+	for _, o := range opts {
+		o(r)
+	}
 	if rank == root {
 		_, err := c.roundTrip(r, f, 0)
 		return nil, err

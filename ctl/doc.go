@@ -35,8 +35,10 @@
 //	op          members                                         fds
 //	export      "path" (required), "write" (bool, optional)     0
 //	import      "path" (required), "dtype", "shape" (optional)  1
-//	all_gather  "group", "rank", "world" (all required)          1
-//	broadcast   "group", "rank", "world", "root" (required)      1 if rank == root, else 0
+//	all_gather  "group", "rank", "world" (all required),         1
+//	            "open" (bool, optional)
+//	broadcast   "group", "rank", "world", "root" (required),     1 if rank == root, else 0
+//	            "open" (bool, optional)
 //
 // Member names are case-sensitive and may appear once. A member that is
 // not listed for the op, a missing required member, a value of the wrong
@@ -54,6 +56,9 @@
 //     user.tensor.shape, e.g. "float32" and "[1024, 768]"; "" or absent
 //     leaves them unset. The backend validates them.
 //   - group: 1 to 256 bytes, no NUL byte.
+//   - open (all_gather, broadcast): true joins the open group of that
+//     name, which every uid may join, rather than the requester's uid's
+//     own; default false. See Groups.
 //
 // Integers: 1 <= world <= 253, 0 <= rank < world, 0 <= root < world. The
 // bound on world is the kernel's limit on descriptors in one message
@@ -92,33 +97,62 @@
 //	                 inconsistent group membership (below)
 //	ENAMETOOLONG     path longer than 4096 bytes
 //	EMSGSIZE         request longer than 65536 bytes (MSG_TRUNC)
-//	EPERM            group joined under another uid (below)
 //	ETIMEDOUT        the group did not fill in time (below)
+//	EACCES           the mount is private and the peer is not its user
+//	                 (below)
+//	EAGAIN           the peer's uid, or all users together, reached a
+//	                 limit (below)
 //
-// After an error reply the connection stays usable; every descriptor that
-// came with a refused request has been closed by the daemon.
+// After an error reply the connection stays usable, except after EACCES
+// or a limit on connections (below); every descriptor that came with a
+// refused request has been closed by the daemon.
+//
+// # Access and limits
+//
+// A mount without --allow-other is private: its socket serves only the
+// daemon's uid and root, whatever the op. Any other uid's connection is
+// turned away: its first request is answered EACCES and the daemon closes
+// it.
+//
+// The daemon bounds what peers may hold in it, per uid and for all users
+// together: open connections (default 1024 per uid, 4096 in all),
+// all_gather and broadcast requests waiting for their group (512, 2048),
+// and descriptors held for peers, those received and not yet closed plus
+// 4 for each export or import being served (2048, 8192). The totals are
+// lowered, if need be, so that the descriptors the socket may hold stay
+// within half of the daemon's RLIMIT_NOFILE: the other half is FUSE's.
+// A request that would exceed a limit is answered EAGAIN, with the uid
+// and the limit in "error" (and in the daemon's log); its descriptors are
+// closed, and the connection stays usable. A connection over the limit on
+// connections is turned away as above, with EAGAIN. A connection turned
+// away that sends nothing for a second, or while many others are being
+// turned away, is closed without a reply. A rank that completes its group
+// never needs room among the waiting requests.
 //
 // # Groups
 //
 // all_gather and broadcast are collective: each of the world ranks of a
 // group sends one request on its own connection, and the daemon replies to
 // all of them once the last has arrived; then the group name is free for
-// the next round. The first request names the group and fixes its op,
-// world, root (broadcast) and uid (the requester's). A later request must
-// agree on op, world and root, come from the same uid or from uid 0, and
-// bring a rank not yet taken: otherwise that request alone is refused
-// (EINVAL, or EPERM for the uid) and the group keeps waiting. A rank whose
+// the next round. A group is its uid's: requests join the group of their
+// name among those of the requester's uid (SO_PEERCRED), so the same name
+// used by two uids, root included, is two groups, and no uid receives
+// another's descriptors. A group with "open": true is keyed by its name
+// alone, apart from every uid's own groups, and takes ranks from any uid
+// that asks for it so: every rank must set it (a rank that does not joins
+// its uid's own group of that name instead). Join an open group only with
+// ranks you trust: each receives every member's descriptor, with the
+// access it was sent with. The first request names the group and fixes
+// its op, world and root (broadcast). A later request must agree on op,
+// world and root and bring a rank not yet taken: otherwise that request
+// alone is refused (EINVAL) and the group keeps waiting. A rank whose
 // connection closes while it waits leaves the group (its descriptor is
 // closed) and the rank may be joined again (a connection that sent a
 // further request meanwhile is noticed only once the group completes or
-// times out); a group whose last member
-// leaves is forgotten. If a group is not full within the daemon's wait
+// times out); a group whose last member leaves is forgotten. If a group is not full within the daemon's wait
 // limit (60 s by default) counted from its first request, every waiting
 // rank gets ETIMEDOUT and the group is forgotten. In a broadcast the root
 // too is answered only when all ranks have joined.
-//
-// Group names are shared by all users of the socket: a group is held by
-// its first member's uid until it completes, times out or empties.
 //
 // # Example
 //

@@ -16,6 +16,9 @@ type message struct {
 	data  []byte
 	fds   []int // close-on-exec, owned by the receiver
 	flags int   // recvmsg flags: MSG_TRUNC, MSG_CTRUNC
+	// err refuses the message before it is parsed: its descriptors were
+	// over a limit and are closed.
+	err error
 }
 
 // msgBuffers holds receive buffers of maxMessage bytes, so that idle

@@ -43,6 +43,7 @@ type request struct {
 	Rank  int    // all_gather, broadcast
 	World int    // all_gather, broadcast
 	Root  int    // broadcast
+	Open  bool   // all_gather, broadcast: the group is open to every uid
 }
 
 // A memberSpec is a member a request may carry besides "v" and "op".
@@ -55,8 +56,8 @@ type memberSpec struct {
 var opMembers = map[string][]memberSpec{
 	opExport:    {{"path", true}, {"write", false}},
 	opImport:    {{"path", true}, {"dtype", false}, {"shape", false}},
-	opAllGather: {{"group", true}, {"rank", true}, {"world", true}},
-	opBroadcast: {{"group", true}, {"rank", true}, {"world", true}, {"root", true}},
+	opAllGather: {{"group", true}, {"rank", true}, {"world", true}, {"open", false}},
+	opBroadcast: {{"group", true}, {"rank", true}, {"world", true}, {"root", true}, {"open", false}},
 }
 
 // wantFDs is the number of descriptors a valid request carries.
@@ -144,6 +145,8 @@ func parseRequest(b []byte, nfds int) (request, error) {
 			err = decodeMember(members, name, &r.World)
 		case "root":
 			err = decodeMember(members, name, &r.Root)
+		case "open":
+			err = decodeMember(members, name, &r.Open)
 		}
 		if err != nil {
 			return r, err
@@ -286,6 +289,9 @@ func (r *request) marshal() ([]byte, error) {
 		m["group"] = r.Group
 		m["rank"] = r.Rank
 		m["world"] = r.World
+		if r.Open {
+			m["open"] = true
+		}
 	}
 	return json.Marshal(m)
 }

@@ -23,6 +23,8 @@ func TestParseRequest(t *testing.T) {
 		{in: `{"v":1,"op":"broadcast","group":"g","rank":0,"world":3,"root":0}`, nfds: 1, want: request{Op: opBroadcast, Group: "g", World: 3}},
 		{in: `{"v":1,"op":"broadcast","group":"g","rank":2,"world":3,"root":0}`, want: request{Op: opBroadcast, Group: "g", Rank: 2, World: 3}},
 		{in: `{"v":1,"op":"all_gather","group":"g","rank":252,"world":253}`, nfds: 1, want: request{Op: opAllGather, Group: "g", Rank: 252, World: 253}},
+		{in: `{"v":1,"op":"all_gather","group":"g","rank":0,"world":2,"open":true}`, nfds: 1, want: request{Op: opAllGather, Group: "g", World: 2, Open: true}},
+		{in: `{"v":1,"op":"broadcast","group":"g","rank":1,"world":2,"root":0,"open":false}`, want: request{Op: opBroadcast, Group: "g", Rank: 1, World: 2}},
 
 		{in: ``, errno: syscall.EINVAL},
 		{in: `[]`, errno: syscall.EINVAL},
@@ -68,6 +70,9 @@ func TestParseRequest(t *testing.T) {
 		{in: `{"v":1,"op":"broadcast","group":"g","rank":0,"world":2,"root":2}`, errno: syscall.EINVAL},
 		{in: `{"v":1,"op":"broadcast","group":"g","rank":1,"world":2,"root":0}`, nfds: 1, errno: syscall.EINVAL},
 		{in: `{"v":1,"op":"broadcast","group":"g","rank":0,"world":2,"root":0}`, errno: syscall.EINVAL},
+		{in: `{"v":1,"op":"all_gather","group":"g","rank":0,"world":2,"open":1}`, nfds: 1, errno: syscall.EINVAL},
+		{in: `{"v":1,"op":"all_gather","group":"g","rank":0,"world":2,"open":null}`, nfds: 1, errno: syscall.EINVAL},
+		{in: `{"v":1,"op":"export","path":"a","open":true}`, errno: syscall.EINVAL},
 		{in: `{"v":1,"op":"export","path":"a","x":` + strings.Repeat(" ", maxMessage) + `1}`, errno: syscall.EMSGSIZE},
 	} {
 		got, err := parseRequest([]byte(tc.in), tc.nfds)

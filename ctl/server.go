@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -26,7 +27,8 @@ type Cred struct {
 // absolute paths, "..", empty and NUL-containing paths with EINVAL before
 // calling the backend). The backend checks cred's permissions, as open(2)
 // on the path would. Calls come concurrently, one goroutine per
-// connection.
+// connection; a call may hold up to backendFDs (4) descriptors at once
+// beyond its arguments, which ctl counts against the peer's limits.
 type Backend interface {
 	// Export opens the KEEPFD segment at path for the peer; write asks for
 	// a read-write descriptor. ctl sends the file to the peer and then
@@ -56,6 +58,18 @@ type Config struct {
 	// MaxGroupWait bounds how long a group may take to fill, from its first
 	// request; 0 means 60s.
 	MaxGroupWait time.Duration
+	// Private serves only Owner and root: other uids are refused with
+	// EACCES whatever they ask (a mount without --allow-other).
+	Private bool
+	// Owner is the uid a private socket serves besides root.
+	Owner uint32
+	// PerUID and Total limit what peers may hold in the daemon, each uid
+	// and all together; zero fields take the defaults (per uid 1024
+	// connections, 512 waiting requests, 2048 descriptors; in total 4096,
+	// 2048, 8192). Listen lowers Total so that the socket's descriptors
+	// stay within half of RLIMIT_NOFILE, the other half being FUSE's, and
+	// PerUID to Total.
+	PerUID, Total Limits
 }
 
 // Server is a listening control socket.
@@ -65,9 +79,12 @@ type Server struct {
 	ino    uint64 // of the socket file, to remove only our own
 	dev    uint64
 	groups *groups
-	ctx    context.Context // cancelled by Close
-	cancel context.CancelFunc
-	wg     sync.WaitGroup // the accept loop and the connections
+	quota  *quota
+	// turning counts connections being turned away (turnAway).
+	turning atomic.Int32
+	ctx     context.Context // cancelled by Close
+	cancel  context.CancelFunc
+	wg      sync.WaitGroup // the accept loop and the connections
 
 	mu     sync.Mutex
 	conns  map[*net.UnixConn]struct{}
@@ -92,6 +109,8 @@ func Listen(cfg Config) (*Server, error) {
 	if cfg.MaxGroupWait <= 0 {
 		cfg.MaxGroupWait = 60 * time.Second
 	}
+	cfg.Total = fitTotal(cfg.Total.withDefaults(defaultTotal), fdBudget())
+	cfg.PerUID = cfg.PerUID.withDefaults(defaultPerUID).capped(cfg.Total)
 	if err := removeStale(cfg.Path); err != nil {
 		return nil, err
 	}
@@ -111,16 +130,21 @@ func Listen(cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("ctl: %w", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
+	q := newQuota(cfg.PerUID, cfg.Total)
 	s := &Server{
 		cfg:    cfg,
 		ln:     ln,
 		dev:    st.Dev,
 		ino:    st.Ino,
-		groups: newGroups(cfg.MaxGroupWait),
+		groups: newGroups(cfg.MaxGroupWait, q),
+		quota:  q,
 		ctx:    ctx,
 		cancel: cancel,
 		conns:  make(map[*net.UnixConn]struct{}),
 	}
+	cfg.Log.Info("ctl: listening", "path", cfg.Path, "private", cfg.Private,
+		"conns_per_uid", cfg.PerUID.Conns, "parked_per_uid", cfg.PerUID.Parked, "fds_per_uid", cfg.PerUID.FDs,
+		"conns", cfg.Total.Conns, "parked", cfg.Total.Parked, "fds", cfg.Total.FDs)
 	s.wg.Add(1)
 	go s.accept()
 	return s, nil
@@ -241,6 +265,11 @@ func (s *Server) serve(c *net.UnixConn) {
 		s.cfg.Log.Warn("ctl: SO_PEERCRED", "err", err)
 		return
 	}
+	if err := s.admit(cred); err != nil {
+		s.turnAway(c, cred, err)
+		return
+	}
+	defer s.quota.give(cred.Uid, Limits{Conns: 1})
 	ctx, cancel := context.WithCancel(s.ctx)
 	defer cancel()
 	msgs := make(chan message)
@@ -252,16 +281,45 @@ func (s *Server) serve(c *net.UnixConn) {
 			if err != nil {
 				return
 			}
+			if m.err = s.quota.adopt(cred.Uid, m.fds); m.err != nil {
+				m.fds = nil // closed
+			}
 			select {
 			case msgs <- m:
 			case <-ctx.Done():
-				closeFDs(m.fds)
+				s.quota.release(m.fds...)
 				return
 			}
 		}
 	}()
 	for m := range msgs {
 		s.handle(ctx, c, cred, m)
+	}
+}
+
+// admit counts a new connection from cred, or refuses it: on a private
+// socket, a uid other than the owner's or root's (EACCES); over a limit
+// on connections, EAGAIN.
+func (s *Server) admit(cred Cred) error {
+	if s.cfg.Private && cred.Uid != 0 && cred.Uid != s.cfg.Owner {
+		return protoErrorf(syscall.EACCES, "the mount is private to uid %d (mount with --allow-other to share it)", s.cfg.Owner)
+	}
+	return s.quota.take(cred.Uid, Limits{Conns: 1})
+}
+
+// turnAway answers the first request on a connection that admit refused
+// with err, waiting for it at most a second, and then closes it. Beyond
+// maxTurningAway connections at once it closes them without a reply.
+func (s *Server) turnAway(c *net.UnixConn, cred Cred, err error) {
+	s.logRefusal(cred, "connect", err)
+	if s.turning.Add(1) > maxTurningAway {
+		s.turning.Add(-1)
+		return
+	}
+	defer s.turning.Add(-1)
+	c.SetReadDeadline(time.Now().Add(time.Second))
+	if _, rerr := recvMsg(c, 0); rerr == nil { // room for no descriptor: the kernel drops them
+		s.reply(c, cred, "connect", errorReply(s.errnoOf(err), err.Error()), nil)
 	}
 }
 
@@ -288,9 +346,18 @@ func peerCred(c *net.UnixConn) (Cred, error) {
 func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m message) {
 	req, err := s.decode(m)
 	if err != nil {
-		closeFDs(m.fds)
+		s.quota.release(m.fds...)
 		s.refuse(c, cred, req.Op, err)
 		return
+	}
+	if req.Op == opExport || req.Op == opImport {
+		err := s.quota.take(cred.Uid, Limits{FDs: backendFDs})
+		if err != nil {
+			s.quota.release(m.fds...)
+			s.refuse(c, cred, req.Op, err)
+			return
+		}
+		defer s.quota.give(cred.Uid, Limits{FDs: backendFDs})
 	}
 	switch req.Op {
 	case opExport:
@@ -310,6 +377,7 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 	case opImport:
 		f := os.NewFile(uintptr(m.fds[0]), "ctl-import:"+req.Path)
 		err := s.cfg.Backend.Import(cred, req.Path, f, req.Dtype, req.Shape)
+		s.quota.uncount(m.fds...)
 		f.Close()
 		if err != nil {
 			s.refuse(c, cred, req.Op, err)
@@ -324,6 +392,8 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 // decode checks a message's flags and parses it.
 func (s *Server) decode(m message) (request, error) {
 	switch {
+	case m.err != nil:
+		return request{}, m.err
 	case m.flags&unix.MSG_TRUNC != 0:
 		return request{}, protoErrorf(syscall.EMSGSIZE, "request exceeds %d bytes", maxMessage)
 	case m.flags&unix.MSG_CTRUNC != 0:
@@ -365,15 +435,25 @@ func (s *Server) collective(ctx context.Context, c *net.UnixConn, cred Cred, req
 
 // refuse sends the error reply for err and logs the refusal.
 func (s *Server) refuse(c *net.UnixConn, cred Cred, op string, err error) {
-	var errno syscall.Errno
+	s.logRefusal(cred, op, err)
+	s.reply(c, cred, op, errorReply(s.errnoOf(err), err.Error()), nil)
+}
+
+// logRefusal logs why a request from cred was refused.
+func (s *Server) logRefusal(cred Cred, op string, err error) {
+	s.cfg.Log.Info("ctl: refused", "op", op, "pid", cred.Pid, "uid", cred.Uid, "errno", s.errnoOf(err), "reason", err.Error())
+}
+
+// errnoOf is the errno a peer gets for err.
+func (s *Server) errnoOf(err error) syscall.Errno {
 	var pe *protoErr
 	if errors.As(err, &pe) {
-		errno = pe.errno
-	} else if errno = s.cfg.Errno(err); errno == 0 {
-		errno = syscall.EIO
+		return pe.errno
 	}
-	s.cfg.Log.Info("ctl: refused", "op", op, "pid", cred.Pid, "uid", cred.Uid, "errno", errno, "reason", err.Error())
-	s.reply(c, cred, op, errorReply(errno, err.Error()), nil)
+	if errno := s.cfg.Errno(err); errno != 0 {
+		return errno
+	}
+	return syscall.EIO
 }
 
 // reply sends r with fds attached; a peer that went away is only logged.

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -119,28 +120,31 @@ func contents(t *testing.T, f *os.File) string {
 // startServer listens on a fresh socket; Close runs at cleanup.
 func startServer(t *testing.T, b Backend, wait time.Duration) (*Server, string) {
 	t.Helper()
+	return listen(t, Config{Backend: b, MaxGroupWait: wait})
+}
+
+// listen listens with cfg on a fresh socket (Path and Errno are set
+// here); Close runs at cleanup.
+func listen(t *testing.T, cfg Config) (*Server, string) {
+	t.Helper()
 	dir, err := os.MkdirTemp("", "ctl")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	path := filepath.Join(dir, "ctl.sock")
-	s, err := Listen(Config{
-		Path:    path,
-		Backend: b,
-		Errno: func(err error) syscall.Errno {
-			if errors.Is(err, errBoom) {
-				return syscall.EBUSY
-			}
-			return defaultErrno(err)
-		},
-		MaxGroupWait: wait,
-	})
+	cfg.Path = filepath.Join(dir, "ctl.sock")
+	cfg.Errno = func(err error) syscall.Errno {
+		if errors.Is(err, errBoom) {
+			return syscall.EBUSY
+		}
+		return defaultErrno(err)
+	}
+	s, err := Listen(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { s.Close() })
-	return s, path
+	return s, cfg.Path
 }
 
 func dial(t *testing.T, path string) *Client {
@@ -364,13 +368,14 @@ func TestGroupTimeout(t *testing.T) {
 	}
 }
 
-// waitJoined waits until group name has n waiting members (0: is gone).
+// waitJoined waits until root's group name has n waiting members (0: is
+// gone).
 func waitJoined(t *testing.T, s *Server, name string, n int) {
 	t.Helper()
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
 		s.groups.mu.Lock()
 		joined := 0
-		if g := s.groups.m[name]; g != nil {
+		if g := s.groups.m[groupKey{name: name}]; g != nil {
 			joined = g.joined
 		}
 		s.groups.mu.Unlock()
@@ -437,31 +442,137 @@ func TestGroupMembership(t *testing.T) {
 	}
 }
 
-func TestGroupUID(t *testing.T) {
-	gs := newGroups(time.Minute)
-	r := &request{Op: opAllGather, Group: "g", World: 3}
-	if _, _, err := gs.join(Cred{Uid: 1000}, r, -1); err != nil {
-		t.Fatal(err)
+// TestGroupKeys: groups are keyed by uid and name. Root and another uid
+// using a uid's group name form groups of their own and never get its
+// descriptors, nor it theirs; an open group takes every uid that asks for
+// one. Waiting members count in their uid's Parked.
+func TestGroupKeys(t *testing.T) {
+	q := newQuota(defaultPerUID, defaultTotal)
+	gs := newGroups(time.Minute, q)
+	newFD := func(uid uint32) int {
+		f := memfd(t, "x")
+		defer f.Close()
+		fd, err := dupFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := q.adopt(uid, []int{fd}); err != nil {
+			t.Fatal(err)
+		}
+		return fd
 	}
-	r.Rank = 1
-	var pe *protoErr
-	if _, _, err := gs.join(Cred{Uid: 1001}, r, -1); !errors.As(err, &pe) || pe.errno != syscall.EPERM {
-		t.Fatalf("other uid: %v", err)
+	type joined struct {
+		g  *group
+		m  *member
+		fd int
 	}
-	if _, _, err := gs.join(Cred{Uid: 0}, r, -1); err != nil {
-		t.Fatalf("root: %v", err)
+	join := func(uid uint32, rank int, open bool) joined {
+		t.Helper()
+		fd := newFD(uid)
+		g, m, err := gs.join(Cred{Uid: uid}, &request{Op: opAllGather, Group: "step7", Rank: rank, World: 2, Open: open}, fd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return joined{g, m, fd}
 	}
-	r.Rank = 2
-	_, m, err := gs.join(Cred{Uid: 1000}, r, -1)
+	waiting := func(j joined) bool {
+		select {
+		case o := <-j.m.done:
+			j.m.done <- o
+			return false
+		default:
+			return true
+		}
+	}
+	// got checks that ranks a and b received want, and releases them.
+	got := func(a, b joined, want ...int) {
+		t.Helper()
+		for _, j := range []joined{a, b} {
+			o := <-j.m.done
+			if o.err != nil || !slices.Equal(o.fds, want) {
+				t.Errorf("uid %d rank %d got %v, %v; want %v", j.m.uid, j.m.rank, o.fds, o.err, want)
+			}
+			o.shared.release()
+		}
+	}
+
+	a1 := join(1000, 1, false)
+	r0 := join(0, 0, false) // root, same name: its own group
+	b0 := join(1001, 0, false)
+	o0 := join(1000, 0, true) // open: another group again
+	if !waiting(a1) || !waiting(r0) || !waiting(b0) || !waiting(o0) || len(gs.m) != 4 {
+		t.Fatalf("%d groups, want 4 waiting", len(gs.m))
+	}
+	if q.sum.Parked != 4 || q.used[1000].Parked != 2 {
+		t.Fatalf("parked: %+v in all, %+v for uid 1000", q.sum, q.used[1000])
+	}
+	a0 := join(1000, 0, false)
+	got(a0, a1, a0.fd, a1.fd)
+	o1 := join(0, 1, true) // root opts in to the open group
+	got(o0, o1, o0.fd, o1.fd)
+	r1 := join(0, 1, false)
+	got(r0, r1, r0.fd, r1.fd)
+	if !gs.leave(b0.g, b0.m) {
+		t.Fatal("uid 1001's rank could not leave")
+	}
+	if len(gs.m) != 0 || q.sum != (Limits{}) || len(q.owner) != 0 {
+		t.Fatalf("%d groups, %+v counted, %d descriptors left", len(gs.m), q.sum, len(q.owner))
+	}
+}
+
+// TestOpenGroup: ranks asking for an open group meet there, apart from
+// their uid's own group of that name.
+func TestOpenGroup(t *testing.T) {
+	s, path := startServer(t, newFakeBackend(t, nil), 0)
+	own := dial(t, path)
+	go func() { own.AllGather("g", 1, 2, memfdClosed(t)) }() // ends with Close
+	waitJoined(t, s, "g", 1)
+	done := make(chan []*os.File, 1)
+	c0 := dial(t, path)
+	go func() {
+		f := memfd(t, "open 0")
+		defer f.Close()
+		files, err := c0.AllGather("g", 0, 2, f, OpenGroup())
+		if err != nil {
+			t.Error(err)
+		}
+		done <- files
+	}()
+	open := groupKey{name: "g", open: true}
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		s.groups.mu.Lock()
+		g := s.groups.m[open]
+		s.groups.mu.Unlock()
+		if g != nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no open group")
+		}
+	}
+	f := memfd(t, "open 1")
+	defer f.Close()
+	files, err := dial(t, path).AllGather("g", 1, 2, f, OpenGroup())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if o := <-m.done; o.err != nil || len(o.fds) != 3 {
-		t.Fatalf("outcome %+v", o)
+	for _, fs := range [][]*os.File{files, <-done} {
+		if len(fs) != 2 || contents(t, fs[0]) != "open 0" || contents(t, fs[1]) != "open 1" {
+			t.Fatalf("got %v", fs)
+		}
+		for _, f := range fs {
+			f.Close()
+		}
 	}
-	if len(gs.m) != 0 {
-		t.Fatal("completed group still registered")
+	waitJoined(t, s, "g", 1) // the uid's own group still waits
+
+	bc := dial(t, path)
+	go func() { bc.Broadcast("b", 0, 2, 0, f, OpenGroup()) }()
+	got, err := dial(t, path).Broadcast("b", 1, 2, 0, nil, OpenGroup())
+	if err != nil || contents(t, got) != "open 1" {
+		t.Fatalf("open broadcast: %v", err)
 	}
+	got.Close()
 }
 
 // rawConn dials the socket without the Client, to send anything.
@@ -748,6 +859,10 @@ func TestNoFDLeak(t *testing.T) {
 		for name, f := range b.segs {
 			f.Close()
 			delete(b.segs, name)
+		}
+		s.Close()
+		if s.quota.sum != (Limits{}) || len(s.quota.used) != 0 || len(s.quota.owner) != 0 {
+			t.Errorf("after Close: %+v counted, %d uids, %d descriptors", s.quota.sum, len(s.quota.used), len(s.quota.owner))
 		}
 	}()
 	if after := openFDs(t); after != before {

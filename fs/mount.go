@@ -206,7 +206,7 @@ func Mount(opts Options) (*Server, error) {
 	}
 	s := &Server{Server: srv, fs: fsys}
 	if opts.Socket != "" {
-		s.ctl, err = ctl.Listen(ctl.Config{Path: opts.Socket, Backend: controlBackend{fsys}, Errno: toErrno, Log: opts.Log})
+		s.ctl, err = ctl.Listen(ctl.Config{Path: opts.Socket, Backend: controlBackend{fsys}, Errno: toErrno, Log: opts.Log, Private: !opts.AllowOther, Owner: uint32(os.Geteuid())})
 		if err != nil {
 			srv.Unmount()
 			return nil, fmt.Errorf("control socket: %w", err)

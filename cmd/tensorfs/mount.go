@@ -294,7 +294,9 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 }
 
 // raiseFileLimit lifts the soft limit on open files to the hard one:
-// every directory the kernel knows and every open segment holds one.
+// every directory the kernel knows and every open segment holds one. It
+// runs before the mount: the control socket sizes its limits to half of
+// the soft limit then (ctl.Config.Total), leaving the rest to FUSE.
 func raiseFileLimit() {
 	var r unix.Rlimit
 	if unix.Getrlimit(unix.RLIMIT_NOFILE, &r) == nil && r.Cur < r.Max {

@@ -441,15 +441,26 @@ class Client:
             req["shape"] = shape if isinstance(shape, str) else _format_dims(shape)
         self.request(req, [fd], filename=path)
 
-    def all_gather(self, group, rank, world, fd):
-        """Send fd as rank of group; return the world fds of all ranks, in rank order."""
-        return self.request({"op": "all_gather", "group": group, "rank": int(rank),
-                             "world": int(world)}, [fd], want=int(world))
+    def all_gather(self, group, rank, world, fd, open_group=False):
+        """Send fd as rank of group; return the world fds of all ranks, in rank order.
 
-    def broadcast(self, group, rank, world, root, fd=None):
-        """Join a broadcast from root: root sends fd and gets None; others get root's fd."""
+        Groups are the caller's uid's own; open_group=True (on every rank)
+        joins the group of that name open to every uid instead.
+        """
+        req = {"op": "all_gather", "group": group, "rank": int(rank), "world": int(world)}
+        if open_group:
+            req["open"] = True
+        return self.request(req, [fd], want=int(world))
+
+    def broadcast(self, group, rank, world, root, fd=None, open_group=False):
+        """Join a broadcast from root: root sends fd and gets None; others get root's fd.
+
+        open_group as for all_gather.
+        """
         req = {"op": "broadcast", "group": group, "rank": int(rank), "world": int(world),
                "root": int(root)}
+        if open_group:
+            req["open"] = True
         if rank == root:
             if fd is None:
                 raise ValueError("tensorfs.broadcast_fd: the root must pass fd")
@@ -577,22 +588,25 @@ def publish(tensor, path, *, mount=None):
     return tensor
 
 
-def all_gather_fds(mount, group, rank, world, fd, *, timeout=None):
+def all_gather_fds(mount, group, rank, world, fd, *, timeout=None, open_group=False):
     """All-gather descriptors among the world local ranks of group.
 
     Every rank calls this (own process or connection) with its fd; each gets
     the list of world new fds in rank order (its own included, as a new fd),
-    all of which it must close.
+    all of which it must close. Only ranks of the caller's uid meet in a
+    group, unless every rank passes open_group=True: then any uid that does
+    so may join, and receives every rank's fd.
     """
     with Client(mount, timeout) as c:
-        return c.all_gather(group, rank, world, fd)
+        return c.all_gather(group, rank, world, fd, open_group)
 
 
-def broadcast_fd(mount, group, rank, world, root, fd=None, *, timeout=None):
+def broadcast_fd(mount, group, rank, world, root, fd=None, *, timeout=None, open_group=False):
     """Broadcast root's fd to the world ranks of group.
 
     The root passes fd and gets None; every other rank gets a new fd of
     root's file, which it must close. All return once all ranks joined.
+    open_group as for all_gather_fds.
     """
     with Client(mount, timeout) as c:
-        return c.broadcast(group, rank, world, root, fd)
+        return c.broadcast(group, rank, world, root, fd, open_group)

@@ -1,0 +1,261 @@
+package ctl
+
+import (
+	"errors"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// wantLimit checks that err is the EAGAIN refusal naming limit.
+func wantLimit(t *testing.T, err error, limit string) {
+	t.Helper()
+	var pe *protoErr
+	var re *RemoteError
+	switch {
+	case errors.As(err, &pe) && pe.errno == syscall.EAGAIN && strings.Contains(pe.msg, limit):
+	case errors.As(err, &re) && re.Errno == syscall.EAGAIN && strings.Contains(re.Msg, limit):
+	default:
+		t.Fatalf("got %v, want EAGAIN for %q", err, limit)
+	}
+}
+
+func TestQuota(t *testing.T) {
+	q := newQuota(Limits{Conns: 2, Parked: 1, FDs: 3}, Limits{Conns: 3, Parked: 5, FDs: 5})
+	conn := Limits{Conns: 1}
+	for range 2 {
+		if err := q.take(1000, conn); err != nil {
+			t.Fatal(err)
+		}
+	}
+	wantLimit(t, q.take(1000, conn), "uid 1000 reached the limit of 2 connections per uid")
+	if err := q.take(1001, conn); err != nil {
+		t.Fatal(err)
+	}
+	wantLimit(t, q.take(1001, conn), "uid 1001 reached the limit of 3 connections for all users")
+	q.give(1000, conn)
+	if err := q.take(1001, conn); err != nil {
+		t.Fatalf("after a connection of another uid closed: %v", err)
+	}
+	if err := q.take(1000, Limits{Parked: 1}); err != nil {
+		t.Fatal(err)
+	}
+	wantLimit(t, q.take(1000, Limits{Parked: 1}), "1 waiting collective requests per uid")
+
+	fds := make([]int, 4)
+	for i := range fds {
+		f := memfd(t, "x")
+		fd, err := dupFile(f)
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		fds[i] = fd
+	}
+	if err := q.adopt(1000, fds[:3]); err != nil {
+		t.Fatal(err)
+	}
+	wantLimit(t, q.adopt(1000, fds[3:]), "3 descriptors held per uid")
+	if _, err := unix.FcntlInt(uintptr(fds[3]), unix.F_GETFD, 0); err != syscall.EBADF {
+		t.Fatalf("a descriptor over the limit is still open: %v", err)
+	}
+	q.release(fds[:3]...)
+	q.give(1000, Limits{Conns: 1, Parked: 1})
+	q.give(1001, Limits{Conns: 2})
+	if q.sum != (Limits{}) || len(q.used) != 0 || len(q.owner) != 0 {
+		t.Fatalf("%+v counted, %v, %d descriptors", q.sum, q.used, len(q.owner))
+	}
+}
+
+func TestFitTotal(t *testing.T) {
+	if got := fitTotal(defaultTotal, 1<<20); got != defaultTotal {
+		t.Fatalf("with room: %+v", got)
+	}
+	for _, budget := range []int{10000, 2000, 512} {
+		got := fitTotal(defaultTotal, budget)
+		if got.Conns+got.FDs+maxTurningAway > budget || got.Conns < 1 || got.Parked > got.Conns || got.FDs <= backendFDs {
+			t.Errorf("budget %d: %+v", budget, got)
+		}
+	}
+
+	// Listen fits the socket into half of RLIMIT_NOFILE.
+	var old unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &old); err != nil {
+		t.Fatal(err)
+	}
+	low := old
+	low.Cur = min(old.Cur, 2000)
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &low); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Setrlimit(unix.RLIMIT_NOFILE, &old)
+	s, _ := listen(t, Config{Backend: newFakeBackend(t, nil), PerUID: Limits{Conns: 5000}})
+	total, per := s.cfg.Total, s.cfg.PerUID
+	if total.Conns+total.FDs+maxTurningAway > int(low.Cur)/2 || per.Conns > total.Conns || per.Parked != min(defaultPerUID.Parked, total.Parked) {
+		t.Fatalf("RLIMIT_NOFILE %d: total %+v, per uid %+v", low.Cur, total, per)
+	}
+}
+
+// TestPrivate: a private socket serves its owner and root only, whatever
+// the op.
+func TestPrivate(t *testing.T) {
+	s, path := listen(t, Config{Backend: newFakeBackend(t, map[string]string{"a": "A"}), Private: true, Owner: 1000})
+	err := s.admit(Cred{Uid: 1001})
+	var pe *protoErr
+	if !errors.As(err, &pe) || pe.errno != syscall.EACCES || !strings.Contains(pe.msg, "private") {
+		t.Fatalf("uid 1001: %v, want EACCES", err)
+	}
+	for _, uid := range []uint32{1000, 0} {
+		if err := s.admit(Cred{Uid: uid}); err != nil {
+			t.Fatalf("uid %d: %v", uid, err)
+		}
+		s.quota.give(uid, Limits{Conns: 1})
+	}
+	f, err := dial(t, path).Export("a", false) // this test runs as root
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+}
+
+// TestConnLimit: a connection over the limit gets EAGAIN for its first
+// request and is closed; the others keep working, and a closed one frees
+// its place.
+func TestConnLimit(t *testing.T) {
+	s, path := listen(t, Config{Backend: newFakeBackend(t, map[string]string{"a": "A"}), PerUID: Limits{Conns: 2}})
+	c1, c2 := dial(t, path), dial(t, path)
+	export := func(c *Client) {
+		t.Helper()
+		f, err := c.Export("a", false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+	}
+	export(c1)
+	export(c2)
+	over := dial(t, path)
+	_, err := over.Export("a", false)
+	wantLimit(t, err, "2 connections per uid")
+	if _, err := over.Export("a", false); err == nil || errors.Is(err, syscall.EAGAIN) {
+		t.Fatalf("second request on a refused connection: %v, want it closed", err)
+	}
+	// Descriptors sent to a refused connection are dropped by the kernel.
+	_, err = dial(t, path).AllGather("g", 0, 1, memfdClosed(t))
+	wantLimit(t, err, "connections")
+	export(c1)
+	export(c2)
+	c2.Close()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		f, err := dial(t, path).Export("a", false)
+		if err == nil {
+			f.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after a connection closed: %v", err)
+		}
+	}
+
+	// Connections that send nothing are closed within a second or so,
+	// all the more beyond maxTurningAway.
+	idle := make([]*os.File, maxTurningAway+16)
+	for i := range idle {
+		f, err := rawConn(t, path).File()
+		if err != nil {
+			t.Fatal(err)
+		}
+		idle[i] = f
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for i, f := range idle {
+		for {
+			n, _, err := unix.Recvfrom(int(f.Fd()), make([]byte, 1), unix.MSG_DONTWAIT)
+			if n == 0 && err == nil {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("idle connection %d still open after 5s: %d, %v", i, n, err)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		f.Close()
+	}
+	if n := s.turning.Load(); n != 0 {
+		t.Fatalf("%d connections still being turned away", n)
+	}
+}
+
+// TestParkedLimit: a uid's collective requests wait up to its limit; the
+// rank that completes a group never needs a place.
+func TestParkedLimit(t *testing.T) {
+	s, path := listen(t, Config{Backend: newFakeBackend(t, nil), PerUID: Limits{Parked: 2}})
+	errs := make(chan error, 2)
+	for _, g := range []string{"p0", "p1"} {
+		c := dial(t, path)
+		go func() {
+			files, err := c.AllGather(g, 0, 2, memfdClosed(t))
+			for _, f := range files {
+				f.Close()
+			}
+			errs <- err
+		}()
+		waitJoined(t, s, g, 1)
+	}
+	third := dial(t, path)
+	_, err := third.AllGather("p2", 0, 2, memfdClosed(t))
+	wantLimit(t, err, "2 waiting collective requests per uid")
+	files, err := third.AllGather("p0", 1, 2, memfdClosed(t))
+	if err != nil {
+		t.Fatalf("completing a group at the limit: %v", err)
+	}
+	for _, f := range files {
+		f.Close()
+	}
+	if err := <-errs; err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		third.AllGather("p2", 0, 2, memfdClosed(t)) // ends with Close
+	}()
+	waitJoined(t, s, "p2", 1)
+}
+
+// TestFDLimit: descriptors received and held, and those a backend call
+// may use, count against the limit; a message over it is refused whole
+// (EAGAIN), its descriptors closed.
+func TestFDLimit(t *testing.T) {
+	b := newFakeBackend(t, map[string]string{"a": "A"})
+	s, path := listen(t, Config{Backend: b, PerUID: Limits{FDs: backendFDs + 2}})
+	parked := dial(t, path)
+	go func() { parked.AllGather("p", 0, 3, memfdClosed(t)) }()
+	waitJoined(t, s, "p", 1)
+	c := dial(t, path)
+	f, err := c.Export("a", false) // 1 held + backendFDs
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	second := dial(t, path)
+	go func() { second.AllGather("p", 1, 3, memfdClosed(t)) }()
+	waitJoined(t, s, "p", 2)
+	wantLimit(t, c.Import("i", memfdClosed(t), "", ""), "descriptors held per uid")
+	if rep := exchange(t, rawConn(t, path), []byte(`{"v":1,"op":"import","path":"i"}`), 5); syscall.Errno(rep.Errno) != syscall.EAGAIN {
+		t.Fatalf("5 descriptors over the limit: %+v, want EAGAIN", rep)
+	}
+	parked.Close()
+	waitJoined(t, s, "p", 1)
+	if err := c.Import("i", memfdClosed(t), "", ""); err != nil {
+		t.Fatalf("once a waiting rank left: %v", err)
+	}
+	s.quota.mu.Lock()
+	held := s.quota.used[0].FDs
+	s.quota.mu.Unlock()
+	if held != 1 {
+		t.Fatalf("%d descriptors counted, want 1 (the waiting rank's)", held)
+	}
+}
