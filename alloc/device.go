@@ -13,9 +13,9 @@ import (
 // backing file stays empty and records the device (AttrDevice), the
 // segment's size (attrDevSize) and, after a clean unmount spilled the
 // bytes into the backing file, attrSpilled.
-const (
-	attrDevSize = "user.tensorfs.devsize"
-	attrSpilled = "user.tensorfs.spilled"
+var (
+	attrDevSize = internalAttr("devsize")
+	attrSpilled = internalAttr("spilled")
 )
 
 // DeviceOf returns the device of the backing object at path: "cpu" unless

@@ -4,10 +4,13 @@
 // recovery after a crash. It knows nothing of FUSE and returns Go errors,
 // sentinel ones from errors.go where a caller must tell them apart.
 //
-// Backing objects are addressed by paths under /proc/self/fd/N, where N is
-// an O_PATH descriptor of the directory that holds them: no operation ever
-// builds a path from the backing root, so deep trees and directories
-// renamed while open work as they do on tmpfs. Attribute calls follow the
-// path (a /proc/self/fd link of an unnamed segment must be followed); the
-// front end answers attribute requests on symbolic links itself.
+// Backing objects are reached through descriptors: an O_PATH descriptor
+// of the directory that holds them and a name, which At opens with
+// O_NOFOLLOW and hands to the attribute calls as /proc/self/fd/M, a path
+// that names that very inode. No operation builds a path from the backing
+// root or walks a name below /proc/self/fd/N, so a symbolic link planted
+// or renamed into place is never followed, and deep trees and directories
+// renamed while open work as they do on tmpfs. The backing is private to
+// the daemon (mode 0700), and its own bookkeeping (import and disk ids,
+// device state) is kept in trusted.* attributes when it runs as root.
 package alloc

@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
+	"path"
+	"strings"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 )
@@ -21,11 +23,24 @@ import (
 //   - Imported (FROMFD) segments live in a descriptor a client sent over
 //     the control socket, held by the daemon; the marker's attrImport
 //     attribute names it. Such a segment ends with the daemon.
-const (
-	attrDisk   = "user.tensorfs.disk"
-	attrPath   = "user.tensorfs.path"
-	attrImport = "user.tensorfs.import"
+//
+// These attributes are the daemon's own state. A root daemon keeps them
+// in the trusted namespace, which only CAP_SYS_ADMIN may read or write;
+// a daemon of another user keeps them in its private backing, which no
+// one else can reach. Ids are checked (validID) before they name a path.
+var (
+	attrDisk   = internalAttr("disk")
+	attrPath   = internalAttr("path")
+	attrImport = internalAttr("import")
 )
+
+// internalAttr returns the stored name of the daemon's attribute name.
+func internalAttr(name string) string {
+	if os.Geteuid() == 0 {
+		return "trusted.tensorfs." + name
+	}
+	return "user.tensorfs." + name
+}
 
 // InternalAttr reports whether name is tensorfs's own bookkeeping, which
 // clients neither see nor set.
@@ -37,15 +52,35 @@ func InternalAttr(name string) bool {
 	return false
 }
 
-// ImportID returns the import id of the marker at path, "" if it is not
-// an imported segment.
-func ImportID(path string) string {
-	id, err := readAttr(path, attrImport)
-	if err != nil {
+// idLen is the length of the ids NewID makes: 16 lowercase hex digits.
+const idLen = 16
+
+// validID reports whether id is one NewID could have made, and so safe
+// to join to a directory's path.
+func validID(id string) bool {
+	if len(id) != idLen {
+		return false
+	}
+	for _, c := range id {
+		if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}
+
+// readID reads an id attribute; a value that is not a valid id is no id.
+func readID(path, attr string) string {
+	id, err := readAttr(path, attr)
+	if err != nil || !validID(id) {
 		return ""
 	}
 	return id
 }
+
+// ImportID returns the import id of the marker at path, "" if it is not
+// an imported segment.
+func ImportID(path string) string { return readID(path, attrImport) }
 
 // MarkImport makes the empty file at path the marker of imported segment id.
 func MarkImport(path, id string) error {
@@ -54,97 +89,141 @@ func MarkImport(path, id string) error {
 
 // SharedID returns the disk id of the marker at path, "" if it is an
 // ordinary segment.
-func SharedID(path string) string {
-	id, err := readAttr(path, attrDisk)
-	if err != nil {
-		return ""
-	}
-	return id
-}
+func SharedID(path string) string { return readID(path, attrDisk) }
 
 // CreateShared makes the disk file of a new SHARED segment whose marker is
-// at markerPath and whose name in the mount is rel, and returns an open
-// descriptor of it (opened with flags) and its id.
+// the file at markerPath (a FdPath of the open marker) and whose name in
+// the mount is rel, and returns an open descriptor of it (opened with
+// flags) and its id.
 func (s *Store) CreateShared(markerPath, rel string, flags int, mode uint32) (fd int, id string, err error) {
 	id = NewID()
-	fd, err = unix.Open(s.DiskPath(id), flags|unix.O_CREAT|unix.O_EXCL, mode)
+	fd, err = unix.Openat(s.DiskFd, id, flags|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, mode)
 	if err != nil {
 		return -1, "", fmt.Errorf("create SHARED segment on disk: %w", err)
 	}
-	p := "/proc/self/fd/" + fmt.Sprint(fd)
-	if err = unix.Setxattr(p, attrPath, []byte(rel), 0); err == nil {
+	if err = unix.Setxattr(FdPath(fd), attrPath, []byte(rel), 0); err == nil {
 		err = unix.Setxattr(markerPath, attrDisk, []byte(id), 0)
 	}
 	if err != nil {
 		unix.Close(fd)
-		os.Remove(s.DiskPath(id))
+		unix.Unlinkat(s.DiskFd, id, 0)
 		return -1, "", err
 	}
 	return fd, id, nil
 }
 
-// DiskPath returns the path of a SHARED segment's disk file.
-func (s *Store) DiskPath(id string) string {
-	return filepath.Join(s.Disk, id)
-}
-
 // recoverShared gives every disk file that no marker names a marker at the
 // path it recorded, so SHARED segments outlive a purged backing.
 func (s *Store) recoverShared(known map[string]bool) error {
-	entries, err := os.ReadDir(s.Disk)
+	entries, err := os.ReadDir(FdPath(s.DiskFd))
 	if err != nil {
 		return err
 	}
 	for _, e := range entries {
-		if known[e.Name()] || !e.Type().IsRegular() {
+		id := e.Name()
+		if known[id] || !e.Type().IsRegular() || !validID(id) {
 			continue
 		}
-		rel, err := readAttr(s.DiskPath(e.Name()), attrPath)
-		if err != nil || rel == "" {
-			s.log.Warn("recover: disk file without a recorded path, left alone", "file", s.DiskPath(e.Name()))
+		var rel string
+		At(s.DiskFd, id, 0, func(p string) error {
+			rel, err = readAttr(p, attrPath)
+			return err
+		})
+		dir, name, ok := splitRel(rel)
+		if !ok {
+			s.log.Warn("recover: disk file without a valid recorded path, left alone", "file", s.DiskPath(id), "path", rel)
 			continue
 		}
-		marker := filepath.Join(s.Dir, filepath.Clean("/"+rel))
-		if _, err := os.Lstat(marker); err == nil {
-			marker += ".shared-" + e.Name()
+		if err := s.restoreMarker(dir, name, id); err != nil {
+			s.log.Warn("recover: could not restore SHARED segment", "path", rel, "file", s.DiskPath(id), "err", err)
+			continue
 		}
-		if err := os.MkdirAll(filepath.Dir(marker), 0o755); err != nil {
-			return err
-		}
-		if err := os.WriteFile(marker, nil, 0o600); err != nil {
-			return err
-		}
-		if err := unix.Setxattr(marker, attrDisk, []byte(e.Name()), 0); err != nil {
-			return err
-		}
-		s.log.Info("recover: restored SHARED segment from disk", "path", rel, "file", s.DiskPath(e.Name()))
+		s.log.Info("recover: restored SHARED segment from disk", "path", rel, "file", s.DiskPath(id))
 	}
 	return nil
 }
 
+// splitRel splits a recorded segment path into its directories and its
+// name, refusing anything that could leave the backing.
+func splitRel(rel string) (dirs []string, name string, ok bool) {
+	clean := path.Clean("/" + rel)[1:]
+	if clean == "" || clean != strings.TrimPrefix(rel, "/") || strings.ContainsRune(rel, 0) {
+		return nil, "", false
+	}
+	parts := strings.Split(clean, "/")
+	return parts[:len(parts)-1], parts[len(parts)-1], true
+}
+
+// restoreMarker makes the marker of disk file id at dirs/name below the
+// backing root, making the directories on the way; nothing on the way is
+// followed if it is a symbolic link. A name already taken gets the
+// marker beside it, name.shared-<id>.
+func (s *Store) restoreMarker(dirs []string, name, id string) error {
+	dirfd, err := unix.Dup(s.RootFd)
+	if err != nil {
+		return err
+	}
+	defer func() { unix.Close(dirfd) }()
+	for _, d := range dirs {
+		if err := unix.Mkdirat(dirfd, d, 0o755); err != nil && !errors.Is(err, unix.EEXIST) {
+			return err
+		}
+		next, err := unix.Openat(dirfd, d, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		unix.Close(dirfd)
+		dirfd = next
+	}
+	fd, err := unix.Openat(dirfd, name, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if errors.Is(err, unix.EEXIST) {
+		name += ".shared-" + id
+		fd, err = unix.Openat(dirfd, name, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	}
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	if err := unix.Fsetxattr(fd, attrDisk, []byte(id), 0); err != nil {
+		unix.Unlinkat(dirfd, name, 0)
+		return err
+	}
+	return nil
+}
+
+// DiskPath returns the path of a SHARED segment's disk file, for logs.
+func (s *Store) DiskPath(id string) string {
+	return s.Disk + "/" + id
+}
+
 // RemoveShared deletes a SHARED segment's disk file.
 func (s *Store) RemoveShared(id string) error {
-	err := os.Remove(s.DiskPath(id))
-	if errors.Is(err, os.ErrNotExist) {
+	if !validID(id) {
+		return fmt.Errorf("%w: disk id %q", ErrInvalid, id)
+	}
+	err := unix.Unlinkat(s.DiskFd, id, 0)
+	if errors.Is(err, syscall.ENOENT) {
 		return nil
 	}
 	return err
 }
 
 // RecordSharedPath notes on a SHARED segment's disk file the path rel its
-// marker now has; a no-op for other segments.
+// marker, at markerPath (a FdPath), now has; a no-op for other segments.
 func (s *Store) RecordSharedPath(markerPath, rel string) {
 	if s.Disk == "" {
 		return
 	}
 	if id := SharedID(markerPath); id != "" {
-		unix.Setxattr(s.DiskPath(id), attrPath, []byte(rel), 0)
+		At(s.DiskFd, id, 0, func(p string) error {
+			return unix.Setxattr(p, attrPath, []byte(rel), 0)
+		})
 	}
 }
 
 // NewID returns a random id for a marker.
 func NewID() string {
-	var b [8]byte
+	var b [idLen / 2]byte
 	rand.Read(b[:]) // never fails on Linux
 	return hex.EncodeToString(b[:])
 }

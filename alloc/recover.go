@@ -1,9 +1,9 @@
 package alloc
 
 import (
-	"io/fs"
-	"os"
-	"path/filepath"
+	"syscall"
+
+	"golang.org/x/sys/unix"
 )
 
 // Recover prepares a backing left by an earlier daemon for a new mount.
@@ -12,35 +12,38 @@ import (
 // returns the number of segments and bytes kept. Imported segments ended
 // with the daemon that held them and their markers are removed. SHARED
 // segments whose markers are gone (a purged backing) are restored from
-// --disk.
+// --disk. Recovery acts only on names below the backing root, through
+// descriptors (Walk, At): whatever the backing holds, nothing outside it
+// is touched.
 func (s *Store) Recover() (segments, bytes int64, err error) {
 	known := map[string]bool{}
-	err = filepath.WalkDir(s.Dir, func(p string, d fs.DirEntry, err error) error {
-		if err != nil || !d.Type().IsRegular() {
-			return err
-		}
-		if ImportID(p) != "" {
-			s.log.Info("recover: removing imported segment, its descriptor ended with the daemon", "path", p)
-			return os.Remove(p)
-		}
-		if id := SharedID(p); id != "" && s.Disk != "" {
-			known[id] = true
+	err = Walk(s.RootFd, func(dirfd int, name, rel string, st *unix.Stat_t) error {
+		if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
 			return nil
 		}
-		f, err := ReadFlags(p)
-		if err != nil {
-			s.log.Warn("recover: unreadable flags, keeping segment", "path", p, "err", err)
-		}
-		if f&Unlink != 0 {
-			s.log.Info("recover: removing UNLINK segment without holders", "path", p)
-			return os.Remove(p)
-		}
-		info, err := d.Info()
-		if err != nil {
-			return err
+		var imported, shared string
+		var f Flags
+		var ferr error
+		At(dirfd, name, st.Ino, func(p string) error {
+			imported, shared = ImportID(p), SharedID(p)
+			f, ferr = ReadFlags(p)
+			return nil
+		})
+		switch {
+		case imported != "":
+			s.log.Info("recover: removing imported segment, its descriptor ended with the daemon", "path", rel)
+			return unix.Unlinkat(dirfd, name, 0)
+		case shared != "" && s.Disk != "":
+			known[shared] = true
+			return nil
+		case ferr != nil:
+			s.log.Warn("recover: unreadable flags, keeping segment", "path", rel, "err", ferr)
+		case f&Unlink != 0:
+			s.log.Info("recover: removing UNLINK segment without holders", "path", rel)
+			return unix.Unlinkat(dirfd, name, 0)
 		}
 		segments++
-		bytes += info.Size()
+		bytes += st.Size
 		return nil
 	})
 	if err == nil && s.Disk != "" {

@@ -49,11 +49,18 @@ type Store struct {
 
 // Open prepares the backing directory described by cfg, mounting a private
 // tmpfs when that is the default and we are root, and returns the store.
+// The backing belongs to the daemon: it is made in, or must be in, a
+// directory that only the daemon's user can enter (a backing's root is
+// the mount's root, whose mode users choose). The disk directory is made
+// mode 0700. Directories of other users are refused.
 func Open(cfg Config, log *slog.Logger) (*Store, error) {
 	s := &Store{Dir: cfg.Backing, Disk: cfg.Disk, DiskFd: -1, log: log}
 	if s.Dir == "" {
 		s.Dir = PrivateBacking(cfg.Mountpoint)
-		if err := os.MkdirAll(s.Dir, 0o755); err != nil {
+		if err := MakeStateDir(); err != nil {
+			return nil, err
+		}
+		if err := os.Mkdir(s.Dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
 			return nil, fmt.Errorf("create backing %s: %w", s.Dir, err)
 		}
 		if os.Geteuid() == 0 {
@@ -65,28 +72,82 @@ func Open(cfg Config, log *slog.Logger) (*Store, error) {
 			log.Warn("--capacity needs root to mount a private tmpfs; segments share /dev/shm's limit", "backing", s.Dir)
 		}
 	}
-	dir, err := filepath.Abs(s.Dir)
-	if err != nil {
+	var err error
+	if s.Dir, err = filepath.Abs(s.Dir); err != nil {
 		return nil, err
 	}
-	s.Dir = dir
-	if s.Disk != "" {
-		if err := os.MkdirAll(s.Disk, 0o755); err != nil {
-			return nil, fmt.Errorf("create disk directory %s: %w", s.Disk, err)
-		}
-		if s.Disk, err = filepath.Abs(s.Disk); err != nil {
-			return nil, err
-		}
-		if s.DiskFd, err = unix.Open(s.Disk, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0); err != nil {
-			return nil, fmt.Errorf("open disk directory %s: %w", s.Disk, err)
-		}
+	if err := checkPrivateParent(s.Dir); err != nil {
+		return nil, err
 	}
-	fd, err := unix.Open(s.Dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
+	if s.RootFd, err = unix.Open(s.Dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0); err != nil {
 		return nil, fmt.Errorf("open backing %s: %w", s.Dir, err)
 	}
-	s.RootFd = fd
+	if s.Disk != "" {
+		if err := os.MkdirAll(s.Disk, 0o700); err != nil {
+			unix.Close(s.RootFd)
+			return nil, fmt.Errorf("create disk directory %s: %w", s.Disk, err)
+		}
+		if s.DiskFd, err = openPrivateDir(s.Disk, "disk directory", log); err == nil {
+			s.Disk, err = filepath.Abs(s.Disk)
+		}
+		if err != nil {
+			s.Close()
+			return nil, err
+		}
+	}
 	return s, nil
+}
+
+// checkPrivateParent refuses a backing directory that a user other than
+// the daemon's could reach: it and its parent must belong to the daemon's
+// user, and the parent must grant nothing to group or others.
+func checkPrivateParent(dir string) error {
+	var st, parent unix.Stat_t
+	if err := unix.Lstat(dir, &st); err != nil {
+		return fmt.Errorf("backing %s: %w", dir, err)
+	}
+	if err := unix.Stat(filepath.Dir(dir), &parent); err != nil {
+		return fmt.Errorf("backing %s: %w", dir, err)
+	}
+	euid := uint32(os.Geteuid())
+	switch {
+	case st.Mode&unix.S_IFMT != unix.S_IFDIR:
+		return fmt.Errorf("backing %s is not a directory", dir)
+	case st.Uid != euid:
+		return fmt.Errorf("backing %s belongs to uid %d, not to the daemon's user %d", dir, st.Uid, euid)
+	case parent.Uid != euid || parent.Mode&0o077 != 0:
+		return fmt.Errorf("backing %s: its parent directory (uid %d, mode %#o) lets other users reach the backing; put it in a directory only uid %d can enter (mkdir -m 700)",
+			dir, parent.Uid, parent.Mode&0o7777, euid)
+	}
+	return nil
+}
+
+// openPrivateDir opens the directory dir for the daemon's use alone: it
+// must belong to the daemon's user and is made mode 0700, so that no one
+// else can read, plant or replace anything in it. It returns an O_PATH
+// descriptor of dir.
+func openPrivateDir(dir, what string, log *slog.Logger) (int, error) {
+	fd, err := unix.Open(dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("open %s %s: %w", what, dir, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	if int(st.Uid) != os.Geteuid() {
+		unix.Close(fd)
+		return -1, fmt.Errorf("%s %s belongs to uid %d, not to the daemon's user %d: choose a directory of the daemon's own", what, dir, st.Uid, os.Geteuid())
+	}
+	if st.Mode&0o7777 != 0o700 {
+		if err := unix.Chmod(FdPath(fd), 0o700); err != nil {
+			unix.Close(fd)
+			return -1, fmt.Errorf("make %s %s private: %w", what, dir, err)
+		}
+		log.Info("made the directory private to the daemon", "dir", dir, "was", fmt.Sprintf("%#o", st.Mode&0o7777), "now", "0700")
+	}
+	return fd, nil
 }
 
 // Close releases the store's descriptor. The backing keeps its contents.
@@ -97,7 +158,22 @@ func (s *Store) Close() error {
 	return unix.Close(s.RootFd)
 }
 
-// stateDir is where tensorfs keeps per-mount state: private backings, logs.
+// MakeStateDir makes the directory of per-mount state (logs, pid files,
+// control sockets), mode 0711: others may pass through it to a socket but
+// not list it; and in it the directory of private backings, mode 0700.
+func MakeStateDir() error {
+	for dir, mode := range map[string]os.FileMode{stateDir(): 0o711, backingsDir(): 0o700} {
+		if err := os.MkdirAll(dir, mode); err != nil {
+			return fmt.Errorf("create %s: %w", dir, err)
+		}
+		if err := os.Chmod(dir, mode); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// stateDir is where tensorfs keeps per-mount state.
 func stateDir() string {
 	if os.Geteuid() == 0 {
 		return "/run/tensorfs"
@@ -105,33 +181,50 @@ func stateDir() string {
 	return filepath.Join("/dev/shm", "tensorfs-"+strconv.Itoa(os.Geteuid()))
 }
 
-// PrivateBacking returns the default backing directory for a mountpoint.
-// The same mountpoint always maps to the same directory, so mounting again
-// after a crash finds the segments it left.
-func PrivateBacking(mountpoint string) string {
+// backingsDir holds the private backings; only the daemon's user enters it.
+func backingsDir() string {
+	return filepath.Join(stateDir(), "backing")
+}
+
+// mountName names a mountpoint's state: the same mountpoint always maps to
+// the same name, so mounting again after a crash finds what it left.
+func mountName(mountpoint string) string {
 	sum := sha256.Sum256([]byte(mountpoint))
 	name := strings.ReplaceAll(strings.Trim(mountpoint, "/"), "/", "-")
 	if len(name) > 64 {
 		name = name[len(name)-64:]
 	}
-	return filepath.Join(stateDir(), name+"-"+hex.EncodeToString(sum[:4]))
+	return name + "-" + hex.EncodeToString(sum[:4])
+}
+
+// PrivateBacking returns the default backing directory for a mountpoint.
+func PrivateBacking(mountpoint string) string {
+	return filepath.Join(backingsDir(), mountName(mountpoint))
+}
+
+// StatePath returns the path of the daemon's state file of mountpoint with
+// the extension ext (".sock", ".log", ".pid", ...).
+func StatePath(mountpoint, ext string) string {
+	return filepath.Join(stateDir(), mountName(mountpoint)+ext)
 }
 
 // mountTmpfs mounts a tmpfs of the given size at dir, or resizes the one
-// already there (left by an earlier daemon).
+// already there (left by an earlier daemon). Either way it is nosuid and
+// nodev.
 func mountTmpfs(dir string, capacity int64) error {
-	opts := "mode=0755"
+	size := ""
 	if capacity > 0 {
-		opts += ",size=" + strconv.FormatInt(capacity, 10)
+		size = "size=" + strconv.FormatInt(capacity, 10)
 	}
 	if isMountpoint(dir) {
-		if capacity == 0 {
-			return nil
-		}
-		if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_REMOUNT, opts); err != nil {
-			return fmt.Errorf("resize backing tmpfs %s: %w", dir, err)
+		if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV, size); err != nil {
+			return fmt.Errorf("remount backing tmpfs %s: %w", dir, err)
 		}
 		return nil
+	}
+	opts := "mode=0755"
+	if size != "" {
+		opts += "," + size
 	}
 	if err := unix.Mount("tensorfs-backing", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 		return fmt.Errorf("mount backing tmpfs at %s: %w", dir, err)
@@ -163,7 +256,7 @@ func Purge(mountpoint string) error {
 	}
 	// The daemon's state beside the backing goes too; its log stays.
 	for _, ext := range []string{".refcounters", ".pid"} {
-		if err := os.Remove(dir + ext); err != nil && !errors.Is(err, os.ErrNotExist) {
+		if err := os.Remove(StatePath(mountpoint, ext)); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return err
 		}
 	}

@@ -31,14 +31,15 @@ const (
 	AttrCudaRefCounter  = "user.tensorfs.cuda.ref_counter"
 )
 
-// ReadOnlyAttr reports whether name is computed by tensorfs and cannot be
-// written by clients.
+// ReadOnlyAttr reports whether clients may not write name: every
+// user.tensorfs.* name but the flags and the device is computed by
+// tensorfs or reserved for it.
 func ReadOnlyAttr(name string) bool {
 	switch name {
-	case AttrRefcount, AttrHolders, AttrHandle, AttrRbytes, AttrRsegments, AttrSocket, AttrStats:
-		return true
+	case AttrFlags, AttrDevice:
+		return false
 	}
-	return strings.HasPrefix(name, "user.tensorfs.cuda.") || InternalAttr(name)
+	return strings.HasPrefix(name, "user.tensorfs.") || InternalAttr(name)
 }
 
 // Object is a backing file or directory as the attribute functions see it.
@@ -256,7 +257,8 @@ func checkLayout(obj Object, name, v string) error {
 	return nil
 }
 
-// Listxattr returns the names stored on the object at path.
+// Listxattr returns the user.* names stored on the object at path, less
+// tensorfs's internal ones.
 func Listxattr(path string) ([]string, error) {
 	buf := make([]byte, 1024)
 	for {
@@ -270,7 +272,7 @@ func Listxattr(path string) ([]string, error) {
 		}
 		var names []string
 		for _, s := range strings.Split(string(buf[:n]), "\x00") {
-			if s != "" && !InternalAttr(s) {
+			if strings.HasPrefix(s, "user.") && !InternalAttr(s) {
 				names = append(names, s)
 			}
 		}

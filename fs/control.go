@@ -55,9 +55,11 @@ func (b controlBackend) export(cred ctl.Cred, path string, write bool) (*os.File
 		return nil, syscall.EACCES
 	}
 	var f alloc.Flags
-	err = b.fsys.withAttrs(r, dirfd, name, func(tfd int, tname string) (err error) {
-		f, err = alloc.ReadFlags(procPath(tfd, tname))
-		return err
+	err = b.fsys.withAttrs(r, dirfd, name, func(tfd int, tname string) error {
+		return alloc.At(tfd, tname, r.attrIno(st.Ino), func(p string) (err error) {
+			f, err = alloc.ReadFlags(p)
+			return err
+		})
 	})
 	switch {
 	case err != nil:
@@ -68,6 +70,13 @@ func (b controlBackend) export(cred ctl.Cred, path string, write bool) (*os.File
 		return nil, fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
 	case r != nil && r.dev != nil:
 		return r.dev.export()
+	}
+	if r != nil && r.imported != "" {
+		fd, err := b.fsys.imports.dup(r.imported) // read-only, as imported
+		if err != nil {
+			return nil, err
+		}
+		return os.NewFile(uintptr(fd), path), nil
 	}
 	var file *os.File
 	err = b.fsys.withData(r, dirfd, name, func(tfd int, tname string) error {
@@ -95,66 +104,124 @@ func (b controlBackend) Import(cred ctl.Cred, path string, f *os.File, dtype, sh
 }
 
 func (b controlBackend) importFile(cred ctl.Cred, path string, f *os.File, dtype, shape string) error {
+	fd, err := importable(f)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+	}()
 	dirfd, name, err := b.walk(cred, path)
 	if err != nil {
 		return err
 	}
 	defer unix.Close(dirfd)
-	var dir unix.Stat_t
+	var dir, st unix.Stat_t
 	if err := unix.Fstat(dirfd, &dir); err != nil {
 		return err
 	}
 	if !permitted(cred, &dir, 2|1) {
 		return syscall.EACCES
 	}
-	pf, err := alloc.ReadFlags(procPath(dirfd, ""))
+	pf, err := alloc.ReadFlags(alloc.FdPath(dirfd))
 	if err != nil {
 		return err
 	}
 	if pf&alloc.NoCreate != 0 {
 		return fmt.Errorf("%w: nothing new may be created here", alloc.ErrNoCreate)
 	}
-	fd, err := dupFile(f)
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	// The marker carries the segment's name, owner, flags and metadata,
+	// all set through its own descriptor: a name renamed or replaced
+	// meanwhile is never followed. The sender's file is never written.
+	marker, err := unix.Openat(dirfd, name, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 	if err != nil {
 		return err
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil || st.Mode&syscall.S_IFMT != syscall.S_IFREG {
-		unix.Close(fd)
-		return fmt.Errorf("%w: import takes a regular file or memfd", alloc.ErrInvalid)
-	}
-	// The marker carries the segment's name, owner, flags and metadata;
-	// the sender's file is never written.
-	marker, err := unix.Openat(dirfd, name, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_CLOEXEC, 0o444)
-	if err != nil {
-		unix.Close(fd)
-		return err
-	}
-	unix.Close(marker)
-	p := procPath(dirfd, name)
-	obj := alloc.Object{Path: p, Size: st.Size}
+	defer unix.Close(marker)
+	p := alloc.FdPath(marker)
 	id := alloc.NewID()
-	err = unix.Fchownat(dirfd, name, int(cred.Uid), int(cred.Gid), unix.AT_SYMLINK_NOFOLLOW)
+	if os.Geteuid() == 0 {
+		err = unix.Fchown(marker, int(cred.Uid), int(cred.Gid))
+	}
 	if err == nil {
 		err = alloc.InheritFlags(pf|alloc.FromFD, p, false)
 	}
 	for _, a := range [][2]string{{alloc.AttrDtype, dtype}, {alloc.AttrShape, shape}} {
 		if err == nil && a[1] != "" {
-			err = alloc.Setxattr(obj, a[0], []byte(a[1]), 0)
+			err = alloc.Setxattr(alloc.Object{Path: p, Size: st.Size}, a[0], []byte(a[1]), 0)
 		}
 	}
 	if err == nil {
+		err = b.fsys.imports.add(id, fd, cred.Uid)
+	}
+	if err == nil {
+		fd = -1 // held by the import now; dropped below on failure
 		err = alloc.MarkImport(p, id)
 	}
+	if err == nil {
+		err = unix.Fchmod(marker, 0o444) // last: the daemon may not be root
+	}
 	if err != nil {
-		unix.Unlinkat(dirfd, name, 0)
-		unix.Close(fd)
+		unlinkIfSame(dirfd, name, marker)
+		if fd < 0 {
+			b.fsys.imports.drop(id)
+		}
 		return err
 	}
-	b.fsys.imports.add(id, fd)
 	b.fsys.notifyNewName(path)
 	b.fsys.log.Info("imported", "path", path, "bytes", st.Size, "pid", cred.Pid)
 	return nil
+}
+
+// importable duplicates the peer's descriptor f if it may become a
+// segment: an open regular file (a memfd, a file on tmpfs or disk) that
+// this very descriptor can read. An O_PATH or write-only descriptor would
+// give the segment's readers an access its sender does not have, and a
+// file on a FUSE filesystem could be one of this mount's, which the
+// daemon would have to serve to itself.
+func importable(f *os.File) (int, error) {
+	fd, err := dupFile(f)
+	if err != nil {
+		return -1, err
+	}
+	var st unix.Stat_t
+	var sfs unix.Statfs_t
+	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+	if err == nil {
+		err = unix.Fstat(fd, &st)
+	}
+	if err == nil {
+		err = unix.Fstatfs(fd, &sfs)
+	}
+	switch {
+	case err != nil:
+	case fl&unix.O_PATH != 0:
+		err = fmt.Errorf("%w: an O_PATH descriptor grants no access to a file's bytes; send one opened for reading", syscall.EBADF)
+	case fl&unix.O_ACCMODE == unix.O_WRONLY:
+		err = fmt.Errorf("%w: a write-only descriptor cannot be read; send one opened for reading", syscall.EBADF)
+	case st.Mode&syscall.S_IFMT != syscall.S_IFREG:
+		err = fmt.Errorf("%w: import takes a regular file or memfd", alloc.ErrInvalid)
+	case sfs.Type == unix.FUSE_SUPER_MAGIC:
+		err = fmt.Errorf("%w: the file is on a FUSE filesystem; a file of a tensorfs mount is shared by its path", alloc.ErrInvalid)
+	}
+	if err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	return fd, nil
+}
+
+// unlinkIfSame removes name in dirfd if it still names the file open at fd.
+func unlinkIfSame(dirfd int, name string, fd int) {
+	var a, b unix.Stat_t
+	if unix.Fstat(fd, &a) == nil && unix.Fstatat(dirfd, name, &b, unix.AT_SYMLINK_NOFOLLOW) == nil && a.Ino == b.Ino && a.Dev == b.Dev {
+		unix.Unlinkat(dirfd, name, 0)
+	}
 }
 
 // dupFile duplicates f's descriptor without switching f to blocking mode.

@@ -208,7 +208,7 @@ func (seg *devSeg) spillLocked() error {
 			return err
 		}
 	}
-	return alloc.WriteDeviceState(procPath(fd, ""), alloc.DeviceState{Size: seg.size, Spilled: true})
+	return alloc.WriteDeviceState(alloc.FdPath(fd), alloc.DeviceState{Size: seg.size, Spilled: true})
 }
 
 // retire puts a block that left its segment in limbo: it is freed once
@@ -324,7 +324,7 @@ func (seg *devSeg) recordSize() error {
 	if seg.backing == nil {
 		return nil
 	}
-	return alloc.WriteDeviceState(procPath(int(seg.backing.Fd()), ""), alloc.DeviceState{Size: seg.size})
+	return alloc.WriteDeviceState(alloc.FdPath(int(seg.backing.Fd())), alloc.DeviceState{Size: seg.size})
 }
 
 // alloc allocates a block (zeroed by the device), collecting the limbo
@@ -500,7 +500,14 @@ func (fsys *filesystem) gpuName() string {
 // moveToDevice makes the empty segment n, whose backing file is name in
 // dirfd and whose stat is st, follow the device just stored on it.
 func (fsys *filesystem) moveToDevice(n *node, dirfd int, name string, st *unix.Stat_t) error {
-	onDevice := alloc.DeviceOf(procPath(dirfd, name)) != "cpu"
+	var onDevice bool
+	err := alloc.At(dirfd, name, st.Ino, func(p string) error {
+		onDevice = alloc.DeviceOf(p) != "cpu"
+		return nil
+	})
+	if err != nil {
+		return err
+	}
 	switch seg := n.device(); {
 	case onDevice && seg == nil:
 		seg, err := fsys.gpu.segment(st.Ino, dirfd, name)
@@ -543,11 +550,14 @@ func (fsys *filesystem) cudaAttr(seg *devSeg, attr string) ([]byte, error) {
 // device of its directory; a new segment in a cuda:N directory lives in
 // device memory, and the returned redirect says so.
 func (fsys *filesystem) inheritDevice(dirfd int, name string, st *unix.Stat_t) (*redirect, error) {
-	dev := alloc.DeviceOf(procPath(dirfd, ""))
-	if dev == "cpu" {
+	dev := alloc.DeviceOf(alloc.FdPath(dirfd))
+	if dev == "cpu" || st.Mode&syscall.S_IFMT == syscall.S_IFLNK {
 		return nil, nil
 	}
-	if err := unix.Setxattr(procPath(dirfd, name), alloc.AttrDevice, []byte(dev), 0); err != nil {
+	err := alloc.At(dirfd, name, st.Ino, func(p string) error {
+		return unix.Setxattr(p, alloc.AttrDevice, []byte(dev), 0)
+	})
+	if err != nil {
 		return nil, err
 	}
 	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {

@@ -340,7 +340,7 @@ func (fsys *filesystem) notifyNewName(path string) {
 func (fsys *filesystem) stats() map[string]any {
 	var sfs unix.Statfs_t
 	fsys.store.Statfs(&sfs)
-	segs, bytes := fsys.subtreeUsage(fsys.store.Dir)
+	segs, bytes := fsys.subtreeUsage(fsys.store.RootFd)
 	var ru unix.Rusage
 	unix.Getrusage(unix.RUSAGE_SELF, &ru)
 	rss, peak := memoryUse()
@@ -398,10 +398,10 @@ func cpuSeconds(ru *unix.Rusage) float64 {
 }
 
 // sharedFile makes the disk file of a new SHARED segment whose marker is
-// name in dirfd, below the directory at rel in the mount.
-func (fsys *filesystem) sharedFile(dirfd int, name, rel string, flags int, mode uint32) (int, string, error) {
+// open at markerFd and named name below the directory at rel in the mount.
+func (fsys *filesystem) sharedFile(markerFd int, name, rel string, flags int, mode uint32) (int, string, error) {
 	if fsys.store.Disk == "" {
 		return -1, "", fmt.Errorf("%w: the directory is SHARED", alloc.ErrNoDisk)
 	}
-	return fsys.store.CreateShared(procPath(dirfd, name), rel+"/"+name, flags, mode)
+	return fsys.store.CreateShared(alloc.FdPath(markerFd), rel+"/"+name, flags, mode)
 }

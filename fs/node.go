@@ -3,7 +3,6 @@ package fs
 import (
 	"context"
 	"fmt"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -87,15 +86,6 @@ func (n *node) device() *devSeg {
 
 func (n *node) isSymlink() bool { return n.StableAttr().Mode == syscall.S_IFLNK }
 
-// procPath names the backing object name in the directory open at fd;
-// an empty name names the object open at fd itself.
-func procPath(fd int, name string) string {
-	if name == "" {
-		return "/proc/self/fd/" + strconv.Itoa(fd)
-	}
-	return "/proc/self/fd/" + strconv.Itoa(fd) + "/" + name
-}
-
 // withDir runs fn with the O_PATH descriptor of directory n's backing.
 func (n *node) withDir(fn func(fd int) error) error {
 	d := n.dir
@@ -178,9 +168,12 @@ func (n *node) dupHandleFd() (int, error) {
 	return unix.FcntlInt(uintptr(n.handles[0].fd), unix.F_DUPFD_CLOEXEC, 0)
 }
 
-// path runs fn with a /proc path of n's backing object.
+// path runs fn with a /proc path that names exactly n's backing object
+// (alloc.At): never a symbolic link, never another object that took its
+// name meanwhile.
 func (n *node) path(fn func(p string) error) error {
-	return n.at(func(fd int, name string) error { return fn(procPath(fd, name)) })
+	ino := n.redir().attrIno(n.StableAttr().Ino)
+	return n.at(func(fd int, name string) error { return alloc.At(fd, name, ino, fn) })
 }
 
 // nofollow is the *at flag that acts on name itself rather than what it
@@ -190,15 +183,6 @@ func nofollow(name string) int {
 		return unix.AT_EMPTY_PATH
 	}
 	return unix.AT_SYMLINK_NOFOLLOW
-}
-
-// dataAt is at for n's bytes: an imported segment's are in the
-// descriptor it was imported from.
-func (n *node) dataAt(fn func(fd int, name string) error) error {
-	if n.imported() {
-		return n.fs.imports.with(n.redir().imported, func(fd int) error { return fn(fd, "") })
-	}
-	return n.at(fn)
 }
 
 // stat fills st with the segment's attributes.
@@ -269,16 +253,16 @@ var _ = (fusefs.NodeSetattrer)((*node)(nil))
 // Growth reserves pages (alloc.Resize), so ENOSPC comes here, not as a
 // SIGBUS later.
 func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
-	err := n.at(func(fd int, name string) error {
-		p := procPath(fd, name)
-		if m, ok := in.GetMode(); ok {
-			if n.isSymlink() {
-				return syscall.EOPNOTSUPP
-			}
-			if err := unix.Chmod(p, m&07777); err != nil {
-				return err
-			}
+	if m, ok := in.GetMode(); ok {
+		if n.isSymlink() {
+			return toErrno(syscall.EOPNOTSUPP)
 		}
+		if err := n.path(func(p string) error { return unix.Chmod(p, m&07777) }); err != nil {
+			n.fs.refuse("setattr", n, err)
+			return toErrno(err)
+		}
+	}
+	err := n.at(func(fd int, name string) error {
 		uid, uok := in.GetUID()
 		gid, gok := in.GetGID()
 		if uok || gok {
@@ -311,11 +295,7 @@ func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAtt
 			if mok {
 				ts[1] = unix.NsecToTimespec(mtime.UnixNano())
 			}
-			flags := unix.AT_SYMLINK_NOFOLLOW
-			if name == "" {
-				flags = 0 // follow the /proc link to the segment
-			}
-			if err := unix.UtimesNanoAt(unix.AT_FDCWD, p, ts, flags); err != nil {
+			if err := utimesAt(fd, name, ts); err != nil {
 				return err
 			}
 		}
@@ -327,6 +307,15 @@ func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAtt
 		return toErrno(err)
 	}
 	return n.Getattr(ctx, f, out)
+}
+
+// utimesAt sets the times of the object name in dirfd, never following a
+// symbolic link at name; an empty name: the object open at dirfd.
+func utimesAt(dirfd int, name string, ts []unix.Timespec) error {
+	if name == "" {
+		return unix.UtimesNanoAt(unix.AT_FDCWD, alloc.FdPath(dirfd), ts, 0)
+	}
+	return unix.UtimesNanoAt(dirfd, name, ts, unix.AT_SYMLINK_NOFOLLOW)
 }
 
 // resize truncates or grows the segment, through the handle when there
@@ -376,10 +365,11 @@ func caller(ctx context.Context) *fuse.Caller {
 }
 
 // openAt opens the backing object name in dirfd, never following a
-// symbolic link at name; an empty name reopens the object open at dirfd.
+// symbolic link at name; an empty name reopens the object open at dirfd,
+// which must be one of the daemon's own backing files.
 func openAt(dirfd int, name string, flags int) (int, error) {
 	if name == "" {
-		return unix.Open(procPath(dirfd, ""), flags&^unix.O_NOFOLLOW, 0)
+		return unix.Open(alloc.FdPath(dirfd), flags&^unix.O_NOFOLLOW, 0)
 	}
 	return unix.Openat(dirfd, name, flags|unix.O_NOFOLLOW, 0)
 }

@@ -84,7 +84,9 @@ func (n *node) adopt(ctx context.Context, dirfd int, name string, parentFlags al
 			if st.Mode&syscall.S_IFMT == syscall.S_IFLNK {
 				return nil
 			}
-			return alloc.InheritFlags(parentFlags, procPath(tfd, tname), st.Mode&syscall.S_IFMT == syscall.S_IFDIR)
+			return alloc.At(tfd, tname, r.attrIno(st.Ino), func(p string) error {
+				return alloc.InheritFlags(parentFlags, p, st.Mode&syscall.S_IFMT == syscall.S_IFDIR)
+			})
 		})
 	}
 	if err == nil && r == nil && n.fs.gpu != nil {
@@ -175,19 +177,20 @@ func (n *node) Link(ctx context.Context, target fusefs.InodeEmbedder, name strin
 		if t.redir() != nil {
 			return fmt.Errorf("%w: SHARED and imported segments have one name", syscall.EXDEV)
 		}
-		follow := 0
-		if _, parent := t.Parent(); parent == nil {
-			// An O_TMPFILE segment: p is its handle's /proc link.
-			follow = unix.AT_SYMLINK_FOLLOW
+		var err error
+		if t.isSymlink() {
+			// linkat without AT_SYMLINK_FOLLOW links the name itself.
+			err = t.at(func(tfd int, tname string) error { return unix.Linkat(tfd, tname, fd, name, 0) })
+		} else {
+			// p is the /proc link of exactly t's object (an O_TMPFILE
+			// segment's too), which the kernel follows to that inode.
+			err = t.path(func(p string) error { return unix.Linkat(unix.AT_FDCWD, p, fd, name, unix.AT_SYMLINK_FOLLOW) })
 		}
-		return t.path(func(p string) error {
-			if err := unix.Linkat(unix.AT_FDCWD, p, fd, name, follow); err != nil {
-				return err
-			}
-			var err error
-			ch, err = n.child(ctx, fd, name, out)
+		if err != nil {
 			return err
-		})
+		}
+		ch, err = n.child(ctx, fd, name, out)
+		return err
 	})
 	return ch, n.fs.errno("link", n, name, err)
 }
@@ -246,7 +249,10 @@ func (n *node) Rename(ctx context.Context, name string, newParent fusefs.InodeEm
 				err = n.fs.release(replaced)
 			}
 			if err == nil {
-				n.fs.store.RecordSharedPath(procPath(dfd, newName), dst.Path(nil)+"/"+newName)
+				alloc.At(dfd, newName, 0, func(p string) error {
+					n.fs.store.RecordSharedPath(p, dst.Path(nil)+"/"+newName)
+					return nil
+				})
 			}
 			return err
 		})

@@ -148,45 +148,53 @@ var _ = (fusefs.NodeOpener)((*node)(nil))
 // a segment with bytes in an EXCLUSIVE directory is refused (the kernel
 // hides O_CREAT from OPEN, and truncation is the harm EXCLUSIVE prevents).
 func (n *node) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint32, syscall.Errno) {
-	var h *handle
-	imported := n.imported()
-	if imported && flags&unix.O_ACCMODE != unix.O_RDONLY {
-		err := fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
-		return nil, 0, n.fs.errno("open", n, "", err)
-	}
-	err := n.dataAt(func(dirfd int, name string) error {
-		if flags&unix.O_TRUNC != 0 {
-			if err := n.checkTruncate(); err != nil {
-				return err
-			}
+	var fd int
+	var err error
+	bflags := n.fs.backingFlags(flags)
+	if n.imported() {
+		// The sender's own open file, shared: never reopened, so never
+		// with more access than the sender gave.
+		bflags = unix.O_RDONLY | unix.O_CLOEXEC
+		if flags&unix.O_ACCMODE != unix.O_RDONLY {
+			err = fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
+		} else {
+			fd, err = n.fs.imports.dup(n.redir().imported)
 		}
-		bflags := n.fs.backingFlags(flags)
-		if imported {
-			bflags = unix.O_RDONLY | unix.O_CLOEXEC
-		}
-		fd, err := openAt(dirfd, name, bflags)
-		if err != nil {
+	} else {
+		err = n.at(func(dirfd int, name string) error {
+			fd, err = n.openBacking(dirfd, name, flags, bflags)
 			return err
-		}
-		if flags&unix.O_TRUNC != 0 {
-			err := unix.Ftruncate(fd, 0)
-			if seg := n.device(); seg != nil {
-				seg.mu.Lock()
-				err = seg.resize(0)
-				seg.mu.Unlock()
-			}
-			if err != nil {
-				unix.Close(fd)
-				return err
-			}
-		}
-		h = n.newHandle(ctx, fd, bflags)
-		return nil
-	})
+		})
+	}
 	if err != nil {
 		return nil, 0, n.fs.errno("open", n, "", err)
 	}
-	return h, n.openFlags(), 0
+	return n.newHandle(ctx, fd, bflags), n.openFlags(), 0
+}
+
+// openBacking opens n's backing object, name in dirfd, with bflags for a
+// FUSE open with flags, truncating it for O_TRUNC.
+func (n *node) openBacking(dirfd int, name string, flags uint32, bflags int) (int, error) {
+	if flags&unix.O_TRUNC != 0 {
+		if err := n.checkTruncate(); err != nil {
+			return -1, err
+		}
+	}
+	fd, err := openAt(dirfd, name, bflags)
+	if err != nil || flags&unix.O_TRUNC == 0 {
+		return fd, err
+	}
+	err = unix.Ftruncate(fd, 0)
+	if seg := n.device(); seg != nil {
+		seg.mu.Lock()
+		err = seg.resize(0)
+		seg.mu.Unlock()
+	}
+	if err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	return fd, nil
 }
 
 // checkTruncate refuses O_TRUNC of a segment with bytes in an EXCLUSIVE
@@ -240,9 +248,11 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 		var r *redirect
 		if pf&alloc.Shared != 0 {
 			// The marker stays empty; the bytes live on --disk.
-			unix.Close(fd)
+			marker := fd
 			var id string
-			if fd, id, err = n.fs.sharedFile(dirfd, name, n.Path(nil), bflags, mode); err != nil {
+			fd, id, err = n.fs.sharedFile(marker, name, n.Path(nil), bflags, mode)
+			unix.Close(marker)
+			if err != nil {
 				unix.Unlinkat(dirfd, name, 0)
 				return err
 			}
@@ -292,7 +302,7 @@ func (n *node) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *fuse
 		if err != nil {
 			return err
 		}
-		p := "/proc/self/fd/" + strconv.Itoa(fd)
+		p := alloc.FdPath(fd)
 		var st unix.Stat_t
 		if uid, gid, ok := n.fs.owner(ctx, dirfd); ok {
 			err = unix.Fchown(fd, uid, gid)

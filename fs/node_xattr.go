@@ -23,12 +23,12 @@ var _ = (fusefs.NodeGetxattrer)((*node)(nil))
 
 // Getxattr answers tensorfs's virtual attributes and reads stored ones.
 func (n *node) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, syscall.Errno) {
-	if n.isSymlink() {
+	if n.isSymlink() || !userAttr(attr) {
 		return 0, syscall.ENODATA
 	}
-	v, ok, err := n.virtualAttr(attr)
+	v, ok, err := n.virtualAttr(ctx, attr)
 	if err != nil {
-		return 0, toErrno(err)
+		return 0, n.fs.errno("getxattr "+attr, n, "", err)
 	}
 	if ok {
 		if len(dest) == 0 {
@@ -47,9 +47,22 @@ func (n *node) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, 
 	return uint32(sz), toErrno(err)
 }
 
+// userAttr reports whether attr is in the user namespace, the only one a
+// mount serves: the daemon's own state is in the trusted one, and
+// security.* names would be set with the daemon's privileges.
+func userAttr(attr string) bool { return strings.HasPrefix(attr, "user.") }
+
+// mayHaveHandle reports whether the caller may read user.tensorfs.handle:
+// the backing is private to the daemon, so its path is for the daemon's
+// own user and root; others get a descriptor through the socket's export.
+func (fsys *filesystem) mayHaveHandle(ctx context.Context) bool {
+	uid := caller(ctx).Uid
+	return uid == 0 || int(uid) == os.Geteuid()
+}
+
 // virtualAttr computes the attributes tensorfs derives rather than stores.
 // ok is false when attr is stored (or absent) on the backing.
-func (n *node) virtualAttr(attr string) (v []byte, ok bool, err error) {
+func (n *node) virtualAttr(ctx context.Context, attr string) (v []byte, ok bool, err error) {
 	dir := n.isDir()
 	file := n.StableAttr().Mode == syscall.S_IFREG
 	switch {
@@ -77,14 +90,12 @@ func (n *node) virtualAttr(attr string) (v []byte, ok bool, err error) {
 		return []byte(strconv.Itoa(n.refcount())), true, nil
 	case attr == alloc.AttrHolders && file:
 		return []byte(n.holders()), true, nil
+	case attr == alloc.AttrHandle && file && !n.fs.mayHaveHandle(ctx):
+		return nil, true, fmt.Errorf("%w: the backing path is for the daemon's user and root; use the control socket's export", syscall.EACCES)
 	case attr == alloc.AttrHandle && file && n.imported():
 		// The sender's file may have no name; the daemon's descriptor
-		// opens the same pages (for processes allowed to read it).
-		var target string
-		err := n.dataAt(func(fd int, _ string) error {
-			target = "/proc/" + strconv.Itoa(os.Getpid()) + "/fd/" + strconv.Itoa(fd)
-			return nil
-		})
+		// opens the same pages.
+		target, err := n.fs.imports.procLink(n.redir().imported)
 		return []byte(target), true, err
 	case attr == alloc.AttrHandle && file:
 		var target string
@@ -96,8 +107,8 @@ func (n *node) virtualAttr(attr string) (v []byte, ok bool, err error) {
 		return []byte(target), true, err
 	case (attr == alloc.AttrRbytes || attr == alloc.AttrRsegments) && dir:
 		var segs, size int64
-		err := n.path(func(p string) error {
-			segs, size = n.fs.subtreeUsage(p)
+		err := n.withDir(func(fd int) error {
+			segs, size = n.fs.subtreeUsage(fd)
 			return nil
 		})
 		if attr == alloc.AttrRbytes {
@@ -116,8 +127,9 @@ func (n *node) virtualAttr(attr string) (v []byte, ok bool, err error) {
 	return nil, false, nil
 }
 
-// virtualNames lists the computed attributes a node of this kind has.
-func (n *node) virtualNames() []string {
+// virtualNames lists the computed attributes a node of this kind has for
+// the caller.
+func (n *node) virtualNames(ctx context.Context) []string {
 	switch {
 	case n == n.fs.root:
 		names := []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRbytes, alloc.AttrRsegments, alloc.AttrStats}
@@ -133,8 +145,10 @@ func (n *node) virtualNames() []string {
 			names = append(names, alloc.AttrCudaIPCHandle, alloc.AttrCudaOffset, alloc.AttrCudaEventHandle)
 		}
 		return names
-	case n.StableAttr().Mode == syscall.S_IFREG:
+	case n.StableAttr().Mode == syscall.S_IFREG && n.fs.mayHaveHandle(ctx):
 		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRefcount, alloc.AttrHolders, alloc.AttrHandle}
+	case n.StableAttr().Mode == syscall.S_IFREG:
+		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRefcount, alloc.AttrHolders}
 	}
 	return nil
 }
@@ -155,7 +169,7 @@ func (n *node) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errn
 		return 0, toErrno(err)
 	}
 	var b bytes.Buffer
-	virtual := n.virtualNames()
+	virtual := n.virtualNames(ctx)
 	for _, name := range virtual {
 		b.WriteString(name)
 		b.WriteByte(0)
@@ -183,6 +197,10 @@ func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uin
 	if n.isSymlink() {
 		return syscall.EPERM // as on tmpfs: symbolic links carry no user attributes
 	}
+	if !userAttr(attr) {
+		err := fmt.Errorf("%w: only user.* attributes are stored", syscall.EOPNOTSUPP)
+		return n.fs.errno("setxattr "+attr, n, "", err)
+	}
 	if attr == alloc.AttrFlags {
 		defer n.flagsPlus1.Store(0)
 	}
@@ -195,18 +213,21 @@ func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uin
 		err = fmt.Errorf("%w: the device of a segment changes while nobody has it open", alloc.ErrNotEmpty)
 	}
 	if err == nil {
+		ino := n.redir().attrIno(n.StableAttr().Ino)
 		err = n.at(func(fd int, name string) error {
-			err := alloc.Setxattr(alloc.Object{
-				Path:    procPath(fd, name),
-				Dir:     n.isDir(),
-				Size:    st.Size,
-				HasDisk: n.fs.store.Disk != "",
-				GPU:     n.fs.gpuName(),
-			}, attr, data, int(flags))
-			if err == nil && attr == alloc.AttrDevice && !n.isDir() {
-				err = n.fs.moveToDevice(n, fd, name, &st)
-			}
-			return err
+			return alloc.At(fd, name, ino, func(p string) error {
+				err := alloc.Setxattr(alloc.Object{
+					Path:    p,
+					Dir:     n.isDir(),
+					Size:    st.Size,
+					HasDisk: n.fs.store.Disk != "",
+					GPU:     n.fs.gpuName(),
+				}, attr, data, int(flags))
+				if err == nil && attr == alloc.AttrDevice && !n.isDir() {
+					err = n.fs.moveToDevice(n, fd, name, &st)
+				}
+				return err
+			})
 		})
 	}
 	return n.fs.errno("setxattr "+attr, n, "", err)
@@ -216,7 +237,7 @@ var _ = (fusefs.NodeRemovexattrer)((*node)(nil))
 
 // Removexattr removes a stored attribute.
 func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
-	if n.isSymlink() {
+	if n.isSymlink() || !userAttr(attr) {
 		return syscall.ENODATA
 	}
 	if attr == alloc.AttrFlags {
@@ -229,32 +250,31 @@ func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
 	return n.fs.errno("removexattr "+attr, n, "", err)
 }
 
-// subtreeUsage counts the segments under dir and the bytes they hold:
-// an imported or device segment's backing file is an empty marker, so its
-// bytes are counted where they live.
-func (fsys *filesystem) subtreeUsage(dir string) (segments, bytes int64) {
-	filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
-		if err != nil || !d.Type().IsRegular() {
-			return nil
-		}
-		info, err := d.Info()
-		if err != nil {
+// subtreeUsage counts the segments below the directory open at dirfd and
+// the bytes they hold: an imported or device segment's backing file is an
+// empty marker, so its bytes are counted where they live.
+func (fsys *filesystem) subtreeUsage(dirfd int) (segments, bytes int64) {
+	alloc.Walk(dirfd, func(fd int, name, _ string, st *unix.Stat_t) error {
+		if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
 			return nil
 		}
 		segments++
-		size := info.Size()
+		size := st.Size
 		if size == 0 {
-			if id := alloc.ImportID(p); id != "" {
-				fsys.imports.with(id, func(fd int) error {
-					var st unix.Stat_t
-					if unix.Fstat(fd, &st) == nil {
-						size = st.Size
-					}
-					return nil
-				})
-			} else if alloc.DeviceOf(p) != "cpu" {
-				size = alloc.ReadDeviceState(p).Size
-			}
+			alloc.At(fd, name, st.Ino, func(p string) error {
+				if id := alloc.ImportID(p); id != "" {
+					fsys.imports.with(id, func(fd int) error {
+						var st unix.Stat_t
+						if unix.Fstat(fd, &st) == nil {
+							size = st.Size
+						}
+						return nil
+					})
+				} else if alloc.DeviceOf(p) != "cpu" {
+					size = alloc.ReadDeviceState(p).Size
+				}
+				return nil
+			})
 		}
 		bytes += size
 		return nil

@@ -1,6 +1,9 @@
 package fs
 
 import (
+	"fmt"
+	"os"
+	"strconv"
 	"sync"
 	"syscall"
 
@@ -25,21 +28,47 @@ type redirect struct {
 	dev *devSeg
 }
 
-// imports holds the descriptors of imported (FROMFD) segments.
-type imports struct {
-	// mu is held for reading while a descriptor is used, for writing
-	// while one is added or closed.
-	mu  sync.RWMutex
-	fds map[string]int
+// attrIno is the inode that alloc.At must find where r's attributes live,
+// for the segment whose marker is inode ino: 0 (any) for a SHARED
+// segment's disk file, which the daemon names by its own id.
+func (r *redirect) attrIno(ino uint64) uint64 {
+	if r != nil && r.disk != "" {
+		return 0
+	}
+	return ino
 }
 
-func (im *imports) add(id string, fd int) {
+// imports holds the descriptors of imported (FROMFD) segments.
+type imports struct {
+	mu    sync.RWMutex // protects fds and perUID
+	fds   map[string]imported
+	count map[uint32]int // imports held, by owner
+}
+
+// imported is the descriptor of one import and the uid that sent it.
+type imported struct {
+	fd  int
+	uid uint32
+}
+
+// maxImportsPerUID bounds the descriptors one user's imports keep open in
+// the daemon, so that no user can take the descriptors FUSE service needs.
+const maxImportsPerUID = 4096
+
+// add keeps fd as import id of uid, or refuses with EMFILE when uid holds
+// maxImportsPerUID imports already.
+func (im *imports) add(id string, fd int, uid uint32) error {
 	im.mu.Lock()
 	defer im.mu.Unlock()
 	if im.fds == nil {
-		im.fds = map[string]int{}
+		im.fds, im.count = map[string]imported{}, map[uint32]int{}
 	}
-	im.fds[id] = fd
+	if im.count[uid] >= maxImportsPerUID {
+		return fmt.Errorf("%w: uid %d holds %d imported segments, the most one user may", syscall.EMFILE, uid, maxImportsPerUID)
+	}
+	im.fds[id] = imported{fd, uid}
+	im.count[uid]++
+	return nil
 }
 
 // any reports whether the daemon holds imports; markers of an earlier
@@ -50,23 +79,48 @@ func (im *imports) any() bool {
 	return len(im.fds) > 0
 }
 
-// with runs fn with the descriptor of import id.
-func (im *imports) with(id string, fn func(fd int) error) error {
+// dup returns a duplicate of import id's descriptor, which the caller
+// closes: the same open file, with exactly the access its sender gave.
+func (im *imports) dup(id string) (int, error) {
 	im.mu.RLock()
 	defer im.mu.RUnlock()
-	fd, ok := im.fds[id]
+	in, ok := im.fds[id]
 	if !ok {
-		return syscall.ENOENT
+		return -1, syscall.ENOENT
 	}
+	return unix.FcntlInt(uintptr(in.fd), unix.F_DUPFD_CLOEXEC, 0)
+}
+
+// procLink returns the /proc path of the daemon's descriptor of import id,
+// which opens the sender's file.
+func (im *imports) procLink(id string) (string, error) {
+	im.mu.RLock()
+	defer im.mu.RUnlock()
+	in, ok := im.fds[id]
+	if !ok {
+		return "", syscall.ENOENT
+	}
+	return "/proc/" + strconv.Itoa(os.Getpid()) + "/fd/" + strconv.Itoa(in.fd), nil
+}
+
+// with runs fn with a duplicate of import id's descriptor. No lock is
+// held while fn runs.
+func (im *imports) with(id string, fn func(fd int) error) error {
+	fd, err := im.dup(id)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
 	return fn(fd)
 }
 
 func (im *imports) drop(id string) {
 	im.mu.Lock()
 	defer im.mu.Unlock()
-	if fd, ok := im.fds[id]; ok {
-		unix.Close(fd)
+	if in, ok := im.fds[id]; ok {
+		unix.Close(in.fd)
 		delete(im.fds, id)
+		im.count[in.uid]--
 	}
 }
 
@@ -76,23 +130,30 @@ func (fsys *filesystem) redirectOf(dirfd int, name string, st *unix.Stat_t) *red
 	if st.Mode&syscall.S_IFMT != syscall.S_IFREG || st.Size != 0 {
 		return nil
 	}
-	p := procPath(dirfd, name)
-	if fsys.imports.any() {
-		if id := alloc.ImportID(p); id != "" {
-			return &redirect{imported: id}
+	var r *redirect
+	onDevice := false
+	alloc.At(dirfd, name, st.Ino, func(p string) error {
+		if fsys.imports.any() {
+			if id := alloc.ImportID(p); id != "" {
+				r = &redirect{imported: id}
+				return nil
+			}
 		}
-	}
-	if fsys.store.Disk != "" {
-		if id := alloc.SharedID(p); id != "" {
-			return &redirect{disk: id}
+		if fsys.store.Disk != "" {
+			if id := alloc.SharedID(p); id != "" {
+				r = &redirect{disk: id}
+				return nil
+			}
 		}
-	}
-	if fsys.gpu != nil && alloc.DeviceOf(p) != "cpu" {
+		onDevice = fsys.gpu != nil && alloc.DeviceOf(p) != "cpu"
+		return nil
+	})
+	if onDevice {
 		if seg, err := fsys.gpu.segment(st.Ino, dirfd, name); err == nil {
 			return &redirect{dev: seg}
 		}
 	}
-	return nil
+	return r
 }
 
 // withAttrs runs fn with a descriptor and name that reach the attributes

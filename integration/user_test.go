@@ -51,12 +51,13 @@ func pythonAs(t *testing.T, uid int, dir, script string, args ...string) string 
 }
 
 // reachable lets every user search the directories above path that the
-// test made (t.TempDir's are 0700), so an unprivileged child can reach a
-// mount below them; it lists nothing.
+// tests made below the temporary directory's top ("/tmp"; t.TempDir's are
+// 0700), so an unprivileged child can reach a mount below them; it lists
+// nothing.
 func reachable(t *testing.T, path string) {
 	t.Helper()
-	tmp := filepath.Clean(os.TempDir())
-	for d := filepath.Dir(path); strings.HasPrefix(d, tmp+"/"); d = filepath.Dir(d) {
+	top := "/" + strings.SplitN(strings.TrimPrefix(filepath.Clean(os.TempDir()), "/"), "/", 2)[0]
+	for d := filepath.Dir(path); strings.HasPrefix(d, top+"/"); d = filepath.Dir(d) {
 		var st syscall.Stat_t
 		if err := syscall.Stat(d, &st); err != nil {
 			t.Fatal(err)
@@ -67,4 +68,9 @@ func reachable(t *testing.T, path string) {
 			}
 		}
 	}
+}
+
+// pyCommand returns a command running /usr/bin/python3 -c script args.
+func pyCommand(script string, args ...string) *exec.Cmd {
+	return exec.Command(systemPython, append([]string{"-c", script}, args...)...)
 }

@@ -162,18 +162,21 @@ func unescapeMountinfo(s string) string {
 
 // statePath is where the daemon of mp keeps its pid and log.
 func statePath(mp, ext string) string {
-	return alloc.PrivateBacking(mp) + ext
+	return alloc.StatePath(mp, ext)
 }
 
 // daemonize starts "tensorfs mount -f" in a new session and returns once
 // it says the mount is ready.
 func daemonize(args []string, mp string, stdout, stderr io.Writer) int {
 	logPath := statePath(mp, ".log")
-	if err := os.MkdirAll(filepath.Dir(logPath), 0o755); err != nil {
+	if err := alloc.MakeStateDir(); err != nil {
 		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
 		return 1
 	}
-	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
+	if err == nil {
+		err = logf.Chmod(0o600) // a log from an earlier version may be 0644
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
 		return 1

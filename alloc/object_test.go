@@ -1,0 +1,166 @@
+package alloc
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+func openDir(t testing.TB, dir string) int {
+	t.Helper()
+	fd, err := unix.Open(dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	return fd
+}
+
+// TestAtNeverFollows: At names the object itself, refuses a symbolic link
+// planted at the name, and refuses another object than the one meant.
+func TestAtNeverFollows(t *testing.T) {
+	dir, outside := t.TempDir(), t.TempDir()
+	target := filepath.Join(outside, "target")
+	os.WriteFile(target, nil, 0o600)
+	os.WriteFile(filepath.Join(dir, "file"), nil, 0o600)
+	os.Symlink(target, filepath.Join(dir, "link"))
+	fd := openDir(t, dir)
+
+	set := func(p string) error { return unix.Setxattr(p, "user.test", []byte("x"), 0) }
+	if err := At(fd, "link", 0, set); !errors.Is(err, syscall.ELOOP) {
+		t.Errorf("At on a symbolic link: %v, want ELOOP", err)
+	}
+	if _, err := unix.Getxattr(target, "user.test", nil); !errors.Is(err, unix.ENODATA) {
+		t.Errorf("the link's target got an attribute: %v", err)
+	}
+	var st unix.Stat_t
+	unix.Stat(filepath.Join(dir, "file"), &st)
+	if err := At(fd, "file", st.Ino+1, set); !errors.Is(err, syscall.ESTALE) {
+		t.Errorf("At with another inode: %v, want ESTALE", err)
+	}
+	if err := At(fd, "file", st.Ino, set); err != nil {
+		t.Errorf("At on the file itself: %v", err)
+	}
+}
+
+// TestWalkStaysBelow: Walk reports every object below the directory and
+// enters no symbolic link.
+func TestWalkStaysBelow(t *testing.T) {
+	dir, outside := t.TempDir(), t.TempDir()
+	os.WriteFile(filepath.Join(outside, "secret"), nil, 0o600)
+	os.MkdirAll(filepath.Join(dir, "a", "b"), 0o755)
+	os.WriteFile(filepath.Join(dir, "a", "b", "f"), []byte("12"), 0o600)
+	os.Symlink(outside, filepath.Join(dir, "a", "out"))
+	var seen []string
+	err := Walk(openDir(t, dir), func(_ int, _, rel string, _ *unix.Stat_t) error {
+		seen = append(seen, rel)
+		return nil
+	})
+	slices.Sort(seen)
+	if want := []string{"a", "a/b", "a/b/f", "a/out"}; err != nil || !slices.Equal(seen, want) {
+		t.Errorf("Walk saw %v, %v; want %v", seen, err, want)
+	}
+}
+
+// FuzzRecover: whatever a backing and a disk directory hold (files, links
+// to outside, directories, any internal attribute values), recovery
+// touches nothing outside them.
+func FuzzRecover(f *testing.F) {
+	f.Add([]byte("f\x00seg\x00import\x000123456789abcdef\x00"))
+	f.Add([]byte("l\x00seg\x00f\x00seg\x00disk\x00../../../outside/secret\x00"))
+	f.Add([]byte("D\x000123456789abcdef\x00path\x00../../outside/x\x00"))
+	f.Add([]byte("d\x00a\x00l\x00a/b\x00D\x00fedcba9876543210\x00path\x00a/b/c\x00"))
+	f.Add([]byte("f\x00u\x00flags\x00UNLINK\x00l\x00v\x00D\x00aaaaaaaaaaaaaaaa\x00path\x00/v\x00"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		top := t.TempDir()
+		os.Chmod(top, 0o700)
+		backing, disk, outside := filepath.Join(top, "backing"), filepath.Join(top, "disk"), filepath.Join(top, "outside")
+		for _, d := range []string{backing, disk, outside} {
+			os.Mkdir(d, 0o700)
+		}
+		secret := filepath.Join(outside, "secret")
+		os.WriteFile(secret, []byte("secret"), 0o600)
+		buildTree(string(data), backing, disk, outside)
+		before := snapshot(t, outside) + topNames(top)
+
+		s, err := Open(Config{Backing: backing, Disk: disk}, slog.New(slog.NewTextHandler(io.Discard, nil)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		s.Recover()
+		if after := snapshot(t, outside) + topNames(top); after != before {
+			t.Errorf("recovery changed what is outside the backing:\nbefore:\n%s\nafter:\n%s", before, after)
+		}
+	})
+}
+
+// buildTree reads NUL-separated words and makes, below backing and disk:
+// "f NAME" a file, "d NAME" a directory, "l NAME" a link to outside, and
+// after a file, "KEY VALUE" pairs that set an attribute on it (import,
+// disk, path, devsize, spilled as the internal names; flags, device as
+// the user ones); "D ID" a disk file. Names may hold "/" and "..": they
+// are joined as they come, which is how a planted tree could look.
+func buildTree(data, backing, disk, outside string) {
+	words := strings.Split(data, "\x00")
+	var last string
+	for i := 0; i+1 < len(words); i += 2 {
+		kind, name := words[i], words[i+1]
+		switch kind {
+		case "f":
+			last = filepath.Join(backing, name)
+			os.WriteFile(last, nil, 0o600)
+		case "d":
+			os.MkdirAll(filepath.Join(backing, name), 0o755)
+		case "l":
+			os.Symlink(outside, filepath.Join(backing, name))
+			os.Symlink(filepath.Join(outside, "secret"), filepath.Join(backing, name+"f"))
+		case "D":
+			last = filepath.Join(disk, name)
+			os.WriteFile(last, nil, 0o600)
+		case "import", "disk", "path", "devsize", "spilled":
+			unix.Lsetxattr(last, internalAttr(kind), []byte(name), 0)
+		case "flags", "device":
+			unix.Lsetxattr(last, "user.tensorfs."+kind, []byte(name), 0)
+		}
+	}
+}
+
+// topNames lists the names in dir.
+func topNames(dir string) string {
+	entries, _ := os.ReadDir(dir)
+	var b strings.Builder
+	for _, e := range entries {
+		b.WriteString(e.Name() + "\n")
+	}
+	return b.String()
+}
+
+// snapshot lists everything below dir with its mode, size and attributes.
+func snapshot(t *testing.T, dir string) string {
+	t.Helper()
+	var b strings.Builder
+	filepath.WalkDir(dir, func(p string, d os.DirEntry, err error) error {
+		if err != nil {
+			return nil
+		}
+		info, _ := d.Info()
+		fmt.Fprintf(&b, "%s %v %d ", p, info.Mode(), info.Size())
+		names := make([]byte, 4096)
+		if n, err := unix.Llistxattr(p, names); err == nil {
+			b.Write(names[:n])
+		}
+		b.WriteByte('\n')
+		return nil
+	})
+	return b.String()
+}
