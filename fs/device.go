@@ -26,7 +26,7 @@ type devices struct {
 	dev   gpu.Device
 	limbo *gpu.Limbo
 	// counters holds the segments' consumer reference counters, one file
-	// each, beside the backing.
+	// each.
 	counters *gpu.CounterDir
 	log      *slog.Logger
 
@@ -67,11 +67,15 @@ type devSeg struct {
 	retired int
 }
 
-// newDevices serves dev for store: it prepares the directory of consumer
-// reference counters beside the backing and restores the segments an
-// earlier mount left.
-func newDevices(dev gpu.Device, store *alloc.Store, log *slog.Logger) (*devices, error) {
-	counters, err := gpu.OpenCounterDir(store.Dir + ".refcounters")
+// newDevices serves dev for store, mounted at mountpoint: it prepares the
+// directory of consumer reference counters among the mount's state files
+// (in the state directory, which others may pass through but not list)
+// and restores the segments an earlier mount left.
+func newDevices(dev gpu.Device, store *alloc.Store, mountpoint string, log *slog.Logger) (*devices, error) {
+	if err := alloc.MakeStateDir(); err != nil {
+		return nil, err
+	}
+	counters, err := gpu.OpenCounterDir(alloc.StatePath(mountpoint, ".refcounters"))
 	if err != nil {
 		return nil, err
 	}
