@@ -23,12 +23,12 @@ import (
 // stay empty while mounted; a clean unmount spills the bytes into them
 // and the next mount restores them (DESIGN.md §6).
 type devices struct {
-	dev      gpu.Device
-	limbo    *gpu.Limbo
-	counters *gpu.RefCounters
-	// countersPath is the host file of the consumer reference counters.
-	countersPath string
-	log          *slog.Logger
+	dev   gpu.Device
+	limbo *gpu.Limbo
+	// counters holds the segments' consumer reference counters, one file
+	// each.
+	counters *gpu.CounterDir
+	log      *slog.Logger
 
 	// mu protects segs, every device segment by backing inode number.
 	mu   sync.Mutex
@@ -49,38 +49,40 @@ type devSeg struct {
 	size  int64
 	// exportable is true when block came from AllocExportable (export).
 	exportable bool
-	// removed is true once the segment's last name is gone.
-	removed bool
 	// backing is the backing file, open for spilling; nil once removed.
 	backing *os.File
 	// opens counts the open handles; atomic, so that the limbo can ask.
 	opens atomic.Int64
-	// slot is the offset of the consumer reference counter plus one, 0
-	// until a consumer asks for one; atomic like opens.
-	slot atomic.Int64
+
+	// cmu protects the fields below. The limbo's predicates take it, not
+	// mu; where both are taken, mu comes first.
+	cmu sync.Mutex
+	// removed is true once the segment's last name is gone; it is set with
+	// mu and cmu held, so either suffices to read it.
+	removed bool
+	// counter is the consumer reference counter, nil until a consumer
+	// asks for it; it goes when the segment is removed and none of its
+	// blocks waits in limbo (retired).
+	counter *gpu.Counter
+	retired int
 }
 
-// refCounterSlots is how many consumer counters the mount offers.
-const refCounterSlots = 1 << 16
-
-// newDevices serves dev for store: it creates the reference counter file
-// beside the backing and restores the segments an earlier mount left.
-func newDevices(dev gpu.Device, store *alloc.Store, log *slog.Logger) (*devices, error) {
-	d := &devices{dev: dev, limbo: gpu.NewLimbo(dev), log: log, segs: map[uint64]*devSeg{},
-		countersPath: store.Dir + ".refcounters"}
-	f, err := os.OpenFile(d.countersPath, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o644)
+// newDevices serves dev for store, mounted at mountpoint: it prepares the
+// directory of consumer reference counters among the mount's state files
+// (in the state directory, which others may pass through but not list)
+// and restores the segments an earlier mount left.
+func newDevices(dev gpu.Device, store *alloc.Store, mountpoint string, log *slog.Logger) (*devices, error) {
+	if err := alloc.MakeStateDir(); err != nil {
+		return nil, err
+	}
+	counters, err := gpu.OpenCounterDir(alloc.StatePath(mountpoint, ".refcounters"))
 	if err != nil {
-		return nil, fmt.Errorf("reference counter file: %w", err)
-	}
-	defer f.Close()
-	if err := f.Truncate(refCounterSlots * 8); err != nil {
 		return nil, err
 	}
-	if d.counters, err = gpu.NewRefCounters(f); err != nil {
-		return nil, err
-	}
+	d := &devices{dev: dev, limbo: gpu.NewLimbo(dev), counters: counters, log: log, segs: map[uint64]*devSeg{}}
 	paths, err := store.DeviceSegments()
 	if err != nil {
+		counters.RemoveAll()
 		return nil, err
 	}
 	for _, p := range paths {
@@ -162,12 +164,17 @@ func (d *devices) drop(ino uint64) {
 	}
 	seg.mu.Lock()
 	defer seg.mu.Unlock()
-	seg.removed = true
 	seg.backing.Close()
 	seg.backing = nil
+	seg.cmu.Lock()
+	seg.removed = true
+	seg.cmu.Unlock()
 	// Open handles keep using the block; limbo frees it only once none
 	// is open and no consumer counter refers to it.
-	seg.retire(seg.block, true)
+	seg.retire(seg.block)
+	seg.cmu.Lock()
+	seg.removeCounterLocked()
+	seg.cmu.Unlock()
 }
 
 // collect frees limbo blocks nobody refers to any more, every second.
@@ -178,7 +185,7 @@ func (d *devices) collect() {
 }
 
 // spill copies every device segment into its backing file, for the next
-// mount to restore, and releases the device.
+// mount to restore, and releases the device and the counters.
 func (d *devices) spill() {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -190,6 +197,9 @@ func (d *devices) spill() {
 		seg.mu.Unlock()
 	}
 	d.dev.Close()
+	if err := d.counters.RemoveAll(); err != nil {
+		d.log.Warn("reference counters not removed", "err", err)
+	}
 }
 
 func (seg *devSeg) spillLocked() error {
@@ -206,28 +216,48 @@ func (seg *devSeg) spillLocked() error {
 }
 
 // retire puts a block that left its segment in limbo: it is freed once
-// the segment has no open handle and its consumer counter is zero. The
-// last block of a removed segment (final) also gives its counter back.
-func (seg *devSeg) retire(b gpu.Block, final bool) {
-	referenced := func() bool {
-		slot := seg.slot.Load() - 1
-		return seg.opens.Load() > 0 || slot >= 0 && seg.d.counters.Value(slot) > 0
-	}
+// the segment has no open handle and its consumer counter is zero.
+func (seg *devSeg) retire(b gpu.Block) {
 	if b.Size == 0 {
-		if final && !referenced() && seg.slot.Load() > 0 {
-			seg.d.counters.Release(seg.slot.Load() - 1)
-		}
 		return
 	}
+	seg.cmu.Lock()
+	seg.retired++
+	seg.cmu.Unlock()
 	seg.d.limbo.Add(b, func() bool {
-		if referenced() {
+		seg.cmu.Lock()
+		defer seg.cmu.Unlock()
+		if seg.opens.Load() > 0 || seg.counter != nil && seg.counter.Value() > 0 {
 			return true
 		}
-		if final && seg.slot.Load() > 0 {
-			seg.d.counters.Release(seg.slot.Swap(0) - 1)
-		}
+		seg.retired--
+		seg.removeCounterLocked()
 		return false
 	})
+}
+
+// replace makes nb the segment's block; the old one waits in limbo while
+// consumers may hold it. A removed segment's block is in limbo already
+// (drop), so there nb joins it.
+func (seg *devSeg) replace(nb gpu.Block) {
+	if seg.removed {
+		seg.retire(nb)
+	} else {
+		seg.retire(seg.block)
+	}
+	seg.block = nb
+}
+
+// removeCounterLocked removes the counter file of a removed segment once
+// none of its blocks waits in limbo: nothing is left for it to protect.
+func (seg *devSeg) removeCounterLocked() {
+	if !seg.removed || seg.retired > 0 || seg.counter == nil {
+		return
+	}
+	if err := seg.counter.Remove(); err != nil {
+		seg.d.log.Warn("reference counter not removed", "file", seg.counter.Path(), "err", err)
+	}
+	seg.counter = nil
 }
 
 // Size returns the segment's size in bytes.
@@ -287,11 +317,8 @@ func (seg *devSeg) realloc(capacity, size int64) error {
 			return err
 		}
 	}
-	seg.retire(seg.block, false)
-	if seg.removed {
-		seg.retire(nb, true) // a removed segment's memory is all in limbo
-	}
-	seg.block, seg.size, seg.exportable = nb, size, false
+	seg.replace(nb)
+	seg.size, seg.exportable = size, false
 	return seg.recordSize()
 }
 
@@ -304,8 +331,8 @@ func (seg *devSeg) recordSize() error {
 	return alloc.WriteDeviceState(alloc.FdPath(int(seg.backing.Fd())), alloc.DeviceState{Size: seg.size})
 }
 
-// alloc allocates a zeroed block, collecting the limbo once if the
-// device is full.
+// alloc allocates a block (zeroed by the device), collecting the limbo
+// once if the device is full.
 func (seg *devSeg) alloc(size int64) (gpu.Block, error) {
 	b, err := seg.d.dev.Alloc(size)
 	if errors.Is(err, gpu.ErrOutOfMemory) && seg.d.limbo.Collect() > 0 {
@@ -314,14 +341,7 @@ func (seg *devSeg) alloc(size int64) (gpu.Block, error) {
 	if errors.Is(err, gpu.ErrOutOfMemory) {
 		return b, fmt.Errorf("%w: device memory: %v", alloc.ErrNoSpace, err)
 	}
-	if err != nil {
-		return b, err
-	}
-	if err := seg.zero(b, 0, size); err != nil {
-		seg.d.dev.Free(b)
-		return b, err
-	}
-	return b, nil
+	return b, err
 }
 
 // zero clears bytes [from, to) of block b.
@@ -409,19 +429,60 @@ func (seg *devSeg) ipc() (gpu.IPCInfo, error) {
 	return seg.d.dev.IPC(seg.block)
 }
 
-// refCounter returns the offset of the segment's consumer counter,
-// taking a slot on first use.
-func (seg *devSeg) refCounter() (int64, error) {
+// refCounter returns the path of the segment's consumer counter file,
+// making it on first use with the segment's access (followLocked).
+func (seg *devSeg) refCounter() (string, error) {
 	seg.mu.Lock()
 	defer seg.mu.Unlock()
-	if seg.slot.Load() == 0 {
-		slot, err := seg.d.counters.Slot()
-		if err != nil {
-			return 0, err
-		}
-		seg.slot.Store(slot + 1)
+	seg.cmu.Lock()
+	defer seg.cmu.Unlock()
+	if seg.counter != nil {
+		return seg.counter.Path(), nil
 	}
-	return seg.slot.Load() - 1, nil
+	if seg.removed {
+		return "", fmt.Errorf("%w: the segment was removed before a consumer asked for a counter", alloc.ErrNoAttr)
+	}
+	c, err := seg.d.counters.New()
+	if err != nil {
+		return "", err
+	}
+	seg.counter = c
+	if err := seg.followLocked(); err != nil {
+		seg.counter = nil
+		c.Remove()
+		return "", err
+	}
+	return c.Path(), nil
+}
+
+// followLocked gives the consumer counter, if any, the owner and group of
+// the segment and read and write for exactly the classes that may read
+// it; mu and cmu are held.
+func (seg *devSeg) followLocked() error {
+	if seg.counter == nil || seg.backing == nil {
+		return nil
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(seg.backing.Fd()), &st); err != nil {
+		return err
+	}
+	return seg.counter.Follow(st.Uid, st.Gid, st.Mode)
+}
+
+// followAccess makes the consumer counter of n's device segment, if any,
+// follow a chmod or chown of the segment (Setattr).
+func (n *node) followAccess() {
+	seg := n.device()
+	if seg == nil {
+		return
+	}
+	seg.mu.Lock()
+	defer seg.mu.Unlock()
+	seg.cmu.Lock()
+	defer seg.cmu.Unlock()
+	if err := seg.followLocked(); err != nil {
+		n.fs.log.Error("reference counter does not follow the segment's owner and mode", "file", seg.counter.Path(), "err", err)
+	}
 }
 
 // opened and closed count the segment's open handles.
@@ -466,12 +527,13 @@ func (fsys *filesystem) moveToDevice(n *node, dirfd int, name string, st *unix.S
 }
 
 // cudaAttr answers the user.tensorfs.cuda.* attributes of a device
-// segment: raw 64-byte handles, decimal offset, and "PATH:OFFSET" of its
-// consumer reference counter.
+// segment: raw 64-byte handles, decimal offset (always 0: the segment has
+// its allocation to itself), and "PATH:0" of its consumer reference
+// counter file.
 func (fsys *filesystem) cudaAttr(seg *devSeg, attr string) ([]byte, error) {
 	if attr == alloc.AttrCudaRefCounter {
-		off, err := seg.refCounter()
-		return []byte(fmt.Sprintf("%s:%d", fsys.gpu.countersPath, off)), err
+		path, err := seg.refCounter()
+		return []byte(path + ":0"), err
 	}
 	info, err := seg.ipc()
 	if err != nil {
@@ -481,7 +543,7 @@ func (fsys *filesystem) cudaAttr(seg *devSeg, attr string) ([]byte, error) {
 	case alloc.AttrCudaIPCHandle:
 		return info.MemHandle[:], nil
 	case alloc.AttrCudaOffset:
-		return []byte(fmt.Sprint(info.Offset)), nil
+		return []byte("0"), nil
 	case alloc.AttrCudaEventHandle:
 		return info.EventHandle[:], nil
 	}
@@ -591,8 +653,8 @@ func (seg *devSeg) export() (*os.File, error) {
 			seg.d.dev.Free(nb)
 			return nil, err
 		}
-		seg.retire(seg.block, false)
-		seg.block, seg.exportable = nb, true
+		seg.replace(nb)
+		seg.exportable = true
 	}
 	return seg.d.dev.Export(seg.block)
 }

@@ -122,7 +122,7 @@ func Mount(opts Options) (*Server, error) {
 	}
 	if opts.GPU != nil && opts.GPU.Backend() != "none" {
 		var err error
-		if fsys.gpu, err = newDevices(opts.GPU, opts.Store, opts.Log); err != nil {
+		if fsys.gpu, err = newDevices(opts.GPU, opts.Store, opts.Mountpoint, opts.Log); err != nil {
 			return nil, fmt.Errorf("GPU segments: %w", err)
 		}
 	}

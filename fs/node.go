@@ -301,6 +301,7 @@ func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAtt
 		}
 		return nil
 	})
+	n.followAccess()
 	if err != nil {
 		n.fs.refuse("setattr", n, err)
 		return toErrno(err)

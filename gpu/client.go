@@ -415,13 +415,9 @@ func (r *remote) IPC(b Block) (IPCInfo, error) {
 		return IPCInfo{}, err
 	}
 	var info IPCInfo
-	if err := m.want(1); err != nil {
-		return IPCInfo{}, err
-	}
 	if len(m.data) != len(info.MemHandle)+len(info.EventHandle) {
 		return IPCInfo{}, fmt.Errorf("%w: %d bytes of IPC handles", errProtocol, len(m.data))
 	}
-	info.Offset = m.args[0]
 	copy(info.MemHandle[:], m.data)
 	copy(info.EventHandle[:], m.data[len(info.MemHandle):])
 	return info, nil
@@ -443,12 +439,10 @@ func (r *remote) Stats() Stats {
 	if fd >= 0 {
 		unix.Close(fd)
 	}
-	if err != nil || m.want(6) != nil {
+	if err != nil || m.want(3) != nil {
 		return Stats{}
 	}
-	a := m.args
-	return Stats{Blocks: int(a[0]), BlockBytes: a[1], PooledBlocks: int(a[2]),
-		Allocations: int(a[3]), PoolChunks: int(a[4]), DeviceBytes: a[5]}
+	return Stats{Blocks: int(m.args[0]), BlockBytes: m.args[1], DeviceBytes: m.args[2]}
 }
 
 // Close shuts the connection for writing, so that the helper answers what

@@ -85,6 +85,15 @@ static CUresult tfs_vmm_export(CUmemGenericAllocationHandle h, int *fd) {
 	return cuMemExportToShareableHandle(fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
 }
 
+// tfs_zero clears size bytes at ptr and waits until they are clear: the
+// lanes' non-blocking streams do not wait for the legacy default stream.
+static CUresult tfs_zero(CUdeviceptr ptr, size_t size) {
+	CUresult r = cuMemsetD8(ptr, 0, size);
+	if (r != CUDA_SUCCESS)
+		return r;
+	return cuStreamSynchronize(0);
+}
+
 // tfs_ipc_mem copies the IPC handle of the allocation at ptr to out.
 static CUresult tfs_ipc_mem(CUdeviceptr ptr, void *out) {
 	CUipcMemHandle h;
@@ -125,6 +134,13 @@ import (
 // cudaStaging is the size of each pinned staging buffer of a lane.
 const cudaStaging = 8 << 20
 
+// ipcGranularity is what cuMemAlloc sizes round up to. The driver may
+// place small cuMemAlloc allocations side by side in one larger block, and
+// an IPC handle then maps that whole block; allocations of a multiple of
+// 2 MiB are never placed so (CUDA C Programming Guide, "Interprocess
+// Communication"), so a handle reaches its own block alone.
+const ipcGranularity = 2 << 20
+
 // cudaDevice is the cuda backend. Every CUDA call runs in run, on a locked
 // OS thread with the device's primary context current.
 type cudaDevice struct {
@@ -132,7 +148,7 @@ type cudaDevice struct {
 	dev         cu.Device
 	ctx         cu.CUContext
 	granularity int64 // of exportable allocations; 0 when the device cannot export
-	pool        *pool[*cudaMem]
+	table       *table[*cudaMem]
 	lanes       *lanes
 
 	mu     sync.Mutex          // guards events, pinned and cudaMem.ipc
@@ -198,7 +214,7 @@ func newCUDA(index int) (Device, error) {
 		dev.ReleasePrimaryCtx()
 		return nil, err
 	}
-	d.pool = newPool(d.newMem, d.freeMem)
+	d.table = newTable(d.newMem, d.freeMem)
 	d.lanes = newLanes(maxLanes, d.newLane)
 	return d, nil
 }
@@ -240,27 +256,41 @@ func cuWrap(call string, err error) error {
 	return fmt.Errorf("%s: %v", call, err)
 }
 
+// newMem makes a zeroed allocation: whole, since a consumer of its IPC
+// handle or export sees every byte, those past the block's size included.
 func (d *cudaDevice) newMem(size int64, exportable bool) (*cudaMem, int64, error) {
 	m := &cudaMem{exportable: exportable}
-	if !exportable {
-		err := d.run(func() (err error) {
-			m.ptr, err = cu.MemAlloc(size)
-			return cuWrap("cuMemAlloc", err)
-		})
-		m.size = size
-		return m, size, err
-	}
-	if d.granularity == 0 {
+	if exportable && d.granularity == 0 {
 		return nil, 0, fmt.Errorf("%w: %s has no virtual memory management with POSIX file descriptors", ErrNotExportable, d.name)
 	}
-	m.size = (size + d.granularity - 1) / d.granularity * d.granularity
+	g := int64(ipcGranularity)
+	if exportable {
+		g = d.granularity
+	}
+	m.size = (size + g - 1) / g * g
 	err := d.run(func() error {
-		var ptr C.CUdeviceptr
-		err := cuErr("cuMemCreate", C.tfs_vmm_alloc(C.int(d.dev), C.size_t(m.size), &m.handle, &ptr))
-		m.ptr = cu.DevicePtr(ptr)
-		return err
+		if exportable {
+			var ptr C.CUdeviceptr
+			if err := cuErr("cuMemCreate", C.tfs_vmm_alloc(C.int(d.dev), C.size_t(m.size), &m.handle, &ptr)); err != nil {
+				return err
+			}
+			m.ptr = cu.DevicePtr(ptr)
+		} else {
+			var err error
+			if m.ptr, err = cu.MemAlloc(m.size); err != nil {
+				return cuWrap("cuMemAlloc", err)
+			}
+		}
+		if err := cuErr("cuMemsetD8", C.tfs_zero(C.CUdeviceptr(m.ptr), C.size_t(m.size))); err != nil {
+			d.freeMem(m)
+			return err
+		}
+		return nil
 	})
-	return m, m.size, err
+	if err != nil {
+		return nil, 0, err
+	}
+	return m, m.size, nil
 }
 
 func (d *cudaDevice) freeMem(m *cudaMem) error {
@@ -330,13 +360,13 @@ func (d *cudaDevice) Name() string { return d.name }
 // Backend returns "cuda".
 func (d *cudaDevice) Backend() string { return "cuda" }
 
-func (d *cudaDevice) Alloc(size int64) (Block, error) { return d.pool.alloc(size, false) }
+func (d *cudaDevice) Alloc(size int64) (Block, error) { return d.table.alloc(size, false) }
 
 func (d *cudaDevice) AllocExportable(size int64) (Block, error) {
 	if d.granularity == 0 {
 		return Block{}, fmt.Errorf("%w: %s has no virtual memory management with POSIX file descriptors", ErrNotExportable, d.name)
 	}
-	return d.pool.alloc(size, true)
+	return d.table.alloc(size, true)
 }
 
 func (d *cudaDevice) Free(b Block) error {
@@ -344,7 +374,7 @@ func (d *cudaDevice) Free(b Block) error {
 	e, ok := d.events[b.ID]
 	delete(d.events, b.ID)
 	d.mu.Unlock()
-	err := d.pool.free(b)
+	err := d.table.free(b)
 	if ok {
 		if derr := d.run(func() error { return cuErr("cuEventDestroy", C.cuEventDestroy(e.ev)) }); err == nil {
 			err = derr
@@ -386,7 +416,7 @@ func (d *cudaDevice) CopyToFile(b Block, off int64, fd int, fileOff, n int64) er
 // direct runs a synchronous copy of the n bytes of b at off, given their
 // device address; write says it changes the block.
 func (d *cudaDevice) direct(b Block, off, n int64, xfer func(cu.DevicePtr) error, write bool) error {
-	pl, release, err := d.pool.acquire(b, off, n)
+	a, release, err := d.table.acquire(b, off, n)
 	if err != nil {
 		return err
 	}
@@ -395,7 +425,7 @@ func (d *cudaDevice) direct(b Block, off, n int64, xfer func(cu.DevicePtr) error
 		return nil
 	}
 	return d.run(func() error {
-		if err := xfer(pl.alloc.mem.ptr + cu.DevicePtr(pl.off+off)); err != nil || !write {
+		if err := xfer(a.mem.ptr + cu.DevicePtr(off)); err != nil || !write {
 			return err
 		}
 		return d.recordWrite(b, cu.Stream{})
@@ -404,7 +434,7 @@ func (d *cudaDevice) direct(b Block, off, n int64, xfer func(cu.DevicePtr) error
 
 // upload runs stagedUpload into the n bytes of b at off on a lane.
 func (d *cudaDevice) upload(b Block, off, n int64, fill func([]byte, int64) error) error {
-	pl, release, err := d.pool.acquire(b, off, n)
+	a, release, err := d.table.acquire(b, off, n)
 	if err != nil {
 		return err
 	}
@@ -415,7 +445,7 @@ func (d *cudaDevice) upload(b Block, off, n int64, fill func([]byte, int64) erro
 	}
 	defer d.lanes.put(l)
 	cl := l.(*cudaLane)
-	dev := pl.alloc.mem.ptr + cu.DevicePtr(pl.off+off)
+	dev := a.mem.ptr + cu.DevicePtr(off)
 	return d.run(func() error {
 		err := stagedUpload(l, n, fill, func(i int, pos int64, k int) error {
 			if err := cu.MemcpyHtoDAsync(dev+cu.DevicePtr(pos), cl.host[i], int64(k), cl.stream); err != nil {
@@ -432,7 +462,7 @@ func (d *cudaDevice) upload(b Block, off, n int64, fill func([]byte, int64) erro
 
 // download runs stagedDownload from the n bytes of b at off on a lane.
 func (d *cudaDevice) download(b Block, off, n int64, drain func([]byte, int64) error) error {
-	pl, release, err := d.pool.acquire(b, off, n)
+	a, release, err := d.table.acquire(b, off, n)
 	if err != nil {
 		return err
 	}
@@ -443,7 +473,7 @@ func (d *cudaDevice) download(b Block, off, n int64, drain func([]byte, int64) e
 	}
 	defer d.lanes.put(l)
 	cl := l.(*cudaLane)
-	dev := pl.alloc.mem.ptr + cu.DevicePtr(pl.off+off)
+	dev := a.mem.ptr + cu.DevicePtr(off)
 	return d.run(func() error {
 		return stagedDownload(l, n, func(i int, pos int64, k int) error {
 			if err := cu.MemcpyDtoHAsync(cl.host[i], dev+cu.DevicePtr(pos), int64(k), cl.stream); err != nil {
@@ -469,16 +499,16 @@ func (d *cudaDevice) recordWrite(b Block, stream cu.Stream) error {
 // IPC implements Device; the event is made on the first call for a block
 // and recorded after each later write to it.
 func (d *cudaDevice) IPC(b Block) (IPCInfo, error) {
-	pl, release, err := d.pool.acquire(b, 0, 0)
+	a, release, err := d.table.acquire(b, 0, 0)
 	if err != nil {
 		return IPCInfo{}, err
 	}
 	defer release()
-	m := pl.alloc.mem
+	m := a.mem
 	if m.exportable {
 		return IPCInfo{}, fmt.Errorf("%w: block %d is exportable; use Export", ErrNoIPC, b.ID)
 	}
-	info := IPCInfo{Offset: pl.off}
+	var info IPCInfo
 	err = d.run(func() error {
 		d.mu.Lock()
 		defer d.mu.Unlock()
@@ -510,12 +540,12 @@ func (d *cudaDevice) IPC(b Block) (IPCInfo, error) {
 }
 
 func (d *cudaDevice) Export(b Block) (*os.File, error) {
-	pl, release, err := d.pool.acquire(b, 0, 0)
+	a, release, err := d.table.acquire(b, 0, 0)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	m := pl.alloc.mem
+	m := a.mem
 	if !m.exportable {
 		return nil, fmt.Errorf("%w: block %d", ErrNotExportable, b.ID)
 	}
@@ -526,11 +556,11 @@ func (d *cudaDevice) Export(b Block) (*os.File, error) {
 	return os.NewFile(uintptr(fd), "cuda-export"), nil
 }
 
-func (d *cudaDevice) Stats() Stats { return d.pool.stats() }
+func (d *cudaDevice) Stats() Stats { return d.table.stats() }
 
 // Close frees every block, lane and event and releases the primary context.
 func (d *cudaDevice) Close() error {
-	errs := []error{d.pool.close(), d.lanes.close()}
+	errs := []error{d.table.close(), d.lanes.close()}
 	d.mu.Lock()
 	events := d.events
 	d.events = make(map[uint64]ipcEvent)

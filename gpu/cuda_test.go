@@ -55,19 +55,35 @@ func TestCUDA(t *testing.T) {
 		t.Errorf("Name, Backend = %q, %q", d.Name(), d.Backend())
 	}
 	var blocks []Block
-	for _, size := range []int64{1001, 5000, PoolThreshold + 1, 3*cudaStaging + 5} {
+	for _, size := range []int64{1001, 5000, ipcGranularity + 1, 3*cudaStaging + 5} {
 		b := alloc(t, d, size)
+		// Zeroed, past the block's end too: an IPC handle maps it all.
+		a, release, err := d.table.acquire(b, 0, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if a.size%ipcGranularity != 0 || a.size < size {
+			t.Errorf("block of %d bytes in an allocation of %d", size, a.size)
+		}
+		all := make([]byte, a.size)
+		err = d.run(func() error {
+			return cuWrap("cuMemcpyDtoH", cu.MemcpyDtoH(unsafe.Pointer(&all[0]), a.mem.ptr, a.size))
+		})
+		release()
+		if err != nil || !bytes.Equal(all, make([]byte, a.size)) {
+			t.Errorf("allocation of a new block of %d bytes not zeroed (%v)", size, err)
+		}
 		roundTrip(t, d, b)
 		blocks = append(blocks, b)
 	}
 
-	// IPC: non-zero handles, stable, shared by pooled blocks.
+	// IPC: non-zero handles, stable, one allocation per block.
 	i0, i1 := ipc(t, d, blocks[0]), ipc(t, d, blocks[1])
 	if i0.MemHandle == ([64]byte{}) || i0.EventHandle == ([64]byte{}) {
 		t.Error("zero IPC handle")
 	}
-	if i0.MemHandle != i1.MemHandle || i1.Offset <= i0.Offset || i1.Offset%PoolAlign != 0 {
-		t.Errorf("pooled blocks: offsets %d, %d; same handle %v", i0.Offset, i1.Offset, i0.MemHandle == i1.MemHandle)
+	if i0.MemHandle == i1.MemHandle || i0.EventHandle == i1.EventHandle {
+		t.Error("two small blocks share an IPC handle")
 	}
 	roundTrip(t, d, blocks[0]) // records the event after the write
 	if again := ipc(t, d, blocks[0]); again != i0 {
@@ -143,7 +159,7 @@ func TestCUDA(t *testing.T) {
 		free(t, d, eb)
 	}
 	if _, err := d.Export(blocks[0]); !errors.Is(err, ErrNotExportable) {
-		t.Errorf("Export of a pooled block = %v", err)
+		t.Errorf("Export of a block from Alloc = %v", err)
 	}
 
 	for _, b := range blocks {
@@ -212,7 +228,7 @@ func BenchmarkCUDAUpload(b *testing.B) {
 			b.Fatal(err)
 		}
 		defer unpin()
-		pl, release, err := d.pool.acquire(blk, 0, size)
+		a, release, err := d.table.acquire(blk, 0, size)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -220,7 +236,7 @@ func BenchmarkCUDAUpload(b *testing.B) {
 		b.SetBytes(size)
 		for b.Loop() {
 			err := d.run(func() error {
-				return cuWrap("cuMemcpyHtoD", cu.MemcpyHtoD(pl.alloc.mem.ptr+cu.DevicePtr(pl.off), unsafe.Pointer(&host[0]), size))
+				return cuWrap("cuMemcpyHtoD", cu.MemcpyHtoD(a.mem.ptr, unsafe.Pointer(&host[0]), size))
 			})
 			if err != nil {
 				b.Fatal(err)

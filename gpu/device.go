@@ -15,16 +15,17 @@ type Device interface {
 	// Backend is "cuda", "sim" or "none".
 	Backend() string
 
-	// Alloc returns a block of size bytes (size > 0). A size up to
-	// PoolThreshold is sub-allocated from a pooled device allocation of
-	// PoolChunkSize bytes, at an offset aligned to PoolAlign; a larger one
-	// gets a device allocation of its own. ErrOutOfMemory when the device is
-	// full (collect the Limbo and retry).
+	// Alloc returns a zeroed block of size bytes (size > 0) in a device
+	// allocation of its own, never shared with another block: the IPC
+	// handle of a block reaches that block alone. The allocation is rounded
+	// up to 2 MiB, so that the driver places nothing else in it either, and
+	// zeroed whole, since a consumer of the handle sees all of it.
+	// ErrOutOfMemory when the device is full (collect the Limbo and retry).
 	Alloc(size int64) (Block, error)
-	// AllocExportable returns a block with a device allocation of its own,
-	// made with the virtual memory management API so that Export can hand
-	// out a POSIX file descriptor for it. ErrNotExportable when the device
-	// cannot do that.
+	// AllocExportable returns a zeroed block in a device allocation of its
+	// own, made with the virtual memory management API so that Export can
+	// hand out a POSIX file descriptor for it. ErrNotExportable when the
+	// device cannot do that.
 	AllocExportable(size int64) (Block, error)
 	// Free releases a block. Its bytes may be handed out again at once, so
 	// free only blocks no consumer references (see Limbo).
@@ -45,11 +46,11 @@ type Device interface {
 	CopyToFile(b Block, off int64, fd int, fileOff, n int64) error
 
 	// IPC returns what another process needs to open the block with its own
-	// CUDA stack: the IPC handle of the device allocation holding it, the
-	// block's offset in that allocation, and the handle of an interprocess
-	// event recorded after the last write to the block. The result is the
-	// same on every call for a block. Blocks from AllocExportable have no
-	// IPC handle (ErrNoIPC): share them with Export.
+	// CUDA stack: the IPC handle of the block's device allocation, whose
+	// first byte is the block's, and the handle of an interprocess event
+	// recorded after the last write to the block. The result is the same on
+	// every call for a block. Blocks from AllocExportable have no IPC handle
+	// (ErrNoIPC): share them with Export.
 	IPC(b Block) (IPCInfo, error)
 	// Export returns a new POSIX file descriptor for the allocation of a
 	// block from AllocExportable (ErrNotExportable for any other block). The
@@ -77,47 +78,31 @@ type Block struct {
 }
 
 // IPCInfo is how a consumer process opens a block with its own CUDA stack:
-// cuIpcOpenMemHandle(MemHandle) + Offset is the block's first byte, and
-// waiting on cuIpcOpenEventHandle(EventHandle) orders the consumer after
-// the last write to the block.
+// cuIpcOpenMemHandle(MemHandle) is the block's first byte (its offset in
+// the allocation is always 0), and waiting on
+// cuIpcOpenEventHandle(EventHandle) orders the consumer after the last
+// write to the block.
 //
 // The sim backend fills the handles with a deterministic layout (all
 // integers little-endian, the rest zero):
 //
-//	MemHandle   [0:16] "tensorfs-sim-mem"  [16:24] allocation number
+//	MemHandle   [0:16] "tensorfs-sim-mem"  [16:24] block ID
 //	            [24:32] allocation size    [32:36] helper pid   [36:40] memfd
 //	EventHandle [0:16] "tensorfs-sim-evt"  [16:24] block ID
 //
 // so /proc/PID/fd/FD opens the simulated allocation.
 type IPCInfo struct {
 	MemHandle   [64]byte
-	Offset      int64
 	EventHandle [64]byte
 }
 
 // Stats describes what a Device holds.
 type Stats struct {
-	// Blocks is the number of live blocks and BlockBytes their sizes added up.
+	// Blocks is the number of live blocks (and of device allocations, one
+	// each) and BlockBytes their sizes added up.
 	Blocks     int
 	BlockBytes int64
-	// PooledBlocks is how many of Blocks are sub-allocated from pool chunks.
-	PooledBlocks int
-	// Allocations is the number of device allocations held, PoolChunks of
-	// them pool chunks, and DeviceBytes their sizes (at least BlockBytes).
-	Allocations int
-	PoolChunks  int
+	// DeviceBytes is the size of their device allocations, at least
+	// BlockBytes.
 	DeviceBytes int64
 }
-
-// Sizes of the sub-allocator beneath Alloc (the MemPool idea): small blocks
-// share device allocations, so thousands of small tensors cost a few device
-// allocations and IPC handles, not thousands.
-const (
-	// PoolThreshold is the largest size Alloc sub-allocates.
-	PoolThreshold = 2 << 20
-	// PoolChunkSize is the size of each pooled device allocation.
-	PoolChunkSize = 16 << 20
-	// PoolAlign is the alignment of a sub-allocated block's offset; sizes
-	// are rounded up to it within a chunk.
-	PoolAlign = 512
-)

@@ -15,10 +15,12 @@
 //     behaviour, so that every path is tested on machines without a GPU.
 //   - none: Unavailable, no device at all (`--gpu none`).
 //
-// Small blocks are sub-allocated from pooled device allocations (the
-// MemPool idea), so a block is an allocation plus an offset; IPCInfo
-// carries both. Copies go through pinned staging buffers, two per copy,
-// double-buffered so that host reads and writes overlap device copies.
+// Every block has a device allocation of its own, rounded up to 2 MiB and
+// zeroed: an IPC handle maps a whole allocation, so a handle given out for
+// one segment must reach nothing else (DESIGN.md §4). Small blocks are not
+// pooled for that reason. Copies go through pinned staging buffers, two
+// per copy, double-buffered so that host reads and writes overlap device
+// copies.
 //
 // # The helper process
 //
@@ -54,13 +56,19 @@
 //
 // A consumer opens a block with its own CUDA stack from IPC (or Export
 // for a block from AllocExportable) while it holds the segment's file open
-// or a reference counter (RefCounters). Blocks whose segment was unlinked
-// or shrunk while referenced wait in a Limbo until Collect finds them
-// unreferenced, as PyTorch's CudaIPCSentDataLimbo does.
+// or a reference counter (a Counter of a CounterDir: one file per segment,
+// writable by exactly those who may read the segment). Blocks whose
+// segment was unlinked or shrunk while referenced wait in a Limbo until
+// Collect finds them unreferenced, as PyTorch's CudaIPCSentDataLimbo does.
 //
 // # Caveats
 //
 // Free a block only when no consumer can still reach it: its device memory
 // may be handed out again at once, to another segment. A Device's Block
 // values mean nothing to another Device, nor to a new helper.
+//
+// A legacy CUDA IPC mapping (cuIpcOpenMemHandle) is always read-write:
+// whoever may read a segment and has its handle can also write its device
+// memory. And the counters are a contract among a segment's readers: one
+// of them can drop the counter while another still uses the memory.
 package gpu

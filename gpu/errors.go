@@ -27,6 +27,4 @@ var (
 	// ErrInvalid is returned when a size, offset, length or backend name is
 	// out of range or unknown.
 	ErrInvalid = errors.New("invalid argument")
-	// ErrNoSlots is returned when every slot of a RefCounters file is in use.
-	ErrNoSlots = errors.New("no free reference counter slot")
 )

@@ -66,7 +66,7 @@ func startSim(t *testing.T) Device {
 
 // forEachDevice runs f on a sim device, directly and through a helper
 // process. At the end, the device must hold nothing: every test frees what
-// it allocates, and an empty pool returns its chunks.
+// it allocates.
 func forEachDevice(t *testing.T, f func(t *testing.T, d Device)) {
 	t.Run("sim", func(t *testing.T) {
 		d := NewSim(0, 0)
@@ -134,12 +134,11 @@ func TestName(t *testing.T) {
 func TestAllocFree(t *testing.T) {
 	forEachDevice(t, func(t *testing.T, d Device) {
 		small := alloc(t, d, 100)
-		big := alloc(t, d, PoolThreshold+1)
-		if small.ID == 0 || big.ID == 0 || small.ID == big.ID || small.Size != 100 || big.Size != PoolThreshold+1 {
+		big := alloc(t, d, simGranularity+1)
+		if small.ID == 0 || big.ID == 0 || small.ID == big.ID || small.Size != 100 || big.Size != simGranularity+1 {
 			t.Fatalf("blocks %+v %+v", small, big)
 		}
-		want := Stats{Blocks: 2, BlockBytes: 100 + PoolThreshold + 1, PooledBlocks: 1,
-			Allocations: 2, PoolChunks: 1, DeviceBytes: PoolChunkSize + PoolThreshold + 1}
+		want := Stats{Blocks: 2, BlockBytes: 100 + simGranularity + 1, DeviceBytes: 3 * simGranularity}
 		if st := d.Stats(); st != want {
 			t.Errorf("Stats = %+v, want %+v", st, want)
 		}
@@ -159,74 +158,82 @@ func TestAllocFree(t *testing.T) {
 	})
 }
 
-func TestPool(t *testing.T) {
+// simAllocation opens the allocation that the sim IPC handle h names, as a
+// consumer would map it, and returns its bytes.
+func simAllocation(t *testing.T, h [64]byte) []byte {
+	t.Helper()
+	if string(h[:16]) != "tensorfs-sim-mem" {
+		t.Fatalf("sim handle starts %q", h[:16])
+	}
+	pid, fd := binary.LittleEndian.Uint32(h[32:]), binary.LittleEndian.Uint32(h[36:])
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/fd/%d", pid, fd))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if int64(len(b)) != int64(binary.LittleEndian.Uint64(h[24:])) {
+		t.Errorf("allocation of %d bytes, handle says %d", len(b), binary.LittleEndian.Uint64(h[24:]))
+	}
+	return b
+}
+
+// TestOwnAllocation: every block has a zeroed device allocation of its
+// own, so that its IPC handle reaches nothing but the block, even where
+// freed blocks are reused.
+func TestOwnAllocation(t *testing.T) {
 	forEachDevice(t, func(t *testing.T, d Device) {
-		// Many small blocks share one pooled allocation, at aligned,
-		// distinct offsets.
-		sizes := []int64{1, 511, 512, 513, 4096, 100000, PoolThreshold}
+		sizes := []int64{1, 511, 4096, 100000, simGranularity, simGranularity + 1}
 		var blocks []Block
-		var infos []IPCInfo
+		handles := map[[64]byte]int64{}
 		for _, size := range sizes {
 			b := alloc(t, d, size)
 			blocks = append(blocks, b)
-			infos = append(infos, ipc(t, d, b))
-		}
-		var end int64
-		for i, info := range infos {
-			if info.MemHandle != infos[0].MemHandle {
-				t.Errorf("block %d in another allocation than block 0", i)
+			if err := d.CopyIn(b, 0, pattern(uint64(size), int(size))); err != nil {
+				t.Fatal(err)
 			}
-			if info.Offset%PoolAlign != 0 || info.Offset < end {
-				t.Errorf("block %d (%d bytes) at offset %d; want aligned, at or after %d", i, sizes[i], info.Offset, end)
+			h := ipc(t, d, b).MemHandle
+			if other, dup := handles[h]; dup {
+				t.Errorf("blocks of %d and %d bytes share an IPC handle", other, size)
 			}
-			end = info.Offset + sizes[i]
+			handles[h] = size
 		}
-		if st := d.Stats(); st.PoolChunks != 1 || st.Allocations != 1 || st.PooledBlocks != len(sizes) {
-			t.Errorf("Stats = %+v; want one chunk holding %d blocks", st, len(sizes))
+		want := Stats{Blocks: len(sizes)}
+		for _, size := range sizes {
+			want.BlockBytes += size
+			want.DeviceBytes += (size + simGranularity - 1) / simGranularity * simGranularity
 		}
-
-		// A freed range is reused by the next block that fits.
-		free(t, d, blocks[3])
-		again := alloc(t, d, 200)
-		if info := ipc(t, d, again); info.Offset != infos[3].Offset || info.MemHandle != infos[0].MemHandle {
-			t.Errorf("block after free at %d, want the freed offset %d", info.Offset, infos[3].Offset)
-		}
-		blocks[3] = again
-
-		// Blocks that do not fit go to a second chunk.
-		var more []Block
-		for d.Stats().PoolChunks < 2 {
-			more = append(more, alloc(t, d, PoolThreshold))
-		}
-		last := more[len(more)-1]
-		if info := ipc(t, d, last); info.MemHandle == infos[0].MemHandle || info.Offset != 0 {
-			t.Errorf("block in the second chunk: offset %d, same handle %v", info.Offset, info.MemHandle == infos[0].MemHandle)
+		if st := d.Stats(); st != want {
+			t.Errorf("Stats = %+v, want %+v: one allocation per block, rounded to %d", st, want, simGranularity)
 		}
 
-		// Large blocks get an allocation of their own, at offset 0.
-		big := alloc(t, d, PoolThreshold+1)
-		if info := ipc(t, d, big); info.Offset != 0 || info.MemHandle == infos[0].MemHandle {
-			t.Errorf("large block at offset %d in a pooled allocation: %v", info.Offset, info.MemHandle == infos[0].MemHandle)
+		// A consumer of a handle sees its block's bytes, then zeros.
+		for i, b := range blocks {
+			mem := simAllocation(t, ipc(t, d, b).MemHandle)
+			if !bytes.Equal(mem[:b.Size], pattern(uint64(b.Size), int(b.Size))) {
+				t.Errorf("block %d: the allocation does not start with its bytes", i)
+			}
+			if !bytes.Equal(mem[b.Size:], make([]byte, int64(len(mem))-b.Size)) {
+				t.Errorf("block %d: the allocation holds more than its bytes", i)
+			}
 		}
-		free(t, d, big)
 
-		// An emptied chunk goes back to the device.
-		free(t, d, last)
-		if st := d.Stats(); st.PoolChunks != 1 {
-			t.Errorf("after emptying the second chunk, %d chunks", st.PoolChunks)
-		}
-		for _, b := range append(blocks, more[:len(more)-1]...) {
+		// A block made after others were freed starts zeroed, all of it.
+		for _, b := range blocks {
 			free(t, d, b)
 		}
+		again := alloc(t, d, 100)
+		if mem := simAllocation(t, ipc(t, d, again).MemHandle); !bytes.Equal(mem, make([]byte, len(mem))) {
+			t.Error("a new block's allocation is not zeroed")
+		}
+		free(t, d, again)
 	})
 }
 
 func TestCopy(t *testing.T) {
 	forEachDevice(t, func(t *testing.T, d Device) {
-		// A pooled block after another, a large block, and one larger than
+		// A small block after another, a large block, and one larger than
 		// the helper's staging slots and the sim's staging buffers.
 		neighbour := alloc(t, d, 777)
-		for _, size := range []int64{100003, PoolThreshold + 5, 2*stagingSlot + 3*simStaging + 11} {
+		for _, size := range []int64{100003, simGranularity + 5, 2*stagingSlot + 3*simStaging + 11} {
 			b := alloc(t, d, size)
 			want := pattern(uint64(size), int(size))
 			for _, off := range []int64{0, 1, 7, 4097, size / 3} {
@@ -285,7 +292,7 @@ func TestCopyFile(t *testing.T) {
 		defer f.Close()
 		fd := int(f.Fd())
 
-		for _, bsize := range []int64{size + 3, PoolThreshold + 7} {
+		for _, bsize := range []int64{size + 3, simGranularity + 7} {
 			b := alloc(t, d, bsize)
 			for _, c := range []struct{ off, fileOff, n int64 }{
 				{0, 0, size}, {3, 999, size}, {1, 13, simStaging}, {5, 17, simStaging*2 + 1}, {2, 1, 0},
@@ -338,7 +345,7 @@ func TestCopyFile(t *testing.T) {
 func TestIPC(t *testing.T) {
 	forEachDevice(t, func(t *testing.T, d Device) {
 		a, b := alloc(t, d, 1000), alloc(t, d, 1000)
-		big := alloc(t, d, PoolThreshold*2)
+		big := alloc(t, d, simGranularity*2)
 		ia, ib, ibig := ipc(t, d, a), ipc(t, d, b), ipc(t, d, big)
 		if again := ipc(t, d, a); again != ia {
 			t.Error("IPC info of a block changed between calls")
@@ -349,10 +356,7 @@ func TestIPC(t *testing.T) {
 		if again := ipc(t, d, a); again != ia {
 			t.Error("IPC info of a block changed after a write")
 		}
-		if ia.MemHandle != ib.MemHandle || ia.Offset == ib.Offset {
-			t.Error("pooled blocks: want one allocation handle and two offsets")
-		}
-		if ia.EventHandle == ib.EventHandle || ia.MemHandle == ibig.MemHandle {
+		if ia.MemHandle == ib.MemHandle || ia.EventHandle == ib.EventHandle || ia.MemHandle == ibig.MemHandle {
 			t.Error("distinct blocks and allocations share handles")
 		}
 		if ia.MemHandle == ([64]byte{}) || ia.EventHandle == ([64]byte{}) {
@@ -364,22 +368,8 @@ func TestIPC(t *testing.T) {
 		if err := d.CopyIn(b, 0, src); err != nil {
 			t.Fatal(err)
 		}
-		h := ib.MemHandle
-		if string(h[:16]) != "tensorfs-sim-mem" {
-			t.Fatalf("sim handle starts %q", h[:16])
-		}
-		pid, fd := binary.LittleEndian.Uint32(h[32:]), binary.LittleEndian.Uint32(h[36:])
-		f, err := os.Open(fmt.Sprintf("/proc/%d/fd/%d", pid, fd))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
-		if st, _ := f.Stat(); st.Size() != int64(binary.LittleEndian.Uint64(h[24:])) {
-			t.Errorf("allocation of %d bytes, handle says %d", st.Size(), binary.LittleEndian.Uint64(h[24:]))
-		}
-		got := make([]byte, len(src))
-		if _, err := f.ReadAt(got, ib.Offset); err != nil || !bytes.Equal(got, src) {
-			t.Errorf("bytes at the IPC offset differ from the block (%v)", err)
+		if got := simAllocation(t, ib.MemHandle); !bytes.Equal(got[:len(src)], src) {
+			t.Error("the allocation of the IPC handle does not hold the block's bytes")
 		}
 		for _, blk := range []Block{a, b, big} {
 			free(t, d, blk)
@@ -416,7 +406,7 @@ func TestExport(t *testing.T) {
 		if err := d.CopyOut(b, 1000, got); err != nil || string(got) != "written through the export" {
 			t.Errorf("CopyOut after a write through the export = %q, %v", got, err)
 		}
-		if st := d.Stats(); st.DeviceBytes%simGranularity != 0 || st.PoolChunks != 0 {
+		if st := d.Stats(); st.DeviceBytes%simGranularity != 0 || st.Blocks != 1 {
 			t.Errorf("exportable allocation: %+v; want its own, rounded to the granularity", st)
 		}
 		if _, err := d.IPC(b); !errors.Is(err, ErrNoIPC) {
@@ -424,7 +414,7 @@ func TestExport(t *testing.T) {
 		}
 		small := alloc(t, d, 10)
 		if _, err := d.Export(small); !errors.Is(err, ErrNotExportable) {
-			t.Errorf("Export of a pooled block = %v, want ErrNotExportable", err)
+			t.Errorf("Export of a block from Alloc = %v, want ErrNotExportable", err)
 		}
 		free(t, d, small)
 		free(t, d, b)
@@ -432,17 +422,17 @@ func TestExport(t *testing.T) {
 }
 
 func TestOutOfMemory(t *testing.T) {
-	d := NewSim(1, 3*PoolChunkSize)
+	d := NewSim(1, 3*simGranularity)
 	defer d.Close()
 	if d.Name() != "cuda:1" {
 		t.Errorf("Name = %q", d.Name())
 	}
-	b1 := alloc(t, d, 2*PoolChunkSize)
-	if _, err := d.Alloc(2 * PoolChunkSize); !errors.Is(err, ErrOutOfMemory) {
+	b1 := alloc(t, d, 2*simGranularity+1) // rounded up: the whole device
+	if _, err := d.Alloc(1); !errors.Is(err, ErrOutOfMemory) {
 		t.Fatalf("Alloc past the capacity = %v, want ErrOutOfMemory", err)
 	}
 	free(t, d, b1)
-	free(t, d, alloc(t, d, 2*PoolChunkSize))
+	free(t, d, alloc(t, d, 3*simGranularity))
 
 	h := startSim(t)
 	if _, err := h.Alloc(DefaultSimCapacity + 1); !errors.Is(err, ErrOutOfMemory) {
@@ -457,9 +447,9 @@ func TestConcurrent(t *testing.T) {
 		for g := range 8 {
 			wg.Go(func() {
 				for i := range 20 {
-					size := int64(1 + (g*7919+i*104729)%(PoolThreshold/8))
+					size := int64(1 + (g*7919+i*104729)%(simGranularity/8))
 					if i%10 == 9 {
-						size += PoolThreshold // and a few large ones
+						size += simGranularity // and a few large ones
 					}
 					b, err := d.Alloc(size)
 					if err != nil {

@@ -26,7 +26,7 @@ import (
 // which CopyIn and CopyOut move their bytes (the socket carries only
 // offsets). CopyFromFile and CopyToFile carry the caller's file descriptor
 // and the reply to Export carries the exported one, as SCM_RIGHTS.
-const protoVersion = 1
+const protoVersion = 2
 
 const (
 	opHello           = 1 + iota // args: staging size; fd: staging memfd. reply data: name NUL backend
@@ -37,7 +37,7 @@ const (
 	opCopyOut                    // args: block id, size, off, staging offset, n
 	opCopyFromFile               // args: block id, size, off, file offset, n; fd: the file
 	opCopyToFile                 // args: block id, size, off, file offset, n; fd: the file
-	opIPC                        // args: block id, size. reply args: offset; data: mem handle, event handle
+	opIPC                        // args: block id, size. reply data: mem handle, event handle
 	opExport                     // args: block id, size. reply fd: the export
 	opStats                      // reply args: the Stats fields in order
 )

@@ -1,95 +1,182 @@
 package gpu
 
 import (
+	"encoding/binary"
+	"errors"
 	"fmt"
 	"os"
-	"sync"
+	"path/filepath"
+	"strconv"
 	"sync/atomic"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
 
-// RefCounters hands out reference counters that live in a shared host
-// file, 8 bytes each (PyTorch's CudaIPCRefCountersFile): the daemon gives a
-// consumer the file and a slot's offset; the consumer maps the file and
-// atomically increments the little-endian int64 at the offset while it
-// uses the block, and decrements it when done. Value reads it, and a Limbo
-// predicate built on it frees the block at zero.
+// CounterDir holds consumer reference counters, one file per segment (in
+// the spirit of PyTorch's CudaIPCRefCountersFile): the daemon gives a
+// consumer the path of a segment's counter; the consumer maps the file and
+// atomically increments the little-endian int64 at offset 0 while it uses
+// the segment's memory, and decrements it when done. Counter.Value reads
+// it, and a Limbo predicate built on it frees the memory at zero.
 //
-// The file must be a backing-store file, never one inside the FUSE mount
-// (mapping a file of its own mount deadlocks the daemon). Methods are safe
-// for concurrent use.
-type RefCounters struct {
-	mem []byte // the file, mapped shared
-
-	mu   sync.Mutex // guards next and free
-	next int64      // lowest offset never handed out
-	free []int64    // released offsets
+// A counter file has the owner and group of its segment and gives read
+// and write to exactly the classes that may read the segment (Follow):
+// only those who can open a segment can change its counter, and no counter
+// changes through another segment's file. The directory belongs to the
+// daemon, mode 0711: others reach a counter by its path, but cannot list,
+// add, remove or replace counters. It must lie outside the FUSE mount
+// (mapping a file of its own mount deadlocks the daemon).
+//
+// The daemon never maps a counter file: a consumer may truncate its
+// counter, which then reads as zero rather than fault the daemon.
+type CounterDir struct {
+	dir  *os.File
+	last atomic.Uint64 // the last counter number handed out
 }
 
-// NewRefCounters maps f, whose size (at least 8 bytes) bounds the slots,
-// one per 8 bytes. f stays the caller's; it may be closed once this returns.
-func NewRefCounters(f *os.File) (*RefCounters, error) {
-	st, err := f.Stat()
+// OpenCounterDir makes the directory path for counters, or takes over the
+// one an earlier daemon left there, removing the counters in it. An
+// existing directory must belong to this process's user.
+func OpenCounterDir(path string) (*CounterDir, error) {
+	path, err := filepath.Abs(path)
 	if err != nil {
 		return nil, err
 	}
-	size := st.Size() / 8 * 8
-	if size == 0 {
-		return nil, fmt.Errorf("%w: reference counter file %s has %d bytes", ErrInvalid, f.Name(), st.Size())
+	if err := unix.Mkdir(path, 0o700); err != nil && !errors.Is(err, unix.EEXIST) {
+		return nil, fmt.Errorf("create counter directory %s: %w", path, err)
 	}
-	mem, err := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, fmt.Errorf("mmap %s: %w", f.Name(), err)
+		return nil, fmt.Errorf("open counter directory %s: %w", path, err)
 	}
-	return &RefCounters{mem: mem}, nil
-}
-
-// Slot returns the offset of a free counter, set to zero; ErrNoSlots when
-// all are in use.
-func (r *RefCounters) Slot() (offset int64, err error) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	switch {
-	case len(r.free) > 0:
-		offset = r.free[len(r.free)-1]
-		r.free = r.free[:len(r.free)-1]
-	case r.next < int64(len(r.mem)):
-		offset = r.next
-		r.next += 8
-	default:
-		return 0, fmt.Errorf("%w: all %d in use", ErrNoSlots, len(r.mem)/8)
+	dir := os.NewFile(uintptr(fd), path)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		dir.Close()
+		return nil, err
 	}
-	atomic.StoreInt64(r.counter(offset), 0)
-	return offset, nil
-}
-
-// Value atomically loads the counter at offset.
-func (r *RefCounters) Value(offset int64) int64 {
-	return atomic.LoadInt64(r.counter(offset))
-}
-
-// Release returns the slot at offset for reuse. Release a slot only when
-// no consumer will touch it again: its value is zero and the block it
-// counted is gone.
-func (r *RefCounters) Release(offset int64) {
-	r.counter(offset) // check it
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.free = append(r.free, offset)
-}
-
-// counter returns the int64 at offset; it panics on an offset that no
-// Slot call can have returned, as an index out of range does.
-func (r *RefCounters) counter(offset int64) *int64 {
-	if offset < 0 || offset%8 != 0 || offset >= int64(len(r.mem)) {
-		panic(fmt.Sprintf("gpu: reference counter offset %d outside [0, %d) or unaligned", offset, len(r.mem)))
+	if int(st.Uid) != os.Geteuid() {
+		dir.Close()
+		return nil, fmt.Errorf("counter directory %s belongs to uid %d, not to the daemon's user %d: remove it", path, st.Uid, os.Geteuid())
 	}
-	return (*int64)(unsafe.Pointer(&r.mem[offset]))
+	d := &CounterDir{dir: dir}
+	if err := unix.Fchmod(fd, 0o711); err == nil {
+		err = d.empty()
+	}
+	if err != nil {
+		dir.Close()
+		return nil, fmt.Errorf("counter directory %s: %w", path, err)
+	}
+	return d, nil
 }
 
-// Close unmaps the file. The RefCounters must not be used afterwards.
-func (r *RefCounters) Close() error {
-	return unix.Munmap(r.mem)
+// empty removes every counter in the directory.
+func (d *CounterDir) empty() error {
+	if _, err := d.dir.Seek(0, 0); err != nil {
+		return err
+	}
+	names, err := d.dir.Readdirnames(-1)
+	if err != nil {
+		return err
+	}
+	for _, name := range names {
+		if err := unix.Unlinkat(int(d.dir.Fd()), name, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+			return fmt.Errorf("remove %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// New makes a counter set to zero, for the daemon's user alone until
+// Follow gives it a segment's access.
+func (d *CounterDir) New() (*Counter, error) {
+	name := strconv.FormatUint(d.last.Add(1), 10)
+	fd, err := unix.Openat(int(d.dir.Fd()), name, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("create counter %s: %w", name, err)
+	}
+	c := &Counter{dir: d, name: name, fd: fd}
+	// The mode again, explicitly: the daemon's umask plays no part.
+	if err := unix.Fchmod(fd, 0o600); err == nil {
+		err = unix.Ftruncate(fd, 8)
+	}
+	if err != nil {
+		c.Remove()
+		return nil, fmt.Errorf("create counter %s: %w", name, err)
+	}
+	return c, nil
+}
+
+// RemoveAll removes the directory and the counters in it, when the
+// daemon is done. Counters keep working for the daemon (their Remove then
+// has nothing left to remove), and consumers keep their mappings.
+func (d *CounterDir) RemoveAll() error {
+	if err := d.empty(); err != nil {
+		return err
+	}
+	return os.Remove(d.dir.Name())
+}
+
+// Counter is one consumer reference counter, an 8-byte file in a
+// CounterDir. Its methods are not safe for concurrent use.
+type Counter struct {
+	dir  *CounterDir
+	name string
+	fd   int // -1 once removed
+}
+
+// Path is the counter file's absolute path, for consumers.
+func (c *Counter) Path() string { return filepath.Join(c.dir.dir.Name(), c.name) }
+
+// Value reads the counter. A counter file that a consumer shortened reads
+// as zero, as if it had stored zero.
+func (c *Counter) Value() int64 {
+	var b [8]byte
+	if n, err := unix.Pread(c.fd, b[:], 0); err != nil || n < len(b) {
+		return 0
+	}
+	return int64(binary.LittleEndian.Uint64(b[:]))
+}
+
+// Follow gives the counter the owner and group of a segment whose mode is
+// mode, and read and write permission for each class (owner, group,
+// others) that mode lets read. While the owner or group changes, the
+// counter is closed to all but root, so that no class gains access it
+// had neither before nor after.
+func (c *Counter) Follow(uid, gid, mode uint32) error {
+	var want uint32
+	for _, r := range []uint32{0o400, 0o040, 0o004} {
+		if mode&r != 0 {
+			want |= r | r>>1 // read and write
+		}
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(c.fd, &st); err != nil {
+		return err
+	}
+	if st.Uid != uid || st.Gid != gid {
+		if err := unix.Fchmod(c.fd, 0); err != nil {
+			return err
+		}
+		if err := unix.Fchown(c.fd, int(uid), int(gid)); err != nil {
+			return err
+		}
+	} else if st.Mode&0o7777 == want {
+		return nil
+	}
+	return unix.Fchmod(c.fd, want)
+}
+
+// Remove deletes the counter file. Consumers that have it open or mapped
+// keep it; the daemon no longer reads it.
+func (c *Counter) Remove() error {
+	err := unix.Unlinkat(int(c.dir.dir.Fd()), c.name, 0)
+	if errors.Is(err, unix.ENOENT) {
+		err = nil // RemoveAll came first
+	}
+	if cerr := unix.Close(c.fd); err == nil {
+		err = cerr
+	}
+	c.fd = -1
+	return err
 }

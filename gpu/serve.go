@@ -235,15 +235,13 @@ func (s *server) do(m *message, fd int, reply *message) (*os.File, error) {
 		return nil, s.dev.CopyToFile(m.block(), m.args[2], fd, m.args[3], m.args[4])
 	case opIPC:
 		info, err := s.dev.IPC(m.block())
-		reply.args = []int64{info.Offset}
 		reply.data = append(info.MemHandle[:], info.EventHandle[:]...)
 		return nil, err
 	case opExport:
 		return s.dev.Export(m.block())
 	default: // opStats
 		st := s.dev.Stats()
-		reply.args = []int64{int64(st.Blocks), st.BlockBytes, int64(st.PooledBlocks),
-			int64(st.Allocations), int64(st.PoolChunks), st.DeviceBytes}
+		reply.args = []int64{int64(st.Blocks), st.BlockBytes, st.DeviceBytes}
 		return nil, nil
 	}
 }

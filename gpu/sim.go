@@ -13,8 +13,9 @@ import (
 const DefaultSimCapacity = 16 << 30
 
 const (
-	// simGranularity is what exportable sim allocations round up to, as
-	// cuMemCreate sizes round up to the allocation granularity.
+	// simGranularity is what sim allocations round up to, as the cuda
+	// backend's do (ipcGranularity, and the granularity of exportable
+	// memory, 2 MiB on current GPUs).
 	simGranularity = 2 << 20
 	// simStaging is the size of each sim staging buffer: small, so that
 	// copies cross many buffer boundaries.
@@ -24,16 +25,17 @@ const (
 )
 
 // Sim is a Device simulated on host memory, for machines without a GPU.
-// It behaves as the cuda backend does: the same pool and offsets, copies
-// through double-buffered staging, IPC information with deterministic fake
-// handles (see IPCInfo), and exportable blocks. Every device allocation is
-// a memfd mapped into this process, so the fd from Export, or
-// /proc/PID/fd/N named by an IPC handle, really shares the block's bytes.
+// It behaves as the cuda backend does: an allocation of its own for every
+// block, rounded up to 2 MiB and zeroed, copies through double-buffered
+// staging, IPC information with deterministic fake handles (see IPCInfo),
+// and exportable blocks. Every device allocation is a memfd mapped into
+// this process, so the fd from Export, or /proc/PID/fd/N named by an IPC
+// handle, really shares the block's bytes.
 type Sim struct {
 	name     string
 	capacity int64
-	used     int64 // device bytes allocated; guarded by pool.mu
-	pool     *pool[*simMem]
+	used     int64 // device bytes allocated; guarded by table.mu
+	table    *table[*simMem]
 	lanes    *lanes
 }
 
@@ -60,17 +62,17 @@ func NewSim(index int, capacity int64) *Sim {
 		capacity = DefaultSimCapacity
 	}
 	s := &Sim{name: fmt.Sprintf("cuda:%d", index), capacity: capacity}
-	s.pool = newPool(s.newMem, s.freeMem)
+	s.table = newTable(s.newMem, s.freeMem)
 	s.lanes = newLanes(maxLanes, func() (lane, error) {
 		return &simLane{bufs: [2][]byte{make([]byte, simStaging), make([]byte, simStaging)}}, nil
 	})
 	return s
 }
 
-func (s *Sim) newMem(size int64, exportable bool) (*simMem, int64, error) {
-	if exportable {
-		size = (size + simGranularity - 1) / simGranularity * simGranularity
-	}
+// newMem makes a memfd of size bytes rounded up to simGranularity; a new
+// memfd reads as zeros.
+func (s *Sim) newMem(size int64, _ bool) (*simMem, int64, error) {
+	size = (size + simGranularity - 1) / simGranularity * simGranularity
 	if size > s.capacity-s.used {
 		return nil, 0, fmt.Errorf("%w: %d bytes asked, %d of %d free", ErrOutOfMemory, size, s.capacity-s.used, s.capacity)
 	}
@@ -107,13 +109,13 @@ func (s *Sim) Name() string { return s.name }
 func (s *Sim) Backend() string { return "sim" }
 
 // Alloc implements Device.
-func (s *Sim) Alloc(size int64) (Block, error) { return s.pool.alloc(size, false) }
+func (s *Sim) Alloc(size int64) (Block, error) { return s.table.alloc(size, false) }
 
 // AllocExportable implements Device.
-func (s *Sim) AllocExportable(size int64) (Block, error) { return s.pool.alloc(size, true) }
+func (s *Sim) AllocExportable(size int64) (Block, error) { return s.table.alloc(size, true) }
 
 // Free implements Device.
-func (s *Sim) Free(b Block) error { return s.pool.free(b) }
+func (s *Sim) Free(b Block) error { return s.table.free(b) }
 
 // CopyIn implements Device.
 func (s *Sim) CopyIn(b Block, off int64, src []byte) error {
@@ -137,7 +139,7 @@ func (s *Sim) CopyToFile(b Block, off int64, fd int, fileOff, n int64) error {
 
 // upload runs stagedUpload into the n bytes of b at off.
 func (s *Sim) upload(b Block, off, n int64, fill func([]byte, int64) error) error {
-	pl, release, err := s.pool.acquire(b, off, n)
+	a, release, err := s.table.acquire(b, off, n)
 	if err != nil {
 		return err
 	}
@@ -147,7 +149,7 @@ func (s *Sim) upload(b Block, off, n int64, fill func([]byte, int64) error) erro
 		return err
 	}
 	defer s.lanes.put(l)
-	mem := pl.alloc.mem.data[pl.off+off:]
+	mem := a.mem.data[off:]
 	bufs := l.buffers()
 	return stagedUpload(l, n, fill, func(i int, pos int64, k int) error {
 		copy(mem[pos:], bufs[i][:k])
@@ -157,7 +159,7 @@ func (s *Sim) upload(b Block, off, n int64, fill func([]byte, int64) error) erro
 
 // download runs stagedDownload from the n bytes of b at off.
 func (s *Sim) download(b Block, off, n int64, drain func([]byte, int64) error) error {
-	pl, release, err := s.pool.acquire(b, off, n)
+	a, release, err := s.table.acquire(b, off, n)
 	if err != nil {
 		return err
 	}
@@ -167,7 +169,7 @@ func (s *Sim) download(b Block, off, n int64, drain func([]byte, int64) error) e
 		return err
 	}
 	defer s.lanes.put(l)
-	mem := pl.alloc.mem.data[pl.off+off:]
+	mem := a.mem.data[off:]
 	bufs := l.buffers()
 	return stagedDownload(l, n, func(i int, pos int64, k int) error {
 		copy(bufs[i][:k], mem[pos:])
@@ -177,18 +179,17 @@ func (s *Sim) download(b Block, off, n int64, drain func([]byte, int64) error) e
 
 // IPC implements Device with the fake handles described at IPCInfo.
 func (s *Sim) IPC(b Block) (IPCInfo, error) {
-	pl, release, err := s.pool.acquire(b, 0, 0)
+	a, release, err := s.table.acquire(b, 0, 0)
 	if err != nil {
 		return IPCInfo{}, err
 	}
 	defer release()
-	a := pl.alloc
 	if a.exportable {
 		return IPCInfo{}, fmt.Errorf("%w: block %d is exportable; use Export", ErrNoIPC, b.ID)
 	}
-	info := IPCInfo{Offset: pl.off}
+	var info IPCInfo
 	copy(info.MemHandle[:], "tensorfs-sim-mem")
-	binary.LittleEndian.PutUint64(info.MemHandle[16:], a.id)
+	binary.LittleEndian.PutUint64(info.MemHandle[16:], b.ID)
 	binary.LittleEndian.PutUint64(info.MemHandle[24:], uint64(a.size))
 	binary.LittleEndian.PutUint32(info.MemHandle[32:], uint32(os.Getpid()))
 	binary.LittleEndian.PutUint32(info.MemHandle[36:], uint32(a.mem.fd))
@@ -200,15 +201,15 @@ func (s *Sim) IPC(b Block) (IPCInfo, error) {
 // Export implements Device: the file is a new descriptor of the block's
 // memfd.
 func (s *Sim) Export(b Block) (*os.File, error) {
-	pl, release, err := s.pool.acquire(b, 0, 0)
+	a, release, err := s.table.acquire(b, 0, 0)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	if !pl.alloc.exportable {
+	if !a.exportable {
 		return nil, fmt.Errorf("%w: block %d", ErrNotExportable, b.ID)
 	}
-	fd, err := unix.FcntlInt(uintptr(pl.alloc.mem.fd), unix.F_DUPFD_CLOEXEC, 0)
+	fd, err := unix.FcntlInt(uintptr(a.mem.fd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("dup memfd: %w", err)
 	}
@@ -216,11 +217,11 @@ func (s *Sim) Export(b Block) (*os.File, error) {
 }
 
 // Stats implements Device.
-func (s *Sim) Stats() Stats { return s.pool.stats() }
+func (s *Sim) Stats() Stats { return s.table.stats() }
 
 // Close frees every block. Later calls fail with ErrUnavailable.
 func (s *Sim) Close() error {
-	err := s.pool.close()
+	err := s.table.close()
 	if lerr := s.lanes.close(); err == nil {
 		err = lerr
 	}

@@ -722,9 +722,9 @@ print(n)
 }
 
 // TestGPUCudaXattrs: the CUDA IPC attributes of a device segment: 64-byte
-// memory and event handles, a decimal offset (small segments share pooled
-// chunks, so two of them differ in handle or offset), and a consumer
-// counter PATH:OFFSET in a host file, one per segment, stable.
+// memory and event handles, offset 0 (every segment, small ones too, has a
+// device allocation of its own: no two share a handle), and a consumer
+// counter PATH:0 in a host file of its own, stable.
 func TestGPUCudaXattrs(t *testing.T) {
 	forEachMode(t, func(t *testing.T, m *mount) {
 		big := gtDeviceSegment(t, m.path("big"))
@@ -735,11 +735,7 @@ func TestGPUCudaXattrs(t *testing.T) {
 			run(t, "dd", "if=/dev/urandom", "of="+p, "bs=4096", "count=1", "status=none")
 			small = append(small, p)
 		}
-		type loc struct {
-			handle string
-			offset int64
-		}
-		seen := map[loc]string{}
+		seen := map[string]string{}
 		for _, p := range append([]string{big}, small...) {
 			h := gtGetfattr(t, p, gtIPCHandle)
 			if len(h) != 64 {
@@ -752,54 +748,39 @@ func TestGPUCudaXattrs(t *testing.T) {
 			if bytes.Equal(h, make([]byte, 64)) {
 				t.Errorf("%s of %s is all zeros", gtIPCHandle, p)
 			}
-			ov := string(gtGetfattr(t, p, gtOffset))
-			off, err := strconv.ParseInt(ov, 10, 64)
-			if err != nil || off < 0 || strconv.FormatInt(off, 10) != ov {
-				t.Errorf("%s of %s = %q, want a decimal offset", gtOffset, p, ov)
+			if ov := string(gtGetfattr(t, p, gtOffset)); ov != "0" {
+				t.Errorf("%s of %s = %q, want 0", gtOffset, p, ov)
 			}
-			l := loc{string(h), off}
-			if other, dup := seen[l]; dup {
-				t.Errorf("%s and %s have the same IPC handle and offset %d", p, other, off)
+			if other, dup := seen[string(h)]; dup {
+				t.Errorf("%s and %s have the same IPC handle", p, other)
 			}
-			seen[l] = p
+			seen[string(h)] = p
 			// Stable while the segment keeps its memory.
 			if h2 := gtGetfattr(t, p, gtIPCHandle); !bytes.Equal(h, h2) {
 				t.Errorf("%s of %s changed between two reads", gtIPCHandle, p)
 			}
 		}
-		// Small segments are sub-allocated: the second has a non-zero offset
-		// or a handle of its own.
-		h0, h1 := gtGetfattr(t, small[0], gtIPCHandle), gtGetfattr(t, small[1], gtIPCHandle)
-		if o1 := string(gtGetfattr(t, small[1], gtOffset)); bytes.Equal(h0, h1) && o1 == "0" {
-			t.Errorf("two small segments share handle and offset 0")
-		}
-		if !bytes.Equal(h0, h1) {
-			t.Logf("small segments did not share a pooled chunk")
-		} else if o := string(gtGetfattr(t, small[1], gtOffset)); o == "0" {
-			t.Errorf("second small segment in the same chunk at offset 0")
-		}
-
-		// Consumer counters: PATH:OFFSET of an int64 in a host file.
+		// Consumer counters: PATH:0 of an int64 in a host file, one file
+		// per segment.
 		counters := map[string]string{}
 		for _, p := range append([]string{big}, small...) {
 			v := string(gtGetfattr(t, p, gtRefCounter))
-			path, offs, ok := strings.Cut(v, ":")
-			off, err := strconv.ParseInt(offs, 10, 64)
-			if !ok || err != nil || !filepath.IsAbs(path) || off < 0 || off%8 != 0 {
-				t.Errorf("%s of %s = %q, want ABSPATH:OFFSET (offset a multiple of 8)", gtRefCounter, p, v)
+			path, off, ok := strings.Cut(v, ":")
+			if !ok || off != "0" || !filepath.IsAbs(path) {
+				t.Errorf("%s of %s = %q, want ABSPATH:0", gtRefCounter, p, v)
 				continue
 			}
 			if strings.HasPrefix(path, m.dir+"/") {
 				t.Errorf("%s of %s names %s inside the mount, want a host file", gtRefCounter, p, path)
 			}
 			fi, err := os.Stat(path)
-			if err != nil || !fi.Mode().IsRegular() || fi.Size() < off+8 {
-				t.Errorf("%s of %s: %s is not a file holding offset %d: %v %v", gtRefCounter, p, path, off, fi, err)
+			if err != nil || !fi.Mode().IsRegular() || fi.Size() != 8 {
+				t.Errorf("%s of %s: %s is not a file of 8 bytes: %v %v", gtRefCounter, p, path, fi, err)
 			}
-			if other, dup := counters[v]; dup {
-				t.Errorf("%s and %s share the counter %s", p, other, v)
+			if other, dup := counters[path]; dup {
+				t.Errorf("%s and %s share the counter file %s", p, other, path)
 			}
-			counters[v] = p
+			counters[path] = p
 			if again := string(gtGetfattr(t, p, gtRefCounter)); again != v {
 				t.Errorf("%s of %s changed: %q then %q", gtRefCounter, p, v, again)
 			}
