@@ -344,7 +344,9 @@ func (n *node) refcount() int {
 	return c
 }
 
-// holders returns one line per process: pid, command name, handles.
+// holders returns one line per process: pid, command name, handles. The
+// name is escaped (alloc.Escape), so that every line has exactly three
+// space-separated fields whatever a process calls itself.
 func (n *node) holders() string {
 	open := n.openHandles()
 	pids := make([]int, 0, len(open))
@@ -354,16 +356,18 @@ func (n *node) holders() string {
 	sort.Ints(pids)
 	var b strings.Builder
 	for _, pid := range pids {
-		fmt.Fprintf(&b, "%d %s %d\n", pid, comm(pid), open[uint32(pid)])
+		fmt.Fprintf(&b, "%d %s %d\n", pid, alloc.Escape(comm(pid)), open[uint32(pid)])
 	}
 	return b.String()
 }
 
-// comm returns a process's command name, "?" once it has exited.
+// comm returns a process's command name as the process set it, "?" once
+// it has exited or when the name is empty.
 func comm(pid int) string {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/comm")
-	if err != nil {
+	name := strings.TrimSuffix(string(b), "\n")
+	if err != nil || name == "" {
 		return "?"
 	}
-	return strings.TrimSpace(string(b))
+	return name
 }

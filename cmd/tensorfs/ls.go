@@ -9,6 +9,10 @@ package main
 // subdirectories show as NAME/ with their subtree's bytes). Hidden names
 // are listed too: a segment uses memory whatever its name. An attribute
 // that is absent, or a file outside tensorfs, shows "-".
+//
+// Names and values are anyone's bytes: each is escaped (alloc.Escape for
+// names and holders, alloc.EscapeText for values) before it reaches the
+// terminal.
 
 import (
 	"bytes"
@@ -44,7 +48,7 @@ func runLs(args []string, stdout, stderr io.Writer) int {
 		fi, err := os.Stat(p)
 		switch {
 		case err != nil:
-			fmt.Fprintf(stderr, "tensorfs ls: %v\n", err)
+			fmt.Fprintf(stderr, "tensorfs ls: %s\n", alloc.EscapeText(err.Error()))
 			status = 1
 		case fi.IsDir():
 			dirs = append(dirs, p)
@@ -60,7 +64,7 @@ func runLs(args []string, stdout, stderr io.Writer) int {
 	for _, dir := range dirs {
 		names, err := readDirNames(dir, 0)
 		if err != nil {
-			fmt.Fprintf(stderr, "tensorfs ls: %v\n", err)
+			fmt.Fprintf(stderr, "tensorfs ls: %s\n", alloc.EscapeText(err.Error()))
 			status = 1
 			continue
 		}
@@ -74,7 +78,7 @@ func runLs(args []string, stdout, stderr io.Writer) int {
 		if segs == "1" {
 			plural = ""
 		}
-		fmt.Fprintf(stdout, "%s  %s  %s segment%s\n", dir, humanAttr(dir, alloc.AttrRbytes), segs, plural)
+		fmt.Fprintf(stdout, "%s  %s  %s segment%s\n", alloc.Escape(dir), humanAttr(dir, alloc.AttrRbytes), segs, plural)
 		entries := make([]string, len(names))
 		for i, name := range names {
 			entries[i] = filepath.Join(dir, name)
@@ -101,13 +105,13 @@ func writeTable(w io.Writer, long bool, paths []string, name func(string) string
 		var row []string
 		switch {
 		case fi.Mode().IsRegular():
-			row = []string{name(p), humanSize(fi.Size()), attrOr(p, alloc.AttrDevice), attrOr(p, alloc.AttrFlags),
+			row = []string{alloc.Escape(name(p)), humanSize(fi.Size()), attrOr(p, alloc.AttrDevice), attrOr(p, alloc.AttrFlags),
 				attrOr(p, alloc.AttrRefcount), attrOr(p, alloc.AttrDtype), attrOr(p, alloc.AttrShape)}
 			if long {
 				row = append(row, holders(p))
 			}
 		case fi.IsDir():
-			row = []string{name(p) + "/", humanAttr(p, alloc.AttrRbytes), attrOr(p, alloc.AttrDevice),
+			row = []string{alloc.Escape(name(p)) + "/", humanAttr(p, alloc.AttrRbytes), attrOr(p, alloc.AttrDevice),
 				attrOr(p, alloc.AttrFlags), "-", "-", "-"}
 			if long {
 				row = append(row, "-")
@@ -120,13 +124,14 @@ func writeTable(w io.Writer, long bool, paths []string, name func(string) string
 	tw.Flush()
 }
 
-// attrOr returns the attribute as text, or "-" when it cannot be read.
+// attrOr returns the attribute as escaped text, or "-" when it cannot be
+// read.
 func attrOr(path, name string) string {
 	v, ok, err := getxattr(path, name)
 	if err != nil || !ok || len(v) == 0 {
 		return "-"
 	}
-	return strings.TrimSpace(string(v))
+	return alloc.EscapeText(strings.TrimSpace(string(v)))
 }
 
 // humanAttr returns a decimal byte count attribute as a human-readable size.
@@ -139,21 +144,29 @@ func humanAttr(path, name string) string {
 	return humanSize(n)
 }
 
-// holders turns user.tensorfs.holders ("PID COMM HANDLES" lines, where
-// COMM may contain spaces) into "PID:COMM(HANDLES),...", "-" for none.
+// holders returns path's user.tensorfs.holders as formatHolders does,
+// "-" for none.
 func holders(path string) string {
 	v, ok, err := getxattr(path, alloc.AttrHolders)
 	if err != nil || !ok {
 		return "-"
 	}
+	return formatHolders(string(v))
+}
+
+// formatHolders turns holders lines ("PID COMM HANDLES", COMM escaped)
+// into "PID:COMM(HANDLES),...", "-" for none. Lines that are not three
+// such fields (not from tensorfs) are skipped; COMM is escaped again,
+// commas included, so that it cannot pose as another holder.
+func formatHolders(v string) string {
 	var out []string
-	for _, line := range strings.Split(strings.TrimSpace(string(v)), "\n") {
-		pid, rest, ok1 := strings.Cut(strings.TrimSpace(line), " ")
-		comm, n, ok2 := cutLast(rest, " ")
-		if !ok1 || !ok2 {
+	for _, line := range strings.Split(v, "\n") {
+		f := strings.Split(line, " ")
+		if len(f) != 3 || !decimal(f[0]) || f[1] == "" || !decimal(f[2]) {
 			continue
 		}
-		out = append(out, fmt.Sprintf("%s:%s(%s)", pid, comm, n))
+		comm := strings.ReplaceAll(alloc.Escape(alloc.Unescape(f[1])), ",", `\x2c`)
+		out = append(out, f[0]+":"+comm+"("+f[2]+")")
 	}
 	if len(out) == 0 {
 		return "-"
@@ -161,12 +174,9 @@ func holders(path string) string {
 	return strings.Join(out, ",")
 }
 
-// cutLast slices s around the last sep.
-func cutLast(s, sep string) (before, after string, found bool) {
-	if i := strings.LastIndex(s, sep); i >= 0 {
-		return s[:i], s[i+len(sep):], true
-	}
-	return s, "", false
+// decimal reports whether s is a non-empty string of ASCII digits.
+func decimal(s string) bool {
+	return s != "" && strings.Trim(s, "0123456789") == ""
 }
 
 // humanSize prints a byte count as ls -h does: 512, 1.0K, 3.5M, 1.0G...

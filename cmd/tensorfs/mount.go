@@ -70,6 +70,13 @@ func runMount(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
 		return 1
 	}
+	// A daemon still serving a detached mount owns the backing: recovery
+	// would take its live segments for leftovers.
+	if pid := servingDaemon(mp); pid > 0 {
+		fmt.Fprintf(stderr, "tensorfs mount: %s is still served by tensorfs daemon pid %d (its mount is detached but files are in use); "+
+			"run tensorfs unmount %s and wait for their users to exit, or kill %d, then mount again\n", mp, pid, mp, pid)
+		return 1
+	}
 	if !m.foreground {
 		return daemonize(args, mp, stdout, stderr)
 	}
@@ -226,6 +233,9 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 		level = slog.LevelDebug
 	}
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+	// Registered first, so that it runs last, once the mount and the
+	// store are closed.
+	defer purgeIfAsked(mp, log)
 	// Modes are exactly what clients ask for: the kernel applied their
 	// umask already.
 	unix.Umask(0)
@@ -234,6 +244,13 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 	// tighter GC target keeps the daemon small at 100,000 segments for a
 	// little CPU.
 	debug.SetGCPercent(50)
+
+	// The pid file says that this daemon serves mp, before it touches the
+	// backing, until it exits (see servingDaemon).
+	pidPath := statePath(mp, ".pid")
+	os.MkdirAll(filepath.Dir(pidPath), 0o755)
+	os.WriteFile(pidPath, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644)
+	defer os.Remove(pidPath)
 
 	// The GPU helper starts before the mount, so it inherits nothing of it.
 	dev := startGPU(m.gpu, log)
@@ -261,9 +278,6 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer srv.Close()
-	pidPath := statePath(mp, ".pid")
-	os.WriteFile(pidPath, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644)
-	defer os.Remove(pidPath)
 	log.Info("mounted", "mountpoint", mp, "backing", store.Dir, "mode", srv.Mode(), "segments", segs, "bytes", bytes)
 	fmt.Fprintf(stdout, "ready pid=%d mode=%s mountpoint=%s\n", os.Getpid(), srv.Mode(), mp)
 
@@ -291,6 +305,23 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 		log.Warn("second signal: exiting while files are still open; their users get ENOTCONN", "signal", s.String())
 	}
 	return nil
+}
+
+// purgeIfAsked purges the backing if "tensorfs unmount --purge" asked
+// this daemon to (the request names its pid): the mount was busy then,
+// and the daemon exits now that its last user has gone.
+func purgeIfAsked(mp string, log *slog.Logger) {
+	req := statePath(mp, ".purge")
+	b, err := os.ReadFile(req)
+	if err != nil || strings.TrimSpace(string(b)) != strconv.Itoa(os.Getpid()) {
+		return
+	}
+	os.Remove(req)
+	if err := alloc.Purge(mp); err != nil {
+		log.Error("purge asked by tensorfs unmount --purge", "err", err)
+		return
+	}
+	log.Info("purged the backing, as tensorfs unmount --purge asked", "backing", alloc.PrivateBacking(mp))
 }
 
 // raiseFileLimit lifts the soft limit on open files to the hard one:

@@ -77,11 +77,11 @@ func runImport(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "tensorfs import: want FILE.safetensors DIR")
 		return 2
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	ctx, stop := interruptible()
 	defer stop()
 	h, err := importFile(ctx, set.Arg(0), set.Arg(1), stderr)
 	if err != nil {
-		fmt.Fprintf(stderr, "tensorfs import: %v\n", err)
+		fmt.Fprintf(stderr, "tensorfs import: %s\n", alloc.EscapeText(err.Error()))
 		return 1
 	}
 	fmt.Fprintf(stdout, "imported %d tensors (%s) from %s into %s\n",
@@ -98,16 +98,26 @@ func runExport(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "tensorfs export: want DIR FILE.safetensors")
 		return 2
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	ctx, stop := interruptible()
 	defer stop()
 	h, err := exportDir(ctx, set.Arg(0), set.Arg(1), stderr)
 	if err != nil {
-		fmt.Fprintf(stderr, "tensorfs export: %v\n", err)
+		fmt.Fprintf(stderr, "tensorfs export: %s\n", alloc.EscapeText(err.Error()))
 		return 1
 	}
 	fmt.Fprintf(stdout, "exported %d tensors (%s) from %s to %s\n",
 		len(h.Tensors), byteCount(h.DataSize()), set.Arg(0), set.Arg(1))
 	return 0
+}
+
+// interruptible returns a context that the first SIGINT or SIGTERM
+// cancels: the command stops at its next check and removes what it wrote.
+// The handlers go with it, so that a second signal ends the command at
+// once wherever it is.
+func interruptible() (context.Context, context.CancelFunc) {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	context.AfterFunc(ctx, stop)
+	return ctx, stop
 }
 
 // byteCount prints a size for a sentence: "101 bytes", "3.5M".
@@ -120,7 +130,7 @@ func byteCount(n int64) string {
 
 // importFile imports the safetensors file src into dir, all or nothing.
 func importFile(ctx context.Context, src, dir string, stderr io.Writer) (*safetensors.Header, error) {
-	f, err := os.Open(src)
+	f, err := openRegular(src)
 	if err != nil {
 		return nil, err
 	}
@@ -128,9 +138,6 @@ func importFile(ctx context.Context, src, dir string, stderr io.Writer) (*safete
 	fi, err := f.Stat()
 	if err != nil {
 		return nil, err
-	}
-	if !fi.Mode().IsRegular() {
-		return nil, fmt.Errorf("%s is not a regular file", src)
 	}
 	h, raw, err := safetensors.ReadHeader(f, fi.Size())
 	if err != nil {
@@ -152,6 +159,30 @@ func importFile(ctx context.Context, src, dir string, stderr io.Writer) (*safete
 		return nil, err
 	}
 	return h, nil
+}
+
+// openRegular opens path for reading if it is a regular file. A FIFO or
+// a device would block open() or never end: it is refused before the
+// open, and again after it (O_NONBLOCK, so that a FIFO swapped in
+// meanwhile cannot block either).
+func openRegular(path string) (*os.File, error) {
+	if fi, err := os.Stat(path); err != nil {
+		return nil, err
+	} else if !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("%s is not a regular file", path)
+	}
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, err
+	}
+	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
+		f.Close()
+		if err == nil {
+			err = fmt.Errorf("%s is not a regular file", path)
+		}
+		return nil, err
+	}
+	return f, nil
 }
 
 // importJob is one import in progress, and what to undo if it fails.
@@ -548,7 +579,7 @@ func scanSegments(dir string, stderr io.Writer) (map[string]*segment, error) {
 		}
 		if !hasDtype || !hasShape {
 			if hasDtype || hasShape {
-				fmt.Fprintf(stderr, "tensorfs export: skipping %s: it needs both %s and %s\n", path, alloc.AttrDtype, alloc.AttrShape)
+				fmt.Fprintf(stderr, "tensorfs export: skipping %s: it needs both %s and %s\n", alloc.Escape(path), alloc.AttrDtype, alloc.AttrShape)
 			}
 			return nil
 		}
@@ -711,7 +742,7 @@ func readMetadata(dir string) (map[string]string, error) {
 
 // copySegment copies n bytes of the tensor in s to dst at dstOff.
 func copySegment(c *copier, s *segment, dst *os.File, dstOff, n int64) error {
-	f, err := os.Open(s.path)
+	f, err := openRegular(s.path)
 	if err != nil {
 		return err
 	}

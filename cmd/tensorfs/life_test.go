@@ -1,0 +1,86 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+)
+
+func TestFormatHolders(t *testing.T) {
+	for _, c := range []struct{ in, want string }{
+		{"", "-"},
+		{"12 python3 1\n", "12:python3(1)"},
+		{"12 python3 1\n34 sh 2\n", "12:python3(1),34:sh(2)"},
+		// Escaped by the daemon: kept as it is.
+		{`12 x\x0a1\x20systemd\x209 1` + "\n", `12:x\x0a1\x20systemd\x209(1)`},
+		// A comma would start another holder.
+		{"12 a(1),1:init 1\n", `12:a(1)\x2c1:init(1)`},
+		// Not from tensorfs: raw bytes are escaped, malformed lines skipped.
+		{"12 \x1b[2J 1\n1 systemd 9 x\nsystemd 1 1\n1  9\n", `12:\x1b[2J(1)`},
+	} {
+		if got := formatHolders(c.in); got != c.want {
+			t.Errorf("formatHolders(%q) = %q, want %q", c.in, got, c.want)
+		}
+	}
+}
+
+func TestBusyMessage(t *testing.T) {
+	for _, c := range []struct {
+		held  int
+		purge bool
+		want  string
+	}{
+		{2, true, "/m detached; 2 processes still hold files; the daemon (pid 7) purges the backing when the last one exits"},
+		{1, false, "/m detached; 1 process still holds files; the daemon (pid 7) serves them until the last one exits"},
+		{0, true, "/m detached; its files are still in use; the daemon (pid 7) purges the backing when the last one exits"},
+	} {
+		if got := busyMessage("/m", 7, c.held, c.purge); got != "tensorfs unmount: "+c.want {
+			t.Errorf("busyMessage(held %d, purge %v) = %q", c.held, c.purge, got)
+		}
+	}
+}
+
+// TestIsDaemon: a pid file naming a process that is not "tensorfs mount"
+// (a reused pid) or no process at all does not count as a live daemon.
+func TestIsDaemon(t *testing.T) {
+	if isDaemon(os.Getpid()) {
+		t.Errorf("isDaemon(the test process) = true")
+	}
+	if isDaemon(1 << 30) {
+		t.Errorf("isDaemon(a pid that does not exist) = true")
+	}
+}
+
+// TestOpenRegular: a FIFO is refused without blocking, as are directories;
+// a regular file opens.
+func TestOpenRegular(t *testing.T) {
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{fifo, dir} {
+		f, err := openRegular(p)
+		if err == nil {
+			f.Close()
+		}
+		if err == nil || !strings.Contains(err.Error(), "not a regular file") {
+			t.Errorf("openRegular(%s) = %v, want not a regular file", p, err)
+		}
+	}
+	file := filepath.Join(dir, "file")
+	if err := os.WriteFile(file, []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f, err := openRegular(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	b := make([]byte, 2)
+	if n, err := f.Read(b); err != nil || string(b[:n]) != "x" {
+		t.Errorf("read %s: %q, %v; want \"x\"", file, b[:n], err)
+	}
+}
