@@ -256,7 +256,7 @@ func Purge(mountpoint string) error {
 	}
 	// The daemon's state beside the backing goes too; its log stays.
 	for _, ext := range []string{".refcounters", ".pid"} {
-		if err := os.Remove(StatePath(mountpoint, ext)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		if err := os.RemoveAll(StatePath(mountpoint, ext)); err != nil {
 			return err
 		}
 	}

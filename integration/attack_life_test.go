@@ -60,16 +60,6 @@ print("ready", flush=True)
 sys.stdin.read()
 `
 
-// lifeReachable is reachable(t, path) plus the test's TMPDIR itself
-// (0700 from os.MkdirTemp), where reachable stops one level short.
-func lifeReachable(t *testing.T, path string) {
-	t.Helper()
-	reachable(t, path)
-	if err := os.Chmod(tmpRoot, 0o711); err != nil {
-		t.Fatal(err)
-	}
-}
-
 // lifeWaitExit waits for the daemon of m to exit by itself.
 func lifeWaitExit(t *testing.T, m *mount) {
 	t.Helper()
@@ -192,7 +182,7 @@ func TestAttackLifeImportFifo(t *testing.T) {
 	if err := os.Chmod(dir, 0o777); err != nil {
 		t.Fatal(err)
 	}
-	lifeReachable(t, dir)
+	reachable(t, dir)
 	for _, name := range []string{"in.safetensors", "out.safetensors"} {
 		if out, err := runAs(t, userA, dir, "mkfifo", name); err != nil {
 			t.Fatalf("mkfifo %s as uid %d: %v\n%s", name, userA, err, out)
@@ -274,7 +264,7 @@ func lifeHoldAs(t *testing.T, uid int, path, comm string) int {
 // terminal.
 func TestAttackLifeForgedHolder(t *testing.T) {
 	m := mountFS(t, "passthrough", "--allow-other")
-	lifeReachable(t, m.dir)
+	reachable(t, m.dir)
 	pub := m.path("pub")
 	if err := os.Mkdir(pub, 0o777); err != nil {
 		t.Fatal(err)
