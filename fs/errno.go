@@ -3,46 +3,72 @@ package fs
 import (
 	"errors"
 	"io"
+	"io/fs"
 	"syscall"
-
-	fusefs "github.com/hanwen/go-fuse/v2/fs"
 
 	"tensorfs/alloc"
 	"tensorfs/gpu"
 )
 
-// toErrno maps an error from alloc or the kernel to the errno a client
-// sees. It is the only such mapping in tensorfs.
+// errnos is the one table of which error a client sees as which errno.
+// The first rule whose error the chain holds (errors.Is) decides; an
+// error no rule knows, and that holds no syscall.Errno, is EIO.
+var errnos = []struct {
+	err   error
+	errno syscall.Errno
+}{
+	{alloc.ErrInvalid, syscall.EINVAL},
+	{alloc.ErrReadOnly, syscall.EPERM},
+	{alloc.ErrNoCreate, syscall.EPERM},
+	{alloc.ErrNotEmpty, syscall.EBUSY},
+	{alloc.ErrExists, syscall.EEXIST},
+	{alloc.ErrNoDisk, syscall.EOPNOTSUPP},
+	{alloc.ErrNoDevice, syscall.EOPNOTSUPP},
+	{alloc.ErrTooBig, syscall.EFBIG},
+	{alloc.ErrNoSpace, syscall.ENOSPC},
+	{alloc.ErrNoAttr, syscall.ENODATA},
+	{gpu.ErrOutOfMemory, syscall.ENOMEM},       // CUDA out of memory
+	{gpu.ErrUnavailable, syscall.EIO},          // the GPU helper died or never started
+	{gpu.ErrNoBlock, syscall.EIO},              // device memory the daemon lost track of
+	{gpu.ErrNotExportable, syscall.EOPNOTSUPP}, // no VMM export for this memory
+	{gpu.ErrNoIPC, syscall.EOPNOTSUPP},         // exported memory has no legacy IPC handle
+	{gpu.ErrInvalid, syscall.EINVAL},
+	{io.ErrUnexpectedEOF, syscall.EIO},
+	{fs.ErrNotExist, syscall.ENOENT},
+	{fs.ErrPermission, syscall.EACCES},
+}
+
+// toErrno maps an error from alloc, gpu or the kernel to the errno a
+// client sees (errnos, then the chain's own syscall.Errno, else EIO).
 func toErrno(err error) syscall.Errno {
-	switch {
-	case err == nil:
-		return 0
-	case errors.Is(err, alloc.ErrInvalid):
-		return syscall.EINVAL
-	case errors.Is(err, alloc.ErrReadOnly), errors.Is(err, alloc.ErrNoCreate):
-		return syscall.EPERM
-	case errors.Is(err, alloc.ErrNotEmpty):
-		return syscall.EBUSY
-	case errors.Is(err, alloc.ErrExists):
-		return syscall.EEXIST
-	case errors.Is(err, alloc.ErrNoDisk), errors.Is(err, alloc.ErrNoDevice):
-		return syscall.EOPNOTSUPP
-	case errors.Is(err, alloc.ErrTooBig):
-		return syscall.EFBIG
-	case errors.Is(err, alloc.ErrNoSpace):
-		return syscall.ENOSPC
-	case errors.Is(err, alloc.ErrNoAttr):
-		return syscall.ENODATA
-	case errors.Is(err, gpu.ErrUnavailable):
-		return syscall.ENODEV
-	case errors.Is(err, gpu.ErrInvalid):
-		return syscall.EINVAL
-	case errors.Is(err, io.ErrUnexpectedEOF):
-		return syscall.EIO
+	errno, _ := mapErrno(err)
+	return errno
+}
+
+// mapErrno is toErrno that also reports whether a rule or the chain knew
+// the error; an unknown one is EIO.
+func mapErrno(err error) (syscall.Errno, bool) {
+	if err == nil {
+		return 0, true
+	}
+	for _, r := range errnos {
+		if errors.Is(err, r.err) {
+			return r.errno, true
+		}
 	}
 	var errno syscall.Errno
 	if errors.As(err, &errno) {
-		return errno
+		return errno, true
 	}
-	return fusefs.ToErrno(err)
+	return syscall.EIO, false
+}
+
+// errnoOf maps err for the reply to op on n. An error no rule knows is
+// logged with its cause, which EIO alone would hide.
+func (fsys *filesystem) errnoOf(op string, n *node, err error) syscall.Errno {
+	errno, known := mapErrno(err)
+	if !known {
+		fsys.log.Error("unexpected error, answered EIO", "op", op, "path", n.Path(nil), "err", err)
+	}
+	return errno
 }

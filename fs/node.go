@@ -240,7 +240,7 @@ func (n *node) Getattr(ctx context.Context, f fusefs.FileHandle, out *fuse.AttrO
 		err = n.stat(&st)
 	}
 	if err != nil {
-		return toErrno(err)
+		return n.fs.errnoOf("getattr", n, err)
 	}
 	out.FromStat(toSyscallStat(&st))
 	out.Ino = n.StableAttr().Ino
@@ -253,30 +253,50 @@ var _ = (fusefs.NodeSetattrer)((*node)(nil))
 // Growth reserves pages (alloc.Resize), so ENOSPC comes here, not as a
 // SIGBUS later.
 func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
-	if m, ok := in.GetMode(); ok {
-		if n.isSymlink() {
-			return toErrno(syscall.EOPNOTSUPP)
+	if err := n.setattr(f, in); err != nil {
+		return n.fs.errno("setattr", n, "", err)
+	}
+	return n.Getattr(ctx, f, out)
+}
+
+// setattr applies in: owner and mode to exactly n's object (a symbolic
+// link's own owner, never what it points to), then size and times.
+func (n *node) setattr(f fusefs.FileHandle, in *fuse.SetAttrIn) error {
+	mode, mok := in.GetMode()
+	uid, uok := in.GetUID()
+	gid, gok := in.GetGID()
+	suid, sgid := -1, -1
+	if uok {
+		suid = int(uid)
+	}
+	if gok {
+		sgid = int(gid)
+	}
+	switch {
+	case mok && n.isSymlink():
+		return syscall.EOPNOTSUPP
+	case (uok || gok) && n.isSymlink():
+		if err := n.at(func(fd int, name string) error { return unix.Fchownat(fd, name, suid, sgid, nofollow(name)) }); err != nil {
+			return err
 		}
-		if err := n.path(func(p string) error { return unix.Chmod(p, m&07777) }); err != nil {
-			n.fs.refuse("setattr", n, err)
-			return toErrno(err)
+	case mok || uok || gok:
+		err := n.path(func(p string) error {
+			if uok || gok {
+				if err := unix.Chown(p, suid, sgid); err != nil {
+					return err
+				}
+			}
+			if mok {
+				return unix.Chmod(p, mode&07777)
+			}
+			return nil
+		})
+		n.followAccess()
+		if err != nil {
+			return err
 		}
 	}
-	err := n.at(func(fd int, name string) error {
-		uid, uok := in.GetUID()
-		gid, gok := in.GetGID()
-		if uok || gok {
-			suid, sgid := -1, -1
-			if uok {
-				suid = int(uid)
-			}
-			if gok {
-				sgid = int(gid)
-			}
-			if err := unix.Fchownat(fd, name, suid, sgid, nofollow(name)); err != nil {
-				return err
-			}
-		}
+	return n.at(func(fd int, name string) error {
 		if sz, ok := in.GetSize(); ok {
 			if n.imported() {
 				return fmt.Errorf("%w: an imported (FROMFD) segment keeps the size its owner gave it", alloc.ErrReadOnly)
@@ -287,26 +307,18 @@ func (n *node) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAtt
 		}
 		mtime, mok := in.GetMTime()
 		atime, aok := in.GetATime()
-		if mok || aok {
-			ts := []unix.Timespec{{Nsec: unix.UTIME_OMIT}, {Nsec: unix.UTIME_OMIT}}
-			if aok {
-				ts[0] = unix.NsecToTimespec(atime.UnixNano())
-			}
-			if mok {
-				ts[1] = unix.NsecToTimespec(mtime.UnixNano())
-			}
-			if err := utimesAt(fd, name, ts); err != nil {
-				return err
-			}
+		if !mok && !aok {
+			return nil
 		}
-		return nil
+		ts := []unix.Timespec{{Nsec: unix.UTIME_OMIT}, {Nsec: unix.UTIME_OMIT}}
+		if aok {
+			ts[0] = unix.NsecToTimespec(atime.UnixNano())
+		}
+		if mok {
+			ts[1] = unix.NsecToTimespec(mtime.UnixNano())
+		}
+		return utimesAt(fd, name, ts)
 	})
-	n.followAccess()
-	if err != nil {
-		n.fs.refuse("setattr", n, err)
-		return toErrno(err)
-	}
-	return n.Getattr(ctx, f, out)
 }
 
 // utimesAt sets the times of the object name in dirfd, never following a
@@ -343,7 +355,7 @@ var _ = (fusefs.NodeStatfser)((*node)(nil))
 func (n *node) Statfs(ctx context.Context, out *fuse.StatfsOut) syscall.Errno {
 	var st unix.Statfs_t
 	if err := n.fs.store.Statfs(&st); err != nil {
-		return toErrno(err)
+		return n.fs.errnoOf("statfs", n, err)
 	}
 	out.FromStatfsT((*syscall.Statfs_t)(unsafe.Pointer(&st)))
 	return 0

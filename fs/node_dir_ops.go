@@ -23,7 +23,7 @@ func (n *node) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (*fu
 		return err
 	})
 	if err != nil {
-		return nil, toErrno(err)
+		return nil, n.fs.errnoOf("lookup", n, err)
 	}
 	return ch, 0
 }
@@ -270,7 +270,7 @@ func (n *node) OpendirHandle(ctx context.Context, flags uint32) (fusefs.FileHand
 		return err
 	})
 	if err != nil {
-		return nil, 0, toErrno(err)
+		return nil, 0, n.fs.errnoOf("opendir", n, err)
 	}
 	ds, errno := fusefs.NewLoopbackDirStreamFd(dfd)
 	return ds, 0, errno
@@ -287,7 +287,7 @@ func (n *node) Readlink(ctx context.Context) ([]byte, syscall.Errno) {
 		return err
 	})
 	if err != nil {
-		return nil, toErrno(err)
+		return nil, n.fs.errnoOf("readlink", n, err)
 	}
 	return buf[:sz], 0
 }

@@ -44,7 +44,7 @@ func (n *node) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, 
 		sz, err = alloc.Getxattr(p, attr, dest)
 		return err
 	})
-	return uint32(sz), toErrno(err)
+	return uint32(sz), n.fs.errnoOf("getxattr "+attr, n, err)
 }
 
 // userAttr reports whether attr is in the user namespace, the only one a
@@ -166,7 +166,7 @@ func (n *node) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errn
 		return err
 	})
 	if err != nil {
-		return 0, toErrno(err)
+		return 0, n.fs.errnoOf("listxattr", n, err)
 	}
 	var b bytes.Buffer
 	virtual := n.virtualNames(ctx)
