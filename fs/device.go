@@ -29,6 +29,8 @@ type devices struct {
 	// each.
 	counters *gpu.CounterDir
 	log      *slog.Logger
+	// stop ends the limbo collector (spill closes it).
+	stop chan struct{}
 
 	// mu protects segs, every device segment by backing inode number.
 	mu   sync.Mutex
@@ -79,7 +81,7 @@ func newDevices(dev gpu.Device, store *alloc.Store, mountpoint string, log *slog
 	if err != nil {
 		return nil, err
 	}
-	d := &devices{dev: dev, limbo: gpu.NewLimbo(dev), counters: counters, log: log, segs: map[uint64]*devSeg{}}
+	d := &devices{dev: dev, limbo: gpu.NewLimbo(dev), counters: counters, log: log, segs: map[uint64]*devSeg{}, stop: make(chan struct{})}
 	paths, err := store.DeviceSegments()
 	if err != nil {
 		counters.RemoveAll()
@@ -177,16 +179,26 @@ func (d *devices) drop(ino uint64) {
 	seg.cmu.Unlock()
 }
 
-// collect frees limbo blocks nobody refers to any more, every second.
+// collect frees limbo blocks nobody refers to any more, every second,
+// until spill stops it.
 func (d *devices) collect() {
-	for range time.Tick(time.Second) {
-		d.limbo.Collect()
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	for {
+		select {
+		case <-tick.C:
+			d.limbo.Collect()
+		case <-d.stop:
+			return
+		}
 	}
 }
 
 // spill copies every device segment into its backing file, for the next
-// mount to restore, and releases the device and the counters.
+// mount to restore, stops the limbo collector and releases the device
+// and the counters.
 func (d *devices) spill() {
+	close(d.stop)
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for _, seg := range d.segs {

@@ -110,8 +110,9 @@ func (fsys *filesystem) mode() string {
 const maxRequest = 1<<20 - 8192
 
 // Mount mounts tensorfs at opts.Mountpoint and returns once the kernel
-// serves it.
-func Mount(opts Options) (*Server, error) {
+// serves it. It owns opts.GPU from then on: Server.Close releases it, and
+// so does a failed Mount, with everything else it acquired.
+func Mount(opts Options) (_ *Server, err error) {
 	fsys := &filesystem{
 		store:      opts.Store,
 		log:        opts.Log,
@@ -120,19 +121,29 @@ func Mount(opts Options) (*Server, error) {
 		started:    time.Now(),
 		tgids:      map[uint32]uint32{},
 	}
+	root := fsys.newNode(syscall.S_IFDIR, nil)
+	defer func() {
+		if err == nil {
+			return
+		}
+		switch {
+		case fsys.gpu != nil:
+			fsys.gpu.spill() // restored segments go back to their backing files
+		case opts.GPU != nil:
+			opts.GPU.Close()
+		}
+		if root.dir.fd >= 0 {
+			unix.Close(root.dir.fd)
+		}
+	}()
 	if opts.GPU != nil && opts.GPU.Backend() != "none" {
-		var err error
 		if fsys.gpu, err = newDevices(opts.GPU, opts.Store, opts.Mountpoint, opts.Log); err != nil {
 			return nil, fmt.Errorf("GPU segments: %w", err)
 		}
 	}
-	root := fsys.newNode(syscall.S_IFDIR, nil)
-	fd, err := unix.Dup(opts.Store.RootFd)
-	if err != nil {
+	if root.dir.fd, err = unix.FcntlInt(uintptr(opts.Store.RootFd), unix.F_DUPFD_CLOEXEC, 0); err != nil {
 		return nil, err
 	}
-	unix.CloseOnExec(fd)
-	root.dir.fd = fd
 	fsys.root = root
 
 	// Kernel caching: entries, absent names and attributes are kept one
@@ -190,7 +201,6 @@ func Mount(opts Options) (*Server, error) {
 	bridge := fusefs.NewNodeFS(root, fopts)
 	srv, err := fuse.NewServer(&countingFS{RawFileSystem: bridge, c: &fsys.requests}, opts.Mountpoint, &fopts.MountOptions)
 	if err != nil {
-		unix.Close(fd)
 		return nil, fmt.Errorf("mount %s: %w", opts.Mountpoint, err)
 	}
 	go srv.Serve()

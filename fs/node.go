@@ -34,23 +34,36 @@ type node struct {
 	// flagsPlus1 caches the stored flags plus one; 0 means not read yet.
 	// Flags change only through Setxattr and Removexattr, which reset it.
 	flagsPlus1 atomic.Int64
+	// flagsMu serializes filling the cache with changing the flags, so
+	// that a read of the old flags cannot be cached after a change.
+	flagsMu sync.Mutex
 
-	// mu protects handles.
+	// opening is held for reading while a segment is opened and its
+	// handle counted, for writing while its device changes, so that no
+	// open finds it half moved.
+	opening sync.RWMutex
+
+	// mu protects handles and idle.
 	mu sync.Mutex
 	// handles are the segment's open file handles; nil when none, so a
 	// closed segment costs no memory for them.
 	handles []*handle
+	// idle, when not nil, is closed when the last handle goes.
+	idle chan struct{}
 }
 
 // dirState is what a directory node keeps beyond other nodes.
 type dirState struct {
-	// mu protects fd: held for reading while fd is used, for writing
-	// while it is opened or closed. Lock order: a node before its parent.
-	mu sync.RWMutex
+	// mu protects the fields below; it is never held while fd is used,
+	// so uses may nest. Lock order: a node before its parent.
+	mu sync.Mutex
 	// fd is an O_PATH descriptor of the directory's backing, opened on
-	// first use relative to the parent's and closed on forget; -1 when
-	// closed.
+	// first use relative to the parent's; -1 when closed.
 	fd int
+	// users counts the withDir calls using fd; forgotten asks the last
+	// of them to close it (the kernel forgot the node meanwhile).
+	users     int
+	forgotten bool
 }
 
 // newNode makes a node for a backing object of the given type (S_IFMT
@@ -86,19 +99,13 @@ func (n *node) device() *devSeg {
 
 func (n *node) isSymlink() bool { return n.StableAttr().Mode == syscall.S_IFLNK }
 
-// withDir runs fn with the O_PATH descriptor of directory n's backing.
+// withDir runs fn with the O_PATH descriptor of directory n's backing,
+// which stays open until fn returns.
 func (n *node) withDir(fn func(fd int) error) error {
 	d := n.dir
 	if d == nil {
 		return syscall.ENOTDIR
 	}
-	d.mu.RLock()
-	if d.fd >= 0 {
-		defer d.mu.RUnlock()
-		return fn(d.fd)
-	}
-	d.mu.RUnlock()
-
 	d.mu.Lock()
 	if d.fd < 0 {
 		if err := n.openDirLocked(); err != nil {
@@ -106,8 +113,18 @@ func (n *node) withDir(fn func(fd int) error) error {
 			return err
 		}
 	}
+	fd := d.fd
+	d.users++
 	d.mu.Unlock()
-	return n.withDir(fn)
+	defer func() {
+		d.mu.Lock()
+		if d.users--; d.users == 0 && d.forgotten {
+			unix.Close(d.fd)
+			d.fd, d.forgotten = -1, false
+		}
+		d.mu.Unlock()
+	}()
+	return fn(fd)
 }
 
 // openDirLocked opens dirfd relative to the parent's descriptor, making
@@ -200,6 +217,11 @@ func (n *node) flags() (alloc.Flags, error) {
 	if v := n.flagsPlus1.Load(); v > 0 {
 		return alloc.Flags(v - 1), nil
 	}
+	n.flagsMu.Lock()
+	defer n.flagsMu.Unlock()
+	if v := n.flagsPlus1.Load(); v > 0 {
+		return alloc.Flags(v - 1), nil
+	}
 	var f alloc.Flags
 	err := n.path(func(p string) (err error) {
 		f, err = alloc.ReadFlags(p)
@@ -211,6 +233,16 @@ func (n *node) flags() (alloc.Flags, error) {
 	return f, err
 }
 
+// changingFlags holds off filling the flags cache while the flags change;
+// call the function it returns once they have.
+func (n *node) changingFlags() func() {
+	n.flagsMu.Lock()
+	return func() {
+		n.flagsPlus1.Store(0)
+		n.flagsMu.Unlock()
+	}
+}
+
 var _ = (fusefs.NodeOnForgetter)((*node)(nil))
 
 // OnForget closes a directory's descriptor; it is opened again if the
@@ -219,11 +251,15 @@ func (n *node) OnForget() {
 	if n.dir == nil || n == n.fs.root {
 		return
 	}
-	n.dir.mu.Lock()
-	defer n.dir.mu.Unlock()
-	if n.dir.fd >= 0 {
-		unix.Close(n.dir.fd)
-		n.dir.fd = -1
+	d := n.dir
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	switch {
+	case d.users > 0:
+		d.forgotten = true // the last user closes it
+	case d.fd >= 0:
+		unix.Close(d.fd)
+		d.fd = -1
 	}
 }
 

@@ -148,28 +148,43 @@ var _ = (fusefs.NodeOpener)((*node)(nil))
 // a segment with bytes in an EXCLUSIVE directory is refused (the kernel
 // hides O_CREAT from OPEN, and truncation is the harm EXCLUSIVE prevents).
 func (n *node) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint32, syscall.Errno) {
+	var h *handle
+	err := n.at(func(dirfd int, name string) (err error) {
+		h, err = n.open(ctx, dirfd, name, flags)
+		return err
+	})
+	if err != nil {
+		return nil, 0, n.fs.errno("open", n, "", err)
+	}
+	return h, n.openFlags(), 0
+}
+
+// open opens n, whose backing object is name in dirfd, for a FUSE open
+// with flags, and counts the handle.
+func (n *node) open(ctx context.Context, dirfd int, name string, flags uint32) (*handle, error) {
+	n.opening.RLock()
+	defer n.opening.RUnlock()
+	bflags := n.fs.backingFlags(flags)
 	var fd int
 	var err error
-	bflags := n.fs.backingFlags(flags)
-	if n.imported() {
+	if r := n.redir(); r != nil && r.imported != "" {
 		// The sender's own open file, shared: never reopened, so never
 		// with more access than the sender gave.
 		bflags = unix.O_RDONLY | unix.O_CLOEXEC
 		if flags&unix.O_ACCMODE != unix.O_RDONLY {
-			err = fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
-		} else {
-			fd, err = n.fs.imports.dup(n.redir().imported)
+			return nil, fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
 		}
+		fd, err = n.fs.imports.dup(r.imported)
 	} else {
-		err = n.at(func(dirfd int, name string) error {
-			fd, err = n.openBacking(dirfd, name, flags, bflags)
+		err = n.fs.withAttrs(n.redir(), dirfd, name, func(tfd int, tname string) (err error) {
+			fd, err = n.openBacking(tfd, tname, flags, bflags)
 			return err
 		})
 	}
 	if err != nil {
-		return nil, 0, n.fs.errno("open", n, "", err)
+		return nil, err
 	}
-	return n.newHandle(ctx, fd, bflags), n.openFlags(), 0
+	return n.newHandle(ctx, fd, bflags), nil
 }
 
 // openBacking opens n's backing object, name in dirfd, with bflags for a
@@ -240,7 +255,11 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 				return fmt.Errorf("%w: %s", alloc.ErrExists, name)
 			}
 			// Lost a race with another creator: open what is there.
-			return n.openExisting(ctx, dirfd, name, flags, out, &ch, &h)
+			if ch, err = n.child(ctx, dirfd, name, out); err != nil {
+				return err
+			}
+			h, err = ch.Operations().(*node).open(ctx, dirfd, name, flags)
+			return err
 		}
 		if err != nil {
 			return err
@@ -269,20 +288,6 @@ func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint3
 		return nil, nil, 0, n.fs.errno("create", n, name, err)
 	}
 	return ch, h, ch.Operations().(*node).openFlags(), 0
-}
-
-// openExisting serves a CREATE whose name turned out to exist.
-func (n *node) openExisting(ctx context.Context, dirfd int, name string, flags uint32, out *fuse.EntryOut, ch **fusefs.Inode, h **handle) error {
-	var err error
-	if *ch, err = n.child(ctx, dirfd, name, out); err != nil {
-		return err
-	}
-	fh, _, errno := (*ch).Operations().(*node).Open(ctx, flags)
-	if errno != 0 {
-		return errno
-	}
-	*h = fh.(*handle)
-	return nil
 }
 
 var _ = (fusefs.NodeTmpfiler)((*node)(nil))

@@ -202,15 +202,19 @@ func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uin
 		return n.fs.errno("setxattr "+attr, n, "", err)
 	}
 	if attr == alloc.AttrFlags {
-		defer n.flagsPlus1.Store(0)
+		defer n.changingFlags()()
 	}
 	var st unix.Stat_t
 	err := n.stat(&st)
 	if n.isDir() {
 		st.Size = 0 // flags and device of a directory have no emptiness rule
 	}
-	if err == nil && attr == alloc.AttrDevice && !n.isDir() && !n.awaitClosed() {
-		err = fmt.Errorf("%w: the device of a segment changes while nobody has it open", alloc.ErrNotEmpty)
+	if err == nil && attr == alloc.AttrDevice && !n.isDir() {
+		n.opening.Lock()
+		defer n.opening.Unlock()
+		if !n.awaitClosed() {
+			err = fmt.Errorf("%w: the device of a segment changes while nobody has it open", alloc.ErrNotEmpty)
+		}
 	}
 	if err == nil {
 		ino := n.redir().attrIno(n.StableAttr().Ino)
@@ -241,7 +245,7 @@ func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
 		return syscall.ENODATA
 	}
 	if attr == alloc.AttrFlags {
-		defer n.flagsPlus1.Store(0)
+		defer n.changingFlags()()
 	}
 	err := n.path(func(p string) error { return alloc.Removexattr(p, attr) })
 	if err == alloc.ErrNoAttr {
@@ -302,6 +306,10 @@ func (n *node) release(h *handle) {
 	left := len(n.handles)
 	if left == 0 {
 		n.handles = nil
+		if n.idle != nil {
+			close(n.idle)
+			n.idle = nil
+		}
 	}
 	n.mu.Unlock()
 	if left == 0 {
@@ -309,17 +317,33 @@ func (n *node) release(h *handle) {
 	}
 }
 
-// awaitClosed waits a moment for n's handles to be released and reports
-// whether none is left: the kernel sends RELEASE after close(2) returns,
-// so a close followed at once by a request may find the handle still open.
+// closeWait bounds how long a device change waits for handles to go.
+const closeWait = 200 * time.Millisecond
+
+// awaitClosed waits up to closeWait for n's handles to be released and
+// reports whether none is left: the kernel sends RELEASE after close(2)
+// returns, so a close followed at once by a request may find the handle
+// still open.
 func (n *node) awaitClosed() bool {
-	for i := 0; i < 200; i++ {
-		if len(n.openHandles()) == 0 {
+	timeout := time.NewTimer(closeWait)
+	defer timeout.Stop()
+	for {
+		n.mu.Lock()
+		if len(n.handles) == 0 {
+			n.mu.Unlock()
 			return true
 		}
-		time.Sleep(time.Millisecond)
+		if n.idle == nil {
+			n.idle = make(chan struct{})
+		}
+		idle := n.idle
+		n.mu.Unlock()
+		select {
+		case <-idle:
+		case <-timeout.C:
+			return false
+		}
 	}
-	return false
 }
 
 // openHandles returns the number of open handles by the pid that opened them.

@@ -248,20 +248,25 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 	// The pid file says that this daemon serves mp, before it touches the
 	// backing, until it exits (see servingDaemon).
 	pidPath := statePath(mp, ".pid")
-	os.MkdirAll(filepath.Dir(pidPath), 0o755)
+	if err := alloc.MakeStateDir(); err != nil {
+		return err
+	}
 	os.WriteFile(pidPath, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644)
 	defer os.Remove(pidPath)
 
 	// The GPU helper starts before the mount, so it inherits nothing of it.
+	// fs.Mount owns it from the call on; failures before close it here.
 	dev := startGPU(m.gpu, log)
 	capacity, _ := parseSize(m.capacity)
 	store, err := alloc.Open(alloc.Config{Mountpoint: mp, Backing: m.backing, Capacity: capacity, Disk: m.disk}, log)
 	if err != nil {
+		closeGPU(dev)
 		return err
 	}
 	defer store.Close()
 	segs, bytes, err := store.Recover()
 	if err != nil {
+		closeGPU(dev)
 		return fmt.Errorf("recover backing %s: %w", store.Dir, err)
 	}
 	srv, err := fs.Mount(fs.Options{
@@ -358,6 +363,13 @@ func startGPU(backend string, log *slog.Logger) gpu.Device {
 	}
 	log.Info("GPU segments on", "backend", dev.Backend(), "device", dev.Name())
 	return dev
+}
+
+// closeGPU stops the device process, if one was started.
+func closeGPU(dev gpu.Device) {
+	if dev != nil {
+		dev.Close()
+	}
 }
 
 // findCUDAHelper looks for tensorfs-gpu beside the tensorfs binary, then

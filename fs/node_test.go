@@ -1,0 +1,157 @@
+package fs
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	fusefs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+)
+
+// testFS makes a filesystem on a temporary backing with its node tree,
+// as Mount does, but mounts nothing: handlers are called directly.
+func testFS(t *testing.T) *filesystem {
+	t.Helper()
+	top := t.TempDir()
+	os.Chmod(top, 0o700)
+	backing := filepath.Join(top, "backing")
+	os.Mkdir(backing, 0o755)
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	store, err := alloc.Open(alloc.Config{Backing: backing}, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	fsys := &filesystem{store: store, log: log, tgids: map[uint32]uint32{}}
+	fsys.root = fsys.newNode(syscall.S_IFDIR, nil)
+	fd, err := unix.Dup(store.RootFd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fsys.root.dir.fd = fd
+	t.Cleanup(func() { unix.Close(fd) })
+	fusefs.NewNodeFS(fsys.root, &fusefs.Options{})
+	return fsys
+}
+
+// callerCtx is the context of a FUSE request from uid.
+func callerCtx(uid uint32) context.Context {
+	return fuse.NewContext(context.Background(), &fuse.Caller{Owner: fuse.Owner{Uid: uid, Gid: uid}, Pid: uint32(os.Getpid())})
+}
+
+// child makes the entry name (a directory when dir) through the handlers.
+func child(t *testing.T, parent *node, name string, dir bool) *node {
+	t.Helper()
+	var out fuse.EntryOut
+	if dir {
+		ch, errno := parent.Mkdir(callerCtx(0), name, 0o755, &out)
+		if errno != 0 {
+			t.Fatalf("mkdir %s: %v", name, errno)
+		}
+		parent.AddChild(name, ch, false) // as the bridge does for the reply
+		return ch.Operations().(*node)
+	}
+	ch, fh, _, errno := parent.Create(callerCtx(0), name, unix.O_RDWR, 0o644, &out)
+	if errno != 0 {
+		t.Fatalf("create %s: %v", name, errno)
+	}
+	fh.(*handle).Release(callerCtx(0))
+	parent.AddChild(name, ch, false)
+	return ch.Operations().(*node)
+}
+
+// TestFlagsCacheFollowsChanges: however reads of the flags interleave with
+// changes, the cached flags end as the stored ones.
+func TestFlagsCacheFollowsChanges(t *testing.T) {
+	fsys := testFS(t)
+	d := child(t, fsys.root, "d", true)
+	values := []string{"UNLINK", "EXCLUSIVE", "NOCREATE", "SHAREDMEM"}
+	for round := 0; round < 200; round++ {
+		var wg sync.WaitGroup
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			for i := 0; i < 5; i++ {
+				d.flags()
+			}
+		}()
+		go func() {
+			defer wg.Done()
+			if errno := d.Setxattr(callerCtx(0), alloc.AttrFlags, []byte(values[round%len(values)]), 0); errno != 0 {
+				t.Errorf("setxattr flags: %v", errno)
+			}
+		}()
+		wg.Wait()
+		cached, _ := d.flags()
+		stored, err := alloc.ReadFlags(filepath.Join(fsys.store.Dir, "d"))
+		if err != nil || cached != stored {
+			t.Fatalf("round %d: cached flags %v, stored %v (%v)", round, cached, stored, err)
+		}
+	}
+}
+
+// TestWithDirNestsAcrossForget: a directory's descriptor may be used
+// again inside its own use while the kernel forgets the node (Link and
+// Create of an existing name do so); it is closed after the last use.
+func TestWithDirNestsAcrossForget(t *testing.T) {
+	fsys := testFS(t)
+	d := child(t, fsys.root, "d", true)
+	done := make(chan error, 1)
+	go func() {
+		done <- d.withDir(func(outer int) error {
+			forgot := make(chan struct{})
+			go func() { d.OnForget(); close(forgot) }()
+			<-forgot
+			return d.withDir(func(inner int) error {
+				if inner != outer {
+					t.Errorf("nested use got fd %d, outer %d", inner, outer)
+				}
+				return unix.Fstat(inner, new(unix.Stat_t))
+			})
+		})
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("nested withDir across OnForget deadlocked")
+	}
+	if d.dir.fd != -1 {
+		t.Errorf("the forgotten directory's descriptor is still open (%d)", d.dir.fd)
+	}
+}
+
+// TestCreateOfExistingName: CREATE of a name that appeared meanwhile
+// (made outside the kernel's view, as an import does) opens it.
+func TestCreateOfExistingName(t *testing.T) {
+	fsys := testFS(t)
+	if err := os.WriteFile(filepath.Join(fsys.store.Dir, "x"), []byte("there"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var out fuse.EntryOut
+	ch, fh, _, errno := fsys.root.Create(callerCtx(0), "x", unix.O_RDWR, 0o644, &out)
+	if errno != 0 {
+		t.Fatalf("create of an existing name: %v", errno)
+	}
+	h := fh.(*handle)
+	buf := make([]byte, 5)
+	if n, err := unix.Pread(h.fd, buf, 0); err != nil || string(buf[:n]) != "there" {
+		t.Errorf("the handle reads %q, %v", buf[:n], err)
+	}
+	if got := ch.Operations().(*node).refcount(); got != 1 {
+		t.Errorf("refcount %d, want 1", got)
+	}
+	h.Release(callerCtx(0))
+}
