@@ -16,6 +16,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
 )
 
 // attackMount mounts tensorfs in m's mode (with --allow-other when shared)
@@ -355,3 +357,84 @@ s.sendmsg([json.dumps({"v": 1, "op": "import", "path": dest}).encode()],
           [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
 print(s.recv(65536).decode())
 `
+
+// TestAttackStateFiles (M1, M3): a daemonized mount's log is the daemon's
+// alone, and its backing stays nosuid,nodev across the remount that
+// recovery after a crash does (with --capacity).
+func TestAttackStateFiles(t *testing.T) {
+	requireEnvironment(t)
+	dir := filepath.Join(t.TempDir(), "mnt")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	mountMu.Lock()
+	before := mountSet()
+	pid := ccMountDaemonized(t, dir, "passthrough", "--capacity", "64M")
+	mountMu.Unlock()
+	var st unix.Stat_t
+	if err := unix.Stat(alloc.StatePath(dir, ".log"), &st); err != nil || st.Mode&0o077 != 0 {
+		t.Errorf("daemon log: mode %#o, %v; want no access for group and others", st.Mode&0o7777, err)
+	}
+	if out, err := runAs(t, userA, "/", "cat", alloc.StatePath(dir, ".log")); err == nil {
+		t.Errorf("uid %d read the daemon's log:\n%s", userA, out)
+	}
+	unix.Kill(pid, unix.SIGKILL)
+	eventually(t, "daemon dies", func() (bool, string) {
+		return unix.Kill(pid, 0) == unix.ESRCH, "still alive"
+	})
+	mountMu.Lock()
+	pid = ccMountDaemonized(t, dir, "passthrough", "--capacity", "128M")
+	mountMu.Unlock()
+	found := false
+	for _, e := range readMountinfo() {
+		if e.mountPoint == alloc.PrivateBacking(dir) {
+			found = true
+			if !strings.Contains(e.options, "nosuid") || !strings.Contains(e.options, "nodev") {
+				t.Errorf("backing remounted with %q, want nosuid,nodev", e.options)
+			}
+		}
+	}
+	if !found {
+		t.Errorf("no backing mount at %s", alloc.PrivateBacking(dir))
+	}
+	mountMu.Lock()
+	defer mountMu.Unlock()
+	ccUnmountPurgeDaemonized(t, dir, pid, before)
+}
+
+// TestAttackImportFlood (H4, imports): one user's imports hold at most
+// maxImports descriptors in the daemon; the one over gets EMFILE and the
+// mount keeps serving.
+func TestAttackImportFlood(t *testing.T) {
+	const maxImports = 4096 // fs.maxImportsPerUID
+	m := attackMount(t, "passthrough", true)
+	sock := controlSocket(t, m)
+	out := pythonAs(t, userA, "/", `
+import array, json, os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sys.argv[1])
+errnos = {}
+for i in range(int(sys.argv[2]) + 2):
+    fd = os.memfd_create("m")
+    s.sendmsg([json.dumps({"v": 1, "op": "import", "path": "shared/i%d" % i}).encode()],
+              [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    os.close(fd)
+    r = json.loads(s.recv(65536))
+    k = "ok" if r["ok"] else str(r["errno"])
+    errnos[k] = errnos.get(k, 0) + 1
+print(json.dumps(errnos))
+`, sock, fmt.Sprint(maxImports))
+	var got map[string]int
+	if err := json.Unmarshal([]byte(out), &got); err != nil {
+		t.Fatalf("flood said %q: %v", out, err)
+	}
+	if got["ok"] != maxImports || got[fmt.Sprint(int(syscall.EMFILE))] != 2 {
+		t.Errorf("imports by one user: %v, want %d ok and 2 EMFILE", got, maxImports)
+	}
+	if err := os.WriteFile(m.path("after"), []byte("served"), 0o644); err != nil {
+		t.Errorf("root's create after the flood: %v", err)
+	}
+	if out, err := runAs(t, userB, "/", "cat", m.path("after")); err != nil || out != "served" {
+		t.Errorf("another user's read after the flood: %q, %v", out, err)
+	}
+}

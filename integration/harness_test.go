@@ -706,6 +706,7 @@ func python(t *testing.T, script string, args ...string) string {
 type mountEntry struct {
 	id         int
 	mountPoint string
+	options    string // the mount's own options: rw,nosuid,nodev,...
 	fsType     string
 	source     string
 }
@@ -733,6 +734,7 @@ func readMountinfo() []mountEntry {
 		out = append(out, mountEntry{
 			id:         id,
 			mountPoint: unescapeMountinfo(f[4]),
+			options:    f[5],
 			fsType:     f[sep+1],
 			source:     unescapeMountinfo(f[sep+2]),
 		})
