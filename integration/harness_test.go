@@ -93,6 +93,9 @@ func testMain(m *testing.M) int {
 	// t.TempDir honours TMPDIR, so every mountpoint lands under tmpRoot and
 	// a mount leaked by this process can be told from other packages' ones.
 	os.Setenv("TMPDIR", tmpRoot)
+	// A race-built daemon sleeps a second at exit to flush reports unless
+	// told not to; reports are written all the same.
+	os.Setenv("GORACE", strings.TrimSpace(os.Getenv("GORACE")+" atexit_sleep_ms=0"))
 
 	// Start the runtime poller now, so its fds are not counted as leaks.
 	if r, w, err := os.Pipe(); err == nil {

@@ -43,6 +43,9 @@ fi
 
 # Integration tests fail instead of skipping when they cannot mount.
 export TENSORFS_STRICT="${TENSORFS_STRICT:-1}"
+# Race-built test binaries and daemons report races without sleeping a
+# second at every exit.
+export GORACE="${GORACE:+$GORACE }atexit_sleep_ms=0"
 
 echo "== gofmt"
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
