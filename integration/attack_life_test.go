@@ -112,7 +112,7 @@ func TestAttackLifeMountOverServedMount(t *testing.T) {
 		holder.wait(t)
 		lifeWaitExit(t, m)
 		// A dead daemon's pid reused by a process that is no daemon.
-		if err := os.WriteFile(alloc.PrivateBacking(m.dir)+".pid", []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+		if err := os.WriteFile(alloc.StatePath(m.dir, ".pid"), []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
 			t.Fatal(err)
 		}
 		m2 := m.remount(t)
