@@ -1,6 +1,7 @@
 package alloc
 
 import (
+	"errors"
 	"io/fs"
 	"path/filepath"
 	"strconv"
@@ -72,7 +73,7 @@ func WriteDeviceState(path string, ds DeviceState) error {
 	if ds.Spilled {
 		return unix.Setxattr(path, attrSpilled, []byte("1"), 0)
 	}
-	if err := unix.Removexattr(path, attrSpilled); err != nil && err != unix.ENODATA {
+	if err := unix.Removexattr(path, attrSpilled); err != nil && !errors.Is(err, unix.ENODATA) {
 		return err
 	}
 	return nil

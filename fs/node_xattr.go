@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -82,7 +83,7 @@ func (n *node) virtualAttr(ctx context.Context, attr string) (v []byte, ok bool,
 			sz, err = alloc.Getxattr(p, attr, buf)
 			return err
 		})
-		if err == alloc.ErrNoAttr {
+		if errors.Is(err, alloc.ErrNoAttr) {
 			return []byte("cpu"), true, nil
 		}
 		return buf[:sz], true, err
@@ -248,7 +249,7 @@ func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
 		defer n.changingFlags()()
 	}
 	err := n.path(func(p string) error { return alloc.Removexattr(p, attr) })
-	if err == alloc.ErrNoAttr {
+	if errors.Is(err, alloc.ErrNoAttr) {
 		return syscall.ENODATA
 	}
 	return n.fs.errno("removexattr "+attr, n, "", err)
