@@ -93,6 +93,8 @@ type filesystem struct {
 	started     time.Time
 	// imports holds the descriptors of imported (FROMFD) segments.
 	imports imports
+	// handles bounds the descriptors open segments keep, per uid.
+	handles *handleBudget
 	// tgidsMu protects tgids, the process of each thread that opened a
 	// segment; thread ids are not reused before the pid space wraps.
 	tgidsMu sync.Mutex
@@ -120,6 +122,7 @@ func Mount(opts Options) (_ *Server, err error) {
 		allowOther: opts.AllowOther,
 		started:    time.Now(),
 		tgids:      map[uint32]uint32{},
+		handles:    newHandleBudget(),
 	}
 	root := fsys.newNode(syscall.S_IFDIR, nil)
 	defer func() {

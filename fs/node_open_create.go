@@ -24,6 +24,8 @@ type handle struct {
 	node *node
 	fd   int
 	pid  uint32
+	// uid opened it; its handle budget counts the handle until Release.
+	uid uint32
 	// writable is true when fd was opened for writing.
 	writable bool
 	// seg is the device segment whose bytes this handle reads and
@@ -48,7 +50,9 @@ func (h *handle) Release(ctx context.Context) syscall.Errno {
 	if h.seg != nil {
 		h.seg.closed()
 	}
-	return h.LoopbackFile.Release(ctx)
+	errno := h.LoopbackFile.Release(ctx)
+	h.node.fs.handles.give(h.uid)
+	return errno
 }
 
 // backingFlags turns the flags of a FUSE open into those of the backing
@@ -125,13 +129,15 @@ func readTgid(tid uint32) uint32 {
 	return tid
 }
 
-// newHandle wraps an open backing descriptor and counts the reference.
+// newHandle wraps an open backing descriptor and counts the reference;
+// the caller took the handle from the caller's budget (takeHandle).
 func (n *node) newHandle(ctx context.Context, fd, flags int) *handle {
 	h := &handle{
 		LoopbackFile: fusefs.NewLoopbackFile(fd).(*fusefs.LoopbackFile),
 		node:         n,
 		fd:           fd,
 		pid:          n.fs.processOf(caller(ctx).Pid),
+		uid:          caller(ctx).Uid,
 		writable:     flags&unix.O_ACCMODE != unix.O_RDONLY,
 		seg:          n.device(),
 	}
@@ -149,9 +155,11 @@ var _ = (fusefs.NodeOpener)((*node)(nil))
 // hides O_CREAT from OPEN, and truncation is the harm EXCLUSIVE prevents).
 func (n *node) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint32, syscall.Errno) {
 	var h *handle
-	err := n.at(func(dirfd int, name string) (err error) {
-		h, err = n.open(ctx, dirfd, name, flags)
-		return err
+	err := n.fs.takeHandle(ctx, func() error {
+		return n.at(func(dirfd int, name string) (err error) {
+			h, err = n.open(ctx, dirfd, name, flags)
+			return err
+		})
 	})
 	if err != nil {
 		return nil, 0, n.fs.errno("open", n, "", err)
@@ -240,49 +248,51 @@ var _ = (fusefs.NodeCreater)((*node)(nil))
 func (n *node) Create(ctx context.Context, name string, flags uint32, mode uint32, out *fuse.EntryOut) (*fusefs.Inode, fusefs.FileHandle, uint32, syscall.Errno) {
 	var ch *fusefs.Inode
 	var h *handle
-	err := n.withDir(func(dirfd int) error {
-		pf, err := n.creatable()
-		if err != nil {
-			return err
-		}
-		bflags := n.fs.backingFlags(flags)
-		fd, err := unix.Openat(dirfd, name, bflags|unix.O_CREAT|unix.O_EXCL, mode)
-		if errors.Is(err, unix.EEXIST) {
-			if flags&unix.O_EXCL != 0 {
-				return err
-			}
-			if pf&alloc.Exclusive != 0 {
-				return fmt.Errorf("%w: %s", alloc.ErrExists, name)
-			}
-			// Lost a race with another creator: open what is there.
-			if ch, err = n.child(ctx, dirfd, name, out); err != nil {
-				return err
-			}
-			h, err = ch.Operations().(*node).open(ctx, dirfd, name, flags)
-			return err
-		}
-		if err != nil {
-			return err
-		}
-		var r *redirect
-		if pf&alloc.Shared != 0 {
-			// The marker stays empty; the bytes live on --disk.
-			marker := fd
-			var id string
-			fd, id, err = n.fs.sharedFile(marker, name, n.Path(nil), bflags, mode)
-			unix.Close(marker)
+	err := n.fs.takeHandle(ctx, func() error {
+		return n.withDir(func(dirfd int) error {
+			pf, err := n.creatable()
 			if err != nil {
-				unix.Unlinkat(dirfd, name, 0)
 				return err
 			}
-			r = &redirect{disk: id}
-		}
-		if ch, err = n.adopt(ctx, dirfd, name, pf, r, out); err != nil {
-			unix.Close(fd)
-			return err
-		}
-		h = ch.Operations().(*node).newHandle(ctx, fd, bflags)
-		return nil
+			bflags := n.fs.backingFlags(flags)
+			fd, err := unix.Openat(dirfd, name, bflags|unix.O_CREAT|unix.O_EXCL, mode)
+			if errors.Is(err, unix.EEXIST) {
+				if flags&unix.O_EXCL != 0 {
+					return err
+				}
+				if pf&alloc.Exclusive != 0 {
+					return fmt.Errorf("%w: %s", alloc.ErrExists, name)
+				}
+				// Lost a race with another creator: open what is there.
+				if ch, err = n.child(ctx, dirfd, name, out); err != nil {
+					return err
+				}
+				h, err = ch.Operations().(*node).open(ctx, dirfd, name, flags)
+				return err
+			}
+			if err != nil {
+				return err
+			}
+			var r *redirect
+			if pf&alloc.Shared != 0 {
+				// The marker stays empty; the bytes live on --disk.
+				marker := fd
+				var id string
+				fd, id, err = n.fs.sharedFile(marker, name, n.Path(nil), bflags, mode)
+				unix.Close(marker)
+				if err != nil {
+					unix.Unlinkat(dirfd, name, 0)
+					return err
+				}
+				r = &redirect{disk: id}
+			}
+			if ch, err = n.adopt(ctx, dirfd, name, pf, r, out); err != nil {
+				unix.Close(fd)
+				return err
+			}
+			h = ch.Operations().(*node).newHandle(ctx, fd, bflags)
+			return nil
+		})
 	})
 	if err != nil {
 		return nil, nil, 0, n.fs.errno("create", n, name, err)
@@ -297,35 +307,37 @@ var _ = (fusefs.NodeTmpfiler)((*node)(nil))
 func (n *node) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *fuse.EntryOut) (*fusefs.Inode, fusefs.FileHandle, uint32, syscall.Errno) {
 	var ch *fusefs.Inode
 	var h *handle
-	err := n.withDir(func(dirfd int) error {
-		pf, err := n.creatable()
-		if err != nil {
-			return err
-		}
-		bflags := n.fs.backingFlags(flags)
-		fd, err := unix.Openat(dirfd, ".", bflags|unix.O_TMPFILE, mode)
-		if err != nil {
-			return err
-		}
-		p := alloc.FdPath(fd)
-		var st unix.Stat_t
-		if uid, gid, ok := n.fs.owner(ctx, dirfd); ok {
-			err = unix.Fchown(fd, uid, gid)
-		}
-		if err == nil {
-			err = alloc.InheritFlags(pf, p, false)
-		}
-		if err == nil {
-			err = unix.Fstat(fd, &st)
-		}
-		if err != nil {
-			unix.Close(fd)
-			return err
-		}
-		out.Attr.FromStat(toSyscallStat(&st))
-		ch = n.NewInode(ctx, n.fs.newNode(syscall.S_IFREG, nil), fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: st.Ino})
-		h = ch.Operations().(*node).newHandle(ctx, fd, bflags)
-		return nil
+	err := n.fs.takeHandle(ctx, func() error {
+		return n.withDir(func(dirfd int) error {
+			pf, err := n.creatable()
+			if err != nil {
+				return err
+			}
+			bflags := n.fs.backingFlags(flags)
+			fd, err := unix.Openat(dirfd, ".", bflags|unix.O_TMPFILE, mode)
+			if err != nil {
+				return err
+			}
+			p := alloc.FdPath(fd)
+			var st unix.Stat_t
+			if uid, gid, ok := n.fs.owner(ctx, dirfd); ok {
+				err = unix.Fchown(fd, uid, gid)
+			}
+			if err == nil {
+				err = alloc.InheritFlags(pf, p, false)
+			}
+			if err == nil {
+				err = unix.Fstat(fd, &st)
+			}
+			if err != nil {
+				unix.Close(fd)
+				return err
+			}
+			out.Attr.FromStat(toSyscallStat(&st))
+			ch = n.NewInode(ctx, n.fs.newNode(syscall.S_IFREG, nil), fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: st.Ino})
+			h = ch.Operations().(*node).newHandle(ctx, fd, bflags)
+			return nil
+		})
 	})
 	if err != nil {
 		return nil, nil, 0, n.fs.errno("tmpfile", n, "", err)

@@ -2,6 +2,7 @@ package fs
 
 import (
 	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"os"
@@ -32,7 +33,7 @@ func testFS(t *testing.T) *filesystem {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { store.Close() })
-	fsys := &filesystem{store: store, log: log, tgids: map[uint32]uint32{}}
+	fsys := &filesystem{store: store, log: log, tgids: map[uint32]uint32{}, handles: newHandleBudget()}
 	fsys.root = fsys.newNode(syscall.S_IFDIR, nil)
 	fd, err := unix.Dup(store.RootFd)
 	if err != nil {
@@ -154,4 +155,34 @@ func TestCreateOfExistingName(t *testing.T) {
 		t.Errorf("refcount %d, want 1", got)
 	}
 	h.Release(callerCtx(0))
+}
+
+// TestHandleBudget: one user's open segments stop at its share with
+// EMFILE, others' and root's go on, and a release frees a place.
+func TestHandleBudget(t *testing.T) {
+	b := &handleBudget{perUID: 2, total: 5, used: map[uint32]int{}}
+	for i := 0; i < 2; i++ {
+		if err := b.take(1000); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := b.take(1000); !errors.Is(err, syscall.EMFILE) {
+		t.Errorf("uid 1000's third handle: %v, want EMFILE", err)
+	}
+	if err := b.take(1001); err != nil {
+		t.Errorf("another user's handle: %v", err)
+	}
+	for i := 0; i < 2; i++ {
+		if err := b.take(0); err != nil {
+			t.Errorf("root's handle %d: %v", i, err)
+		}
+	}
+	if err := b.take(0); !errors.Is(err, syscall.ENFILE) {
+		t.Errorf("a handle past the total: %v, want ENFILE", err)
+	}
+	b.give(1000)
+	b.give(0)
+	if err := b.take(1000); err != nil {
+		t.Errorf("uid 1000 after a release: %v", err)
+	}
 }

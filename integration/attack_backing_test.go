@@ -7,6 +7,7 @@ package integration
 // mount changed.
 
 import (
+	"bufio"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -437,4 +438,52 @@ print(json.dumps(errnos))
 	if out, err := runAs(t, userB, "/", "cat", m.path("after")); err != nil || out != "served" {
 		t.Errorf("another user's read after the flood: %q, %v", out, err)
 	}
+}
+
+// TestAttackOpenFlood (H4 through FUSE): every open segment holds a
+// descriptor in the daemon; one user holds at most its share (EMFILE past
+// it) and root and other users keep opening.
+func TestAttackOpenFlood(t *testing.T) {
+	forEachModeOnce(t, func(t *testing.T, mode string) {
+		m := attackMount(t, mode, true)
+		p := m.path("shared/f")
+		if err := os.WriteFile(p, []byte("x"), 0o666); err != nil {
+			t.Fatal(err)
+		}
+		flood := asUser(pyCommand(`
+import errno, os, resource, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+fds = []
+try:
+    while len(fds) < hard - 64:
+        fds.append(os.open(sys.argv[1], os.O_RDONLY))
+    print("no limit after", len(fds), flush=True)
+except OSError as e:
+    print("errno", e.errno, "after", len(fds), flush=True)
+sys.stdin.read()
+`, p), userA)
+		stdin, _ := flood.StdinPipe()
+		stdout, _ := flood.StdoutPipe()
+		if err := flood.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { flood.Process.Kill(); flood.Wait() })
+		line, _ := bufio.NewReader(stdout).ReadString('\n')
+		if !strings.HasPrefix(line, fmt.Sprintf("errno %d ", int(syscall.EMFILE))) {
+			t.Errorf("uid %d opening one segment again and again: %q, want EMFILE from the daemon", userA, line)
+		}
+		if b, err := os.ReadFile(p); err != nil || string(b) != "x" {
+			t.Errorf("root's open during the flood: %q, %v", b, err)
+		}
+		if out, err := runAs(t, userB, "/", "cat", p); err != nil || out != "x" {
+			t.Errorf("uid %d's open during the flood: %q, %v", userB, out, err)
+		}
+		stdin.Close()
+		flood.Wait()
+		eventually(t, "uid "+fmt.Sprint(userA)+" opens again once its files are closed", func() (bool, string) {
+			out, err := runAs(t, userA, "/", "cat", p)
+			return err == nil, fmt.Sprint(out, err)
+		})
+	})
 }
