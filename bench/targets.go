@@ -246,9 +246,8 @@ func (b *bench) killprivNote(caseName string) string {
 		return ""
 	}
 	return fmt.Sprintf("before every write(2) the kernel asks the daemon for security.capability (%s: %s GETXATTR "+
-		"per run), since a FUSE superblock is not SB_NOSEC: the price of set-id bits cleared on write as on tmpfs "+
-		"(FUSE_HANDLE_KILLPRIV_V2 would hand that to the daemon, which never sees a passthrough write)",
-		caseName, fmtNum(float64(n)/float64(u.runs)))
+		"per run), since a FUSE superblock is not SB_NOSEC; negotiating FUSE_HANDLE_KILLPRIV_V2 (the daemon "+
+		"then clears set-id bits itself) lets the kernel ask once per inode", caseName, fmtNum(float64(n)/float64(u.runs)))
 }
 
 // metaNote puts the requests and daemon CPU behind a metadata case beside

@@ -183,15 +183,15 @@ func Mount(opts Options) (_ *Server, err error) {
 			EnableLocks: false,
 			// O_TRUNC arrives with OPEN rather than as a separate
 			// SETATTR, so an EXCLUSIVE directory can refuse it.
-			// HANDLE_KILLPRIV_V2 is not negotiated: it would leave
-			// clearing set-id bits on write to the daemon, which never
-			// sees a passthrough write. The kernel clears them itself, as
-			// on tmpfs, at the price of a GETXATTR of security.capability
-			// before each write(2) (FUSE superblocks are not SB_NOSEC),
-			// answered without touching the backing. READDIRPLUS_AUTO
+			// HANDLE_KILLPRIV_V2 spares every write(2) a GETXATTR of
+			// security.capability (FUSE superblocks are not SB_NOSEC) and
+			// hands clearing set-id bits to the daemon, which never sees a
+			// passthrough write: it clears them when a user other than
+			// root opens a segment for writing (dropSetid), and on a
+			// truncate the kernel marks FATTR_KILL_SUIDGID. READDIRPLUS_AUTO
 			// lets the kernel ask for attributes with a listing only when
 			// the lister also stats the entries (ls -l, not os.listdir).
-			ExtraCapabilities: fuse.CAP_ATOMIC_O_TRUNC | fuse.CAP_READDIRPLUS_AUTO,
+			ExtraCapabilities: fuse.CAP_ATOMIC_O_TRUNC | fuse.CAP_HANDLE_KILLPRIV_V2 | fuse.CAP_READDIRPLUS_AUTO,
 			// Symbolic links never change; the kernel may keep them.
 			EnableSymlinkCaching: true,
 			Debug:                opts.Debug,

@@ -341,6 +341,12 @@ func (n *node) setattr(f fusefs.FileHandle, in *fuse.SetAttrIn) error {
 				return err
 			}
 		}
+		if in.Valid&fuse.FATTR_KILL_SUIDGID != 0 {
+			// A truncate by a user other than root (HANDLE_KILLPRIV_V2).
+			if err := n.path(killSetid); err != nil {
+				return err
+			}
+		}
 		mtime, mok := in.GetMTime()
 		atime, aok := in.GetATime()
 		if !mok && !aok {
@@ -355,6 +361,20 @@ func (n *node) setattr(f fusefs.FileHandle, in *fuse.SetAttrIn) error {
 		}
 		return utimesAt(fd, name, ts)
 	})
+}
+
+// killSetid clears the set-id bits of the object at p, as the kernel asks
+// with FATTR_KILL_SUIDGID: set-user-ID, and set-group-ID if
+// group-executable.
+func killSetid(p string) error {
+	var st unix.Stat_t
+	if err := unix.Stat(p, &st); err != nil {
+		return err
+	}
+	if kill := setidToDrop(&st, st.Gid); kill != 0 {
+		return unix.Chmod(p, st.Mode&07777&^kill)
+	}
+	return nil
 }
 
 // utimesAt sets the times of the object name in dirfd, never following a

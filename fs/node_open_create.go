@@ -189,6 +189,11 @@ func (n *node) open(ctx context.Context, dirfd int, name string, flags uint32) (
 			return err
 		})
 	}
+	if err == nil && (flags&unix.O_ACCMODE != unix.O_RDONLY || flags&unix.O_TRUNC != 0) {
+		if err = n.dropSetid(fd, caller(ctx)); err != nil {
+			unix.Close(fd)
+		}
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -218,6 +223,42 @@ func (n *node) openBacking(dirfd int, name string, flags uint32, bflags int) (in
 		return -1, err
 	}
 	return fd, nil
+}
+
+// dropSetid clears the set-id bits of the segment open at fd that a
+// write by caller would clear on tmpfs (should_remove_suid): set-user-ID,
+// and set-group-ID if group-executable or caller is not of its group;
+// root keeps them. The daemon never sees a passthrough write, so this is
+// done when the segment is opened for writing, and the kernel's cached
+// mode is dropped.
+func (n *node) dropSetid(fd int, c *fuse.Caller) error {
+	if c.Uid == 0 {
+		return nil
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	if kill := setidToDrop(&st, c.Gid); kill != 0 {
+		if err := unix.Fchmod(fd, st.Mode&07777&^kill); err != nil {
+			return err
+		}
+		n.NotifyContent(-1, 0)
+	}
+	return nil
+}
+
+// setidToDrop returns the set-id bits of st that a write by a process of
+// group gid (not root) clears.
+func setidToDrop(st *unix.Stat_t, gid uint32) uint32 {
+	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+		return 0
+	}
+	kill := st.Mode & unix.S_ISUID
+	if st.Mode&unix.S_ISGID != 0 && (st.Mode&unix.S_IXGRP != 0 || st.Gid != gid) {
+		kill |= unix.S_ISGID
+	}
+	return kill
 }
 
 // checkTruncate refuses O_TRUNC of a segment with bytes in an EXCLUSIVE
