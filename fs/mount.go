@@ -22,6 +22,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -52,6 +53,8 @@ type Options struct {
 	Socket string
 	// GPU serves device segments; nil for none.
 	GPU gpu.Device
+	// Recovered is what Recover found mapped; nil for nothing.
+	Recovered *Recovered
 }
 
 // Server is a mounted tensorfs.
@@ -64,6 +67,7 @@ type Server struct {
 // Close stops the control socket and spills device segments into their
 // backing files for the next mount; call it once the mount is gone.
 func (s *Server) Close() error {
+	s.fs.watches.close()
 	if s.fs.gpu != nil {
 		s.fs.gpu.spill()
 	}
@@ -97,6 +101,14 @@ type filesystem struct {
 	// segment; thread ids are not reused before the pid space wraps.
 	tgidsMu sync.Mutex
 	tgids   map[uint32]uint32
+	// fuseDev is the mount's device number, which mappings through it
+	// carry, and oldDevs those of earlier mounts of the backing that
+	// processes still map; maps knows who maps what; watches wait for the
+	// last mapping of UNLINK segments (mappings.go).
+	fuseDev atomic.Uint64
+	oldDevs []uint64
+	maps    mapTable
+	watches watchSet
 }
 
 func (fsys *filesystem) mode() string {
@@ -119,6 +131,9 @@ func Mount(opts Options) (*Server, error) {
 		allowOther: opts.AllowOther,
 		started:    time.Now(),
 		tgids:      map[uint32]uint32{},
+	}
+	if opts.Recovered != nil {
+		fsys.oldDevs = opts.Recovered.devs
 	}
 	if opts.GPU != nil && opts.GPU.Backend() != "none" {
 		var err error
@@ -202,6 +217,7 @@ func Mount(opts Options) (*Server, error) {
 			fsys.passthrough = true
 		}
 	}
+	fsys.afterMount(opts.Mountpoint, opts.Recovered)
 	s := &Server{Server: srv, fs: fsys}
 	if opts.Socket != "" {
 		s.ctl, err = ctl.Listen(ctl.Config{Path: opts.Socket, Backend: controlBackend{fsys}, Errno: toErrno, Log: opts.Log})
@@ -293,9 +309,10 @@ func (fsys *filesystem) reclaimLater(n *node) {
 	}
 }
 
-// reclaim removes n's names if it is an UNLINK segment without holders.
+// reclaim removes n's names if it is an UNLINK segment without holders;
+// while processes still map it, a watch waits for the last mapping.
 func (fsys *filesystem) reclaim(n *node) {
-	if len(n.openHandles()) > 0 {
+	if len(n.openHandles()) > 0 || fsys.watchMapped(n) {
 		return
 	}
 	for {

@@ -40,6 +40,8 @@ type node struct {
 	// handles are the segment's open file handles; nil when none, so a
 	// closed segment costs no memory for them.
 	handles []*handle
+	// released is when a handle was last released, since epoch.
+	released atomic.Int64
 }
 
 // dirState is what a directory node keeps beyond other nodes.

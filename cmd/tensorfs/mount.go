@@ -243,7 +243,7 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer store.Close()
-	segs, bytes, err := store.Recover()
+	segs, bytes, recovered, err := fs.Recover(store)
 	if err != nil {
 		return fmt.Errorf("recover backing %s: %w", store.Dir, err)
 	}
@@ -256,6 +256,7 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 		Log:           log,
 		Socket:        statePath(mp, ".sock"),
 		GPU:           dev,
+		Recovered:     recovered,
 	})
 	if err != nil {
 		return err
