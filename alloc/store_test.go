@@ -95,7 +95,7 @@ func TestRecoverRemovesUnlinkSegmentsAndRestoresShared(t *testing.T) {
 	// A purged backing: the marker is gone, the disk file stays.
 	os.Remove(filepath.Join(backing, "marker"))
 
-	segs, bytes, err := s.Recover()
+	segs, bytes, err := s.Recover(nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -108,5 +108,44 @@ func TestRecoverRemovesUnlinkSegmentsAndRestoresShared(t *testing.T) {
 	restored := filepath.Join(backing, "sub", "w")
 	if got := SharedID(restored); got != id {
 		t.Errorf("restored marker names %q, want %q", got, id)
+	}
+}
+
+// TestRecoverKeepsMappedUnlinkSegments: an UNLINK segment that the
+// predicate reports mapped stays; the others go.
+func TestRecoverKeepsMappedUnlinkSegments(t *testing.T) {
+	backing := t.TempDir()
+	s, err := Open(Config{Backing: backing}, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	mapped, unmapped := filepath.Join(backing, "mapped"), filepath.Join(backing, "unmapped")
+	for _, p := range []string{mapped, unmapped} {
+		os.WriteFile(p, []byte("abc"), 0o644)
+		if err := storeFlags(p, Unlink, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(mapped, &st); err != nil {
+		t.Fatal(err)
+	}
+	var asked []uint64
+	segs, bytes, err := s.Recover(func(s *unix.Stat_t) bool {
+		asked = append(asked, s.Ino)
+		return s.Dev == st.Dev && s.Ino == st.Ino
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if segs != 1 || bytes != 3 || len(asked) != 2 {
+		t.Errorf("Recover kept %d segments, %d bytes, asked about %d; want 1, 3, 2", segs, bytes, len(asked))
+	}
+	if _, err := os.Stat(mapped); err != nil {
+		t.Errorf("mapped UNLINK segment: %v, want kept", err)
+	}
+	if _, err := os.Stat(unmapped); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("unmapped UNLINK segment: %v, want removed", err)
 	}
 }

@@ -53,7 +53,7 @@ type config struct {
 }
 
 // allGroups are the case groups in the order they run.
-var allGroups = []string{"io", "mmap", "meta", "readdir", "scale", "torch"}
+var allGroups = []string{"io", "mmap", "meta", "readdir", "scale", "torch", "holders"}
 
 func main() {
 	if err := run(); err != nil {
@@ -198,6 +198,8 @@ func (b *bench) group(name string) error {
 		return b.groupReaddir()
 	case "scale":
 		return b.groupScale()
+	case "holders":
+		return b.groupHolders()
 	default:
 		return b.groupTorch()
 	}

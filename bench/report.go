@@ -35,6 +35,8 @@ func (b *bench) tables() []table {
 			[]string{ptName, classicName, loopName}, nil},
 		{"PyTorch", []metricDef{mTorchReady, mTorchMem, mTorchCopies},
 			[]string{ptName, classicName, shmName, copyName}, [][2]string{{ptName, shmName}}},
+		{fmt.Sprintf("Reference counts with %d processes mapping %d segments each", holderProcs, holderMappings),
+			[]metricDef{mRefcountScan, mHoldersScan, mRefcountCached}, []string{ptName, classicName}, nil},
 	}
 }
 

@@ -22,6 +22,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -52,6 +53,8 @@ type Options struct {
 	Socket string
 	// GPU serves device segments; nil for none.
 	GPU gpu.Device
+	// Recovered is what Recover found mapped; nil for nothing.
+	Recovered *Recovered
 }
 
 // Server is a mounted tensorfs.
@@ -64,6 +67,7 @@ type Server struct {
 // Close stops the control socket and spills device segments into their
 // backing files for the next mount; call it once the mount is gone.
 func (s *Server) Close() error {
+	s.fs.watches.close()
 	if s.fs.gpu != nil {
 		s.fs.gpu.spill()
 	}
@@ -99,6 +103,14 @@ type filesystem struct {
 	// segment; thread ids are not reused before the pid space wraps.
 	tgidsMu sync.Mutex
 	tgids   map[uint32]uint32
+	// fuseDev is the mount's device number, which mappings through it
+	// carry, and oldDevs those of earlier mounts of the backing that
+	// processes still map; maps knows who maps what; watches wait for the
+	// last mapping of UNLINK segments (mappings.go).
+	fuseDev atomic.Uint64
+	oldDevs []uint64
+	maps    mapTable
+	watches watchSet
 }
 
 func (fsys *filesystem) mode() string {
@@ -139,6 +151,9 @@ func Mount(opts Options) (_ *Server, err error) {
 			unix.Close(root.dir.fd)
 		}
 	}()
+	if opts.Recovered != nil {
+		fsys.oldDevs = opts.Recovered.devs
+	}
 	if opts.GPU != nil && opts.GPU.Backend() != "none" {
 		if fsys.gpu, err = newDevices(opts.GPU, opts.Store, opts.Mountpoint, opts.Log); err != nil {
 			return nil, fmt.Errorf("GPU segments: %w", err)
@@ -219,6 +234,7 @@ func Mount(opts Options) (_ *Server, err error) {
 			fsys.passthrough = true
 		}
 	}
+	fsys.afterMount(opts.Mountpoint, opts.Recovered)
 	s := &Server{Server: srv, fs: fsys}
 	if opts.Socket != "" {
 		s.ctl, err = ctl.Listen(ctl.Config{Path: opts.Socket, Backend: controlBackend{fsys}, Errno: toErrno, Log: opts.Log, Private: !opts.AllowOther, Owner: uint32(os.Geteuid())})
@@ -310,9 +326,10 @@ func (fsys *filesystem) reclaimLater(n *node) {
 	}
 }
 
-// reclaim removes n's names if it is an UNLINK segment without holders.
+// reclaim removes n's names if it is an UNLINK segment without holders;
+// while processes still map it, a watch waits for the last mapping.
 func (fsys *filesystem) reclaim(n *node) {
-	if len(n.openHandles()) > 0 {
+	if len(n.openHandles()) > 0 || fsys.watchMapped(n) {
 		return
 	}
 	for {

@@ -50,6 +50,8 @@ type node struct {
 	handles []*handle
 	// idle, when not nil, is closed when the last handle goes.
 	idle chan struct{}
+	// released is when a handle was last released, since epoch.
+	released atomic.Int64
 }
 
 // dirState is what a directory node keeps beyond other nodes.

@@ -201,9 +201,11 @@ var _ = (fusefs.NodeUnlinker)((*node)(nil))
 func (n *node) Unlink(ctx context.Context, name string) syscall.Errno {
 	err := n.withDir(func(fd int) error {
 		r := n.fs.lastLinkRedirect(fd, name)
+		watched := n.fs.watchedLastLink(fd, name)
 		if err := unix.Unlinkat(fd, name, 0); err != nil {
 			return err
 		}
+		n.fs.watches.unwatch(watched)
 		return n.fs.release(r)
 	})
 	return n.fs.errno("unlink", n, name, err)
@@ -238,14 +240,17 @@ func (n *node) Rename(ctx context.Context, name string, newParent fusefs.InodeEm
 				}
 			}
 			var replaced *redirect
+			var watched uint64
 			if flags&unix.RENAME_EXCHANGE == 0 {
 				replaced = n.fs.lastLinkRedirect(dfd, newName)
+				watched = n.fs.watchedLastLink(dfd, newName)
 			}
 			err := unix.Renameat2(fd, name, dfd, newName, uint(flags))
 			if errors.Is(err, unix.EEXIST) && flags&unix.RENAME_NOREPLACE != 0 {
 				return fmt.Errorf("%w: %s", alloc.ErrExists, newName)
 			}
 			if err == nil {
+				n.fs.watches.unwatch(watched)
 				err = n.fs.release(replaced)
 			}
 			if err == nil {

@@ -287,16 +287,19 @@ func (fsys *filesystem) subtreeUsage(dirfd int) (segments, bytes int64) {
 	return segments, bytes
 }
 
-// acquire records a new open handle.
+// acquire records a new open handle, then stops a watch for the last
+// mapping of the segment (watchMapped).
 func (n *node) acquire(h *handle) {
 	n.mu.Lock()
-	defer n.mu.Unlock()
 	n.handles = append(n.handles, h)
+	n.mu.Unlock()
+	n.fs.watches.unwatch(n.StableAttr().Ino)
 }
 
 // release drops an open handle and reclaims an UNLINK segment whose last
 // reference went.
 func (n *node) release(h *handle) {
+	n.released.Store(int64(time.Since(epoch)))
 	n.mu.Lock()
 	for i, o := range n.handles {
 		if o == h {
@@ -358,22 +361,21 @@ func (n *node) openHandles() map[uint32]int {
 	return m
 }
 
-// refcount is the number of open handles across all processes. The
-// kernel keeps a handle open while an mmap made through it lives, in
-// passthrough mode too, so a mapping that outlives close() still counts.
+// refcount is the number of references across all processes: open
+// handles, and mappings of processes without a handle (references).
 func (n *node) refcount() int {
 	c := 0
-	for _, h := range n.openHandles() {
+	for _, h := range n.references() {
 		c += h
 	}
 	return c
 }
 
-// holders returns one line per process: pid, command name, handles. The
-// name is escaped (alloc.Escape), so that every line has exactly three
+// holders returns one line per process: pid, command name, references.
+// The name is escaped (alloc.Escape), so that every line has exactly three
 // space-separated fields whatever a process calls itself.
 func (n *node) holders() string {
-	open := n.openHandles()
+	open := n.references()
 	pids := make([]int, 0, len(open))
 	for pid := range open {
 		pids = append(pids, int(pid))

@@ -460,8 +460,10 @@ func ccRemountStrict(t *testing.T, m *mount) *mount {
 // when the daemon is killed with SIGKILL. The mountpoint answers ENOTCONN;
 // tensorfs mount on the same mountpoint cleans the stale mount up and
 // restores every segment byte for byte, every xattr and the tree.
-// Reference counts restart at zero, and UNLINK segments that were alive
-// at the crash are removed (DESIGN.md §2, §3, §8).
+// Handle counts restart at zero, and UNLINK segments that were alive at
+// the crash are removed (DESIGN.md §2, §3, §8), except that a passthrough
+// mapping maps the backing file's pages and outlives the daemon: it still
+// counts, and an UNLINK segment it maps stays until it goes (§4).
 func TestCrashRecovery(t *testing.T) {
 	type src struct {
 		path, sha string
@@ -573,9 +575,22 @@ func TestCrashRecovery(t *testing.T) {
 		if !isMounted(m.dir) {
 			t.Fatalf("%s is not mounted after the remount", m.dir)
 		}
-		after := ccSnapshot(t, m2.dir, nil)
+		// h3 still maps u2 and h2 emb: in passthrough mode their pages
+		// are the backing's; in classic mode the dead mount's page cache.
+		pt := m.mode == "passthrough"
+		mapped := map[string]*ccHolder{}
+		if pt {
+			mapped = map[string]*ccHolder{"u2": h3, "models/layer2/emb": h2}
+		}
+		after := ccSnapshot(t, m2.dir, map[string]bool{"u2": pt})
 		ccCompare(t, "after kill -9 and remount", before, after)
 		for _, rel := range unlinked {
+			if mapped[rel] != nil {
+				if _, err := os.Lstat(m2.path(rel)); err != nil {
+					t.Errorf("UNLINK segment %s still mapped at the remount: lstat = %v, want it kept", rel, err)
+				}
+				continue
+			}
 			if _, err := os.Lstat(m2.path(rel)); !errors.Is(err, os.ErrNotExist) {
 				t.Errorf("UNLINK segment %s alive at the crash: lstat after remount = %v, want ENOENT", rel, err)
 			}
@@ -586,24 +601,40 @@ func TestCrashRecovery(t *testing.T) {
 		if fi, err := os.Stat(m2.path("tmp")); err != nil || !fi.IsDir() {
 			t.Errorf("directory tmp (flags UNLINK) must survive: %v", err)
 		}
-		checkRefcountsZero := func(when string) {
+		// checkRefcounts: no references but the mappings of mapped.
+		checkRefcounts := func(when string, mapped map[string]*ccHolder) {
 			t.Helper()
+			files := map[string]bool{}
 			for rel, e := range after {
-				if e.dir {
+				files[rel] = !e.dir
+			}
+			for rel := range mapped {
+				files[rel] = true
+			}
+			for rel, file := range files {
+				if !file {
 					continue
 				}
-				if rc := ccXattr(t, m2.path(rel), "user.tensorfs.refcount"); rc != "0" {
-					t.Errorf("%s: refcount of %s = %q, want 0", when, rel, rc)
+				rc, hs := "0", ""
+				if h := mapped[rel]; h != nil {
+					rc, hs = "1", holderLine(t, h.pid, 1)
 				}
-				if hs := ccXattr(t, m2.path(rel), "user.tensorfs.holders"); strings.TrimSpace(hs) != "" {
-					t.Errorf("%s: holders of %s = %q, want none", when, rel, hs)
+				if got := ccXattr(t, m2.path(rel), "user.tensorfs.refcount"); got != rc {
+					t.Errorf("%s: refcount of %s = %q, want %s", when, rel, got, rc)
+				}
+				if got := ccXattr(t, m2.path(rel), "user.tensorfs.holders"); strings.TrimSpace(got) != hs {
+					t.Errorf("%s: holders of %s = %q, want %q", when, rel, got, hs)
 				}
 			}
 		}
-		checkRefcountsZero("after remount")
+		checkRefcounts("after remount", mapped)
+		want := 6 // w0.bin, small, weight, bias, emb, empty
+		if pt {
+			want++ // u2
+		}
 		st := m2.stats(t)
-		if segs, _ := st["segments"].(float64); int(segs) != 6 {
-			t.Errorf("stats segments after remount = %v, want 6 (w0.bin, small, weight, bias, emb, empty)", st["segments"])
+		if segs, _ := st["segments"].(float64); int(segs) != want {
+			t.Errorf("stats segments after remount = %v, want %d", st["segments"], want)
 		}
 
 		// The recovered mount works: new segments, and the old holders
@@ -614,8 +645,12 @@ func TestCrashRecovery(t *testing.T) {
 		h2.release(t)
 		h3.release(t)
 		run(t, "rm", m2.path("models/layer2/late"))
+		xaWaitGone(t, m2.path("u2"))
+		if _, err := os.Lstat(handles["u2"]); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("UNLINK segment u2: backing %s still there after its last mapping (%v)", handles["u2"], err)
+		}
 		ccCompare(t, "after the holders of the dead mount exited", before, ccSnapshot(t, m2.dir, nil))
-		checkRefcountsZero("after the holders exited")
+		checkRefcounts("after the holders exited", nil)
 	})
 }
 

@@ -264,7 +264,7 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 		return err
 	}
 	defer store.Close()
-	segs, bytes, err := store.Recover()
+	segs, bytes, recovered, err := fs.Recover(store)
 	if err != nil {
 		closeGPU(dev)
 		return fmt.Errorf("recover backing %s: %w", store.Dir, err)
@@ -278,6 +278,7 @@ func serve(m *mountFlags, mp string, stdout, stderr io.Writer) error {
 		Log:           log,
 		Socket:        statePath(mp, ".sock"),
 		GPU:           dev,
+		Recovered:     recovered,
 	})
 	if err != nil {
 		return err

@@ -1,0 +1,652 @@
+package fs
+
+// Mappings are references (DESIGN.md §4). In passthrough mode the kernel
+// maps the backing file itself and releases the FUSE handle at close(),
+// so a mapping that outlives its descriptor is known only to
+// /proc/PID/maps, which shows it as the mount's file (the file the user
+// opened), and a mapping of the backing file outside the mount as the
+// backing file. The rule: each process counts its open handles, or 1 if
+// it holds none but maps the segment's pages (however many regions);
+// refcount is the sum over processes, holders lists each with its count.
+// A process that maps and holds a handle counts its handles alone, as in
+// classic mode, where a mapping through the mount keeps its handle open.
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+)
+
+// mapsTTL is how long after a scan of every process's mappings ends it
+// answers refcount and holders for all segments (as long as it began late
+// enough for the question). Scans cost in proportion to the machine's
+// mappings, so this bounds their share of the daemon's time.
+const mapsTTL = 100 * time.Millisecond
+
+// anyAge accepts a scan however long ago it ended.
+const anyAge = time.Duration(1<<63 - 1)
+
+// epoch is when the daemon started; node.released counts from it.
+var epoch = time.Now()
+
+// fileID names a file as /proc/PID/maps does: device and inode.
+type fileID struct{ dev, ino uint64 }
+
+// mapTable indexes which processes map which files, on the devices that
+// segments asked about. One scan of /proc runs at a time and answers
+// every question it is recent enough for.
+type mapTable struct {
+	mu         sync.Mutex // protects what follows and serialises scans
+	devs       map[uint64]bool
+	start, end time.Time // of the last scan; zero: none is valid
+	pids       map[fileID][]uint32
+	// noQuery is set once the kernel turns PROCMAP_QUERY down.
+	noQuery bool
+	buf     []byte // one /proc/PID/maps
+}
+
+// mappers returns the processes, the daemon excepted, that map any of
+// ids, from a scan that began at or after since and ended at most maxAge
+// ago.
+func (t *mapTable) mappers(ids []fileID, since time.Time, maxAge time.Duration) map[uint32]bool {
+	pids := map[uint32]bool{}
+	if len(ids) == 0 {
+		return pids
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.fresh(ids, since, maxAge)
+	for _, id := range ids {
+		for _, pid := range t.pids[id] {
+			pids[pid] = true
+		}
+	}
+	return pids
+}
+
+// mapsDev reports whether a process maps a file of device dev.
+func (t *mapTable) mapsDev(dev uint64) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.fresh([]fileID{{dev: dev}}, time.Time{}, anyAge)
+	for id := range t.pids {
+		if id.dev == dev {
+			return true
+		}
+	}
+	return false
+}
+
+// fresh scans again, t.mu held, unless the last scan covers the devices
+// of ids, began at or after since and ended at most maxAge ago.
+func (t *mapTable) fresh(ids []fileID, since time.Time, maxAge time.Duration) {
+	if t.devs == nil {
+		t.devs = map[uint64]bool{}
+	}
+	for _, id := range ids {
+		if !t.devs[id.dev] {
+			t.devs[id.dev] = true
+			t.start = time.Time{}
+		}
+	}
+	if t.start.IsZero() || t.start.Before(since) || time.Since(t.end) > maxAge {
+		t.scan()
+	}
+}
+
+// scan indexes the mappings of every process but this one on t.devs.
+// Processes whose maps the daemon may not read (another user's, when it
+// is not root) are left out.
+func (t *mapTable) scan() {
+	t.start = time.Now()
+	defer func() { t.end = time.Now() }()
+	t.pids = map[fileID][]uint32{}
+	d, err := os.Open("/proc")
+	if err != nil {
+		return
+	}
+	names, _ := d.Readdirnames(-1)
+	d.Close()
+	self := os.Getpid()
+	for _, name := range names {
+		pid, err := strconv.Atoi(name)
+		if err != nil || pid == self {
+			continue
+		}
+		fd, err := unix.Open("/proc/"+name+"/maps", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			continue
+		}
+		add := func(id fileID) {
+			if !t.devs[id.dev] {
+				return
+			}
+			// A process's mappings come together: one entry per file.
+			if p := t.pids[id]; len(p) == 0 || p[len(p)-1] != uint32(pid) {
+				t.pids[id] = append(p, uint32(pid))
+			}
+		}
+		if t.noQuery || !queryMappings(fd, add) {
+			t.noQuery = true
+			if t.read(fd) {
+				forEachMapping(t.buf, add)
+			}
+		}
+		unix.Close(fd)
+	}
+}
+
+// procmapQuery is the kernel's struct procmap_query (linux/fs.h).
+type procmapQuery struct {
+	size, flags, addr, start, end, vmaFlags, pageSize, offset, inode uint64
+	major, minor, nameSize, buildIDSize                              uint32
+	nameAddr, buildIDAddr                                            uint64
+}
+
+const (
+	procmapQueryIoctl     = 0xc0686611 // PROCMAP_QUERY: _IOWR('f', 17, struct procmap_query)
+	procmapCoveringOrNext = 0x10
+	procmapFileBacked     = 0x20
+)
+
+// queryMappings calls fn with the file of every file-backed mapping of
+// the process whose /proc/PID/maps is open at fd, asking the kernel one
+// mapping at a time (PROCMAP_QUERY, Linux 6.11): no text to make and
+// parse, anonymous mappings skipped. It is false where the kernel has no
+// such request.
+func queryMappings(fd int, fn func(fileID)) bool {
+	var q procmapQuery
+	for addr := uint64(0); ; addr = q.end {
+		q = procmapQuery{size: uint64(unsafe.Sizeof(q)), flags: procmapCoveringOrNext | procmapFileBacked, addr: addr}
+		_, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), procmapQueryIoctl, uintptr(unsafe.Pointer(&q)))
+		switch errno {
+		case 0:
+			fn(fileID{unix.Mkdev(q.major, q.minor), q.inode})
+		case unix.ENOTTY, unix.EINVAL:
+			return addr != 0
+		default: // ENOENT: no mapping past addr; ESRCH: the process exited
+			return true
+		}
+	}
+}
+
+// read reads the text of the /proc/PID/maps open at fd into t.buf.
+func (t *mapTable) read(fd int) bool {
+	t.buf = t.buf[:0]
+	for {
+		t.buf = slices.Grow(t.buf, 64<<10)
+		n, err := unix.Read(fd, t.buf[len(t.buf):cap(t.buf)])
+		switch {
+		case err == unix.EINTR:
+		case err != nil:
+			return false
+		case n == 0:
+			return true
+		default:
+			t.buf = t.buf[:len(t.buf)+n]
+		}
+	}
+}
+
+// forEachMapping calls fn with the file of every file-backed line of a
+// /proc/PID/maps text.
+func forEachMapping(b []byte, fn func(fileID)) {
+	for len(b) > 0 {
+		line := b
+		if i := bytes.IndexByte(b, '\n'); i >= 0 {
+			line, b = b[:i], b[i+1:]
+		} else {
+			b = nil
+		}
+		if id, ok := parseMapsLine(line); ok {
+			fn(id)
+		}
+	}
+}
+
+// parseMapsLine returns the file of one line of /proc/PID/maps,
+// "START-END PERMS OFFSET MAJOR:MINOR INODE [PATH]" (hexadecimal device
+// numbers, decimal inode); ok is false for an anonymous mapping (inode 0)
+// and for a line of another form.
+func parseMapsLine(line []byte) (id fileID, ok bool) {
+	for range 3 { // the address range, permissions and offset
+		i := bytes.IndexByte(line, ' ')
+		if i < 0 {
+			return id, false
+		}
+		line = line[i+1:]
+	}
+	dev, rest, _ := bytes.Cut(line, []byte{' '})
+	ino, _, _ := bytes.Cut(rest, []byte{' '})
+	major, minor, _ := bytes.Cut(dev, []byte{':'})
+	ma, ok1 := parseUint(major, 16, 1<<32-1)
+	mi, ok2 := parseUint(minor, 16, 1<<32-1)
+	in, ok3 := parseUint(ino, 10, 1<<64-1)
+	if !ok1 || !ok2 || !ok3 || in == 0 {
+		return id, false
+	}
+	return fileID{unix.Mkdev(uint32(ma), uint32(mi)), in}, true
+}
+
+// parseUint parses lower-case digits of base 10 or 16 into a value no
+// greater than limit.
+func parseUint(b []byte, base, limit uint64) (uint64, bool) {
+	if len(b) == 0 {
+		return 0, false
+	}
+	var v uint64
+	for _, c := range b {
+		var d uint64
+		switch {
+		case '0' <= c && c <= '9':
+			d = uint64(c - '0')
+		case base == 16 && 'a' <= c && c <= 'f':
+			d = uint64(c-'a') + 10
+		default:
+			return 0, false
+		}
+		if v > (limit-d)/base {
+			return 0, false
+		}
+		v = v*base + d
+	}
+	return v, true
+}
+
+// mapIDs returns the files whose mappings map n's pages: n on this mount
+// and on earlier passthrough mounts of the backing that live mappings
+// outlived (a mapping through the mount shows as the mount's file), and
+// the file its bytes live in (mapped through the handle path or an
+// exported descriptor; an imported segment's is the sender's file). A
+// device segment cannot be mapped.
+func (n *node) mapIDs() []fileID {
+	if n.device() != nil {
+		return nil
+	}
+	ino := n.StableAttr().Ino
+	ids := []fileID{{n.fs.fuseDev.Load(), ino}}
+	for _, dev := range n.fs.oldDevs {
+		ids = append(ids, fileID{dev, ino})
+	}
+	var st unix.Stat_t
+	var err error
+	if n.imported() {
+		err = n.fs.imports.with(n.redir().imported, func(fd int) error { return unix.Fstat(fd, &st) })
+	} else {
+		err = n.at(func(fd int, name string) error { return unix.Fstatat(fd, name, &st, nofollow(name)) })
+	}
+	if err == nil {
+		ids = append(ids, fileID{st.Dev, st.Ino})
+	}
+	return ids
+}
+
+// since is when a scan must have begun to answer for n: after n's last
+// handle release, the moment a mapping may have become its process's
+// only reference.
+func (n *node) since() time.Time {
+	return epoch.Add(time.Duration(n.released.Load()))
+}
+
+// references returns the references each process holds to n: its open
+// handles, or 1 for a process that holds none but maps n's pages.
+func (n *node) references() map[uint32]int {
+	refs := n.openHandles()
+	for pid := range n.fs.maps.mappers(n.mapIDs(), n.since(), mapsTTL) {
+		if refs[pid] == 0 {
+			refs[pid] = 1
+		}
+	}
+	return refs
+}
+
+// watchMapped reports whether processes still map UNLINK segment n,
+// whose last handle went, and if so waits for them in a watch. An open
+// meanwhile stops the watch: acquire adds its handle, then unwatches.
+func (fsys *filesystem) watchMapped(n *node) bool {
+	ids, since := n.mapIDs(), n.since()
+	if len(fsys.maps.mappers(ids, since, mapsTTL)) == 0 {
+		return false
+	}
+	fsys.watch(n.StableAttr().Ino, ids, since)
+	if len(n.openHandles()) > 0 {
+		fsys.watches.unwatch(n.StableAttr().Ino)
+	}
+	return true
+}
+
+// watchSet holds the watches: one goroutine per UNLINK segment that no
+// handle holds and processes still map, waiting for the last mapping.
+type watchSet struct {
+	mu sync.Mutex // protects m and closed
+	// m holds each watch's epoll instance, by the segment's inode.
+	m      map[uint64]*os.File
+	closed bool
+	wg     sync.WaitGroup
+}
+
+// watch starts waiting for the last mapping of ids to go (awaitUnmapped),
+// then removes the UNLINK segment whose backing inode is ino; at most one
+// watch per segment. Reopening or unlinking the segment stops it
+// (unwatch).
+func (fsys *filesystem) watch(ino uint64, ids []fileID, since time.Time) {
+	w := &fsys.watches
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.closed || w.m[ino] != nil {
+		return
+	}
+	ep, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err == nil {
+		if err = unix.SetNonblock(ep, true); err != nil { // so that Go's poller waits on it
+			unix.Close(ep)
+		}
+	}
+	if err != nil {
+		fsys.log.Warn("cannot wait for the mappings of an UNLINK segment; it stays until it is opened and closed again, or the next mount", "ino", ino, "err", err)
+		return
+	}
+	f := os.NewFile(uintptr(ep), "pidfds")
+	if w.m == nil {
+		w.m = map[uint64]*os.File{}
+	}
+	w.m[ino] = f
+	w.wg.Add(1)
+	go func() {
+		defer w.wg.Done()
+		unmapped := fsys.maps.awaitUnmapped(f, ids, since)
+		if w.end(ino, f) && unmapped {
+			fsys.removeUnlinked(ino)
+		}
+	}()
+}
+
+// unwatch stops the watch of the segment whose inode is ino, if any.
+func (w *watchSet) unwatch(ino uint64) {
+	w.mu.Lock()
+	f := w.m[ino]
+	delete(w.m, ino)
+	w.mu.Unlock()
+	if f != nil {
+		f.Close()
+	}
+}
+
+// end forgets f, the watch of ino, and closes it; false when it was
+// stopped already.
+func (w *watchSet) end(ino uint64, f *os.File) bool {
+	w.mu.Lock()
+	ok := w.m[ino] == f
+	if ok {
+		delete(w.m, ino)
+	}
+	w.mu.Unlock()
+	f.Close()
+	return ok
+}
+
+// close stops every watch, waits for them to return, and starts no more.
+func (w *watchSet) close() {
+	w.mu.Lock()
+	m := w.m
+	w.m, w.closed = nil, true
+	w.mu.Unlock()
+	for _, f := range m {
+		f.Close()
+	}
+	w.wg.Wait()
+}
+
+// watchedLastLink returns the inode of name in dirfd when name is its
+// last link and watches are waiting, for unwatch once the name is gone;
+// 0 otherwise.
+func (fsys *filesystem) watchedLastLink(dirfd int, name string) uint64 {
+	w := &fsys.watches
+	w.mu.Lock()
+	none := len(w.m) == 0
+	w.mu.Unlock()
+	var st unix.Stat_t
+	if none || unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil || st.Nlink != 1 {
+		return 0
+	}
+	return st.Ino
+}
+
+// awaitUnmapped waits until no process maps ids and reports true, or
+// until ep, an epoll instance, is closed (false); its first check takes a
+// scan begun at or after since. It waits on pidfds of the mapping
+// processes for their exits, and for munmap checks again after 10 ms,
+// doubling up to 1 s; a check takes any scan begun since the last one,
+// however old, so that the watches of many segments share scans.
+func (t *mapTable) awaitUnmapped(ep *os.File, ids []fileID, since time.Time) bool {
+	rc, err := ep.SyscallConn()
+	if err != nil {
+		return false
+	}
+	pidfds := map[uint32]int{}
+	defer func() {
+		for _, fd := range pidfds {
+			unix.Close(fd)
+		}
+	}()
+	exited := map[uint32]bool{} // never watched again, should /proc lag
+	events := make([]unix.EpollEvent, 8)
+	delay := 10 * time.Millisecond
+	for {
+		pids := t.mappers(ids, since, anyAge)
+		if len(pids) == 0 {
+			return true
+		}
+		for pid, fd := range pidfds {
+			if !pids[pid] { // unmapped, alive
+				unix.Close(fd) // which takes it out of ep
+				delete(pidfds, pid)
+			}
+		}
+		for pid := range pids {
+			if _, ok := pidfds[pid]; ok || exited[pid] {
+				continue
+			}
+			fd, err := unix.PidfdOpen(int(pid), 0)
+			if err != nil {
+				continue // gone already: the next check sees it
+			}
+			var cerr error
+			err = rc.Control(func(e uintptr) {
+				cerr = unix.EpollCtl(int(e), unix.EPOLL_CTL_ADD, fd, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)})
+			})
+			if err != nil || cerr != nil {
+				unix.Close(fd)
+				if err != nil {
+					return false
+				}
+				continue
+			}
+			pidfds[pid] = fd
+		}
+		since = time.Now()
+		if ep.SetReadDeadline(since.Add(delay)) != nil {
+			return false
+		}
+		n := 0
+		err := rc.Read(func(e uintptr) bool {
+			n, _ = unix.EpollWait(int(e), events, 0)
+			return n > 0
+		})
+		switch {
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			delay = min(2*delay, time.Second)
+			continue
+		case err != nil:
+			return false
+		}
+		since = time.Now() // processes exited: see them gone
+		for _, ev := range events[:n] {
+			for pid, fd := range pidfds {
+				if fd == int(ev.Fd) {
+					exited[pid] = true
+					unix.Close(fd)
+					delete(pidfds, pid)
+				}
+			}
+		}
+	}
+}
+
+// removeUnlinked removes every name of the UNLINK segment whose backing
+// inode is ino, found by a walk of the backing (the kernel may have
+// forgotten the node, and after recovery there is none), and tells the
+// kernel.
+func (fsys *filesystem) removeUnlinked(ino uint64) {
+	alloc.Walk(fsys.store.RootFd, func(dirfd int, name, rel string, st *unix.Stat_t) error {
+		if st.Ino != ino || st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+			return nil
+		}
+		var f alloc.Flags
+		ferr := alloc.At(dirfd, name, ino, func(p string) (err error) {
+			f, err = alloc.ReadFlags(p)
+			return err
+		})
+		if ferr != nil || f&alloc.Unlink == 0 {
+			return nil
+		}
+		r := fsys.lastLinkRedirect(dirfd, name)
+		if unix.Unlinkat(dirfd, name, 0) != nil {
+			return nil
+		}
+		fsys.release(r)
+		fsys.notifyGone(rel, ino)
+		fsys.log.Info("removed UNLINK segment after its last mapping", "name", rel)
+		return nil
+	})
+}
+
+// notifyGone drops the name path (relative to the root) of inode ino
+// from go-fuse's tree and the kernel's cache, where they have it.
+func (fsys *filesystem) notifyGone(path string, ino uint64) {
+	dir := fsys.root.EmbeddedInode()
+	for {
+		part, rest, more := strings.Cut(path, "/")
+		if !more {
+			if ch := dir.GetChild(part); ch != nil && ch.StableAttr().Ino == ino {
+				dir.RmChild(part)
+				dir.NotifyDelete(part, ch)
+			}
+			return
+		}
+		if dir = dir.GetChild(part); dir == nil {
+			return
+		}
+		path = rest
+	}
+}
+
+// devsAttr, on the backing root, lists the devices of the passthrough
+// mounts of the backing whose mappings may outlive them: such a mapping
+// maps the backing file's pages, but /proc shows it as the mount's file,
+// and a daemon that crashes leaves it behind.
+const devsAttr = "trusted.tensorfs.mapdevs"
+
+// Recovered is what recovery found mapped, for the mount.
+type Recovered struct {
+	// devs are the devices of earlier mounts that processes still map.
+	devs []uint64
+	// kept are the files of each UNLINK segment kept because mapped.
+	kept [][]fileID
+}
+
+// Recover prepares store's backing for a mount (alloc.Store.Recover),
+// keeping the UNLINK segments that live processes still map, through
+// the backing or an earlier passthrough mount of it.
+func Recover(store *alloc.Store) (segments, bytes int64, rec *Recovered, err error) {
+	var t mapTable
+	old := earlierDevs(store.RootFd)
+	rec = &Recovered{}
+	segments, bytes, err = store.Recover(func(st *unix.Stat_t) bool {
+		ids := []fileID{{st.Dev, st.Ino}}
+		for _, dev := range old {
+			ids = append(ids, fileID{dev, st.Ino})
+		}
+		if len(t.mappers(ids, time.Time{}, anyAge)) == 0 {
+			return false
+		}
+		rec.kept = append(rec.kept, ids)
+		return true
+	})
+	for _, dev := range old {
+		if t.mapsDev(dev) {
+			rec.devs = append(rec.devs, dev)
+		}
+	}
+	return segments, bytes, rec, err
+}
+
+// earlierDevs reads devsAttr from the backing root at rootFd, less the
+// devices of mounted filesystems: those numbers were given again.
+func earlierDevs(rootFd int) []uint64 {
+	buf := make([]byte, 1024)
+	n, err := unix.Getxattr(alloc.FdPath(rootFd), devsAttr, buf)
+	if err != nil {
+		return nil
+	}
+	mounted := map[uint64]bool{}
+	info, _ := os.ReadFile("/proc/self/mountinfo")
+	for _, line := range strings.Split(string(info), "\n") {
+		var id, parent int
+		var major, minor uint32
+		if _, err := fmt.Sscanf(line, "%d %d %d:%d", &id, &parent, &major, &minor); err == nil {
+			mounted[unix.Mkdev(major, minor)] = true
+		}
+	}
+	var devs []uint64
+	for _, f := range strings.Fields(string(buf[:n])) {
+		if dev, err := strconv.ParseUint(f, 10, 64); err == nil && !mounted[dev] {
+			devs = append(devs, dev)
+		}
+	}
+	return devs
+}
+
+// afterMount records which devices map the backing for the next mount
+// (devsAttr): those of earlier mounts still mapped and, in passthrough
+// mode, this mount's. Then it waits for the last mapping of each UNLINK
+// segment that recovery kept.
+func (fsys *filesystem) afterMount(mountpoint string, rec *Recovered) {
+	var st unix.Stat_t
+	if err := unix.Stat(mountpoint, &st); err == nil {
+		fsys.fuseDev.Store(st.Dev)
+	}
+	devs := slices.Clone(fsys.oldDevs)
+	if fsys.passthrough {
+		devs = append(devs, st.Dev)
+	}
+	var v []byte
+	for _, dev := range devs {
+		v = strconv.AppendUint(append(v, ' '), dev, 10)
+	}
+	p := alloc.FdPath(fsys.store.RootFd)
+	if len(devs) == 0 {
+		unix.Removexattr(p, devsAttr) // nothing to record: absent, or not root
+	} else if err := unix.Setxattr(p, devsAttr, v, 0); err != nil {
+		fsys.log.Warn("cannot record the mount's device: after a crash, the next mount will not see mappings made through this one", "err", err)
+	}
+	if rec == nil {
+		return
+	}
+	now := time.Now()
+	for _, ids := range rec.kept {
+		fsys.watch(ids[0].ino, ids, now)
+	}
+}
