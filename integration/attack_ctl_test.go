@@ -8,12 +8,9 @@ package integration
 // root.
 
 import (
-	"bufio"
-	"context"
 	"encoding/json"
 	"fmt"
 	"os"
-	"os/exec"
 	"regexp"
 	"strconv"
 	"strings"
@@ -177,49 +174,7 @@ type ctlReply struct {
 func startCtlAgent(t *testing.T, uid int, sock string) *ctlAgent {
 	t.Helper()
 	requireTorchFreePython(t)
-	ctx, cancel := context.WithTimeout(context.Background(), commandTimeout)
-	c := &pyChild{
-		name:   fmt.Sprintf("agent uid %d", uid),
-		cmd:    asUser(exec.CommandContext(ctx, systemPython, "-u", "-c", ctlAgentScript, sock), uid),
-		lines:  make(chan string, 64),
-		stderr: &lockedBuffer{},
-		done:   make(chan struct{}),
-	}
-	c.cmd.Dir = "/"
-	c.cmd.Stderr = c.stderr
-	c.cmd.WaitDelay = 5 * time.Second
-	var err error
-	if c.stdin, err = c.cmd.StdinPipe(); err != nil {
-		cancel()
-		t.Fatal(err)
-	}
-	stdout, err := c.cmd.StdoutPipe()
-	if err != nil {
-		cancel()
-		t.Fatal(err)
-	}
-	if err := c.cmd.Start(); err != nil {
-		cancel()
-		t.Fatalf("start %s: %v", c.name, err)
-	}
-	go func() {
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			c.lines <- sc.Text()
-		}
-		close(c.lines)
-		c.err = c.cmd.Wait()
-		cancel()
-		close(c.done)
-	}()
-	t.Cleanup(func() {
-		select {
-		case <-c.done:
-		default:
-			c.cmd.Process.Kill()
-			<-c.done
-		}
-	})
+	c := startPythonAs(t, uid, fmt.Sprintf("agent uid %d", uid), ctlAgentScript, sock)
 	return &ctlAgent{c, uid}
 }
 

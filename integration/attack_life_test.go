@@ -5,19 +5,15 @@ package integration
 // importing a FIFO, and process or file names that forge output.
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"maps"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -215,45 +211,13 @@ func TestAttackLifeImportFifo(t *testing.T) {
 // holds path open (creating it), and returns its pid once it does.
 func lifeHoldAs(t *testing.T, uid int, path, comm string) int {
 	t.Helper()
-	cmd := asUser(exec.Command(systemPython, "-c", lifeNamedScript, path, comm), uid)
-	cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
-	cmd.Dir = "/"
-	stderr := &lockedBuffer{}
-	cmd.Stderr = stderr
-	cmd.WaitDelay = 5 * time.Second
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		skipOrFail(t, "starting %s: %v", systemPython, err)
-	}
-	t.Cleanup(func() {
-		stdin.Close()
-		cmd.Wait()
-	})
-	ready := make(chan string, 1)
-	go func() {
-		line, _ := bufio.NewReader(stdout).ReadString('\n')
-		ready <- line
-		io.Copy(io.Discard, stdout)
-	}()
-	select {
-	case line := <-ready:
-		if strings.TrimSpace(line) != "ready" {
-			t.Fatalf("holder %q said %q\n%s", comm, line, stderr.String())
-		}
-	case <-time.After(commandTimeout):
-		t.Fatalf("holder %q did not start within %v", comm, commandTimeout)
-	}
-	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", cmd.Process.Pid)); err != nil || string(b) != comm+"\n" {
+	c := startPythonAs(t, uid, "holder "+comm, lifeNamedScript, path, comm)
+	c.expect(t, "ready")
+	pid := c.cmd.Process.Pid
+	if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid)); err != nil || string(b) != comm+"\n" {
 		t.Fatalf("holder's comm is %q (%v), want %q", b, err, comm)
 	}
-	return cmd.Process.Pid
+	return pid
 }
 
 // TestAttackLifeForgedHolder: uid 1000 names its processes "x\n1 systemd

@@ -48,6 +48,13 @@ type pyChild struct {
 // cleanup kills it if the test did not wait for it.
 func startPython(t *testing.T, name, script string, args ...string) *pyChild {
 	t.Helper()
+	return startPythonAs(t, 0, name, script, args...)
+}
+
+// startPythonAs is startPython as uid, in "/"; uid 0 is the test's own
+// user, in its working directory.
+func startPythonAs(t *testing.T, uid int, name, script string, args ...string) *pyChild {
+	t.Helper()
 	python(t, "import mmap") // the harness's check for a usable python
 	ctx, cancel := context.WithTimeout(context.Background(), commandTimeout)
 	c := &pyChild{
@@ -56,6 +63,10 @@ func startPython(t *testing.T, name, script string, args ...string) *pyChild {
 		lines:  make(chan string, 64),
 		stderr: &lockedBuffer{},
 		done:   make(chan struct{}),
+	}
+	if uid != 0 {
+		asUser(c.cmd, uid)
+		c.cmd.Dir = "/"
 	}
 	c.cmd.Stderr = c.stderr
 	c.cmd.WaitDelay = 5 * time.Second

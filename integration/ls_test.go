@@ -4,15 +4,10 @@ package integration
 // summary line, and the holders column with a child holding a segment.
 
 import (
-	"bufio"
 	"fmt"
-	"io"
 	"os"
-	"os/exec"
 	"strings"
-	"syscall"
 	"testing"
-	"time"
 )
 
 // lsHolderScript opens argv[1] read-only, says "ok", and keeps it open
@@ -29,44 +24,14 @@ sys.stdin.read()
 // ends it.
 func lsHold(t *testing.T, path string) (int, string) {
 	t.Helper()
-	cmd := exec.Command(systemPython, "-c", lsHolderScript, path)
-	cmd.Stderr = os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	cmd.WaitDelay = 5 * time.Second
-	stdin, err := cmd.StdinPipe()
+	c := startPython(t, "holder of "+path, lsHolderScript, path)
+	c.expect(t, "ok")
+	pid := c.cmd.Process.Pid
+	comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
 	if err != nil {
 		t.Fatal(err)
 	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		skipOrFail(t, "starting %s: %v", systemPython, err)
-	}
-	t.Cleanup(func() {
-		stdin.Close()
-		cmd.Wait()
-	})
-	ready := make(chan string, 1)
-	go func() {
-		line, _ := bufio.NewReader(stdout).ReadString('\n')
-		ready <- line
-		io.Copy(io.Discard, stdout)
-	}()
-	select {
-	case line := <-ready:
-		if strings.TrimSpace(line) != "ok" {
-			t.Fatalf("holder of %s said %q", path, line)
-		}
-	case <-time.After(commandTimeout):
-		t.Fatalf("holder of %s did not start within %v", path, commandTimeout)
-	}
-	comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", cmd.Process.Pid))
-	if err != nil {
-		t.Fatal(err)
-	}
-	return cmd.Process.Pid, strings.TrimSpace(string(comm))
+	return pid, strings.TrimSpace(string(comm))
 }
 
 // lsRow returns the whitespace-separated fields of the line of out whose
