@@ -343,8 +343,9 @@ func (n *node) setattr(f fusefs.FileHandle, in *fuse.SetAttrIn) error {
 				return err
 			}
 		}
-		if in.Valid&fuse.FATTR_KILL_SUIDGID != 0 {
-			// A truncate by a user other than root (HANDLE_KILLPRIV_V2).
+		if in.Valid&fuse.FATTR_KILL_SUIDGID != 0 && !n.isSymlink() {
+			// A truncate by a user other than root, or a chown
+			// (HANDLE_KILLPRIV_V2).
 			if err := n.path(killSetid); err != nil {
 				return err
 			}

@@ -67,3 +67,30 @@ func TestSetidClearedAsOnTmpfs(t *testing.T) {
 		}
 	}, "--allow-other")
 }
+
+// TestChownKeepsSymlinks: chown -h of a symbolic link changes the link's
+// own owner (the kernel marks every chown FATTR_KILL_SUIDGID, which has
+// nothing to clear on a link), and chown of a set-id file clears the bits.
+func TestChownKeepsSymlinks(t *testing.T) {
+	forEachMode(t, func(t *testing.T, m *mount) {
+		link := m.path("link")
+		if err := os.Symlink("target", link); err != nil {
+			t.Fatal(err)
+		}
+		run(t, "chown", "-h", "65534:65534", link)
+		if st := pxStat(t, link); st.Uid != 65534 || st.Gid != 65534 {
+			t.Errorf("chown -h of a link: owner %d:%d, want 65534:65534", st.Uid, st.Gid)
+		}
+		f := m.path("suid")
+		if err := os.WriteFile(f, nil, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(f, 0o755|os.ModeSetuid|os.ModeSetgid); err != nil {
+			t.Fatal(err)
+		}
+		run(t, "chown", "65534:65534", f)
+		if st := pxStat(t, f); st.Mode&0o7777 != 0o755 {
+			t.Errorf("chown of a 06755 file left mode %#o, want 0755 as on tmpfs", st.Mode&0o7777)
+		}
+	})
+}
