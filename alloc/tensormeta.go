@@ -41,8 +41,9 @@ type DtypeInfo struct {
 //go:embed dtypes.json
 var DtypesJSON []byte
 
-// dtypeTable lists the dtypes of DtypesJSON in its order.
-var dtypeTable = parseDtypeTable(DtypesJSON)
+// dtypeTable lists the dtypes of DtypesJSON in its order; safetensorsOrder
+// is its safetensors_order.
+var dtypeTable, safetensorsOrder = parseDtypeTable(DtypesJSON)
 
 // dtypeNames maps every accepted lower-case spelling to its canonical Dtype.
 var dtypeNames = buildDtypeNames(dtypeTable)
@@ -50,12 +51,19 @@ var dtypeNames = buildDtypeNames(dtypeTable)
 // Dtypes returns the dtype table, in the order of dtypes.json.
 func Dtypes() []DtypeInfo { return slices.Clone(dtypeTable) }
 
-func parseDtypeTable(b []byte) []DtypeInfo {
-	var t struct{ Dtypes []DtypeInfo }
+// SafetensorsOrder returns the safetensors dtypes in the order of the
+// reference implementation's Dtype enum, by which its writer sorts.
+func SafetensorsOrder() []string { return slices.Clone(safetensorsOrder) }
+
+func parseDtypeTable(b []byte) ([]DtypeInfo, []string) {
+	var t struct {
+		Dtypes []DtypeInfo
+		Order  []string `json:"safetensors_order"`
+	}
 	if err := json.Unmarshal(b, &t); err != nil {
 		panic("alloc: dtypes.json: " + err.Error())
 	}
-	return t.Dtypes
+	return t.Dtypes, t.Order
 }
 
 // buildDtypeNames lists the accepted spellings, as dtypes.json describes them. NumPy's

@@ -10,12 +10,8 @@ import (
 // Order lists the dtypes of the format in the order of the reference
 // implementation's Dtype enum (huggingface/safetensors, tensor.rs), which
 // its writer sorts by: the writer lays tensors out by descending dtype in
-// this order, then by name.
-var Order = []string{
-	"BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
-	"F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
-	"F64", "I64", "U64",
-}
+// this order, then by name. It comes from the shared dtype table.
+var Order = alloc.SafetensorsOrder()
 
 // dtype is what the format says about one element type.
 type dtype struct {
