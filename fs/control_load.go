@@ -141,48 +141,42 @@ func (l *loader) segment(dirfd int, name string, rel []string, st *unix.Stat_t) 
 	if len(l.segs) == l.max {
 		return errFull
 	}
+	seg := ctl.Segment{Name: path.Join(rel...)}
 	fsys := l.b.fsys
 	r := fsys.redirectOf(dirfd, name, st)
+	if r == nil {
+		file, err := l.plain(dirfd, name, rel, &seg)
+		if file != nil {
+			l.segs = append(l.segs, seg)
+			l.files = append(l.files, file)
+		}
+		return err
+	}
+	// A SHARED segment's bytes are its disk file; an imported segment's
+	// are its sender's descriptor and a GPU segment's device memory: the
+	// client opens those two through the mount.
 	if err := fsys.statSegment(r, dirfd, name, st); err != nil {
 		return err
 	}
-	want, what := uint32(4), "read"
-	if l.write {
-		want, what = 4|2, "read and write"
+	if err := l.permit(st, rel); err != nil {
+		return err
 	}
-	if !permitted(l.cred, st, want) {
-		return fmt.Errorf("%w: %s: no %s permission", syscall.EACCES, display(rel), what)
-	}
-	seg := ctl.Segment{Name: path.Join(rel...), Size: st.Size}
-	attrs := []*string{&seg.Flags, &seg.Dtype, &seg.Shape, &seg.Stride, &seg.Offset}
+	seg.Size = st.Size
 	err := fsys.withAttrs(r, dirfd, name, func(tfd int, tname string) error {
 		return alloc.At(tfd, tname, r.attrIno(st.Ino), func(p string) error {
-			for i, a := range []string{alloc.AttrFlags, alloc.AttrDtype, alloc.AttrShape, alloc.AttrStride, alloc.AttrOffset} {
-				v, err := getAttr(p, a)
-				if err != nil {
-					return err
-				}
-				*attrs[i] = v
-			}
-			return nil
+			return readAttrs(&seg, func(attr string, buf []byte) (int, error) { return unix.Getxattr(p, attr, buf) })
 		})
 	})
+	if err == nil {
+		err = l.checkFlags(&seg, rel)
+	}
 	if err != nil {
 		return err
 	}
-	if f, _ := alloc.ParseFlags(seg.Flags); l.write && f&alloc.FromFD != 0 {
-		return fmt.Errorf("%w: %s is FROMFD (imported, read-only): load it without write", alloc.ErrReadOnly, display(rel))
-	}
 	var file *os.File
-	// Imported segments are the sender's descriptor and GPU segments
-	// device memory: the client opens those through the mount.
-	if r == nil || r.disk != "" {
+	if r.disk != "" {
 		err = fsys.withData(r, dirfd, name, func(tfd int, tname string) error {
-			mode := unix.O_RDONLY
-			if l.write {
-				mode = unix.O_RDWR
-			}
-			fd, err := openAt(tfd, tname, mode|unix.O_CLOEXEC)
+			fd, err := openAt(tfd, tname, l.mode())
 			if err == nil {
 				file = os.NewFile(uintptr(fd), seg.Name)
 			}
@@ -197,17 +191,87 @@ func (l *loader) segment(dirfd int, name string, rel []string, st *unix.Stat_t) 
 	return nil
 }
 
-// getAttr reads a stored attribute, "" when it is absent.
-func getAttr(p, name string) (string, error) {
-	buf := make([]byte, 8192)
-	n, err := unix.Getxattr(p, name, buf)
-	if errors.Is(err, unix.ENODATA) {
-		return "", nil
+// plain opens the ordinary backing file name in dirfd (its bytes and its
+// attributes in one object) and fills seg from the open file, so that
+// what is checked is what is handed out. It returns nil for an object
+// that is no longer a regular file.
+func (l *loader) plain(dirfd int, name string, rel []string, seg *ctl.Segment) (*os.File, error) {
+	fd, err := openAt(dirfd, name, l.mode()|unix.O_NONBLOCK)
+	if errors.Is(err, unix.ENOENT) {
+		return nil, nil // removed meanwhile
 	}
 	if err != nil {
-		return "", err
+		return nil, err
 	}
-	return string(buf[:n]), nil
+	var st unix.Stat_t
+	if err = unix.Fstat(fd, &st); err == nil && st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+		unix.Close(fd)
+		return nil, nil // replaced meanwhile
+	}
+	if err == nil {
+		err = l.permit(&st, rel)
+	}
+	if err == nil {
+		seg.Size = st.Size
+		err = readAttrs(seg, func(attr string, buf []byte) (int, error) { return unix.Fgetxattr(fd, attr, buf) })
+	}
+	if err == nil {
+		err = l.checkFlags(seg, rel)
+	}
+	if err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), seg.Name), nil
+}
+
+// mode is the open(2) flags of the descriptors handed out.
+func (l *loader) mode() int {
+	if l.write {
+		return unix.O_RDWR | unix.O_CLOEXEC
+	}
+	return unix.O_RDONLY | unix.O_CLOEXEC
+}
+
+// permit applies open(2)'s permission check to the segment rel, whose
+// stat is st.
+func (l *loader) permit(st *unix.Stat_t, rel []string) error {
+	want, what := uint32(4), "read"
+	if l.write {
+		want, what = 4|2, "read and write"
+	}
+	if !permitted(l.cred, st, want) {
+		return fmt.Errorf("%w: %s: no %s permission", syscall.EACCES, display(rel), what)
+	}
+	return nil
+}
+
+// checkFlags refuses write access to a FROMFD segment.
+func (l *loader) checkFlags(seg *ctl.Segment, rel []string) error {
+	if f, _ := alloc.ParseFlags(seg.Flags); l.write && f&alloc.FromFD != 0 {
+		return fmt.Errorf("%w: %s is FROMFD (imported, read-only): load it without write", alloc.ErrReadOnly, display(rel))
+	}
+	return nil
+}
+
+// readAttrs fills seg's flags and tensor attributes with get, a getxattr.
+func readAttrs(seg *ctl.Segment, get func(attr string, buf []byte) (int, error)) error {
+	buf := make([]byte, 8192)
+	for _, a := range []struct {
+		name string
+		v    *string
+	}{{alloc.AttrFlags, &seg.Flags}, {alloc.AttrDtype, &seg.Dtype}, {alloc.AttrShape, &seg.Shape},
+		{alloc.AttrStride, &seg.Stride}, {alloc.AttrOffset, &seg.Offset}} {
+		n, err := get(a.name, buf)
+		switch {
+		case errors.Is(err, unix.ENODATA):
+		case err != nil:
+			return err
+		default:
+			*a.v = string(buf[:n])
+		}
+	}
+	return nil
 }
 
 // display names a segment or directory of a load in messages.

@@ -45,6 +45,17 @@ def torch_dtype(dtype):
     return t, e.get("torch_pack") or 1
 
 
+_sizes = {}
+
+
+def _element_size(tdt):
+    """Bytes per element of a torch dtype (torch.dtype.itemsize is torch >= 2.1 only)."""
+    size = _sizes.get(tdt)
+    if size is None:
+        size = _sizes[tdt] = _torch().empty((), dtype=tdt).element_size()
+    return size
+
+
 def tensorfs_dtype(tdt):
     """Return the canonical tensorfs dtype and pack of a torch dtype."""
     name = str(tdt).split(".")[-1]
@@ -116,7 +127,7 @@ def tensor_on(mm, m, path, write, ident=None, published=False):
             raise ValueError("tensorfs: %s is empty, shape %r needs data" % (path, list(m.shape)))
         return torch.zeros(shape, dtype=tdt)
     base = _register(mm, path, write, ident, published)
-    size = torch.empty((), dtype=tdt).element_size()
+    size = _element_size(tdt)
     # as_strided checks that the layout fits the storage.
     return base[:len(mm) // size * size].view(tdt).as_strided(shape, stride, m.storage_offset)
 
@@ -246,7 +257,7 @@ def _rebuild_tensor(path, write, dtype, shape, stride, offset, requires_grad, pa
     else:
         mm = _tfs._map(path, write)
         base = _register(mm, path, write, ident)
-    size = torch.empty((), dtype=tdt).element_size()
+    size = _element_size(tdt)
     t = base[:len(mm) // size * size].view(tdt).as_strided(shape, stride, offset // size)
     if parameter:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
