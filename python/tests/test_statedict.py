@@ -220,3 +220,61 @@ class TestStateDictClassic(_StateDictTests, unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+LOAD_AS_USER = """
+import sys, tensorfs
+d, mode = sys.argv[1:3]
+try:
+    print("ok", " ".join(sorted(tensorfs.load_state_dict(d, mode=mode))))
+except OSError as e:
+    print("errno", e.errno, e)
+"""
+
+
+class TestLoadPermissions(unittest.TestCase):
+    """load_state_dict as another uid on an --allow-other mount: open(2)'s rules."""
+
+    @classmethod
+    def setUpClass(cls):
+        if torch is None:
+            unavailable("/usr/bin/python3 has no torch (apt-get install python3-torch)")
+        cls.mount = Mount("passthrough", ["--allow-other"])
+        os.chmod(cls.mount.tmp, 0o755)
+
+    @classmethod
+    def tearDownClass(cls):
+        problems = cls.mount.close()
+        if problems:
+            raise AssertionError("\n".join(problems))
+
+    def as_nobody(self, d, mode="r"):
+        r = subprocess.run([sys.executable, "-c", LOAD_AS_USER, d, mode], capture_output=True, text=True,
+                           timeout=TIMEOUT, env=dict(os.environ, PYTHONPATH=PYDIR), user="nobody",
+                           group="nogroup", extra_groups=[])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        return r.stdout.strip()
+
+    def tree(self, name, modes):
+        d = os.path.join(self.mount.dir, name)
+        tensorfs.save_state_dict(d, {k: torch.ones(2) for k in modes})
+        for k, m in modes.items():
+            os.chmod(os.path.join(d, *k.split(".")), m)
+        return d
+
+    def test_load_checks_like_open(self):
+        if PYDIR.startswith("/root") or os.stat(PYDIR).st_mode & 0o005 != 0o005:
+            unavailable("%s is not readable by other users" % PYDIR)
+        d = self.tree("readable", {"a.w": 0o644, "b": 0o444})
+        self.assertEqual(self.as_nobody(d), "ok a.w b")
+        out = self.as_nobody(d, "r+")
+        self.assertTrue(out.startswith("errno 13") and "read and write" in out, out)
+        d = self.tree("secret", {"a.w": 0o644, "b": 0o600})
+        out = self.as_nobody(d)
+        self.assertTrue(out.startswith("errno 13") and "b: no read permission" in out, out)
+        d = self.tree("unlisted", {"a.w": 0o644})
+        os.chmod(os.path.join(d, "a"), 0o711)  # search, but no listing
+        out = self.as_nobody(d)
+        self.assertTrue(out.startswith("errno 13") and "listing" in out, out)
+        os.chmod(os.path.join(d, "a"), 0o700)  # neither listing nor search
+        self.assertTrue(self.as_nobody(d).startswith("errno 13"))
