@@ -482,11 +482,11 @@ class Client:
             rep, fds = self.request(req, want=None, filename=path)
             try:
                 segs = rep.get("segments", [])
-                for i, s in enumerate(segs):
-                    fd = s.get("fd", -1)
-                    yield s, (fds[fd] if fd >= 0 else None)
-                    if fd >= 0:
-                        fds[fd] = -1  # the caller's now
+                for s in segs:
+                    i, fd = s.get("fd", -1), None
+                    if i >= 0:
+                        fd, fds[i] = fds[i], -1  # the caller's from here on
+                    yield s, fd
             finally:
                 for fd in fds:
                     if fd >= 0:
