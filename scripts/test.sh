@@ -16,7 +16,7 @@ if [ "$(id -u)" -ne 0 ]; then
 test.sh: the tests mount FUSE filesystems as root and as other uids, and install Debian packages:
   they need root (run it as root; there is no sudo here). Without root you can run the tests
   that mount nothing:
-    go test ./alloc ./ctl ./safetensors ./cmd/tensorfs
+    go test ./alloc ./safetensors ./cmd/tensorfs
     cd python && python3 -m unittest discover -s tests -k Offline
   and mount for yourself in classic mode with ./scripts/mount.sh (README "Non-root").
 MSG
