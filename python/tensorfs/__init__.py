@@ -109,13 +109,6 @@ def _itemsize(dtype):
     return None if bits % 8 else bits // 8
 
 
-def _nbytes(dtype, shape):
-    bits = DTYPES[dtype]["bits"] * _numel(shape)
-    if bits % 8:
-        raise ValueError("tensorfs: %s %s is %d bits, not whole bytes" % (dtype, list(shape), bits))
-    return bits // 8
-
-
 # --- metadata ---------------------------------------------------------------
 
 TensorMeta = _collections.namedtuple("TensorMeta", "dtype shape stride storage_offset nbytes")
@@ -309,8 +302,13 @@ def _as_bytes_source(x):
     return memoryview(a.reshape(-1).view(np.uint8)), dtype, tuple(a.shape)
 
 
-def _write_segment(path, buf, dtype, shape):
-    """Create or truncate path, write buf, and set exactly dtype and shape."""
+def save(path, x):
+    """Write a NumPy array or torch tensor (a contiguous copy) to path.
+
+    The file is created or truncated, its old tensor xattrs removed, the
+    bytes written, then user.tensor.dtype and user.tensor.shape set.
+    """
+    buf, dtype, shape = _as_bytes_source(x)
     fd = _os.open(path, _os.O_WRONLY | _os.O_CREAT | _os.O_TRUNC | _os.O_CLOEXEC, 0o644)
     try:
         for name in (XATTR_SHAPE, XATTR_STRIDE, XATTR_OFFSET, XATTR_DTYPE):
@@ -327,16 +325,6 @@ def _write_segment(path, buf, dtype, shape):
         _os.setxattr(fd, XATTR_SHAPE, _format_dims(shape).encode())
     finally:
         _os.close(fd)
-
-
-def save(path, x):
-    """Write a NumPy array or torch tensor (a contiguous copy) to path.
-
-    The file is created or truncated, its old tensor xattrs removed, the
-    bytes written, then user.tensor.dtype and user.tensor.shape set.
-    """
-    buf, dtype, shape = _as_bytes_source(x)
-    _write_segment(path, buf, dtype, shape)
 
 
 # --- control socket -------------------------------------------------------
