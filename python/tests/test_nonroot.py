@@ -10,6 +10,7 @@ mounts with fusermount3 as any user would.
 Run: cd python && PYTHONPATH=$PWD /usr/bin/python3 -m unittest discover -s tests -v
 """
 
+import glob
 import os
 import pwd
 import shutil
@@ -73,9 +74,9 @@ class TestNonRoot(unittest.TestCase):
             if os.stat(d).st_mode & 0o005 != 0o005:
                 unavailable("%s is not readable by other users" % d)
         tmp = tempfile.mkdtemp(prefix="tensorfs-nonroot-")
+        mnt = os.path.join(tmp, "mnt")
         try:
             os.chmod(tmp, 0o755)
-            mnt = os.path.join(tmp, "mnt")
             os.mkdir(mnt)
             os.chown(mnt, uid, uid)
             dev = os.path.join(tmp, "dev")
@@ -92,6 +93,9 @@ class TestNonRoot(unittest.TestCase):
             self.assertEqual(r.stdout.strip(), WANT.strip(), r.stderr)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            # The daemon's log in the user's state directory (README "Non-root").
+            for log in glob.glob("/dev/shm/tensorfs-%d/%s-*.log" % (uid, mnt.strip("/").replace("/", "-"))):
+                os.unlink(log)
 
 
 if __name__ == "__main__":
