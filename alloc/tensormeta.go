@@ -1,8 +1,11 @@
 package alloc
 
 import (
+	_ "embed"
+	"encoding/json"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
 	"strings"
 )
@@ -10,55 +13,77 @@ import (
 // Dtype is an element type, stored by its canonical (PyTorch) spelling.
 type Dtype struct {
 	Name string // canonical PyTorch spelling without "torch.", such as "float32"
-	Size int64  // bytes per element
+	Size int64  // bytes per element, rounded up: 1 for the packed sub-byte types
+	Bits int64  // bits per element: 4 or 6 for the packed sub-byte types, else 8*Size
 }
 
-// dtypeSizes maps each canonical dtype name to its element size in bytes.
-var dtypeSizes = map[string]int64{
-	"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2,
-	"complex64": 8, "complex128": 16,
-	"int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
-	"uint16": 2, "uint32": 4, "uint64": 8,
-	"float8_e4m3fn": 1, "float8_e5m2": 1,
+// Packed reports whether d's elements are packed below a byte (Bits%8 != 0):
+// a tensor of them must be contiguous, start at byte 0 and fill whole bytes.
+func (d Dtype) Packed() bool { return d.Bits%8 != 0 }
+
+// DtypeInfo is one entry of the dtype table, dtypes.json.
+type DtypeInfo struct {
+	Name         string   `json:"name"`
+	Bits         int64    `json:"bits"`
+	Safetensors  string   `json:"safetensors"` // "" when the format has no such type
+	Torch        string   `json:"torch"`
+	TorchPack    int64    `json:"torch_pack"`
+	NumPy        string   `json:"numpy"`
+	TorchAliases []string `json:"torch_aliases"`
+	NumPyAliases []string `json:"numpy_aliases"`
+	NumPyCodes   []string `json:"numpy_codes"`
 }
 
-// dtypeNames maps every accepted lower-case spelling to its canonical name.
-var dtypeNames = buildDtypeNames()
+// DtypesJSON is the dtype table that Go and the Python client share. The Python package ships
+// a copy (python/tensorfs/dtypes.json, written by go generate; a test checks it is the same).
+//
+//go:generate cp dtypes.json ../python/tensorfs/dtypes.json
+//go:embed dtypes.json
+var DtypesJSON []byte
 
-// buildDtypeNames lists the accepted spellings. Where PyTorch and NumPy disagree ("float",
-// "int", "cfloat"), PyTorch wins. NumPy's one-letter type codes are not accepted: matching is
-// case-insensitive, and "b"/"B" or "l"/"L" would then be ambiguous.
-func buildDtypeNames() map[string]string {
-	names := map[string]string{}
-	// PyTorch names and aliases, bare or as "torch.NAME".
-	torch := map[string]string{
-		"float": "float32", "double": "float64", "half": "float16",
-		"cfloat": "complex64", "cdouble": "complex128",
-		"short": "int16", "int": "int32", "long": "int64",
+// dtypeTable lists the dtypes of DtypesJSON in its order; safetensorsOrder
+// is its safetensors_order.
+var dtypeTable, safetensorsOrder = parseDtypeTable(DtypesJSON)
+
+// dtypeNames maps every accepted lower-case spelling to its canonical Dtype.
+var dtypeNames = buildDtypeNames(dtypeTable)
+
+// Dtypes returns the dtype table, in the order of dtypes.json.
+func Dtypes() []DtypeInfo { return slices.Clone(dtypeTable) }
+
+// SafetensorsOrder returns the safetensors dtypes in the order of the
+// reference implementation's Dtype enum, by which its writer sorts.
+func SafetensorsOrder() []string { return slices.Clone(safetensorsOrder) }
+
+func parseDtypeTable(b []byte) ([]DtypeInfo, []string) {
+	var t struct {
+		Dtypes []DtypeInfo
+		Order  []string `json:"safetensors_order"`
 	}
-	for name := range dtypeSizes {
-		torch[name] = name
+	if err := json.Unmarshal(b, &t); err != nil {
+		panic("alloc: dtypes.json: " + err.Error())
 	}
-	for alias, name := range torch {
-		names[alias] = name
-		names["torch."+alias] = name
-	}
-	// NumPy names.
-	for alias, name := range map[string]string{
-		"single": "float32", "csingle": "complex64", "bool_": "bool",
-	} {
-		names[alias] = name
-	}
-	// NumPy array-protocol codes, with an optional little-endian, native or
-	// not-applicable byte order.
-	for code, name := range map[string]string{
-		"f2": "float16", "f4": "float32", "f8": "float64", "c8": "complex64", "c16": "complex128",
-		"i1": "int8", "i2": "int16", "i4": "int32", "i8": "int64",
-		"u1": "uint8", "u2": "uint16", "u4": "uint32", "u8": "uint64",
-		"b1": "bool", "?": "bool",
-	} {
-		for _, order := range []string{"", "<", "=", "|"} {
-			names[order+code] = name
+	return t.Dtypes, t.Order
+}
+
+// buildDtypeNames lists the accepted spellings, as dtypes.json describes them. NumPy's
+// one-letter type codes are not accepted: matching is case-insensitive, and "b"/"B" or "l"/"L"
+// would then be ambiguous.
+func buildDtypeNames(table []DtypeInfo) map[string]Dtype {
+	names := map[string]Dtype{}
+	for _, e := range table {
+		d := Dtype{Name: e.Name, Size: (e.Bits + 7) / 8, Bits: e.Bits}
+		for _, alias := range append([]string{e.Name}, e.TorchAliases...) {
+			names[alias] = d
+			names["torch."+alias] = d
+		}
+		for _, alias := range e.NumPyAliases {
+			names[alias] = d
+		}
+		for _, code := range e.NumPyCodes {
+			for _, order := range []string{"", "<", "=", "|"} {
+				names[order+code] = d
+			}
 		}
 	}
 	return names
@@ -70,8 +95,8 @@ func buildDtypeNames() map[string]string {
 // ErrInvalid.
 func ParseDtype(s string) (Dtype, error) {
 	s = lowerASCII(strings.TrimSpace(s))
-	if name, ok := dtypeNames[s]; ok {
-		return Dtype{Name: name, Size: dtypeSizes[name]}, nil
+	if d, ok := dtypeNames[s]; ok {
+		return d, nil
 	}
 	if strings.HasPrefix(s, ">") || strings.HasPrefix(s, "!") {
 		return Dtype{}, fmt.Errorf("%w: big-endian dtype %q, only little-endian is stored", ErrInvalid, s)
@@ -164,9 +189,14 @@ func parseNonNegative(s string) (int64, error) {
 // Extent returns the number of bytes a tensor with this layout reaches into its storage:
 // (offset + 1 + sum((shape[i]-1)*stride[i])) * d.Size, or 0 when any shape dim is 0. A nil
 // stride means contiguous. Shape, stride and offset are in elements and must be non-negative.
-// A stride whose length differs from the shape's, a negative value, a Dtype without a size
+// A packed sub-byte dtype (d.Packed) takes numel*d.Bits/8 bytes: its tensors must be
+// contiguous, at offset 0, and fill whole bytes. A stride whose length differs from the
+// shape's, a negative value, a Dtype without a size, a packed layout that breaks those rules
 // and int64 overflow are errors wrapping ErrInvalid.
 func Extent(d Dtype, shape, stride []int64, offset int64) (int64, error) {
+	if d.Packed() {
+		return packedExtent(d, shape, stride, offset)
+	}
 	if stride == nil {
 		stride = ContiguousStride(shape)
 	}
@@ -203,6 +233,27 @@ func Extent(d Dtype, shape, stride []int64, offset int64) (int64, error) {
 		return 0, fmt.Errorf("%w: tensor extent overflows int64", ErrInvalid)
 	}
 	return end, nil
+}
+
+// packedExtent is Extent for a packed sub-byte dtype.
+func packedExtent(d Dtype, shape, stride []int64, offset int64) (int64, error) {
+	if (stride != nil && !slices.Equal(stride, ContiguousStride(shape))) || offset != 0 {
+		return 0, fmt.Errorf("%w: %s packs %d-bit elements: only a contiguous layout at offset 0", ErrInvalid, d.Name, d.Bits)
+	}
+	bits, ok := d.Bits, d.Bits > 0
+	for i := 0; ok && i < len(shape); i++ {
+		if shape[i] < 0 {
+			return 0, fmt.Errorf("%w: negative shape in dim %d", ErrInvalid, i)
+		}
+		bits, ok = checkedMul(bits, shape[i])
+	}
+	switch {
+	case !ok:
+		return 0, fmt.Errorf("%w: tensor extent overflows int64", ErrInvalid)
+	case bits%8 != 0:
+		return 0, fmt.Errorf("%w: shape %s of %d-bit %s is %d bits, not whole bytes", ErrInvalid, FormatShape(shape), d.Bits, d.Name, bits)
+	}
+	return bits / 8, nil
 }
 
 // ContiguousStride returns the row-major strides, in elements, of a contiguous tensor with

@@ -1,8 +1,10 @@
 package alloc
 
 import (
+	"bytes"
 	"errors"
 	"math"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -57,7 +59,7 @@ func TestParseDtype(t *testing.T) {
 	}
 	for _, tc := range good {
 		got, err := ParseDtype(tc.in)
-		if err != nil || got != (Dtype{tc.want, tc.size}) {
+		if err != nil || got != (Dtype{tc.want, tc.size, 8 * tc.size}) {
 			t.Errorf("ParseDtype(%q) = %v, %v; want %s/%d", tc.in, got, err, tc.want, tc.size)
 		}
 	}
@@ -146,7 +148,7 @@ func TestParseOffset(t *testing.T) {
 }
 
 func TestExtent(t *testing.T) {
-	f32 := Dtype{"float32", 4}
+	f32 := Dtype{"float32", 4, 8 * 4}
 	good := []struct {
 		name   string
 		d      Dtype
@@ -160,12 +162,12 @@ func TestExtent(t *testing.T) {
 		{"offset", f32, []int64{2, 3}, nil, 10, (10 + 6) * 4},
 		{"transposed", f32, []int64{768, 1024}, []int64{1, 768}, 0, 1024 * 768 * 4},
 		{"broadcast", f32, []int64{1000, 3}, []int64{0, 1}, 0, 3 * 4},
-		{"padded rows", Dtype{"float64", 8}, []int64{2, 3}, []int64{5, 1}, 0, (5 + 3) * 8},
-		{"scalar", Dtype{"complex128", 16}, []int64{}, nil, 7, 8 * 16},
+		{"padded rows", Dtype{"float64", 8, 8 * 8}, []int64{2, 3}, []int64{5, 1}, 0, (5 + 3) * 8},
+		{"scalar", Dtype{"complex128", 16, 8 * 16}, []int64{}, nil, 7, 8 * 16},
 		{"zero dim", f32, []int64{0, math.MaxInt64}, nil, math.MaxInt64 - 1, 0},
 		{"zero dim explicit stride", f32, []int64{5, 0}, []int64{1, 1}, 0, 0},
-		{"max", Dtype{"uint8", 1}, []int64{math.MaxInt64}, nil, 0, math.MaxInt64},
-		{"max offset", Dtype{"uint8", 1}, []int64{1}, nil, math.MaxInt64 - 1, math.MaxInt64},
+		{"max", Dtype{"uint8", 1, 8 * 1}, []int64{math.MaxInt64}, nil, 0, math.MaxInt64},
+		{"max offset", Dtype{"uint8", 1, 8 * 1}, []int64{1}, nil, math.MaxInt64 - 1, math.MaxInt64},
 	}
 	for _, tc := range good {
 		got, err := Extent(tc.d, tc.shape, tc.stride, tc.offset)
@@ -187,11 +189,11 @@ func TestExtent(t *testing.T) {
 		{"negative stride", f32, []int64{2}, []int64{-1}, 0},
 		{"negative offset", f32, []int64{2}, nil, -1},
 		{"elements overflow", f32, []int64{1 << 62}, nil, 0},
-		{"bytes overflow", Dtype{"uint8", 1}, []int64{math.MaxInt64}, nil, 1},
-		{"offset overflow", Dtype{"uint8", 1}, []int64{1}, nil, math.MaxInt64},
-		{"stride product overflow", Dtype{"uint8", 1}, []int64{1, 1 << 32, 1 << 32}, nil, 0},
+		{"bytes overflow", Dtype{"uint8", 1, 8 * 1}, []int64{math.MaxInt64}, nil, 1},
+		{"offset overflow", Dtype{"uint8", 1, 8 * 1}, []int64{1}, nil, math.MaxInt64},
+		{"stride product overflow", Dtype{"uint8", 1, 8 * 1}, []int64{1, 1 << 32, 1 << 32}, nil, 0},
 		{"reach overflow", f32, []int64{3}, []int64{math.MaxInt64 / 2}, 0},
-		{"sum overflow", Dtype{"uint8", 1}, []int64{2, 2}, []int64{math.MaxInt64 / 2, math.MaxInt64 / 2}, 1},
+		{"sum overflow", Dtype{"uint8", 1, 8 * 1}, []int64{2, 2}, []int64{math.MaxInt64 / 2, math.MaxInt64 / 2}, 1},
 	}
 	for _, tc := range bad {
 		if got, err := Extent(tc.d, tc.shape, tc.stride, tc.offset); !errors.Is(err, ErrInvalid) {
@@ -230,7 +232,7 @@ func FuzzParseShape(f *testing.F) {
 		if again, err := ParseShape(canon); err != nil || !slices.Equal(again, dims) {
 			t.Fatalf("ParseShape(%q) = %v, %v; want %v", canon, again, err, dims)
 		}
-		if _, err := Extent(Dtype{"uint8", 1}, dims, nil, 0); err != nil && !errors.Is(err, ErrInvalid) {
+		if _, err := Extent(Dtype{"uint8", 1, 8 * 1}, dims, nil, 0); err != nil && !errors.Is(err, ErrInvalid) {
 			t.Fatalf("Extent(%v) error %v does not wrap ErrInvalid", dims, err)
 		}
 	})
@@ -245,11 +247,73 @@ func FuzzParseDtype(f *testing.F) {
 			}
 			return
 		}
-		if d.Size != dtypeSizes[d.Name] || d.Size <= 0 {
+		if d != dtypeNames[d.Name] || d.Size <= 0 {
 			t.Fatalf("ParseDtype(%q) = %v, not a canonical dtype", s, d)
 		}
 		if again, err := ParseDtype(d.Name); err != nil || again != d {
 			t.Fatalf("ParseDtype(%q) = %v, %v; want %v", d.Name, again, err, d)
 		}
 	})
+}
+
+// TestDtypeTableShared fails when the Python package's copy of the dtype table differs from
+// the one Go embeds (run go generate ./alloc after editing alloc/dtypes.json).
+func TestDtypeTableShared(t *testing.T) {
+	py, err := os.ReadFile("../python/tensorfs/dtypes.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(py, DtypesJSON) {
+		t.Fatal("python/tensorfs/dtypes.json differs from alloc/dtypes.json: run go generate ./alloc")
+	}
+	seen := map[string]bool{}
+	for _, e := range Dtypes() {
+		d, err := ParseDtype(e.Name)
+		switch {
+		case err != nil:
+			t.Errorf("%s: %v", e.Name, err)
+		case seen[e.Name]:
+			t.Errorf("%s appears twice", e.Name)
+		case e.Bits <= 0 || (e.Bits%8 != 0 && e.Bits > 8) || d.Bits != e.Bits || d.Size != (e.Bits+7)/8:
+			t.Errorf("%s: %d bits gives %+v", e.Name, e.Bits, d)
+		case e.TorchPack != 0 && e.TorchPack*e.Bits != 8:
+			t.Errorf("%s: torch_pack %d of %d-bit elements is not one byte", e.Name, e.TorchPack, e.Bits)
+		}
+		seen[e.Name] = true
+	}
+}
+
+func TestPackedExtent(t *testing.T) {
+	f4, err := ParseDtype("float4_e2m1fn")
+	if err != nil || !f4.Packed() || f4.Bits != 4 || f4.Size != 1 {
+		t.Fatalf("float4_e2m1fn = %+v, %v", f4, err)
+	}
+	f6, _ := ParseDtype("FLOAT6_E3M2FN")
+	for _, tc := range []struct {
+		d      Dtype
+		shape  []int64
+		stride []int64
+		offset int64
+		want   int64 // -1: an error
+	}{
+		{f4, []int64{2, 3}, nil, 0, 3},
+		{f4, []int64{2, 3}, []int64{3, 1}, 0, 3},
+		{f4, []int64{0, 3}, nil, 0, 0},
+		{f4, []int64{}, nil, 0, -1}, // 4 bits
+		{f4, []int64{3}, nil, 0, -1},
+		{f4, []int64{2, 2}, []int64{1, 2}, 0, -1},
+		{f4, []int64{2}, nil, 2, -1},
+		{f6, []int64{4}, nil, 0, 3},
+		{f6, []int64{2}, nil, 0, -1},
+		{f4, []int64{math.MaxInt64, 2}, nil, 0, -1},
+	} {
+		got, err := Extent(tc.d, tc.shape, tc.stride, tc.offset)
+		if tc.want < 0 {
+			if !errors.Is(err, ErrInvalid) {
+				t.Errorf("Extent(%s %v %v %d) = %d, %v; want ErrInvalid", tc.d.Name, tc.shape, tc.stride, tc.offset, got, err)
+			}
+		} else if err != nil || got != tc.want {
+			t.Errorf("Extent(%s %v %v %d) = %d, %v; want %d", tc.d.Name, tc.shape, tc.stride, tc.offset, got, err, tc.want)
+		}
+	}
 }

@@ -35,7 +35,7 @@ func (c *Client) Close() error { return c.conn.Close() }
 // Export returns the segment at path (relative to the mount root),
 // read-write if write is set.
 func (c *Client) Export(path string, write bool) (*os.File, error) {
-	files, err := c.roundTrip(&request{Op: opExport, Path: path, Write: write}, nil, 1)
+	_, files, err := c.roundTrip(&request{Op: opExport, Path: path, Write: write}, nil, 1)
 	if err != nil {
 		return nil, err
 	}
@@ -45,8 +45,27 @@ func (c *Client) Export(path string, write bool) (*os.File, error) {
 // Import makes f the segment at path without copying, with dtype and shape
 // if they are not "". f stays open and remains the caller's.
 func (c *Client) Import(path string, f *os.File, dtype, shape string) error {
-	_, err := c.roundTrip(&request{Op: opImport, Path: path, Dtype: dtype, Shape: shape}, f, 0)
+	_, _, err := c.roundTrip(&request{Op: opImport, Path: path, Dtype: dtype, Shape: shape}, f, 0)
 	return err
+}
+
+// Load returns the segments under the directory path (relative to the
+// mount root, "." for the root) that follow the segment named after ("" to
+// start), each with its file where the daemon hands one out (Segment.FD is
+// the index into files, -1 for none), and whether more follow: ask again
+// with after set to the last name. Files are read-only unless write.
+func (c *Client) Load(path string, write bool, after string) ([]Segment, []*os.File, bool, error) {
+	rep, files, err := c.roundTrip(&request{Op: opLoad, Path: path, Write: write, After: after}, nil, -1)
+	if err != nil {
+		return nil, nil, false, err
+	}
+	for _, s := range rep.Segments {
+		if s.FD >= len(files) {
+			closeFiles(files)
+			return nil, nil, false, fmt.Errorf("ctl load: segment %q names descriptor %d of %d", s.Name, s.FD, len(files))
+		}
+	}
+	return rep.Segments, files, rep.More, nil
 }
 
 // A GroupOption modifies an AllGather or Broadcast request.
@@ -63,7 +82,8 @@ func (c *Client) AllGather(group string, rank, world int, f *os.File, opts ...Gr
 	for _, o := range opts {
 		o(r)
 	}
-	return c.roundTrip(r, f, world)
+	_, files, err := c.roundTrip(r, f, world)
+	return files, err
 }
 
 // Broadcast joins a broadcast from root among world ranks. At root it sends
@@ -75,10 +95,10 @@ func (c *Client) Broadcast(group string, rank, world, root int, f *os.File, opts
 		o(r)
 	}
 	if rank == root {
-		_, err := c.roundTrip(r, f, 0)
+		_, _, err := c.roundTrip(r, f, 0)
 		return nil, err
 	}
-	files, err := c.roundTrip(r, nil, 1)
+	_, files, err := c.roundTrip(r, nil, 1)
 	if err != nil {
 		return nil, err
 	}
@@ -86,11 +106,11 @@ func (c *Client) Broadcast(group string, rank, world, root int, f *os.File, opts
 }
 
 // roundTrip sends r with f's descriptor attached (none if f is nil) and
-// returns the want files of a successful reply.
-func (c *Client) roundTrip(r *request, f *os.File, want int) ([]*os.File, error) {
+// returns a successful reply and its want files (any number if want < 0).
+func (c *Client) roundTrip(r *request, f *os.File, want int) (reply, []*os.File, error) {
 	b, err := r.marshal()
 	if err != nil {
-		return nil, fmt.Errorf("ctl %s: %w", r.Op, err)
+		return reply{}, nil, fmt.Errorf("ctl %s: %w", r.Op, err)
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -98,32 +118,32 @@ func (c *Client) roundTrip(r *request, f *os.File, want int) ([]*os.File, error)
 	if f != nil {
 		fd, err := dupFile(f)
 		if err != nil {
-			return nil, fmt.Errorf("ctl %s: %w", r.Op, err)
+			return reply{}, nil, fmt.Errorf("ctl %s: %w", r.Op, err)
 		}
 		defer closeFDs([]int{fd})
 		fds = []int{fd}
 	}
 	if err := sendMsg(c.conn, b, fds); err != nil {
-		return nil, fmt.Errorf("ctl %s: %w", r.Op, err)
+		return reply{}, nil, fmt.Errorf("ctl %s: %w", r.Op, err)
 	}
 	m, err := recvMsg(c.conn, maxWorld)
 	if errors.Is(err, io.EOF) {
 		err = errors.New("connection closed by the daemon")
 	}
 	if err != nil {
-		return nil, fmt.Errorf("ctl %s: %w", r.Op, err)
+		return reply{}, nil, fmt.Errorf("ctl %s: %w", r.Op, err)
 	}
 	rep, err := checkReply(m)
 	if err != nil {
 		closeFDs(m.fds)
-		return nil, fmt.Errorf("ctl %s: %w", r.Op, err)
+		return reply{}, nil, fmt.Errorf("ctl %s: %w", r.Op, err)
 	}
 	if !rep.OK {
-		return nil, &RemoteError{Op: r.Op, Errno: syscall.Errno(rep.Errno), Msg: rep.Error}
+		return reply{}, nil, &RemoteError{Op: r.Op, Errno: syscall.Errno(rep.Errno), Msg: rep.Error}
 	}
-	if len(m.fds) != want {
+	if want >= 0 && len(m.fds) != want {
 		closeFDs(m.fds)
-		return nil, fmt.Errorf("ctl %s: reply has %d descriptors, want %d", r.Op, len(m.fds), want)
+		return reply{}, nil, fmt.Errorf("ctl %s: reply has %d descriptors, want %d", r.Op, len(m.fds), want)
 	}
 	files := make([]*os.File, len(m.fds))
 	for i, fd := range m.fds {
@@ -136,7 +156,7 @@ func (c *Client) roundTrip(r *request, f *os.File, want int) ([]*os.File, error)
 		}
 		files[i] = os.NewFile(uintptr(fd), "tensorfs-ctl:"+name)
 	}
-	return files, nil
+	return rep, files, nil
 }
 
 // checkReply validates a received reply message.
@@ -148,4 +168,11 @@ func checkReply(m message) (reply, error) {
 		return reply{}, errors.New("reply truncated")
 	}
 	return parseReply(m.data, len(m.fds))
+}
+
+// closeFiles closes files.
+func closeFiles(files []*os.File) {
+	for _, f := range files {
+		f.Close()
+	}
 }

@@ -1,7 +1,9 @@
 // Package ctl is tensorfs's control socket (DESIGN.md §7), in the spirit of
 // PyTorch's IpcChannel (send_fd, recv_fd, all_gather_fds, broadcast_fds):
-// clients receive a segment's descriptor (export), turn a descriptor of
-// their own into a segment without a copy (import), and exchange
+// clients receive a segment's descriptor (export), receive every segment
+// under a directory with its descriptor and tensor attributes in one
+// request (load), turn a descriptor of their own into a segment without a
+// copy (import), and exchange
 // descriptors among the local ranks of a named group (all_gather,
 // broadcast). It knows nothing of FUSE: the segment operations are served
 // by a Backend, which package fs implements, and every request carries the
@@ -28,13 +30,15 @@
 // Every request has
 //
 //	"v"   integer, required, must be 1 (the protocol version)
-//	"op"  string, required: "export", "import", "all_gather" or "broadcast"
+//	"op"  string, required: "export", "import", "load", "all_gather" or "broadcast"
 //
 // and, by op (fds is the number of descriptors attached):
 //
 //	op          members                                         fds
 //	export      "path" (required), "write" (bool, optional)     0
 //	import      "path" (required), "dtype", "shape" (optional)  1
+//	load        "path" (required), "write" (bool, optional),    0
+//	            "after" (optional)
 //	all_gather  "group", "rank", "world" (all required),         1
 //	            "open" (bool, optional)
 //	broadcast   "group", "rank", "world", "root" (required),     1 if rank == root, else 0
@@ -50,8 +54,13 @@
 //     that name the root itself ("." or "./") are refused with EINVAL; a
 //     longer path with ENAMETOOLONG. Redundant "/" and "." are removed
 //     before the backend sees the path ("a//./b/" is "a/b").
-//   - write (export): true asks for a read-write descriptor; default false
-//     (read-only).
+//   - path (load): a directory, as above, except that "." (or "./") names
+//     the mount root.
+//   - write (export, load): true asks for read-write descriptors; default
+//     false (read-only).
+//   - after (load): resume the listing after the segment of this name (the
+//     last one of the previous reply); "" or absent starts from the
+//     beginning. At most 4096 bytes, no NUL byte.
 //   - dtype, shape (import): the segment's user.tensor.dtype and
 //     user.tensor.shape, e.g. "float32" and "[1024, 768]"; "" or absent
 //     leaves them unset. The backend validates them.
@@ -77,7 +86,29 @@
 // where export returns 1 (the segment, O_RDONLY or O_RDWR as asked),
 // import 0, all_gather world descriptors in rank order (rank 0 first, the
 // caller's own included), broadcast 1 (the root's descriptor) to every
-// rank but the root, which gets 0. Failure is
+// rank but the root, which gets 0. A load reply adds
+//
+//	"segments": [{"name":"layer/0/weight","size":2048,"fd":0,"flags":"SHAREDMEM",
+//	              "dtype":"float32","shape":"[16, 32]","stride":"","offset":""}, ...]
+//	"more": true                   only when the listing goes on
+//
+// listing the regular files under the directory, depth first with the
+// entries of each directory in byte order (so names compare component by
+// component), name relative to the directory with "/" separators, size
+// in bytes, and the stored flags and tensor attributes in their canonical
+// spellings (absent or "" when unset). "fd" is the index of the
+// segment's descriptor among those attached (O_RDONLY, or O_RDWR with
+// "write"), or -1 where the daemon hands out none: imported (FROMFD)
+// segments, whose bytes are their sender's file, and GPU segments; open
+// those through the mount. A reply carries at most 253 descriptors (fewer
+// when the peer's descriptor limit is lower) and fits in 65536 bytes;
+// with "more", send the request again with "after" set to the last name.
+// Permissions are open(2)'s: search permission on every directory from
+// the root, read and search on every directory listed, read (and write
+// with "write") on every segment; one refusal refuses the request (EACCES,
+// naming the path), and so does "write" with a FROMFD segment (EPERM).
+// Descriptors handed out by export and load are not counted in a
+// segment's user.tensorfs.refcount or holders. Failure is
 //
 //	{"v":1,"ok":false,"errno":E,"error":"why"}
 //
@@ -91,7 +122,8 @@
 // Errors the daemon itself answers (others come from the backend):
 //
 //	EPROTONOSUPPORT  "v" is not 1
-//	EOPNOTSUPP       unknown "op"
+//	EOPNOTSUPP       unknown "op", or load on a daemon whose backend does
+//	                 not serve it
 //	EINVAL           not a JSON object, bad member, bad path or group,
 //	                 integer out of range, wrong number of descriptors,
 //	                 inconsistent group membership (below)
@@ -118,7 +150,8 @@
 // together: open connections (default 1024 per uid, 4096 in all),
 // all_gather and broadcast requests waiting for their group (512, 2048),
 // and descriptors held for peers, those received and not yet closed plus
-// 4 for each export or import being served (2048, 8192). The totals are
+// 4 for each export or import being served and 4 plus the reply's room
+// for each load (2048, 8192). The totals are
 // lowered, if need be, so that the descriptors the socket may hold stay
 // within half of the daemon's RLIMIT_NOFILE: the other half is FUSE's.
 // A request that would exceed a limit is answered EAGAIN, with the uid

@@ -30,6 +30,7 @@ const (
 	opImport    = "import"
 	opAllGather = "all_gather"
 	opBroadcast = "broadcast"
+	opLoad      = "load"
 )
 
 // A request is a decoded, validated request message.
@@ -44,6 +45,7 @@ type request struct {
 	World int    // all_gather, broadcast
 	Root  int    // broadcast
 	Open  bool   // all_gather, broadcast: the group is open to every uid
+	After string // load: resume after this segment name
 }
 
 // A memberSpec is a member a request may carry besides "v" and "op".
@@ -58,6 +60,7 @@ var opMembers = map[string][]memberSpec{
 	opImport:    {{"path", true}, {"dtype", false}, {"shape", false}},
 	opAllGather: {{"group", true}, {"rank", true}, {"world", true}, {"open", false}},
 	opBroadcast: {{"group", true}, {"rank", true}, {"world", true}, {"root", true}, {"open", false}},
+	opLoad:      {{"path", true}, {"write", false}, {"after", false}},
 }
 
 // wantFDs is the number of descriptors a valid request carries.
@@ -147,6 +150,8 @@ func parseRequest(b []byte, nfds int) (request, error) {
 			err = decodeMember(members, name, &r.Root)
 		case "open":
 			err = decodeMember(members, name, &r.Open)
+		case "after":
+			err = decodeMember(members, name, &r.After)
 		}
 		if err != nil {
 			return r, err
@@ -156,6 +161,13 @@ func parseRequest(b []byte, nfds int) (request, error) {
 	case opExport, opImport:
 		if r.Path, err = cleanPath(r.Path); err != nil {
 			return r, err
+		}
+	case opLoad:
+		if r.Path, err = cleanDir(r.Path); err != nil {
+			return r, err
+		}
+		if len(r.After) > maxPath || strings.IndexByte(r.After, 0) >= 0 {
+			return r, protoErrorf(syscall.EINVAL, "after: a segment name of at most %d bytes, no NUL", maxPath)
 		}
 	case opAllGather, opBroadcast:
 		if err := checkGroup(&r); err != nil {
@@ -247,6 +259,15 @@ func cleanPath(p string) (string, error) {
 	return c, nil
 }
 
+// cleanDir validates a directory path as cleanPath does, except that the
+// mount root ("." or "./") is allowed.
+func cleanDir(p string) (string, error) {
+	if p == "." || p == "./" {
+		return ".", nil
+	}
+	return cleanPath(p)
+}
+
 // checkGroup validates the group members of an all_gather or broadcast.
 func checkGroup(r *request) error {
 	switch {
@@ -282,6 +303,14 @@ func (r *request) marshal() ([]byte, error) {
 		if r.Shape != "" {
 			m["shape"] = r.Shape
 		}
+	case opLoad:
+		m["path"] = r.Path
+		if r.Write {
+			m["write"] = true
+		}
+		if r.After != "" {
+			m["after"] = r.After
+		}
 	case opBroadcast:
 		m["root"] = r.Root
 		fallthrough
@@ -298,11 +327,28 @@ func (r *request) marshal() ([]byte, error) {
 
 // reply is a reply message.
 type reply struct {
-	V     int    `json:"v"`
-	OK    bool   `json:"ok"`
-	FDs   int    `json:"fds,omitempty"`
-	Errno int    `json:"errno,omitempty"`
-	Error string `json:"error,omitempty"`
+	V        int       `json:"v"`
+	OK       bool      `json:"ok"`
+	FDs      int       `json:"fds,omitempty"`
+	Errno    int       `json:"errno,omitempty"`
+	Error    string    `json:"error,omitempty"`
+	Segments []Segment `json:"segments,omitempty"` // load
+	More     bool      `json:"more,omitempty"`     // load: segments follow the last one
+}
+
+// A Segment is one segment of a load reply: its name relative to the
+// directory asked for ('/'-separated), size in bytes, flags and tensor
+// attributes (canonical spellings, "" when unset), and FD, the index of
+// its descriptor among the reply's, or -1 where none is handed out.
+type Segment struct {
+	Name   string `json:"name"`
+	Size   int64  `json:"size"`
+	FD     int    `json:"fd"`
+	Flags  string `json:"flags,omitempty"`
+	Dtype  string `json:"dtype,omitempty"`
+	Shape  string `json:"shape,omitempty"`
+	Stride string `json:"stride,omitempty"`
+	Offset string `json:"offset,omitempty"`
 }
 
 // errorReply is the reply refusing a request with errno and reason msg.

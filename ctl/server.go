@@ -2,6 +2,7 @@ package ctl
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -41,6 +42,20 @@ type Backend interface {
 	// description. ctl closes f when Import returns; a backend that keeps
 	// the descriptor duplicates it.
 	Import(cred Cred, path string, f *os.File, dtype, shape string) error
+}
+
+// A Loader is a Backend that also serves load: the segments under a
+// directory, with a descriptor of each, in one reply.
+type Loader interface {
+	// Load returns up to max segments under the directory path (every
+	// directory on the way searchable by cred, every directory listed
+	// readable), in walk order, after the segment named after ("": from
+	// the start), with a file for each (nil where none is handed out;
+	// Segment.FD is ignored), and whether more follow. Each file is
+	// read-only, or read-write if write; the whole request fails if a
+	// segment is not readable (or writable) by cred. ctl sends the files
+	// and then closes them.
+	Load(cred Cred, path string, write bool, after string, max int) ([]Segment, []*os.File, bool, error)
 }
 
 // Config configures a Server.
@@ -386,7 +401,68 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 		s.reply(c, cred, req.Op, reply{V: version, OK: true}, nil)
 	case opAllGather, opBroadcast:
 		s.collective(ctx, c, cred, &req, m.fds)
+	case opLoad:
+		s.load(c, cred, &req)
 	}
+}
+
+// load answers a load request: as many segments as one reply can carry
+// (descriptors, bytes and the peer's descriptor limit allowing), "more"
+// when the listing goes on.
+func (s *Server) load(c *net.UnixConn, cred Cred, req *request) {
+	l, ok := s.cfg.Backend.(Loader)
+	if !ok {
+		s.refuse(c, cred, req.Op, protoErrorf(syscall.EOPNOTSUPP, "this backend does not serve load"))
+		return
+	}
+	batch := max(1, min(maxWorld, s.cfg.PerUID.FDs-backendFDs))
+	if err := s.quota.take(cred.Uid, Limits{FDs: batch + backendFDs}); err != nil {
+		s.refuse(c, cred, req.Op, err)
+		return
+	}
+	defer s.quota.give(cred.Uid, Limits{FDs: batch + backendFDs})
+	segs, files, more, err := l.Load(cred, req.Path, req.Write, req.After, batch)
+	var fds []int
+	defer func() { closeFDs(fds) }()
+	for i, f := range files {
+		segs[i].FD = -1
+		if f == nil {
+			continue
+		}
+		fd, derr := dupFile(f)
+		f.Close()
+		if derr == nil {
+			segs[i].FD = len(fds)
+			fds = append(fds, fd)
+		} else if err == nil {
+			err = fmt.Errorf("backend's file: %w", derr)
+		}
+	}
+	if err != nil {
+		s.refuse(c, cred, req.Op, err)
+		return
+	}
+	r := reply{V: version, OK: true, Segments: segs, More: more}
+	for {
+		r.FDs = len(fds)
+		b, err := json.Marshal(r)
+		if err == nil && len(b) > maxMessage && len(r.Segments) > 1 {
+			// Too long: leave the last segment to the next request.
+			last := r.Segments[len(r.Segments)-1]
+			r.Segments, r.More = r.Segments[:len(r.Segments)-1], true
+			if last.FD >= 0 {
+				unix.Close(fds[last.FD])
+				fds = fds[:last.FD]
+			}
+			continue
+		}
+		if err != nil || len(b) > maxMessage {
+			s.refuse(c, cred, req.Op, protoErrorf(syscall.EMSGSIZE, "segment %q does not fit in a reply", r.Segments[0].Name))
+			return
+		}
+		break
+	}
+	s.reply(c, cred, req.Op, r, fds)
 }
 
 // decode checks a message's flags and parses it.

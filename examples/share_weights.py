@@ -1,11 +1,13 @@
 """Publish a model's weights once; four consumers map them zero-copy.
 
     sudo ./scripts/mount.sh /mnt/tensorfs
-    PYTHONPATH=python /usr/bin/python3 examples/share_weights.py /mnt/tensorfs
+    pip install ./python   # or PYTHONPATH=python
+    /usr/bin/python3 examples/share_weights.py /mnt/tensorfs
 
-The producer puts a shared torch tensor into the mount without copying it
-(tensorfs.publish); each consumer process maps the same pages with
-tensorfs.open_torch. While they hold it, the segment's holders show who
+The producer moves a torch tensor into shared memory that becomes a
+segment of the mount (tensorfs.publish: one copy, as share_memory_() would
+make, then none); each consumer process maps the same pages with
+tensorfs.open_torch (read-only: the segment is FROMFD). While they hold it, the segment's holders show who
 uses it, which `tensorfs ls -l` and getfattr print too.
 """
 
@@ -32,8 +34,7 @@ def main(mount):
         os.unlink(path)
 
     weights = torch.randn(4096, 4096)  # 64 MiB of float32 "weights"
-    weights.share_memory_()
-    tensorfs.publish(weights, path)  # the producer's memory becomes the segment
+    tensorfs.publish(weights, path)  # weights now lives in the segment's memory
     print(f"published {path}: {os.getxattr(path, 'user.tensor.dtype').decode()} "
           f"{os.getxattr(path, 'user.tensor.shape').decode()}")
 

@@ -6,15 +6,22 @@ package integration
 // python children, never by the test process.
 
 import (
+	"bytes"
+	"context"
 	"encoding/binary"
+	"encoding/json"
 	"fmt"
 	"math"
 	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
 )
 
 // TestPythonNumpyMemmapFromXattrs: Go sets user.tensor.dtype and shape on
@@ -229,4 +236,72 @@ sys.stdin.readline()
 			t.Errorf("element 0 through the mount = %v, want 11", v)
 		}
 	})
+}
+
+// TestPythonDtypeSpellings: the Python client and the daemon accept the
+// same dtype spellings and agree on their canonical names, both reading
+// the one table (alloc/dtypes.json, shipped in the Python package).
+func TestPythonDtypeSpellings(t *testing.T) {
+	var spellings []string
+	for _, d := range alloc.Dtypes() {
+		for _, a := range append([]string{d.Name}, d.TorchAliases...) {
+			spellings = append(spellings, a, "torch."+a, strings.ToUpper(a), " "+a+"\t")
+		}
+		spellings = append(spellings, d.NumPyAliases...)
+		for _, c := range d.NumPyCodes {
+			for _, order := range []string{"", "<", "=", "|", ">", "!"} {
+				spellings = append(spellings, order+c)
+			}
+		}
+	}
+	spellings = append(spellings, "", "torch.", "torch.f4", "<float32", "float128", "\u017fingle",
+		"FLOAT\u0130", "np.float32", "b", "complex32", "float4_e2m1fn_x2")
+	const script = `
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import tensorfs
+out = []
+for s in json.loads(sys.stdin.read()):
+    try:
+        out.append(tensorfs.canonical_dtype(s))
+    except TypeError:
+        out.append("")
+print(json.dumps(out))
+`
+	pydir, err := filepath.Abs("../python")
+	if err != nil {
+		t.Fatal(err)
+	}
+	in, _ := json.Marshal(spellings)
+	out := pythonStdin(t, script, string(in), pydir)
+	var got []string
+	if err := json.Unmarshal([]byte(out), &got); err != nil || len(got) != len(spellings) {
+		t.Fatalf("python said %q: %v", out, err)
+	}
+	for i, s := range spellings {
+		want := ""
+		if d, err := alloc.ParseDtype(s); err == nil {
+			want = d.Name
+		}
+		if got[i] != want {
+			t.Errorf("dtype %q: python %q, go %q", s, got[i], want)
+		}
+	}
+}
+
+// pythonStdin runs /usr/bin/python3 -c script args with stdin and returns
+// its stdout, failing with its stderr if it exits non-zero.
+func pythonStdin(t *testing.T, script, stdin string, args ...string) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), commandTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, systemPython, append([]string{"-c", script}, args...)...)
+	cmd.Stdin = strings.NewReader(stdin)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("python: %v\n%s", err, stderr.String())
+	}
+	return string(out)
 }

@@ -1,29 +1,37 @@
 package safetensors
 
+import (
+	"slices"
+	"strings"
+
+	"tensorfs/alloc"
+)
+
+// Order lists the dtypes of the format in the order of the reference
+// implementation's Dtype enum (huggingface/safetensors, tensor.rs), which
+// its writer sorts by: the writer lays tensors out by descending dtype in
+// this order, then by name. It comes from the shared dtype table.
+var Order = alloc.SafetensorsOrder()
+
 // dtype is what the format says about one element type.
 type dtype struct {
 	tensorfs string // tensorfs's canonical spelling (user.tensor.dtype)
-	size     int64  // bytes per element
+	bits     int64  // bits per element
+	rank     int    // index in Order
 }
 
-// dtypes maps every safetensors dtype spelling this package knows.
-var dtypes = map[string]dtype{
-	"F64":     {"float64", 8},
-	"F32":     {"float32", 4},
-	"F16":     {"float16", 2},
-	"BF16":    {"bfloat16", 2},
-	"I64":     {"int64", 8},
-	"I32":     {"int32", 4},
-	"I16":     {"int16", 2},
-	"I8":      {"int8", 1},
-	"U8":      {"uint8", 1},
-	"BOOL":    {"bool", 1},
-	"F8_E4M3": {"float8_e4m3fn", 1},
-	"F8_E5M2": {"float8_e5m2", 1},
-	"U16":     {"uint16", 2},
-	"U32":     {"uint32", 4},
-	"U64":     {"uint64", 8},
-	"C64":     {"complex64", 8},
+// dtypes maps every safetensors dtype spelling to tensorfs's, from the
+// dtype table tensorfs shares with its Python client (alloc/dtypes.json).
+var dtypes = buildDtypes()
+
+func buildDtypes() map[string]dtype {
+	m := map[string]dtype{}
+	for _, d := range alloc.Dtypes() {
+		if rank := slices.Index(Order, d.Safetensors); rank >= 0 {
+			m[d.Safetensors] = dtype{tensorfs: d.Name, bits: d.Bits, rank: rank}
+		}
+	}
+	return m
 }
 
 // TensorfsDtype returns tensorfs's canonical name for a safetensors dtype
@@ -43,4 +51,23 @@ func FromTensorfsDtype(name string) (string, bool) {
 		}
 	}
 	return "", false
+}
+
+// SortTensors sorts tensors as the reference writer (serialize) does
+// before laying them out: by dtype, descending in Order (so that wider
+// elements come first and stay aligned), then by name, byte-wise. Unknown
+// dtypes sort last.
+func SortTensors(tensors []Tensor) {
+	rank := func(st string) int {
+		if d, ok := dtypes[st]; ok {
+			return d.rank
+		}
+		return -1
+	}
+	slices.SortStableFunc(tensors, func(a, b Tensor) int {
+		if ra, rb := rank(a.Dtype), rank(b.Dtype); ra != rb {
+			return rb - ra
+		}
+		return strings.Compare(a.Name, b.Name)
+	})
 }

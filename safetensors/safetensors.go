@@ -99,14 +99,16 @@ func cmpInt(a, b int64) int {
 	return 0
 }
 
-// NBytes returns numel(shape) * itemsize(dtype), failing for an unknown
-// dtype, a negative dim or a product that overflows int64.
+// NBytes returns numel(shape) * bitsize(dtype) / 8, failing for an unknown
+// dtype, a negative dim, a product that overflows int64, and, as the
+// reference implementation does (MisalignedSlice), for a tensor of a
+// sub-byte dtype (F4, F6_*) that does not fill whole bytes.
 func NBytes(dtype string, shape []int64) (int64, error) {
 	d, ok := dtypes[dtype]
 	if !ok {
 		return 0, fmt.Errorf("%w: unknown dtype %q", ErrInvalid, dtype)
 	}
-	n := d.size
+	n := d.bits
 	for _, dim := range shape {
 		if dim < 0 {
 			return 0, fmt.Errorf("%w: negative dim %d in shape", ErrInvalid, dim)
@@ -117,7 +119,10 @@ func NBytes(dtype string, shape []int64) (int64, error) {
 		}
 		n = int64(lo)
 	}
-	return n, nil
+	if n%8 != 0 {
+		return 0, fmt.Errorf("%w: shape %s of %s is %d bits, not whole bytes", ErrInvalid, formatShape(shape), dtype, n)
+	}
+	return n / 8, nil
 }
 
 // Pack lays the tensors out back to back in the byte buffer in the order

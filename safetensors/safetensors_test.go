@@ -95,7 +95,7 @@ func TestRoundTrip(t *testing.T) {
 	h := Header{Metadata: map[string]string{"format": "pt", "note": "x"}}
 	i := int64(1)
 	for st := range dtypes {
-		h.Tensors = append(h.Tensors, Tensor{Name: "t/" + st, Dtype: st, Shape: []int64{i, 2}})
+		h.Tensors = append(h.Tensors, Tensor{Name: "t/" + st, Dtype: st, Shape: []int64{i, 4}}) // 4: whole bytes of F6
 		i++
 	}
 	h.Tensors = append(h.Tensors,
@@ -235,16 +235,19 @@ func TestValidateNames(t *testing.T) {
 	}
 }
 
-// TestDtypes checks the mapping to tensorfs names and back.
+// TestDtypes checks the mapping to tensorfs names and back: every dtype
+// of the reference format, and only those.
 func TestDtypes(t *testing.T) {
 	want := map[string]string{
 		"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
 		"I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
 		"BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 		"U16": "uint16", "U32": "uint32", "U64": "uint64", "C64": "complex64",
+		"F8_E8M0": "float8_e8m0fnu", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+		"F4": "float4_e2m1fn", "F6_E2M3": "float6_e2m3fn", "F6_E3M2": "float6_e3m2fn",
 	}
-	if len(dtypes) != len(want) {
-		t.Errorf("%d dtypes, want %d", len(dtypes), len(want))
+	if len(dtypes) != len(want) || len(Order) != len(want) {
+		t.Errorf("%d dtypes, %d in Order, want %d", len(dtypes), len(Order), len(want))
 	}
 	for st, name := range want {
 		got, ok := TensorfsDtype(st)
@@ -256,11 +259,42 @@ func TestDtypes(t *testing.T) {
 			t.Errorf("FromTensorfsDtype(%s) = %q %v, want %q", name, back, ok, st)
 		}
 	}
-	if _, ok := TensorfsDtype("F4"); ok {
-		t.Errorf("TensorfsDtype(F4) is known")
-	}
 	if _, ok := FromTensorfsDtype("complex128"); ok {
 		t.Errorf("FromTensorfsDtype(complex128) is known: safetensors has no such dtype")
+	}
+	for _, tc := range []struct {
+		dtype string
+		shape []int64
+		want  int64 // -1: refused
+	}{
+		{"F4", []int64{2, 3}, 3}, {"F4", []int64{3}, -1}, {"F4", []int64{}, -1},
+		{"F6_E2M3", []int64{4}, 3}, {"F6_E3M2", []int64{2}, -1}, {"F8_E8M0", []int64{5}, 5},
+		{"C64", []int64{2}, 16}, {"F4", []int64{0}, 0},
+	} {
+		n, err := NBytes(tc.dtype, tc.shape)
+		if tc.want < 0 && !errors.Is(err, ErrInvalid) || tc.want >= 0 && (err != nil || n != tc.want) {
+			t.Errorf("NBytes(%s, %v) = %d, %v; want %d", tc.dtype, tc.shape, n, err, tc.want)
+		}
+	}
+}
+
+// TestSortTensors checks the reference writer's order: dtype descending in
+// the enum's order, then name; BF16 before F16 and I16 although all are
+// two bytes wide.
+func TestSortTensors(t *testing.T) {
+	ts := []Tensor{
+		{Name: "b", Dtype: "F16"}, {Name: "a", Dtype: "I16"}, {Name: "c", Dtype: "BF16"},
+		{Name: "z", Dtype: "F4"}, {Name: "y", Dtype: "U64"}, {Name: "B", Dtype: "F16"},
+		{Name: "x", Dtype: "BOOL"}, {Name: "w", Dtype: "F8_E4M3FNUZ"}, {Name: "v", Dtype: "F8_E8M0"},
+	}
+	SortTensors(ts)
+	var got []string
+	for _, t := range ts {
+		got = append(got, t.Dtype+":"+t.Name)
+	}
+	want := "U64:y BF16:c F16:B F16:b I16:a F8_E4M3FNUZ:w F8_E8M0:v F4:z BOOL:x"
+	if strings.Join(got, " ") != want {
+		t.Errorf("SortTensors = %s\nwant          %s", strings.Join(got, " "), want)
 	}
 }
 

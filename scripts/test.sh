@@ -12,7 +12,14 @@ if [ "$(id -u)" -ne 0 ]; then
 	if command -v sudo >/dev/null 2>&1; then
 		exec sudo -E env "PATH=$PATH" bash "$0" "$@"
 	fi
-	echo "test.sh: the tests mount FUSE filesystems and need root; run it as root (no sudo here)" >&2
+	cat >&2 <<'MSG'
+test.sh: the tests mount FUSE filesystems as root and as other uids, and install Debian packages:
+  they need root (run it as root; there is no sudo here). Without root you can run the tests
+  that mount nothing:
+    go test ./alloc ./safetensors ./cmd/tensorfs
+    cd python && python3 -m unittest discover -s tests -k Offline
+  and mount for yourself in classic mode with ./scripts/mount.sh (README "Non-root").
+MSG
 	exit 1
 fi
 
@@ -27,7 +34,8 @@ if ! command -v go >/dev/null 2>&1; then
 fi
 
 # Debian packages the tests use, installed only when one is missing.
-packages=(fuse3 attr fio python3-numpy python3-torch)
+# python3-venv: the Python tests pip-install the client into a venv.
+packages=(fuse3 attr fio python3-numpy python3-torch python3-venv)
 command -v gcc >/dev/null 2>&1 || packages+=(gcc libc6-dev) # go test -race needs cgo
 missing=()
 for p in "${packages[@]}"; do

@@ -96,6 +96,11 @@ func checkMountFlags(m *mountFlags) error {
 	if m.capacity != "" && m.backing != "" {
 		return errors.New("--capacity sizes the private tmpfs and cannot be used with --backing")
 	}
+	if m.capacity != "" && os.Geteuid() != 0 {
+		// alloc.Open could only warn in the log: refuse on the terminal instead.
+		return fmt.Errorf("--capacity needs root: it sizes a private tmpfs, which only root may mount; "+
+			"as uid %d segments live in /dev/shm and share its limit (df -h /dev/shm). Drop --capacity, or mount as root", os.Geteuid())
+	}
 	_, err := parseSize(m.capacity)
 	return err
 }

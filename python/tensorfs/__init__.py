@@ -3,8 +3,8 @@
 Every file of a tensorfs mount is one shared-memory segment; its dtype and
 shape are the extended attributes ``user.tensor.dtype`` and
 ``user.tensor.shape`` (and optionally ``user.tensor.stride`` and
-``user.tensor.storage_offset``, in elements). Pure Python, standard library
-only; NumPy and PyTorch are imported when a function needs them.
+``user.tensor.storage_offset``, in elements). NumPy is the one dependency;
+PyTorch is imported only by the functions that return or take tensors.
 
 Example::
 
@@ -13,20 +13,27 @@ Example::
     a = tensorfs.open("/mnt/t/w")          # np.memmap on the segment's pages
     a[0, 0] = 42                           # every process mapping /mnt/t/w sees it
     t = tensorfs.open_torch("/mnt/t/w")    # torch view of the same pages
+    tensorfs.save_state_dict("/mnt/t/model", model.state_dict())
+    sd = tensorfs.load_state_dict("/mnt/t/model")   # zero-copy, one request
     x = torch.randn(1024, 768)
-    tensorfs.publish(x, "/mnt/t/x")        # x's shared memory becomes /mnt/t/x (read-only)
+    tensorfs.publish(x, "/mnt/t/x")        # x moves to shared memory that becomes /mnt/t/x
     x.mul_(2)                              # ...and readers of /mnt/t/x see the change
-    fd = tensorfs.export_fd("/mnt/t/k")    # a KEEPFD segment's descriptor; os.close(fd)
 
-Control-socket operations (publish, import_fd, export_fd, all_gather_fds,
-broadcast_fd) raise ``OSError(errno, message)`` with the daemon's errno and
-reason when the daemon refuses a request.
+Tensors that live in a mount (open_torch, load_state_dict, publish) cross
+torch.multiprocessing queues and DataLoader workers by path, not by
+descriptor (see tensorfs.reductions).
+
+Control-socket operations (publish, import_fd, export_fd, load_state_dict,
+all_gather_fds, broadcast_fd) raise ``OSError(errno, message)`` with the
+daemon's errno and reason when the daemon refuses a request.
 """
 
 import array as _array
+import builtins as _builtins
 import collections as _collections
 import errno as _errno
 import json as _json
+import mmap as _mmap
 import os as _os
 import socket as _socket
 
@@ -35,17 +42,22 @@ __all__ = [
     "TensorMeta",
     "all_gather_fds",
     "broadcast_fd",
+    "canonical_dtype",
     "export_fd",
+    "export_safetensors",
     "find_mount",
     "import_fd",
+    "import_safetensors",
+    "load_state_dict",
     "meta",
+    "metadata",
     "open",
     "open_torch",
     "publish",
     "save",
+    "save_state_dict",
     "socket_path",
 ]
-
 
 XATTR_DTYPE = "user.tensor.dtype"
 XATTR_SHAPE = "user.tensor.shape"
@@ -54,52 +66,54 @@ XATTR_OFFSET = "user.tensor.storage_offset"
 XATTR_FLAGS = "user.tensorfs.flags"
 XATTR_SOCKET = "user.tensorfs.socket"
 
-# canonical dtype -> (element size, NumPy name or None, torch attribute or None)
-_DTYPES = {
-    "float32": (4, "float32", "float32"),
-    "float64": (8, "float64", "float64"),
-    "float16": (2, "float16", "float16"),
-    "bfloat16": (2, None, "bfloat16"),
-    "complex64": (8, "complex64", "complex64"),
-    "complex128": (16, "complex128", "complex128"),
-    "int8": (1, "int8", "int8"),
-    "uint8": (1, "uint8", "uint8"),
-    "int16": (2, "int16", "int16"),
-    "int32": (4, "int32", "int32"),
-    "int64": (8, "int64", "int64"),
-    "bool": (1, "bool", "bool"),
-    "uint16": (2, "uint16", "uint16"),
-    "uint32": (4, "uint32", "uint32"),
-    "uint64": (8, "uint64", "uint64"),
-    "float8_e4m3fn": (1, None, "float8_e4m3fn"),
-    "float8_e5m2": (1, None, "float8_e5m2"),
-}
 
-_ALIASES = {
-    "float": "float32", "single": "float32", "double": "float64", "half": "float16",
-    "cfloat": "complex64", "csingle": "complex64", "cdouble": "complex128",
-    "short": "int16", "int": "int32", "long": "int64", "bool_": "bool",
-    "f2": "float16", "f4": "float32", "f8": "float64", "c8": "complex64", "c16": "complex128",
-    "i1": "int8", "i2": "int16", "i4": "int32", "i8": "int64",
-    "u1": "uint8", "u2": "uint16", "u4": "uint32", "u8": "uint64", "b1": "bool", "?": "bool",
-}
+# --- dtypes -----------------------------------------------------------------
+
+def _load_dtypes():
+    """Read dtypes.json, the table the Go daemon embeds too (alloc/dtypes.json)."""
+    with _builtins.open(_os.path.join(_os.path.dirname(__file__), "dtypes.json")) as f:
+        table = _json.load(f)["dtypes"]
+    dtypes, names = {}, {}
+    for e in table:
+        dtypes[e["name"]] = e
+        for alias in [e["name"]] + e["torch_aliases"]:
+            names[alias] = names["torch." + alias] = e["name"]
+        for alias in e["numpy_aliases"]:
+            names[alias] = e["name"]
+        for code in e["numpy_codes"]:
+            for order in ("", "<", "=", "|"):
+                names[order + code] = e["name"]
+    return dtypes, names
+
+
+DTYPES, _DTYPE_NAMES = _load_dtypes()
+
+
+def canonical_dtype(name):
+    """Return tensorfs's canonical spelling of a dtype (a str, numpy or torch dtype).
+
+    The same spellings as the daemon accepts, from the same table: PyTorch
+    names and aliases ("float", "torch.half"), NumPy names and little-endian
+    codes ("single", "<f4"), case-insensitively. TypeError otherwise.
+    """
+    s = str(name).strip().encode("utf-8", "surrogateescape").lower().decode("utf-8", "surrogateescape")
+    try:
+        return _DTYPE_NAMES[s]
+    except KeyError:
+        raise TypeError("tensorfs: unknown dtype %r" % (name,)) from None
+
+
+def _itemsize(dtype):
+    """Bytes per element of a canonical dtype; None for the packed sub-byte ones."""
+    bits = DTYPES[dtype]["bits"]
+    return None if bits % 8 else bits // 8
+
+
+# --- metadata ---------------------------------------------------------------
 
 TensorMeta = _collections.namedtuple("TensorMeta", "dtype shape stride storage_offset nbytes")
 TensorMeta.__doc__ = """A segment's tensor metadata: canonical dtype name, shape, stride and
 storage_offset (elements; stride None means contiguous) and the segment's size in bytes."""
-
-
-def _canonical(name):
-    """Return the canonical tensorfs spelling of a dtype name, or raise TypeError."""
-    s = str(name).strip().lower()
-    if s.startswith("torch."):
-        s = s[len("torch."):]
-    if s[:1] in "<=|" and s[1:] in _ALIASES:
-        s = s[1:]
-    s = _ALIASES.get(s, s)
-    if s not in _DTYPES:
-        raise TypeError("tensorfs: unknown dtype %r" % (name,))
-    return s
 
 
 def _getxattr(path, name):
@@ -122,6 +136,20 @@ def _format_dims(dims):
     return "[" + ", ".join(str(int(d)) for d in dims) + "]"
 
 
+def _meta_from(attrs, nbytes):
+    """TensorMeta from a dict of the four user.tensor.* values (missing ones absent or None)."""
+    dtype = canonical_dtype(attrs.get(XATTR_DTYPE) or "uint8")
+    shape = attrs.get(XATTR_SHAPE)
+    if shape is not None:
+        shape = _parse_dims(shape)
+    else:
+        shape = (nbytes * 8 // DTYPES[dtype]["bits"],)
+    stride = attrs.get(XATTR_STRIDE)
+    stride = _parse_dims(stride) if stride else None
+    offset = int(attrs.get(XATTR_OFFSET) or 0)
+    return TensorMeta(dtype, shape, stride, offset, nbytes)
+
+
 def meta(path):
     """Read a segment's TensorMeta from its xattrs.
 
@@ -129,13 +157,25 @@ def meta(path):
     spanning the whole segment.
     """
     nbytes = _os.stat(path).st_size
-    dtype = _canonical(_getxattr(path, XATTR_DTYPE) or "uint8")
-    shape = _getxattr(path, XATTR_SHAPE)
-    shape = _parse_dims(shape) if shape is not None else (nbytes // _DTYPES[dtype][0],)
-    stride = _getxattr(path, XATTR_STRIDE)
-    stride = _parse_dims(stride) if stride is not None else None
-    offset = int(_getxattr(path, XATTR_OFFSET) or 0)
-    return TensorMeta(dtype, shape, stride, offset, nbytes)
+    attrs = {n: _getxattr(path, n) for n in (XATTR_DTYPE, XATTR_SHAPE, XATTR_STRIDE, XATTR_OFFSET)}
+    return _meta_from(attrs, nbytes)
+
+
+def metadata(path):
+    """Return the string metadata of a state dict or safetensors directory.
+
+    save_state_dict(metadata=...) and import_safetensors keep it as the
+    directory's user.safetensors.meta.KEY attributes; export_safetensors
+    writes it as the file's "__metadata__".
+    """
+    out = {}
+    for name in _os.listxattr(path):
+        if name.startswith(_ST_META):
+            out[name[len(_ST_META):]] = _os.getxattr(path, name).decode()
+    return out
+
+
+_ST_META = "user.safetensors.meta."
 
 
 def _contiguous(shape):
@@ -153,67 +193,89 @@ def _numel(shape):
     return n
 
 
+def _flags(path):
+    return (_getxattr(path, XATTR_FLAGS) or "").split("|")
+
+
+def _read_only(path):
+    """True for a FROMFD segment or one this process may not write."""
+    return "FROMFD" in _flags(path) or not _os.access(path, _os.W_OK)
+
+
+def _open_fd(path, write):
+    """Open path for mapping; a refusal of a write open names the flag behind it."""
+    try:
+        return _os.open(path, (_os.O_RDWR if write else _os.O_RDONLY) | _os.O_CLOEXEC)
+    except PermissionError as e:
+        if write and "FROMFD" in _flags(path):
+            raise PermissionError(e.errno, "tensorfs: %s is FROMFD (an imported, read-only segment): "
+                                  "open it with mode 'r'" % path, path) from None
+        raise
+
+
+def _map(path, write, nbytes=None):
+    """mmap the segment at path: shared and writable, or private (copy-on-write)."""
+    fd = _open_fd(path, write)
+    try:
+        if nbytes is None:
+            nbytes = _os.fstat(fd).st_size
+        if nbytes == 0:
+            return None
+        return _mmap.mmap(fd, nbytes, access=_mmap.ACCESS_WRITE if write else _mmap.ACCESS_COPY)
+    finally:
+        _os.close(fd)
+
+
+# --- NumPy --------------------------------------------------------------------
+
 def _np():
     try:
         import numpy
-    except ImportError as e:  # pragma: no cover - depends on the environment
+    except ImportError as e:  # pragma: no cover - numpy is a dependency
         raise ImportError("tensorfs: this needs numpy") from e
     return numpy
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("tensorfs: this needs torch") from e
-    return torch
-
-
 def _numpy_dtype(dtype):
-    np = _np()
-    name = _DTYPES[dtype][1]
+    name = DTYPES[dtype]["numpy"]
     if name is None:
-        raise TypeError(
-            "tensorfs: numpy has no %s; open the segment with tensorfs.open_torch() instead" % dtype)
-    return np.dtype(name).newbyteorder("<")
+        hint = "tensorfs.open_torch()" if DTYPES[dtype]["torch"] else "dtype='uint8' for its raw bytes"
+        raise TypeError("tensorfs: numpy has no %s; use %s" % (dtype, hint))
+    return _np().dtype(name).newbyteorder("<")
 
 
-def _torch_dtype(dtype):
-    torch = _torch()
-    t = getattr(torch, _DTYPES[dtype][2], None)
-    if not isinstance(t, torch.dtype):
-        raise TypeError("tensorfs: torch %s has no %s" % (torch.__version__, dtype))
-    return t
-
-
-def open(path, mode="r+", *, dtype=None, shape=None):
+def open(path, mode=None, *, dtype=None, shape=None):
     """Map the segment at path as a NumPy array, zero-copy (np.memmap).
 
     dtype, shape, stride and storage_offset come from the segment's xattrs;
     dtype or shape arguments override them (the array then starts at byte 0
     and is contiguous; a missing shape spans the segment). mode is "r+"
-    (read-write, shared with every other process), "r" (read-only; needed
-    for FROMFD segments, which refuse write opens with EPERM) or "c"
-    (copy-on-write). bfloat16 and float8 segments raise TypeError: use
-    open_torch().
+    (read-write, shared with every other process), "r" (read-only) or "c"
+    (copy-on-write); the default is "r" for FROMFD segments and segments
+    this process may not write, else "r+". bfloat16, float8 and packed
+    sub-byte segments raise TypeError: use open_torch(), or dtype="uint8".
     """
+    if mode is None:
+        mode = "r" if _read_only(path) else "r+"
     if mode not in ("r+", "r", "c"):
         raise ValueError("tensorfs.open: mode must be 'r+', 'r' or 'c', not %r" % (mode,))
     np = _np()
     m = meta(path)
     if dtype is not None or shape is not None:
-        dt = _canonical(dtype) if dtype is not None else m.dtype
+        dt = canonical_dtype(dtype) if dtype is not None else m.dtype
         if shape is None:
-            shape = (m.nbytes // _DTYPES[dt][0],)
+            shape = (m.nbytes * 8 // DTYPES[dt]["bits"],)
         m = TensorMeta(dt, tuple(int(d) for d in shape), None, 0, m.nbytes)
     ndt = _numpy_dtype(m.dtype)
-    size = _DTYPES[m.dtype][0]
+    size = ndt.itemsize
     shape, offset = m.shape, m.storage_offset
     stride = m.stride if m.stride is not None else _contiguous(shape)
     if m.nbytes == 0 or _numel(shape) == 0:
         if _numel(shape) != 0:
             raise ValueError("tensorfs.open: %s is empty, shape %r needs data" % (path, shape))
         return np.zeros(shape, dtype=ndt)  # nothing to map: mmap refuses empty files
+    if mode == "r+":
+        _os.close(_open_fd(path, True))  # the errno of the mount, and the flag that refused
     if stride == _contiguous(shape):
         return np.memmap(path, dtype=ndt, mode=mode, offset=offset * size, shape=shape)
     base = np.memmap(path, dtype=np.uint8, mode=mode)
@@ -222,76 +284,22 @@ def open(path, mode="r+", *, dtype=None, shape=None):
                       strides=tuple(s * size for s in stride))
 
 
-def _is_read_only(path):
-    flags = _getxattr(path, XATTR_FLAGS) or ""
-    return "FROMFD" in flags.split("|") or not _os.access(path, _os.W_OK)
-
-
-def open_torch(path, mode=None):
-    """Map the segment at path as a torch CPU tensor, zero-copy.
-
-    mode "r+" uses torch.from_file(path, shared=True) on the whole segment,
-    then as_strided to the xattrs' shape, stride and storage_offset: a
-    shared, writable mapping. mode "r" maps the segment copy-on-write
-    (torch has no read-only tensors; torch.from_file(shared=False) would
-    copy the file): pages stay the segment's own, showing its current
-    bytes, until this process stores into them. The default is "r" for
-    FROMFD or unwritable segments, else "r+".
-    """
-    torch = _torch()
-    if mode is None:
-        mode = "r" if _is_read_only(path) else "r+"
-    if mode not in ("r+", "r"):
-        raise ValueError("tensorfs.open_torch: mode must be 'r+' or 'r', not %r" % (mode,))
-    m = meta(path)
-    tdt = _torch_dtype(m.dtype)
-    size = _DTYPES[m.dtype][0]
-    stride = m.stride if m.stride is not None else _contiguous(m.shape)
-    numel = m.nbytes // size
-    if numel == 0:
-        if _numel(m.shape) != 0:
-            raise ValueError("tensorfs.open_torch: %s is empty, shape %r needs data" % (path, m.shape))
-        return torch.zeros(m.shape, dtype=tdt)
-    if mode == "r":
-        np = _np()
-        raw = np.memmap(path, dtype=np.uint8, mode="c", shape=(numel * size,))
-        base = torch.from_numpy(raw).view(tdt)
-        return base.as_strided(m.shape, stride, m.storage_offset)
-    # Fail early with the mount's errno (from_file's message has none).
-    _os.close(_os.open(path, _os.O_RDWR | _os.O_CLOEXEC))
-    base = torch.from_file(path, shared=True, size=numel, dtype=tdt)
-    return base.as_strided(m.shape, stride, m.storage_offset)
-
-
 def _as_bytes_source(x):
-    """Return (buffer, canonical dtype, shape, keepalive) for a numpy array or torch tensor."""
-    mod = type(x).__module__.split(".")[0]
-    if mod == "torch":
-        torch = _torch()
-        t = x.detach().to("cpu")
-        if t.is_complex():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
-        t = t.contiguous()
-        dtype = _canonical(str(t.dtype))
-        nbytes = t.numel() * t.element_size()
-        if nbytes == 0:
-            return b"", dtype, tuple(t.shape), t
-        import ctypes
-        buf = (ctypes.c_char * nbytes).from_address(t.data_ptr())
-        return memoryview(buf).cast("B"), dtype, tuple(t.shape), t
+    """Return (buffer, canonical dtype, shape) for a numpy array or torch tensor."""
+    if type(x).__module__.split(".")[0] == "torch":
+        from . import _torch
+        return _torch.tensor_bytes(x)
     np = _np()
     a = np.asarray(x)
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
     try:
-        dtype = _canonical(a.dtype.name)
+        dtype = canonical_dtype(a.dtype.name)
     except TypeError:
         raise TypeError("tensorfs.save: dtype %s has no tensorfs equivalent" % a.dtype) from None
     if not a.flags.c_contiguous:
         a = a.copy(order="C")  # np.ascontiguousarray would make a 0-d array 1-d
-    return memoryview(a.reshape(-1).view(np.uint8)), dtype, tuple(a.shape), a
+    return memoryview(a.reshape(-1).view(np.uint8)), dtype, tuple(a.shape)
 
 
 def save(path, x):
@@ -300,7 +308,7 @@ def save(path, x):
     The file is created or truncated, its old tensor xattrs removed, the
     bytes written, then user.tensor.dtype and user.tensor.shape set.
     """
-    buf, dtype, shape, keep = _as_bytes_source(x)
+    buf, dtype, shape = _as_bytes_source(x)
     fd = _os.open(path, _os.O_WRONLY | _os.O_CREAT | _os.O_TRUNC | _os.O_CLOEXEC, 0o644)
     try:
         for name in (XATTR_SHAPE, XATTR_STRIDE, XATTR_OFFSET, XATTR_DTYPE):
@@ -313,12 +321,10 @@ def save(path, x):
         while view:
             n = _os.write(fd, view)
             view = view[n:]
-        del view, buf
         _os.setxattr(fd, XATTR_DTYPE, dtype.encode())
         _os.setxattr(fd, XATTR_SHAPE, _format_dims(shape).encode())
     finally:
         _os.close(fd)
-        del keep
 
 
 # --- control socket -------------------------------------------------------
@@ -329,9 +335,9 @@ _MAX_MSG = 65536
 
 def find_mount(path):
     """Return the root of the tensorfs mount holding path (it need not exist yet)."""
-    d = _os.path.dirname(_os.path.abspath(path))
-    if _os.path.isdir(path):
-        d = _os.path.abspath(path)
+    d = _os.path.abspath(path)
+    if not _os.path.isdir(d):
+        d = _os.path.dirname(d)
     while True:
         try:
             if _getxattr(d, XATTR_SOCKET):
@@ -369,16 +375,17 @@ def _resolve(path, mount):
 class Client:
     """One connection to a mount's control socket (requests go one at a time).
 
-    Use as a context manager or call close(). Descriptors returned by its
-    methods are new, close-on-exec, and belong to the caller.
+    path is the mount's root or any path inside the mount. Use as a context
+    manager or call close(). Descriptors returned by its methods are new,
+    close-on-exec, and belong to the caller.
     """
 
-    def __init__(self, mount, timeout=None):
-        self.mount = mount
+    def __init__(self, path, timeout=None):
+        self.mount = find_mount(path)
         self.sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
         try:
             self.sock.settimeout(timeout)
-            self.sock.connect(socket_path(mount))
+            self.sock.connect(socket_path(self.mount))
         except BaseException:
             self.sock.close()
             raise
@@ -393,7 +400,11 @@ class Client:
         self.close()
 
     def request(self, req, fds=(), want=0, filename=None):
-        """Send one request (a dict, "v" added) with fds attached; return the reply's fds."""
+        """Send one request (a dict, "v" added) with fds attached.
+
+        Returns (reply dict, the reply's fds); want is the number of fds
+        expected, or None for whatever the reply announces.
+        """
         msg = _json.dumps(dict(req, v=1)).encode()
         if fds:
             _socket.send_fds(self.sock, [msg], list(fds))
@@ -418,28 +429,59 @@ class Client:
                 if filename is not None:
                     raise OSError(e, msg, filename)
                 raise OSError(e, msg)
-            if len(got) != want or rep.get("fds", 0) != want:
-                raise OSError(_errno.EPROTO, "tensorfs %s: reply has %d descriptors, want %d"
+            if rep.get("fds", 0) != len(got) or (want is not None and len(got) != want):
+                raise OSError(_errno.EPROTO, "tensorfs %s: reply has %d descriptors, want %s"
                               % (req.get("op"), len(got), want))
         except BaseException:
             for fd in got:
                 _os.close(fd)
             raise
-        return got
+        return rep, got
 
     def export(self, path, write=False):
         """Return a new fd of the KEEPFD segment at path (relative to the mount root)."""
         return self.request({"op": "export", "path": path, "write": bool(write)}, want=1,
-                            filename=path)[0]
+                            filename=path)[1][0]
 
     def import_fd(self, fd, path, dtype=None, shape=None):
         """Make fd (regular file or memfd) the read-only FROMFD segment at path, no copy."""
         req = {"op": "import", "path": path}
         if dtype is not None:
-            req["dtype"] = _canonical(dtype)
+            req["dtype"] = canonical_dtype(dtype)
         if shape is not None:
             req["shape"] = shape if isinstance(shape, str) else _format_dims(shape)
         self.request(req, [fd], filename=path)
+
+    def load(self, path, write=False):
+        """Yield (segment, fd) for every segment under the directory path.
+
+        segment is the daemon's dict (name relative to path, size, flags,
+        dtype, shape, stride, offset; see ctl/doc.go "load"); fd is a new
+        descriptor of its bytes (read-write if write), which the caller
+        closes, or None where the daemon hands out none (imported and GPU
+        segments: open those through the mount). One request per 253
+        segments.
+        """
+        after = None
+        while True:
+            req = {"op": "load", "path": path, "write": bool(write)}
+            if after is not None:
+                req["after"] = after
+            rep, fds = self.request(req, want=None, filename=path)
+            try:
+                segs = rep.get("segments", [])
+                for s in segs:
+                    i, fd = s.get("fd", -1), None
+                    if i >= 0:
+                        fd, fds[i] = fds[i], -1  # the caller's from here on
+                    yield s, fd
+            finally:
+                for fd in fds:
+                    if fd >= 0:
+                        _os.close(fd)
+            if not rep.get("more"):
+                return
+            after = segs[-1]["name"]
 
     def all_gather(self, group, rank, world, fd, open_group=False):
         """Send fd as rank of group; return the world fds of all ranks, in rank order.
@@ -450,7 +492,7 @@ class Client:
         req = {"op": "all_gather", "group": group, "rank": int(rank), "world": int(world)}
         if open_group:
             req["open"] = True
-        return self.request(req, [fd], want=int(world))
+        return self.request(req, [fd], want=int(world))[1]
 
     def broadcast(self, group, rank, world, root, fd=None, open_group=False):
         """Join a broadcast from root: root sends fd and gets None; others get root's fd.
@@ -466,7 +508,7 @@ class Client:
                 raise ValueError("tensorfs.broadcast_fd: the root must pass fd")
             self.request(req, [fd])
             return None
-        return self.request(req, want=1)[0]
+        return self.request(req, want=1)[1][0]
 
 
 def export_fd(path, write=False, *, mount=None):
@@ -494,119 +536,33 @@ def import_fd(fd, path, dtype=None, shape=None, *, mount=None):
         c.import_fd(fd, rel, dtype, shape)
 
 
-def _untyped_storage(t):
-    if hasattr(t, "untyped_storage"):  # torch >= 2.0
-        return t.untyped_storage()
-    s = t.storage()
-    for name in ("untyped", "_untyped"):
-        if hasattr(s, name):
-            return getattr(s, name)()
-    return s._storage
-
-
-def _storage_fd(storage, nbytes):
-    """Return (fd, owned, header) for a shared CPU storage.
-
-    owned fds are ours to close; header is how many bytes precede the
-    storage's data in the file.
-    """
-    try:
-        fd = storage._get_shared_fd()  # file_descriptor strategy: MapAllocator's kept fd
-    except RuntimeError:
-        fd = None
-    if fd is not None:
-        if fd < 0:
-            raise ValueError("tensorfs.publish: the tensor maps a file (torch.from_file) "
-                             "without a kept descriptor; it cannot be published")
-        return fd, False, 0
-    # file_system strategy: the storage is a named /dev/shm file kept by
-    # torch_shm_manager (for a storage already shared this way the call only
-    # reports its name). RefcountedMapAllocator puts a 64-byte refcount
-    # header before the data.
-    _, name, _ = storage._share_filename_cpu_()
-    name = name.decode() if isinstance(name, bytes) else name
-    fd = _os.open("/dev/shm/" + name.lstrip("/"), _os.O_RDONLY | _os.O_CLOEXEC)
-    header = _os.fstat(fd).st_size - nbytes
-    if header != _REFCOUNT_HEADER:
-        _os.close(fd)
-        raise ValueError("tensorfs.publish: /dev/shm%s has %d bytes around a %d-byte storage, "
-                         "not the %d-byte header expected" % (name, header, nbytes, _REFCOUNT_HEADER))
-    return fd, True, header
-
-
-# TH_ALLOC_ALIGNMENT: the refcount header of torch's file_system-strategy files.
-_REFCOUNT_HEADER = 64
-
-
-def publish(tensor, path, *, mount=None):
-    """Make a torch CPU tensor's shared-memory storage the segment at path, no copy.
-
-    Moves the tensor to shared memory first if needed (tensor.share_memory_(),
-    following torch.multiprocessing's sharing strategy), then sends its
-    storage's descriptor to the daemon (import). The segment is read-only
-    (FROMFD) for everyone else and shows later in-place changes to tensor;
-    it stays after tensor is freed, until unlinked or the daemon exits.
-    xattrs: dtype and shape, plus stride and storage_offset for views that
-    are not the whole storage in order, and under the file_system strategy,
-    whose shm files start with torch's 64-byte refcount header (the
-    segment is the whole file, the offset skips the header). Returns the
-    tensor.
-    """
-    torch = _torch()
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError("tensorfs.publish: want a torch.Tensor, got %s" % type(tensor).__name__)
-    if tensor.device.type != "cpu":
-        raise ValueError("tensorfs.publish: only CPU tensors can be published")
-    dtype = _canonical(str(tensor.dtype))
-    storage = _untyped_storage(tensor)
-    if not storage.is_shared():
-        tensor.share_memory_()
-        storage = _untyped_storage(tensor)
-    nbytes = storage.nbytes() if hasattr(storage, "nbytes") else storage.size()
-    fd, owned, header = _storage_fd(storage, nbytes)
-    shape = tuple(tensor.shape)
-    stride = tuple(tensor.stride())
-    offset = header // tensor.element_size() + tensor.storage_offset()
-    plain = (offset == 0 and tensor.is_contiguous()
-             and tensor.numel() * tensor.element_size() == nbytes)
-    mount, rel = _resolve(path, mount)
-    try:
-        with Client(mount) as c:
-            c.import_fd(fd, rel, dtype, shape if plain else None)
-    finally:
-        if owned:
-            _os.close(fd)
-    if not plain:
-        full = _os.path.join(mount, rel)
-        try:
-            _os.setxattr(full, XATTR_STRIDE, _format_dims(stride).encode())
-            _os.setxattr(full, XATTR_OFFSET, str(offset).encode())
-            _os.setxattr(full, XATTR_SHAPE, _format_dims(shape).encode())
-        except BaseException:
-            _os.unlink(full)
-            raise
-    return tensor
-
-
-def all_gather_fds(mount, group, rank, world, fd, *, timeout=None, open_group=False):
+def all_gather_fds(path, group, rank, world, fd, *, timeout=None, open_group=False):
     """All-gather descriptors among the world local ranks of group.
 
-    Every rank calls this (own process or connection) with its fd; each gets
-    the list of world new fds in rank order (its own included, as a new fd),
-    all of which it must close. Only ranks of the caller's uid meet in a
-    group, unless every rank passes open_group=True: then any uid that does
-    so may join, and receives every rank's fd.
+    path is the mount or any path inside it. Every rank calls this (own
+    process or connection) with its fd; each gets the list of world new
+    fds in rank order (its own included, as a new fd), all of which it
+    must close. Only ranks of the caller's uid meet in a group, unless
+    every rank passes open_group=True: then any uid that does so may join,
+    and receives every rank's fd.
     """
-    with Client(mount, timeout) as c:
+    with Client(path, timeout) as c:
         return c.all_gather(group, rank, world, fd, open_group)
 
 
-def broadcast_fd(mount, group, rank, world, root, fd=None, *, timeout=None, open_group=False):
+def broadcast_fd(path, group, rank, world, root, fd=None, *, timeout=None, open_group=False):
     """Broadcast root's fd to the world ranks of group.
 
-    The root passes fd and gets None; every other rank gets a new fd of
-    root's file, which it must close. All return once all ranks joined.
-    open_group as for all_gather_fds.
+    path is the mount or any path inside it. The root passes fd and gets
+    None; every other rank gets a new fd of root's file, which it must
+    close. All return once all ranks joined. open_group as for
+    all_gather_fds.
     """
-    with Client(mount, timeout) as c:
+    with Client(path, timeout) as c:
         return c.broadcast(group, rank, world, root, fd, open_group)
+
+
+# The torch and state-dict halves import torch, or nothing, only when called.
+from ._torch import open_torch, publish  # noqa: E402
+from .statedict import load_state_dict, save_state_dict  # noqa: E402
+from .safetensors import export_safetensors, import_safetensors  # noqa: E402

@@ -454,8 +454,13 @@ class _ClientTests:
             os.open(p, os.O_RDWR)
         self.assertEqual(cm.exception.errno, errno.EPERM)
         with self.assertRaises(OSError) as cm:
-            tensorfs.open(p)  # "r+"
+            tensorfs.open(p, "r+")
         self.assertEqual(cm.exception.errno, errno.EPERM)
+        self.assertIn("FROMFD", str(cm.exception))  # the flag that refused
+        with self.assertRaises(OSError) as cm:
+            tensorfs.open_torch(p, "r+")
+        self.assertIn("FROMFD", str(cm.exception))
+        np.testing.assert_array_equal(tensorfs.open(p), x.numpy())  # read-only by default
         np.testing.assert_array_equal(tensorfs.open(p, "r"), x.numpy())
 
         c = Child(self._CONSUMER, p)
@@ -472,33 +477,47 @@ class _ClientTests:
                          "%s: a store into the published tensor did not show in another process "
                          "(saw %s, want %s)" % (strategy, second, want))
 
-    def test_publish_shared_tensor_file_descriptor(self):
-        torch_mp.set_sharing_strategy("file_descriptor")
+    def test_publish(self):
         x = torch.arange(48, dtype=torch.float32).reshape(6, 8)
-        p = self.path("pub-fd")
+        p = self.path("pub")
         self.assertIs(tensorfs.publish(x, p), x)
-        self.assertTrue(x.is_shared())
-        self.check_published(x, p, "file_descriptor")
+        self.assertTrue(torch.equal(x, torch.arange(48, dtype=torch.float32).reshape(6, 8)))
+        self.assertEqual(os.path.getsize(p), 48 * 4)
+        self.check_published(x, p, "plain")
 
-    def test_publish_shared_tensor_file_system(self):
-        torch_mp.set_sharing_strategy("file_system")
-        x = torch.arange(48, dtype=torch.float32).reshape(6, 8).share_memory_()
-        p = self.path("pub-fs")
-        tensorfs.publish(x, p)
-        # The shm file starts with torch's refcount header: the offset skips it.
-        self.assertEqual(self.xattr(p, "user.tensor.storage_offset"), str(64 // 4))
-        self.check_published(x, p, "file_system")
+    def test_publish_shared_tensor(self):
+        # A tensor already in torch's shared memory (either strategy) is
+        # published like any other: no private torch API reads its fd.
+        for strategy in ("file_descriptor", "file_system"):
+            with self.subTest(strategy=strategy):
+                torch_mp.set_sharing_strategy(strategy)
+                x = torch.arange(48, dtype=torch.float32).reshape(6, 8).share_memory_()
+                p = self.path("pub-" + strategy)
+                tensorfs.publish(x, p)
+                self.check_published(x, p, strategy)
 
     def test_publish_view(self):
+        # A view is published as its own elements, contiguous; the tensor
+        # moves onto them (its base keeps the old storage).
         base = torch.arange(40, dtype=torch.float32)
         v = base[4:].reshape(6, 6)[:, 1::2]
+        want = v.clone()
         p = self.path("pub-view")
         tensorfs.publish(v, p)
-        self.assertEqual(self.xattr(p, "user.tensor.stride"), "[6, 2]")
-        self.assertEqual(self.xattr(p, "user.tensor.storage_offset"), "5")
-        self.assertEqual(os.path.getsize(p), 40 * 4)  # the whole storage
+        self.assertTrue(torch.equal(v, want))
+        self.assertEqual(self.xattr(p, "user.tensor.shape"), "[6, 3]")
+        self.assertEqual(os.path.getsize(p), 18 * 4)
         self.assertTrue(torch.equal(tensorfs.open_torch(p), v))
         self.check_published(v, p, "view")
+
+    def test_publish_bfloat16_and_empty(self):
+        x = torch.arange(6, dtype=torch.bfloat16)
+        tensorfs.publish(x, self.path("bf"))
+        self.assertEqual(self.xattr(self.path("bf"), "user.tensor.dtype"), "bfloat16")
+        self.assertTrue(torch.equal(tensorfs.open_torch(self.path("bf")), x))
+        e = torch.zeros(0, 3)
+        tensorfs.publish(e, self.path("empty"))
+        self.assertEqual(tuple(tensorfs.open_torch(self.path("empty")).shape), (0, 3))
 
     def test_published_segment_outlives_the_tensor(self):
         torch_mp.set_sharing_strategy("file_descriptor")
@@ -671,6 +690,23 @@ class _ClientTests:
             for fd in memfds:
                 os.close(fd)
 
+    def test_collectives_from_a_subdirectory(self):
+        sub = self.path("sub/dir")
+        os.makedirs(sub)
+        fd = os.memfd_create("sub")
+        try:
+            os.write(fd, b"sub")
+            got = tensorfs.all_gather_fds(sub, "sub-%s-%d" % (self.MODE, os.getpid()), 0, 1, fd)
+            try:
+                self.assertEqual(os.pread(got[0], 3, 0), b"sub")
+            finally:
+                os.close(got[0])
+            with self.assertRaises(OSError) as cm:
+                tensorfs.all_gather_fds("/proc", "g", 0, 1, fd)
+            self.assertEqual(cm.exception.errno, errno.ENOENT)
+        finally:
+            os.close(fd)
+
     def test_find_mount(self):
         self.assertEqual(tensorfs.find_mount(self.path("a/b")), self.mount.dir)
         self.assertEqual(tensorfs.find_mount(self.mount.dir), self.mount.dir)
@@ -689,13 +725,17 @@ class TestClientOffline(unittest.TestCase):
     """What needs no mount."""
 
     def test_dtype_names(self):
-        c = tensorfs._canonical
+        c = tensorfs.canonical_dtype
         self.assertEqual(c("torch.float32"), "float32")
         self.assertEqual(c("<f4"), "float32")
         self.assertEqual(c("half"), "float16")
         self.assertEqual(c("bool_"), "bool")
-        with self.assertRaises(TypeError):
-            c("float128")
+        self.assertEqual(c(np.dtype("<u2")), "uint16")
+        self.assertEqual(c(torch.bfloat16), "bfloat16")
+        self.assertEqual(c(" F8_E4M3FN ".lower().replace("f8_", "float8_")), "float8_e4m3fn")
+        for bad in ("float128", "torch.f4", "<float32", ">f4", "\u017fingle"):
+            with self.assertRaises(TypeError, msg=bad):
+                c(bad)
 
     def test_not_a_mount(self):
         with self.assertRaises(OSError) as cm:

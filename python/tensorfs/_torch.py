@@ -1,0 +1,291 @@
+"""PyTorch side of the tensorfs client: tensors on segment pages, publish,
+and pickling by path for torch.multiprocessing.
+
+Public torch APIs only (torch.frombuffer, Tensor.as_strided, Tensor.set_,
+Tensor.view(dtype), torch 1.13 and 2.x alike), with one exception named
+where it is used: the reducer torch.multiprocessing registers for tensors,
+which ours wraps.
+
+Segments are mapped with Python's mmap, so tensorfs knows, by the address
+of a tensor's storage, which segment (path) it maps and whether shared or
+copy-on-write. A tensor on such a mapping pickles through
+multiprocessing's ForkingPickler (torch.multiprocessing queues, DataLoader
+workers, spawn and fork) as path + byte offset + layout; the receiving
+process maps the segment by path. No descriptor travels, under either
+sharing strategy, and the tensor never moves: torch's own reducer would
+copy a storage it did not allocate into new shared memory, taking the
+sender's tensor off the segment, or (for torch.from_file's storages) fail
+with EBADF.
+"""
+
+import mmap as _mmap
+import os as _os
+import threading as _threading
+import weakref as _weakref
+
+import tensorfs as _tfs
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError("tensorfs: this needs torch (pip install tensorfs[torch], or python3-torch)") from e
+    return torch
+
+
+def torch_dtype(dtype):
+    """Return (torch dtype, elements per torch element) for a canonical tensorfs dtype."""
+    torch = _torch()
+    e = _tfs.DTYPES[dtype]
+    t = getattr(torch, e["torch"], None) if e["torch"] else None
+    if not isinstance(t, torch.dtype):
+        raise TypeError("tensorfs: torch %s has no %s; open it with tensorfs.open(path, dtype='uint8')"
+                        % (torch.__version__, dtype))
+    return t, e.get("torch_pack") or 1
+
+
+_sizes = {}
+
+
+def _element_size(tdt):
+    """Bytes per element of a torch dtype (torch.dtype.itemsize is torch >= 2.1 only)."""
+    size = _sizes.get(tdt)
+    if size is None:
+        size = _sizes[tdt] = _torch().empty((), dtype=tdt).element_size()
+    return size
+
+
+def tensorfs_dtype(tdt):
+    """Return the canonical tensorfs dtype and pack of a torch dtype."""
+    name = str(tdt).split(".")[-1]
+    for d, e in _tfs.DTYPES.items():
+        if e["torch"] == name:
+            return d, e.get("torch_pack") or 1
+    raise TypeError("tensorfs: %s has no tensorfs equivalent" % tdt)
+
+
+def _torch_layout(m, pack):
+    """Shape and stride of a segment's tensor in torch elements (packs the last dim)."""
+    shape, stride = tuple(m.shape), m.stride
+    if pack == 1:
+        return shape, (stride if stride is not None else _tfs._contiguous(shape))
+    if not shape or shape[-1] % pack:
+        raise ValueError("tensorfs: %s %s packs %d elements per torch element along the last dim"
+                         % (m.dtype, list(shape), pack))
+    shape = shape[:-1] + (shape[-1] // pack,)
+    return shape, _tfs._contiguous(shape)
+
+
+# --- mappings known by address -------------------------------------------
+
+class _Mapping:
+    """A segment mapped by this process: its path, whether shared and writable, its size."""
+
+    __slots__ = ("path", "write", "nbytes", "ref", "ident", "published")
+
+    def __init__(self, path, write, nbytes, ident, published):
+        self.path, self.write, self.nbytes = path, write, nbytes
+        self.ident = ident  # (st_dev, st_ino, st_size) of path when mapped, or None
+        self.published = published  # a publish()ed memfd: readers map the read-only segment
+        self.ref = None
+
+
+_lock = _threading.Lock()
+_by_address = {}  # storage address -> _Mapping, while its mmap lives
+_by_path = {}  # (path, write) -> _Mapping, to reuse a mapping when rebuilding
+
+
+def _register(mm, path, write, ident, published=False):
+    """Remember mm as a mapping of path; return a uint8 tensor on all of it."""
+    base = _torch().frombuffer(mm, dtype=_torch().uint8)
+    addr = base.data_ptr()
+    m = _Mapping(_os.path.abspath(path), write, len(mm), ident, published)
+
+    def forget(_, addr=addr, m=m):
+        with _lock:
+            if _by_address.get(addr) is m:
+                del _by_address[addr]
+            if _by_path.get((m.path, m.write)) is m:
+                del _by_path[(m.path, m.write)]
+
+    m.ref = _weakref.ref(mm, forget)
+    with _lock:
+        _by_address[addr] = m
+        _by_path[(m.path, write)] = m
+    install_reductions()
+    return base
+
+
+def tensor_on(mm, m, path, write, ident=None, published=False):
+    """A tensor with TensorMeta m on the mmap mm (None if empty) of the segment at path."""
+    torch = _torch()
+    tdt, pack = torch_dtype(m.dtype)
+    shape, stride = _torch_layout(m, pack)
+    if mm is None or _tfs._numel(shape) == 0:
+        if _tfs._numel(shape) != 0:
+            raise ValueError("tensorfs: %s is empty, shape %r needs data" % (path, list(m.shape)))
+        return torch.zeros(shape, dtype=tdt)
+    base = _register(mm, path, write, ident, published)
+    size = _element_size(tdt)
+    # as_strided checks that the layout fits the storage.
+    return base[:len(mm) // size * size].view(tdt).as_strided(shape, stride, m.storage_offset)
+
+
+def open_torch(path, mode=None):
+    """Map the segment at path as a torch CPU tensor, zero-copy.
+
+    mode "r+" maps it shared and writable: stores reach every process that
+    maps the segment. mode "r" maps it copy-on-write (torch has no
+    read-only tensors): the tensor shows the segment's bytes until this
+    process stores into it, and those stores stay private. The default is
+    "r" for FROMFD segments and segments this process may not write, else
+    "r+". dtype, shape, stride and storage_offset come from the xattrs.
+    The tensor pickles by path through torch.multiprocessing.
+    """
+    if mode is None:
+        mode = "r" if _tfs._read_only(path) else "r+"
+    if mode not in ("r+", "r"):
+        raise ValueError("tensorfs.open_torch: mode must be 'r+' or 'r', not %r" % (mode,))
+    m = _tfs.meta(path)
+    torch_dtype(m.dtype)  # before mapping: a dtype torch lacks is a TypeError
+    write = mode == "r+"
+    mm = _tfs._map(path, write)
+    return tensor_on(mm, m, path, write, _ident(path))
+
+
+def _ident(path):
+    st = _os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size)
+
+
+def tensor_bytes(x):
+    """Return (buffer, canonical dtype, shape) of a torch tensor's elements, in order."""
+    t = x.detach().to("cpu")
+    if t.is_complex():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    dtype, pack = tensorfs_dtype(t.dtype)
+    shape = tuple(t.shape)
+    if pack != 1:
+        shape = shape[:-1] + (shape[-1] * pack,)
+    flat = t.contiguous().reshape(-1)
+    return memoryview(flat.view(_torch().uint8).numpy()), dtype, shape
+
+
+# --- publish --------------------------------------------------------------
+
+def publish(tensor, path, *, mount=None):
+    """Move a torch CPU tensor to shared memory that becomes the segment at path.
+
+    The tensor's elements are copied once into a new memfd (as
+    share_memory_() copies a tensor into shared memory), the tensor is
+    pointed at that memory (Tensor.set_: its other views, if any, keep the
+    old storage), and the memfd is imported (the control socket's import):
+    from then on the segment and the tensor are the same pages, no copy.
+    The segment is read-only (FROMFD) for everyone else and shows later
+    in-place changes to tensor; it stays after tensor is freed, until
+    unlinked or the daemon exits. Returns the tensor.
+    """
+    torch = _torch()
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError("tensorfs.publish: want a torch.Tensor, got %s" % type(tensor).__name__)
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+        raise ValueError("tensorfs.publish: only dense CPU tensors can be published")
+    buf, dtype, shape = tensor_bytes(tensor)
+    mount, rel = _tfs._resolve(path, mount)
+    fd = _os.memfd_create("tensorfs:" + _os.path.basename(rel), _os.MFD_CLOEXEC)
+    try:
+        nbytes = len(buf)
+        if nbytes:
+            _os.ftruncate(fd, nbytes)
+            mm = _mmap.mmap(fd, nbytes)
+            mm[:] = buf
+            del buf
+            dst = tensor_on(mm, _tfs.TensorMeta(dtype, shape, None, 0, nbytes),
+                            _os.path.join(mount, rel), True, published=True)
+            with torch.no_grad():
+                tensor.set_(dst)
+        with _tfs.Client(mount) as c:
+            c.import_fd(fd, rel, dtype, shape)
+    finally:
+        _os.close(fd)
+    return tensor
+
+
+# --- pickling by path -------------------------------------------------------
+
+def _segment_of(t):
+    """(mapping, byte offset) of a tensor that lies on a registered segment mapping, or None."""
+    torch = _torch()
+    if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type != "cpu"
+            or t.layout != torch.strided or t.numel() == 0):
+        return None
+    size = t.element_size()
+    start = t.data_ptr() - t.storage_offset() * size
+    with _lock:
+        m = _by_address.get(start)
+    if m is None or m.ref() is None:
+        return None
+    extent = t.storage_offset() + 1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride()))
+    if extent * size > m.nbytes:
+        return None
+    return m, t.storage_offset() * size
+
+
+def _reduce_tensor(t):
+    seg = _segment_of(t)
+    if seg is None or (t.requires_grad and not t.is_leaf):
+        return _torch_reduce_tensor(t)
+    m, offset = seg
+    return (_rebuild_tensor, (m.path, m.write and not m.published, str(t.dtype).split(".")[-1], tuple(t.shape),
+                              tuple(t.stride()), offset, t.requires_grad,
+                              isinstance(t, _torch().nn.Parameter)))
+
+
+def _rebuild_tensor(path, write, dtype, shape, stride, offset, requires_grad, parameter):
+    """Unpickle a tensor sent by _reduce_tensor: map its segment by path."""
+    torch = _torch()
+    tdt = getattr(torch, dtype)
+    ident = _ident(path)
+    with _lock:
+        m = _by_path.get((path, write))
+        mm = m.ref() if m is not None and m.ident == ident else None
+    if mm is not None:  # this process maps the segment already
+        base = torch.frombuffer(mm, dtype=torch.uint8)
+    else:
+        mm = _tfs._map(path, write)
+        base = _register(mm, path, write, ident)
+    size = _element_size(tdt)
+    t = base[:len(mm) // size * size].view(tdt).as_strided(shape, stride, offset // size)
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad)
+
+
+_torch_reduce_tensor = None
+
+
+def install_reductions():
+    """Make tensors on segment mappings pickle by path in multiprocessing.
+
+    Registers a reducer for torch.Tensor and torch.nn.Parameter with
+    multiprocessing's ForkingPickler (which torch.multiprocessing queues and
+    DataLoader workers use) that handles tensors on a tensorfs mapping and
+    hands every other tensor to torch's own reducer. Called on the first
+    mapping; idempotent.
+    """
+    global _torch_reduce_tensor
+    if _torch_reduce_tensor is not None:
+        return
+    # Importing torch.multiprocessing registers torch's reducers (its
+    # init_reductions), which ours must come after. Private use:
+    # torch.multiprocessing.reductions.reduce_tensor is not in torch's
+    # documented API; known to work with torch 1.13 through 2.5.
+    import torch.multiprocessing.reductions as reductions
+    from multiprocessing.reduction import ForkingPickler
+    torch = _torch()
+    _torch_reduce_tensor = reductions.reduce_tensor
+    for cls in (torch.Tensor, torch.nn.Parameter):
+        ForkingPickler.register(cls, _reduce_tensor)
