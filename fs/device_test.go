@@ -1,0 +1,73 @@
+package fs
+
+import (
+	"bytes"
+	"path/filepath"
+	"testing"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/gpu"
+)
+
+// testDevices gives fsys a simulated device, as a mount with --gpu sim.
+func testDevices(t *testing.T, fsys *filesystem) {
+	t.Helper()
+	d, err := newDevices(gpu.NewSim(0, 1<<30), fsys.store, filepath.Join(t.TempDir(), "mnt"), fsys.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fsys.gpu = d
+	t.Cleanup(d.spill)
+}
+
+// TestDeviceSegmentRemovedWhileOpen: a device segment unlinked while open
+// keeps serving its handle from limbo; growing it then puts the new block
+// in limbo beside the old, each once, and both go with the last close.
+func TestDeviceSegmentRemovedWhileOpen(t *testing.T) {
+	fsys := testFS(t)
+	testDevices(t, fsys)
+	dir := child(t, fsys.root, "g", true)
+	if errno := dir.Setxattr(callerCtx(0), alloc.AttrDevice, []byte("cuda:0"), 0); errno != 0 {
+		t.Fatalf("set the directory's device: %v", errno)
+	}
+	var out fuse.EntryOut
+	ch, fh, _, errno := dir.Create(callerCtx(0), "s", unix.O_RDWR, 0o644, &out)
+	if errno != 0 {
+		t.Fatalf("create: %v", errno)
+	}
+	dir.AddChild("s", ch, false)
+	h := fh.(*handle)
+	if h.seg == nil {
+		t.Fatal("a segment made in a cuda:0 directory is not on the device")
+	}
+	first := bytes.Repeat([]byte("a"), 1<<20)
+	if _, errno := h.Write(callerCtx(0), first, 0); errno != 0 {
+		t.Fatalf("write: %v", errno)
+	}
+	if errno := dir.Unlink(callerCtx(0), "s"); errno != 0 {
+		t.Fatalf("unlink: %v", errno)
+	}
+	if blocks, _ := fsys.gpu.limbo.Stats(); blocks != 1 {
+		t.Errorf("after unlink with a handle open, limbo holds %d blocks, want 1", blocks)
+	}
+	more := bytes.Repeat([]byte("b"), 4<<20) // past the capacity: a new block
+	if _, errno := h.Write(callerCtx(0), more, int64(len(first))); errno != 0 {
+		t.Fatalf("write past the capacity after unlink: %v", errno)
+	}
+	if blocks, _ := fsys.gpu.limbo.Stats(); blocks != 2 {
+		t.Errorf("after the unlinked segment grew, limbo holds %d blocks, want 2 (old and new, once each)", blocks)
+	}
+	buf := make([]byte, 1)
+	if r, errno := h.Read(callerCtx(0), buf, int64(len(first))); errno != 0 {
+		t.Errorf("read of the unlinked segment: %v", errno)
+	} else if b, _ := r.Bytes(buf); string(b) != "b" {
+		t.Errorf("read of the unlinked segment gives %q, want b", b)
+	}
+	h.Release(callerCtx(0))
+	if blocks, bytes := fsys.gpu.limbo.Stats(); blocks != 0 {
+		t.Errorf("after the last close, limbo holds %d blocks (%d bytes), want none", blocks, bytes)
+	}
+}
