@@ -43,7 +43,7 @@ var testTensors = []safetensors.Tensor{
 	{Name: "layers/1/ids", Dtype: "I64", Shape: []int64{3}},
 	{Name: "scalar", Dtype: "F64", Shape: []int64{}},
 	{Name: "empty", Dtype: "I32", Shape: []int64{0, 4}},
-	{Name: "big", Dtype: "U8", Shape: []int64{3*chunkSize + 5}}, // several chunks
+	{Name: "big", Dtype: "U8", Shape: []int64{2*chunkSize + 5}}, // several chunks
 }
 
 // testFile writes a safetensors file in the reference writer's layout and
@@ -56,14 +56,22 @@ func testFile(t *testing.T, meta map[string]string) (string, []byte) {
 	}
 	header := h.Encode()
 	b := append(safetensors.AppendPrefix(nil, header), header...)
-	for i := range h.DataSize() {
-		b = append(b, byte(i*7+i>>10))
-	}
+	b = append(b, pattern(int(h.DataSize()))...)
 	path := filepath.Join(t.TempDir(), "model.safetensors")
 	if err := os.WriteFile(path, b, 0o644); err != nil {
 		t.Fatal(err)
 	}
 	return path, b
+}
+
+// pattern returns n bytes that repeat every 251, so that a chunk in the
+// wrong place shows.
+func pattern(n int) []byte {
+	period := make([]byte, 251)
+	for i := range period {
+		period[i] = byte(i)
+	}
+	return bytes.Repeat(period, n/len(period)+1)[:n]
 }
 
 // tree lists what is under dir, directories with a trailing slash.
@@ -312,10 +320,7 @@ func TestChunks(t *testing.T) {
 // and the copier.
 func TestCopier(t *testing.T) {
 	dir := t.TempDir()
-	data := make([]byte, 2*chunkSize+100)
-	for i := range data {
-		data[i] = byte(i % 251)
-	}
+	data := pattern(2*chunkSize + 100)
 	if err := os.WriteFile(filepath.Join(dir, "src"), data, 0o644); err != nil {
 		t.Fatal(err)
 	}
