@@ -30,6 +30,9 @@ const (
 	exitTimeout = 10 * time.Second
 )
 
+// errClosed is what calls on a closed Device return.
+var errClosed = fmt.Errorf("%w: device closed", ErrUnavailable)
+
 // Start starts a helper process that serves device index with backend
 // ("cuda" or "sim"), and returns a Device forwarding every call to it, so
 // that a CUDA failure takes down the helper and never the daemon. The
@@ -46,10 +49,10 @@ const (
 // The daemon can then keep Unavailable(err) as its device. Start the helper
 // before mounting, so that it inherits nothing of the mount.
 //
-// Build exe without -tags cuda when it is also the daemon: gorgonia.org/cu's
-// init calls cuInit in every process that links it and exits if that
-// fails. A helper for the cuda backend is built on its own, with -tags
-// cuda, from gpu/cmd/tensorfs-gpu.
+// For cuda, exe is the helper gpu/cmd/tensorfs-gpu built with -tags cuda:
+// the only binary that links the cuda backend (gpu/cuda), whose
+// gorgonia.org/cu init calls cuInit and exits the process if that fails.
+// For sim, exe may be the daemon itself.
 func Start(exe, backend string, index int, log *slog.Logger) (Device, error) {
 	switch backend {
 	case "none":

@@ -8,12 +8,17 @@
 //
 //   - cuda: a real GPU through gorgonia.org/cu plus small cgo shims for
 //     what cu lacks (IPC handles, interprocess events, pinned host memory,
-//     virtual memory management). Built only with -tags cuda, so that a
-//     default build never links libcuda; scripts/cuda-sdk.sh fetches the
-//     headers and link stub to build and vet it without a GPU.
+//     virtual memory management), in package gpu/cuda. Built with -tags
+//     cuda and imported only by the helper command gpu/cmd/tensorfs-gpu,
+//     so that no build of the daemon links libcuda, tag or no tag;
+//     scripts/cuda-sdk.sh fetches the headers and link stub to build and
+//     vet it without a GPU.
 //   - sim: NewSim, device memory simulated on host memory with the same
 //     behaviour, so that every path is tested on machines without a GPU.
 //   - none: Unavailable, no device at all (`--gpu none`).
+//
+// sim and cuda share their block table and staging lanes
+// (gpu/internal/devmem).
 //
 // Every block has a device allocation of its own, rounded up to 2 MiB and
 // zeroed: an IPC handle maps a whole allocation, so a handle given out for
@@ -34,13 +39,13 @@
 // the old one are gone.
 //
 // gorgonia.org/cu's init calls cuInit and exits the process when that
-// fails, in every process that links it. So the daemon is built without
-// -tags cuda, and the cuda helper is a binary of its own built with it
-// (gpu/cmd/tensorfs-gpu), passed to Start as exe. A helper that cannot
-// initialise CUDA exits before it serves, and Start reports why.
+// fails, in every process that links it. So the cuda helper is a binary
+// of its own (gpu/cmd/tensorfs-gpu, calling HelperMain with cuda.Open),
+// passed to Start as exe; the daemon never imports gpu/cuda. A helper that
+// cannot initialise CUDA exits before it serves, and Start reports why.
 //
 // The daemon's side, with the cmd wiring `tensorfs gpu-helper ARGS` to
-// HelperMain(ARGS, stderr):
+// HelperMain(ARGS, stderr, nil) for sim:
 //
 //	dev, err := gpu.Start(exe, backend, 0, log) // backend from --gpu
 //	if err != nil {

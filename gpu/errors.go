@@ -1,16 +1,21 @@
 package gpu
 
-import "errors"
+import (
+	"errors"
 
-// Sentinel errors returned by this package. Callers match them with
-// errors.Is; errors from a helper process keep their sentinel across the
-// socket.
+	"tensorfs/gpu/internal/devmem"
+)
+
+// Sentinel errors returned by this package and its backends. Callers
+// match them with errors.Is; errors from a helper process keep their
+// sentinel across the socket. Those that the backends' shared bookkeeping
+// returns are devmem's.
 var (
 	// ErrUnavailable is returned when no device serves the call: the
 	// helper process failed to start or died (the error text ends with its
 	// last line of output, e.g. why cuInit failed), the backend is none, or
 	// the Device was closed. Blocks of a dead helper are gone with it.
-	ErrUnavailable = errors.New("gpu unavailable")
+	ErrUnavailable = devmem.ErrUnavailable
 	// ErrOutOfMemory is returned when the device cannot hold another
 	// allocation.
 	ErrOutOfMemory = errors.New("out of device memory")
@@ -23,8 +28,8 @@ var (
 	ErrNoIPC = errors.New("block has no IPC handle")
 	// ErrNoBlock is returned when a Block is not one the Device handed
 	// out, or was freed already.
-	ErrNoBlock = errors.New("no such block")
+	ErrNoBlock = devmem.ErrNoBlock
 	// ErrInvalid is returned when a size, offset, length or backend name is
 	// out of range or unknown.
-	ErrInvalid = errors.New("invalid argument")
+	ErrInvalid = devmem.ErrInvalid
 )

@@ -26,9 +26,9 @@ const crashLine = "fake CUDA fault: an illegal memory access was encountered"
 func TestMain(m *testing.M) {
 	if mode, ok := os.LookupEnv(helperEnv); ok && len(os.Args) > 1 && os.Args[1] == "gpu-helper" {
 		if mode == "crash-on-alloc" {
-			openBackend = func(string, int) (Device, error) { return crashOnAlloc{NewSim(0, 0)}, nil }
+			openBackend = func(string, int, func(int) (Device, error)) (Device, error) { return crashOnAlloc{NewSim(0, 0)}, nil }
 		}
-		os.Exit(HelperMain(os.Args[2:], os.Stderr))
+		os.Exit(HelperMain(os.Args[2:], os.Stderr, nil))
 	}
 	os.Setenv(helperEnv, "serve")
 	// Under -race every process sleeps a second at exit; not the helpers.

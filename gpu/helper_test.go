@@ -120,7 +120,7 @@ func TestBadBackend(t *testing.T) {
 
 	for _, args := range [][]string{{"--backend", "opencl"}, {"--bogus"}, {"--backend", "sim", "extra"}, {}} {
 		var stderr bytes.Buffer
-		if code := HelperMain(args, &stderr); code != 2 || strings.Count(stderr.String(), "\n") != 1 || !strings.HasPrefix(stderr.String(), "gpu-helper: ") {
+		if code := HelperMain(args, &stderr, nil); code != 2 || strings.Count(stderr.String(), "\n") != 1 || !strings.HasPrefix(stderr.String(), "gpu-helper: ") {
 			t.Errorf("HelperMain(%q) = %d, %q; want 2 and one line", args, code, stderr.String())
 		}
 	}

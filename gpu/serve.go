@@ -15,23 +15,23 @@ import (
 // maxInFlight bounds the requests a helper serves at once.
 const maxInFlight = 64
 
-// pinner is implemented by devices that can page-lock host memory so that
+// Pinner is implemented by devices that can page-lock host memory so that
 // copies from and to it run at DMA speed without further staging. Serve
 // pins the shared staging area with it.
-type pinner interface {
-	pin(mem []byte) (unpin func() error, err error)
+type Pinner interface {
+	Pin(mem []byte) (unpin func() error, err error)
 }
 
-// openBackend makes the device a helper process serves. Tests replace it
-// to make helpers that misbehave.
-var openBackend = func(backend string, index int) (Device, error) {
-	switch backend {
-	case "sim":
+// openBackend makes the device a helper process serves: sim here, cuda
+// with openCUDA. Tests replace it to make helpers that misbehave.
+var openBackend = func(backend string, index int, openCUDA func(int) (Device, error)) (Device, error) {
+	switch {
+	case backend == "sim":
 		return NewSim(index, 0), nil
-	case "cuda":
-		return newCUDA(index)
+	case openCUDA == nil:
+		return nil, fmt.Errorf("%w: the cuda backend is not in this binary; it is in tensorfs-gpu (gpu/cmd/tensorfs-gpu)", ErrUnavailable)
 	}
-	return nil, fmt.Errorf("%w: --backend %q (want sim or cuda)", ErrInvalid, backend)
+	return openCUDA(index)
 }
 
 // HelperMain is the helper process: `tensorfs gpu-helper --backend sim|cuda
@@ -42,10 +42,10 @@ var openBackend = func(backend string, index int) (Device, error) {
 // returns the exit status: 0 after a clean shutdown, 1 when the device or
 // the socket fails, 2 on bad arguments.
 //
-// With --backend cuda, the process must be built with -tags cuda, and
-// gorgonia.org/cu's init has already called cuInit, exiting the process if
-// that failed.
-func HelperMain(args []string, stderr io.Writer) int {
+// openCUDA opens the cuda backend: cuda.Open (package gpu/cuda) in the
+// tensorfs-gpu helper, nil in the daemon, which serves sim only and must
+// never link CUDA (see the package doc).
+func HelperMain(args []string, stderr io.Writer, openCUDA func(index int) (Device, error)) int {
 	set := flag.NewFlagSet("gpu-helper", flag.ContinueOnError)
 	set.SetOutput(io.Discard)
 	backend := set.String("backend", "", "device backend: sim or cuda")
@@ -58,7 +58,7 @@ func HelperMain(args []string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "gpu-helper: want --backend sim or --backend cuda, and --device N >= 0; got %q (usage: gpu-helper --backend sim|cuda --device N)\n", args)
 		return 2
 	}
-	dev, err := openBackend(*backend, *index)
+	dev, err := openBackend(*backend, *index, openCUDA)
 	if err != nil {
 		fmt.Fprintf(stderr, "gpu-helper: %v\n", err)
 		return 1
@@ -161,8 +161,8 @@ func (s *server) hello(m *message, fd int) (unpin func() error, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("mmap staging area: %w", err)
 	}
-	if p, ok := s.dev.(pinner); ok {
-		if unpin, err = p.pin(s.staging); err != nil {
+	if p, ok := s.dev.(Pinner); ok {
+		if unpin, err = p.Pin(s.staging); err != nil {
 			unix.Munmap(s.staging)
 			return nil, fmt.Errorf("pin staging area: %w", err)
 		}

@@ -6,6 +6,8 @@ import (
 	"os"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/gpu/internal/devmem"
 )
 
 // DefaultSimCapacity is the simulated device memory of NewSim with capacity
@@ -14,14 +16,12 @@ const DefaultSimCapacity = 16 << 30
 
 const (
 	// simGranularity is what sim allocations round up to, as the cuda
-	// backend's do (ipcGranularity, and the granularity of exportable
-	// memory, 2 MiB on current GPUs).
+	// backend's do (2 MiB for cuMemAlloc, and the granularity of
+	// exportable memory, 2 MiB on current GPUs).
 	simGranularity = 2 << 20
 	// simStaging is the size of each sim staging buffer: small, so that
 	// copies cross many buffer boundaries.
 	simStaging = 64 << 10
-	// maxLanes bounds the copy operations running at once on a device.
-	maxLanes = 4
 )
 
 // Sim is a Device simulated on host memory, for machines without a GPU.
@@ -34,9 +34,9 @@ const (
 type Sim struct {
 	name     string
 	capacity int64
-	used     int64 // device bytes allocated; guarded by table.mu
-	table    *table[*simMem]
-	lanes    *lanes
+	used     int64 // device bytes allocated; newMem and freeMem update it under the table's lock
+	table    *devmem.Table[*simMem]
+	lanes    *devmem.Lanes
 }
 
 var _ Device = (*Sim)(nil)
@@ -51,9 +51,9 @@ type simMem struct {
 // wait for.
 type simLane struct{ bufs [2][]byte }
 
-func (l *simLane) buffers() *[2][]byte { return &l.bufs }
-func (l *simLane) wait(int) error      { return nil }
-func (l *simLane) close() error        { return nil }
+func (l *simLane) Buffers() *[2][]byte { return &l.bufs }
+func (l *simLane) Wait(int) error      { return nil }
+func (l *simLane) Close() error        { return nil }
 
 // NewSim returns a simulated device named "cuda:index" with capacity bytes
 // of device memory (DefaultSimCapacity when capacity is 0 or less).
@@ -62,8 +62,8 @@ func NewSim(index int, capacity int64) *Sim {
 		capacity = DefaultSimCapacity
 	}
 	s := &Sim{name: fmt.Sprintf("cuda:%d", index), capacity: capacity}
-	s.table = newTable(s.newMem, s.freeMem)
-	s.lanes = newLanes(maxLanes, func() (lane, error) {
+	s.table = devmem.NewTable(s.newMem, s.freeMem)
+	s.lanes = devmem.NewLanes(devmem.MaxLanes, func() (devmem.Lane, error) {
 		return &simLane{bufs: [2][]byte{make([]byte, simStaging), make([]byte, simStaging)}}, nil
 	})
 	return s
@@ -109,69 +109,75 @@ func (s *Sim) Name() string { return s.name }
 func (s *Sim) Backend() string { return "sim" }
 
 // Alloc implements Device.
-func (s *Sim) Alloc(size int64) (Block, error) { return s.table.alloc(size, false) }
+func (s *Sim) Alloc(size int64) (Block, error) {
+	b, err := s.table.Alloc(size, false)
+	return Block(b), err
+}
 
 // AllocExportable implements Device.
-func (s *Sim) AllocExportable(size int64) (Block, error) { return s.table.alloc(size, true) }
+func (s *Sim) AllocExportable(size int64) (Block, error) {
+	b, err := s.table.Alloc(size, true)
+	return Block(b), err
+}
 
 // Free implements Device.
-func (s *Sim) Free(b Block) error { return s.table.free(b) }
+func (s *Sim) Free(b Block) error { return s.table.Free(devmem.Block(b)) }
 
 // CopyIn implements Device.
 func (s *Sim) CopyIn(b Block, off int64, src []byte) error {
-	return s.upload(b, off, int64(len(src)), copyFill(src))
+	return s.upload(b, off, int64(len(src)), devmem.CopyFill(src))
 }
 
 // CopyOut implements Device.
 func (s *Sim) CopyOut(b Block, off int64, dst []byte) error {
-	return s.download(b, off, int64(len(dst)), copyDrain(dst))
+	return s.download(b, off, int64(len(dst)), devmem.CopyDrain(dst))
 }
 
 // CopyFromFile implements Device.
 func (s *Sim) CopyFromFile(b Block, off int64, fd int, fileOff, n int64) error {
-	return s.upload(b, off, n, preadFill(fd, fileOff))
+	return s.upload(b, off, n, devmem.PreadFill(fd, fileOff))
 }
 
 // CopyToFile implements Device.
 func (s *Sim) CopyToFile(b Block, off int64, fd int, fileOff, n int64) error {
-	return s.download(b, off, n, pwriteDrain(fd, fileOff))
+	return s.download(b, off, n, devmem.PwriteDrain(fd, fileOff))
 }
 
-// upload runs stagedUpload into the n bytes of b at off.
+// upload runs devmem.StagedUpload into the n bytes of b at off.
 func (s *Sim) upload(b Block, off, n int64, fill func([]byte, int64) error) error {
-	a, release, err := s.table.acquire(b, off, n)
+	a, release, err := s.table.Acquire(devmem.Block(b), off, n)
 	if err != nil {
 		return err
 	}
 	defer release()
-	l, err := s.lanes.get()
+	l, err := s.lanes.Get()
 	if err != nil {
 		return err
 	}
-	defer s.lanes.put(l)
-	mem := a.mem.data[off:]
-	bufs := l.buffers()
-	return stagedUpload(l, n, fill, func(i int, pos int64, k int) error {
+	defer s.lanes.Put(l)
+	mem := a.Mem.data[off:]
+	bufs := l.Buffers()
+	return devmem.StagedUpload(l, n, fill, func(i int, pos int64, k int) error {
 		copy(mem[pos:], bufs[i][:k])
 		return nil
 	})
 }
 
-// download runs stagedDownload from the n bytes of b at off.
+// download runs devmem.StagedDownload from the n bytes of b at off.
 func (s *Sim) download(b Block, off, n int64, drain func([]byte, int64) error) error {
-	a, release, err := s.table.acquire(b, off, n)
+	a, release, err := s.table.Acquire(devmem.Block(b), off, n)
 	if err != nil {
 		return err
 	}
 	defer release()
-	l, err := s.lanes.get()
+	l, err := s.lanes.Get()
 	if err != nil {
 		return err
 	}
-	defer s.lanes.put(l)
-	mem := a.mem.data[off:]
-	bufs := l.buffers()
-	return stagedDownload(l, n, func(i int, pos int64, k int) error {
+	defer s.lanes.Put(l)
+	mem := a.Mem.data[off:]
+	bufs := l.Buffers()
+	return devmem.StagedDownload(l, n, func(i int, pos int64, k int) error {
 		copy(bufs[i][:k], mem[pos:])
 		return nil
 	}, drain)
@@ -179,20 +185,20 @@ func (s *Sim) download(b Block, off, n int64, drain func([]byte, int64) error) e
 
 // IPC implements Device with the fake handles described at IPCInfo.
 func (s *Sim) IPC(b Block) (IPCInfo, error) {
-	a, release, err := s.table.acquire(b, 0, 0)
+	a, release, err := s.table.Acquire(devmem.Block(b), 0, 0)
 	if err != nil {
 		return IPCInfo{}, err
 	}
 	defer release()
-	if a.exportable {
+	if a.Exportable {
 		return IPCInfo{}, fmt.Errorf("%w: block %d is exportable; use Export", ErrNoIPC, b.ID)
 	}
 	var info IPCInfo
 	copy(info.MemHandle[:], "tensorfs-sim-mem")
 	binary.LittleEndian.PutUint64(info.MemHandle[16:], b.ID)
-	binary.LittleEndian.PutUint64(info.MemHandle[24:], uint64(a.size))
+	binary.LittleEndian.PutUint64(info.MemHandle[24:], uint64(a.Size))
 	binary.LittleEndian.PutUint32(info.MemHandle[32:], uint32(os.Getpid()))
-	binary.LittleEndian.PutUint32(info.MemHandle[36:], uint32(a.mem.fd))
+	binary.LittleEndian.PutUint32(info.MemHandle[36:], uint32(a.Mem.fd))
 	copy(info.EventHandle[:], "tensorfs-sim-evt")
 	binary.LittleEndian.PutUint64(info.EventHandle[16:], b.ID)
 	return info, nil
@@ -201,15 +207,15 @@ func (s *Sim) IPC(b Block) (IPCInfo, error) {
 // Export implements Device: the file is a new descriptor of the block's
 // memfd.
 func (s *Sim) Export(b Block) (*os.File, error) {
-	a, release, err := s.table.acquire(b, 0, 0)
+	a, release, err := s.table.Acquire(devmem.Block(b), 0, 0)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	if !a.exportable {
+	if !a.Exportable {
 		return nil, fmt.Errorf("%w: block %d", ErrNotExportable, b.ID)
 	}
-	fd, err := unix.FcntlInt(uintptr(a.mem.fd), unix.F_DUPFD_CLOEXEC, 0)
+	fd, err := unix.FcntlInt(uintptr(a.Mem.fd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("dup memfd: %w", err)
 	}
@@ -217,12 +223,12 @@ func (s *Sim) Export(b Block) (*os.File, error) {
 }
 
 // Stats implements Device.
-func (s *Sim) Stats() Stats { return s.table.stats() }
+func (s *Sim) Stats() Stats { return Stats(s.table.Stats()) }
 
 // Close frees every block. Later calls fail with ErrUnavailable.
 func (s *Sim) Close() error {
-	err := s.table.close()
-	if lerr := s.lanes.close(); err == nil {
+	err := s.table.Close()
+	if lerr := s.lanes.Close(); err == nil {
 		err = lerr
 	}
 	return err

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# CUDA headers and the libcuda.so link stub, for building tensorfs's gpu
-# package with -tags cuda on a machine without the CUDA toolkit or a GPU:
+# CUDA headers and the libcuda.so link stub, for building tensorfs's cuda
+# backend (gpu/cuda) with -tags cuda on a machine without the CUDA toolkit
+# or a GPU:
 #
 #   eval "$(scripts/cuda-sdk.sh)"
-#   go vet -tags cuda ./gpu/
+#   go vet -tags cuda ./gpu/...
 #   go build -tags cuda -o bin/tensorfs-gpu ./gpu/cmd/tensorfs-gpu
-#   go test -c -tags cuda -o bin/gpu-cuda.test ./gpu/
+#   go test -c -tags cuda -o bin/gpu-cuda.test ./gpu/cuda/
 #
 # Downloads Debian's non-free nvidia-cuda-dev package (about 800 MB) with a
 # private apt configuration (the system's sources are left alone), unpacks

@@ -73,8 +73,18 @@ fi
 echo "== go vet"
 go vet ./...
 
-# The cuda backend (gpu/, -tags cuda) cannot run here, but it must vet and
-# build: scripts/cuda-sdk.sh fetches CUDA's headers and libcuda stub from
+# The daemon never links CUDA (gorgonia.org/cu's init exits a process
+# without a GPU): only the helper gpu/cmd/tensorfs-gpu imports gpu/cuda.
+for tags in "" cuda; do
+	deps=$(go list -tags "$tags" -deps ./cmd/tensorfs)
+	if grep -q '^gorgonia.org/cu' <<<"$deps"; then
+		echo "test.sh: FAIL: cmd/tensorfs links gorgonia.org/cu (tags '$tags'); only gpu/cmd/tensorfs-gpu may import gpu/cuda" >&2
+		exit 1
+	fi
+done
+
+# The cuda backend (gpu/cuda, -tags cuda) cannot run here, but it must vet
+# and build: scripts/cuda-sdk.sh fetches CUDA's headers and libcuda stub from
 # Debian once (about 800 MB, a minute or two) into its cache
 # ($TENSORFS_CUDA_SDK, else $HOME/.cache/tensorfs/cuda-sdk) and reuses it
 # after. The step is required: without the SDK it fails, unless
@@ -97,7 +107,7 @@ echo "== go vet/build -tags cuda"
 	eval "$sdk_env"
 	go vet -tags cuda ./gpu/...
 	go build -tags cuda -o /dev/null ./gpu/cmd/tensorfs-gpu
-	go test -c -tags cuda -o /dev/null ./gpu/
+	go test -c -tags cuda -o /dev/null ./gpu/cuda/
 )
 
 echo "== go test"

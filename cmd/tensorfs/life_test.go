@@ -2,9 +2,6 @@ package main
 
 import (
 	"os"
-	"path/filepath"
-	"strings"
-	"syscall"
 	"testing"
 )
 
@@ -50,37 +47,5 @@ func TestIsDaemon(t *testing.T) {
 	}
 	if isDaemon(1 << 30) {
 		t.Errorf("isDaemon(a pid that does not exist) = true")
-	}
-}
-
-// TestOpenRegular: a FIFO is refused without blocking, as are directories;
-// a regular file opens.
-func TestOpenRegular(t *testing.T) {
-	dir := t.TempDir()
-	fifo := filepath.Join(dir, "fifo")
-	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range []string{fifo, dir} {
-		f, err := openRegular(p)
-		if err == nil {
-			f.Close()
-		}
-		if err == nil || !strings.Contains(err.Error(), "not a regular file") {
-			t.Errorf("openRegular(%s) = %v, want not a regular file", p, err)
-		}
-	}
-	file := filepath.Join(dir, "file")
-	if err := os.WriteFile(file, []byte("x"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	f, err := openRegular(file)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	b := make([]byte, 2)
-	if n, err := f.Read(b); err != nil || string(b[:n]) != "x" {
-		t.Errorf("read %s: %q, %v; want \"x\"", file, b[:n], err)
 	}
 }

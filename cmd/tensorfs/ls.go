@@ -15,7 +15,6 @@ package main
 // terminal.
 
 import (
-	"bytes"
 	"errors"
 	"flag"
 	"fmt"
@@ -62,7 +61,7 @@ func runLs(args []string, stdout, stderr io.Writer) int {
 		blocks++
 	}
 	for _, dir := range dirs {
-		names, err := readDirNames(dir, 0)
+		names, err := readDirNames(dir)
 		if err != nil {
 			fmt.Fprintf(stderr, "tensorfs ls: %s\n", alloc.EscapeText(err.Error()))
 			status = 1
@@ -194,6 +193,16 @@ func humanSize(n int64) string {
 	return strconv.FormatFloat(f, 'f', 1, 64) + string(units[u])
 }
 
+// readDirNames returns the names in dir, unsorted.
+func readDirNames(dir string) ([]string, error) {
+	d, err := os.Open(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	return d.Readdirnames(0)
+}
+
 // getxattr reads an extended attribute whole; ok is false when it is
 // absent or the filesystem has none.
 func getxattr(path, name string) (v []byte, ok bool, err error) {
@@ -213,33 +222,5 @@ func getxattr(path, name string) (v []byte, ok bool, err error) {
 			return nil, false, err
 		}
 		return buf[:n], true, nil
-	}
-}
-
-// listxattr returns the names of path's extended attributes.
-func listxattr(path string) ([]string, error) {
-	for {
-		n, err := unix.Listxattr(path, nil)
-		if err != nil {
-			if errors.Is(err, unix.ENOTSUP) {
-				return nil, nil
-			}
-			return nil, err
-		}
-		buf := make([]byte, n+256)
-		n, err = unix.Listxattr(path, buf)
-		if errors.Is(err, unix.ERANGE) {
-			continue
-		}
-		if err != nil {
-			return nil, err
-		}
-		var names []string
-		for _, b := range bytes.Split(buf[:n], []byte{0}) {
-			if len(b) > 0 {
-				names = append(names, string(b))
-			}
-		}
-		return names, nil
 	}
 }

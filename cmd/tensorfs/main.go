@@ -47,7 +47,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case "export":
 		return runExport(args[1:], stdout, stderr)
 	case "gpu-helper":
-		return gpu.HelperMain(args[1:], stderr)
+		return gpu.HelperMain(args[1:], stderr, nil)
 	case "-h", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return 0

@@ -2,15 +2,17 @@
 // own: `tensorfs-gpu gpu-helper --backend sim|cuda --device N`, started by
 // the daemon through gpu.Start with a socket as file descriptor 3.
 //
-// Build it with -tags cuda for the cuda backend (see scripts/cuda-sdk.sh),
-// and keep the daemon built without: gorgonia.org/cu's init exits any
-// process in which cuInit fails, which must only ever be this helper.
+// It is the only command that imports the cuda backend (gpu/cuda). Build it
+// with -tags cuda for that backend (see scripts/cuda-sdk.sh); without the
+// tag it serves sim only. gorgonia.org/cu's init exits any process in which
+// cuInit fails, which must only ever be this helper.
 package main
 
 import (
 	"os"
 
 	"tensorfs/gpu"
+	"tensorfs/gpu/cuda"
 )
 
 func main() {
@@ -18,5 +20,5 @@ func main() {
 	if len(args) > 0 && args[0] == "gpu-helper" {
 		args = args[1:]
 	}
-	os.Exit(gpu.HelperMain(args, os.Stderr))
+	os.Exit(gpu.HelperMain(args, os.Stderr, cuda.Open))
 }

@@ -1,4 +1,4 @@
-package gpu
+package devmem
 
 import (
 	"errors"
@@ -9,31 +9,35 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// lane is a pair of equally sized staging buffers (pinned host memory on a
+// MaxLanes bounds the copy operations running at once on a device.
+const MaxLanes = 4
+
+// Lane is a pair of equally sized staging buffers (pinned host memory on a
 // real device) with the stream that copies them to and from the device.
 // One copy operation holds a lane at a time.
-type lane interface {
-	buffers() *[2][]byte
-	// wait returns once the last copy started on buffer i has finished.
-	wait(i int) error
-	close() error
+type Lane interface {
+	Buffers() *[2][]byte
+	// Wait returns once the last copy started on buffer i has finished.
+	Wait(i int) error
+	Close() error
 }
 
-// lanes is a small pool of lanes made on demand, at most max of them.
-type lanes struct {
-	newLane func() (lane, error)
+// Lanes is a small pool of lanes made on demand, at most max of them.
+type Lanes struct {
+	newLane func() (Lane, error)
 	tokens  chan struct{} // one per lane in use
 
-	mu   sync.Mutex
-	idle []lane
+	mu   sync.Mutex // guards idle
+	idle []Lane
 }
 
-func newLanes(max int, newLane func() (lane, error)) *lanes {
-	return &lanes{newLane: newLane, tokens: make(chan struct{}, max)}
+// NewLanes returns a pool of at most max lanes that newLane makes.
+func NewLanes(max int, newLane func() (Lane, error)) *Lanes {
+	return &Lanes{newLane: newLane, tokens: make(chan struct{}, max)}
 }
 
-// get returns an idle lane, or a new one; it blocks while max are in use.
-func (ls *lanes) get() (lane, error) {
+// Get returns an idle lane, or a new one; it blocks while max are in use.
+func (ls *Lanes) Get() (Lane, error) {
 	ls.tokens <- struct{}{}
 	ls.mu.Lock()
 	if n := len(ls.idle); n > 0 {
@@ -51,39 +55,40 @@ func (ls *lanes) get() (lane, error) {
 	return l, nil
 }
 
-func (ls *lanes) put(l lane) {
+// Put returns a lane that Get handed out to the pool.
+func (ls *Lanes) Put(l Lane) {
 	ls.mu.Lock()
 	ls.idle = append(ls.idle, l)
 	ls.mu.Unlock()
 	<-ls.tokens
 }
 
-// close releases the idle lanes.
-func (ls *lanes) close() error {
+// Close releases the idle lanes.
+func (ls *Lanes) Close() error {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
 	var errs []error
 	for _, l := range ls.idle {
-		errs = append(errs, l.close())
+		errs = append(errs, l.Close())
 	}
 	ls.idle = nil
 	return errors.Join(errs...)
 }
 
-// stagedUpload moves n bytes to the device through the lane's two buffers,
+// StagedUpload moves n bytes to the device through the lane's two buffers,
 // alternating between them so that filling one overlaps the device copy of
 // the other. fill(buf, pos) fills buf with source bytes pos..pos+len(buf);
 // put(i, pos, k) starts the copy of buffer i's first k bytes to device
 // position pos. It returns once every copy has finished.
-func stagedUpload(l lane, n int64, fill func(buf []byte, pos int64) error, put func(i int, pos int64, k int) error) error {
-	bufs := l.buffers()
+func StagedUpload(l Lane, n int64, fill func(buf []byte, pos int64) error, put func(i int, pos int64, k int) error) error {
+	bufs := l.Buffers()
 	size := int64(len(bufs[0]))
 	var pending [2]bool
 	var err error
 	for pos, i := int64(0), 0; pos < n && err == nil; pos, i = pos+size, 1-i {
 		if pending[i] {
 			pending[i] = false
-			if err = l.wait(i); err != nil {
+			if err = l.Wait(i); err != nil {
 				break
 			}
 		}
@@ -99,12 +104,12 @@ func stagedUpload(l lane, n int64, fill func(buf []byte, pos int64) error, put f
 	return finish(l, &pending, err)
 }
 
-// stagedDownload moves n bytes from the device through the lane's two
+// StagedDownload moves n bytes from the device through the lane's two
 // buffers: get(i, pos, k) starts the copy of k device bytes at pos into
 // buffer i, drain(buf, pos) consumes them once there, while the next copy
 // runs into the other buffer.
-func stagedDownload(l lane, n int64, get func(i int, pos int64, k int) error, drain func(buf []byte, pos int64) error) error {
-	bufs := l.buffers()
+func StagedDownload(l Lane, n int64, get func(i int, pos int64, k int) error, drain func(buf []byte, pos int64) error) error {
+	bufs := l.Buffers()
 	size := int64(len(bufs[0]))
 	var pending [2]bool
 	var at [2]int64 // device position of each buffer's pending copy
@@ -124,7 +129,7 @@ func stagedDownload(l lane, n int64, get func(i int, pos int64, k int) error, dr
 	}
 	for i := 0; err == nil && pending[i]; i = 1 - i {
 		pending[i] = false
-		if err = l.wait(i); err != nil {
+		if err = l.Wait(i); err != nil {
 			break
 		}
 		pos := at[i]
@@ -138,10 +143,10 @@ func stagedDownload(l lane, n int64, get func(i int, pos int64, k int) error, dr
 
 // finish waits for the copies still pending, so that no buffer is reused
 // under a running copy, and returns the first error.
-func finish(l lane, pending *[2]bool, err error) error {
+func finish(l Lane, pending *[2]bool, err error) error {
 	for i, p := range pending {
 		if p {
-			if werr := l.wait(i); err == nil {
+			if werr := l.Wait(i); err == nil {
 				err = werr
 			}
 		}
@@ -149,30 +154,30 @@ func finish(l lane, pending *[2]bool, err error) error {
 	return err
 }
 
-// copyFill returns a fill function for stagedUpload that reads src.
-func copyFill(src []byte) func([]byte, int64) error {
+// CopyFill returns a fill function for StagedUpload that reads src.
+func CopyFill(src []byte) func([]byte, int64) error {
 	return func(buf []byte, pos int64) error {
 		copy(buf, src[pos:])
 		return nil
 	}
 }
 
-// copyDrain returns a drain function for stagedDownload that writes dst.
-func copyDrain(dst []byte) func([]byte, int64) error {
+// CopyDrain returns a drain function for StagedDownload that writes dst.
+func CopyDrain(dst []byte) func([]byte, int64) error {
 	return func(buf []byte, pos int64) error {
 		copy(dst[pos:], buf)
 		return nil
 	}
 }
 
-// preadFill returns a fill function for stagedUpload that reads the file fd
+// PreadFill returns a fill function for StagedUpload that reads the file fd
 // from fileOff on.
-func preadFill(fd int, fileOff int64) func([]byte, int64) error {
+func PreadFill(fd int, fileOff int64) func([]byte, int64) error {
 	return func(buf []byte, pos int64) error {
 		for done := 0; done < len(buf); {
 			k, err := unix.Pread(fd, buf[done:], fileOff+pos+int64(done))
 			switch {
-			case err == unix.EINTR:
+			case errors.Is(err, unix.EINTR):
 				continue
 			case err != nil:
 				return fmt.Errorf("pread: %w", err)
@@ -185,13 +190,13 @@ func preadFill(fd int, fileOff int64) func([]byte, int64) error {
 	}
 }
 
-// pwriteDrain returns a drain function for stagedDownload that writes the
+// PwriteDrain returns a drain function for StagedDownload that writes the
 // file fd from fileOff on.
-func pwriteDrain(fd int, fileOff int64) func([]byte, int64) error {
+func PwriteDrain(fd int, fileOff int64) func([]byte, int64) error {
 	return func(buf []byte, pos int64) error {
 		for done := 0; done < len(buf); {
 			k, err := unix.Pwrite(fd, buf[done:], fileOff+pos+int64(done))
-			if err == unix.EINTR {
+			if errors.Is(err, unix.EINTR) {
 				continue
 			}
 			if err != nil {

@@ -1,4 +1,4 @@
-package gpu
+package devmem
 
 import (
 	"errors"
@@ -6,14 +6,15 @@ import (
 	"sync"
 )
 
-// table hands out Blocks over device allocations of type M made by a
+// Table hands out Blocks over device allocations of type M made by a
 // backend, which supplies newMem and freeMem. Every block has a device
 // allocation of its own: an IPC handle or an export reaches a whole
 // allocation, so it must hold nothing but its block (DESIGN.md §4).
 //
-// An allocation is never released while an operation holds it (acquire),
-// so a Free racing a copy cannot unmap memory under the copy.
-type table[M any] struct {
+// An allocation is never released while an operation holds it (Acquire),
+// so a Free racing a copy cannot unmap memory under the copy. Methods are
+// safe for concurrent use.
+type Table[M any] struct {
 	// newMem makes a zeroed device allocation of at least size bytes and
 	// returns it with its real size; freeMem releases one. Both are called
 	// with mu held, so a backend may keep its accounting under mu.
@@ -23,27 +24,30 @@ type table[M any] struct {
 	mu     sync.Mutex // guards everything below and the allocations' fields
 	closed bool
 	last   uint64                    // the last block ID handed out
-	blocks map[uint64]*allocation[M] // live blocks
+	blocks map[uint64]*Allocation[M] // live blocks
 }
 
-// allocation is the device allocation of one block.
-type allocation[M any] struct {
-	mem        M
-	size       int64 // of the allocation, at least the block's
+// Allocation is the device allocation of one block. Its exported fields
+// do not change while it is held (Acquire).
+type Allocation[M any] struct {
+	Mem        M
+	Size       int64 // of the allocation, at least the block's
+	Exportable bool
 	block      int64 // Block.Size
-	exportable bool
-	busy       int  // operations holding it (acquire)
-	gone       bool // its block was freed; release it when busy is 0
+	busy       int   // operations holding it (Acquire)
+	gone       bool  // its block was freed; release it when busy is 0
 }
 
-func newTable[M any](newMem func(int64, bool) (M, int64, error), freeMem func(M) error) *table[M] {
-	return &table[M]{newMem: newMem, freeMem: freeMem, blocks: make(map[uint64]*allocation[M])}
+// NewTable returns an empty table over the allocations that newMem makes
+// and freeMem releases.
+func NewTable[M any](newMem func(size int64, exportable bool) (M, int64, error), freeMem func(M) error) *Table[M] {
+	return &Table[M]{newMem: newMem, freeMem: freeMem, blocks: make(map[uint64]*Allocation[M])}
 }
 
 var errClosed = fmt.Errorf("%w: device closed", ErrUnavailable)
 
-// alloc makes a block of size bytes in an allocation of its own.
-func (t *table[M]) alloc(size int64, exportable bool) (Block, error) {
+// Alloc makes a block of size bytes in an allocation of its own.
+func (t *Table[M]) Alloc(size int64, exportable bool) (Block, error) {
 	if size <= 0 {
 		return Block{}, fmt.Errorf("%w: block size %d", ErrInvalid, size)
 	}
@@ -57,13 +61,13 @@ func (t *table[M]) alloc(size int64, exportable bool) (Block, error) {
 		return Block{}, err
 	}
 	t.last++
-	t.blocks[t.last] = &allocation[M]{mem: mem, size: real, block: size, exportable: exportable}
+	t.blocks[t.last] = &Allocation[M]{Mem: mem, Size: real, Exportable: exportable, block: size}
 	return Block{ID: t.last, Size: size}, nil
 }
 
-// free releases a block and its allocation, at once or when the last
+// Free releases a block and its allocation, at once or when the last
 // operation on it ends.
-func (t *table[M]) free(b Block) error {
+func (t *Table[M]) Free(b Block) error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	a, err := t.lookupLocked(b)
@@ -76,15 +80,15 @@ func (t *table[M]) free(b Block) error {
 
 // dropLocked releases a forgotten allocation unless an operation still
 // holds it.
-func (t *table[M]) dropLocked(a *allocation[M]) error {
+func (t *Table[M]) dropLocked(a *Allocation[M]) error {
 	a.gone = true
 	if a.busy > 0 {
 		return nil
 	}
-	return t.freeMem(a.mem)
+	return t.freeMem(a.Mem)
 }
 
-func (t *table[M]) lookupLocked(b Block) (*allocation[M], error) {
+func (t *Table[M]) lookupLocked(b Block) (*Allocation[M], error) {
 	if t.closed {
 		return nil, errClosed
 	}
@@ -95,9 +99,9 @@ func (t *table[M]) lookupLocked(b Block) (*allocation[M], error) {
 	return a, nil
 }
 
-// acquire returns b's allocation and holds it until release is called. It
+// Acquire returns b's allocation and holds it until release is called. It
 // also checks that the n bytes at off lie in the block.
-func (t *table[M]) acquire(b Block, off, n int64) (a *allocation[M], release func(), err error) {
+func (t *Table[M]) Acquire(b Block, off, n int64) (a *Allocation[M], release func(), err error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if a, err = t.lookupLocked(b); err != nil {
@@ -112,28 +116,28 @@ func (t *table[M]) acquire(b Block, off, n int64) (a *allocation[M], release fun
 		defer t.mu.Unlock()
 		a.busy--
 		if a.gone && a.busy == 0 {
-			_ = t.freeMem(a.mem) // its Free already returned; nobody to tell
+			_ = t.freeMem(a.Mem) // its Free already returned; nobody to tell
 		}
 	}, nil
 }
 
-// stats counts what the table holds.
-func (t *table[M]) stats() Stats {
+// Stats counts what the table holds.
+func (t *Table[M]) Stats() Stats {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	var s Stats
 	for _, a := range t.blocks {
 		s.Blocks++
 		s.BlockBytes += a.block
-		s.DeviceBytes += a.size
+		s.DeviceBytes += a.Size
 	}
 	return s
 }
 
-// close frees every block and allocation; later calls fail with
+// Close frees every block and allocation; later calls fail with
 // ErrUnavailable. Allocations held by running operations are released when
 // those end.
-func (t *table[M]) close() error {
+func (t *Table[M]) Close() error {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {

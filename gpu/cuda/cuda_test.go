@@ -1,6 +1,6 @@
 //go:build cuda
 
-package gpu
+package cuda
 
 // Tests of the real backend. The test binary links libcuda.so.1 and
 // gorgonia.org/cu's init exits it where cuInit fails: build it anywhere
@@ -8,7 +8,9 @@ package gpu
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"testing"
@@ -16,13 +18,25 @@ import (
 
 	"golang.org/x/sys/unix"
 	"gorgonia.org/cu"
+
+	"tensorfs/gpu"
+	"tensorfs/gpu/internal/devmem"
 )
+
+// TestMain makes the test binary the cuda helper process when Start runs
+// it, as tensorfs-gpu is.
+func TestMain(m *testing.M) {
+	if len(os.Args) > 1 && os.Args[1] == "gpu-helper" {
+		os.Exit(gpu.HelperMain(os.Args[2:], os.Stderr, Open))
+	}
+	os.Exit(m.Run())
+}
 
 func openCUDA(t testing.TB) *cudaDevice {
 	t.Helper()
-	d, err := newCUDA(0)
+	d, err := Open(0)
 	if err != nil {
-		t.Fatalf("newCUDA(0): %v", err)
+		t.Fatalf("Open(0): %v", err)
 	}
 	t.Cleanup(func() {
 		if err := d.Close(); err != nil {
@@ -33,7 +47,7 @@ func openCUDA(t testing.TB) *cudaDevice {
 }
 
 // roundTrip writes a pattern into b at an odd offset and reads it back.
-func roundTrip(t *testing.T, d Device, b Block) {
+func roundTrip(t *testing.T, d gpu.Device, b gpu.Block) {
 	t.Helper()
 	off := b.Size / 3
 	src := pattern(uint64(b.Size), int(b.Size-off))
@@ -54,23 +68,23 @@ func TestCUDA(t *testing.T) {
 	if d.Name() != "cuda:0" || d.Backend() != "cuda" {
 		t.Errorf("Name, Backend = %q, %q", d.Name(), d.Backend())
 	}
-	var blocks []Block
+	var blocks []gpu.Block
 	for _, size := range []int64{1001, 5000, ipcGranularity + 1, 3*cudaStaging + 5} {
 		b := alloc(t, d, size)
 		// Zeroed, past the block's end too: an IPC handle maps it all.
-		a, release, err := d.table.acquire(b, 0, 0)
+		a, release, err := d.table.Acquire(devmem.Block(b), 0, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if a.size%ipcGranularity != 0 || a.size < size {
-			t.Errorf("block of %d bytes in an allocation of %d", size, a.size)
+		if a.Size%ipcGranularity != 0 || a.Size < size {
+			t.Errorf("block of %d bytes in an allocation of %d", size, a.Size)
 		}
-		all := make([]byte, a.size)
+		all := make([]byte, a.Size)
 		err = d.run(func() error {
-			return cuWrap("cuMemcpyDtoH", cu.MemcpyDtoH(unsafe.Pointer(&all[0]), a.mem.ptr, a.size))
+			return cuWrap("cuMemcpyDtoH", cu.MemcpyDtoH(unsafe.Pointer(&all[0]), a.Mem.ptr, a.Size))
 		})
 		release()
-		if err != nil || !bytes.Equal(all, make([]byte, a.size)) {
+		if err != nil || !bytes.Equal(all, make([]byte, a.Size)) {
 			t.Errorf("allocation of a new block of %d bytes not zeroed (%v)", size, err)
 		}
 		roundTrip(t, d, b)
@@ -96,7 +110,7 @@ func TestCUDA(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer unix.Munmap(host)
-	unpin, err := d.pin(host)
+	unpin, err := d.Pin(host)
 	if err != nil {
 		t.Fatalf("pin: %v", err)
 	}
@@ -142,7 +156,7 @@ func TestCUDA(t *testing.T) {
 	// Exportable memory, where the device has it.
 	eb, err := d.AllocExportable(3<<20 + 1)
 	switch {
-	case errors.Is(err, ErrNotExportable):
+	case errors.Is(err, gpu.ErrNotExportable):
 		t.Logf("no exportable memory: %v", err)
 	case err != nil:
 		t.Fatalf("AllocExportable: %v", err)
@@ -153,12 +167,12 @@ func TestCUDA(t *testing.T) {
 			t.Fatalf("Export: %v", err)
 		}
 		ef.Close()
-		if _, err := d.IPC(eb); !errors.Is(err, ErrNoIPC) {
+		if _, err := d.IPC(eb); !errors.Is(err, gpu.ErrNoIPC) {
 			t.Errorf("IPC of an exportable block = %v", err)
 		}
 		free(t, d, eb)
 	}
-	if _, err := d.Export(blocks[0]); !errors.Is(err, ErrNotExportable) {
+	if _, err := d.Export(blocks[0]); !errors.Is(err, gpu.ErrNotExportable) {
 		t.Errorf("Export of a block from Alloc = %v", err)
 	}
 
@@ -169,7 +183,7 @@ func TestCUDA(t *testing.T) {
 }
 
 func TestCUDAHelper(t *testing.T) {
-	d, err := Start(testExe(t), "cuda", 0, nil)
+	d, err := gpu.Start(testExe(t), "cuda", 0, nil)
 	if err != nil {
 		t.Fatalf("Start: %v", err)
 	}
@@ -177,7 +191,7 @@ func TestCUDAHelper(t *testing.T) {
 	if d.Backend() != "cuda" {
 		t.Errorf("Backend = %q", d.Backend())
 	}
-	b := alloc(t, d, stagingSlot*2+77) // through the pinned staging area
+	b := alloc(t, d, 9<<20) // through the pinned staging area, 4 MiB slots
 	roundTrip(t, d, b)
 	if info := ipc(t, d, b); info.MemHandle == ([64]byte{}) {
 		t.Error("zero IPC handle")
@@ -223,12 +237,12 @@ func BenchmarkCUDAUpload(b *testing.B) {
 		}
 		defer unix.Munmap(host)
 		copy(host, src)
-		unpin, err := d.pin(host)
+		unpin, err := d.Pin(host)
 		if err != nil {
 			b.Fatal(err)
 		}
 		defer unpin()
-		a, release, err := d.table.acquire(blk, 0, size)
+		a, release, err := d.table.Acquire(devmem.Block(blk), 0, size)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -236,7 +250,7 @@ func BenchmarkCUDAUpload(b *testing.B) {
 		b.SetBytes(size)
 		for b.Loop() {
 			err := d.run(func() error {
-				return cuWrap("cuMemcpyHtoD", cu.MemcpyHtoD(a.mem.ptr, unsafe.Pointer(&host[0]), size))
+				return cuWrap("cuMemcpyHtoD", cu.MemcpyHtoD(a.Mem.ptr, unsafe.Pointer(&host[0]), size))
 			})
 			if err != nil {
 				b.Fatal(err)
@@ -251,4 +265,55 @@ func BenchmarkCUDAUpload(b *testing.B) {
 			}
 		}
 	})
+}
+
+func testExe(t *testing.T) string {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return exe
+}
+
+func checkEmpty(t *testing.T, d gpu.Device) {
+	t.Helper()
+	if st := d.Stats(); st != (gpu.Stats{}) {
+		t.Errorf("device not empty at the end: %+v", st)
+	}
+}
+
+func alloc(t *testing.T, d gpu.Device, size int64) gpu.Block {
+	t.Helper()
+	b, err := d.Alloc(size)
+	if err != nil {
+		t.Fatalf("Alloc(%d): %v", size, err)
+	}
+	return b
+}
+
+func free(t *testing.T, d gpu.Device, b gpu.Block) {
+	t.Helper()
+	if err := d.Free(b); err != nil {
+		t.Fatalf("Free(%+v): %v", b, err)
+	}
+}
+
+func ipc(t *testing.T, d gpu.Device, b gpu.Block) gpu.IPCInfo {
+	t.Helper()
+	info, err := d.IPC(b)
+	if err != nil {
+		t.Fatalf("IPC(%+v): %v", b, err)
+	}
+	return info
+}
+
+// pattern returns n bytes that differ with seed.
+func pattern(seed uint64, n int) []byte {
+	r := rand.New(rand.NewPCG(seed, 0x7e45))
+	b := make([]byte, n+7)
+	for i := 0; i < n; i += 8 {
+		binary.LittleEndian.PutUint64(b[i:], r.Uint64())
+	}
+	return b[:n]
 }

@@ -1,8 +1,8 @@
 //go:build cuda
 
-package gpu
+package cuda
 
-// The cuda backend: gorgonia.org/cu for the context, allocations, copies,
+// The backend: gorgonia.org/cu for the context, allocations, copies,
 // streams and staging events; the small C functions below for what cu
 // lacks (IPC handles, interprocess events, pinned host memory and the
 // virtual memory management calls behind AllocExportable).
@@ -129,6 +129,9 @@ import (
 	"unsafe"
 
 	"gorgonia.org/cu"
+
+	"tensorfs/gpu"
+	"tensorfs/gpu/internal/devmem"
 )
 
 // cudaStaging is the size of each pinned staging buffer of a lane.
@@ -148,12 +151,12 @@ type cudaDevice struct {
 	dev         cu.Device
 	ctx         cu.CUContext
 	granularity int64 // of exportable allocations; 0 when the device cannot export
-	table       *table[*cudaMem]
-	lanes       *lanes
+	table       *devmem.Table[*cudaMem]
+	lanes       *devmem.Lanes
 
 	mu     sync.Mutex          // guards events, pinned and cudaMem.ipc
 	events map[uint64]ipcEvent // interprocess events of blocks, by block ID
-	pinned []hostRange         // host memory registered by pin
+	pinned []hostRange         // host memory registered by Pin
 }
 
 // cudaMem is one device allocation.
@@ -182,18 +185,18 @@ type cudaLane struct {
 }
 
 var (
-	_ Device = (*cudaDevice)(nil)
-	_ pinner = (*cudaDevice)(nil)
+	_ gpu.Device = (*cudaDevice)(nil)
+	_ gpu.Pinner = (*cudaDevice)(nil)
 )
 
-// newCUDA opens CUDA device index (cuInit ran in gorgonia.org/cu's init).
-func newCUDA(index int) (Device, error) {
+// Open opens CUDA device index (cuInit ran in gorgonia.org/cu's init).
+func Open(index int) (gpu.Device, error) {
 	n, err := cu.NumDevices()
 	if err != nil {
 		return nil, cuWrap("cuDeviceGetCount", err)
 	}
 	if index >= n {
-		return nil, fmt.Errorf("%w: cuda:%d asked for, %d CUDA devices present", ErrInvalid, index, n)
+		return nil, fmt.Errorf("%w: cuda:%d asked for, %d CUDA devices present", gpu.ErrInvalid, index, n)
 	}
 	dev, err := cu.GetDevice(index)
 	if err != nil {
@@ -214,8 +217,8 @@ func newCUDA(index int) (Device, error) {
 		dev.ReleasePrimaryCtx()
 		return nil, err
 	}
-	d.table = newTable(d.newMem, d.freeMem)
-	d.lanes = newLanes(maxLanes, d.newLane)
+	d.table = devmem.NewTable(d.newMem, d.freeMem)
+	d.lanes = devmem.NewLanes(devmem.MaxLanes, d.newLane)
 	return d, nil
 }
 
@@ -240,7 +243,7 @@ func cuErr(call string, r C.CUresult) error {
 		text = C.GoString(name)
 	}
 	if r == C.CUDA_ERROR_OUT_OF_MEMORY {
-		return fmt.Errorf("%w: %s: %s", ErrOutOfMemory, call, text)
+		return fmt.Errorf("%w: %s: %s", gpu.ErrOutOfMemory, call, text)
 	}
 	return fmt.Errorf("%s: %s", call, text)
 }
@@ -251,7 +254,7 @@ func cuWrap(call string, err error) error {
 		return nil
 	}
 	if errors.Is(err, cu.OutOfMemory) {
-		return fmt.Errorf("%w: %s: %v", ErrOutOfMemory, call, err)
+		return fmt.Errorf("%w: %s: %v", gpu.ErrOutOfMemory, call, err)
 	}
 	return fmt.Errorf("%s: %v", call, err)
 }
@@ -261,7 +264,7 @@ func cuWrap(call string, err error) error {
 func (d *cudaDevice) newMem(size int64, exportable bool) (*cudaMem, int64, error) {
 	m := &cudaMem{exportable: exportable}
 	if exportable && d.granularity == 0 {
-		return nil, 0, fmt.Errorf("%w: %s has no virtual memory management with POSIX file descriptors", ErrNotExportable, d.name)
+		return nil, 0, fmt.Errorf("%w: %s has no virtual memory management with POSIX file descriptors", gpu.ErrNotExportable, d.name)
 	}
 	g := int64(ipcGranularity)
 	if exportable {
@@ -302,7 +305,7 @@ func (d *cudaDevice) freeMem(m *cudaMem) error {
 	})
 }
 
-func (d *cudaDevice) newLane() (lane, error) {
+func (d *cudaDevice) newLane() (devmem.Lane, error) {
 	l := &cudaLane{d: d}
 	err := d.run(func() error {
 		for i := range l.host {
@@ -320,20 +323,20 @@ func (d *cudaDevice) newLane() (lane, error) {
 		return cuWrap("cuStreamCreate", err)
 	})
 	if err != nil {
-		l.close()
+		l.Close()
 		return nil, err
 	}
 	return l, nil
 }
 
-func (l *cudaLane) buffers() *[2][]byte { return &l.bufs }
+func (l *cudaLane) Buffers() *[2][]byte { return &l.bufs }
 
-// wait runs inside cudaDevice.run, as do the staged copies that call it.
-func (l *cudaLane) wait(i int) error {
+// Wait runs inside cudaDevice.run, as do the staged copies that call it.
+func (l *cudaLane) Wait(i int) error {
 	return cuWrap("cuEventSynchronize", l.done[i].Synchronize())
 }
 
-func (l *cudaLane) close() error {
+func (l *cudaLane) Close() error {
 	return l.d.run(func() error {
 		var errs []error
 		for i := range l.host {
@@ -360,21 +363,25 @@ func (d *cudaDevice) Name() string { return d.name }
 // Backend returns "cuda".
 func (d *cudaDevice) Backend() string { return "cuda" }
 
-func (d *cudaDevice) Alloc(size int64) (Block, error) { return d.table.alloc(size, false) }
-
-func (d *cudaDevice) AllocExportable(size int64) (Block, error) {
-	if d.granularity == 0 {
-		return Block{}, fmt.Errorf("%w: %s has no virtual memory management with POSIX file descriptors", ErrNotExportable, d.name)
-	}
-	return d.table.alloc(size, true)
+func (d *cudaDevice) Alloc(size int64) (gpu.Block, error) {
+	b, err := d.table.Alloc(size, false)
+	return gpu.Block(b), err
 }
 
-func (d *cudaDevice) Free(b Block) error {
+func (d *cudaDevice) AllocExportable(size int64) (gpu.Block, error) {
+	if d.granularity == 0 {
+		return gpu.Block{}, fmt.Errorf("%w: %s has no virtual memory management with POSIX file descriptors", gpu.ErrNotExportable, d.name)
+	}
+	b, err := d.table.Alloc(size, true)
+	return gpu.Block(b), err
+}
+
+func (d *cudaDevice) Free(b gpu.Block) error {
 	d.mu.Lock()
 	e, ok := d.events[b.ID]
 	delete(d.events, b.ID)
 	d.mu.Unlock()
-	err := d.table.free(b)
+	err := d.table.Free(devmem.Block(b))
 	if ok {
 		if derr := d.run(func() error { return cuErr("cuEventDestroy", C.cuEventDestroy(e.ev)) }); err == nil {
 			err = derr
@@ -383,40 +390,40 @@ func (d *cudaDevice) Free(b Block) error {
 	return err
 }
 
-// CopyIn copies directly when src lies in memory registered by pin (the
+// CopyIn copies directly when src lies in memory registered by Pin (the
 // helper's staging area), through a lane otherwise.
-func (d *cudaDevice) CopyIn(b Block, off int64, src []byte) error {
+func (d *cudaDevice) CopyIn(b gpu.Block, off int64, src []byte) error {
 	if d.isPinned(src) {
 		return d.direct(b, off, int64(len(src)), func(dev cu.DevicePtr) error {
 			return cuWrap("cuMemcpyHtoD", cu.MemcpyHtoD(dev, unsafe.Pointer(unsafe.SliceData(src)), int64(len(src))))
 		}, true)
 	}
-	return d.upload(b, off, int64(len(src)), copyFill(src))
+	return d.upload(b, off, int64(len(src)), devmem.CopyFill(src))
 }
 
-// CopyOut copies directly when dst lies in memory registered by pin,
+// CopyOut copies directly when dst lies in memory registered by Pin,
 // through a lane otherwise.
-func (d *cudaDevice) CopyOut(b Block, off int64, dst []byte) error {
+func (d *cudaDevice) CopyOut(b gpu.Block, off int64, dst []byte) error {
 	if d.isPinned(dst) {
 		return d.direct(b, off, int64(len(dst)), func(dev cu.DevicePtr) error {
 			return cuWrap("cuMemcpyDtoH", cu.MemcpyDtoH(unsafe.Pointer(unsafe.SliceData(dst)), dev, int64(len(dst))))
 		}, false)
 	}
-	return d.download(b, off, int64(len(dst)), copyDrain(dst))
+	return d.download(b, off, int64(len(dst)), devmem.CopyDrain(dst))
 }
 
-func (d *cudaDevice) CopyFromFile(b Block, off int64, fd int, fileOff, n int64) error {
-	return d.upload(b, off, n, preadFill(fd, fileOff))
+func (d *cudaDevice) CopyFromFile(b gpu.Block, off int64, fd int, fileOff, n int64) error {
+	return d.upload(b, off, n, devmem.PreadFill(fd, fileOff))
 }
 
-func (d *cudaDevice) CopyToFile(b Block, off int64, fd int, fileOff, n int64) error {
-	return d.download(b, off, n, pwriteDrain(fd, fileOff))
+func (d *cudaDevice) CopyToFile(b gpu.Block, off int64, fd int, fileOff, n int64) error {
+	return d.download(b, off, n, devmem.PwriteDrain(fd, fileOff))
 }
 
 // direct runs a synchronous copy of the n bytes of b at off, given their
 // device address; write says it changes the block.
-func (d *cudaDevice) direct(b Block, off, n int64, xfer func(cu.DevicePtr) error, write bool) error {
-	a, release, err := d.table.acquire(b, off, n)
+func (d *cudaDevice) direct(b gpu.Block, off, n int64, xfer func(cu.DevicePtr) error, write bool) error {
+	a, release, err := d.table.Acquire(devmem.Block(b), off, n)
 	if err != nil {
 		return err
 	}
@@ -425,29 +432,29 @@ func (d *cudaDevice) direct(b Block, off, n int64, xfer func(cu.DevicePtr) error
 		return nil
 	}
 	return d.run(func() error {
-		if err := xfer(a.mem.ptr + cu.DevicePtr(off)); err != nil || !write {
+		if err := xfer(a.Mem.ptr + cu.DevicePtr(off)); err != nil || !write {
 			return err
 		}
 		return d.recordWrite(b, cu.Stream{})
 	})
 }
 
-// upload runs stagedUpload into the n bytes of b at off on a lane.
-func (d *cudaDevice) upload(b Block, off, n int64, fill func([]byte, int64) error) error {
-	a, release, err := d.table.acquire(b, off, n)
+// upload runs devmem.StagedUpload into the n bytes of b at off on a lane.
+func (d *cudaDevice) upload(b gpu.Block, off, n int64, fill func([]byte, int64) error) error {
+	a, release, err := d.table.Acquire(devmem.Block(b), off, n)
 	if err != nil {
 		return err
 	}
 	defer release()
-	l, err := d.lanes.get()
+	l, err := d.lanes.Get()
 	if err != nil {
 		return err
 	}
-	defer d.lanes.put(l)
+	defer d.lanes.Put(l)
 	cl := l.(*cudaLane)
-	dev := a.mem.ptr + cu.DevicePtr(off)
+	dev := a.Mem.ptr + cu.DevicePtr(off)
 	return d.run(func() error {
-		err := stagedUpload(l, n, fill, func(i int, pos int64, k int) error {
+		err := devmem.StagedUpload(l, n, fill, func(i int, pos int64, k int) error {
 			if err := cu.MemcpyHtoDAsync(dev+cu.DevicePtr(pos), cl.host[i], int64(k), cl.stream); err != nil {
 				return cuWrap("cuMemcpyHtoDAsync", err)
 			}
@@ -460,22 +467,22 @@ func (d *cudaDevice) upload(b Block, off, n int64, fill func([]byte, int64) erro
 	})
 }
 
-// download runs stagedDownload from the n bytes of b at off on a lane.
-func (d *cudaDevice) download(b Block, off, n int64, drain func([]byte, int64) error) error {
-	a, release, err := d.table.acquire(b, off, n)
+// download runs devmem.StagedDownload from the n bytes of b at off on a lane.
+func (d *cudaDevice) download(b gpu.Block, off, n int64, drain func([]byte, int64) error) error {
+	a, release, err := d.table.Acquire(devmem.Block(b), off, n)
 	if err != nil {
 		return err
 	}
 	defer release()
-	l, err := d.lanes.get()
+	l, err := d.lanes.Get()
 	if err != nil {
 		return err
 	}
-	defer d.lanes.put(l)
+	defer d.lanes.Put(l)
 	cl := l.(*cudaLane)
-	dev := a.mem.ptr + cu.DevicePtr(off)
+	dev := a.Mem.ptr + cu.DevicePtr(off)
 	return d.run(func() error {
-		return stagedDownload(l, n, func(i int, pos int64, k int) error {
+		return devmem.StagedDownload(l, n, func(i int, pos int64, k int) error {
 			if err := cu.MemcpyDtoHAsync(cl.host[i], dev+cu.DevicePtr(pos), int64(k), cl.stream); err != nil {
 				return cuWrap("cuMemcpyDtoHAsync", err)
 			}
@@ -486,7 +493,7 @@ func (d *cudaDevice) download(b Block, off, n int64, drain func([]byte, int64) e
 
 // recordWrite records b's interprocess event, if it has one, on stream
 // after a write; it runs inside run.
-func (d *cudaDevice) recordWrite(b Block, stream cu.Stream) error {
+func (d *cudaDevice) recordWrite(b gpu.Block, stream cu.Stream) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	e, ok := d.events[b.ID]
@@ -498,17 +505,17 @@ func (d *cudaDevice) recordWrite(b Block, stream cu.Stream) error {
 
 // IPC implements Device; the event is made on the first call for a block
 // and recorded after each later write to it.
-func (d *cudaDevice) IPC(b Block) (IPCInfo, error) {
-	a, release, err := d.table.acquire(b, 0, 0)
+func (d *cudaDevice) IPC(b gpu.Block) (gpu.IPCInfo, error) {
+	a, release, err := d.table.Acquire(devmem.Block(b), 0, 0)
 	if err != nil {
-		return IPCInfo{}, err
+		return gpu.IPCInfo{}, err
 	}
 	defer release()
-	m := a.mem
+	m := a.Mem
 	if m.exportable {
-		return IPCInfo{}, fmt.Errorf("%w: block %d is exportable; use Export", ErrNoIPC, b.ID)
+		return gpu.IPCInfo{}, fmt.Errorf("%w: block %d is exportable; use Export", gpu.ErrNoIPC, b.ID)
 	}
-	var info IPCInfo
+	var info gpu.IPCInfo
 	err = d.run(func() error {
 		d.mu.Lock()
 		defer d.mu.Unlock()
@@ -539,15 +546,15 @@ func (d *cudaDevice) IPC(b Block) (IPCInfo, error) {
 	return info, err
 }
 
-func (d *cudaDevice) Export(b Block) (*os.File, error) {
-	a, release, err := d.table.acquire(b, 0, 0)
+func (d *cudaDevice) Export(b gpu.Block) (*os.File, error) {
+	a, release, err := d.table.Acquire(devmem.Block(b), 0, 0)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	m := a.mem
+	m := a.Mem
 	if !m.exportable {
-		return nil, fmt.Errorf("%w: block %d", ErrNotExportable, b.ID)
+		return nil, fmt.Errorf("%w: block %d", gpu.ErrNotExportable, b.ID)
 	}
 	var fd C.int
 	if err := d.run(func() error { return cuErr("cuMemExportToShareableHandle", C.tfs_vmm_export(m.handle, &fd)) }); err != nil {
@@ -556,11 +563,11 @@ func (d *cudaDevice) Export(b Block) (*os.File, error) {
 	return os.NewFile(uintptr(fd), "cuda-export"), nil
 }
 
-func (d *cudaDevice) Stats() Stats { return d.table.stats() }
+func (d *cudaDevice) Stats() gpu.Stats { return gpu.Stats(d.table.Stats()) }
 
 // Close frees every block, lane and event and releases the primary context.
 func (d *cudaDevice) Close() error {
-	errs := []error{d.table.close(), d.lanes.close()}
+	errs := []error{d.table.Close(), d.lanes.Close()}
 	d.mu.Lock()
 	events := d.events
 	d.events = make(map[uint64]ipcEvent)
@@ -575,9 +582,9 @@ func (d *cudaDevice) Close() error {
 	return errors.Join(errs...)
 }
 
-// pin page-locks mem, so that CopyIn and CopyOut from and to it copy
+// Pin page-locks mem, so that CopyIn and CopyOut from and to it copy
 // directly at DMA speed.
-func (d *cudaDevice) pin(mem []byte) (func() error, error) {
+func (d *cudaDevice) Pin(mem []byte) (func() error, error) {
 	p := unsafe.Pointer(unsafe.SliceData(mem))
 	err := d.run(func() error {
 		return cuErr("cuMemHostRegister", C.cuMemHostRegister(p, C.size_t(len(mem)), C.CU_MEMHOSTREGISTER_PORTABLE))
@@ -602,7 +609,7 @@ func (d *cudaDevice) pin(mem []byte) (func() error, error) {
 	}, nil
 }
 
-// isPinned reports whether b lies in memory registered by pin.
+// isPinned reports whether b lies in memory registered by Pin.
 func (d *cudaDevice) isPinned(b []byte) bool {
 	if len(b) == 0 {
 		return false

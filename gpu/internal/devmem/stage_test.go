@@ -1,4 +1,4 @@
-package gpu
+package devmem
 
 import (
 	"bytes"
@@ -20,10 +20,10 @@ func newAsyncLane(size int) *asyncLane {
 	return &asyncLane{bufs: [2][]byte{make([]byte, size), make([]byte, size)}}
 }
 
-func (l *asyncLane) buffers() *[2][]byte { return &l.bufs }
-func (l *asyncLane) close() error        { return nil }
+func (l *asyncLane) Buffers() *[2][]byte { return &l.bufs }
+func (l *asyncLane) Close() error        { return nil }
 
-func (l *asyncLane) wait(i int) error {
+func (l *asyncLane) Wait(i int) error {
 	if l.pending[i] != nil {
 		<-l.pending[i]
 		l.pending[i] = nil
@@ -50,7 +50,7 @@ func TestStaged(t *testing.T) {
 		src := pattern(uint64(n), n)
 		dev := make([]byte, n)
 		l := newAsyncLane(bufSize)
-		err := stagedUpload(l, int64(n), copyFill(src), func(i int, pos int64, k int) error {
+		err := StagedUpload(l, int64(n), CopyFill(src), func(i int, pos int64, k int) error {
 			l.start(i, func() { copy(dev[pos:pos+int64(k)], l.bufs[i][:k]) })
 			return nil
 		})
@@ -64,10 +64,10 @@ func TestStaged(t *testing.T) {
 		}
 
 		got := make([]byte, n)
-		err = stagedDownload(l, int64(n), func(i int, pos int64, k int) error {
+		err = StagedDownload(l, int64(n), func(i int, pos int64, k int) error {
 			l.start(i, func() { copy(l.bufs[i][:k], dev[pos:pos+int64(k)]) })
 			return nil
-		}, copyDrain(got))
+		}, CopyDrain(got))
 		if err != nil || !bytes.Equal(got, src) {
 			t.Fatalf("download of %d bytes: %v, equal %v", n, err, bytes.Equal(got, src))
 		}
@@ -78,7 +78,7 @@ func TestStagedErrors(t *testing.T) {
 	errFill := errors.New("fill failed")
 	l := newAsyncLane(10)
 	calls := 0
-	err := stagedUpload(l, 100, func(buf []byte, pos int64) error {
+	err := StagedUpload(l, 100, func(buf []byte, pos int64) error {
 		if pos == 30 {
 			return errFill
 		}
@@ -94,7 +94,7 @@ func TestStagedErrors(t *testing.T) {
 
 	errGet := errors.New("copy failed")
 	drained := 0
-	err = stagedDownload(l, 100, func(i int, pos int64, k int) error {
+	err = StagedDownload(l, 100, func(i int, pos int64, k int) error {
 		if pos == 40 {
 			return errGet
 		}
@@ -106,28 +106,11 @@ func TestStagedErrors(t *testing.T) {
 	}
 }
 
-func TestProtoRoundTrip(t *testing.T) {
-	m := &message{op: opCopyIn, id: 0xdeadbeef, args: []int64{1, -2, 1 << 62}, data: []byte("data")}
-	got, err := unmarshal(m.marshal())
-	if err != nil || got.op != m.op || got.id != m.id || fmt.Sprint(got.args) != fmt.Sprint(m.args) || string(got.data) != "data" {
-		t.Fatalf("round trip: %+v, %v", got, err)
+// pattern returns n bytes that differ with seed.
+func pattern(seed uint64, n int) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(seed + uint64(i)*7 + uint64(i>>8))
 	}
-	for _, b := range [][]byte{nil, {protoVersion, 1, 0, 3, 0, 0, 0, 0}, {protoVersion + 1, 1, 0, 0, 0, 0, 0, 0}} {
-		if _, err := unmarshal(b); !errors.Is(err, errProtocol) {
-			t.Errorf("unmarshal(%v) = %v, want errProtocol", b, err)
-		}
-	}
-	for _, sentinel := range wireErrors[1:] {
-		r := &message{}
-		r.setError(fmt.Errorf("wrapped: %w", sentinel))
-		got, _ := unmarshal(r.marshal())
-		if err := got.err(); !errors.Is(err, sentinel) || err.Error() != "wrapped: "+sentinel.Error() {
-			t.Errorf("error %v came back as %v", sentinel, err)
-		}
-	}
-	r := &message{}
-	r.setError(errors.New("plain"))
-	if err := r.err(); err == nil || err.Error() != "plain" {
-		t.Errorf("plain error came back as %v", err)
-	}
+	return b
 }

@@ -1,0 +1,76 @@
+// Package transfer copies safetensors files into a directory of a tensorfs
+// mount, one segment per tensor, and back out.
+//
+// Import writes one segment per tensor under DIR (a name "a/b" becomes the
+// segment b in the directory a) with user.tensor.dtype and
+// user.tensor.shape set, and records on DIR what a segment cannot hold:
+//
+//	user.safetensors.meta.KEY  each "__metadata__" entry
+//	user.safetensors.order     the tensor names in header order, a JSON list
+//	user.safetensors.header    the original header, only when it is not the
+//	                           one export would rebuild (see below)
+//
+// Export rebuilds the header the way the reference writer lays it out:
+// compact JSON, "__metadata__" first, the tensors in recorded order (then
+// any new ones, largest element size first so that data stays aligned,
+// then by name), packed back to back. A file written by the reference
+// writer therefore exports byte-identical without anything more; for any
+// other file (different JSON spacing or key order, data not in key order,
+// an empty "__metadata__"...) import keeps the original header bytes, and
+// export reuses them, offsets and all, as long as every tensor still has
+// its recorded name, dtype and shape and the metadata is unchanged. An
+// unchanged import thus always exports byte-identical.
+//
+// Attribute values over 64 KiB (the kernel's limit) are split: NAME holds
+// the first 64 KiB, NAME.1, NAME.2... the rest.
+//
+// Both are all or nothing: a failed or interrupted import leaves DIR as it
+// found it (a directory it created is removed), and export writes a
+// temporary file that it renames into place once complete and synced.
+// Bytes move with copy_file_range where the kernel can (both files on one
+// filesystem), otherwise with a few workers reading and writing in
+// parallel, so that a copy runs at memory speed rather than at the speed
+// of one thread.
+package transfer
+
+import (
+	"context"
+	"errors"
+)
+
+const (
+	attrSTPrefix = "user.safetensors."
+	attrSTMeta   = attrSTPrefix + "meta."
+	attrSTOrder  = attrSTPrefix + "order"
+	attrSTHeader = attrSTPrefix + "header"
+
+	xattrNameMax = 255      // XATTR_NAME_MAX
+	xattrSizeMax = 64 << 10 // XATTR_SIZE_MAX: the largest attribute value
+	nameMax      = 255      // NAME_MAX: the longest path component
+
+	importPrefix = ".import-" // temporary directory of an import in progress
+)
+
+var (
+	// errInterrupted is returned once the context is done.
+	errInterrupted = errors.New("interrupted")
+	// errFull is returned when the mount has no room for a segment.
+	errFull = errors.New("the mount is full (see df; mount with a larger --capacity)")
+)
+
+// Options are what Import and Export may report as they go.
+type Options struct {
+	// Progress, if not nil, is called as bytes are copied with the bytes
+	// copied so far and the total, from one goroutine at a time.
+	Progress func(done, total int64)
+	// Warn, if not nil, receives one line for each file Export skips.
+	Warn func(msg string)
+}
+
+// interrupted returns errInterrupted once ctx is done.
+func interrupted(ctx context.Context) error {
+	if ctx.Err() != nil {
+		return errInterrupted
+	}
+	return nil
+}

@@ -1,0 +1,370 @@
+package transfer
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/safetensors"
+)
+
+// fakeMount returns a new directory that Import takes for one inside a
+// tensorfs mount: it has user.tensorfs.flags, which every directory of a
+// mount answers. Segments in it are plain files with user attributes, so
+// the tests need a filesystem with user xattrs (ext4, tmpfs), or skip.
+func fakeMount(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	err := unix.Setxattr(dir, alloc.AttrFlags, []byte("SHAREDMEM"), 0)
+	if errors.Is(err, unix.ENOTSUP) {
+		t.Skipf("no user xattrs on %s", dir)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// testTensors are the tensors of testFile: names, dtypes and shapes.
+var testTensors = []safetensors.Tensor{
+	{Name: "embed.weight", Dtype: "F32", Shape: []int64{4, 3}},
+	{Name: "layers/0/bias", Dtype: "F16", Shape: []int64{5}},
+	{Name: "layers/1/ids", Dtype: "I64", Shape: []int64{3}},
+	{Name: "scalar", Dtype: "F64", Shape: []int64{}},
+	{Name: "empty", Dtype: "I32", Shape: []int64{0, 4}},
+	{Name: "big", Dtype: "U8", Shape: []int64{2*chunkSize + 5}}, // several chunks
+}
+
+// testFile writes a safetensors file in the reference writer's layout and
+// returns its path and contents.
+func testFile(t *testing.T, meta map[string]string) (string, []byte) {
+	t.Helper()
+	h := &safetensors.Header{Tensors: slices.Clone(testTensors), Metadata: meta}
+	if err := h.Pack(); err != nil {
+		t.Fatal(err)
+	}
+	header := h.Encode()
+	b := append(safetensors.AppendPrefix(nil, header), header...)
+	b = append(b, pattern(int(h.DataSize()))...)
+	path := filepath.Join(t.TempDir(), "model.safetensors")
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path, b
+}
+
+// pattern returns n bytes that repeat every 251, so that a chunk in the
+// wrong place shows.
+func pattern(n int) []byte {
+	period := make([]byte, 251)
+	for i := range period {
+		period[i] = byte(i)
+	}
+	return bytes.Repeat(period, n/len(period)+1)[:n]
+}
+
+// tree lists what is under dir, directories with a trailing slash.
+func tree(t *testing.T, dir string) []string {
+	t.Helper()
+	var out []string
+	err := filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
+		if err != nil || path == dir {
+			return err
+		}
+		rel, _ := filepath.Rel(dir, path)
+		if d.IsDir() {
+			rel += "/"
+		}
+		out = append(out, rel)
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func TestImportExport(t *testing.T) {
+	src, content := testFile(t, map[string]string{"format": "pt"})
+	dir := filepath.Join(fakeMount(t), "model")
+	var last, total int64
+	h, err := Import(context.Background(), src, dir, Options{Progress: func(done, n int64) { last, total = done, n }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(h.Tensors) != len(testTensors) || last != h.DataSize() || total != h.DataSize() {
+		t.Errorf("Import: %d tensors, progress %d of %d; want %d tensors, %d of %d",
+			len(h.Tensors), last, total, len(testTensors), h.DataSize(), h.DataSize())
+	}
+	want := []string{"big", "embed.weight", "empty", "layers/", "layers/0/", "layers/0/bias", "layers/1/", "layers/1/ids", "scalar"}
+	if got := tree(t, dir); !slices.Equal(got, want) {
+		t.Errorf("imported tree %q, want %q", got, want)
+	}
+	dataAt := int64(len(content)) - h.DataSize()
+	for _, tn := range h.Tensors {
+		p := filepath.Join(dir, tn.Name)
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(b, content[dataAt+tn.Begin:dataAt+tn.End]) {
+			t.Errorf("%s: %d bytes differ from the tensor's", tn.Name, len(b))
+		}
+		dt, _ := safetensors.TensorfsDtype(tn.Dtype)
+		for name, v := range map[string]string{alloc.AttrDtype: dt, alloc.AttrShape: alloc.FormatShape(tn.Shape)} {
+			if got, _, _ := getxattr(p, name); string(got) != v {
+				t.Errorf("%s: %s = %q, want %q", tn.Name, name, got, v)
+			}
+		}
+	}
+	if v, _, _ := getxattr(dir, attrSTMeta+"format"); string(v) != "pt" {
+		t.Errorf("%sformat = %q, want pt", attrSTMeta, v)
+	}
+	if _, ok, _ := getxattr(dir, attrSTHeader); ok {
+		t.Errorf("a reference-layout import kept %s", attrSTHeader)
+	}
+
+	var warnings []string
+	warn := func(msg string) { warnings = append(warnings, msg) }
+	half := filepath.Join(dir, "half")
+	if err := os.WriteFile(half, []byte{1}, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Setxattr(half, alloc.AttrDtype, []byte("uint8"), 0); err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(t.TempDir(), "back.safetensors")
+	if _, err := Export(context.Background(), dir, out, Options{Warn: warn}); err != nil {
+		t.Fatal(err)
+	}
+	if back, err := os.ReadFile(out); err != nil || !bytes.Equal(back, content) {
+		t.Errorf("export differs from the imported file (%v)", err)
+	}
+	if len(warnings) != 1 || !strings.Contains(warnings[0], "skipping "+half) {
+		t.Errorf("warnings %q, want one skipping %s", warnings, half)
+	}
+}
+
+// TestImportKeepsHeader: a header not in the reference layout is kept, and
+// export gives back the same bytes.
+func TestImportKeepsHeader(t *testing.T) {
+	raw := `{"b": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, "a": {"dtype": "U8", "shape": [1], "data_offsets": [2, 3]}}`
+	content := append(append(safetensors.AppendPrefix(nil, []byte(raw)), raw...), 1, 2, 3)
+	src := filepath.Join(t.TempDir(), "pretty.safetensors")
+	if err := os.WriteFile(src, content, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	dir := fakeMount(t)
+	if _, err := Import(context.Background(), src, dir, Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if v, _, _ := getxattr(dir, attrSTHeader); string(v) != raw {
+		t.Errorf("%s = %q, want the original header", attrSTHeader, v)
+	}
+	out := filepath.Join(t.TempDir(), "back.safetensors")
+	if _, err := Export(context.Background(), dir, out, Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if back, _ := os.ReadFile(out); !bytes.Equal(back, content) {
+		t.Errorf("export = %q, want %q", back, content)
+	}
+}
+
+// TestImportRefused: a malformed file, a directory outside a mount, a
+// non-empty directory and an interrupted import leave nothing behind.
+func TestImportRefused(t *testing.T) {
+	src, content := testFile(t, nil)
+	truncated := filepath.Join(t.TempDir(), "truncated.safetensors")
+	if err := os.WriteFile(truncated, content[:len(content)-1], 0o644); err != nil {
+		t.Fatal(err)
+	}
+	mnt := fakeMount(t)
+	if err := os.WriteFile(filepath.Join(mnt, "x"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	canceled, cancel := context.WithCancel(context.Background())
+	cancel()
+	for _, c := range []struct {
+		name, src, dir string
+		ctx            context.Context
+		want           string
+	}{
+		{"truncated", truncated, filepath.Join(mnt, "new/model"), context.Background(), "truncated"},
+		{"not a mount", src, filepath.Join(t.TempDir(), "model"), context.Background(), "not inside a tensorfs mount"},
+		{"not empty", src, mnt, context.Background(), "not empty"},
+		{"interrupted", src, filepath.Join(mnt, "new/model"), canceled, "interrupted"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := Import(c.ctx, c.src, c.dir, Options{})
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Errorf("Import = %v, want an error saying %q", err, c.want)
+			}
+			if got := tree(t, mnt); !slices.Equal(got, []string{"x"}) {
+				t.Errorf("after the refused import the mount holds %q, want just x", got)
+			}
+			if names, _ := listxattr(mnt); slices.ContainsFunc(names, func(n string) bool { return strings.HasPrefix(n, attrSTPrefix) }) {
+				t.Errorf("the refused import left attributes on the mount: %q", names)
+			}
+		})
+	}
+}
+
+// TestExportInterrupted: an interrupted export leaves no file, temporary or
+// not.
+func TestExportInterrupted(t *testing.T) {
+	src, _ := testFile(t, nil)
+	dir := fakeMount(t)
+	if _, err := Import(context.Background(), src, dir, Options{}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	outDir := t.TempDir()
+	_, err := Export(ctx, dir, filepath.Join(outDir, "out.safetensors"), Options{Progress: func(done, total int64) { cancel() }})
+	if !errors.Is(err, errInterrupted) {
+		t.Errorf("Export = %v, want interrupted", err)
+	}
+	if got := tree(t, outDir); len(got) != 0 {
+		t.Errorf("interrupted export left %q", got)
+	}
+}
+
+// TestOpenRegular: a FIFO is refused without blocking, as are directories;
+// a regular file opens.
+func TestOpenRegular(t *testing.T) {
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{fifo, dir} {
+		f, err := openRegular(p)
+		if err == nil {
+			f.Close()
+		}
+		if err == nil || !strings.Contains(err.Error(), "not a regular file") {
+			t.Errorf("openRegular(%s) = %v, want not a regular file", p, err)
+		}
+	}
+	file := filepath.Join(dir, "file")
+	if err := os.WriteFile(file, []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f, err := openRegular(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	b := make([]byte, 2)
+	if n, err := f.Read(b); err != nil || string(b[:n]) != "x" {
+		t.Errorf("read %s: %q, %v; want \"x\"", file, b[:n], err)
+	}
+}
+
+func TestCheckTensorName(t *testing.T) {
+	for _, name := range []string{"a", "a.b/c", "layers/0/attn", "ä", ".hidden", "a/.import-x"} {
+		if err := checkTensorName(name); err != nil {
+			t.Errorf("checkTensorName(%q) = %v", name, err)
+		}
+	}
+	for _, name := range []string{"", "/a", "a/", "a//b", "..", "a/../b", ".", "a\x00b", ".import-1/x", strings.Repeat("x", 256)} {
+		if err := checkTensorName(name); err == nil {
+			t.Errorf("checkTensorName(%q) accepted", name)
+		}
+	}
+}
+
+func TestContiguous(t *testing.T) {
+	for _, c := range []struct {
+		shape, stride []int64
+		want          bool
+	}{
+		{[]int64{2, 3}, []int64{3, 1}, true},
+		{[]int64{2, 3}, []int64{1, 2}, false},
+		{[]int64{1, 3}, []int64{99, 1}, true}, // extent 1: any stride
+		{[]int64{2, 0}, []int64{5, 7}, true},  // empty
+		{[]int64{}, []int64{}, true},
+		{[]int64{2}, []int64{1, 1}, false},
+	} {
+		if got := contiguous(c.shape, c.stride); got != c.want {
+			t.Errorf("contiguous(%v, %v) = %v, want %v", c.shape, c.stride, got, c.want)
+		}
+	}
+}
+
+func TestChunks(t *testing.T) {
+	attrs := map[string][]byte{}
+	value := bytes.Repeat([]byte("x"), 2*xattrSizeMax+1)
+	setChunks(attrs, "user.v", value)
+	if len(attrs) != 3 || len(attrs["user.v"]) != xattrSizeMax || len(attrs["user.v.2"]) != 1 {
+		t.Errorf("setChunks made %d attributes", len(attrs))
+	}
+	setChunks(attrs, "user.empty", nil)
+	if v, ok := attrs["user.empty"]; !ok || len(v) != 0 {
+		t.Errorf("setChunks of an empty value: %q, %v", v, ok)
+	}
+}
+
+// TestCopier: chunks spread over the workers land where they belong, with
+// copy_file_range and without; a source that ends early fails the piece
+// and the copier.
+func TestCopier(t *testing.T) {
+	dir := t.TempDir()
+	data := pattern(2*chunkSize + 100)
+	if err := os.WriteFile(filepath.Join(dir, "src"), data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	src, err := os.Open(filepath.Join(dir, "src"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	n := int64(len(data))
+	for _, noCFR := range []bool{false, true} {
+		dst, err := os.Create(filepath.Join(dir, fmt.Sprint("dst-", noCFR)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer dst.Close()
+		var mu sync.Mutex
+		var finished []error
+		finish := func(err error) error {
+			mu.Lock()
+			defer mu.Unlock()
+			finished = append(finished, err)
+			return err
+		}
+		c := newCopier(context.Background(), n, nil)
+		c.noCFR.Store(noCFR)
+		c.add(dst, 10, src, 0, n-20, finish)
+		c.add(dst, 0, src, n-20, 10, finish)
+		c.add(dst, n-10, src, n-10, 10, finish)
+		c.add(dst, 3, src, 0, 0, finish)
+		if err := c.wait(); err != nil || len(finished) != 4 || slices.ContainsFunc(finished, func(err error) bool { return err != nil }) {
+			t.Fatalf("noCFR %v: copy: %v, pieces finished with %v", noCFR, err, finished)
+		}
+		got, _ := os.ReadFile(dst.Name())
+		want := slices.Concat(data[n-20:n-10], data[:n-20], data[n-10:])
+		if !bytes.Equal(got, want) {
+			t.Errorf("noCFR %v: copied %d bytes, not where they belong", noCFR, len(got))
+		}
+
+		finished = nil
+		c = newCopier(context.Background(), 10, nil)
+		c.noCFR.Store(noCFR)
+		c.add(dst, 0, src, n-5, 10, finish)
+		if err := c.wait(); err == nil || !strings.Contains(err.Error(), "early") || len(finished) != 1 {
+			t.Errorf("noCFR %v: copy past the end: %v, pieces finished with %v", noCFR, err, finished)
+		}
+	}
+}
