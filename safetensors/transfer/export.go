@@ -137,7 +137,7 @@ func scanSegments(dir string, warn func(string)) (map[string]*segment, error) {
 			return err
 		}
 		if !hasDtype || !hasShape {
-			if (hasDtype || hasShape) && warn != nil {
+			if warn != nil {
 				warn(fmt.Sprintf("skipping %s: it needs both %s and %s", alloc.Escape(path), alloc.AttrDtype, alloc.AttrShape))
 			}
 			return nil
@@ -228,8 +228,7 @@ func contiguous(shape, stride []int64) bool {
 }
 
 // orderTensors lists the segments in the recorded order, then those not
-// recorded, largest element size first (so that each stays aligned), then
-// by name.
+// recorded as the reference writer orders them (safetensors.SortTensors).
 func orderTensors(segs map[string]*segment, order []string) []safetensors.Tensor {
 	var out []safetensors.Tensor
 	done := map[string]bool{}
@@ -245,14 +244,7 @@ func orderTensors(segs map[string]*segment, order []string) []safetensors.Tensor
 			rest = append(rest, s.tensor)
 		}
 	}
-	slices.SortFunc(rest, func(a, b safetensors.Tensor) int {
-		sa, _ := safetensors.NBytes(a.Dtype, nil)
-		sb, _ := safetensors.NBytes(b.Dtype, nil)
-		if sa != sb {
-			return int(sb - sa)
-		}
-		return strings.Compare(a.Name, b.Name)
-	})
+	safetensors.SortTensors(rest)
 	return append(out, rest...)
 }
 

@@ -368,3 +368,21 @@ func TestCopier(t *testing.T) {
 		}
 	}
 }
+
+// TestExportOrderAsReferenceWriter: segments that no import recorded an
+// order for are laid out as the reference writer does, by dtype in its
+// enum order, descending, then by name; two dtypes of one element size
+// (BF16 after F16 in the enum) are not tied.
+func TestExportOrderAsReferenceWriter(t *testing.T) {
+	segs := map[string]*segment{}
+	for _, s := range [][2]string{{"a", "F16"}, {"b", "BF16"}, {"c", "F32"}, {"d", "F16"}, {"e", "U8"}} {
+		segs[s[0]] = &segment{tensor: safetensors.Tensor{Name: s[0], Dtype: s[1]}}
+	}
+	var got []string
+	for _, tensor := range orderTensors(segs, []string{"e"}) {
+		got = append(got, tensor.Name)
+	}
+	if want := []string{"e", "c", "b", "a", "d"}; !slices.Equal(got, want) {
+		t.Errorf("export order %v, want %v (recorded first, then the reference writer's)", got, want)
+	}
+}
