@@ -40,7 +40,7 @@ func (r *redirect) attrIno(ino uint64) uint64 {
 
 // imports holds the descriptors of imported (FROMFD) segments.
 type imports struct {
-	mu    sync.RWMutex // protects fds and perUID
+	mu    sync.RWMutex // protects fds and count
 	fds   map[string]imported
 	count map[uint32]int // imports held, by owner
 }
