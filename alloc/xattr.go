@@ -306,3 +306,26 @@ func InheritFlags(parent Flags, childPath string, dir bool) error {
 	}
 	return storeFlags(childPath, f, 0)
 }
+
+// GetXattr reads the extended attribute name of the file at path whole
+// (any file: clients use it on the mount); ok is false when it is absent
+// or the filesystem has none.
+func GetXattr(path, name string) (v []byte, ok bool, err error) {
+	buf := make([]byte, 256)
+	for {
+		n, err := unix.Getxattr(path, name, buf)
+		switch {
+		case errors.Is(err, unix.ENODATA), errors.Is(err, unix.ENOTSUP):
+			return nil, false, nil
+		case errors.Is(err, unix.ERANGE):
+			if n, err = unix.Getxattr(path, name, nil); err != nil {
+				return nil, false, err
+			}
+			buf = make([]byte, n+256) // it may grow meanwhile
+			continue
+		case err != nil:
+			return nil, false, err
+		}
+		return buf[:n], true, nil
+	}
+}

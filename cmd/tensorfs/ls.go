@@ -15,7 +15,6 @@ package main
 // terminal.
 
 import (
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -25,8 +24,6 @@ import (
 	"strconv"
 	"strings"
 	"text/tabwriter"
-
-	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
 )
@@ -126,7 +123,7 @@ func writeTable(w io.Writer, long bool, paths []string, name func(string) string
 // attrOr returns the attribute as escaped text, or "-" when it cannot be
 // read.
 func attrOr(path, name string) string {
-	v, ok, err := getxattr(path, name)
+	v, ok, err := alloc.GetXattr(path, name)
 	if err != nil || !ok || len(v) == 0 {
 		return "-"
 	}
@@ -146,7 +143,7 @@ func humanAttr(path, name string) string {
 // holders returns path's user.tensorfs.holders as formatHolders does,
 // "-" for none.
 func holders(path string) string {
-	v, ok, err := getxattr(path, alloc.AttrHolders)
+	v, ok, err := alloc.GetXattr(path, alloc.AttrHolders)
 	if err != nil || !ok {
 		return "-"
 	}
@@ -201,26 +198,4 @@ func readDirNames(dir string) ([]string, error) {
 	}
 	defer d.Close()
 	return d.Readdirnames(0)
-}
-
-// getxattr reads an extended attribute whole; ok is false when it is
-// absent or the filesystem has none.
-func getxattr(path, name string) (v []byte, ok bool, err error) {
-	buf := make([]byte, 256)
-	for {
-		n, err := unix.Getxattr(path, name, buf)
-		switch {
-		case errors.Is(err, unix.ENODATA), errors.Is(err, unix.ENOTSUP):
-			return nil, false, nil
-		case errors.Is(err, unix.ERANGE):
-			if n, err = unix.Getxattr(path, name, nil); err != nil {
-				return nil, false, err
-			}
-			buf = make([]byte, n+256) // it may grow meanwhile
-			continue
-		case err != nil:
-			return nil, false, err
-		}
-		return buf[:n], true, nil
-	}
 }

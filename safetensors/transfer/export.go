@@ -128,11 +128,11 @@ func scanSegments(dir string, warn func(string)) (map[string]*segment, error) {
 		if !d.Type().IsRegular() {
 			return nil
 		}
-		dt, hasDtype, err := getxattr(path, alloc.AttrDtype)
+		dt, hasDtype, err := alloc.GetXattr(path, alloc.AttrDtype)
 		if err != nil {
 			return err
 		}
-		shape, hasShape, err := getxattr(path, alloc.AttrShape)
+		shape, hasShape, err := alloc.GetXattr(path, alloc.AttrShape)
 		if err != nil {
 			return err
 		}
@@ -172,7 +172,7 @@ func readSegment(path, dtype, shape string) (*segment, error) {
 	if err != nil {
 		return nil, err
 	}
-	if v, ok, err := getxattr(path, alloc.AttrStride); err != nil {
+	if v, ok, err := alloc.GetXattr(path, alloc.AttrStride); err != nil {
 		return nil, err
 	} else if ok {
 		stride, err := alloc.ParseShape(string(v))
@@ -185,7 +185,7 @@ func readSegment(path, dtype, shape string) (*segment, error) {
 		}
 	}
 	var off int64
-	if v, ok, err := getxattr(path, alloc.AttrOffset); err != nil {
+	if v, ok, err := alloc.GetXattr(path, alloc.AttrOffset); err != nil {
 		return nil, err
 	} else if ok {
 		elems, err := alloc.ParseOffset(string(v))
@@ -280,7 +280,7 @@ func readMetadata(dir string) (map[string]string, error) {
 		if !ok {
 			continue
 		}
-		v, ok, err := getxattr(dir, name)
+		v, ok, err := alloc.GetXattr(dir, name)
 		if err != nil {
 			return nil, err
 		}

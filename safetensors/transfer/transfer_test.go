@@ -123,15 +123,15 @@ func TestImportExport(t *testing.T) {
 		}
 		dt, _ := safetensors.TensorfsDtype(tn.Dtype)
 		for name, v := range map[string]string{alloc.AttrDtype: dt, alloc.AttrShape: alloc.FormatShape(tn.Shape)} {
-			if got, _, _ := getxattr(p, name); string(got) != v {
+			if got, _, _ := alloc.GetXattr(p, name); string(got) != v {
 				t.Errorf("%s: %s = %q, want %q", tn.Name, name, got, v)
 			}
 		}
 	}
-	if v, _, _ := getxattr(dir, attrSTMeta+"format"); string(v) != "pt" {
+	if v, _, _ := alloc.GetXattr(dir, attrSTMeta+"format"); string(v) != "pt" {
 		t.Errorf("%sformat = %q, want pt", attrSTMeta, v)
 	}
-	if _, ok, _ := getxattr(dir, attrSTHeader); ok {
+	if _, ok, _ := alloc.GetXattr(dir, attrSTHeader); ok {
 		t.Errorf("a reference-layout import kept %s", attrSTHeader)
 	}
 
@@ -169,7 +169,7 @@ func TestImportKeepsHeader(t *testing.T) {
 	if _, err := Import(context.Background(), src, dir, Options{}); err != nil {
 		t.Fatal(err)
 	}
-	if v, _, _ := getxattr(dir, attrSTHeader); string(v) != raw {
+	if v, _, _ := alloc.GetXattr(dir, attrSTHeader); string(v) != raw {
 		t.Errorf("%s = %q, want the original header", attrSTHeader, v)
 	}
 	out := filepath.Join(t.TempDir(), "back.safetensors")

@@ -9,29 +9,9 @@ import (
 	"strconv"
 
 	"golang.org/x/sys/unix"
-)
 
-// getxattr reads an extended attribute whole; ok is false when it is
-// absent or the filesystem has none.
-func getxattr(path, name string) (v []byte, ok bool, err error) {
-	buf := make([]byte, 256)
-	for {
-		n, err := unix.Getxattr(path, name, buf)
-		switch {
-		case errors.Is(err, unix.ENODATA), errors.Is(err, unix.ENOTSUP):
-			return nil, false, nil
-		case errors.Is(err, unix.ERANGE):
-			if n, err = unix.Getxattr(path, name, nil); err != nil {
-				return nil, false, err
-			}
-			buf = make([]byte, n+256) // it may grow meanwhile
-			continue
-		case err != nil:
-			return nil, false, err
-		}
-		return buf[:n], true, nil
-	}
-}
+	"tensorfs/alloc"
+)
 
 // listxattr returns the names of path's extended attributes.
 func listxattr(path string) ([]string, error) {
@@ -83,7 +63,7 @@ func getChunks(path, name string) (value []byte, ok bool, err error) {
 		if i > 0 {
 			key += "." + strconv.Itoa(i)
 		}
-		v, ok, err := getxattr(path, key)
+		v, ok, err := alloc.GetXattr(path, key)
 		if err != nil || (!ok && i == 0) {
 			return nil, false, err
 		}
