@@ -228,6 +228,22 @@ func (p *mapPair) ended(t *testing.T) {
 	}
 }
 
+// libcMapped maps both segments of a new pair with libc mmap in a new
+// child, closes every descriptor, checks the child's one reference and
+// returns the child, the pair and the child's holders line.
+func libcMapped(t *testing.T, m *mount) (*mapChild, *mapPair, string) {
+	t.Helper()
+	c := startMapChild(t)
+	p := newMapPair(t, m, c, 4)
+	for _, path := range p.both() {
+		c.run(t, "libc %s 4", path)
+	}
+	c.run(t, "close")
+	me := holderLine(t, c.pid, 1)
+	p.mapped(t, me)
+	return c, p, me
+}
+
 // testMapping maps both segments of a pair with mapIt, closes every
 // descriptor, checks one reference of the child, ends the mappings with
 // end and checks that the segments are free.
@@ -295,14 +311,7 @@ func TestMappingHandlePath(t *testing.T) {
 // mapped, and a process with two regions still counts once.
 func TestMappingPartialMunmap(t *testing.T) {
 	forEachMode(t, func(t *testing.T, m *mount) {
-		c := startMapChild(t)
-		p := newMapPair(t, m, c, 4)
-		for _, path := range p.both() {
-			c.run(t, "libc %s 4", path)
-		}
-		c.run(t, "close")
-		me := holderLine(t, c.pid, 1)
-		p.mapped(t, me)
+		c, p, me := libcMapped(t, m)
 		for i := range p.both() {
 			c.run(t, "munmap %d 1 2", i) // pages 0 and 3 stay mapped
 		}
@@ -322,14 +331,7 @@ func TestMappingPartialMunmap(t *testing.T) {
 // until it exits.
 func TestMappingFork(t *testing.T) {
 	forEachMode(t, func(t *testing.T, m *mount) {
-		c := startMapChild(t)
-		p := newMapPair(t, m, c, 4)
-		for _, path := range p.both() {
-			c.run(t, "libc %s 4", path)
-		}
-		c.run(t, "close")
-		me := holderLine(t, c.pid, 1)
-		p.mapped(t, me)
+		c, p, me := libcMapped(t, m)
 		var kid int
 		fmt.Sscan(c.run(t, "fork"), &kid)
 		for _, path := range p.both() {
@@ -349,13 +351,7 @@ func TestMappingFork(t *testing.T) {
 // segments.
 func TestMappingSIGKILL(t *testing.T) {
 	forEachMode(t, func(t *testing.T, m *mount) {
-		c := startMapChild(t)
-		p := newMapPair(t, m, c, 4)
-		for _, path := range p.both() {
-			c.run(t, "libc %s 4", path)
-		}
-		c.run(t, "close")
-		p.mapped(t, holderLine(t, c.pid, 1))
+		c, p, _ := libcMapped(t, m)
 		c.kill9(t)
 		p.ended(t)
 	})
@@ -365,14 +361,7 @@ func TestMappingSIGKILL(t *testing.T) {
 // changes nothing: the name stays while the mapping lives.
 func TestMappingReopen(t *testing.T) {
 	forEachMode(t, func(t *testing.T, m *mount) {
-		c := startMapChild(t)
-		p := newMapPair(t, m, c, 4)
-		for _, path := range p.both() {
-			c.run(t, "libc %s 4", path)
-		}
-		c.run(t, "close")
-		me := holderLine(t, c.pid, 1)
-		p.mapped(t, me)
+		c, p, me := libcMapped(t, m)
 		run(t, "cat", p.unlink) // another process opens and closes it
 		p.mapped(t, me)
 		c.run(t, "unmapall")
@@ -387,14 +376,7 @@ func TestMappingReopen(t *testing.T) {
 // segment goes at the remount.)
 func TestMappingDaemonCrash(t *testing.T) {
 	forEachMode(t, func(t *testing.T, m *mount) {
-		c := startMapChild(t)
-		p := newMapPair(t, m, c, 4)
-		for _, path := range p.both() {
-			c.run(t, "libc %s 4", path)
-		}
-		c.run(t, "close")
-		me := holderLine(t, c.pid, 1)
-		p.mapped(t, me)
+		c, p, me := libcMapped(t, m)
 
 		m.kill9(t)
 		ccWaitENOTCONN(t, m.dir)
