@@ -80,20 +80,8 @@ func ReadFlags(path string) (Flags, error) {
 
 // readAttr returns a stored attribute as a string, "" when it is absent.
 func readAttr(path, name string) (string, error) {
-	buf := make([]byte, 256)
-	for {
-		n, err := unix.Getxattr(path, name, buf)
-		switch {
-		case errors.Is(err, unix.ENODATA):
-			return "", nil
-		case errors.Is(err, unix.ERANGE):
-			buf = make([]byte, 2*len(buf))
-			continue
-		case err != nil:
-			return "", err
-		}
-		return string(buf[:n]), nil
-	}
+	v, _, err := GetXattr(path, name)
+	return string(v), err
 }
 
 // Setxattr validates and stores an attribute. tensorfs's own names are
