@@ -3,7 +3,6 @@ package alloc
 import (
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -92,25 +91,19 @@ func Setxattr(obj Object, name string, value []byte, flags int) error {
 	if ReadOnlyAttr(name) {
 		return fmt.Errorf("%w: %s is computed by tensorfs", ErrReadOnly, name)
 	}
-	v := string(value)
-	var err error
-	switch name {
-	case AttrFlags:
-		return setFlags(obj, v, flags)
-	case AttrDevice:
-		return setDevice(obj, v)
-	case AttrDtype, AttrShape, AttrStride, AttrOffset:
-		if obj.Dir {
-			return fmt.Errorf("%w: %s applies to segments, not directories", ErrInvalid, name)
+	switch {
+	case name == AttrFlags:
+		return setFlags(obj, string(value), flags)
+	case name == AttrDevice:
+		return setDevice(obj, string(value))
+	case TensorAttr(name):
+		cur, err := ReadLayout(obj.Path)
+		if err == nil {
+			_, err = SetTensorAttr(obj, cur, name, value, flags)
 		}
-		if v, err = canonicalTensorAttr(name, v); err != nil {
-			return err
-		}
-		if err := checkLayout(obj, name, v); err != nil {
-			return err
-		}
+		return err
 	}
-	return unix.Setxattr(obj.Path, name, []byte(v), flags)
+	return unix.Setxattr(obj.Path, name, value, flags)
 }
 
 func setFlags(obj Object, v string, xflags int) error {
@@ -190,48 +183,106 @@ func canonicalTensorAttr(name, v string) (string, error) {
 	}
 }
 
-// checkLayout refuses a dtype/shape/stride/offset whose layout, together
-// with the attributes already stored, reaches past the segment's bytes.
-func checkLayout(obj Object, name, v string) error {
-	stored, err := Listxattr(obj.Path) // one call, then read only what is there
+// Layout is a segment's stored tensor attributes (dtype, shape, stride,
+// storage offset) in canonical form, "" where one is absent.
+type Layout struct {
+	Dtype, Shape, Stride, Offset string
+}
+
+// TensorAttr reports whether name is one of the attributes of a Layout.
+func TensorAttr(name string) bool {
+	switch name {
+	case AttrDtype, AttrShape, AttrStride, AttrOffset:
+		return true
+	}
+	return false
+}
+
+// field returns the Layout's field for a TensorAttr name.
+func (l *Layout) field(name string) *string {
+	switch name {
+	case AttrDtype:
+		return &l.Dtype
+	case AttrShape:
+		return &l.Shape
+	case AttrStride:
+		return &l.Stride
+	}
+	return &l.Offset
+}
+
+// Get returns the stored value of a TensorAttr name, "" when absent.
+func (l Layout) Get(name string) string { return *l.field(name) }
+
+// With returns l with name set to v ("" removes it).
+func (l Layout) With(name, v string) Layout {
+	*l.field(name) = v
+	return l
+}
+
+// ReadLayout reads the tensor attributes stored on the object at path:
+// one listing, then only the names that are there.
+func ReadLayout(path string) (Layout, error) {
+	var l Layout
+	stored, err := Listxattr(path)
 	if err != nil {
-		return err
+		return l, err
 	}
-	get := func(n string) (string, error) {
-		if n == name {
-			return v, nil
+	for _, name := range stored {
+		if TensorAttr(name) {
+			if *l.field(name), err = readAttr(path, name); err != nil {
+				return l, err
+			}
 		}
-		if !slices.Contains(stored, n) {
-			return "", nil
-		}
-		return readAttr(obj.Path, n)
 	}
-	shapeV, err := get(AttrShape)
-	if err != nil || shapeV == "" {
-		return err // nothing to lay out yet
+	return l, nil
+}
+
+// SetTensorAttr validates a dtype/shape/stride/offset value against the
+// segment's size and the rest of its stored layout cur, stores it in
+// canonical form on the object at obj.Path, and returns the new layout.
+// A refusal (ErrInvalid) changes nothing.
+func SetTensorAttr(obj Object, cur Layout, name string, value []byte, flags int) (Layout, error) {
+	if obj.Dir {
+		return cur, fmt.Errorf("%w: %s applies to segments, not directories", ErrInvalid, name)
 	}
-	shape, _ := ParseShape(shapeV)
+	v, err := canonicalTensorAttr(name, string(value))
+	if err != nil {
+		return cur, err
+	}
+	next := cur.With(name, v)
+	if err := checkLayout(next, obj.Size, name, v); err != nil {
+		return cur, err
+	}
+	if err := unix.Setxattr(obj.Path, name, []byte(v), flags); err != nil {
+		return cur, err
+	}
+	return next, nil
+}
+
+// checkLayout refuses a layout that reaches past the segment's size bytes;
+// name and v are the attribute being set, for the message.
+func checkLayout(l Layout, size int64, name, v string) error {
+	if l.Shape == "" {
+		return nil // nothing to lay out yet
+	}
+	shape, _ := ParseShape(l.Shape)
 	dtype := Dtype{Name: "uint8", Size: 1}
-	if dv, err := get(AttrDtype); err != nil {
-		return err
-	} else if dv != "" {
-		if dtype, err = ParseDtype(dv); err != nil {
+	var err error
+	if l.Dtype != "" {
+		if dtype, err = ParseDtype(l.Dtype); err != nil {
 			return err
 		}
 	}
 	var stride []int64
-	if sv, err := get(AttrStride); err != nil {
-		return err
-	} else if sv != "" {
-		if stride, err = ParseShape(sv); err != nil {
+	if l.Stride != "" {
+		if stride, err = ParseShape(l.Stride); err != nil {
 			return err
 		}
 	}
 	var offset int64
-	if ov, err := get(AttrOffset); err != nil {
-		return err
-	} else if ov != "" {
-		if offset, err = ParseOffset(ov); err != nil {
+	if l.Offset != "" {
+		if offset, err = ParseOffset(l.Offset); err != nil {
 			return err
 		}
 	}
@@ -239,8 +290,8 @@ func checkLayout(obj Object, name, v string) error {
 	if err != nil {
 		return err
 	}
-	if obj.Size > 0 && extent > obj.Size {
-		return fmt.Errorf("%w: %s %s lays out %d bytes, the segment has %d", ErrInvalid, name, v, extent, obj.Size)
+	if size > 0 && extent > size {
+		return fmt.Errorf("%w: %s %s lays out %d bytes, the segment has %d", ErrInvalid, name, v, extent, size)
 	}
 	return nil
 }

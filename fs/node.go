@@ -34,9 +34,13 @@ type node struct {
 	// flagsPlus1 caches the stored flags plus one; 0 means not read yet.
 	// Flags change only through Setxattr and Removexattr, which reset it.
 	flagsPlus1 atomic.Int64
-	// flagsMu serializes filling the cache with changing the flags, so
-	// that a read of the old flags cannot be cached after a change.
-	flagsMu sync.Mutex
+	// layout caches a segment's stored tensor attributes; nil means not
+	// read yet. They change only through Setxattr, which updates it, and
+	// Removexattr, which resets it.
+	layout atomic.Pointer[alloc.Layout]
+	// attrMu serializes filling the caches with changing what they hold,
+	// so that a read of old attributes cannot be cached after a change.
+	attrMu sync.Mutex
 
 	// opening is held for reading while a segment is opened and its
 	// handle counted, for writing while its device changes, so that no
@@ -219,8 +223,8 @@ func (n *node) flags() (alloc.Flags, error) {
 	if v := n.flagsPlus1.Load(); v > 0 {
 		return alloc.Flags(v - 1), nil
 	}
-	n.flagsMu.Lock()
-	defer n.flagsMu.Unlock()
+	n.attrMu.Lock()
+	defer n.attrMu.Unlock()
 	if v := n.flagsPlus1.Load(); v > 0 {
 		return alloc.Flags(v - 1), nil
 	}
@@ -235,13 +239,40 @@ func (n *node) flags() (alloc.Flags, error) {
 	return f, err
 }
 
-// changingFlags holds off filling the flags cache while the flags change;
-// call the function it returns once they have.
-func (n *node) changingFlags() func() {
-	n.flagsMu.Lock()
+// tensorLayout returns the tensor attributes stored on n's backing object.
+func (n *node) tensorLayout() (alloc.Layout, error) {
+	if l := n.layout.Load(); l != nil {
+		return *l, nil
+	}
+	n.attrMu.Lock()
+	defer n.attrMu.Unlock()
+	return n.tensorLayoutLocked()
+}
+
+// tensorLayoutLocked is tensorLayout for a caller that holds attrMu.
+func (n *node) tensorLayoutLocked() (alloc.Layout, error) {
+	if l := n.layout.Load(); l != nil {
+		return *l, nil
+	}
+	var l alloc.Layout
+	err := n.path(func(p string) (err error) {
+		l, err = alloc.ReadLayout(p)
+		return err
+	})
+	if err == nil {
+		n.layout.Store(&l)
+	}
+	return l, err
+}
+
+// changingAttrs holds off filling the caches while stored attributes
+// change; call the function it returns once they have.
+func (n *node) changingAttrs() func() {
+	n.attrMu.Lock()
 	return func() {
 		n.flagsPlus1.Store(0)
-		n.flagsMu.Unlock()
+		n.layout.Store(nil)
+		n.attrMu.Unlock()
 	}
 }
 

@@ -101,6 +101,78 @@ func TestFlagsCacheFollowsChanges(t *testing.T) {
 	}
 }
 
+// TestLayoutCacheFollowsChanges: getxattr of the tensor attributes
+// answers what is stored on the backing after every set, refused set,
+// XATTR_CREATE of an existing name and remove, read concurrently.
+func TestLayoutCacheFollowsChanges(t *testing.T) {
+	fsys := testFS(t)
+	seg := child(t, fsys.root, "seg", false)
+	backing := filepath.Join(fsys.store.Dir, "seg")
+	if err := os.Truncate(backing, 64); err != nil {
+		t.Fatal(err)
+	}
+	get := func(attr string) (string, syscall.Errno) {
+		buf := make([]byte, 64)
+		n, errno := seg.Getxattr(callerCtx(0), attr, buf)
+		return string(buf[:n]), errno
+	}
+	check := func(step string) {
+		t.Helper()
+		for _, attr := range []string{alloc.AttrDtype, alloc.AttrShape, alloc.AttrStride, alloc.AttrOffset} {
+			want, _, err := alloc.GetXattr(backing, attr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, errno := get(attr)
+			if got != string(want) || (errno == syscall.ENODATA) != (want == nil) {
+				t.Fatalf("%s: getxattr %s = %q (%v), stored %q", step, attr, got, errno, want)
+			}
+		}
+	}
+	set := func(attr, v string, flags uint32) syscall.Errno {
+		return seg.Setxattr(callerCtx(0), attr, []byte(v), flags)
+	}
+
+	check("before any set")
+	if errno := set(alloc.AttrShape, "[4,4]", 0); errno != 0 {
+		t.Fatalf("set shape: %v", errno)
+	}
+	check("shape set") // stored canonical: [4, 4]
+	if errno := set(alloc.AttrDtype, "float64", 0); errno != syscall.EINVAL {
+		t.Fatalf("float64 of [4, 4] in 64 bytes: got %v, want EINVAL", errno)
+	}
+	check("refused dtype")
+	if errno := set(alloc.AttrDtype, "float32", 0); errno != 0 {
+		t.Fatalf("set dtype: %v", errno)
+	}
+	if errno := set(alloc.AttrShape, "[2,8]", unix.XATTR_CREATE); errno != syscall.EEXIST {
+		t.Fatalf("XATTR_CREATE of a stored shape: got %v, want EEXIST", errno)
+	}
+	check("create of an existing name")
+	if errno := seg.Removexattr(callerCtx(0), alloc.AttrDtype); errno != 0 {
+		t.Fatalf("remove dtype: %v", errno)
+	}
+	check("dtype removed")
+
+	shapes := []string{"[2, 8]", "[8, 2]", "[16]"}
+	var wg sync.WaitGroup
+	for round := 0; round < 100; round++ {
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			get(alloc.AttrShape)
+		}()
+		go func() {
+			defer wg.Done()
+			if errno := set(alloc.AttrShape, shapes[round%len(shapes)], 0); errno != 0 {
+				t.Errorf("set shape: %v", errno)
+			}
+		}()
+		wg.Wait()
+		check("concurrent reads and sets")
+	}
+}
+
 // TestWithDirNestsAcrossForget: a directory's descriptor may be used
 // again inside its own use while the kernel forgets the node (Link and
 // Create of an existing name do so); it is closed after the last use.

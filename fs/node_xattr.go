@@ -27,18 +27,22 @@ func (n *node) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, 
 	if n.isSymlink() || !userAttr(attr) {
 		return 0, syscall.ENODATA
 	}
+	if alloc.TensorAttr(attr) && n.StableAttr().Mode == syscall.S_IFREG {
+		l, err := n.tensorLayout()
+		if err != nil {
+			return 0, n.fs.errnoOf("getxattr "+attr, n, err)
+		}
+		if v := l.Get(attr); v != "" {
+			return xattrReply(dest, []byte(v))
+		}
+		return 0, syscall.ENODATA
+	}
 	v, ok, err := n.virtualAttr(ctx, attr)
 	if err != nil {
 		return 0, n.fs.errno("getxattr "+attr, n, "", err)
 	}
 	if ok {
-		if len(dest) == 0 {
-			return uint32(len(v)), 0
-		}
-		if len(dest) < len(v) {
-			return uint32(len(v)), syscall.ERANGE
-		}
-		return uint32(copy(dest, v)), 0
+		return xattrReply(dest, v)
 	}
 	var sz int
 	err = n.path(func(p string) (err error) {
@@ -46,6 +50,19 @@ func (n *node) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, 
 		return err
 	})
 	return uint32(sz), n.fs.errnoOf("getxattr "+attr, n, err)
+}
+
+// xattrReply answers a getxattr of value v into dest: its size when dest
+// is empty (the caller asks how much room it needs), ERANGE when it does
+// not fit.
+func xattrReply(dest, v []byte) (uint32, syscall.Errno) {
+	if len(dest) == 0 {
+		return uint32(len(v)), 0
+	}
+	if len(dest) < len(v) {
+		return uint32(len(v)), syscall.ERANGE
+	}
+	return uint32(copy(dest, v)), 0
 }
 
 // userAttr reports whether attr is in the user namespace, the only one a
@@ -202,8 +219,13 @@ func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uin
 		err := fmt.Errorf("%w: only user.* attributes are stored", syscall.EOPNOTSUPP)
 		return n.fs.errno("setxattr "+attr, n, "", err)
 	}
-	if attr == alloc.AttrFlags {
-		defer n.changingFlags()()
+	tensor := alloc.TensorAttr(attr) && !n.isDir()
+	switch {
+	case attr == alloc.AttrFlags:
+		defer n.changingAttrs()()
+	case tensor:
+		n.attrMu.Lock()
+		defer n.attrMu.Unlock()
 	}
 	var st unix.Stat_t
 	err := n.stat(&st)
@@ -221,13 +243,17 @@ func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uin
 		ino := n.redir().attrIno(n.StableAttr().Ino)
 		err = n.at(func(fd int, name string) error {
 			return alloc.At(fd, name, ino, func(p string) error {
-				err := alloc.Setxattr(alloc.Object{
+				obj := alloc.Object{
 					Path:    p,
 					Dir:     n.isDir(),
 					Size:    st.Size,
 					HasDisk: n.fs.store.Disk != "",
 					GPU:     n.fs.gpuName(),
-				}, attr, data, int(flags))
+				}
+				if tensor {
+					return n.setTensorAttr(obj, attr, data, int(flags))
+				}
+				err := alloc.Setxattr(obj, attr, data, int(flags))
 				if err == nil && attr == alloc.AttrDevice && !n.isDir() {
 					err = n.fs.moveToDevice(n, fd, name, &st)
 				}
@@ -238,6 +264,21 @@ func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uin
 	return n.fs.errno("setxattr "+attr, n, "", err)
 }
 
+// setTensorAttr stores a tensor attribute on the segment obj, checked
+// against the cached layout, and caches the new layout; the caller holds
+// attrMu.
+func (n *node) setTensorAttr(obj alloc.Object, attr string, data []byte, flags int) error {
+	cur, err := n.tensorLayoutLocked()
+	if err != nil {
+		return err
+	}
+	next, err := alloc.SetTensorAttr(obj, cur, attr, data, flags)
+	if err == nil {
+		n.layout.Store(&next)
+	}
+	return err
+}
+
 var _ = (fusefs.NodeRemovexattrer)((*node)(nil))
 
 // Removexattr removes a stored attribute.
@@ -245,8 +286,8 @@ func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
 	if n.isSymlink() || !userAttr(attr) {
 		return syscall.ENODATA
 	}
-	if attr == alloc.AttrFlags {
-		defer n.changingFlags()()
+	if attr == alloc.AttrFlags || alloc.TensorAttr(attr) {
+		defer n.changingAttrs()()
 	}
 	err := n.path(func(p string) error { return alloc.Removexattr(p, attr) })
 	if errors.Is(err, alloc.ErrNoAttr) {
