@@ -258,3 +258,52 @@ func TestHandleBudget(t *testing.T) {
 		t.Errorf("uid 1000 after a release: %v", err)
 	}
 }
+
+// TestFlagRules: NOCREATE refuses every way of making a name, EXCLUSIVE
+// every way of replacing a segment's bytes by name, and a segment's flags
+// change only while it is empty.
+func TestFlagRules(t *testing.T) {
+	fsys := testFS(t)
+	sealed := child(t, fsys.root, "sealed", true)
+	excl := child(t, fsys.root, "excl", true)
+	full := child(t, excl, "full", false)
+	child(t, excl, "other", false)
+	if err := os.WriteFile(filepath.Join(fsys.store.Dir, "excl", "full"), []byte("bytes"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for d, f := range map[*node]string{sealed: "NOCREATE", excl: "EXCLUSIVE"} {
+		if errno := d.Setxattr(callerCtx(0), alloc.AttrFlags, []byte(f), 0); errno != 0 {
+			t.Fatalf("set %s: %v", f, errno)
+		}
+	}
+	ctx := callerCtx(0)
+	var out fuse.EntryOut
+	expect := func(what string, got, want syscall.Errno) {
+		t.Helper()
+		if got != want {
+			t.Errorf("%s: got %v, want %v", what, got, want)
+		}
+	}
+
+	_, _, _, errno := sealed.Create(ctx, "new", unix.O_RDWR, 0o644, &out)
+	expect("create in NOCREATE", errno, syscall.EPERM)
+	_, errno = sealed.Mkdir(ctx, "sub", 0o755, &out)
+	expect("mkdir in NOCREATE", errno, syscall.EPERM)
+	expect("rename into NOCREATE", excl.Rename(ctx, "other", sealed, "moved", 0), syscall.EPERM)
+
+	_, _, _, errno = excl.Create(ctx, "full", unix.O_RDWR, 0o644, &out)
+	expect("create of an existing name in EXCLUSIVE", errno, syscall.EEXIST)
+	expect("rename over a segment in EXCLUSIVE", excl.Rename(ctx, "other", excl, "full", 0), syscall.EEXIST)
+	_, _, errno = full.Open(ctx, unix.O_RDWR|unix.O_TRUNC)
+	expect("O_TRUNC of a segment with bytes in EXCLUSIVE", errno, syscall.EEXIST)
+	if b, err := os.ReadFile(filepath.Join(fsys.store.Dir, "excl", "full")); err != nil || string(b) != "bytes" {
+		t.Errorf("after the refusals the segment holds %q (%v), want its bytes", b, err)
+	}
+
+	expect("flags of a segment with bytes", full.Setxattr(ctx, alloc.AttrFlags, []byte("UNLINK"), 0), syscall.EBUSY)
+	if f, _ := full.flags(); f != 0 {
+		t.Errorf("a refused flag change left flags %v", f)
+	}
+	empty := child(t, fsys.root, "empty", false)
+	expect("flags of an empty segment", empty.Setxattr(ctx, alloc.AttrFlags, []byte("UNLINK"), 0), 0)
+}

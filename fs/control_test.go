@@ -1,0 +1,165 @@
+package fs
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/ctl"
+)
+
+// Control requests come from these peers: root, the owner of the shared
+// directory, and another user.
+var (
+	rootPeer  = ctl.Cred{Pid: int32(os.Getpid()), Uid: 0, Gid: 0}
+	ownerPeer = ctl.Cred{Pid: int32(os.Getpid()), Uid: 1000, Gid: 1000}
+	otherPeer = ctl.Cred{Pid: int32(os.Getpid()), Uid: 1001, Gid: 1001}
+)
+
+// controlFS is testFS shared with other users (--allow-other), with a
+// directory "pub" of ownerPeer's at mode 0755 holding a KEEPFD segment
+// "pub/w" of 8 bytes at mode 0644, made on the backing as the handlers
+// would have.
+func controlFS(t *testing.T) (controlBackend, string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("control permission tests set owners: they need root")
+	}
+	fsys := testFS(t)
+	fsys.allowOther = true
+	pub := filepath.Join(fsys.store.Dir, "pub")
+	if err := os.Mkdir(pub, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	seg := filepath.Join(pub, "w")
+	if err := os.WriteFile(seg, []byte("weights!"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Setxattr(seg, alloc.AttrFlags, []byte("KEEPFD"), 0); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{pub, seg} {
+		if err := os.Chown(p, int(ownerPeer.Uid), int(ownerPeer.Gid)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return controlBackend{fsys}, fsys.store.Dir
+}
+
+// memfd returns a readable and writable memfd holding data.
+func memfd(t *testing.T, data string) *os.File {
+	t.Helper()
+	fd, err := unix.MemfdCreate("control-test", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(fd), "memfd")
+	t.Cleanup(func() { f.Close() })
+	if _, err := f.WriteString(data); err != nil {
+		t.Fatal(err)
+	}
+	return f
+}
+
+// TestControlExportPermissions: export hands out a descriptor only with
+// the access the segment's mode grants the peer, and only of KEEPFD
+// segments.
+func TestControlExportPermissions(t *testing.T) {
+	b, backing := controlFS(t)
+	for _, c := range []struct {
+		who   string
+		cred  ctl.Cred
+		write bool
+		want  error
+	}{
+		{"owner, read", ownerPeer, false, nil},
+		{"owner, write", ownerPeer, true, nil},
+		{"other, read (0644)", otherPeer, false, nil},
+		{"other, write (0644)", otherPeer, true, syscall.EACCES},
+		{"root, write", rootPeer, true, nil},
+	} {
+		f, err := b.Export(c.cred, "pub/w", c.write)
+		if !errors.Is(err, c.want) || (err == nil) != (c.want == nil) {
+			t.Errorf("export by %s: got %v, want %v", c.who, err, c.want)
+		}
+		if f != nil {
+			buf := make([]byte, 8)
+			if n, _ := f.ReadAt(buf, 0); string(buf[:n]) != "weights!" {
+				t.Errorf("export by %s reads %q", c.who, buf[:n])
+			}
+			f.Close()
+		}
+	}
+
+	if err := os.Chmod(filepath.Join(backing, "pub"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Export(otherPeer, "pub/w", false); !errors.Is(err, syscall.EACCES) {
+		t.Errorf("export through a directory the peer cannot search: got %v, want EACCES", err)
+	}
+	if err := unix.Removexattr(filepath.Join(backing, "pub", "w"), alloc.AttrFlags); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Export(ownerPeer, "pub/w", false); !errors.Is(err, alloc.ErrReadOnly) {
+		t.Errorf("export of a segment without KEEPFD: got %v, want ErrReadOnly", err)
+	}
+}
+
+// TestControlImportPermissions: import needs write and search permission
+// on the directory, takes only a readable regular file, makes a segment
+// owned by the peer, and never replaces a name; a private mount refuses
+// other users outright.
+func TestControlImportPermissions(t *testing.T) {
+	b, backing := controlFS(t)
+	if err := b.Import(otherPeer, "pub/mine", memfd(t, "x"), "", ""); !errors.Is(err, syscall.EACCES) {
+		t.Errorf("import into a directory the peer may not write: got %v, want EACCES", err)
+	}
+	if err := b.Import(ownerPeer, "pub/mine", memfd(t, "abcd"), "uint8", "[4]"); err != nil {
+		t.Fatalf("import by the directory's owner: %v", err)
+	}
+	var st unix.Stat_t
+	if err := unix.Lstat(filepath.Join(backing, "pub", "mine"), &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Uid != ownerPeer.Uid {
+		t.Errorf("imported segment is owned by uid %d, want the peer's %d", st.Uid, ownerPeer.Uid)
+	}
+	if err := b.Import(ownerPeer, "pub/w", memfd(t, "y"), "", ""); !errors.Is(err, syscall.EEXIST) {
+		t.Errorf("import over an existing segment: got %v, want EEXIST", err)
+	}
+	if err := b.Import(ownerPeer, "pub/big", memfd(t, "abcd"), "float32", "[4]"); !errors.Is(err, alloc.ErrInvalid) {
+		t.Errorf("import whose shape lays out more than the file: got %v, want ErrInvalid", err)
+	}
+	if _, err := os.Lstat(filepath.Join(backing, "pub", "big")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a refused import left pub/big behind (%v)", err)
+	}
+
+	opath, err := unix.Open(filepath.Join(backing, "pub", "w"), unix.O_PATH|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opathFile := os.NewFile(uintptr(opath), "opath")
+	defer opathFile.Close()
+	if err := b.Import(ownerPeer, "pub/o", opathFile, "", ""); !errors.Is(err, syscall.EBADF) {
+		t.Errorf("import of an O_PATH descriptor: got %v, want EBADF", err)
+	}
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	defer w.Close()
+	if err := b.Import(ownerPeer, "pub/p", r, "", ""); !errors.Is(err, alloc.ErrInvalid) {
+		t.Errorf("import of a pipe: got %v, want ErrInvalid", err)
+	}
+
+	b.fsys.allowOther = false
+	if err := b.Import(ownerPeer, "pub/private", memfd(t, "z"), "", ""); !errors.Is(err, syscall.EACCES) {
+		t.Errorf("import by another user on a private mount: got %v, want EACCES", err)
+	}
+}
