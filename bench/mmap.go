@@ -2,9 +2,11 @@ package main
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 	"unsafe"
 
@@ -47,7 +49,10 @@ func (b *bench) groupMmap() error {
 			return err
 		}
 	}
-	return b.rounds(cs, func(c *contender) error {
+	if err := b.tmpfsFact(filepath.Join(named(cs, tmpfsName).dir, "big.seg"), filepath.Join(named(cs, ptName).dir, "big.seg")); err != nil {
+		return err
+	}
+	return b.warmRounds(cs, func(c *contender) error {
 		big := filepath.Join(c.dir, "big.seg")
 		if err := b.mmapRound(c, big, size); err != nil {
 			return err
@@ -76,6 +81,37 @@ func (b *bench) groupMmap() error {
 		}
 		return nil
 	})
+}
+
+// tmpfsFact records the mount options of the two tmpfs that hold the
+// mmap case's pages, the bench's (the file at plain) and passthrough's
+// backing (the file behind seg), and the kernel's huge page setting for
+// shared memory: a difference would favour one of them.
+func (b *bench) tmpfsFact(plain, seg string) error {
+	backing, err := getxattr(seg, "user.tensorfs.handle")
+	if err != nil {
+		return err
+	}
+	ours, err := mountOf(plain)
+	if err != nil {
+		return err
+	}
+	theirs, err := mountOf(backing)
+	if err != nil {
+		return err
+	}
+	huge, err := os.ReadFile("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+	if err != nil {
+		huge = []byte("unreadable")
+	}
+	set := "neither mount sets huge="
+	if strings.Contains(ours+theirs, "huge=") {
+		set = "see their huge= options"
+	}
+	b.res.facts = append(b.res.facts, fmt.Sprintf("mmap: the tmpfs contender's pages are on %s, passthrough's on "+
+		"its backing %s; /sys/kernel/mm/transparent_hugepage/shmem_enabled: %s; %s", ours, theirs,
+		strings.TrimSpace(string(huge)), set))
+	return nil
 }
 
 // mmapRound maps path afresh and runs the three mmap cases on it. The
