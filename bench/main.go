@@ -3,12 +3,16 @@
 // Each case runs against a plain tmpfs directory, tensorfs in passthrough
 // mode and tensorfs with --no-passthrough (classic); metadata cases also
 // against go-fuse's stock LoopbackNode over the same tmpfs
-// (bench/loopbackfs), and the PyTorch case against share_memory_() and a
-// private copy per worker. Contenders are interleaved round by round (the
-// order rotating each round) so that the noise of a shared machine falls
-// on all of them alike; the report gives medians and min–max. Around
-// every tensorfs run it reads the daemon's user.tensorfs.stats, so the
-// report shows the FUSE requests and daemon CPU behind each number.
+// (bench/loopbackfs, mounted with tensorfs's options, and for readdir
+// also with go-fuse's), tensorfs import and export against cp, and the
+// PyTorch case against share_memory_() and a private copy per worker.
+// Contenders are interleaved round by round (the order rotating each
+// round, backwards every other round) so that the noise of a shared
+// machine falls on all of them alike; the report gives medians and
+// min–max, and computes its notes from them and from the daemon's
+// counters: around every tensorfs run it reads the daemon's
+// user.tensorfs.stats, so the report shows the FUSE requests and daemon
+// CPU behind each number.
 //
 // It runs as root from the repository root (make bench): it mounts a
 // tmpfs, builds and mounts tensorfs and loopbackfs, and runs fio and

@@ -85,8 +85,8 @@ func (b *bench) groupMmap() error {
 
 // tmpfsFact records the mount options of the two tmpfs that hold the
 // mmap case's pages, the bench's (the file at plain) and passthrough's
-// backing (the file behind seg), and the kernel's huge page setting for
-// shared memory: a difference would favour one of them.
+// backing (the file behind seg), the kernel's huge page setting for
+// shared memory and the NUMA nodes: a difference would favour one of them.
 func (b *bench) tmpfsFact(plain, seg string) error {
 	backing, err := getxattr(seg, "user.tensorfs.handle")
 	if err != nil {
@@ -104,13 +104,17 @@ func (b *bench) tmpfsFact(plain, seg string) error {
 	if err != nil {
 		huge = []byte("unreadable")
 	}
+	nodes, err := os.ReadFile("/sys/devices/system/node/online")
+	if err != nil {
+		nodes = []byte("unreadable")
+	}
 	set := "neither mount sets huge="
 	if strings.Contains(ours+theirs, "huge=") {
 		set = "see their huge= options"
 	}
 	b.res.facts = append(b.res.facts, fmt.Sprintf("mmap: the tmpfs contender's pages are on %s, passthrough's on "+
-		"its backing %s; /sys/kernel/mm/transparent_hugepage/shmem_enabled: %s; %s", ours, theirs,
-		strings.TrimSpace(string(huge)), set))
+		"its backing %s; /sys/kernel/mm/transparent_hugepage/shmem_enabled: %s; %s; NUMA nodes online: %s",
+		ours, theirs, strings.TrimSpace(string(huge)), set, strings.TrimSpace(string(nodes))))
 	return nil
 }
 

@@ -49,8 +49,9 @@ func (b *bench) report() string {
 	fmt.Fprintf(&w, "# tensorfs benchmarks\n\n")
 	fmt.Fprintf(&w, "Written by `bench/` (regenerate with `make bench`; `make bench-quick` for a smoke run). "+
 		"Every case runs against each contender in every round, the contenders' order rotating from round to "+
-		"round, on a shared and noisy machine: cells are the median of %d rounds, with the minimum–maximum in "+
-		"brackets.\n\n", cfg.rounds)
+		"round and running backwards every other round, on a shared and noisy machine: cells are the median of %d "+
+		"rounds, with the minimum–maximum in brackets. The data path, readdir and import cases run one warm-up round "+
+		"first that is not counted (under Facts, its speed against the counted medians).\n\n", cfg.rounds)
 	fmt.Fprintf(&w, "- Command: `%s`\n", command())
 	fmt.Fprintf(&w, "- Date: %s, run time %s\n", time.Now().UTC().Format("2006-01-02 15:04 MST"), b.elapsed.Round(time.Second))
 	fmt.Fprintf(&w, "- Machine: %s\n", machine())
@@ -86,7 +87,7 @@ func (b *bench) report() string {
 		}
 	}
 
-	fmt.Fprintf(&w, "\n## Targets\n\nPassthrough mode unless stated; ratios to tmpfs or loopback from the same run: "+
+	fmt.Fprintf(&w, "\n## Targets\n\nPassthrough mode unless stated; ratios to tmpfs, loopback or cp from the same run: "+
 		"the ratio of the medians, then in brackets its range over the rounds, from the contender's worst round against "+
 		"the reference's best to its best against the reference's worst. A target inside that range is within noise: "+
 		"the rounds cannot tell met from missed, and the note counts the rounds in which it was met, each contender's "+
