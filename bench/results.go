@@ -2,6 +2,7 @@ package main
 
 import (
 	"slices"
+	"time"
 )
 
 // metricDef names a measured quantity.
@@ -127,6 +128,11 @@ func (r *results) roundsMet(m metricDef, contender, ref string, want float64) (k
 	return k, n
 }
 
+// settle is the pause before every observed run, the same for every
+// contender, so that the daemon's work on the counters read just before
+// (and its Go runtime's wake-ups after it) is over when the run starts.
+const settle = 10 * time.Millisecond
+
 // observe runs fn, a case moving the bytes it returns, and adds what
 // the contender's daemon did meanwhile to the case's usage: for tensorfs
 // its requests and CPU time from user.tensorfs.stats (the CPU the stats
@@ -135,6 +141,7 @@ func (r *results) roundsMet(m metricDef, contender, ref string, want float64) (k
 // runs are not counted.
 func (b *bench) observe(c *contender, caseName string, fn func() (int64, error)) error {
 	if c.pid == 0 || b.res.warming {
+		time.Sleep(settle)
 		_, err := fn()
 		return err
 	}
@@ -143,6 +150,7 @@ func (b *bench) observe(c *contender, caseName string, fn func() (int64, error))
 	if before, err = c.counters(); err != nil {
 		return err
 	}
+	time.Sleep(settle)
 	moved, err := fn()
 	if err != nil {
 		return err
