@@ -244,8 +244,9 @@ func (b *bench) rounds(cs []*contender, fn func(c *contender) error) error {
 }
 
 // warmRounds is rounds after one round whose samples are kept apart as
-// the warm-up (results.warm) and not counted: the first runs after a
-// group writes its files are slower than the rest.
+// the warm-up (results.warm) and not counted, so that what a group's setup
+// leaves behind (files just written, caches not yet filled) falls on no
+// counted round.
 func (b *bench) warmRounds(cs []*contender, fn func(c *contender) error) error {
 	b.res.warming = true
 	for _, c := range cs {
