@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -20,8 +21,10 @@ const (
 	ptName      = "passthrough"
 	classicName = "classic"
 	loopName    = "loopback"
-	shmName     = "share_memory_()"
-	copyName    = "own copy"
+	// loopStockName is loopbackfs with go-fuse's default options.
+	loopStockName = "loopback (stock)"
+	shmName       = "share_memory_()"
+	copyName      = "own copy"
 )
 
 // contender is one thing a case runs against: a directory, and for
@@ -62,13 +65,18 @@ func (b *bench) startOne(name string) (*contender, error) {
 	case tmpfsName:
 		c.dir = filepath.Join(b.tmpfs, "plain")
 		return c, os.Mkdir(c.dir, 0o755)
-	case loopName:
-		c.backing = filepath.Join(b.tmpfs, "loopback")
+	case loopName, loopStockName:
+		slug := strings.NewReplacer(" (", "-", ")", "").Replace(name)
+		c.backing = filepath.Join(b.tmpfs, slug)
 		if err := os.Mkdir(c.backing, 0o755); err != nil {
 			return nil, err
 		}
-		c.mp = filepath.Join(b.work, "mnt-loopback")
-		c.cmd = exec.Command(b.lbBin, c.mp, c.backing)
+		c.mp = filepath.Join(b.work, "mnt-"+slug)
+		args := []string{c.mp, c.backing}
+		if name == loopStockName {
+			args = append([]string{"-stock"}, args...)
+		}
+		c.cmd = exec.Command(b.lbBin, args...)
 	default:
 		c.tensorfs = true
 		c.mp = filepath.Join(b.work, "mnt-"+name)
@@ -82,7 +90,7 @@ func (b *bench) startOne(name string) (*contender, error) {
 	if err := os.MkdirAll(c.mp, 0o755); err != nil {
 		return nil, err
 	}
-	c.log = filepath.Join(b.work, name+".log")
+	c.log = filepath.Join(b.work, strings.ReplaceAll(name, " ", "")+".log")
 	logf, err := os.Create(c.log)
 	if err != nil {
 		return nil, err
@@ -281,6 +289,33 @@ func mountTmpfs(dir string) error {
 		return fmt.Errorf("mount tmpfs at %s: %w", dir, err)
 	}
 	return nil
+}
+
+// mountOf describes the mount holding path, from /proc/self/mountinfo:
+// its mount point, type, and the mount's and the superblock's options.
+func mountOf(path string) (string, error) {
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return "", err
+	}
+	best, desc := "", ""
+	for _, line := range strings.Split(string(b), "\n") {
+		// ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPEROPTIONS
+		f := strings.Fields(line)
+		sep := slices.Index(f, "-")
+		if sep < 6 || len(f) < sep+4 {
+			continue
+		}
+		mp := f[4]
+		if (path == mp || strings.HasPrefix(path, strings.TrimSuffix(mp, "/")+"/")) && len(mp) >= len(best) {
+			best = mp
+			desc = fmt.Sprintf("%s `%s,%s`", f[sep+1], f[5], f[sep+3])
+		}
+	}
+	if best == "" {
+		return "", fmt.Errorf("no mount holds %s", path)
+	}
+	return desc, nil
 }
 
 func unmountTmpfs(dir string) {

@@ -74,7 +74,7 @@ func (b *bench) groupIO() error {
 	}
 	defer b.stop(cs)
 	size := b.cfg.ioSize
-	return b.rounds(cs, func(c *contender) error {
+	return b.warmRounds(cs, func(c *contender) error {
 		path := filepath.Join(c.dir, "fio.seg")
 		defer os.Remove(path)
 		err := b.observe(c, "seq write", func() (int64, error) {

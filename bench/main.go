@@ -3,12 +3,16 @@
 // Each case runs against a plain tmpfs directory, tensorfs in passthrough
 // mode and tensorfs with --no-passthrough (classic); metadata cases also
 // against go-fuse's stock LoopbackNode over the same tmpfs
-// (bench/loopbackfs), and the PyTorch case against share_memory_() and a
-// private copy per worker. Contenders are interleaved round by round (the
-// order rotating each round) so that the noise of a shared machine falls
-// on all of them alike; the report gives medians and min–max. Around
-// every tensorfs run it reads the daemon's user.tensorfs.stats, so the
-// report shows the FUSE requests and daemon CPU behind each number.
+// (bench/loopbackfs, mounted with tensorfs's options, and for readdir
+// also with go-fuse's), tensorfs import and export against cp, and the
+// PyTorch case against share_memory_() and a private copy per worker.
+// Contenders are interleaved round by round (the order rotating each
+// round, backwards every other round) so that the noise of a shared
+// machine falls on all of them alike; the report gives medians and
+// min–max, and computes its notes from them and from the daemon's
+// counters: around every tensorfs run it reads the daemon's
+// user.tensorfs.stats, so the report shows the FUSE requests and daemon
+// CPU behind each number.
 //
 // It runs as root from the repository root (make bench): it mounts a
 // tmpfs, builds and mounts tensorfs and loopbackfs, and runs fio and
@@ -50,10 +54,12 @@ type config struct {
 	dirN      int           // segments in the readdir directory
 	scaleSize int64         // bytes written for the RSS scale case
 	torchSize int64         // the PyTorch weight tensor
+	// importSize is the tensor data of the imported safetensors file.
+	importSize int64
 }
 
 // allGroups are the case groups in the order they run.
-var allGroups = []string{"io", "mmap", "meta", "readdir", "scale", "torch", "holders"}
+var allGroups = []string{"io", "mmap", "meta", "readdir", "import", "scale", "torch", "holders"}
 
 func main() {
 	if err := run(); err != nil {
@@ -72,10 +78,10 @@ func run() error {
 	flag.Parse()
 
 	cfg.ioSize, cfg.randTime, cfg.mmapSize = 2*giB, 4*time.Second, 1*giB
-	cfg.metaN, cfg.dirN, cfg.scaleSize, cfg.torchSize = 10000, 100000, 8*giB, 1*giB
+	cfg.metaN, cfg.dirN, cfg.scaleSize, cfg.torchSize, cfg.importSize = 10000, 100000, 8*giB, 1*giB, 1*giB
 	if *quick {
 		cfg.ioSize, cfg.randTime, cfg.mmapSize = 256*miB, time.Second, 256*miB
-		cfg.metaN, cfg.dirN, cfg.scaleSize, cfg.torchSize = 2000, 10000, 1*giB, 256*miB
+		cfg.metaN, cfg.dirN, cfg.scaleSize, cfg.torchSize, cfg.importSize = 2000, 10000, 1*giB, 256*miB, 128*miB
 	}
 	if cfg.rounds == 0 {
 		cfg.rounds = 5
@@ -135,6 +141,9 @@ type bench struct {
 	torchVersion string
 	// version says which tensorfs was measured.
 	version string
+	// loopOptions are the mount options of each loopbackfs contender,
+	// as loopbackfs -options lists them, by contender name.
+	loopOptions map[string]string
 }
 
 func newBench(cfg config) (*bench, error) {
@@ -142,7 +151,7 @@ func newBench(cfg config) (*bench, error) {
 	if err != nil {
 		return nil, err
 	}
-	b := &bench{cfg: cfg, work: work, tmpfs: filepath.Join(work, "tmpfs"), live: map[*contender]bool{}}
+	b := &bench{cfg: cfg, work: work, tmpfs: filepath.Join(work, "tmpfs"), live: map[*contender]bool{}, loopOptions: map[string]string{}}
 	b.res.init()
 	b.bin, b.lbBin = cfg.tensorfs, filepath.Join(work, "loopbackfs")
 	builds := map[string]string{"./bench/loopbackfs": b.lbBin}
@@ -157,6 +166,14 @@ func newBench(cfg config) (*bench, error) {
 			os.RemoveAll(work)
 			return nil, fmt.Errorf("go build %s (run from the repository root): %v\n%s", pkg, err, out)
 		}
+	}
+	for name, args := range map[string][]string{loopName: {"-options"}, loopStockName: {"-stock", "-options"}} {
+		out, err := exec.Command(b.lbBin, args...).Output()
+		if err != nil {
+			os.RemoveAll(work)
+			return nil, fmt.Errorf("loopbackfs %v: %v", args, err)
+		}
+		b.loopOptions[name] = strings.TrimSpace(string(out))
 	}
 	if err := mountTmpfs(b.tmpfs); err != nil {
 		os.RemoveAll(work)
@@ -196,6 +213,8 @@ func (b *bench) group(name string) error {
 		return b.groupMeta()
 	case "readdir":
 		return b.groupReaddir()
+	case "import":
+		return b.groupImport()
 	case "scale":
 		return b.groupScale()
 	case "holders":
@@ -205,16 +224,37 @@ func (b *bench) group(name string) error {
 	}
 }
 
-// rounds runs fn for every round and contender, rotating the order of
-// the contenders from one round to the next.
+// rounds runs fn for every round and contender. The contenders' order
+// rotates by one from round to round and runs backwards in every other
+// round, so that each contender comes first once per len(cs) rounds and
+// does not always follow the same one.
 func (b *bench) rounds(cs []*contender, fn func(c *contender) error) error {
 	for r := 0; r < b.cfg.rounds; r++ {
 		for i := range cs {
-			c := cs[(r+i)%len(cs)]
-			if err := fn(c); err != nil {
-				return fmt.Errorf("%s: %w", c.name, err)
+			j := (r + i) % len(cs)
+			if r%2 == 1 {
+				j = (r + len(cs) - 1 - i) % len(cs)
+			}
+			if err := fn(cs[j]); err != nil {
+				return fmt.Errorf("%s: %w", cs[j].name, err)
 			}
 		}
 	}
 	return nil
+}
+
+// warmRounds is rounds after one round whose samples are kept apart as
+// the warm-up (results.warm) and not counted, so that what a group's setup
+// leaves behind (files just written, caches not yet filled) falls on no
+// counted round.
+func (b *bench) warmRounds(cs []*contender, fn func(c *contender) error) error {
+	b.res.warming = true
+	for _, c := range cs {
+		if err := fn(c); err != nil {
+			b.res.warming = false
+			return fmt.Errorf("%s, warm-up: %w", c.name, err)
+		}
+	}
+	b.res.warming = false
+	return b.rounds(cs, fn)
 }

@@ -16,12 +16,20 @@ var (
 	mSetxattr = metricDef{"setxattr user.tensor.shape", "k ops/s", true}
 	mGetxattr = metricDef{"getxattr user.tensor.shape", "k ops/s", true}
 	mReaddir  = metricDef{"readdir of the large directory", "ms", false}
-	mRSSDir   = metricDef{"daemon RSS with the directory's segments", "MiB", false}
-	mPeakDir  = metricDef{"daemon peak RSS (VmHWM) by then", "MiB", false}
-	mHeapDir  = metricDef{"daemon live heap after its last GC (gctrace)", "MiB", false}
+	// mFloor is the round-trip floor: a getxattr that tensorfs answers
+	// from memory, with no system call.
+	mFloor   = metricDef{"getxattr user.tensorfs.flags, the round-trip floor", "µs", false}
+	mRSSDir  = metricDef{"daemon RSS with the directory's segments", "MiB", false}
+	mPeakDir = metricDef{"daemon peak RSS (VmHWM) by then", "MiB", false}
+	mHeapDir = metricDef{"daemon live heap after its last GC (gctrace)", "MiB", false}
 )
 
-const shapeXattr = "user.tensor.shape"
+const (
+	shapeXattr = "user.tensor.shape"
+	// flagsXattr is virtual on tensorfs, cached in the node; absent
+	// (ENODATA) on tmpfs and loopback.
+	flagsXattr = "user.tensorfs.flags"
+)
 
 // metaLoop is one metadata loop: op is its i-th iteration.
 type metaLoop struct {
@@ -81,6 +89,13 @@ func metaLoops(c *contender, names []string) []metaLoop {
 			_, err := unix.Getxattr(seg, shapeXattr, val)
 			return err
 		}},
+		{mFloor, "getxattr from memory", func(int) error {
+			_, err := unix.Getxattr(seg, flagsXattr, val)
+			if err == unix.ENODATA && !c.tensorfs {
+				return nil
+			}
+			return err
+		}},
 	}
 }
 
@@ -107,7 +122,11 @@ func (b *bench) groupMeta() error {
 			b.res.opsPerRun[l.name] = n
 			err := b.observe(c, l.name, func() (int64, error) {
 				d, err := l.run(n)
-				b.res.add(l.m, c.name, float64(n)/d.Seconds()/1e3)
+				if l.m.unit == "µs" {
+					b.res.add(l.m, c.name, d.Seconds()*1e6/float64(n))
+				} else {
+					b.res.add(l.m, c.name, float64(n)/d.Seconds()/1e3)
+				}
 				return 0, err
 			})
 			if err != nil {
@@ -121,8 +140,8 @@ func (b *bench) groupMeta() error {
 	}
 	pt := named(cs, ptName)
 	for _, l := range metaLoops(pt, names) {
-		if l.m == mStat {
-			continue // served by the kernel
+		if l.m == mStat || l.m == mFloor {
+			continue // served by the kernel; no handler to profile
 		}
 		if err := b.profile(pt, l.name, func() error { _, err := l.run(n); return err }); err != nil {
 			return err
@@ -132,9 +151,10 @@ func (b *bench) groupMeta() error {
 }
 
 // groupReaddir lists a directory of dirN empty segments in every round,
-// then stats each of them and reads the daemon's RSS.
+// then stats each of them and reads the daemon's RSS. Loopback runs
+// twice: with tensorfs's mount options and with go-fuse's.
 func (b *bench) groupReaddir() error {
-	cs, err := b.start(tmpfsName, ptName, classicName, loopName)
+	cs, err := b.start(tmpfsName, ptName, classicName, loopName, loopStockName)
 	if err != nil {
 		return err
 	}
@@ -153,7 +173,7 @@ func (b *bench) groupReaddir() error {
 			unix.Close(fd)
 		}
 	}
-	err = b.rounds(cs, func(c *contender) error {
+	err = b.warmRounds(cs, func(c *contender) error {
 		return b.observe(c, "readdir", func() (int64, error) {
 			t := time.Now()
 			got, err := countEntries(filepath.Join(c.dir, "many"))
@@ -176,7 +196,7 @@ func (b *bench) groupReaddir() error {
 		return err
 	}
 	for _, c := range cs {
-		if c.pid == 0 {
+		if c.pid == 0 || c.name == loopStockName {
 			continue
 		}
 		var st unix.Stat_t

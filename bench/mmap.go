@@ -2,9 +2,11 @@ package main
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 	"unsafe"
 
@@ -31,7 +33,10 @@ var sink uint64
 // groupMmap maps one large segment per contender: first touch of every
 // page of a fresh mapping, a sum over the now mapped bytes, memset and
 // msync; then open() of it and of a 4 KiB segment right after both were
-// read into the cache: open() must not cost in proportion to size.
+// read into the cache: open() must not cost in proportion to size. The
+// large segments are written side by side, 1 MiB to each in turn, so
+// that their pages are allocated at the same times: written one after
+// the other, the one written first faulted in more slowly.
 func (b *bench) groupMmap() error {
 	cs, err := b.start(tmpfsName, ptName, classicName)
 	if err != nil {
@@ -39,15 +44,20 @@ func (b *bench) groupMmap() error {
 	}
 	defer b.stop(cs)
 	size := b.cfg.mmapSize
+	var bigs []string
 	for _, c := range cs {
-		if err := writeFile(filepath.Join(c.dir, "big.seg"), size); err != nil {
-			return err
-		}
+		bigs = append(bigs, filepath.Join(c.dir, "big.seg"))
 		if err := writeFile(filepath.Join(c.dir, "small.seg"), 4*kiB); err != nil {
 			return err
 		}
 	}
-	return b.rounds(cs, func(c *contender) error {
+	if err := writeFiles(bigs, size); err != nil {
+		return err
+	}
+	if err := b.tmpfsFact(filepath.Join(named(cs, tmpfsName).dir, "big.seg"), filepath.Join(named(cs, ptName).dir, "big.seg")); err != nil {
+		return err
+	}
+	return b.warmRounds(cs, func(c *contender) error {
 		big := filepath.Join(c.dir, "big.seg")
 		if err := b.mmapRound(c, big, size); err != nil {
 			return err
@@ -76,6 +86,42 @@ func (b *bench) groupMmap() error {
 		}
 		return nil
 	})
+}
+
+// tmpfsFact records the mount options of the two tmpfs that hold the
+// mmap case's pages, the bench's (the file at plain) and passthrough's
+// backing (the file behind seg), the kernel's huge page setting for
+// shared memory and the NUMA nodes: a difference would favour one of them.
+func (b *bench) tmpfsFact(plain, seg string) error {
+	backing, err := getxattr(seg, "user.tensorfs.handle")
+	if err != nil {
+		return err
+	}
+	ours, err := mountOf(plain)
+	if err != nil {
+		return err
+	}
+	theirs, err := mountOf(backing)
+	if err != nil {
+		return err
+	}
+	huge, err := os.ReadFile("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+	if err != nil {
+		huge = []byte("unreadable")
+	}
+	nodes, err := os.ReadFile("/sys/devices/system/node/online")
+	if err != nil {
+		nodes = []byte("unreadable")
+	}
+	set := "neither mount sets huge="
+	if strings.Contains(ours+theirs, "huge=") {
+		set = "see their huge= options"
+	}
+	b.res.facts = append(b.res.facts, fmt.Sprintf("mmap: the segments are written side by side, 1 MiB to each in "+
+		"turn; the tmpfs contender's pages are on %s, passthrough's on "+
+		"its backing %s; /sys/kernel/mm/transparent_hugepage/shmem_enabled: %s; %s; NUMA nodes online: %s",
+		ours, theirs, strings.TrimSpace(string(huge)), set, strings.TrimSpace(string(nodes))))
+	return nil
 }
 
 // mmapRound maps path afresh and runs the three mmap cases on it. The
@@ -174,6 +220,42 @@ func writeFile(path string, size int64) error {
 		}
 	}
 	return f.Close()
+}
+
+// writeFiles writes size non-zero bytes to a new file at each of paths,
+// 1 MiB to each in turn.
+func writeFiles(paths []string, size int64) error {
+	var fs []*os.File
+	defer func() {
+		for _, f := range fs {
+			f.Close()
+		}
+	}()
+	for _, p := range paths {
+		f, err := os.OpenFile(p, os.O_CREATE|os.O_TRUNC|os.O_WRONLY, 0o644)
+		if err != nil {
+			return err
+		}
+		fs = append(fs, f)
+	}
+	buf := make([]byte, min(size, miB))
+	for i := range buf {
+		buf[i] = byte(i%251 + 1)
+	}
+	for off := int64(0); off < size; off += int64(len(buf)) {
+		for _, f := range fs {
+			if _, err := f.Write(buf[:min(int64(len(buf)), size-off)]); err != nil {
+				return err
+			}
+		}
+	}
+	for _, f := range fs {
+		if err := f.Close(); err != nil {
+			return err
+		}
+	}
+	fs = nil
+	return nil
 }
 
 // readFile reads path to the end, 1 MiB at a time, and returns the bytes

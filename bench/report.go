@@ -28,12 +28,14 @@ func (b *bench) tables() []table {
 	return []table{
 		{"Data path", []metricDef{mSeqWrite, mSeqRead, mRandIOPS, mRandLat, mRandP99, mMmapCold, mMmapWarm, mMmapSet, mOpenBig, mOpenSmall},
 			[]string{tmpfsName, ptName, classicName}, [][2]string{{ptName, tmpfsName}, {classicName, tmpfsName}}},
-		{"Metadata", []metricDef{mCreate, mOpen, mStat, mSetxattr, mGetxattr, mReaddir},
-			[]string{tmpfsName, ptName, classicName, loopName},
-			[][2]string{{ptName, tmpfsName}, {classicName, tmpfsName}, {loopName, tmpfsName}, {ptName, loopName}}},
+		{"Metadata", []metricDef{mCreate, mOpen, mStat, mSetxattr, mGetxattr, mFloor, mReaddir},
+			[]string{tmpfsName, ptName, classicName, loopName, loopStockName},
+			[][2]string{{ptName, tmpfsName}, {classicName, tmpfsName}, {loopName, tmpfsName}, {ptName, loopName}, {ptName, loopStockName}}},
+		{"Import and export", []metricDef{mImport, mImportRate, mExport, mExportRate},
+			[]string{cpName, ptName, classicName}, [][2]string{{ptName, cpName}, {classicName, cpName}}},
 		{"Scale (one sample each)", []metricDef{mRSSDir, mPeakDir, mHeapDir, mRSSEmpty, mRSSData},
 			[]string{ptName, classicName, loopName}, nil},
-		{"PyTorch", []metricDef{mTorchReady, mTorchMem, mTorchCopies},
+		{"PyTorch", []metricDef{mTorchReady, mTorchMem, mTorchLoose, mTorchCopies},
 			[]string{ptName, classicName, shmName, copyName}, [][2]string{{ptName, shmName}}},
 		{fmt.Sprintf("Reference counts with %d processes mapping %d segments each", holderProcs, holderMappings),
 			[]metricDef{mRefcountScan, mHoldersScan, mRefcountCached}, []string{ptName, classicName}, nil},
@@ -47,35 +49,49 @@ func (b *bench) report() string {
 	fmt.Fprintf(&w, "# tensorfs benchmarks\n\n")
 	fmt.Fprintf(&w, "Written by `bench/` (regenerate with `make bench`; `make bench-quick` for a smoke run). "+
 		"Every case runs against each contender in every round, the contenders' order rotating from round to "+
-		"round, on a shared and noisy machine: cells are the median of %d rounds, with the minimum–maximum in "+
-		"brackets.\n\n", cfg.rounds)
+		"round and running backwards every other round, on a shared and noisy machine: cells are the median of %d "+
+		"rounds, with the minimum–maximum in brackets. The data path, readdir and import cases run one warm-up round "+
+		"first that is not counted (under Facts, its speed against the counted medians).\n\n", cfg.rounds)
 	fmt.Fprintf(&w, "- Command: `%s`\n", command())
 	fmt.Fprintf(&w, "- Date: %s, run time %s\n", time.Now().UTC().Format("2006-01-02 15:04 MST"), b.elapsed.Round(time.Second))
 	fmt.Fprintf(&w, "- Machine: %s\n", machine())
 	torch := cmp.Or(b.torchVersion, "not run")
 	fmt.Fprintf(&w, "- Kernel: %s; %s; %s; torch %s; tensorfs %s\n", kernel(), runtime.Version(), firstLine("fio", "--version"), torch, b.version)
 	fmt.Fprintf(&w, "- Sizes: fio file %s, random reads %s per run; mmap and open() segment %s; metadata loops %d ops; "+
-		"readdir directory %d segments; scale data %s; PyTorch weights %s; open(): %d samples per round\n",
-		fmtSize(cfg.ioSize), cfg.randTime, fmtSize(cfg.mmapSize), cfg.metaN, cfg.dirN, fmtSize(cfg.scaleSize), fmtSize(cfg.torchSize), openSamples)
+		"readdir directory %d segments; safetensors file %s of tensor data in %d tensors; scale data %s; PyTorch weights %s; "+
+		"open(): %d samples per round\n", fmtSize(cfg.ioSize), cfg.randTime, fmtSize(cfg.mmapSize), cfg.metaN, cfg.dirN,
+		fmtSize(cfg.importSize), importTensors, fmtSize(cfg.scaleSize), fmtSize(cfg.torchSize), openSamples)
 	fmt.Fprintf(&w, "\nContenders: **tmpfs**, a directory on a tmpfs the bench mounts; **passthrough**, tensorfs with FUSE "+
 		"passthrough; **classic**, tensorfs `--no-passthrough` (the daemon serves read and write); **loopback**, go-fuse's "+
-		"stock `LoopbackNode` over the same tmpfs (`bench/loopbackfs`: 1 s entry/attr timeouts like tensorfs, which are "+
-		"also go-fuse's defaults; passthrough as root). In the PyTorch case: tensorfs (`torch.from_file` of one segment in "+
+		"stock `LoopbackNode` over the same tmpfs (`bench/loopbackfs`, passthrough as root) mounted with tensorfs's "+
+		"options, so that ratios to it measure handlers, not options: %s (not tensorfs's wider readahead window, "+
+		"which only data cases would use). **loopback (stock)**, in the readdir case, is the same with go-fuse's "+
+		"defaults but for: %s. In the import case, **cp** copies the safetensors file (in the work directory, "+
+		"its pages cached) into a directory on the bench's tmpfs and that copy back to a file there, where "+
+		"tensorfs runs `tensorfs import FILE DIR` and `tensorfs export DIR FILE`. In the PyTorch case: tensorfs (`torch.from_file` of one segment in "+
 		"each mode), **share_memory_()** (the launcher loads the file, shares it and forks the workers), **own copy** "+
 		"(each worker loads the file). `A×B` is A's speed relative to B's: above 1 A is better, for times and latencies "+
-		"as for rates.\n")
+		"as for rates.\n", b.loopDesc(loopName), b.loopDesc(loopStockName))
 
 	for _, t := range b.tables() {
 		b.writeTable(&w, t)
 	}
-	if len(b.res.facts) > 0 {
-		fmt.Fprintf(&w, "\n")
-		for _, f := range b.res.facts {
+	facts := append(b.dataPathFacts(), b.res.facts...)
+	if f := b.warmFact(); f != "" {
+		facts = append(facts, f)
+	}
+	if len(facts) > 0 {
+		fmt.Fprintf(&w, "\n## Facts\n\nMeasured in this run, not targets.\n\n")
+		for _, f := range facts {
 			fmt.Fprintf(&w, "- %s\n", f)
 		}
 	}
 
-	fmt.Fprintf(&w, "\n## Targets\n\nPassthrough mode unless stated; ratios to tmpfs or loopback from the same run.\n\n")
+	fmt.Fprintf(&w, "\n## Targets\n\nPassthrough mode unless stated; ratios to tmpfs, loopback or cp from the same run: "+
+		"the ratio of the medians, then in brackets its range over the rounds, from the contender's worst round against "+
+		"the reference's best to its best against the reference's worst. A target inside that range is within noise: "+
+		"the rounds cannot tell met from missed, and the note counts the rounds in which it was met, each contender's "+
+		"sample against the reference's of the same round.\n\n")
 	fmt.Fprintf(&w, "| target | measured | met |\n| --- | --- | --- |\n")
 	var notes []string
 	for _, t := range b.targets() {
@@ -85,15 +101,15 @@ func (b *bench) report() string {
 		met := "yes"
 		if !t.met {
 			met = "**no**"
-			if t.note != "" {
-				notes = append(notes, fmt.Sprintf("%s: %s", t.desc, t.note))
-				met = fmt.Sprintf("**no** (note %d)", len(notes))
-			}
+		}
+		if t.note != "" {
+			notes = append(notes, fmt.Sprintf("%s: %s", t.desc, t.note))
+			met += fmt.Sprintf(" (note %d)", len(notes))
 		}
 		fmt.Fprintf(&w, "| %s | %s | %s |\n", t.desc, t.got, met)
 	}
 	if len(notes) > 0 {
-		fmt.Fprintf(&w, "\nNotes on missed targets:\n\n")
+		fmt.Fprintf(&w, "\nNotes, from this run's measurements and counters:\n\n")
 		for i, n := range notes {
 			fmt.Fprintf(&w, "%d. %s\n", i+1, n)
 		}
@@ -108,6 +124,42 @@ func (b *bench) report() string {
 		}
 	}
 	return w.String()
+}
+
+// warmFact compares the warm-up rounds, not counted, with the counted
+// medians: the warm-up's speed relative to the median, per contender.
+func (b *bench) warmFact() string {
+	var parts []string
+	for _, t := range b.tables() {
+		for _, m := range t.metrics {
+			var cs []string
+			for _, c := range t.cols {
+				w := b.res.warm[m][c]
+				med, ok := b.res.median(m, c)
+				if len(w) == 0 || !ok || med == 0 || w[0] == 0 {
+					continue
+				}
+				x := w[0] / med
+				if !m.higher {
+					x = med / w[0]
+				}
+				cs = append(cs, fmt.Sprintf("%s %.2f", c, x))
+			}
+			if len(cs) > 0 {
+				parts = append(parts, m.name+": "+strings.Join(cs, ", "))
+			}
+		}
+	}
+	if len(parts) == 0 {
+		return ""
+	}
+	return "Warm-up rounds, run before the counted ones and not counted: speed relative to the counted median " +
+		"(below 1: slower): " + strings.Join(parts, "; ")
+}
+
+// loopDesc lists the mount options a loopbackfs contender reported.
+func (b *bench) loopDesc(name string) string {
+	return "`" + strings.ReplaceAll(b.loopOptions[name], ",", "`, `") + "`"
 }
 
 func (b *bench) writeTable(w *strings.Builder, t table) {

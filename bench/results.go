@@ -2,6 +2,7 @@ package main
 
 import (
 	"slices"
+	"time"
 )
 
 // metricDef names a measured quantity.
@@ -21,6 +22,10 @@ type results struct {
 	opsPerRun map[string]int
 	facts     []string // lines for the report that are not samples
 	profiles  []string // where the daemon's time goes, per profiled case
+	// warming is set during a warm-up round, whose samples go to warm
+	// and whose daemon usage is not counted.
+	warming bool
+	warm    map[metricDef]map[string][]float64
 }
 
 // usageKey is one case run against one tensorfs contender.
@@ -38,15 +43,20 @@ type usage struct {
 
 func (r *results) init() {
 	r.vals = map[metricDef]map[string][]float64{}
+	r.warm = map[metricDef]map[string][]float64{}
 	r.usage = map[usageKey]*usage{}
 	r.opsPerRun = map[string]int{}
 }
 
 func (r *results) add(m metricDef, contender string, v float64) {
-	if r.vals[m] == nil {
-		r.vals[m] = map[string][]float64{}
+	vals := r.vals
+	if r.warming {
+		vals = r.warm
 	}
-	r.vals[m][contender] = append(r.vals[m][contender], v)
+	if vals[m] == nil {
+		vals[m] = map[string][]float64{}
+	}
+	vals[m][contender] = append(vals[m][contender], v)
 }
 
 // summary returns the median, minimum and maximum of a metric's samples
@@ -84,13 +94,54 @@ func (r *results) ratio(m metricDef, contender, ref string) (float64, bool) {
 	return b / a, true
 }
 
+// ratioRange is the range of contender's ratio to ref that their rounds
+// allow: from contender's worst round against ref's best to its best
+// round against ref's worst.
+func (r *results) ratioRange(m metricDef, contender, ref string) (lo, hi float64) {
+	_, clo, chi, ok1 := r.summary(m, contender)
+	_, rlo, rhi, ok2 := r.summary(m, ref)
+	if !ok1 || !ok2 || clo == 0 || rlo == 0 {
+		return 0, 0
+	}
+	if m.higher {
+		return clo / rhi, chi / rlo
+	}
+	return rlo / chi, rhi / clo
+}
+
+// roundsMet counts the rounds in which contender's sample is at least
+// want times ref's of the same round, out of n rounds both have. Samples
+// are added round by round, the same number per contender, so the i-th
+// samples of two contenders come from the same round.
+func (r *results) roundsMet(m metricDef, contender, ref string, want float64) (k, n int) {
+	a, b := r.vals[m][contender], r.vals[m][ref]
+	n = min(len(a), len(b))
+	for i := range n {
+		x := a[i] / b[i]
+		if !m.higher {
+			x = b[i] / a[i]
+		}
+		if x >= want {
+			k++
+		}
+	}
+	return k, n
+}
+
+// settle is the pause before every observed run, the same for every
+// contender, so that the daemon's work on the counters read just before
+// (and its Go runtime's wake-ups after it) is over when the run starts.
+const settle = 10 * time.Millisecond
+
 // observe runs fn, a case moving the bytes it returns, and adds what
 // the contender's daemon did meanwhile to the case's usage: for tensorfs
 // its requests and CPU time from user.tensorfs.stats (the CPU the stats
 // read itself costs, a walk of the backing tree, is measured by a second
-// read and taken off), for loopbackfs its CPU time from /proc.
+// read and taken off), for loopbackfs its CPU time from /proc. Warm-up
+// runs are not counted.
 func (b *bench) observe(c *contender, caseName string, fn func() (int64, error)) error {
-	if c.pid == 0 {
+	if c.pid == 0 || b.res.warming {
+		time.Sleep(settle)
 		_, err := fn()
 		return err
 	}
@@ -99,6 +150,7 @@ func (b *bench) observe(c *contender, caseName string, fn func() (int64, error))
 	if before, err = c.counters(); err != nil {
 		return err
 	}
+	time.Sleep(settle)
 	moved, err := fn()
 	if err != nil {
 		return err

@@ -8,6 +8,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+
+	"golang.org/x/sys/unix"
 )
 
 // pythonBin is the interpreter with torch that the PyTorch case runs.
@@ -20,6 +22,7 @@ var (
 	mTorchReady  = metricDef{"PyTorch: time to ready, 4 workers", "s", false}
 	mTorchMem    = metricDef{"PyTorch: PSS of launcher + workers above baseline", "MiB", false}
 	mTorchCopies = metricDef{"PyTorch: copies of the weights in memory, stored one included", "copies", false}
+	mTorchLoose  = metricDef{"PyTorch: stored copy in pages no process maps", "MiB", false}
 	// mTorchPss is the raw PSS; baselineName's is taken off it.
 	mTorchPss = metricDef{"PyTorch: PSS", "MiB", false}
 )
@@ -31,14 +34,17 @@ const baselineName = "baseline"
 type torchVariant struct {
 	mode string // torch_case.py's MODE
 	path string
-	// storedMapped is true when the workers map the stored weights
-	// themselves, so that they are no extra copy.
-	storedMapped bool
+	// store is the file holding the stored copy: path, or the backing
+	// file of a segment.
+	store string
 }
 
 // groupTorch: 4 worker processes each need the same weight tensor. The
 // weights are stored once, in the tmpfs for share_memory_() and the own
-// copies, as a segment in each tensorfs mount.
+// copies, as a segment in each tensorfs mount. Copies are counted the
+// same way for all: the PSS of the launcher and workers above the
+// baseline's, plus the stored copy's pages that none of them maps, over
+// the size of the weights.
 func (b *bench) groupTorch() error {
 	mounts, err := b.start(ptName, classicName)
 	if err != nil {
@@ -53,9 +59,9 @@ func (b *bench) groupTorch() error {
 	source := filepath.Join(b.tmpfs, "weights.bin")
 	defer os.Remove(source)
 	variants := map[string]torchVariant{
-		baselineName: {"none", source, false},
-		shmName:      {"share_memory", source, false},
-		copyName:     {"copy", source, false},
+		baselineName: {"none", source, ""},
+		shmName:      {"share_memory", source, source},
+		copyName:     {"copy", source, source},
 	}
 	cs := []*contender{{name: baselineName}, {name: shmName}, {name: copyName}}
 	for _, path := range append([]string{source}, mounts[0].dir, mounts[1].dir) {
@@ -67,13 +73,23 @@ func (b *bench) groupTorch() error {
 		}
 	}
 	for _, c := range mounts {
-		variants[c.name] = torchVariant{"from_file", filepath.Join(c.dir, "weights.seg"), c.name == ptName}
+		seg := filepath.Join(c.dir, "weights.seg")
+		backing, err := getxattr(seg, "user.tensorfs.handle")
+		if err != nil {
+			return err
+		}
+		variants[c.name] = torchVariant{"from_file", seg, backing}
 		cs = append(cs, c)
 	}
+	loose := map[string][]float64{}
 	err = b.rounds(cs, func(c *contender) error {
 		v := variants[c.name]
 		return b.observe(c, "PyTorch from_file", func() (int64, error) {
-			out, err := exec.Command(pythonBin, script, v.mode, v.path, strconv.FormatInt(size/4, 10)).Output()
+			args := []string{script, v.mode, v.path, strconv.FormatInt(size/4, 10)}
+			if v.store != "" {
+				args = append(args, v.store)
+			}
+			out, err := exec.Command(pythonBin, args...).Output()
 			if err != nil {
 				msg := ""
 				if ee, ok := err.(*exec.ExitError); ok {
@@ -84,6 +100,7 @@ func (b *bench) groupTorch() error {
 			var r struct {
 				Ready float64 `json:"ready_s"`
 				Pss   int64   `json:"pss_bytes"`
+				Loose int64   `json:"store_unmapped_bytes"`
 				Torch string  `json:"torch"`
 			}
 			if err := json.Unmarshal(out, &r); err != nil {
@@ -92,6 +109,7 @@ func (b *bench) groupTorch() error {
 			b.torchVersion = r.Torch
 			b.res.add(mTorchReady, c.name, r.Ready)
 			b.res.add(mTorchPss, c.name, float64(r.Pss)/miB)
+			loose[c.name] = append(loose[c.name], float64(r.Loose)/miB)
 			return size, nil
 		})
 	})
@@ -99,19 +117,41 @@ func (b *bench) groupTorch() error {
 		return err
 	}
 	base := b.res.vals[mTorchPss][baselineName]
-	for name, v := range variants {
+	for name := range variants {
 		if name == baselineName {
 			continue
 		}
 		for r, pss := range b.res.vals[mTorchPss][name] {
 			mem := pss - base[r]
 			b.res.add(mTorchMem, name, mem)
-			stored := float64(size) / miB
-			if v.storedMapped {
-				stored = 0
-			}
-			b.res.add(mTorchCopies, name, (mem+stored)/(float64(size)/miB))
+			b.res.add(mTorchLoose, name, loose[name][r])
+			b.res.add(mTorchCopies, name, (mem+loose[name][r])/(float64(size)/miB))
 		}
 	}
+	b.res.facts = append(b.res.facts, "PyTorch: copies of the weights = (PSS of the launcher and workers above "+
+		"the baseline run's, whose workers hold no weights + the bytes of the stored copy, weights.bin on the bench's "+
+		"tmpfs or the segment's backing file, in pages that no tensor of theirs maps: page frame numbers from "+
+		"/proc/PID/pagemap compared) / the size of the weights, the same rule for every contender")
 	return nil
+}
+
+// copiesNote says what the copies of the weights are made of for c.
+func (b *bench) copiesNote(c string) string {
+	mem, ok1 := b.res.median(mTorchMem, c)
+	loose, ok2 := b.res.median(mTorchLoose, c)
+	if !ok1 || !ok2 {
+		return ""
+	}
+	return fmt.Sprintf("PSS above the baseline %s MiB and the stored copy's pages that no process maps %s MiB, "+
+		"over %s of weights", fmtNum(mem), fmtNum(loose), fmtSize(b.cfg.torchSize))
+}
+
+// getxattr returns the value of an extended attribute of path.
+func getxattr(path, name string) (string, error) {
+	buf := make([]byte, 4*kiB)
+	n, err := unix.Getxattr(path, name, buf)
+	if err != nil {
+		return "", fmt.Errorf("getxattr %s %s: %w", path, name, err)
+	}
+	return string(buf[:n]), nil
 }
