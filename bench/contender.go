@@ -23,6 +23,11 @@ const (
 	loopName    = "loopback"
 	// loopStockName is loopbackfs with go-fuse's default options.
 	loopStockName = "loopback (stock)"
+	// simName is tensorfs with a simulated GPU (--gpu sim), its
+	// contender directory one whose segments live on cuda:0.
+	simName = "cuda:0 (sim)"
+	// simCpName is cp into that same directory: the sim's copy speed.
+	simCpName     = "cp to cuda:0 (sim)"
 	shmName       = "share_memory_()"
 	copyName      = "own copy"
 )
@@ -81,8 +86,11 @@ func (b *bench) startOne(name string) (*contender, error) {
 		c.tensorfs = true
 		c.mp = filepath.Join(b.work, "mnt-"+name)
 		args := []string{"mount", "-f", "--capacity", "12G"}
-		if name == classicName {
+		switch name {
+		case classicName:
 			args = append(args, "--no-passthrough")
+		case simName:
+			args = append(args, "--gpu", "sim")
 		}
 		c.cmd = exec.Command(b.bin, append(args, c.mp)...)
 	}

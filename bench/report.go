@@ -26,13 +26,14 @@ type table struct {
 
 func (b *bench) tables() []table {
 	return []table{
-		{"Data path", []metricDef{mSeqWrite, mSeqRead, mRandIOPS, mRandLat, mRandP99, mMmapCold, mMmapWarm, mMmapSet, mOpenBig, mOpenSmall},
+		{"Data path", []metricDef{mSeqWrite, mSeqRead, mRandIOPS, mRandLat, mRandP99, mMmapCold, mMmapWarm, mMmapSet, mOpenBig, mOpenSmall, mOpenFloor},
 			[]string{tmpfsName, ptName, classicName}, [][2]string{{ptName, tmpfsName}, {classicName, tmpfsName}}},
 		{"Metadata", []metricDef{mCreate, mOpen, mStat, mSetxattr, mGetxattr, mFloor, mReaddir},
 			[]string{tmpfsName, ptName, classicName, loopName, loopStockName},
 			[][2]string{{ptName, tmpfsName}, {classicName, tmpfsName}, {loopName, tmpfsName}, {ptName, loopName}, {ptName, loopStockName}}},
 		{"Import and export", []metricDef{mImport, mImportRate, mExport, mExportRate},
-			[]string{cpName, ptName, classicName}, [][2]string{{ptName, cpName}, {classicName, cpName}}},
+			[]string{cpName, ptName, classicName, simCpName, simName},
+			[][2]string{{ptName, cpName}, {classicName, cpName}, {simName, simCpName}}},
 		{"Scale (one sample each)", []metricDef{mRSSDir, mPeakDir, mHeapDir, mRSSEmpty, mRSSData},
 			[]string{ptName, classicName, loopName}, nil},
 		{"PyTorch", []metricDef{mTorchReady, mTorchMem, mTorchLoose, mTorchCopies},
@@ -68,7 +69,10 @@ func (b *bench) report() string {
 		"which only data cases would use). **loopback (stock)**, in the readdir case, is the same with go-fuse's "+
 		"defaults but for: %s. In the import case, **cp** copies the safetensors file (in the work directory, "+
 		"its pages cached) into a directory on the bench's tmpfs and that copy back to a file there, where "+
-		"tensorfs runs `tensorfs import FILE DIR` and `tensorfs export DIR FILE`. In the PyTorch case: tensorfs (`torch.from_file` of one segment in "+
+		"tensorfs runs `tensorfs import FILE DIR` and `tensorfs export DIR FILE`; **cuda:0 (sim)** imports into "+
+		"a cuda:0 directory of a passthrough mount with `--gpu sim` (the segments live in the simulated GPU's "+
+		"memory, which the daemon serves), against **cp to cuda:0 (sim)**, cp of the file into that directory: "+
+		"one segment on the same device, the sim's own copy speed. In the PyTorch case: tensorfs (`torch.from_file` of one segment in "+
 		"each mode), **share_memory_()** (the launcher loads the file, shares it and forks the workers), **own copy** "+
 		"(each worker loads the file). `A×B` is A's speed relative to B's: above 1 A is better, for times and latencies "+
 		"as for rates.\n", b.loopDesc(loopName), b.loopDesc(loopStockName))

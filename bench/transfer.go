@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"tensorfs/safetensors"
 )
 
@@ -28,22 +30,32 @@ const importTensors = 81
 // groupImport: `tensorfs import FILE DIR` of a safetensors file into each
 // tensorfs mount, then `tensorfs export DIR OUT` to a file on the bench's
 // tmpfs, against cp of the file into a directory on that tmpfs and cp of
-// the copy to OUT. The file lives in the work directory and is read
+// the copy to OUT; and the same into a cuda:0 directory of a mount with a
+// simulated GPU, against cp of the file into that directory (one
+// segment on the device) and back. The file lives in the work directory and is read
 // before every run, so that its pages are cached; DIR and OUT are
 // removed after every run.
 func (b *bench) groupImport() error {
-	mounts, err := b.start(ptName, classicName)
+	mounts, err := b.start(ptName, classicName, simName)
 	if err != nil {
 		return err
 	}
 	defer b.stop(mounts)
+	sim := named(mounts, simName)
+	sim.dir = filepath.Join(sim.mp, "gpu")
+	if err := os.Mkdir(sim.dir, 0o755); err != nil {
+		return err
+	}
+	if err := unix.Setxattr(sim.dir, "user.tensorfs.device", []byte("cuda:0"), 0); err != nil {
+		return err
+	}
 	src := filepath.Join(b.work, "model.safetensors")
 	size, err := writeSafetensors(src, b.cfg.importSize)
 	if err != nil {
 		return err
 	}
 	defer os.Remove(src)
-	cs := append([]*contender{{name: cpName, dir: filepath.Join(b.tmpfs, "cp")}}, mounts...)
+	cs := append([]*contender{{name: cpName, dir: filepath.Join(b.tmpfs, "cp")}, {name: simCpName, dir: sim.dir}}, mounts...)
 	out := filepath.Join(b.tmpfs, "exported.safetensors")
 	gib := float64(size) / giB
 	return b.warmRounds(cs, func(c *contender) error {
@@ -55,7 +67,7 @@ func (b *bench) groupImport() error {
 		}
 		imp := []string{b.bin, "import", src, dir}
 		exp := []string{b.bin, "export", dir, out}
-		if c.name == cpName {
+		if c.name == cpName || c.name == simCpName {
 			if err := os.MkdirAll(dir, 0o755); err != nil {
 				return err
 			}
