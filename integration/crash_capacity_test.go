@@ -593,7 +593,8 @@ func TestCrashRecovery(t *testing.T) {
 		if fi, err := os.Stat(m2.path("tmp")); err != nil || !fi.IsDir() {
 			t.Errorf("directory tmp (flags UNLINK) must survive: %v", err)
 		}
-		// checkRefcounts: no references but the mappings of mapped.
+		// checkRefcounts: no references but the mappings of mapped, once
+		// the RELEASEs of the test's own reads have reached the daemon.
 		checkRefcounts := func(when string, mapped map[string]*ccHolder) {
 			t.Helper()
 			files := map[string]bool{}
@@ -611,12 +612,11 @@ func TestCrashRecovery(t *testing.T) {
 				if h := mapped[rel]; h != nil {
 					rc, hs = "1", holderLine(t, h.pid, 1)
 				}
-				if got := ccXattr(t, m2.path(rel), "user.tensorfs.refcount"); got != rc {
-					t.Errorf("%s: refcount of %s = %q, want %s", when, rel, got, rc)
-				}
-				if got := ccXattr(t, m2.path(rel), "user.tensorfs.holders"); strings.TrimSpace(got) != hs {
-					t.Errorf("%s: holders of %s = %q, want %q", when, rel, got, hs)
-				}
+				eventually(t, when+": references to "+rel, func() (bool, string) {
+					got := ccXattr(t, m2.path(rel), "user.tensorfs.refcount")
+					gotHs := strings.TrimSpace(ccXattr(t, m2.path(rel), "user.tensorfs.holders"))
+					return got == rc && gotHs == hs, fmt.Sprintf("refcount %q, holders %q; want %s, %q", got, gotHs, rc, hs)
+				})
 			}
 		}
 		checkRefcounts("after remount", mapped)
@@ -1013,9 +1013,8 @@ func TestShutdownUnmountKeepsData(t *testing.T) {
 		}
 		m2 := m.remount(t)
 		ccCheckPopulated(t, m2, sha)
-		if rc := ccXattr(t, m2.path("dir/sub/keep"), "user.tensorfs.refcount"); rc != "0" {
-			t.Errorf("refcount after remount = %q, want 0", rc)
-		}
+		// Once the RELEASE of ccCheckPopulated's read reaches the daemon.
+		xaWaitRefcount(t, m2.path("dir/sub/keep"), "0")
 	})
 }
 
