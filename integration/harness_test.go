@@ -11,9 +11,9 @@
 // The leak checks look only at the test's own mountpoint, backing and
 // processes, so tests call t.Parallel, and each gets its own mount and
 // temporary directory. A test stays serial (no t.Parallel, with a comment
-// saying why) when it depends on process-wide or machine-wide state: the
-// umask, the environment (t.Setenv), or the count of all tensorfs
-// processes. Serial tests run first, alone; the parallel ones then run
+// saying why) when it depends on process-wide or machine-wide state (the
+// umask, the environment, the count of all tensorfs processes) or needs
+// the CPUs to itself. Serial tests run first, alone; the parallel ones run
 // together, up to -parallel at a time (scripts/test.sh sets it: most of
 // their time is spent waiting on daemons and python children).
 //
