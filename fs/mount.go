@@ -393,13 +393,14 @@ func (fsys *filesystem) stats() map[string]any {
 	}
 }
 
-// limboStats counts the device blocks waiting for their consumers.
+// limboStats counts the device blocks waiting for their consumers, and
+// how many times collections found a block still referenced ("kept").
 func (fsys *filesystem) limboStats() map[string]int64 {
 	if fsys.gpu == nil {
-		return map[string]int64{"blocks": 0, "bytes": 0}
+		return map[string]int64{"blocks": 0, "bytes": 0, "kept": 0}
 	}
 	blocks, bytes := fsys.gpu.limbo.Stats()
-	return map[string]int64{"blocks": int64(blocks), "bytes": bytes}
+	return map[string]int64{"blocks": int64(blocks), "bytes": bytes, "kept": fsys.gpu.limbo.Kept()}
 }
 
 // gpuStats describes the device behind device segments.

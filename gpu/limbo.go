@@ -12,12 +12,14 @@ import "sync"
 type Limbo struct {
 	dev Device
 
-	mu      sync.Mutex // guards entries, blocks and bytes
+	mu      sync.Mutex // guards entries, blocks, bytes and kept
 	entries []limboEntry
 	// blocks and bytes count what is in limbo, entries being looked at
 	// by a Collect included.
 	blocks int
 	bytes  int64
+	// kept counts the blocks Collects found still referenced, each time.
+	kept int64
 }
 
 type limboEntry struct {
@@ -64,6 +66,7 @@ func (l *Limbo) Collect() (freed int) {
 	}
 	l.mu.Lock()
 	l.entries = append(keep, l.entries...) // with those added meanwhile
+	l.kept += int64(len(keep))
 	l.mu.Unlock()
 	return freed
 }
@@ -73,4 +76,12 @@ func (l *Limbo) Stats() (blocks int, bytes int64) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.blocks, l.bytes
+}
+
+// Kept returns how many times a Collect found a block still referenced
+// and kept it: a block that waited through n Collects counts n times.
+func (l *Limbo) Kept() int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.kept
 }

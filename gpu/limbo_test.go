@@ -27,6 +27,9 @@ func TestLimbo(t *testing.T) {
 		if freed := l.Collect(); freed != 0 {
 			t.Errorf("Collect freed %d referenced blocks", freed)
 		}
+		if k := l.Kept(); k != 3 {
+			t.Errorf("Kept = %d after a Collect kept 3 blocks", k)
+		}
 		refs[0].Store(0)
 		refs[2].Store(0)
 		if freed := l.Collect(); freed != 2 {
@@ -34,6 +37,9 @@ func TestLimbo(t *testing.T) {
 		}
 		if n, bytes := l.Stats(); n != 1 || bytes != 200 {
 			t.Errorf("Stats = %d, %d; want 1, 200", n, bytes)
+		}
+		if k := l.Kept(); k != 4 {
+			t.Errorf("Kept = %d after Collects kept 3 blocks, then 1", k)
 		}
 		if err := d.Free(blocks[0]); !errors.Is(err, ErrNoBlock) {
 			t.Errorf("block still allocated after Collect: %v", err)

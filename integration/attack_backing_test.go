@@ -89,6 +89,7 @@ func checkVictim(t *testing.T, p string) {
 // change the backing directly, on a shared mount or a private one; only
 // the daemon's user may read the backing path of a segment.
 func TestAttackBackingUnreachable(t *testing.T) {
+	t.Parallel()
 	for _, shared := range []bool{true, false} {
 		t.Run(fmt.Sprintf("allow-other=%v", shared), func(t *testing.T) {
 			forEachModeOnce(t, func(t *testing.T, mode string) {
@@ -158,6 +159,7 @@ func forEachModeOnce(t *testing.T, fn func(t *testing.T, mode string)) {
 // mount: the daemon's names are refused, other namespaces are not served,
 // and a remount's recovery leaves what is outside the backing alone.
 func TestAttackForgedState(t *testing.T) {
+	t.Parallel()
 	forEachModeOnce(t, func(t *testing.T, mode string) {
 		m := attackMount(t, mode, true)
 		v := victim(t)
@@ -196,6 +198,8 @@ func TestAttackForgedState(t *testing.T) {
 // segment, chmod, setxattr, truncate and import of that name never reach
 // the root file.
 func TestAttackSymlinkRace(t *testing.T) {
+	// Serial: its flipper spins a CPU for the whole race; among parallel
+	// tests on two CPUs the 1500 rounds once starved past commandTimeout.
 	forEachModeOnce(t, func(t *testing.T, mode string) {
 		m := attackMount(t, mode, true)
 		v := victim(t)
@@ -277,6 +281,7 @@ print(json.dumps(n))
 // read-only one gives a read-only segment, and a descriptor of a file of
 // the mount itself is refused without hanging the daemon.
 func TestAttackImportDescriptors(t *testing.T) {
+	t.Parallel()
 	forEachModeOnce(t, func(t *testing.T, mode string) {
 		m := attackMount(t, mode, true)
 		sock := controlSocket(t, m)
@@ -363,15 +368,14 @@ print(s.recv(65536).decode())
 // alone, and its backing stays nosuid,nodev across the remount that
 // recovery after a crash does (with --capacity).
 func TestAttackStateFiles(t *testing.T) {
+	t.Parallel()
 	requireEnvironment(t)
 	dir := filepath.Join(t.TempDir(), "mnt")
 	if err := os.Mkdir(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	mountMu.Lock()
 	before := mountSet()
 	pid := ccMountDaemonized(t, dir, "passthrough", "--capacity", "64M")
-	mountMu.Unlock()
 	var st unix.Stat_t
 	if err := unix.Stat(alloc.StatePath(dir, ".log"), &st); err != nil || st.Mode&0o077 != 0 {
 		t.Errorf("daemon log: mode %#o, %v; want no access for group and others", st.Mode&0o7777, err)
@@ -383,9 +387,7 @@ func TestAttackStateFiles(t *testing.T) {
 	eventually(t, "daemon dies", func() (bool, string) {
 		return unix.Kill(pid, 0) == unix.ESRCH, "still alive"
 	})
-	mountMu.Lock()
 	pid = ccMountDaemonized(t, dir, "passthrough", "--capacity", "128M")
-	mountMu.Unlock()
 	found := false
 	for _, e := range readMountinfo() {
 		if e.mountPoint == alloc.PrivateBacking(dir) {
@@ -398,8 +400,6 @@ func TestAttackStateFiles(t *testing.T) {
 	if !found {
 		t.Errorf("no backing mount at %s", alloc.PrivateBacking(dir))
 	}
-	mountMu.Lock()
-	defer mountMu.Unlock()
 	ccUnmountPurgeDaemonized(t, dir, pid, before)
 }
 
@@ -407,6 +407,7 @@ func TestAttackStateFiles(t *testing.T) {
 // maxImports descriptors in the daemon; the one over gets EMFILE and the
 // mount keeps serving.
 func TestAttackImportFlood(t *testing.T) {
+	t.Parallel()
 	const maxImports = 4096 // fs.maxImportsPerUID
 	m := attackMount(t, "passthrough", true)
 	sock := controlSocket(t, m)
@@ -444,6 +445,7 @@ print(json.dumps(errnos))
 // descriptor in the daemon; one user holds at most its share (EMFILE past
 // it) and root and other users keep opening.
 func TestAttackOpenFlood(t *testing.T) {
+	t.Parallel()
 	forEachModeOnce(t, func(t *testing.T, mode string) {
 		m := attackMount(t, mode, true)
 		p := m.path("shared/f")

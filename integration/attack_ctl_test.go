@@ -261,6 +261,7 @@ func (a *ctlAgent) wantErrno(t *testing.T, conn, what string, errno syscall.Errn
 // TestAttackCtl runs the control-socket attacks on --allow-other and
 // private mounts, in both modes.
 func TestAttackCtl(t *testing.T) {
+	t.Parallel()
 	for _, share := range []string{"allow-other", "private"} {
 		t.Run(share, func(t *testing.T) {
 			var args []string

@@ -143,6 +143,7 @@ func agGone(t *testing.T, what, path string) {
 // and removes the counter file once the limbo drains. The directory of
 // counters can be traversed, not listed or written.
 func TestAttackGPUCounterReader(t *testing.T) {
+	t.Parallel()
 	m := agMount(t)
 	seg := agSegment(t, m, "a", 3*gtMiB, 0, 0, 0o644)
 	rc := string(gtGetfattr(t, seg, gtRefCounter))
@@ -182,7 +183,7 @@ for f in (lambda: os.listdir(d), lambda: open(os.path.join(d, "planted"), "w"), 
 	}
 	run(t, "rm", seg)
 	eventually(t, "unlinked while counted", gtLimboIs(t, m, 1, 3*gtMiB))
-	gtHolds(t, "limbo while uid 1000's count is 1", 2*gtCollectPeriod+gtCollectPeriod/2, gtLimboIs(t, m, 1, 3*gtMiB))
+	gtStaysInLimbo(t, m, "limbo while uid 1000's count is 1", 1, 3*gtMiB)
 	if _, err := os.Stat(counter); err != nil {
 		t.Errorf("counter file gone while the limbo holds the segment's memory: %v", err)
 	}
@@ -204,6 +205,7 @@ for f in (lambda: os.listdir(d), lambda: open(os.path.join(d, "planted"), "w"), 
 // trashing the counter file of another segment, which it may write, does
 // not touch that count.
 func TestAttackGPUCounterOtherUser(t *testing.T) {
+	t.Parallel()
 	m := agMount(t)
 	private := agSegment(t, m, "private", 2*gtMiB, userA, userA, 0o600)
 	public := agSegment(t, m, "public", gtMiB, 0, 0, 0o644)
@@ -240,7 +242,7 @@ print("written")
 	}
 	run(t, "rm", private)
 	eventually(t, "private segment unlinked while counted", gtLimboIs(t, m, 1, 2*gtMiB))
-	gtHolds(t, "limbo while uid 1000's count is 1", 2*gtCollectPeriod+gtCollectPeriod/2, gtLimboIs(t, m, 1, 2*gtMiB))
+	gtStaysInLimbo(t, m, "limbo while uid 1000's count is 1", 1, 2*gtMiB)
 	if v := agValue(t, pc); v != 1 {
 		t.Errorf("private counter = %d after another file was trashed, want 1", v)
 	}
@@ -255,6 +257,7 @@ print("written")
 // counter file or a device allocation: distinct IPC handles, offset 0, and
 // each simulated allocation holds its own segment's bytes, then zeros.
 func TestAttackGPUSeparateSegments(t *testing.T) {
+	t.Parallel()
 	m := agMount(t)
 	const size = 4096
 	segs := []string{
@@ -305,6 +308,7 @@ func TestAttackGPUSeparateSegments(t *testing.T) {
 // segment (POSIX classes included: a group member is refused what others
 // get).
 func TestAttackGPUCounterFollowsChmod(t *testing.T) {
+	t.Parallel()
 	m := agMount(t)
 	seg := agSegment(t, m, "s", gtMiB, 0, 0, 0o644)
 	counter := agCounter(t, seg)

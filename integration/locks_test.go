@@ -166,6 +166,7 @@ print(json.dumps(res, sort_keys=True))
 // TestLocksAsOnTmpfs runs the lock rules on a tmpfs directory and on the
 // mount in both modes.
 func TestLocksAsOnTmpfs(t *testing.T) {
+	t.Parallel()
 	ref, err := os.MkdirTemp("/dev/shm", "tensorfs-locks-")
 	if err != nil {
 		t.Fatal(err)

@@ -60,6 +60,7 @@ func lsWantRow(t *testing.T, out, name string, want ...string) {
 // subtree; -l adds the holders, which show a child holding a segment; a
 // missing path is an error that does not stop the others.
 func TestLs(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		dir := m.path("model")
 		if err := os.MkdirAll(m.path("model/sub"), 0o755); err != nil {

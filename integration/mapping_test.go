@@ -267,18 +267,21 @@ func testMapping(t *testing.T, setup func(t *testing.T, path string), mapIt, end
 // TestMappingLibcClose: mmap(2) through libc, then close(2): the mapping
 // alone holds the segments.
 func TestMappingLibcClose(t *testing.T) {
+	t.Parallel()
 	testMapping(t, nil, "libc %s 4", "unmapall")
 }
 
 // TestMappingTorchFromFile: torch.from_file(shared=True) opens, maps and
 // closes; the tensor holds the segments until it is freed.
 func TestMappingTorchFromFile(t *testing.T) {
+	t.Parallel()
 	testMapping(t, nil, "torch %s", "drop")
 }
 
 // TestMappingOpenTorch: tensorfs.open_torch(mode="r+") maps through
 // torch.from_file.
 func TestMappingOpenTorch(t *testing.T) {
+	t.Parallel()
 	testMapping(t, func(t *testing.T, path string) {
 		xaSet(t, path, xaDtype, "uint8")
 		xaSet(t, path, xaShape, "[16384]")
@@ -288,12 +291,14 @@ func TestMappingOpenTorch(t *testing.T) {
 // TestMappingNumpyMemmap: numpy.memmap keeps a duplicate of its
 // descriptor beside the mapping; the process counts once.
 func TestMappingNumpyMemmap(t *testing.T) {
+	t.Parallel()
 	testMapping(t, nil, "memmap %s", "drop")
 }
 
 // TestMappingHandlePath: a mapping of the backing file through
 // user.tensorfs.handle, outside the mount, counts too.
 func TestMappingHandlePath(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		c := startMapChild(t)
 		p := newMapPair(t, m, c, 4)
@@ -310,6 +315,7 @@ func TestMappingHandlePath(t *testing.T) {
 // TestMappingPartialMunmap: unmapping part of a range leaves the rest
 // mapped, and a process with two regions still counts once.
 func TestMappingPartialMunmap(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		c, p, me := libcMapped(t, m)
 		for i := range p.both() {
@@ -330,6 +336,7 @@ func TestMappingPartialMunmap(t *testing.T) {
 // TestMappingFork: a child forked after mapping holds the mappings too,
 // until it exits.
 func TestMappingFork(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		c, p, me := libcMapped(t, m)
 		var kid int
@@ -350,6 +357,7 @@ func TestMappingFork(t *testing.T) {
 // TestMappingSIGKILL: a mapping process killed with SIGKILL frees the
 // segments.
 func TestMappingSIGKILL(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		c, p, _ := libcMapped(t, m)
 		c.kill9(t)
@@ -360,6 +368,7 @@ func TestMappingSIGKILL(t *testing.T) {
 // TestMappingReopen: opening a mapped UNLINK segment again and closing it
 // changes nothing: the name stays while the mapping lives.
 func TestMappingReopen(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		c, p, me := libcMapped(t, m)
 		run(t, "cat", p.unlink) // another process opens and closes it
@@ -375,12 +384,13 @@ func TestMappingReopen(t *testing.T) {
 // classic mode the mapping is of the dead mount's page cache, so the
 // segment goes at the remount.)
 func TestMappingDaemonCrash(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		c, p, me := libcMapped(t, m)
 
 		m.kill9(t)
 		ccWaitENOTCONN(t, m.dir)
-		ccRemountStrict(t, m)
+		m.remount(t)
 		if m.mode == "classic" {
 			if xaExists(t, p.unlink) {
 				t.Errorf("%s kept at remount although only the dead mount's pages are mapped", p.unlink)

@@ -14,6 +14,7 @@ import (
 // file) leaves no mount, no helper process and no counters behind, and
 // the next mount serves.
 func TestMountFailureReleasesAll(t *testing.T) {
+	// Serial: it counts every tensorfs process, other tests' daemons included.
 	requireEnvironment(t)
 	dir := filepath.Join(t.TempDir(), "mnt")
 	if err := os.Mkdir(dir, 0o755); err != nil {
@@ -47,7 +48,7 @@ func TestMountFailureReleasesAll(t *testing.T) {
 		t.Errorf("the failed mount left its counters directory")
 	}
 	os.Remove(sock)
-	m := startMount(t, dir, "passthrough", []string{"--gpu", "sim"})
+	m := startMount(t, dir, "passthrough", []string{"--gpu", "sim"}, false)
 	if err := os.WriteFile(m.path("x"), []byte("served"), 0o644); err != nil {
 		t.Errorf("the next mount does not serve: %v", err)
 	}

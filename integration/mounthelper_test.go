@@ -15,6 +15,7 @@ import (
 // "mount -t fuse.tensorfs" and fstab entries: through a link named
 // mount.fuse.tensorfs, called as "SPEC DIR -o OPTIONS".
 func TestMountHelper(t *testing.T) {
+	t.Parallel()
 	requireEnvironment(t)
 	dir := t.TempDir()
 	helper := filepath.Join(dir, "mount.fuse.tensorfs")

@@ -34,6 +34,7 @@ var notPOSIX = map[string]bool{"FcntlFlockLocksFile": true}
 // mount. A case that skips itself is a conformance gap: it is listed, and
 // fails the parent under CI=true / TENSORFS_STRICT=1.
 func TestPosixSuite(t *testing.T) {
+	t.Parallel()
 	var names []string
 	for _, name := range slices.Sorted(maps.Keys(posixtest.All)) {
 		if !notPOSIX[name] {
@@ -91,6 +92,7 @@ func pxUmask(t *testing.T, mask int) {
 // TestPosixExactModes: modes are exactly what the caller asked for, with
 // the caller's umask applied once by the kernel and the daemon's never.
 func TestPosixExactModes(t *testing.T) {
+	// Serial: it sets the process umask, which every test's children inherit.
 	forEachMode(t, func(t *testing.T, m *mount) {
 		pxUmask(t, 0)
 		for _, mode := range []uint32{0o666, 0o777, 0o600, 0o1777, 0o644, 0o000, 0o2755, 0o4755} {
@@ -231,6 +233,7 @@ func pxRunIn(t *testing.T, dir, name string, args ...string) (string, error) {
 // TestPosixOwnership: root can chown and chmod; what a non-root process
 // creates belongs to it. The mount needs --allow-other for uid 1000.
 func TestPosixOwnership(t *testing.T) {
+	// Serial: it sets the process umask, which every test's children inherit.
 	if _, err := exec.LookPath("setpriv"); err != nil {
 		skipOrFail(t, "setpriv not installed: %v", err)
 	}
@@ -312,6 +315,7 @@ func TestPosixOwnership(t *testing.T) {
 // TestPosixTimestamps: touch -d sets times to the nanosecond; a write
 // bumps mtime.
 func TestPosixTimestamps(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		p := m.path("times")
 		if err := os.WriteFile(p, []byte("hello"), 0o644); err != nil {
@@ -392,6 +396,7 @@ func TestPosixTimestamps(t *testing.T) {
 
 // TestPosixLinks: hard links share inode and bytes; symlinks read back.
 func TestPosixLinks(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		a, b := m.path("a"), m.path("sub/b")
 		if err := os.Mkdir(m.path("sub"), 0o755); err != nil {
@@ -469,6 +474,7 @@ func TestPosixLinks(t *testing.T) {
 // TestPosixSpecialFiles: fifos and device nodes keep their types, and a
 // fifo carries data between two processes.
 func TestPosixSpecialFiles(t *testing.T) {
+	// Serial: it sets the process umask, which every test's children inherit.
 	forEachMode(t, func(t *testing.T, m *mount) {
 		pxUmask(t, 0)
 		fifo := m.path("fifo")
@@ -543,6 +549,7 @@ func TestPosixSpecialFiles(t *testing.T) {
 // TestPosixNameLength: 255-byte names work, 256 is ENAMETOOLONG, statfs
 // says 255.
 func TestPosixNameLength(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		ok := strings.Repeat("n", 255)
 		long := strings.Repeat("n", 256)
@@ -608,6 +615,7 @@ func TestPosixNameLength(t *testing.T) {
 // (a path of over 6000 bytes, beyond PATH_MAX) with openat-relative calls
 // only, and uses it: create, write, read, rename, readdir, remove.
 func TestPosixDeepPath(t *testing.T) {
+	t.Parallel()
 	const depth = 60
 	forEachMode(t, func(t *testing.T, m *mount) {
 		name := func(i int) string { return fmt.Sprintf("%03d-%s", i, strings.Repeat("d", 96)) }
@@ -719,6 +727,7 @@ func TestPosixDeepPath(t *testing.T) {
 // TestPosixRenameOpenDir: a directory renamed while open keeps working
 // through its descriptor: new files land under its new name.
 func TestPosixRenameOpenDir(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		for _, dir := range []string{"a", "other"} {
 			if err := os.Mkdir(m.path(dir), 0o755); err != nil {

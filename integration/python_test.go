@@ -29,6 +29,7 @@ import (
 // with np.memmap(mode="r+"), checks what Go wrote and writes new values,
 // which Go reads back through the mount.
 func TestPythonNumpyMemmapFromXattrs(t *testing.T) {
+	t.Parallel()
 	const rows, cols = 64, 32
 	const script = `
 import json, os, sys
@@ -130,6 +131,7 @@ func requireTorch(t *testing.T) {
 // second maps them with torch.from_file(shared=True), sees them and stores
 // into the tensor; a third child and the test see that store.
 func TestTorchFromFileShared(t *testing.T) {
+	t.Parallel()
 	requireTorch(t)
 	const n = 1 << 16
 	const writer = `
@@ -190,6 +192,7 @@ print("read", len(a), a[7], a[-1], a[1000], a[1999], a[2000])
 // segment with torch.from_file(shared=True) and see each other's stores
 // while both mappings exist.
 func TestTorchFromFileConcurrent(t *testing.T) {
+	t.Parallel()
 	requireTorch(t)
 	const n = 4096
 	const proc = `
@@ -242,6 +245,7 @@ sys.stdin.readline()
 // same dtype spellings and agree on their canonical names, both reading
 // the one table (alloc/dtypes.json, shipped in the Python package).
 func TestPythonDtypeSpellings(t *testing.T) {
+	t.Parallel()
 	var spellings []string
 	for _, d := range alloc.Dtypes() {
 		for _, a := range append([]string{d.Name}, d.TorchAliases...) {

@@ -234,6 +234,7 @@ func stTree(t *testing.T, dir string) []string {
 // exports byte-identical too (its header is kept); after a tensor is
 // removed and one added, export writes a valid file with the others.
 func TestSafetensorsImportExport(t *testing.T) {
+	t.Parallel()
 	ref := stWrite(t, "reference")
 	pretty := stWrite(t, "pretty")
 	forEachMode(t, func(t *testing.T, m *mount) {
@@ -328,6 +329,7 @@ func TestSafetensorsImportExport(t *testing.T) {
 // stderr, and leave no segment, directory or temporary directory behind;
 // so does an import that fills the mount halfway through.
 func TestSafetensorsRefused(t *testing.T) {
+	t.Parallel()
 	ref := stWrite(t, "reference")
 	big := stWrite(t, "big")
 	data, err := os.ReadFile(ref)
@@ -419,6 +421,7 @@ func TestSafetensorsRefused(t *testing.T) {
 // extended attribute are split over several, and export still gives back
 // the same bytes.
 func TestSafetensorsLargeHeader(t *testing.T) {
+	t.Parallel()
 	many := stWrite(t, "many")
 	m := mountFS(t, "passthrough")
 	dir := m.path("many")

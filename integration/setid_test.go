@@ -45,6 +45,7 @@ func setidModes(t *testing.T, dir string) map[string]os.FileMode {
 }
 
 func TestSetidClearedAsOnTmpfs(t *testing.T) {
+	t.Parallel()
 	ref, err := os.MkdirTemp("/dev/shm", "tensorfs-setid-")
 	if err != nil {
 		t.Fatal(err)
@@ -72,6 +73,7 @@ func TestSetidClearedAsOnTmpfs(t *testing.T) {
 // own owner (the kernel marks every chown FATTR_KILL_SUIDGID, which has
 // nothing to clear on a link), and chown of a set-id file clears the bits.
 func TestChownKeepsSymlinks(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		link := m.path("link")
 		if err := os.Symlink("target", link); err != nil {

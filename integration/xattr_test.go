@@ -449,6 +449,7 @@ func xaWantLog(t *testing.T, m *mount, must []string, anyOf ...string) {
 // TestXattrListSegment: getfattr -d on a segment shows the virtual names
 // and the stored user.tensor.* ones; a directory shows its own.
 func TestXattrListSegment(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		p := m.path("seg")
 		run(t, "dd", "if=/dev/zero", "of="+p, "bs=4096", "count=1", "status=none")
@@ -501,6 +502,7 @@ func TestXattrListSegment(t *testing.T) {
 // TestXattrRootStats: the root's user.tensorfs.stats is JSON with mode,
 // segments, bytes, capacity and requests, and getfattr -d lists it.
 func TestXattrRootStats(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		run(t, "dd", "if=/dev/zero", "of="+m.path("a"), "bs=4096", "count=1", "status=none")
 		run(t, "mkdir", m.path("sub"))
@@ -535,6 +537,7 @@ func TestXattrRootStats(t *testing.T) {
 // it is empty (by name or number, read back canonical), are EBUSY once it
 // has bytes, and bad or forbidden values are refused and change nothing.
 func TestFlagsSegment(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		// A producer holds the empty segment while it sets its flags.
 		p := m.path("empty")
@@ -594,6 +597,7 @@ func TestFlagsSegment(t *testing.T) {
 // TestFlagsDirInherit: flags set on a directory are inherited by the
 // segments and directories created in it, and theirs in turn.
 func TestFlagsDirInherit(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		dir := m.path("d")
 		run(t, "mkdir", dir)
@@ -669,6 +673,7 @@ func xaSame(t *testing.T, src, path, after string) {
 // TestExclusiveDir: in an EXCLUSIVE directory names are created
 // exclusively and a segment with bytes is never truncated or replaced.
 func TestExclusiveDir(t *testing.T) {
+	t.Parallel()
 	src := xaRandomFile(t, 64<<10)
 	forEachMode(t, func(t *testing.T, m *mount) {
 		ex := m.path("ex")
@@ -735,6 +740,7 @@ func TestExclusiveDir(t *testing.T) {
 // TestNoCreateDir: nothing new comes into a NOCREATE directory, by any
 // call; what is there is read and written as usual.
 func TestNoCreateDir(t *testing.T) {
+	t.Parallel()
 	src := xaRandomFile(t, 16<<10)
 	src2 := xaRandomFile(t, 16<<10)
 	forEachMode(t, func(t *testing.T, m *mount) {
@@ -785,6 +791,7 @@ func TestNoCreateDir(t *testing.T) {
 // process holds it and its name goes with the last holder; nothing is
 // left in the backing.
 func TestUnlinkLastHolder(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		u := m.path("u")
 		run(t, "mkdir", u)
@@ -842,6 +849,7 @@ func TestUnlinkLastHolder(t *testing.T) {
 // TestUnlinkProducerKilled: a producer that dies of SIGKILL while holding
 // an UNLINK segment leaks nothing.
 func TestUnlinkProducerKilled(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		u := m.path("u")
 		run(t, "mkdir", u)
@@ -874,6 +882,7 @@ func TestUnlinkProducerKilled(t *testing.T) {
 // UNLINK segment alive (it holds a reference); when its process exits the
 // segment goes.
 func TestUnlinkMmapOutlivesClose(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		u := m.path("u")
 		run(t, "mkdir", u)
@@ -901,6 +910,7 @@ func TestUnlinkMmapOutlivesClose(t *testing.T) {
 // TestRefcountHolders: refcount counts open handles across processes and
 // holders names each process with its handles.
 func TestRefcountHolders(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		p := m.path("r")
 		run(t, "dd", "if=/dev/zero", "of="+p, "bs=4096", "count=1", "status=none")
@@ -939,6 +949,7 @@ func TestRefcountHolders(t *testing.T) {
 // TestRefcountThreads: holders has one line per process, however many of
 // its threads opened the segment.
 func TestRefcountThreads(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		p := m.path("r")
 		run(t, "dd", "if=/dev/zero", "of="+p, "bs=4096", "count=1", "status=none")
@@ -956,6 +967,7 @@ func TestRefcountThreads(t *testing.T) {
 // TestRefcountMmapOutlivesClose: a mapping that outlives close() still
 // counts as a handle of its process.
 func TestRefcountMmapOutlivesClose(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		p := m.path("r")
 		run(t, "dd", "if=/dev/zero", "of="+p, "bs=4096", "count=1", "status=none")
@@ -981,6 +993,7 @@ func TestRefcountMmapOutlivesClose(t *testing.T) {
 // TestHandleSameBytes: the backing path in user.tensorfs.handle, opened
 // outside the mount, has the segment's bytes.
 func TestHandleSameBytes(t *testing.T) {
+	t.Parallel()
 	src := xaRandomFile(t, 1<<20)
 	forEachMode(t, func(t *testing.T, m *mount) {
 		run(t, "mkdir", m.path("dir"))
@@ -1005,6 +1018,7 @@ func TestHandleSameBytes(t *testing.T) {
 // and the backing file share pages: writes through either side are seen
 // by the other with no sync.
 func TestHandleMmapCoherent(t *testing.T) {
+	t.Parallel()
 	m := mountFS(t, "passthrough")
 	p := m.path("seg")
 	run(t, "dd", "if=/dev/zero", "of="+p, "bs=4096", "count=1", "status=none")
@@ -1035,6 +1049,7 @@ func TestHandleMmapCoherent(t *testing.T) {
 // TestTensorDtype: PyTorch and NumPy spellings are accepted and one
 // canonical spelling is stored; an unknown dtype is EINVAL.
 func TestTensorDtype(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		p := m.path("t")
 		run(t, "dd", "if=/dev/zero", "of="+p, "bs=4096", "count=1", "status=none")
@@ -1061,6 +1076,7 @@ func TestTensorDtype(t *testing.T) {
 // of non-negative integers, or whose extent exceeds the segment's bytes,
 // is EINVAL and the old value is kept.
 func TestTensorShape(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		p := m.path("t")
 		run(t, "truncate", "-s", strconv.Itoa(1024*768*4), p)
@@ -1084,6 +1100,7 @@ func TestTensorShape(t *testing.T) {
 // TestTensorStrideOffset: stride and storage_offset are checked against
 // the segment's bytes like the shape.
 func TestTensorStrideOffset(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		p := m.path("t")
 		run(t, "dd", "if=/dev/zero", "of="+p, "bs=4096", "count=1", "status=none")
@@ -1120,6 +1137,7 @@ func TestTensorStrideOffset(t *testing.T) {
 // TestXattrUserSurvivesRemount: any user.* is stored verbatim, and it,
 // the tensor metadata and directory flags survive unmount and mount.
 func TestXattrUserSurvivesRemount(t *testing.T) {
+	t.Parallel()
 	src := xaRandomFile(t, 4096)
 	forEachMode(t, func(t *testing.T, m *mount) {
 		dir := m.path("d")
@@ -1155,6 +1173,7 @@ func TestXattrUserSurvivesRemount(t *testing.T) {
 // TestXattrReadOnly: tensorfs's computed names are EPERM to write or
 // remove, and keep their values.
 func TestXattrReadOnly(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		p := m.path("seg")
 		run(t, "dd", "if=/dev/zero", "of="+p, "bs=4096", "count=1", "status=none")
@@ -1186,6 +1205,7 @@ func TestXattrReadOnly(t *testing.T) {
 // TestXattrDevice: a segment's device is cpu; cuda:N is EOPNOTSUPP on a
 // mount without a GPU, and an unknown device is EINVAL.
 func TestXattrDevice(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		p := m.path("seg")
 		run(t, "touch", p)
@@ -1208,6 +1228,7 @@ func TestXattrDevice(t *testing.T) {
 // TestXattrRefusalsLogged: every refused setfattr leaves a "refused" line
 // with its reason in the daemon's log.
 func TestXattrRefusalsLogged(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		empty := m.path("empty")
 		run(t, "touch", empty)

@@ -111,7 +111,10 @@ echo "== go vet/build -tags cuda"
 )
 
 echo "== go test"
-go test -race -count=1 -timeout 30m "$@" ./...
+# -parallel 4 (the default is one per CPU): the integration tests mostly
+# wait on daemons, python children and polls; on two CPUs, 4 ran them
+# faster than 2 or 8.
+go test -race -count=1 -timeout 30m -parallel 4 "$@" ./...
 
 if [ -d python/tests ]; then
 	echo "== python tests"
