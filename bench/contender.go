@@ -27,9 +27,9 @@ const (
 	// contender directory one whose segments live on cuda:0.
 	simName = "cuda:0 (sim)"
 	// simCpName is cp into that same directory: the sim's copy speed.
-	simCpName     = "cp to cuda:0 (sim)"
-	shmName       = "share_memory_()"
-	copyName      = "own copy"
+	simCpName = "cp to cuda:0 (sim)"
+	shmName   = "share_memory_()"
+	copyName  = "own copy"
 )
 
 // contender is one thing a case runs against: a directory, and for
