@@ -1,4 +1,4 @@
-# make bench        the benchmarks (as root; about ten minutes); writes BENCHMARKS.md
+# make bench        the benchmarks (as root; about fifteen minutes); writes BENCHMARKS.md
 # make bench-quick  small sizes and 3 rounds; writes bin/BENCHMARKS-quick.md
 # make test         scripts/test.sh: gofmt, go vet, every test
 GO ?= go

@@ -179,11 +179,15 @@ func (b *bench) floorNote(m metricDef, c, ref string, want float64) string {
 		return ""
 	}
 	u := b.res.usage[usageKey{k, c}]
-	var reqs float64
+	var reqs, async float64 // requests the caller waits for, and the others
 	if u != nil {
 		per := float64(u.runs * max(b.res.opsPerRun[k], 1))
-		for _, n := range u.requests {
-			reqs += float64(n) / per
+		for op, n := range u.requests {
+			if unawaited[op] {
+				async += float64(n) / per
+			} else {
+				reqs += float64(n) / per
+			}
 		}
 	}
 	ops := b.res.opsPerRun[k]
@@ -219,6 +223,19 @@ func (b *bench) floorNote(m metricDef, c, ref string, want float64) string {
 			fmt.Fprintf(&s, ", %s's %s µs", ref, fmtNum(lc))
 		}
 	}
+	if t, ok := b.perOp(m, tmpfsName); ok && ref != tmpfsName && t > x {
+		fmt.Fprintf(&s, "; tmpfs itself, with no FUSE at all, takes %s µs", fmtNum(t))
+	}
+	if async >= 0.01 {
+		fmt.Fprintf(&s, "; of the requests, %s %s are ones the caller does not wait for (%s), counted below as "+
+			"taking no time of its own", fmtNum(async), unit, strings.Join(slices.Sorted(maps.Keys(unawaited)), ", "))
+	}
+	if lw, ok := b.perOp(m, ref); ok && ref == loopName && reqs >= 0.01 && reqs*f < x {
+		if lf, ok := b.perOp(floor, ref); ok {
+			fmt.Fprintf(&s, "; the target leaves %s µs beyond %s round trips at the floor, and loopback takes %s µs "+
+				"beyond as many at its own", fmtNum(x-reqs*f), fmtNum(reqs), fmtNum(lw-reqs*lf))
+		}
+	}
 	switch {
 	case reqs < 0.01:
 		fmt.Fprintf(&s, ": no request reaches the daemon, so the %s µs past the target are the kernel's", fmtNum(w-x))
@@ -234,6 +251,11 @@ func (b *bench) floorNote(m metricDef, c, ref string, want float64) string {
 	}
 	return s.String()
 }
+
+// unawaited are the requests the kernel sends without making the caller
+// wait for the answer: close(2) returns before RELEASE is served, and
+// FORGET has no answer.
+var unawaited = map[string]bool{"RELEASE": true, "RELEASEDIR": true, "FORGET": true, "BATCH_FORGET": true}
 
 // perOp is a metadata metric's median as µs per operation (per run for
 // a metric in ms).
