@@ -89,13 +89,7 @@ func metaLoops(c *contender, names []string) []metaLoop {
 			_, err := unix.Getxattr(seg, shapeXattr, val)
 			return err
 		}},
-		{mFloor, "getxattr from memory", func(int) error {
-			_, err := unix.Getxattr(seg, flagsXattr, val)
-			if err == unix.ENODATA && !c.tensorfs {
-				return nil
-			}
-			return err
-		}},
+		{mFloor, "getxattr from memory", func(int) error { return getFloor(c, seg, val) }},
 	}
 }
 

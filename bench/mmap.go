@@ -207,20 +207,25 @@ func timeOpen(path string) (time.Duration, error) {
 	return d, unix.Close(fd)
 }
 
-// timeFloor returns a timer of one getxattr of user.tensorfs.flags, which
-// tensorfs answers from memory; on the other contenders the name is
-// absent and ENODATA is the answer.
+// timeFloor returns a timer of one getFloor.
 func timeFloor(c *contender) func(string) (time.Duration, error) {
 	val := make([]byte, 64)
 	return func(path string) (time.Duration, error) {
 		t := time.Now()
-		_, err := unix.Getxattr(path, flagsXattr, val)
-		d := time.Since(t)
-		if err == unix.ENODATA && !c.tensorfs {
-			err = nil
-		}
-		return d, err
+		err := getFloor(c, path, val)
+		return time.Since(t), err
 	}
+}
+
+// getFloor reads user.tensorfs.flags of path into val: tensorfs answers
+// it from memory; on the other contenders the name is absent and ENODATA
+// is the answer.
+func getFloor(c *contender, path string, val []byte) error {
+	_, err := unix.Getxattr(path, flagsXattr, val)
+	if err == unix.ENODATA && !c.tensorfs {
+		return nil
+	}
+	return err
 }
 
 // writeFile writes size non-zero bytes to a new file at path, 1 MiB at a

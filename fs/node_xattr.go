@@ -52,9 +52,9 @@ func (n *node) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, 
 	return uint32(sz), n.fs.errnoOf("getxattr "+attr, n, err)
 }
 
-// xattrReply answers a getxattr of value v into dest: its size when dest
-// is empty (the caller asks how much room it needs), ERANGE when it does
-// not fit.
+// xattrReply answers a getxattr or listxattr of value v into dest: its
+// size when dest is empty (the caller asks how much room it needs),
+// ERANGE when it does not fit.
 func xattrReply(dest, v []byte) (uint32, syscall.Errno) {
 	if len(dest) == 0 {
 		return uint32(len(v)), 0
@@ -198,13 +198,7 @@ func (n *node) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errn
 			b.WriteByte(0)
 		}
 	}
-	if len(dest) == 0 {
-		return uint32(b.Len()), 0
-	}
-	if len(dest) < b.Len() {
-		return uint32(b.Len()), syscall.ERANGE
-	}
-	return uint32(copy(dest, b.Bytes())), 0
+	return xattrReply(dest, b.Bytes())
 }
 
 var _ = (fusefs.NodeSetxattrer)((*node)(nil))
