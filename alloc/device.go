@@ -2,8 +2,7 @@ package alloc
 
 import (
 	"errors"
-	"io/fs"
-	"path/filepath"
+	"fmt"
 	"strconv"
 	"strings"
 
@@ -19,14 +18,14 @@ var (
 	attrSpilled = internalAttr("spilled")
 )
 
-// DeviceOf returns the device of the backing object at path: "cpu" unless
-// a GPU device is stored.
-func DeviceOf(path string) string {
+// ReadDevice returns the device stored on the backing object at path:
+// "cpu" when none is.
+func ReadDevice(path string) (string, error) {
 	v, err := readAttr(path, AttrDevice)
 	if err != nil || v == "" {
-		return "cpu"
+		return "cpu", err
 	}
-	return v
+	return v, nil
 }
 
 // ParseDevice returns the canonical name of a device value: "cpu" or
@@ -55,14 +54,20 @@ type DeviceState struct {
 }
 
 // ReadDeviceState reads the device segment state stored at path.
-func ReadDeviceState(path string) DeviceState {
+func ReadDeviceState(path string) (DeviceState, error) {
 	var ds DeviceState
-	if v, err := readAttr(path, attrDevSize); err == nil {
-		ds.Size, _ = strconv.ParseInt(v, 10, 64)
+	v, err := readAttr(path, attrDevSize)
+	if err != nil {
+		return ds, err
 	}
-	v, _ := readAttr(path, attrSpilled)
+	if v != "" {
+		if ds.Size, err = strconv.ParseInt(v, 10, 64); err != nil || ds.Size < 0 {
+			return ds, fmt.Errorf("%w: device segment size %q", ErrInvalid, v)
+		}
+	}
+	v, err = readAttr(path, attrSpilled)
 	ds.Spilled = v == "1"
-	return ds
+	return ds, err
 }
 
 // WriteDeviceState records a device segment's state at path.
@@ -77,16 +82,4 @@ func WriteDeviceState(path string, ds DeviceState) error {
 		return err
 	}
 	return nil
-}
-
-// DeviceSegments returns the paths of the device segments in the backing.
-func (s *Store) DeviceSegments() ([]string, error) {
-	var paths []string
-	err := filepath.WalkDir(s.Dir, func(p string, d fs.DirEntry, err error) error {
-		if err == nil && d.Type().IsRegular() && DeviceOf(p) != "cpu" {
-			paths = append(paths, p)
-		}
-		return err
-	})
-	return paths, err
 }

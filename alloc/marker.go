@@ -69,27 +69,101 @@ func validID(id string) bool {
 	return true
 }
 
-// readID reads an id attribute; a value that is not a valid id is no id.
-func readID(path, attr string) string {
-	id, err := readAttr(path, attr)
-	if err != nil || !validID(id) {
-		return ""
+// Kind is where a segment's bytes live (DESIGN.md §11).
+type Kind int
+
+// The kinds of segment. A marker (an empty backing file with one of
+// tensorfs's internal attributes) redirects the bytes of every kind but
+// Host.
+const (
+	// Host: the backing file itself holds the bytes.
+	Host Kind = iota
+	// Disk: a file on the --disk directory holds the bytes and the
+	// attributes (SHARED).
+	Disk
+	// Imported: a descriptor a client sent holds the bytes (FROMFD).
+	Imported
+	// Device: GPU memory holds the bytes; the backing file keeps the
+	// attributes and, after a clean unmount, the spilled bytes.
+	Device
+)
+
+// String names the kind as logs, stats and tests do.
+func (k Kind) String() string {
+	switch k {
+	case Disk:
+		return "shared"
+	case Imported:
+		return "imported"
+	case Device:
+		return "device"
 	}
-	return id
+	return "host"
 }
 
-// ImportID returns the import id of the marker at path, "" if it is not
-// an imported segment.
-func ImportID(path string) string { return readID(path, attrImport) }
+// Marker is what a segment's backing file records about where its bytes
+// live.
+type Marker struct {
+	Kind Kind
+	// ID is the disk file's id (Disk) or the import's id (Imported).
+	ID string
+	// Device is the device the bytes live on, "cuda:N" (Device).
+	Device string
+}
+
+// ReadMarker is the one classifier of backing objects: it reads the
+// marker of the object at path, whose stat is st. Only an empty regular
+// file can be a marker; anything else is Host. Errors reading the
+// attributes are returned, never taken for "no marker"; a marker whose id
+// tensorfs cannot have made is ErrInvalid.
+func ReadMarker(path string, st *unix.Stat_t) (Marker, error) {
+	if st.Mode&syscall.S_IFMT != syscall.S_IFREG || st.Size != 0 {
+		return Marker{}, nil
+	}
+	names, err := listNames(path)
+	if err != nil {
+		return Marker{}, err
+	}
+	has := map[string]bool{}
+	for _, n := range names {
+		has[n] = true
+	}
+	readID := func(attr string, kind Kind) (Marker, error) {
+		id, err := readAttr(path, attr)
+		if err != nil {
+			return Marker{}, err
+		}
+		if !validID(id) {
+			return Marker{}, fmt.Errorf("%w: the %s marker holds %q, not an id tensorfs makes", ErrInvalid, kind, id)
+		}
+		return Marker{Kind: kind, ID: id}, nil
+	}
+	switch {
+	case has[attrImport]:
+		return readID(attrImport, Imported)
+	case has[attrDisk]:
+		return readID(attrDisk, Disk)
+	case has[AttrDevice]:
+		v, err := readAttr(path, AttrDevice)
+		if err != nil {
+			return Marker{}, err
+		}
+		dev, ok := ParseDevice(v)
+		if !ok {
+			return Marker{}, fmt.Errorf("%w: the device marker holds %q", ErrInvalid, v)
+		}
+		if dev == "cpu" {
+			return Marker{}, nil
+		}
+		return Marker{Kind: Device, Device: dev}, nil
+	}
+	return Marker{}, nil
+}
 
 // MarkImport makes the empty file at path the marker of imported segment id.
 func MarkImport(path, id string) error {
 	return unix.Setxattr(path, attrImport, []byte(id), 0)
 }
-
-// SharedID returns the disk id of the marker at path, "" if it is an
-// ordinary segment.
-func SharedID(path string) string { return readID(path, attrDisk) }
 
 // CreateShared makes the disk file of a new SHARED segment whose marker is
 // the file at markerPath (a FdPath of the open marker) and whose name in
@@ -210,15 +284,21 @@ func (s *Store) RemoveShared(id string) error {
 
 // RecordSharedPath notes on a SHARED segment's disk file the path rel its
 // marker, at markerPath (a FdPath), now has; a no-op for other segments.
-func (s *Store) RecordSharedPath(markerPath, rel string) {
+func (s *Store) RecordSharedPath(markerPath, rel string) error {
 	if s.Disk == "" {
-		return
+		return nil
 	}
-	if id := SharedID(markerPath); id != "" {
-		At(s.DiskFd, id, 0, func(p string) error {
-			return unix.Setxattr(p, attrPath, []byte(rel), 0)
-		})
+	var st unix.Stat_t
+	if err := unix.Stat(markerPath, &st); err != nil {
+		return err
 	}
+	m, err := ReadMarker(markerPath, &st)
+	if err != nil || m.Kind != Disk {
+		return err
+	}
+	return At(s.DiskFd, m.ID, 0, func(p string) error {
+		return unix.Setxattr(p, attrPath, []byte(rel), 0)
+	})
 }
 
 // NewID returns a random id for a marker.

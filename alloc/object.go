@@ -1,6 +1,7 @@
 package alloc
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"strconv"
@@ -15,32 +16,135 @@ func FdPath(fd int) string {
 	return "/proc/self/fd/" + strconv.Itoa(fd)
 }
 
-// At runs fn with a path that names exactly the object name in the
-// directory open at dirfd (an empty name: the object open at dirfd). The
-// object is opened with O_PATH|O_NOFOLLOW, so a name that was replaced
-// with a symbolic link meanwhile is never followed: At refuses symbolic
-// links with ELOOP. A nonzero ino is the inode the caller means; another
-// object found at name is refused with ESTALE.
-func At(dirfd int, name string, ino uint64, fn func(path string) error) error {
+// Ref is an O_PATH descriptor of exactly one backing object: opened by
+// name without following a symbolic link, and checked to be the inode the
+// caller meant. Every access to a backing object by name goes through a
+// Ref (DESIGN.md §9, "one mechanism"): the object is found once, checked
+// once, and every later call (attributes, owner, times, a real open) acts
+// on that inode, whatever is renamed meanwhile.
+type Ref struct {
+	fd int
+	st unix.Stat_t
+}
+
+// OpenRef opens name in the directory open at dirfd; an empty name: the
+// object open at dirfd itself (a segment in no directory, reached
+// through its open handle). A nonzero ino is the inode the caller means;
+// another object at name is refused with ESTALE, so that the kernel looks
+// the name up again.
+func OpenRef(dirfd int, name string, ino uint64) (*Ref, error) {
+	var fd int
+	var err error
 	if name == "" {
-		return fn(FdPath(dirfd))
+		fd, err = unix.FcntlInt(uintptr(dirfd), unix.F_DUPFD_CLOEXEC, 0)
+	} else {
+		fd, err = unix.Openat(dirfd, name, unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	}
-	fd, err := unix.Openat(dirfd, name, unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	r := &Ref{fd: fd}
+	if err := unix.Fstat(fd, &r.st); err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	if ino != 0 && r.st.Ino != ino {
+		unix.Close(fd)
+		return nil, fmt.Errorf("%s is no longer the object asked for: %w", name, syscall.ESTALE)
+	}
+	return r, nil
+}
+
+// Close releases the descriptor.
+func (r *Ref) Close() error { return unix.Close(r.fd) }
+
+// Stat returns the object's stat as it was when the Ref was opened.
+func (r *Ref) Stat() *unix.Stat_t { return &r.st }
+
+// Fd returns the O_PATH descriptor, valid until Close.
+func (r *Ref) Fd() int { return r.fd }
+
+// IsSymlink reports whether the object is a symbolic link.
+func (r *Ref) IsSymlink() bool { return r.st.Mode&syscall.S_IFMT == syscall.S_IFLNK }
+
+// Path returns a /proc path that names exactly the object, for the calls
+// that take a path (xattrs, chmod). A symbolic link has none: the path
+// would reach what it points to.
+func (r *Ref) Path() (string, error) {
+	if r.IsSymlink() {
+		return "", fmt.Errorf("a symbolic link: %w", syscall.ELOOP)
+	}
+	return FdPath(r.fd), nil
+}
+
+// Open opens the object itself with flags (O_RDONLY, O_WRONLY or O_RDWR,
+// and O_NONBLOCK, O_APPEND...): a new open file description of this very
+// inode, never of a name. Only regular files are opened, so that no
+// special file planted at a name is ever opened by the daemon.
+func (r *Ref) Open(flags int) (int, error) {
+	if r.st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+		return -1, fmt.Errorf("not a regular file (mode %#o): %w", r.st.Mode, syscall.EINVAL)
+	}
+	fd, err := unix.Open(FdPath(r.fd), (flags|unix.O_CLOEXEC)&^(unix.O_CREAT|unix.O_EXCL|unix.O_TRUNC|unix.O_NOFOLLOW), 0)
+	if err != nil {
+		return -1, err
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Ino != r.st.Ino || st.Dev != r.st.Dev {
+		unix.Close(fd)
+		return -1, fmt.Errorf("reopen reached another object: %w", syscall.ESTALE)
+	}
+	return fd, nil
+}
+
+// Utimes sets the object's access and modification times (UTIME_OMIT
+// keeps one); a symbolic link's own times.
+func (r *Ref) Utimes(ts []unix.Timespec) error {
+	if r.IsSymlink() {
+		return unix.UtimesNanoAt(r.fd, "", ts, unix.AT_EMPTY_PATH)
+	}
+	return unix.UtimesNanoAt(unix.AT_FDCWD, FdPath(r.fd), ts, 0)
+}
+
+// Chown sets the object's owner and group (-1 keeps one); a symbolic
+// link's own.
+func (r *Ref) Chown(uid, gid int) error {
+	return unix.Fchownat(r.fd, "", uid, gid, unix.AT_EMPTY_PATH)
+}
+
+// Chmod sets the object's mode bits; symbolic links have none to set.
+func (r *Ref) Chmod(mode uint32) error {
+	p, err := r.Path()
+	if err != nil {
+		return fmt.Errorf("%w: symbolic links have no mode of their own", syscall.EOPNOTSUPP)
+	}
+	return unix.Chmod(p, mode&07777)
+}
+
+// Readlink returns a symbolic link's target.
+func (r *Ref) Readlink() ([]byte, error) {
+	buf := make([]byte, unix.PathMax)
+	n, err := unix.Readlinkat(r.fd, "", buf)
+	if err != nil {
+		return nil, err
+	}
+	return buf[:n], nil
+}
+
+// At runs fn with a path that names exactly the object name in the
+// directory open at dirfd (an empty name: the object open at dirfd),
+// found as OpenRef finds it; a symbolic link is refused with ELOOP.
+func At(dirfd int, name string, ino uint64, fn func(path string) error) error {
+	r, err := OpenRef(dirfd, name, ino)
 	if err != nil {
 		return err
 	}
-	defer unix.Close(fd)
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return err
+	defer r.Close()
+	p, err := r.Path()
+	if err != nil {
+		return fmt.Errorf("%s: %w", name, err)
 	}
-	switch {
-	case st.Mode&syscall.S_IFMT == syscall.S_IFLNK:
-		return fmt.Errorf("%s is a symbolic link: %w", name, syscall.ELOOP)
-	case ino != 0 && st.Ino != ino:
-		return fmt.Errorf("%s is no longer the object asked for: %w", name, syscall.ESTALE)
-	}
-	return fn(FdPath(fd))
+	return fn(p)
 }
 
 // Walk calls fn for every object below the directory open at dirfd,
@@ -48,10 +152,14 @@ func At(dirfd int, name string, ino uint64, fn func(path string) error) error {
 // name, its path relative to dirfd and its stat. It opens each directory
 // by name with O_NOFOLLOW relative to its parent's descriptor, so a
 // symbolic link is never entered, whatever is renamed meanwhile. An
-// unreadable entry is skipped; fn's error stops the walk.
+// unreadable entry is skipped; fn's error stops the walk, and so does
+// SkipDir for the directory fn was called with (its contents are skipped).
 func Walk(dirfd int, fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
 	return walk(dirfd, "", fn)
 }
+
+// SkipDir, returned by Walk's fn for a directory, skips its contents.
+var SkipDir = errors.New("skip this directory")
 
 func walk(dirfd int, rel string, fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
 	fd, err := unix.Openat(dirfd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
@@ -73,7 +181,11 @@ func walk(dirfd int, rel string, fn func(dirfd int, name, rel string, st *unix.S
 		if rel != "" {
 			p = rel + "/" + name
 		}
-		if err := fn(dirfd, name, p, &st); err != nil {
+		err := fn(dirfd, name, p, &st)
+		if err == SkipDir && st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
+			continue
+		}
+		if err != nil {
 			return err
 		}
 		if st.Mode&syscall.S_IFMT != syscall.S_IFDIR {
@@ -81,6 +193,11 @@ func walk(dirfd int, rel string, fn func(dirfd int, name, rel string, st *unix.S
 		}
 		sub, err := unix.Openat(dirfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 		if err != nil {
+			continue
+		}
+		var sst unix.Stat_t
+		if unix.Fstat(sub, &sst) != nil || sst.Ino != st.Ino {
+			unix.Close(sub) // replaced since the stat: not the directory fn saw
 			continue
 		}
 		err = walk(sub, p, fn)

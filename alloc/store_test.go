@@ -95,19 +95,21 @@ func TestRecoverRemovesUnlinkSegmentsAndRestoresShared(t *testing.T) {
 	// A purged backing: the marker is gone, the disk file stays.
 	os.Remove(filepath.Join(backing, "marker"))
 
-	segs, bytes, err := s.Recover(nil)
+	rec, err := s.Recover(nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if segs != 1 || bytes != 4 {
-		t.Errorf("Recover kept %d segments, %d bytes; want 1, 4", segs, bytes)
+	if rec.Segments != 1 || rec.Bytes != 4 {
+		t.Errorf("Recover kept %d segments, %d bytes; want 1, 4", rec.Segments, rec.Bytes)
 	}
 	if _, err := os.Stat(temp); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("UNLINK segment survived recovery: %v", err)
 	}
 	restored := filepath.Join(backing, "sub", "w")
-	if got := SharedID(restored); got != id {
-		t.Errorf("restored marker names %q, want %q", got, id)
+	var st unix.Stat_t
+	unix.Stat(restored, &st)
+	if got, err := ReadMarker(restored, &st); err != nil || got != (Marker{Kind: Disk, ID: id}) {
+		t.Errorf("restored marker is %+v (%v), want disk id %q", got, err, id)
 	}
 }
 
@@ -132,15 +134,15 @@ func TestRecoverKeepsMappedUnlinkSegments(t *testing.T) {
 		t.Fatal(err)
 	}
 	var asked []uint64
-	segs, bytes, err := s.Recover(func(s *unix.Stat_t) bool {
+	rec, err := s.Recover(func(s *unix.Stat_t) bool {
 		asked = append(asked, s.Ino)
 		return s.Dev == st.Dev && s.Ino == st.Ino
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if segs != 1 || bytes != 3 || len(asked) != 2 {
-		t.Errorf("Recover kept %d segments, %d bytes, asked about %d; want 1, 3, 2", segs, bytes, len(asked))
+	if rec.Segments != 1 || rec.Bytes != 3 || len(asked) != 2 {
+		t.Errorf("Recover kept %d segments, %d bytes, asked about %d; want 1, 3, 2", rec.Segments, rec.Bytes, len(asked))
 	}
 	if _, err := os.Stat(mapped); err != nil {
 		t.Errorf("mapped UNLINK segment: %v, want kept", err)

@@ -155,9 +155,17 @@ func setDevice(obj Object, v string) error {
 			return fmt.Errorf("%w: %s: this mount serves no GPU (mount with --gpu sim or --gpu cuda)", ErrNoDevice, dev)
 		}
 		return fmt.Errorf("%w: %s: this mount serves %s only", ErrNoDevice, dev, obj.GPU)
-	case !obj.Dir && obj.Size > 0 && dev != DeviceOf(obj.Path):
-		return fmt.Errorf("%w: the device of a segment is set while it is empty", ErrNotEmpty)
-	case dev == "cpu":
+	}
+	if !obj.Dir && obj.Size > 0 {
+		cur, err := ReadDevice(obj.Path)
+		if err != nil {
+			return err
+		}
+		if cur != dev {
+			return fmt.Errorf("%w: the device of a segment is set while it is empty", ErrNotEmpty)
+		}
+	}
+	if dev == "cpu" {
 		err := unix.Removexattr(obj.Path, AttrDevice)
 		if errors.Is(err, unix.ENODATA) {
 			return nil
@@ -299,6 +307,22 @@ func checkLayout(l Layout, size int64, name, v string) error {
 // Listxattr returns the user.* names stored on the object at path, less
 // tensorfs's internal ones.
 func Listxattr(path string) ([]string, error) {
+	all, err := listNames(path)
+	if err != nil {
+		return nil, err
+	}
+	var names []string
+	for _, s := range all {
+		if strings.HasPrefix(s, "user.") && !InternalAttr(s) {
+			names = append(names, s)
+		}
+	}
+	return names, nil
+}
+
+// listNames returns every attribute name stored on the object at path
+// that the daemon may see (trusted.* too when it is root).
+func listNames(path string) ([]string, error) {
 	buf := make([]byte, 1024)
 	for {
 		n, err := unix.Listxattr(path, buf)
@@ -311,7 +335,7 @@ func Listxattr(path string) ([]string, error) {
 		}
 		var names []string
 		for _, s := range strings.Split(string(buf[:n]), "\x00") {
-			if strings.HasPrefix(s, "user.") && !InternalAttr(s) {
+			if s != "" {
 				names = append(names, s)
 			}
 		}

@@ -17,10 +17,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Cred is a peer's credentials, from SO_PEERCRED.
+// Cred is a peer's credentials, taken once when it connects.
 type Cred struct {
 	Pid      int32
 	Uid, Gid uint32
+	// Groups are the peer's supplementary groups.
+	Groups []uint32
 }
 
 // Backend serves the segment operations (package fs implements it). Paths

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 
@@ -16,297 +15,146 @@ import (
 
 // controlBackend serves the control socket's segment operations (package
 // ctl) on the mount's backing, checking each request against the peer's
-// credentials with the permission rules of open(2).
+// credentials, taken when it connected, with the permission rules of
+// open(2). Segments are reached as the FUSE side reaches them: a Ref
+// checked to be the object, classify, and the kind's own methods. ctl logs
+// each refusal with the error returned here, which names the path.
 type controlBackend struct{ fsys *filesystem }
 
 var _ = (ctl.Backend)(controlBackend{})
 
-// Export opens a KEEPFD segment for the peer.
+// Export opens a KEEPFD segment for the peer: a new open file description
+// with the access asked for and permitted, never one the daemon or a
+// sender holds.
 func (b controlBackend) Export(cred ctl.Cred, path string, write bool) (*os.File, error) {
-	f, err := b.export(cred, path, write)
+	who := peer(cred)
+	var f *os.File
+	err := b.walk(who, path, func(dirfd int, name string) error {
+		m, err := alloc.OpenRef(dirfd, name, 0)
+		if err != nil {
+			return err
+		}
+		defer m.Close()
+		s, seg, err := b.segment(who, m, write)
+		if err != nil {
+			return err
+		}
+		switch {
+		case seg.Flags&alloc.KeepFD == 0:
+			return fmt.Errorf("%w: export hands out descriptors of KEEPFD segments only", alloc.ErrReadOnly)
+		case write && seg.Flags&alloc.FromFD != 0:
+			return fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
+		}
+		if e, ok := s.(exporter); ok {
+			f, err = e.export(write)
+			return err
+		}
+		if f, err = s.descriptor(m, write); err == nil && f == nil {
+			err = fmt.Errorf("%w: a %s segment has no descriptor to hand out; open it through the mount", syscall.EOPNOTSUPP, s.kind())
+		}
+		return err
+	})
 	if err != nil {
-		b.fsys.log.Info("refused", "op", "export", "path", path, "pid", cred.Pid, "err", err)
+		return nil, fmt.Errorf("%s: %w", alloc.EscapeText(path), err)
 	}
-	return f, err
+	return f, nil
 }
 
-func (b controlBackend) export(cred ctl.Cred, path string, write bool) (*os.File, error) {
-	dirfd, name, err := b.walk(cred, path)
+// segmentInfo is what a segment's attribute object says, checked for a
+// peer.
+type segmentInfo struct {
+	st    unix.Stat_t
+	Flags alloc.Flags
+}
+
+// segment classifies the segment m and checks that who may open it for
+// reading, and writing if write: its storage, stat and flags.
+func (b controlBackend) segment(who requester, m *alloc.Ref, write bool) (storage, *segmentInfo, error) {
+	if m.Stat().Mode&syscall.S_IFMT != syscall.S_IFREG {
+		return nil, nil, fmt.Errorf("%w: not a segment", alloc.ErrInvalid)
+	}
+	s, err := b.fsys.classify(m)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	defer unix.Close(dirfd)
-	var st unix.Stat_t
-	if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
-		return nil, err
+	var seg segmentInfo
+	if err := s.stat(m, &seg.st); err != nil {
+		return nil, nil, err
 	}
-	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
-		return nil, fmt.Errorf("%w: %s is not a segment", alloc.ErrInvalid, path)
-	}
-	r := b.fsys.redirectOf(dirfd, name, &st)
-	if err := b.fsys.statSegment(r, dirfd, name, &st); err != nil {
-		return nil, err
-	}
-	want := uint32(4)
+	want, what := uint32(4), "read"
 	if write {
-		want |= 2
+		want, what = 4|2, "read and write"
 	}
-	if !permitted(cred, &st, want) {
-		return nil, syscall.EACCES
+	if !who.permitted(&seg.st, want) {
+		return nil, nil, fmt.Errorf("%w: no %s permission", syscall.EACCES, what)
 	}
-	var f alloc.Flags
-	err = b.fsys.withAttrs(r, dirfd, name, func(tfd int, tname string) error {
-		return alloc.At(tfd, tname, r.attrIno(st.Ino), func(p string) (err error) {
-			f, err = alloc.ReadFlags(p)
-			return err
-		})
+	err = s.attrs(m, func(a *alloc.Ref) error {
+		p, err := a.Path()
+		if err == nil {
+			seg.Flags, err = alloc.ReadFlags(p)
+		}
+		return err
 	})
-	switch {
-	case err != nil:
-		return nil, err
-	case f&alloc.KeepFD == 0:
-		return nil, fmt.Errorf("%w: export hands out descriptors of KEEPFD segments only", alloc.ErrReadOnly)
-	case write && f&alloc.FromFD != 0:
-		return nil, fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
-	case r != nil && r.dev != nil:
-		return r.dev.export()
-	}
-	if r != nil && r.imported != "" {
-		fd, err := b.fsys.imports.dup(r.imported) // read-only, as imported
-		if err != nil {
-			return nil, err
-		}
-		return os.NewFile(uintptr(fd), path), nil
-	}
-	var file *os.File
-	err = b.fsys.withData(r, dirfd, name, func(tfd int, tname string) error {
-		mode := unix.O_RDONLY
-		if write {
-			mode = unix.O_RDWR
-		}
-		fd, err := openAt(tfd, tname, mode|unix.O_CLOEXEC)
-		if err != nil {
-			return err
-		}
-		file = os.NewFile(uintptr(fd), path)
-		return nil
-	})
-	return file, err
+	return s, &seg, err
 }
 
 // Import makes the peer's descriptor the segment at path, without a copy.
 func (b controlBackend) Import(cred ctl.Cred, path string, f *os.File, dtype, shape string) error {
-	err := b.importFile(cred, path, f, dtype, shape)
-	if err != nil {
-		b.fsys.log.Info("refused", "op", "import", "path", path, "pid", cred.Pid, "err", err)
-	}
-	return err
-}
-
-func (b controlBackend) importFile(cred ctl.Cred, path string, f *os.File, dtype, shape string) error {
-	fd, err := importable(f)
-	if err != nil {
-		return err
-	}
-	defer func() {
-		if fd >= 0 {
-			unix.Close(fd)
+	who := peer(cred)
+	err := b.walk(who, path, func(dirfd int, name string) error {
+		var dir unix.Stat_t
+		if err := unix.Fstat(dirfd, &dir); err != nil {
+			return err
 		}
-	}()
-	dirfd, name, err := b.walk(cred, path)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(dirfd)
-	var dir, st unix.Stat_t
-	if err := unix.Fstat(dirfd, &dir); err != nil {
-		return err
-	}
-	if !permitted(cred, &dir, 2|1) {
-		return syscall.EACCES
-	}
-	pf, err := alloc.ReadFlags(alloc.FdPath(dirfd))
-	if err != nil {
-		return err
-	}
-	if pf&alloc.NoCreate != 0 {
-		return fmt.Errorf("%w: nothing new may be created here", alloc.ErrNoCreate)
-	}
-	if err := unix.Fstat(fd, &st); err != nil {
-		return err
-	}
-	// The marker carries the segment's name, owner, flags and metadata,
-	// all set through its own descriptor: a name renamed or replaced
-	// meanwhile is never followed. The sender's file is never written.
-	marker, err := unix.Openat(dirfd, name, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(marker)
-	p := alloc.FdPath(marker)
-	id := alloc.NewID()
-	if os.Geteuid() == 0 {
-		err = unix.Fchown(marker, int(cred.Uid), int(cred.Gid))
-	}
-	if err == nil {
-		err = alloc.InheritFlags(pf|alloc.FromFD, p, false)
-	}
-	for _, a := range [][2]string{{alloc.AttrDtype, dtype}, {alloc.AttrShape, shape}} {
-		if err == nil && a[1] != "" {
-			err = alloc.Setxattr(alloc.Object{Path: p, Size: st.Size}, a[0], []byte(a[1]), 0)
+		if !who.permitted(&dir, 2|1) {
+			return fmt.Errorf("%w: no write permission on the directory", syscall.EACCES)
 		}
-	}
-	if err == nil {
-		err = b.fsys.imports.add(id, fd, cred.Uid)
-	}
-	if err == nil {
-		fd = -1 // held by the import now; dropped below on failure
-		err = alloc.MarkImport(p, id)
-	}
-	if err == nil {
-		err = unix.Fchmod(marker, 0o444) // last: the daemon may not be root
-	}
-	if err != nil {
-		unlinkIfSame(dirfd, name, marker)
-		if fd < 0 {
-			b.fsys.imports.drop(id)
+		pf, err := alloc.ReadFlags(alloc.FdPath(dirfd))
+		if err != nil {
+			return err
 		}
-		return err
+		if pf&alloc.NoCreate != 0 {
+			return errNoCreate
+		}
+		return b.fsys.importSegment(who, dirfd, name, pf, f, dtype, shape)
+	})
+	if err != nil {
+		return fmt.Errorf("%s: %w", alloc.EscapeText(path), err)
 	}
 	b.fsys.notifyNewName(path)
-	b.fsys.log.Info("imported", "path", path, "bytes", st.Size, "pid", cred.Pid)
+	b.fsys.log.Info("imported", "path", alloc.EscapeText(path), "uid", cred.Uid, "pid", cred.Pid)
 	return nil
-}
-
-// importable duplicates the peer's descriptor f if it may become a
-// segment: an open regular file (a memfd, a file on tmpfs or disk) that
-// this very descriptor can read. An O_PATH or write-only descriptor would
-// give the segment's readers an access its sender does not have, and a
-// file on a FUSE filesystem could be one of this mount's, which the
-// daemon would have to serve to itself.
-func importable(f *os.File) (int, error) {
-	fd, err := dupFile(f)
-	if err != nil {
-		return -1, err
-	}
-	var st unix.Stat_t
-	var sfs unix.Statfs_t
-	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
-	if err == nil {
-		err = unix.Fstat(fd, &st)
-	}
-	if err == nil {
-		err = unix.Fstatfs(fd, &sfs)
-	}
-	switch {
-	case err != nil:
-	case fl&unix.O_PATH != 0:
-		err = fmt.Errorf("%w: an O_PATH descriptor grants no access to a file's bytes; send one opened for reading", syscall.EBADF)
-	case fl&unix.O_ACCMODE == unix.O_WRONLY:
-		err = fmt.Errorf("%w: a write-only descriptor cannot be read; send one opened for reading", syscall.EBADF)
-	case st.Mode&syscall.S_IFMT != syscall.S_IFREG:
-		err = fmt.Errorf("%w: import takes a regular file or memfd", alloc.ErrInvalid)
-	case sfs.Type == unix.FUSE_SUPER_MAGIC:
-		err = fmt.Errorf("%w: the file is on a FUSE filesystem; a file of a tensorfs mount is shared by its path", alloc.ErrInvalid)
-	}
-	if err != nil {
-		unix.Close(fd)
-		return -1, err
-	}
-	return fd, nil
-}
-
-// unlinkIfSame removes name in dirfd if it still names the file open at fd.
-func unlinkIfSame(dirfd int, name string, fd int) {
-	var a, b unix.Stat_t
-	if unix.Fstat(fd, &a) == nil && unix.Fstatat(dirfd, name, &b, unix.AT_SYMLINK_NOFOLLOW) == nil && a.Ino == b.Ino && a.Dev == b.Dev {
-		unix.Unlinkat(dirfd, name, 0)
-	}
-}
-
-// dupFile duplicates f's descriptor without switching f to blocking mode.
-func dupFile(f *os.File) (int, error) {
-	rc, err := f.SyscallConn()
-	if err != nil {
-		return -1, err
-	}
-	fd := -1
-	cerr := rc.Control(func(raw uintptr) {
-		fd, err = unix.FcntlInt(raw, unix.F_DUPFD_CLOEXEC, 0)
-	})
-	if cerr != nil {
-		return -1, cerr
-	}
-	return fd, err
 }
 
 // walk resolves the parent directory of path in the backing as the peer
 // would: every directory on the way must grant it search permission. It
-// returns an O_PATH descriptor of that directory and the final name.
-func (b controlBackend) walk(cred ctl.Cred, path string) (int, string, error) {
-	if !b.fsys.allowOther && cred.Uid != 0 && int(cred.Uid) != os.Geteuid() {
-		return -1, "", fmt.Errorf("%w: the mount is private to its user (mount with --allow-other to share it)", syscall.EACCES)
+// runs fn with an O_PATH descriptor of that directory and the final name.
+func (b controlBackend) walk(who requester, path string, fn func(dirfd int, name string) error) error {
+	if !b.fsys.allowOther && who.Uid != 0 && int(who.Uid) != os.Geteuid() {
+		return fmt.Errorf("%w: the mount is private to its user (mount with --allow-other to share it)", syscall.EACCES)
 	}
 	parts := strings.Split(filepath.Clean(path), "/")
 	fd, err := unix.FcntlInt(uintptr(b.fsys.store.RootFd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
-		return -1, "", err
+		return err
 	}
 	for _, part := range parts[:len(parts)-1] {
 		var st unix.Stat_t
-		if err := unix.Fstat(fd, &st); err != nil || !permitted(cred, &st, 1) {
+		if err := unix.Fstat(fd, &st); err != nil || !who.permitted(&st, 1) {
 			unix.Close(fd)
-			return -1, "", syscall.EACCES
+			return fmt.Errorf("%w: no search permission on the way", syscall.EACCES)
 		}
 		next, err := unix.Openat(fd, part, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 		unix.Close(fd)
 		if err != nil {
-			return -1, "", err
+			return err
 		}
 		fd = next
 	}
+	defer unix.Close(fd)
 	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil || !permitted(cred, &st, 1) {
-		unix.Close(fd)
-		return -1, "", syscall.EACCES
+	if err := unix.Fstat(fd, &st); err != nil || !who.permitted(&st, 1) {
+		return fmt.Errorf("%w: no search permission on the way", syscall.EACCES)
 	}
-	return fd, parts[len(parts)-1], nil
-}
-
-// permitted applies the mode bits of st to the peer as the kernel would for
-// want (4 read, 2 write, 1 execute/search); root may do anything.
-func permitted(cred ctl.Cred, st *unix.Stat_t, want uint32) bool {
-	if cred.Uid == 0 {
-		return true
-	}
-	mode := st.Mode & 0o777
-	switch {
-	case cred.Uid == st.Uid:
-		mode >>= 6
-	case inGroup(cred, st.Gid):
-		mode >>= 3
-	}
-	return mode&want == want
-}
-
-// inGroup reports whether the peer's primary or supplementary groups
-// include gid.
-func inGroup(cred ctl.Cred, gid uint32) bool {
-	if cred.Gid == gid {
-		return true
-	}
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(int(cred.Pid)) + "/status")
-	if err != nil {
-		return false
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if groups, ok := strings.CutPrefix(line, "Groups:"); ok {
-			for _, g := range strings.Fields(groups) {
-				if g == strconv.FormatUint(uint64(gid), 10) {
-					return true
-				}
-			}
-		}
-	}
-	return false
+	return fn(fd, parts[len(parts)-1])
 }

@@ -21,21 +21,25 @@ var _ = (ctl.Loader)(controlBackend{})
 // each with a descriptor, for a client that maps a whole state dict in one
 // request. Permissions are open(2)'s: search on every directory on the
 // way, read (to list) on every directory walked, read (and write if asked)
-// on every segment; one refusal refuses the request.
+// on every segment; one refusal refuses the request. Each descriptor is a
+// new open file description with the access asked for; a device segment
+// comes without one (open it through the mount).
 func (b controlBackend) Load(cred ctl.Cred, dir string, write bool, after string, max int) ([]ctl.Segment, []*os.File, bool, error) {
-	l := &loader{b: b, cred: cred, write: write, after: strings.Split(after, "/"), max: max}
+	l := &loader{b: b, who: peer(cred), write: write, after: strings.Split(after, "/"), max: max}
 	if after == "" {
 		l.after = nil
 	}
-	err := l.start(dir)
+	err := l.b.walk(l.who, dir, func(parent int, name string) error { return l.dir(parent, name, nil) })
+	if err == errFull {
+		l.more, err = true, nil
+	}
 	if err != nil {
 		for _, f := range l.files {
 			if f != nil {
 				f.Close()
 			}
 		}
-		b.fsys.log.Info("refused", "op", "load", "path", dir, "pid", cred.Pid, "err", err)
-		return nil, nil, false, err
+		return nil, nil, false, fmt.Errorf("%s: %w", alloc.EscapeText(dir), err)
 	}
 	return l.segs, l.files, l.more, nil
 }
@@ -45,7 +49,7 @@ func (b controlBackend) Load(cred ctl.Cred, dir string, write bool, after string
 // resume after the last name of the one before.
 type loader struct {
 	b     controlBackend
-	cred  ctl.Cred
+	who   requester
 	write bool
 	after []string // components of the name to resume after; nil from the start
 	max   int
@@ -57,20 +61,6 @@ type loader struct {
 
 // errFull stops the walk once max segments are collected and another follows.
 var errFull = errors.New("load: reply full")
-
-func (l *loader) start(dir string) error {
-	parent, name, err := l.b.walk(l.cred, dir)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(parent)
-	err = l.dir(parent, name, nil)
-	if err == errFull {
-		l.more = true
-		return nil
-	}
-	return err
-}
 
 // dir walks the directory name in parentfd, whose components below the
 // requested directory are rel.
@@ -85,7 +75,7 @@ func (l *loader) dir(parentfd int, name string, rel []string) error {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return err
 	}
-	if !permitted(l.cred, &st, 4|1) {
+	if !l.who.permitted(&st, 4|1) {
 		return fmt.Errorf("%w: %s: listing it needs read and search permission", syscall.EACCES, display(rel))
 	}
 	names, err := f.Readdirnames(-1)
@@ -141,134 +131,60 @@ func (l *loader) segment(dirfd int, name string, rel []string, st *unix.Stat_t) 
 	if len(l.segs) == l.max {
 		return errFull
 	}
-	seg := ctl.Segment{Name: path.Join(rel...)}
-	fsys := l.b.fsys
-	r := fsys.redirectOf(dirfd, name, st)
-	if r == nil {
-		file, err := l.plain(dirfd, name, rel, &seg)
-		if file != nil {
-			l.segs = append(l.segs, seg)
-			l.files = append(l.files, file)
-		}
-		return err
-	}
-	// A SHARED segment's bytes are its disk file; an imported segment's
-	// are its sender's descriptor and a GPU segment's device memory: the
-	// client opens those two through the mount.
-	if err := fsys.statSegment(r, dirfd, name, st); err != nil {
-		return err
-	}
-	if err := l.permit(st, rel); err != nil {
-		return err
-	}
-	seg.Size = st.Size
-	err := fsys.withAttrs(r, dirfd, name, func(tfd int, tname string) error {
-		return alloc.At(tfd, tname, r.attrIno(st.Ino), func(p string) error {
-			return readAttrs(&seg, func(attr string, buf []byte) (int, error) { return unix.Getxattr(p, attr, buf) })
-		})
-	})
-	if err == nil {
-		err = l.checkFlags(&seg, rel)
+	m, err := alloc.OpenRef(dirfd, name, st.Ino)
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ESTALE) {
+		return nil // removed or replaced meanwhile
 	}
 	if err != nil {
 		return err
 	}
-	var file *os.File
-	if r.disk != "" {
-		err = fsys.withData(r, dirfd, name, func(tfd int, tname string) error {
-			fd, err := openAt(tfd, tname, l.mode())
-			if err == nil {
-				file = os.NewFile(uintptr(fd), seg.Name)
-			}
-			return err
-		})
-		if err != nil {
-			return err
+	defer m.Close()
+	s, info, err := l.b.segment(l.who, m, l.write)
+	if err != nil {
+		return fmt.Errorf("%s: %w", display(rel), err)
+	}
+	seg := ctl.Segment{Name: path.Join(rel...), Size: info.st.Size}
+	if l.write && info.Flags&alloc.FromFD != 0 {
+		return fmt.Errorf("%w: %s is FROMFD (imported, read-only): load it without write", alloc.ErrReadOnly, display(rel))
+	}
+	file, err := s.descriptor(m, l.write)
+	if err == nil {
+		err = s.attrs(m, func(a *alloc.Ref) error { return readAttrs(&seg, a, file) })
+	}
+	if err != nil {
+		if file != nil {
+			file.Close()
 		}
+		return err
 	}
 	l.segs = append(l.segs, seg)
 	l.files = append(l.files, file)
 	return nil
 }
 
-// plain opens the ordinary backing file name in dirfd (its bytes and its
-// attributes in one object) and fills seg from the open file, so that
-// what is checked is what is handed out. It returns nil for an object
-// that is no longer a regular file.
-func (l *loader) plain(dirfd int, name string, rel []string, seg *ctl.Segment) (*os.File, error) {
-	fd, err := openAt(dirfd, name, l.mode()|unix.O_NONBLOCK)
-	if errors.Is(err, unix.ENOENT) {
-		return nil, nil // removed meanwhile
-	}
-	if err != nil {
-		return nil, err
-	}
+// readAttrs fills seg's flags and tensor attributes from the attribute
+// object a: through the descriptor f handed out when it opens that very
+// object (one call less each), else through a.
+func readAttrs(seg *ctl.Segment, a *alloc.Ref, f *os.File) error {
+	get := func(attr string, buf []byte) (int, error) { return unix.Getxattr(alloc.FdPath(a.Fd()), attr, buf) }
 	var st unix.Stat_t
-	if err = unix.Fstat(fd, &st); err == nil && st.Mode&syscall.S_IFMT != syscall.S_IFREG {
-		unix.Close(fd)
-		return nil, nil // replaced meanwhile
+	if f != nil && unix.Fstat(int(f.Fd()), &st) == nil && st.Ino == a.Stat().Ino && st.Dev == a.Stat().Dev {
+		fd := int(f.Fd())
+		get = func(attr string, buf []byte) (int, error) { return unix.Fgetxattr(fd, attr, buf) }
 	}
-	if err == nil {
-		err = l.permit(&st, rel)
-	}
-	if err == nil {
-		seg.Size = st.Size
-		err = readAttrs(seg, func(attr string, buf []byte) (int, error) { return unix.Fgetxattr(fd, attr, buf) })
-	}
-	if err == nil {
-		err = l.checkFlags(seg, rel)
-	}
-	if err != nil {
-		unix.Close(fd)
-		return nil, err
-	}
-	return os.NewFile(uintptr(fd), seg.Name), nil
-}
-
-// mode is the open(2) flags of the descriptors handed out.
-func (l *loader) mode() int {
-	if l.write {
-		return unix.O_RDWR | unix.O_CLOEXEC
-	}
-	return unix.O_RDONLY | unix.O_CLOEXEC
-}
-
-// permit applies open(2)'s permission check to the segment rel, whose
-// stat is st.
-func (l *loader) permit(st *unix.Stat_t, rel []string) error {
-	want, what := uint32(4), "read"
-	if l.write {
-		want, what = 4|2, "read and write"
-	}
-	if !permitted(l.cred, st, want) {
-		return fmt.Errorf("%w: %s: no %s permission", syscall.EACCES, display(rel), what)
-	}
-	return nil
-}
-
-// checkFlags refuses write access to a FROMFD segment.
-func (l *loader) checkFlags(seg *ctl.Segment, rel []string) error {
-	if f, _ := alloc.ParseFlags(seg.Flags); l.write && f&alloc.FromFD != 0 {
-		return fmt.Errorf("%w: %s is FROMFD (imported, read-only): load it without write", alloc.ErrReadOnly, display(rel))
-	}
-	return nil
-}
-
-// readAttrs fills seg's flags and tensor attributes with get, a getxattr.
-func readAttrs(seg *ctl.Segment, get func(attr string, buf []byte) (int, error)) error {
 	buf := make([]byte, 8192)
-	for _, a := range []struct {
+	for _, at := range []struct {
 		name string
 		v    *string
 	}{{alloc.AttrFlags, &seg.Flags}, {alloc.AttrDtype, &seg.Dtype}, {alloc.AttrShape, &seg.Shape},
 		{alloc.AttrStride, &seg.Stride}, {alloc.AttrOffset, &seg.Offset}} {
-		n, err := get(a.name, buf)
+		n, err := get(at.name, buf)
 		switch {
 		case errors.Is(err, unix.ENODATA):
 		case err != nil:
 			return err
 		default:
-			*a.v = string(buf[:n])
+			*at.v = string(buf[:n])
 		}
 	}
 	return nil

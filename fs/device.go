@@ -1,7 +1,6 @@
 package fs
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -11,7 +10,6 @@ import (
 	"syscall"
 	"time"
 
-	fusefs "github.com/hanwen/go-fuse/v2/fs"
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
@@ -29,8 +27,9 @@ type devices struct {
 	// each.
 	counters *gpu.CounterDir
 	log      *slog.Logger
-	// stop ends the limbo collector (spill closes it).
+	// stop ends the limbo collector (spill closes it); wg waits for it.
 	stop chan struct{}
+	wg   sync.WaitGroup
 
 	// mu protects segs, every device segment by backing inode number.
 	mu   sync.Mutex
@@ -48,7 +47,9 @@ type devSeg struct {
 	// block holds the bytes; its Size is the capacity, at least size
 	// (appending writes grow it geometrically). Size 0: no memory yet.
 	block gpu.Block
-	size  int64
+	// size is the segment's size; written with mu held, read without it
+	// (Size), so that stat never waits for a copy.
+	size atomic.Int64
 	// exportable is true when block came from AllocExportable (export).
 	exportable bool
 	// backing is the backing file, open for spilling; nil once removed.
@@ -72,8 +73,10 @@ type devSeg struct {
 // newDevices serves dev for store, mounted at mountpoint: it prepares the
 // directory of consumer reference counters among the mount's state files
 // (in the state directory, which others may pass through but not list)
-// and restores the segments an earlier mount left.
-func newDevices(dev gpu.Device, store *alloc.Store, mountpoint string, log *slog.Logger) (*devices, error) {
+// and restores the segments an earlier mount left, whose backing files
+// recovery found (it takes them over, and closes those it cannot
+// restore).
+func newDevices(dev gpu.Device, store *alloc.Store, mountpoint string, restore []*os.File, log *slog.Logger) (*devices, error) {
 	if err := alloc.MakeStateDir(); err != nil {
 		return nil, err
 	}
@@ -82,52 +85,45 @@ func newDevices(dev gpu.Device, store *alloc.Store, mountpoint string, log *slog
 		return nil, err
 	}
 	d := &devices{dev: dev, limbo: gpu.NewLimbo(dev), counters: counters, log: log, segs: map[uint64]*devSeg{}, stop: make(chan struct{})}
-	paths, err := store.DeviceSegments()
-	if err != nil {
-		counters.RemoveAll()
-		return nil, err
-	}
-	for _, p := range paths {
-		if err := d.restore(p); err != nil {
-			log.Warn("device segment not restored", "path", p, "err", err)
+	for _, f := range restore {
+		if err := d.restore(f); err != nil {
+			log.Warn("device segment not restored", "path", f.Name(), "err", err)
+			f.Close()
 		}
 	}
+	d.wg.Add(1)
 	go d.collect()
 	return d, nil
 }
 
-// restore brings the device segment whose backing file is at path back
+// restore brings the device segment whose backing file is open at f back
 // into device memory: its spilled bytes, or zeros after a crash lost them.
-func (d *devices) restore(path string) error {
-	f, err := os.OpenFile(path, os.O_RDWR, 0)
+// On success the segment keeps f.
+func (d *devices) restore(f *os.File) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return err
+	}
+	p := alloc.FdPath(int(f.Fd()))
+	ds, err := alloc.ReadDeviceState(p)
 	if err != nil {
 		return err
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		f.Close()
-		return err
-	}
 	seg := &devSeg{d: d, ino: st.Ino, backing: f}
-	ds := alloc.ReadDeviceState(path)
 	if err := seg.resize(ds.Size); err != nil {
-		f.Close()
 		return err
 	}
 	if ds.Spilled && ds.Size > 0 {
 		if err := d.dev.CopyFromFile(seg.block, 0, int(f.Fd()), 0, ds.Size); err != nil {
-			f.Close()
 			return err
 		}
 	} else if ds.Size > 0 {
-		d.log.Warn("device segment lost its contents in a crash; it reads as zeros", "path", path, "bytes", ds.Size)
+		d.log.Warn("device segment lost its contents in a crash; it reads as zeros", "path", f.Name(), "bytes", ds.Size)
 	}
 	if err := f.Truncate(0); err != nil {
-		f.Close()
 		return err
 	}
-	if err := alloc.WriteDeviceState(path, alloc.DeviceState{Size: ds.Size}); err != nil {
-		f.Close()
+	if err := alloc.WriteDeviceState(p, alloc.DeviceState{Size: ds.Size}); err != nil {
 		return err
 	}
 	d.mu.Lock()
@@ -136,19 +132,20 @@ func (d *devices) restore(path string) error {
 	return nil
 }
 
-// segment returns the device segment of the backing file name in dirfd,
-// whose inode is ino, making it when it is new.
-func (d *devices) segment(ino uint64, dirfd int, name string) (*devSeg, error) {
+// segment returns the device segment whose backing file is m, making it
+// when it is new.
+func (d *devices) segment(m *alloc.Ref) (*devSeg, error) {
+	ino := m.Stat().Ino
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if seg := d.segs[ino]; seg != nil {
 		return seg, nil
 	}
-	fd, err := openAt(dirfd, name, unix.O_RDWR|unix.O_CLOEXEC)
+	fd, err := m.Open(unix.O_RDWR)
 	if err != nil {
 		return nil, err
 	}
-	seg := &devSeg{d: d, ino: ino, backing: os.NewFile(uintptr(fd), name)}
+	seg := &devSeg{d: d, ino: ino, backing: os.NewFile(uintptr(fd), "device segment")}
 	d.segs[ino] = seg
 	return seg, nil
 }
@@ -156,14 +153,14 @@ func (d *devices) segment(ino uint64, dirfd int, name string) (*devSeg, error) {
 // drop removes a segment whose last name went: its memory goes to limbo,
 // where open handles keep reading and writing it until the last closes
 // and no consumer counter refers to it.
-func (d *devices) drop(ino uint64) {
+func (d *devices) drop(seg *devSeg) {
 	d.mu.Lock()
-	seg := d.segs[ino]
-	delete(d.segs, ino)
-	d.mu.Unlock()
-	if seg == nil {
+	if d.segs[seg.ino] != seg {
+		d.mu.Unlock()
 		return
 	}
+	delete(d.segs, seg.ino)
+	d.mu.Unlock()
 	seg.mu.Lock()
 	defer seg.mu.Unlock()
 	seg.backing.Close()
@@ -182,6 +179,7 @@ func (d *devices) drop(ino uint64) {
 // collect frees limbo blocks nobody refers to any more, every second,
 // until spill stops it.
 func (d *devices) collect() {
+	defer d.wg.Done()
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
 	for {
@@ -199,6 +197,7 @@ func (d *devices) collect() {
 // and the counters.
 func (d *devices) spill() {
 	close(d.stop)
+	d.wg.Wait()
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for _, seg := range d.segs {
@@ -216,15 +215,15 @@ func (d *devices) spill() {
 
 func (seg *devSeg) spillLocked() error {
 	fd := int(seg.backing.Fd())
-	if err := unix.Ftruncate(fd, seg.size); err != nil {
+	if err := unix.Ftruncate(fd, seg.size.Load()); err != nil {
 		return err
 	}
-	if seg.size > 0 {
-		if err := seg.d.dev.CopyToFile(seg.block, 0, fd, 0, seg.size); err != nil {
+	if seg.size.Load() > 0 {
+		if err := seg.d.dev.CopyToFile(seg.block, 0, fd, 0, seg.size.Load()); err != nil {
 			return err
 		}
 	}
-	return alloc.WriteDeviceState(alloc.FdPath(fd), alloc.DeviceState{Size: seg.size, Spilled: true})
+	return alloc.WriteDeviceState(alloc.FdPath(fd), alloc.DeviceState{Size: seg.size.Load(), Spilled: true})
 }
 
 // retire puts a block that left its segment in limbo: it is freed once
@@ -272,12 +271,8 @@ func (seg *devSeg) removeCounterLocked() {
 	seg.counter = nil
 }
 
-// Size returns the segment's size in bytes.
-func (seg *devSeg) Size() int64 {
-	seg.mu.Lock()
-	defer seg.mu.Unlock()
-	return seg.size
-}
+// Size returns the segment's size in bytes, without waiting for a copy.
+func (seg *devSeg) Size() int64 { return seg.size.Load() }
 
 // resize gives the segment size bytes (truncate), keeping its leading
 // bytes. Growth within the block's capacity zeroes the new bytes; other
@@ -287,7 +282,7 @@ func (seg *devSeg) resize(size int64) error {
 	if size > alloc.MaxSegmentSize {
 		return fmt.Errorf("%w: %d bytes", alloc.ErrTooBig, size)
 	}
-	if size >= seg.size && size <= seg.block.Size && size > 0 {
+	if size >= seg.size.Load() && size <= seg.block.Size && size > 0 {
 		return seg.growInPlace(size)
 	}
 	return seg.realloc(size, size)
@@ -308,10 +303,10 @@ func (seg *devSeg) extend(end int64) error {
 // growInPlace grows the segment to size within its block, zeroing the
 // bytes between the old and the new end.
 func (seg *devSeg) growInPlace(size int64) error {
-	if err := seg.zero(seg.block, seg.size, size); err != nil {
+	if err := seg.zero(seg.block, seg.size.Load(), size); err != nil {
 		return err
 	}
-	seg.size = size
+	seg.size.Store(size)
 	return seg.recordSize()
 }
 
@@ -324,13 +319,14 @@ func (seg *devSeg) realloc(capacity, size int64) error {
 		if nb, err = seg.alloc(capacity); err != nil {
 			return err
 		}
-		if err := seg.copyPrefix(nb, min(seg.size, size)); err != nil {
+		if err := seg.copyPrefix(nb, min(seg.size.Load(), size)); err != nil {
 			seg.d.dev.Free(nb)
 			return err
 		}
 	}
 	seg.replace(nb)
-	seg.size, seg.exportable = size, false
+	seg.size.Store(size)
+	seg.exportable = false
 	return seg.recordSize()
 }
 
@@ -340,7 +336,7 @@ func (seg *devSeg) recordSize() error {
 	if seg.backing == nil {
 		return nil
 	}
-	return alloc.WriteDeviceState(alloc.FdPath(int(seg.backing.Fd())), alloc.DeviceState{Size: seg.size})
+	return alloc.WriteDeviceState(alloc.FdPath(int(seg.backing.Fd())), alloc.DeviceState{Size: seg.size.Load()})
 }
 
 // alloc allocates a block (zeroed by the device), collecting the limbo
@@ -386,10 +382,10 @@ func (seg *devSeg) copyPrefix(nb gpu.Block, n int64) error {
 func (seg *devSeg) read(buf []byte, off int64) (int, error) {
 	seg.mu.Lock()
 	defer seg.mu.Unlock()
-	if off >= seg.size {
+	if off >= seg.size.Load() {
 		return 0, nil
 	}
-	n := min(int64(len(buf)), seg.size-off)
+	n := min(int64(len(buf)), seg.size.Load()-off)
 	return int(n), seg.d.dev.CopyOut(seg.block, off, buf[:n])
 }
 
@@ -397,7 +393,7 @@ func (seg *devSeg) read(buf []byte, off int64) (int, error) {
 func (seg *devSeg) write(data []byte, off int64) error {
 	seg.mu.Lock()
 	defer seg.mu.Unlock()
-	if end := off + int64(len(data)); end > seg.size {
+	if end := off + int64(len(data)); end > seg.size.Load() {
 		if err := seg.extend(end); err != nil {
 			return err
 		}
@@ -405,29 +401,63 @@ func (seg *devSeg) write(data []byte, off int64) error {
 	return seg.d.dev.CopyIn(seg.block, off, data)
 }
 
+// copyChunk is the most a copy between a host file and device memory
+// moves while it holds the segment's lock: larger copies release it
+// between chunks, so reads, writes and stats of the segment interleave.
+const copyChunk = 64 << 20
+
 // fromFile copies n bytes of the host file fd at fileOff to off, growing
 // the segment as needed; the device reads the file itself.
 func (seg *devSeg) fromFile(fd int, fileOff, off, n int64) error {
-	seg.mu.Lock()
-	defer seg.mu.Unlock()
-	if off+n > seg.size {
-		if err := seg.extend(off + n); err != nil {
+	if err := seg.grow(off + n); err != nil {
+		return err
+	}
+	for done := int64(0); done < n; {
+		c := min(copyChunk, n-done)
+		seg.mu.Lock()
+		if off+done+c > seg.size.Load() { // shrunk meanwhile
+			seg.mu.Unlock()
+			return fmt.Errorf("%w: the segment shrank during the copy", syscall.EIO)
+		}
+		err := seg.d.dev.CopyFromFile(seg.block, off+done, fd, fileOff+done, c)
+		seg.mu.Unlock()
+		if err != nil {
 			return err
 		}
+		done += c
 	}
-	return seg.d.dev.CopyFromFile(seg.block, off, fd, fileOff, n)
+	return nil
 }
 
 // toFile copies up to n bytes at off into the host file fd at fileOff and
 // returns how many there were.
 func (seg *devSeg) toFile(fd int, off, fileOff, n int64) (int64, error) {
+	var done int64
+	for done < n {
+		seg.mu.Lock()
+		c := min(copyChunk, n-done, seg.size.Load()-off-done)
+		var err error
+		if c > 0 {
+			err = seg.d.dev.CopyToFile(seg.block, off+done, fd, fileOff+done, c)
+		}
+		seg.mu.Unlock()
+		if c <= 0 || err != nil {
+			return done, err
+		}
+		done += c
+	}
+	return done, nil
+}
+
+// grow extends the segment to end bytes if it is shorter (fallocate, a
+// copy into it).
+func (seg *devSeg) grow(end int64) error {
 	seg.mu.Lock()
 	defer seg.mu.Unlock()
-	n = min(n, seg.size-off)
-	if n <= 0 {
-		return 0, nil
+	if end > seg.size.Load() {
+		return seg.extend(end)
 	}
-	return n, seg.d.dev.CopyToFile(seg.block, off, fd, fileOff, n)
+	return nil
 }
 
 // ipc returns the segment's IPC information; ErrNoAttr while it has no
@@ -481,19 +511,15 @@ func (seg *devSeg) followLocked() error {
 	return seg.counter.Follow(st.Uid, st.Gid, st.Mode)
 }
 
-// followAccess makes the consumer counter of n's device segment, if any,
-// follow a chmod or chown of the segment (Setattr).
-func (n *node) followAccess() {
-	seg := n.device()
-	if seg == nil {
-		return
-	}
+// followAccess makes the consumer counter, if any, follow a chmod or
+// chown of the segment.
+func (seg *devSeg) followAccess() {
 	seg.mu.Lock()
 	defer seg.mu.Unlock()
 	seg.cmu.Lock()
 	defer seg.cmu.Unlock()
 	if err := seg.followLocked(); err != nil {
-		n.fs.log.Error("reference counter does not follow the segment's owner and mode", "file", seg.counter.Path(), "err", err)
+		seg.d.log.Error("reference counter does not follow the segment's owner and mode", "file", seg.counter.Path(), "err", err)
 	}
 }
 
@@ -505,163 +531,21 @@ func (seg *devSeg) closed() {
 	seg.d.limbo.Collect()
 }
 
-// gpuName is the device the mount serves, "" for none.
-func (fsys *filesystem) gpuName() string {
-	if fsys.gpu == nil {
-		return ""
-	}
-	return fsys.gpu.dev.Name()
-}
-
-// moveToDevice makes the empty segment n, whose backing file is name in
-// dirfd and whose stat is st, follow the device just stored on it.
-func (fsys *filesystem) moveToDevice(n *node, dirfd int, name string, st *unix.Stat_t) error {
-	var onDevice bool
-	err := alloc.At(dirfd, name, st.Ino, func(p string) error {
-		onDevice = alloc.DeviceOf(p) != "cpu"
-		return nil
-	})
-	if err != nil {
-		return err
-	}
-	switch seg := n.device(); {
-	case onDevice && seg == nil:
-		seg, err := fsys.gpu.segment(st.Ino, dirfd, name)
-		if err != nil {
-			return err
-		}
-		n.redirPtr.Store(&redirect{dev: seg})
-	case !onDevice && seg != nil:
-		fsys.gpu.drop(seg.ino)
-		n.redirPtr.Store(nil)
-	}
-	return nil
-}
-
-// cudaAttr answers the user.tensorfs.cuda.* attributes of a device
-// segment: raw 64-byte handles, decimal offset (always 0: the segment has
-// its allocation to itself), and "PATH:0" of its consumer reference
-// counter file.
-func (fsys *filesystem) cudaAttr(seg *devSeg, attr string) ([]byte, error) {
-	if attr == alloc.AttrCudaRefCounter {
-		path, err := seg.refCounter()
-		return []byte(path + ":0"), err
-	}
-	info, err := seg.ipc()
-	if err != nil {
-		return nil, err
-	}
-	switch attr {
-	case alloc.AttrCudaIPCHandle:
-		return info.MemHandle[:], nil
-	case alloc.AttrCudaOffset:
-		return []byte("0"), nil
-	case alloc.AttrCudaEventHandle:
-		return info.EventHandle[:], nil
-	}
-	return nil, alloc.ErrNoAttr
-}
-
-// inheritDevice gives the new object name in dirfd, whose stat is st, the
-// device of its directory; a new segment in a cuda:N directory lives in
-// device memory, and the returned redirect says so.
-func (fsys *filesystem) inheritDevice(dirfd int, name string, st *unix.Stat_t) (*redirect, error) {
-	dev := alloc.DeviceOf(alloc.FdPath(dirfd))
-	if dev == "cpu" || st.Mode&syscall.S_IFMT == syscall.S_IFLNK {
-		return nil, nil
-	}
-	err := alloc.At(dirfd, name, st.Ino, func(p string) error {
-		return unix.Setxattr(p, alloc.AttrDevice, []byte(dev), 0)
-	})
-	if err != nil {
-		return nil, err
-	}
-	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
-		return nil, nil
-	}
-	seg, err := fsys.gpu.segment(st.Ino, dirfd, name)
-	if err != nil {
-		return nil, err
-	}
-	return &redirect{dev: seg}, nil
-}
-
-var _ = (fusefs.NodeCopyFileRanger)((*node)(nil))
-
-// maxCopyChunk bounds one copy_file_range reply (a uint32 count); the
-// kernel asks again for the rest.
-const maxCopyChunk = 1 << 30
-
-// CopyFileRange copies between two open segments of the mount inside the
-// daemon: host to device and back run in the device process at DMA speed
-// (cp uses copy_file_range), host to host in the kernel.
-func (n *node) CopyFileRange(ctx context.Context, fhIn fusefs.FileHandle, offIn uint64, out *fusefs.Inode,
-	fhOut fusefs.FileHandle, offOut uint64, length uint64, flags uint64) (uint32, syscall.Errno) {
-	in, okIn := fhIn.(*handle)
-	dst, okOut := fhOut.(*handle)
-	if !okIn || !okOut || flags != 0 {
-		return 0, syscall.EINVAL
-	}
-	size := int64(min(length, maxCopyChunk))
-	var copied int64
-	var err error
-	switch {
-	case in.seg == nil && dst.seg == nil:
-		var c int
-		oi, oo := int64(offIn), int64(offOut)
-		c, err = unix.CopyFileRange(in.fd, &oi, dst.fd, &oo, int(size), 0)
-		copied = int64(c)
-	case in.seg == nil:
-		var st unix.Stat_t
-		if err = unix.Fstat(in.fd, &st); err == nil {
-			copied = min(size, st.Size-int64(offIn))
-			if copied > 0 {
-				err = dst.seg.fromFile(in.fd, int64(offIn), int64(offOut), copied)
-			}
-		}
-	case dst.seg == nil:
-		copied, err = in.seg.toFile(dst.fd, int64(offIn), int64(offOut), size)
-	default:
-		copied, err = copyDeviceToDevice(in.seg, int64(offIn), dst.seg, int64(offOut), size)
-	}
-	if err != nil {
-		return 0, n.fs.errno("copy_file_range", n, "", err)
-	}
-	return uint32(max(copied, 0)), 0
-}
-
-// copyDeviceToDevice copies through host memory; the pair is rare.
-func copyDeviceToDevice(src *devSeg, offIn int64, dst *devSeg, offOut, size int64) (int64, error) {
-	buf := make([]byte, min(size, 4<<20))
-	var done int64
-	for done < size {
-		n, err := src.read(buf[:min(int64(len(buf)), size-done)], offIn+done)
-		if err != nil || n == 0 {
-			return done, err
-		}
-		if err := dst.write(buf[:n], offOut+done); err != nil {
-			return done, err
-		}
-		done += int64(n)
-	}
-	return done, nil
-}
-
 // export returns a POSIX descriptor of the segment's device memory, for
 // the control socket's export of KEEPFD segments. The first export moves
 // the bytes to an exportable (VMM) allocation; the old block goes to limbo.
 func (seg *devSeg) export() (*os.File, error) {
 	seg.mu.Lock()
 	defer seg.mu.Unlock()
-	if seg.size == 0 {
+	if seg.size.Load() == 0 {
 		return nil, fmt.Errorf("%w: the segment has no device memory yet", alloc.ErrInvalid)
 	}
 	if !seg.exportable {
-		nb, err := seg.d.dev.AllocExportable(seg.size)
+		nb, err := seg.d.dev.AllocExportable(seg.size.Load())
 		if err != nil {
 			return nil, err
 		}
-		if err := seg.copyPrefix(nb, seg.size); err != nil {
+		if err := seg.copyPrefix(nb, seg.size.Load()); err != nil {
 			seg.d.dev.Free(nb)
 			return nil, err
 		}

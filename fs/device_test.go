@@ -15,12 +15,11 @@ import (
 // testDevices gives fsys a simulated device, as a mount with --gpu sim.
 func testDevices(t *testing.T, fsys *filesystem) {
 	t.Helper()
-	d, err := newDevices(gpu.NewSim(0, 1<<30), fsys.store, filepath.Join(t.TempDir(), "mnt"), fsys.log)
+	d, err := newDevices(gpu.NewSim(0, 1<<30), fsys.store, filepath.Join(t.TempDir(), "mnt"), nil, fsys.log)
 	if err != nil {
 		t.Fatal(err)
 	}
-	fsys.gpu = d
-	t.Cleanup(d.spill)
+	fsys.gpu = d // fsys.close spills it
 }
 
 // TestDeviceSegmentRemovedWhileOpen: a device segment unlinked while open
@@ -29,7 +28,7 @@ func testDevices(t *testing.T, fsys *filesystem) {
 func TestDeviceSegmentRemovedWhileOpen(t *testing.T) {
 	fsys := testFS(t)
 	testDevices(t, fsys)
-	dir := child(t, fsys.root, "g", true)
+	dir := mkdir(t, &fsys.root.dirNode, "g")
 	if errno := dir.Setxattr(callerCtx(0), alloc.AttrDevice, []byte("cuda:0"), 0); errno != 0 {
 		t.Fatalf("set the directory's device: %v", errno)
 	}
@@ -39,8 +38,8 @@ func TestDeviceSegmentRemovedWhileOpen(t *testing.T) {
 		t.Fatalf("create: %v", errno)
 	}
 	dir.AddChild("s", ch, false)
-	h := fh.(*handle)
-	if h.seg == nil {
+	h, ok := fh.(*deviceHandle)
+	if !ok {
 		t.Fatal("a segment made in a cuda:0 directory is not on the device")
 	}
 	first := bytes.Repeat([]byte("a"), 1<<20)

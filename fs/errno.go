@@ -62,13 +62,3 @@ func mapErrno(err error) (syscall.Errno, bool) {
 	}
 	return syscall.EIO, false
 }
-
-// errnoOf maps err for the reply to op on n. An error no rule knows is
-// logged with its cause, which EIO alone would hide.
-func (fsys *filesystem) errnoOf(op string, n *node, err error) syscall.Errno {
-	errno, known := mapErrno(err)
-	if !known {
-		fsys.log.Error("unexpected error, answered EIO", "op", op, "path", n.Path(nil), "err", err)
-	}
-	return errno
-}

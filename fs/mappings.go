@@ -57,23 +57,56 @@ type mapTable struct {
 	buf     []byte // one /proc/PID/maps
 }
 
+// mappedFile is a file whose mappings map a segment's pages, and the only
+// uid whose processes count through it (anyUID: every process's).
+type mappedFile struct {
+	id  fileID
+	uid uint32
+}
+
+// everyone makes mapped files of ids that every process's mappings count
+// through.
+func everyone(ids ...fileID) []mappedFile {
+	files := make([]mappedFile, len(ids))
+	for i, id := range ids {
+		files[i] = mappedFile{id, anyUID}
+	}
+	return files
+}
+
 // mappers returns the processes, the daemon excepted, that map any of
-// ids, from a scan that began at or after since and ended at most maxAge
-// ago.
-func (t *mapTable) mappers(ids []fileID, since time.Time, maxAge time.Duration) map[uint32]bool {
+// files (as its uid allows), from a scan that began at or after since and
+// ended at most maxAge ago.
+func (t *mapTable) mappers(files []mappedFile, since time.Time, maxAge time.Duration) map[uint32]bool {
 	pids := map[uint32]bool{}
-	if len(ids) == 0 {
+	if len(files) == 0 {
 		return pids
+	}
+	ids := make([]fileID, len(files))
+	for i, f := range files {
+		ids[i] = f.id
 	}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.fresh(ids, since, maxAge)
-	for _, id := range ids {
-		for _, pid := range t.pids[id] {
-			pids[pid] = true
+	for _, f := range files {
+		for _, pid := range t.pids[f.id] {
+			if f.uid == anyUID || processUID(pid) == f.uid {
+				pids[pid] = true
+			}
 		}
 	}
 	return pids
+}
+
+// processUID returns the effective uid of process pid (the owner of its
+// /proc directory); anyUID once it has exited.
+func processUID(pid uint32) uint32 {
+	var st unix.Stat_t
+	if unix.Stat("/proc/"+strconv.Itoa(int(pid)), &st) != nil {
+		return anyUID
+	}
+	return st.Uid
 }
 
 // mapsDev reports whether a process maps a file of device dev.
@@ -265,46 +298,43 @@ func parseUint(b []byte, base, limit uint64) (uint64, bool) {
 	return v, true
 }
 
-// mapIDs returns the files whose mappings map n's pages: n on this mount
+// mapped returns the files whose mappings map n's pages: n on this mount
 // and on earlier passthrough mounts of the backing that live mappings
 // outlived (a mapping through the mount shows as the mount's file), and
-// the file its bytes live in (mapped through the handle path or an
-// exported descriptor; an imported segment's is the sender's file). A
+// the file its kind keeps its bytes in outside the mount (a mapping
+// through the handle path or a descriptor the daemon handed out). A
 // device segment cannot be mapped.
-func (n *node) mapIDs() []fileID {
-	if n.device() != nil {
+func (n *segmentNode) mapped() []mappedFile {
+	s := n.storage()
+	if s.kind() == alloc.Device {
 		return nil
 	}
 	ino := n.StableAttr().Ino
-	ids := []fileID{{n.fs.fuseDev.Load(), ino}}
+	files := everyone(fileID{n.fs.fuseDev.Load(), ino})
 	for _, dev := range n.fs.oldDevs {
-		ids = append(ids, fileID{dev, ino})
+		files = append(files, mappedFile{fileID{dev, ino}, anyUID})
 	}
-	var st unix.Stat_t
-	var err error
-	if n.imported() {
-		err = n.fs.imports.with(n.redir().imported, func(fd int) error { return unix.Fstat(fd, &st) })
-	} else {
-		err = n.at(func(fd int, name string) error { return unix.Fstatat(fd, name, &st, nofollow(name)) })
-	}
-	if err == nil {
-		ids = append(ids, fileID{st.Dev, st.Ino})
-	}
-	return ids
+	n.withMarker(func(m *alloc.Ref) error {
+		if id, uid, ok := s.mapped(m); ok {
+			files = append(files, mappedFile{id, uid})
+		}
+		return nil
+	})
+	return files
 }
 
 // since is when a scan must have begun to answer for n: after n's last
 // handle release, the moment a mapping may have become its process's
 // only reference.
-func (n *node) since() time.Time {
+func (n *segmentNode) since() time.Time {
 	return epoch.Add(time.Duration(n.released.Load()))
 }
 
 // references returns the references each process holds to n: its open
 // handles, or 1 for a process that holds none but maps n's pages.
-func (n *node) references() map[uint32]int {
+func (n *segmentNode) references() map[uint32]int {
 	refs := n.openHandles()
-	for pid := range n.fs.maps.mappers(n.mapIDs(), n.since(), mapsTTL) {
+	for pid := range n.fs.maps.mappers(n.mapped(), n.since(), mapsTTL) {
 		if refs[pid] == 0 {
 			refs[pid] = 1
 		}
@@ -315,8 +345,8 @@ func (n *node) references() map[uint32]int {
 // watchMapped reports whether processes still map UNLINK segment n,
 // whose last handle went, and if so waits for them in a watch. An open
 // meanwhile stops the watch: acquire adds its handle, then unwatches.
-func (fsys *filesystem) watchMapped(n *node) bool {
-	ids, since := n.mapIDs(), n.since()
+func (fsys *filesystem) watchMapped(n *segmentNode) bool {
+	ids, since := n.mapped(), n.since()
 	if len(fsys.maps.mappers(ids, since, mapsTTL)) == 0 {
 		return false
 	}
@@ -341,7 +371,7 @@ type watchSet struct {
 // then removes the UNLINK segment whose backing inode is ino; at most one
 // watch per segment. Reopening or unlinking the segment stops it
 // (unwatch).
-func (fsys *filesystem) watch(ino uint64, ids []fileID, since time.Time) {
+func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time) {
 	w := &fsys.watches
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -430,7 +460,7 @@ func (fsys *filesystem) watchedLastLink(dirfd int, name string) uint64 {
 // processes for their exits, and for munmap checks again after 10 ms,
 // doubling up to 1 s; a check takes any scan begun since the last one,
 // however old, so that the watches of many segments share scans.
-func (t *mapTable) awaitUnmapped(ep *os.File, ids []fileID, since time.Time) bool {
+func (t *mapTable) awaitUnmapped(ep *os.File, ids []mappedFile, since time.Time) bool {
 	rc, err := ep.SyscallConn()
 	if err != nil {
 		return false
@@ -522,11 +552,13 @@ func (fsys *filesystem) removeUnlinked(ino uint64) {
 		if ferr != nil || f&alloc.Unlink == 0 {
 			return nil
 		}
-		r := fsys.lastLinkRedirect(dirfd, name)
-		if unix.Unlinkat(dirfd, name, 0) != nil {
+		last, _, err := fsys.lastLink(dirfd, name)
+		if err != nil || unix.Unlinkat(dirfd, name, 0) != nil {
 			return nil
 		}
-		fsys.release(r)
+		if last != nil {
+			last.release()
+		}
 		fsys.notifyGone(rel, ino)
 		fsys.log.Info("removed UNLINK segment after its last mapping", "name", rel)
 		return nil
@@ -564,20 +596,24 @@ type Recovered struct {
 	// devs are the devices of earlier mounts that processes still map.
 	devs []uint64
 	// kept are the files of each UNLINK segment kept because mapped.
-	kept [][]fileID
+	kept [][]mappedFile
+	// devices are the backing files of device segments (alloc.Recovery).
+	devices []*os.File
 }
 
 // Recover prepares store's backing for a mount (alloc.Store.Recover),
 // keeping the UNLINK segments that live processes still map, through
 // the backing or an earlier passthrough mount of it.
+// The device segments' backing files it found go to the mount, which
+// restores them (or, without a GPU, keeps them unavailable).
 func Recover(store *alloc.Store) (segments, bytes int64, rec *Recovered, err error) {
 	var t mapTable
 	old := earlierDevs(store.RootFd)
 	rec = &Recovered{}
-	segments, bytes, err = store.Recover(func(st *unix.Stat_t) bool {
-		ids := []fileID{{st.Dev, st.Ino}}
+	found, err := store.Recover(func(st *unix.Stat_t) bool {
+		ids := everyone(fileID{st.Dev, st.Ino})
 		for _, dev := range old {
-			ids = append(ids, fileID{dev, st.Ino})
+			ids = append(ids, mappedFile{fileID{dev, st.Ino}, anyUID})
 		}
 		if len(t.mappers(ids, time.Time{}, anyAge)) == 0 {
 			return false
@@ -585,12 +621,16 @@ func Recover(store *alloc.Store) (segments, bytes int64, rec *Recovered, err err
 		rec.kept = append(rec.kept, ids)
 		return true
 	})
+	if err != nil {
+		return 0, 0, nil, err
+	}
 	for _, dev := range old {
 		if t.mapsDev(dev) {
 			rec.devs = append(rec.devs, dev)
 		}
 	}
-	return segments, bytes, rec, err
+	rec.devices = found.Devices
+	return found.Segments, found.Bytes, rec, nil
 }
 
 // earlierDevs reads devsAttr from the backing root at rootFd, less the
@@ -629,7 +669,7 @@ func (fsys *filesystem) afterMount(mountpoint string, rec *Recovered) {
 		fsys.fuseDev.Store(st.Dev)
 	}
 	devs := slices.Clone(fsys.oldDevs)
-	if fsys.passthrough {
+	if fsys.passthrough.Load() {
 		devs = append(devs, st.Dev)
 	}
 	var v []byte
@@ -647,6 +687,6 @@ func (fsys *filesystem) afterMount(mountpoint string, rec *Recovered) {
 	}
 	now := time.Now()
 	for _, ids := range rec.kept {
-		fsys.watch(ids[0].ino, ids, now)
+		fsys.watch(ids[0].id.ino, ids, now)
 	}
 }

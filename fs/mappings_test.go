@@ -91,8 +91,8 @@ func (m *mapper) unmap(t *testing.T) {
 	m.expect(t, "unmapped")
 }
 
-// mappedFile makes a 4 KiB file and returns its path and identity.
-func mappedFile(t *testing.T) (string, fileID) {
+// mappedTestFile makes a 4 KiB file and returns its path and identity.
+func mappedTestFile(t *testing.T) (string, fileID) {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "seg")
 	if err := os.WriteFile(path, make([]byte, 4096), 0o600); err != nil {
@@ -167,7 +167,7 @@ func TestMappers(t *testing.T) {
 }
 
 func testMappers(t *testing.T, tab *mapTable) {
-	path, id := mappedFile(t)
+	path, id := mappedTestFile(t)
 	own, err := os.OpenFile(path, os.O_RDWR, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -179,16 +179,16 @@ func testMappers(t *testing.T, tab *mapTable) {
 	}
 	defer unix.Munmap(b)
 
-	if got := tab.mappers([]fileID{id}, time.Now(), mapsTTL); len(got) != 0 {
+	if got := tab.mappers(everyone(id), time.Now(), mapsTTL); len(got) != 0 {
 		t.Errorf("mappers with only this process mapping = %v, want none", got)
 	}
 	m := startMapper(t, path)
 	pid := uint32(m.cmd.Process.Pid)
-	if got := tab.mappers([]fileID{id, {id.dev, id.ino + 1}}, time.Now(), mapsTTL); len(got) != 1 || !got[pid] {
+	if got := tab.mappers(everyone(id, fileID{id.dev, id.ino + 1}), time.Now(), mapsTTL); len(got) != 1 || !got[pid] {
 		t.Errorf("mappers = %v, want the child %d", got, pid)
 	}
 	m.unmap(t)
-	if got := tab.mappers([]fileID{id}, time.Now(), mapsTTL); len(got) != 0 {
+	if got := tab.mappers(everyone(id), time.Now(), mapsTTL); len(got) != 0 {
 		t.Errorf("mappers after munmap = %v, want none", got)
 	}
 }
@@ -196,7 +196,7 @@ func testMappers(t *testing.T, tab *mapTable) {
 // TestAwaitUnmapped: the wait ends when the last mapping goes, by munmap
 // or by SIGKILL, and when its epoll instance is closed (false).
 func TestAwaitUnmapped(t *testing.T) {
-	path, id := mappedFile(t)
+	path, id := mappedTestFile(t)
 	var tab mapTable
 	await := func() (*os.File, chan bool) {
 		ep, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
@@ -206,7 +206,7 @@ func TestAwaitUnmapped(t *testing.T) {
 		unix.SetNonblock(ep, true)
 		f := os.NewFile(uintptr(ep), "pidfds")
 		done := make(chan bool, 1)
-		go func() { done <- tab.awaitUnmapped(f, []fileID{id}, time.Now()) }()
+		go func() { done <- tab.awaitUnmapped(f, everyone(id), time.Now()) }()
 		return f, done
 	}
 	result := func(done chan bool) bool {

@@ -13,286 +13,537 @@ import (
 	"tensorfs/alloc"
 )
 
-var _ = (fusefs.NodeLookuper)((*node)(nil))
+var (
+	_ = (fusefs.NodeLookuper)((*dirNode)(nil))
+	_ = (fusefs.NodeMkdirer)((*dirNode)(nil))
+	_ = (fusefs.NodeMknoder)((*dirNode)(nil))
+	_ = (fusefs.NodeSymlinker)((*dirNode)(nil))
+	_ = (fusefs.NodeLinker)((*dirNode)(nil))
+	_ = (fusefs.NodeCreater)((*dirNode)(nil))
+	_ = (fusefs.NodeTmpfiler)((*dirNode)(nil))
+	_ = (fusefs.NodeUnlinker)((*dirNode)(nil))
+	_ = (fusefs.NodeRmdirer)((*dirNode)(nil))
+	_ = (fusefs.NodeRenamer)((*dirNode)(nil))
+	_ = (fusefs.NodeOpendirHandler)((*dirNode)(nil))
+)
+
+// errNoCreate refuses a new name in a NOCREATE directory.
+var errNoCreate = fmt.Errorf("%w: nothing new may be created here", alloc.ErrNoCreate)
 
 // Lookup finds name in the backing directory.
-func (n *node) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
+func (d *dirNode) Lookup(ctx context.Context, name string, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
 	var ch *fusefs.Inode
-	err := n.withDir(func(fd int) (err error) {
-		ch, err = n.child(ctx, fd, name, out)
+	err := d.withDir(func(fd int) (err error) {
+		ch, err = d.child(ctx, fd, name, out)
 		return err
 	})
 	if err != nil {
-		return nil, n.fs.errnoOf("lookup", n, err)
+		return nil, d.fs.errnoOf("lookup", &d.nodeBase, err)
 	}
 	return ch, 0
 }
 
-// child makes the inode for the backing object name in dirfd, found by
-// a lookup.
-func (n *node) child(ctx context.Context, dirfd int, name string, out *fuse.EntryOut) (*fusefs.Inode, error) {
+// child makes the inode of the backing object name in dirfd: a node of
+// the object's type, and for a segment of its kind (classify).
+func (d *dirNode) child(ctx context.Context, dirfd int, name string, out *fuse.EntryOut) (*fusefs.Inode, error) {
 	var st unix.Stat_t
 	if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		return nil, err
 	}
-	return n.newChild(ctx, dirfd, name, &st, n.fs.redirectOf(dirfd, name, &st), out)
-}
-
-// newChild makes the inode for the backing object name in dirfd, whose
-// stat is st and whose redirect is r; a redirected segment's stat is
-// taken again (statSegment).
-func (n *node) newChild(ctx context.Context, dirfd int, name string, st *unix.Stat_t, r *redirect, out *fuse.EntryOut) (*fusefs.Inode, error) {
-	if r != nil {
-		if err := n.fs.statSegment(r, dirfd, name, st); err != nil {
+	var node fusefs.InodeEmbedder
+	switch st.Mode & syscall.S_IFMT {
+	case syscall.S_IFDIR:
+		node = d.fs.newDir()
+	case syscall.S_IFLNK:
+		node = &symlinkNode{nodeBase{fs: d.fs}}
+	case syscall.S_IFREG:
+		s, err := d.fs.segmentKind(dirfd, name, &st)
+		if err != nil {
 			return nil, err
 		}
+		node = d.fs.newSegment(s)
+	default:
+		node = &specialNode{nodeBase{fs: d.fs}}
 	}
-	out.Attr.FromStat(toSyscallStat(st))
-	ch := n.fs.newNode(st.Mode&syscall.S_IFMT, r)
-	return n.NewInode(ctx, ch, fusefs.StableAttr{Mode: st.Mode & syscall.S_IFMT, Ino: st.Ino}), nil
+	out.Attr.FromStat(toSyscallStat(&st))
+	return d.NewInode(ctx, node, fusefs.StableAttr{Mode: st.Mode & syscall.S_IFMT, Ino: st.Ino}), nil
 }
 
-// creatable returns the directory's flags, or ErrNoCreate for a NOCREATE
-// directory.
-func (n *node) creatable() (alloc.Flags, error) {
-	f, err := n.flags()
+// segmentKind classifies the segment name in dirfd, whose stat is st, and
+// refreshes st with what stat shows of it. A segment with bytes in its
+// backing file is a host segment (markers are empty), which costs no
+// further call.
+func (fsys *filesystem) segmentKind(dirfd int, name string, st *unix.Stat_t) (storage, error) {
+	if st.Size != 0 && !fsys.unrestored.has() {
+		return host{}, nil
+	}
+	m, err := alloc.OpenRef(dirfd, name, st.Ino)
 	if err != nil {
-		return 0, err
-	}
-	if f&alloc.NoCreate != 0 {
-		return f, fmt.Errorf("%w: nothing new may be created here", alloc.ErrNoCreate)
-	}
-	return f, nil
-}
-
-// adopt finishes a new backing object, name in dirfd, whose bytes live
-// where r says: it belongs to the caller (the daemon may be root),
-// inherits the directory's flags, and is returned as an inode. On
-// failure the object is removed again.
-func (n *node) adopt(ctx context.Context, dirfd int, name string, parentFlags alloc.Flags, r *redirect, out *fuse.EntryOut) (*fusefs.Inode, error) {
-	var st unix.Stat_t
-	err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
-	if err == nil {
-		err = n.fs.withAttrs(r, dirfd, name, func(tfd int, tname string) error {
-			uid, gid, ok := n.fs.owner(ctx, dirfd)
-			if ok && (r != nil || uint32(uid) != st.Uid || uint32(gid) != st.Gid) {
-				if err := unix.Fchownat(tfd, tname, uid, gid, nofollow(tname)); err != nil {
-					return err
-				}
-				st.Uid, st.Gid = uint32(uid), uint32(gid)
-			}
-			if st.Mode&syscall.S_IFMT == syscall.S_IFLNK {
-				return nil
-			}
-			return alloc.At(tfd, tname, r.attrIno(st.Ino), func(p string) error {
-				return alloc.InheritFlags(parentFlags, p, st.Mode&syscall.S_IFMT == syscall.S_IFDIR)
-			})
-		})
-	}
-	if err == nil && r == nil && n.fs.gpu != nil {
-		r, err = n.fs.inheritDevice(dirfd, name, &st)
-	}
-	var ch *fusefs.Inode
-	if err == nil {
-		ch, err = n.newChild(ctx, dirfd, name, &st, r, out)
-	}
-	if err != nil {
-		if unix.Unlinkat(dirfd, name, 0) != nil {
-			unix.Unlinkat(dirfd, name, unix.AT_REMOVEDIR)
-		}
-		n.fs.release(r)
 		return nil, err
 	}
-	return ch, nil
+	defer m.Close()
+	s, err := fsys.classify(m)
+	if err == nil {
+		err = s.stat(m, st)
+	}
+	return s, err
 }
 
-var _ = (fusefs.NodeMkdirer)((*node)(nil))
+// adopt finishes a new backing object a, made in the directory open at
+// dirfd, whose storage is s (nil for an object that is not a segment): it
+// belongs to the caller (the daemon may be root), inherits the
+// directory's flags and device, and is stat'ed into st. It returns the
+// object's storage, which a device directory changes.
+func (d *dirNode) adopt(ctx context.Context, dirfd int, a *alloc.Ref, pf alloc.Flags, s storage, st *unix.Stat_t) (storage, error) {
+	attrs := func(fn func(*alloc.Ref) error) error { return fn(a) }
+	if s != nil {
+		attrs = func(fn func(*alloc.Ref) error) error { return s.attrs(a, fn) }
+	}
+	err := attrs(func(o *alloc.Ref) error {
+		if uid, gid, ok := d.fs.owner(ctx, dirfd); ok {
+			if err := o.Chown(uid, gid); err != nil {
+				return err
+			}
+		}
+		if o.IsSymlink() {
+			return nil
+		}
+		p, _ := o.Path()
+		return alloc.InheritFlags(pf, p, o.Stat().Mode&syscall.S_IFMT == syscall.S_IFDIR)
+	})
+	mode := a.Stat().Mode & syscall.S_IFMT
+	if err == nil && (mode == syscall.S_IFDIR || mode == syscall.S_IFREG && s.kind() == alloc.Host) {
+		var ds storage
+		if ds, err = d.fs.inheritDevice(dirfd, a); ds != nil {
+			s = ds
+		}
+	}
+	if err == nil {
+		err = unix.Fstat(a.Fd(), st)
+	}
+	if err == nil && s != nil {
+		err = s.stat(a, st)
+	}
+	return s, err
+}
 
-// Mkdir makes a directory that inherits this one's flags.
-func (n *node) Mkdir(ctx context.Context, name string, mode uint32, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
+// made returns the Ref of the object just made at name in dirfd; the
+// kernel holds the directory's lock while it makes a name, so nothing
+// else can have moved it since.
+func made(dirfd int, name string) (*alloc.Ref, error) {
+	return alloc.OpenRef(dirfd, name, 0)
+}
+
+// undo removes the object a that a failed request made at name in dirfd,
+// if name still holds it.
+func undo(dirfd int, name string, a *alloc.Ref) {
+	var st unix.Stat_t
+	if unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil || st.Ino != a.Stat().Ino {
+		return
+	}
+	if st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
+		unix.Unlinkat(dirfd, name, unix.AT_REMOVEDIR)
+	} else {
+		unix.Unlinkat(dirfd, name, 0)
+	}
+}
+
+// makeNode runs make to create name in the directory, then adopts the new
+// object and returns its inode, made by node; a refusal or failure leaves
+// nothing behind.
+func (d *dirNode) makeNode(ctx context.Context, op, name string, out *fuse.EntryOut, make func(dirfd int) error, node func() fusefs.InodeEmbedder) (*fusefs.Inode, syscall.Errno) {
 	var ch *fusefs.Inode
-	err := n.withDir(func(fd int) error {
-		f, err := n.creatable()
+	err := d.withDir(func(fd int) error {
+		pf, err := d.creatable()
 		if err != nil {
 			return err
 		}
-		if err := unix.Mkdirat(fd, name, mode); err != nil {
+		if err := make(fd); err != nil {
 			return err
 		}
-		ch, err = n.adopt(ctx, fd, name, f, nil, out)
-		return err
+		a, err := made(fd, name)
+		if err != nil {
+			return err
+		}
+		defer a.Close()
+		var st unix.Stat_t
+		if _, err := d.adopt(ctx, fd, a, pf, nil, &st); err != nil {
+			undo(fd, name, a)
+			return err
+		}
+		out.Attr.FromStat(toSyscallStat(&st))
+		ch = d.NewInode(ctx, node(), fusefs.StableAttr{Mode: st.Mode & syscall.S_IFMT, Ino: st.Ino})
+		return nil
 	})
-	return ch, n.fs.errno("mkdir", n, name, err)
+	return ch, d.fs.errno(op, &d.nodeBase, name, err)
 }
 
-var _ = (fusefs.NodeMknoder)((*node)(nil))
+// Mkdir makes a directory that inherits this one's flags and device.
+func (d *dirNode) Mkdir(ctx context.Context, name string, mode uint32, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
+	return d.makeNode(ctx, "mkdir", name, out,
+		func(fd int) error { return unix.Mkdirat(fd, name, mode) },
+		func() fusefs.InodeEmbedder { return d.fs.newDir() })
+}
 
 // Mknod makes a special file; the kernel serves it, tensorfs keeps only
 // its metadata.
-func (n *node) Mknod(ctx context.Context, name string, mode, rdev uint32, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
-	var ch *fusefs.Inode
-	err := n.withDir(func(fd int) error {
-		f, err := n.creatable()
-		if err != nil {
-			return err
-		}
-		if err := unix.Mknodat(fd, name, mode, int(rdev)); err != nil {
-			return err
-		}
-		ch, err = n.adopt(ctx, fd, name, f, nil, out)
-		return err
-	})
-	return ch, n.fs.errno("mknod", n, name, err)
+func (d *dirNode) Mknod(ctx context.Context, name string, mode, rdev uint32, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
+	if mode&syscall.S_IFMT == syscall.S_IFREG || mode&syscall.S_IFMT == syscall.S_IFDIR {
+		return nil, syscall.EINVAL // regular files come from Create, directories from Mkdir
+	}
+	return d.makeNode(ctx, "mknod", name, out,
+		func(fd int) error { return unix.Mknodat(fd, name, mode, int(rdev)) },
+		func() fusefs.InodeEmbedder { return &specialNode{nodeBase{fs: d.fs}} })
 }
-
-var _ = (fusefs.NodeSymlinker)((*node)(nil))
 
 // Symlink makes a symbolic link.
-func (n *node) Symlink(ctx context.Context, target, name string, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
-	var ch *fusefs.Inode
-	err := n.withDir(func(fd int) error {
-		f, err := n.creatable()
-		if err != nil {
-			return err
-		}
-		if err := unix.Symlinkat(target, fd, name); err != nil {
-			return err
-		}
-		ch, err = n.adopt(ctx, fd, name, f, nil, out)
-		return err
-	})
-	return ch, n.fs.errno("symlink", n, name, err)
+func (d *dirNode) Symlink(ctx context.Context, target, name string, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
+	return d.makeNode(ctx, "symlink", name, out,
+		func(fd int) error { return unix.Symlinkat(target, fd, name) },
+		func() fusefs.InodeEmbedder { return &symlinkNode{nodeBase{fs: d.fs}} })
 }
 
-var _ = (fusefs.NodeLinker)((*node)(nil))
-
-// Link gives an existing segment a second name.
-func (n *node) Link(ctx context.Context, target fusefs.InodeEmbedder, name string, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
+// Create makes and opens a new segment that inherits the directory's
+// flags and device. In an EXCLUSIVE directory an existing name is EEXIST.
+func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode uint32, out *fuse.EntryOut) (*fusefs.Inode, fusefs.FileHandle, uint32, syscall.Errno) {
 	var ch *fusefs.Inode
-	err := n.withDir(func(fd int) error {
-		if _, err := n.creatable(); err != nil {
+	var h segmentHandle
+	err := d.fs.takeHandle(ctx, func() error {
+		return d.withDir(func(dirfd int) (err error) {
+			ch, h, err = d.create(ctx, dirfd, name, flags, mode, out)
+			return err
+		})
+	})
+	if err != nil {
+		return nil, nil, 0, d.fs.errno("create", &d.nodeBase, name, err)
+	}
+	return ch, h, h.fuseFlags(), 0
+}
+
+func (d *dirNode) create(ctx context.Context, dirfd int, name string, flags, mode uint32, out *fuse.EntryOut) (*fusefs.Inode, segmentHandle, error) {
+	pf, err := d.creatable()
+	if err != nil {
+		return nil, nil, err
+	}
+	bflags, pt := d.fs.backingFlags(flags)
+	fd, err := unix.Openat(dirfd, name, bflags|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW, mode)
+	if errors.Is(err, unix.EEXIST) {
+		return d.openExisting(ctx, dirfd, name, pf, flags, out)
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	a, err := alloc.OpenRef(fd, "", 0)
+	if err != nil {
+		unix.Close(fd)
+		unix.Unlinkat(dirfd, name, 0)
+		return nil, nil, err
+	}
+	defer a.Close()
+	var s storage = host{}
+	if pf&alloc.Shared != 0 {
+		// The marker stays empty; the bytes live on --disk.
+		marker := fd
+		fd, s, err = d.fs.createShared(marker, d.Path(nil)+"/"+name, bflags, mode)
+		unix.Close(marker)
+	}
+	var st unix.Stat_t
+	if err == nil {
+		s, err = d.adopt(ctx, dirfd, a, pf, s, &st)
+	}
+	if err != nil {
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+		undo(dirfd, name, a)
+		if s != nil {
+			s.release()
+		}
+		return nil, nil, err
+	}
+	seg := d.fs.newSegment(s)
+	out.Attr.FromStat(toSyscallStat(&st))
+	ch := d.NewInode(ctx, seg, fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: st.Ino})
+	c := caller(ctx)
+	base := handle{node: seg, pid: d.fs.processOf(c.Pid), uid: c.Uid, writable: flags&unix.O_ACCMODE != unix.O_RDONLY}
+	var h segmentHandle
+	if dev, ok := s.(device); ok {
+		unix.Close(fd) // the backing file stays the empty marker
+		h, _ = dev.open(seg, a, base, flags)
+	} else {
+		h = &fileHandle{handle: base, fd: fd, passthrough: pt, attrsHere: true}
+	}
+	seg.track(h.common(), h)
+	return ch, h, nil
+}
+
+// openExisting answers a CREATE of a name that exists: EEXIST for
+// O_EXCL and in an EXCLUSIVE directory; else the name appeared since the
+// kernel looked (another creator, an import), and it is opened.
+func (d *dirNode) openExisting(ctx context.Context, dirfd int, name string, pf alloc.Flags, flags uint32, out *fuse.EntryOut) (*fusefs.Inode, segmentHandle, error) {
+	switch {
+	case flags&unix.O_EXCL != 0:
+		return nil, nil, unix.EEXIST
+	case pf&alloc.Exclusive != 0:
+		return nil, nil, fmt.Errorf("%w: %s", alloc.ErrExists, name)
+	}
+	ch, err := d.child(ctx, dirfd, name, out)
+	if err != nil {
+		return nil, nil, err
+	}
+	seg, ok := ch.Operations().(*segmentNode)
+	if !ok {
+		return nil, nil, syscall.EISDIR
+	}
+	m, err := alloc.OpenRef(dirfd, name, ch.StableAttr().Ino)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer m.Close()
+	seg.opening.RLock()
+	defer seg.opening.RUnlock()
+	h, err := seg.open(ctx, m, flags)
+	return ch, h, err
+}
+
+// Tmpfile makes an open segment in no directory (O_TMPFILE); linkat can
+// give it a name later.
+func (d *dirNode) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *fuse.EntryOut) (*fusefs.Inode, fusefs.FileHandle, uint32, syscall.Errno) {
+	var ch *fusefs.Inode
+	var h *fileHandle
+	err := d.fs.takeHandle(ctx, func() error {
+		return d.withDir(func(dirfd int) error {
+			pf, err := d.creatable()
+			if err != nil {
+				return err
+			}
+			bflags, pt := d.fs.backingFlags(flags)
+			fd, err := unix.Openat(dirfd, ".", bflags|unix.O_TMPFILE, mode)
+			if err != nil {
+				return err
+			}
+			var st unix.Stat_t
+			if uid, gid, ok := d.fs.owner(ctx, dirfd); ok {
+				err = unix.Fchown(fd, uid, gid)
+			}
+			if err == nil {
+				err = alloc.InheritFlags(pf, alloc.FdPath(fd), false)
+			}
+			if err == nil {
+				err = unix.Fstat(fd, &st)
+			}
+			if err != nil {
+				unix.Close(fd)
+				return err
+			}
+			out.Attr.FromStat(toSyscallStat(&st))
+			seg := d.fs.newSegment(host{})
+			ch = d.NewInode(ctx, seg, fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: st.Ino})
+			c := caller(ctx)
+			h = &fileHandle{handle: handle{node: seg, pid: d.fs.processOf(c.Pid), uid: c.Uid, writable: flags&unix.O_ACCMODE != unix.O_RDONLY},
+				fd: fd, passthrough: pt, attrsHere: true}
+			seg.track(&h.handle, h)
+			return nil
+		})
+	})
+	if err != nil {
+		return nil, nil, 0, d.fs.errno("tmpfile", &d.nodeBase, "", err)
+	}
+	return ch, h, h.fuseFlags(), 0
+}
+
+// Link gives an existing segment, symbolic link or special file a second
+// name. SHARED, imported and device segments have one name (EXDEV): their
+// marker is not their bytes.
+func (d *dirNode) Link(ctx context.Context, target fusefs.InodeEmbedder, name string, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
+	var ch *fusefs.Inode
+	err := d.withDir(func(fd int) error {
+		if _, err := d.creatable(); err != nil {
 			return err
 		}
-		t := target.(*node)
-		if t.redir() != nil {
-			return fmt.Errorf("%w: SHARED and imported segments have one name", syscall.EXDEV)
+		link := func(r *alloc.Ref) error {
+			// The /proc link of exactly r's object (an O_TMPFILE
+			// segment's too), which the kernel follows to that inode.
+			return unix.Linkat(unix.AT_FDCWD, alloc.FdPath(r.Fd()), fd, name, unix.AT_SYMLINK_FOLLOW)
 		}
 		var err error
-		if t.isSymlink() {
-			// linkat without AT_SYMLINK_FOLLOW links the name itself.
-			err = t.at(func(tfd int, tname string) error { return unix.Linkat(tfd, tname, fd, name, 0) })
-		} else {
-			// p is the /proc link of exactly t's object (an O_TMPFILE
-			// segment's too), which the kernel follows to that inode.
-			err = t.path(func(p string) error { return unix.Linkat(unix.AT_FDCWD, p, fd, name, unix.AT_SYMLINK_FOLLOW) })
+		switch t := target.(type) {
+		case *segmentNode:
+			if k := t.storage().kind(); k != alloc.Host {
+				return fmt.Errorf("%w: %s segments have one name", syscall.EXDEV, k)
+			}
+			err = t.withMarker(link)
+		case *symlinkNode:
+			err = t.leafRef(link)
+		case *specialNode:
+			err = t.leafRef(link)
+		default:
+			return syscall.EPERM // directories have one name
 		}
 		if err != nil {
 			return err
 		}
-		ch, err = n.child(ctx, fd, name, out)
+		ch, err = d.child(ctx, fd, name, out)
 		return err
 	})
-	return ch, n.fs.errno("link", n, name, err)
+	return ch, d.fs.errno("link", &d.nodeBase, name, err)
 }
 
-var _ = (fusefs.NodeUnlinker)((*node)(nil))
+// lastLink returns the storage of the segment name in dirfd when name is
+// its last link and its kind holds something to free once the name goes,
+// and the inode a watch may wait on; nil and 0 otherwise.
+func (fsys *filesystem) lastLink(dirfd int, name string) (storage, uint64, error) {
+	var st unix.Stat_t
+	if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return nil, 0, nil // the removal itself says why
+	}
+	if st.Mode&syscall.S_IFMT != syscall.S_IFREG || st.Nlink != 1 {
+		return nil, 0, nil
+	}
+	if st.Size != 0 && !fsys.unrestored.has() {
+		return nil, st.Ino, nil // a host segment: nothing to free
+	}
+	s, err := fsys.segmentKind(dirfd, name, &st)
+	return s, st.Ino, err
+}
 
-// Unlink removes a name.
-func (n *node) Unlink(ctx context.Context, name string) syscall.Errno {
-	err := n.withDir(func(fd int) error {
-		r := n.fs.lastLinkRedirect(fd, name)
-		watched := n.fs.watchedLastLink(fd, name)
+// Unlink removes a name; the last name of a segment frees what its kind
+// holds (a disk file, an import, device memory).
+func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
+	err := d.withDir(func(fd int) error {
+		s, ino, err := d.fs.lastLink(fd, name)
+		if err != nil {
+			return err
+		}
 		if err := unix.Unlinkat(fd, name, 0); err != nil {
 			return err
 		}
-		n.fs.watches.unwatch(watched)
-		return n.fs.release(r)
+		d.fs.watches.unwatch(ino)
+		if s != nil {
+			return s.release()
+		}
+		return nil
 	})
-	return n.fs.errno("unlink", n, name, err)
+	return d.fs.errno("unlink", &d.nodeBase, name, err)
 }
-
-var _ = (fusefs.NodeRmdirer)((*node)(nil))
 
 // Rmdir removes an empty directory.
-func (n *node) Rmdir(ctx context.Context, name string) syscall.Errno {
-	err := n.withDir(func(fd int) error { return unix.Unlinkat(fd, name, unix.AT_REMOVEDIR) })
-	return n.fs.errno("rmdir", n, name, err)
+func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
+	err := d.withDir(func(fd int) error { return unix.Unlinkat(fd, name, unix.AT_REMOVEDIR) })
+	return d.fs.errno("rmdir", &d.nodeBase, name, err)
 }
 
-var _ = (fusefs.NodeRenamer)((*node)(nil))
-
-// Rename moves a name. A NOCREATE destination takes no new names; an
-// EXCLUSIVE one never replaces an existing segment.
-func (n *node) Rename(ctx context.Context, name string, newParent fusefs.InodeEmbedder, newName string, flags uint32) syscall.Errno {
-	dst := newParent.(*node)
-	err := n.withDir(func(fd int) error {
+// Rename moves a name. A NOCREATE directory takes no new names, from a
+// move or an exchange; an EXCLUSIVE one never has a name's segment
+// replaced or exchanged.
+func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.InodeEmbedder, newName string, flags uint32) syscall.Errno {
+	dst := dirOf(newParent.EmbeddedInode())
+	exchange := flags&unix.RENAME_EXCHANGE != 0
+	err := d.withDir(func(fd int) error {
 		return dst.withDir(func(dfd int) error {
-			if dst != n || flags&unix.RENAME_EXCHANGE == 0 {
-				f, err := dst.flags()
-				if err != nil {
+			df, err := dst.flags(dst)
+			if err != nil {
+				return err
+			}
+			sf := df
+			if dst != d {
+				if sf, err = d.flags(d); err != nil {
 					return err
 				}
-				if f&alloc.NoCreate != 0 && dst != n {
-					return fmt.Errorf("%w: nothing may be moved in", alloc.ErrNoCreate)
-				}
-				if f&alloc.Exclusive != 0 && flags&unix.RENAME_EXCHANGE == 0 {
-					flags |= unix.RENAME_NOREPLACE
-				}
 			}
-			var replaced *redirect
+			switch {
+			case dst != d && df&alloc.NoCreate != 0:
+				return fmt.Errorf("%w: nothing may be moved in", alloc.ErrNoCreate)
+			case dst != d && exchange && sf&alloc.NoCreate != 0:
+				return fmt.Errorf("%w: an exchange would move a name into this NOCREATE directory", alloc.ErrNoCreate)
+			case exchange && (df|sf)&alloc.Exclusive != 0:
+				return fmt.Errorf("%w: an exchange would give a name of an EXCLUSIVE directory another segment", alloc.ErrExists)
+			case df&alloc.Exclusive != 0:
+				flags |= unix.RENAME_NOREPLACE
+			}
+			var replaced storage
 			var watched uint64
-			if flags&unix.RENAME_EXCHANGE == 0 {
-				replaced = n.fs.lastLinkRedirect(dfd, newName)
-				watched = n.fs.watchedLastLink(dfd, newName)
+			if !exchange {
+				if replaced, watched, err = d.fs.lastLink(dfd, newName); err != nil {
+					return err
+				}
 			}
-			err := unix.Renameat2(fd, name, dfd, newName, uint(flags))
+			err = unix.Renameat2(fd, name, dfd, newName, uint(flags))
 			if errors.Is(err, unix.EEXIST) && flags&unix.RENAME_NOREPLACE != 0 {
 				return fmt.Errorf("%w: %s", alloc.ErrExists, newName)
 			}
-			if err == nil {
-				n.fs.watches.unwatch(watched)
-				err = n.fs.release(replaced)
+			if err != nil {
+				return err
 			}
-			if err == nil {
-				alloc.At(dfd, newName, 0, func(p string) error {
-					n.fs.store.RecordSharedPath(p, dst.Path(nil)+"/"+newName)
-					return nil
-				})
+			d.fs.watches.unwatch(watched)
+			if replaced != nil {
+				err = replaced.release()
+			}
+			d.fs.recordSharedPath(dfd, newName, dst.Path(nil)+"/"+newName)
+			if exchange {
+				d.fs.recordSharedPath(fd, name, d.Path(nil)+"/"+name)
 			}
 			return err
 		})
 	})
-	return n.fs.errno("rename", n, name, err)
+	return d.fs.errno("rename", &d.nodeBase, name, err)
 }
 
-var _ = (fusefs.NodeOpendirHandler)((*node)(nil))
+// recordSharedPath notes on a SHARED segment's disk file that its marker
+// is now name in dirfd, at rel in the mount, so that recovery from the
+// disk alone puts it there; other objects are left alone. A failure is
+// logged: the rename itself happened.
+func (fsys *filesystem) recordSharedPath(dirfd int, name, rel string) {
+	if fsys.store.Disk == "" {
+		return
+	}
+	err := alloc.At(dirfd, name, 0, func(p string) error { return fsys.store.RecordSharedPath(p, rel) })
+	if err != nil && !errors.Is(err, syscall.ELOOP) {
+		fsys.log.Error("a SHARED segment moved, but its disk file still records its old path; recovery from --disk alone would put it there", "path", rel, "err", err)
+	}
+}
 
 // OpendirHandle lists the backing directory.
-func (n *node) OpendirHandle(ctx context.Context, flags uint32) (fusefs.FileHandle, uint32, syscall.Errno) {
+func (d *dirNode) OpendirHandle(ctx context.Context, flags uint32) (fusefs.FileHandle, uint32, syscall.Errno) {
 	var dfd int
-	err := n.withDir(func(fd int) (err error) {
+	err := d.withDir(func(fd int) (err error) {
 		dfd, err = unix.Openat(fd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 		return err
 	})
 	if err != nil {
-		return nil, 0, n.fs.errnoOf("opendir", n, err)
+		return nil, 0, d.fs.errnoOf("opendir", &d.nodeBase, err)
 	}
-	ds, errno := fusefs.NewLoopbackDirStreamFd(dfd)
-	return ds, 0, errno
+	ds, _ := fusefs.NewLoopbackDirStreamFd(dfd)
+	return &dirHandle{ds}, 0, 0
 }
 
-var _ = (fusefs.NodeReadlinker)((*node)(nil))
+// dirHandle is an open directory: it lists, seeks and syncs, and nothing
+// else (go-fuse's directory stream would also run ioctls).
+type dirHandle struct{ ds fusefs.DirStream }
 
-// Readlink reads a symbolic link.
-func (n *node) Readlink(ctx context.Context) ([]byte, syscall.Errno) {
-	buf := make([]byte, unix.PathMax)
-	var sz int
-	err := n.at(func(fd int, name string) (err error) {
-		sz, err = unix.Readlinkat(fd, name, buf)
-		return err
-	})
-	if err != nil {
-		return nil, n.fs.errnoOf("readlink", n, err)
-	}
-	return buf[:sz], 0
+var (
+	_ = (fusefs.FileReaddirenter)((*dirHandle)(nil))
+	_ = (fusefs.FileSeekdirer)((*dirHandle)(nil))
+	_ = (fusefs.FileFsyncdirer)((*dirHandle)(nil))
+	_ = (fusefs.FileReleasedirer)((*dirHandle)(nil))
+)
+
+// Readdirent returns the next entry.
+func (h *dirHandle) Readdirent(ctx context.Context) (*fuse.DirEntry, syscall.Errno) {
+	return h.ds.(fusefs.FileReaddirenter).Readdirent(ctx)
+}
+
+// Seekdir moves to a position a listing returned.
+func (h *dirHandle) Seekdir(ctx context.Context, off uint64) syscall.Errno {
+	return h.ds.(fusefs.FileSeekdirer).Seekdir(ctx, off)
+}
+
+// Fsyncdir syncs the directory.
+func (h *dirHandle) Fsyncdir(ctx context.Context, flags uint32) syscall.Errno {
+	return h.ds.(fusefs.FileFsyncdirer).Fsyncdir(ctx, flags)
+}
+
+// Releasedir closes the listing's descriptor.
+func (h *dirHandle) Releasedir(ctx context.Context, flags uint32) {
+	h.ds.(fusefs.FileReleasedirer).Releasedir(ctx, flags)
 }

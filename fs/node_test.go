@@ -20,7 +20,8 @@ import (
 )
 
 // testFS makes a filesystem on a temporary backing with its node tree,
-// as Mount does, but mounts nothing: handlers are called directly.
+// as Mount does (newFilesystem), but mounts nothing: handlers are called
+// directly, or through go-fuse's bridge (ops_test.go).
 func testFS(t *testing.T) *filesystem {
 	t.Helper()
 	top := t.TempDir()
@@ -33,14 +34,11 @@ func testFS(t *testing.T) *filesystem {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { store.Close() })
-	fsys := &filesystem{store: store, log: log, tgids: map[uint32]uint32{}, handles: newHandleBudget()}
-	fsys.root = fsys.newNode(syscall.S_IFDIR, nil)
-	fd, err := unix.Dup(store.RootFd)
+	fsys, err := newFilesystem(Options{Store: store, Log: log, Mountpoint: filepath.Join(top, "mnt")})
 	if err != nil {
 		t.Fatal(err)
 	}
-	fsys.root.dir.fd = fd
-	t.Cleanup(func() { unix.Close(fd) })
+	t.Cleanup(fsys.close)
 	fusefs.NewNodeFS(fsys.root, &fusefs.Options{})
 	return fsys
 }
@@ -50,32 +48,36 @@ func callerCtx(uid uint32) context.Context {
 	return fuse.NewContext(context.Background(), &fuse.Caller{Owner: fuse.Owner{Uid: uid, Gid: uid}, Pid: uint32(os.Getpid())})
 }
 
-// child makes the entry name (a directory when dir) through the handlers.
-func child(t *testing.T, parent *node, name string, dir bool) *node {
+// mkdir makes the directory name through the handlers.
+func mkdir(t *testing.T, parent *dirNode, name string) *dirNode {
 	t.Helper()
 	var out fuse.EntryOut
-	if dir {
-		ch, errno := parent.Mkdir(callerCtx(0), name, 0o755, &out)
-		if errno != 0 {
-			t.Fatalf("mkdir %s: %v", name, errno)
-		}
-		parent.AddChild(name, ch, false) // as the bridge does for the reply
-		return ch.Operations().(*node)
+	ch, errno := parent.Mkdir(callerCtx(0), name, 0o755, &out)
+	if errno != 0 {
+		t.Fatalf("mkdir %s: %v", name, errno)
 	}
+	parent.AddChild(name, ch, false) // as the bridge does for the reply
+	return ch.Operations().(*dirNode)
+}
+
+// mkseg makes the empty segment name through the handlers.
+func mkseg(t *testing.T, parent *dirNode, name string) *segmentNode {
+	t.Helper()
+	var out fuse.EntryOut
 	ch, fh, _, errno := parent.Create(callerCtx(0), name, unix.O_RDWR, 0o644, &out)
 	if errno != 0 {
 		t.Fatalf("create %s: %v", name, errno)
 	}
-	fh.(*handle).Release(callerCtx(0))
+	fh.(fusefs.FileReleaser).Release(callerCtx(0))
 	parent.AddChild(name, ch, false)
-	return ch.Operations().(*node)
+	return ch.Operations().(*segmentNode)
 }
 
 // TestFlagsCacheFollowsChanges: however reads of the flags interleave with
 // changes, the cached flags end as the stored ones.
 func TestFlagsCacheFollowsChanges(t *testing.T) {
 	fsys := testFS(t)
-	d := child(t, fsys.root, "d", true)
+	d := mkdir(t, &fsys.root.dirNode, "d")
 	values := []string{"UNLINK", "EXCLUSIVE", "NOCREATE", "SHAREDMEM"}
 	for round := 0; round < 200; round++ {
 		var wg sync.WaitGroup
@@ -83,7 +85,7 @@ func TestFlagsCacheFollowsChanges(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for i := 0; i < 5; i++ {
-				d.flags()
+				d.flags(d)
 			}
 		}()
 		go func() {
@@ -93,7 +95,7 @@ func TestFlagsCacheFollowsChanges(t *testing.T) {
 			}
 		}()
 		wg.Wait()
-		cached, _ := d.flags()
+		cached, _ := d.flags(d)
 		stored, err := alloc.ReadFlags(filepath.Join(fsys.store.Dir, "d"))
 		if err != nil || cached != stored {
 			t.Fatalf("round %d: cached flags %v, stored %v (%v)", round, cached, stored, err)
@@ -106,7 +108,7 @@ func TestFlagsCacheFollowsChanges(t *testing.T) {
 // XATTR_CREATE of an existing name and remove, read concurrently.
 func TestLayoutCacheFollowsChanges(t *testing.T) {
 	fsys := testFS(t)
-	seg := child(t, fsys.root, "seg", false)
+	seg := mkseg(t, &fsys.root.dirNode, "seg")
 	backing := filepath.Join(fsys.store.Dir, "seg")
 	if err := os.Truncate(backing, 64); err != nil {
 		t.Fatal(err)
@@ -178,7 +180,7 @@ func TestLayoutCacheFollowsChanges(t *testing.T) {
 // Create of an existing name do so); it is closed after the last use.
 func TestWithDirNestsAcrossForget(t *testing.T) {
 	fsys := testFS(t)
-	d := child(t, fsys.root, "d", true)
+	d := mkdir(t, &fsys.root.dirNode, "d")
 	done := make(chan error, 1)
 	go func() {
 		done <- d.withDir(func(outer int) error {
@@ -201,8 +203,8 @@ func TestWithDirNestsAcrossForget(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("nested withDir across OnForget deadlocked")
 	}
-	if d.dir.fd != -1 {
-		t.Errorf("the forgotten directory's descriptor is still open (%d)", d.dir.fd)
+	if d.fd != -1 {
+		t.Errorf("the forgotten directory's descriptor is still open (%d)", d.fd)
 	}
 }
 
@@ -218,12 +220,12 @@ func TestCreateOfExistingName(t *testing.T) {
 	if errno != 0 {
 		t.Fatalf("create of an existing name: %v", errno)
 	}
-	h := fh.(*handle)
+	h := fh.(*fileHandle)
 	buf := make([]byte, 5)
 	if n, err := unix.Pread(h.fd, buf, 0); err != nil || string(buf[:n]) != "there" {
 		t.Errorf("the handle reads %q, %v", buf[:n], err)
 	}
-	if got := ch.Operations().(*node).refcount(); got != 1 {
+	if got := ch.Operations().(*segmentNode).refcount(); got != 1 {
 		t.Errorf("refcount %d, want 1", got)
 	}
 	h.Release(callerCtx(0))
@@ -264,14 +266,15 @@ func TestHandleBudget(t *testing.T) {
 // change only while it is empty.
 func TestFlagRules(t *testing.T) {
 	fsys := testFS(t)
-	sealed := child(t, fsys.root, "sealed", true)
-	excl := child(t, fsys.root, "excl", true)
-	full := child(t, excl, "full", false)
-	child(t, excl, "other", false)
+	root := &fsys.root.dirNode
+	sealed := mkdir(t, root, "sealed")
+	excl := mkdir(t, root, "excl")
+	full := mkseg(t, excl, "full")
+	mkseg(t, excl, "other")
 	if err := os.WriteFile(filepath.Join(fsys.store.Dir, "excl", "full"), []byte("bytes"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	for d, f := range map[*node]string{sealed: "NOCREATE", excl: "EXCLUSIVE"} {
+	for d, f := range map[*dirNode]string{sealed: "NOCREATE", excl: "EXCLUSIVE"} {
 		if errno := d.Setxattr(callerCtx(0), alloc.AttrFlags, []byte(f), 0); errno != 0 {
 			t.Fatalf("set %s: %v", f, errno)
 		}
@@ -301,9 +304,9 @@ func TestFlagRules(t *testing.T) {
 	}
 
 	expect("flags of a segment with bytes", full.Setxattr(ctx, alloc.AttrFlags, []byte("UNLINK"), 0), syscall.EBUSY)
-	if f, _ := full.flags(); f != 0 {
+	if f, _ := full.flags(full); f != 0 {
 		t.Errorf("a refused flag change left flags %v", f)
 	}
-	empty := child(t, fsys.root, "empty", false)
+	empty := mkseg(t, root, "empty")
 	expect("flags of an empty segment", empty.Setxattr(ctx, alloc.AttrFlags, []byte("UNLINK"), 0), 0)
 }

@@ -7,12 +7,12 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
-	"time"
 
 	fusefs "github.com/hanwen/go-fuse/v2/fs"
 	"golang.org/x/sys/unix"
@@ -20,37 +20,87 @@ import (
 	"tensorfs/alloc"
 )
 
-var _ = (fusefs.NodeGetxattrer)((*node)(nil))
+// attrCache caches the stored flags and tensor layout of a directory or
+// segment: they change only through this mount's Setxattr and
+// Removexattr, which keep the cache.
+type attrCache struct {
+	// flagsPlus1 is the stored flags plus one; 0 means not read yet.
+	flagsPlus1 atomic.Int64
+	// layout is the stored tensor attributes; nil means not read yet.
+	layout atomic.Pointer[alloc.Layout]
+	// mu serializes filling the caches with changing what they hold, so
+	// that a read of old attributes cannot be cached after a change.
+	mu sync.Mutex
+}
 
-// Getxattr answers tensorfs's virtual attributes and reads stored ones.
-func (n *node) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, syscall.Errno) {
-	if n.isSymlink() || !userAttr(attr) {
-		return 0, syscall.ENODATA
+// flags returns the flags stored on o, whose cache c is.
+func (c *attrCache) flags(o object) (alloc.Flags, error) {
+	if v := c.flagsPlus1.Load(); v > 0 {
+		return alloc.Flags(v - 1), nil
 	}
-	if alloc.TensorAttr(attr) && n.StableAttr().Mode == syscall.S_IFREG {
-		l, err := n.tensorLayout()
-		if err != nil {
-			return 0, n.fs.errnoOf("getxattr "+attr, n, err)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if v := c.flagsPlus1.Load(); v > 0 {
+		return alloc.Flags(v - 1), nil
+	}
+	var f alloc.Flags
+	err := o.withAttrs(func(a *alloc.Ref) error {
+		p, err := a.Path()
+		if err == nil {
+			f, err = alloc.ReadFlags(p)
 		}
-		if v := l.Get(attr); v != "" {
-			return xattrReply(dest, []byte(v))
-		}
-		return 0, syscall.ENODATA
-	}
-	v, ok, err := n.virtualAttr(ctx, attr)
-	if err != nil {
-		return 0, n.fs.errno("getxattr "+attr, n, "", err)
-	}
-	if ok {
-		return xattrReply(dest, v)
-	}
-	var sz int
-	err = n.path(func(p string) (err error) {
-		sz, err = alloc.Getxattr(p, attr, dest)
 		return err
 	})
-	return uint32(sz), n.fs.errnoOf("getxattr "+attr, n, err)
+	if err == nil {
+		c.flagsPlus1.Store(int64(f) + 1)
+	}
+	return f, err
 }
+
+// tensorLayout returns the tensor attributes stored on o.
+func (c *attrCache) tensorLayout(o object) (alloc.Layout, error) {
+	if l := c.layout.Load(); l != nil {
+		return *l, nil
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.tensorLayoutLocked(o)
+}
+
+// tensorLayoutLocked is tensorLayout for a caller that holds c.mu.
+func (c *attrCache) tensorLayoutLocked(o object) (alloc.Layout, error) {
+	if l := c.layout.Load(); l != nil {
+		return *l, nil
+	}
+	var l alloc.Layout
+	err := o.withAttrs(func(a *alloc.Ref) error {
+		p, err := a.Path()
+		if err == nil {
+			l, err = alloc.ReadLayout(p)
+		}
+		return err
+	})
+	if err == nil {
+		c.layout.Store(&l)
+	}
+	return l, err
+}
+
+// changing holds off filling the caches while stored attributes change;
+// call the function it returns once they have.
+func (c *attrCache) changing() func() {
+	c.mu.Lock()
+	return func() {
+		c.flagsPlus1.Store(0)
+		c.layout.Store(nil)
+		c.mu.Unlock()
+	}
+}
+
+// userAttr reports whether attr is in the user namespace, the only one a
+// mount serves: the daemon's own state is in the trusted one, and
+// security.* names would be set with the daemon's privileges.
+func userAttr(attr string) bool { return strings.HasPrefix(attr, "user.") }
 
 // xattrReply answers a getxattr or listxattr of value v into dest: its
 // size when dest is empty (the caller asks how much room it needs),
@@ -65,129 +115,33 @@ func xattrReply(dest, v []byte) (uint32, syscall.Errno) {
 	return uint32(copy(dest, v)), 0
 }
 
-// userAttr reports whether attr is in the user namespace, the only one a
-// mount serves: the daemon's own state is in the trusted one, and
-// security.* names would be set with the daemon's privileges.
-func userAttr(attr string) bool { return strings.HasPrefix(attr, "user.") }
-
-// mayHaveHandle reports whether the caller may read user.tensorfs.handle:
-// the backing is private to the daemon, so its path is for the daemon's
-// own user and root; others get a descriptor through the socket's export.
-func (fsys *filesystem) mayHaveHandle(ctx context.Context) bool {
-	uid := caller(ctx).Uid
-	return uid == 0 || int(uid) == os.Geteuid()
+// storedAttr reads a stored attribute of o into dest.
+func storedAttr(o object, attr string, dest []byte) (int, error) {
+	var sz int
+	err := o.withAttrs(func(a *alloc.Ref) error {
+		p, err := a.Path()
+		if err == nil {
+			sz, err = alloc.Getxattr(p, attr, dest)
+		}
+		return err
+	})
+	return sz, err
 }
 
-// virtualAttr computes the attributes tensorfs derives rather than stores.
-// ok is false when attr is stored (or absent) on the backing.
-func (n *node) virtualAttr(ctx context.Context, attr string) (v []byte, ok bool, err error) {
-	dir := n.isDir()
-	file := n.StableAttr().Mode == syscall.S_IFREG
-	switch {
-	case attr == alloc.AttrFlags && (dir || file):
-		f, err := n.flags()
-		if err != nil {
-			return nil, false, err
-		}
-		if f&(alloc.SharedMem|alloc.Shared|alloc.FromFD) == 0 && n.device() == nil {
-			f |= alloc.SharedMem // the default storage
-		}
-		return []byte(f.String()), true, nil
-	case attr == alloc.AttrDevice && (dir || file):
-		var sz int
-		buf := make([]byte, 64)
-		err := n.path(func(p string) (err error) {
-			sz, err = alloc.Getxattr(p, attr, buf)
-			return err
-		})
-		if errors.Is(err, alloc.ErrNoAttr) {
-			return []byte("cpu"), true, nil
-		}
-		return buf[:sz], true, err
-	case attr == alloc.AttrRefcount && file:
-		return []byte(strconv.Itoa(n.refcount())), true, nil
-	case attr == alloc.AttrHolders && file:
-		return []byte(n.holders()), true, nil
-	case attr == alloc.AttrHandle && file && !n.fs.mayHaveHandle(ctx):
-		return nil, true, fmt.Errorf("%w: the backing path is for the daemon's user and root; use the control socket's export", syscall.EACCES)
-	case attr == alloc.AttrHandle && file && n.imported():
-		// The sender's file may have no name; the daemon's descriptor
-		// opens the same pages.
-		target, err := n.fs.imports.procLink(n.redir().imported)
-		return []byte(target), true, err
-	case attr == alloc.AttrHandle && file:
-		var target string
-		err := n.at(func(fd int, name string) error {
-			d, err := os.Readlink("/proc/self/fd/" + strconv.Itoa(fd))
-			target = filepath.Join(d, name)
-			return err
-		})
-		return []byte(target), true, err
-	case (attr == alloc.AttrRbytes || attr == alloc.AttrRsegments) && dir:
-		var segs, size int64
-		err := n.withDir(func(fd int) error {
-			segs, size = n.fs.subtreeUsage(fd)
-			return nil
-		})
-		if attr == alloc.AttrRbytes {
-			return []byte(strconv.FormatInt(size, 10)), true, err
-		}
-		return []byte(strconv.FormatInt(segs, 10)), true, err
-	case strings.HasPrefix(attr, "user.tensorfs.cuda.") && n.device() != nil:
-		v, err := n.fs.cudaAttr(n.device(), attr)
-		return v, true, err
-	case attr == alloc.AttrSocket && n == n.fs.root && n.fs.socket != "":
-		return []byte(n.fs.socket), true, nil
-	case attr == alloc.AttrStats && n == n.fs.root:
-		b, err := json.Marshal(n.fs.stats())
-		return b, true, err
-	}
-	return nil, false, nil
-}
-
-// virtualNames lists the computed attributes a node of this kind has for
-// the caller.
-func (n *node) virtualNames(ctx context.Context) []string {
-	switch {
-	case n == n.fs.root:
-		names := []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRbytes, alloc.AttrRsegments, alloc.AttrStats}
-		if n.fs.socket != "" {
-			names = append(names, alloc.AttrSocket)
-		}
-		return names
-	case n.isDir():
-		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRbytes, alloc.AttrRsegments}
-	case n.device() != nil:
-		names := []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRefcount, alloc.AttrHolders, alloc.AttrCudaRefCounter}
-		if n.device().Size() > 0 { // no memory, no handles yet
-			names = append(names, alloc.AttrCudaIPCHandle, alloc.AttrCudaOffset, alloc.AttrCudaEventHandle)
-		}
-		return names
-	case n.StableAttr().Mode == syscall.S_IFREG && n.fs.mayHaveHandle(ctx):
-		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRefcount, alloc.AttrHolders, alloc.AttrHandle}
-	case n.StableAttr().Mode == syscall.S_IFREG:
-		return []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRefcount, alloc.AttrHolders}
-	}
-	return nil
-}
-
-var _ = (fusefs.NodeListxattrer)((*node)(nil))
-
-// Listxattr lists stored and virtual names, so getfattr -d shows them all.
-func (n *node) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errno) {
-	if n.isSymlink() {
-		return 0, 0
-	}
+// listAttrs lists o's virtual names, then its stored ones.
+func listAttrs(o object, virtual []string, dest []byte) (uint32, error) {
 	var stored []string
-	err := n.path(func(p string) (err error) {
-		stored, err = alloc.Listxattr(p)
+	err := o.withAttrs(func(a *alloc.Ref) error {
+		p, err := a.Path()
+		if err == nil {
+			stored, err = alloc.Listxattr(p)
+		}
 		return err
 	})
 	if err != nil {
-		return 0, n.fs.errnoOf("listxattr", n, err)
+		return 0, err
 	}
 	var b bytes.Buffer
-	virtual := n.virtualNames(ctx)
 	for _, name := range virtual {
 		b.WriteString(name)
 		b.WriteByte(0)
@@ -198,207 +152,339 @@ func (n *node) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errn
 			b.WriteByte(0)
 		}
 	}
-	return xattrReply(dest, b.Bytes())
+	n, errno := xattrReply(dest, b.Bytes())
+	if errno != 0 {
+		return n, errno
+	}
+	return n, nil
 }
 
-var _ = (fusefs.NodeSetxattrer)((*node)(nil))
+// flagsAttr is user.tensorfs.flags as shown: the stored flags, and
+// SHAREDMEM where the bytes are in the backing tmpfs by default.
+func flagsAttr(f alloc.Flags, defaultStorage bool) []byte {
+	if f&(alloc.SharedMem|alloc.Shared|alloc.FromFD) == 0 && defaultStorage {
+		f |= alloc.SharedMem
+	}
+	return []byte(f.String())
+}
 
-// Setxattr validates and stores an attribute; a refusal changes nothing
+// deviceAttr is user.tensorfs.device as shown: "cpu" unless stored.
+func deviceAttr(o object) ([]byte, error) {
+	buf := make([]byte, 64)
+	sz, err := storedAttr(o, alloc.AttrDevice, buf)
+	if errors.Is(err, alloc.ErrNoAttr) {
+		return []byte("cpu"), nil
+	}
+	return buf[:sz], err
+}
+
+// setAttr validates and stores an attribute on o, the object of cache c,
+// whose size (for the emptiness rules) is size; a refusal changes nothing
 // and is logged with its reason.
-func (n *node) Setxattr(ctx context.Context, attr string, data []byte, flags uint32) syscall.Errno {
-	if n.isSymlink() {
-		return syscall.EPERM // as on tmpfs: symbolic links carry no user attributes
-	}
+func (fsys *filesystem) setAttr(o object, c *attrCache, dir bool, size int64, attr string, data []byte, flags uint32) error {
 	if !userAttr(attr) {
-		err := fmt.Errorf("%w: only user.* attributes are stored", syscall.EOPNOTSUPP)
-		return n.fs.errno("setxattr "+attr, n, "", err)
+		return fmt.Errorf("%w: only user.* attributes are stored", syscall.EOPNOTSUPP)
 	}
-	tensor := alloc.TensorAttr(attr) && !n.isDir()
+	if attr == alloc.AttrFlags {
+		defer c.changing()()
+	}
+	return o.withAttrs(func(a *alloc.Ref) error {
+		p, err := a.Path()
+		if err != nil {
+			return err
+		}
+		obj := alloc.Object{Path: p, Dir: dir, Size: size, HasDisk: fsys.store.Disk != "", GPU: fsys.gpuName()}
+		return alloc.Setxattr(obj, attr, data, int(flags))
+	})
+}
+
+// removeAttr removes a stored attribute of o.
+func removeAttr(o object, c *attrCache, attr string) error {
+	if !userAttr(attr) {
+		return alloc.ErrNoAttr
+	}
+	if attr == alloc.AttrFlags || alloc.TensorAttr(attr) {
+		defer c.changing()()
+	}
+	return o.withAttrs(func(a *alloc.Ref) error {
+		p, err := a.Path()
+		if err == nil {
+			err = alloc.Removexattr(p, attr)
+		}
+		return err
+	})
+}
+
+var (
+	_ = (fusefs.NodeGetxattrer)((*dirNode)(nil))
+	_ = (fusefs.NodeListxattrer)((*dirNode)(nil))
+	_ = (fusefs.NodeSetxattrer)((*dirNode)(nil))
+	_ = (fusefs.NodeRemovexattrer)((*dirNode)(nil))
+)
+
+// Getxattr answers a directory's virtual attributes and reads stored ones.
+func (d *dirNode) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, syscall.Errno) {
+	var v []byte
+	var err error
 	switch {
+	case !userAttr(attr):
+		return 0, syscall.ENODATA
 	case attr == alloc.AttrFlags:
-		defer n.changingAttrs()()
-	case tensor:
-		n.attrMu.Lock()
-		defer n.attrMu.Unlock()
-	}
-	var st unix.Stat_t
-	err := n.stat(&st)
-	if n.isDir() {
-		st.Size = 0 // flags and device of a directory have no emptiness rule
-	}
-	if err == nil && attr == alloc.AttrDevice && !n.isDir() {
-		n.opening.Lock()
-		defer n.opening.Unlock()
-		if !n.awaitClosed() {
-			err = fmt.Errorf("%w: the device of a segment changes while nobody has it open", alloc.ErrNotEmpty)
+		var f alloc.Flags
+		if f, err = d.flags(d); err == nil {
+			v = flagsAttr(f, true)
+		}
+	case attr == alloc.AttrDevice:
+		v, err = deviceAttr(d)
+	case attr == alloc.AttrRbytes || attr == alloc.AttrRsegments:
+		v, err = d.usageAttr(ctx, attr)
+	default:
+		var sz int
+		sz, err = storedAttr(d, attr, dest)
+		if err == nil {
+			return uint32(sz), 0
 		}
 	}
-	if err == nil {
-		ino := n.redir().attrIno(n.StableAttr().Ino)
-		err = n.at(func(fd int, name string) error {
-			return alloc.At(fd, name, ino, func(p string) error {
-				obj := alloc.Object{
-					Path:    p,
-					Dir:     n.isDir(),
-					Size:    st.Size,
-					HasDisk: n.fs.store.Disk != "",
-					GPU:     n.fs.gpuName(),
-				}
-				if tensor {
-					return n.setTensorAttr(obj, attr, data, int(flags))
-				}
-				err := alloc.Setxattr(obj, attr, data, int(flags))
-				if err == nil && attr == alloc.AttrDevice && !n.isDir() {
-					err = n.fs.moveToDevice(n, fd, name, &st)
-				}
-				return err
-			})
-		})
+	if err != nil {
+		return 0, d.fs.errno("getxattr "+attr, &d.nodeBase, "", err)
 	}
-	return n.fs.errno("setxattr "+attr, n, "", err)
+	return xattrReply(dest, v)
 }
 
-// setTensorAttr stores a tensor attribute on the segment obj, checked
-// against the cached layout, and caches the new layout; the caller holds
-// attrMu.
-func (n *node) setTensorAttr(obj alloc.Object, attr string, data []byte, flags int) error {
-	cur, err := n.tensorLayoutLocked()
+// usageAttr is rbytes or rsegments: what the subtree holds, counting only
+// the directories the caller may list (read and search), as du would.
+func (d *dirNode) usageAttr(ctx context.Context, attr string) ([]byte, error) {
+	who := fuseRequester(ctx)
+	var segs, size int64
+	err := d.withDir(func(fd int) error {
+		segs, size = d.fs.subtreeUsage(fd, &who)
+		return nil
+	})
+	if attr == alloc.AttrRbytes {
+		return []byte(strconv.FormatInt(size, 10)), err
+	}
+	return []byte(strconv.FormatInt(segs, 10)), err
+}
+
+// dirAttrs are a directory's virtual attributes.
+var dirAttrs = []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRbytes, alloc.AttrRsegments}
+
+// Listxattr lists a directory's stored and virtual names.
+func (d *dirNode) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errno) {
+	n, err := listAttrs(d, dirAttrs, dest)
+	return n, d.fs.errnoOf("listxattr", &d.nodeBase, err)
+}
+
+// Setxattr validates and stores a directory's attribute: its flags and
+// device are inherited by what is made in it.
+func (d *dirNode) Setxattr(ctx context.Context, attr string, data []byte, flags uint32) syscall.Errno {
+	err := d.fs.setAttr(d, &d.attrCache, true, 0, attr, data, flags)
+	return d.fs.errno("setxattr "+attr, &d.nodeBase, "", err)
+}
+
+// Removexattr removes a stored attribute of a directory.
+func (d *dirNode) Removexattr(ctx context.Context, attr string) syscall.Errno {
+	return d.fs.attrErrno("removexattr "+attr, &d.nodeBase, removeAttr(d, &d.attrCache, attr))
+}
+
+// rootAttrs are the root's virtual attributes beyond a directory's.
+var rootAttrs = []string{alloc.AttrStats, alloc.AttrSocket}
+
+// Getxattr adds the mount's statistics and its control socket's path.
+func (r *rootNode) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, syscall.Errno) {
+	switch {
+	case attr == alloc.AttrStats:
+		b, err := json.Marshal(r.fs.stats())
+		if err != nil {
+			return 0, r.fs.errnoOf("getxattr "+attr, &r.nodeBase, err)
+		}
+		return xattrReply(dest, b)
+	case attr == alloc.AttrSocket && r.fs.socket != "":
+		return xattrReply(dest, []byte(r.fs.socket))
+	}
+	return r.dirNode.Getxattr(ctx, attr, dest)
+}
+
+// Listxattr lists the root's names.
+func (r *rootNode) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errno) {
+	names := append(dirAttrs[:len(dirAttrs):len(dirAttrs)], alloc.AttrStats)
+	if r.fs.socket != "" {
+		names = append(names, alloc.AttrSocket)
+	}
+	n, err := listAttrs(r, names, dest)
+	return n, r.fs.errnoOf("listxattr", &r.nodeBase, err)
+}
+
+var (
+	_ = (fusefs.NodeGetxattrer)((*segmentNode)(nil))
+	_ = (fusefs.NodeListxattrer)((*segmentNode)(nil))
+	_ = (fusefs.NodeSetxattrer)((*segmentNode)(nil))
+	_ = (fusefs.NodeRemovexattrer)((*segmentNode)(nil))
+)
+
+// Getxattr answers a segment's virtual attributes, its tensor attributes
+// from the cache, and reads stored ones.
+func (n *segmentNode) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, syscall.Errno) {
+	var v []byte
+	var err error
+	dev, onDevice := n.storage().(device)
+	switch {
+	case !userAttr(attr):
+		return 0, syscall.ENODATA
+	case alloc.TensorAttr(attr):
+		var l alloc.Layout
+		if l, err = n.tensorLayout(n); err == nil {
+			if v = []byte(l.Get(attr)); len(v) == 0 {
+				return 0, syscall.ENODATA
+			}
+		}
+	case attr == alloc.AttrFlags:
+		var f alloc.Flags
+		if f, err = n.flags(n); err == nil {
+			v = flagsAttr(f, !onDevice)
+		}
+	case attr == alloc.AttrDevice:
+		v, err = deviceAttr(n)
+	case attr == alloc.AttrRefcount:
+		v = []byte(strconv.Itoa(n.refcount()))
+	case attr == alloc.AttrHolders:
+		v = []byte(n.holders())
+	case attr == alloc.AttrHandle:
+		v, err = n.handleAttr(ctx)
+	case onDevice && strings.HasPrefix(attr, "user.tensorfs.cuda."):
+		v, err = cudaAttr(dev.seg, attr)
+	default:
+		var sz int
+		sz, err = storedAttr(n, attr, dest)
+		if err == nil {
+			return uint32(sz), 0
+		}
+	}
+	if err != nil {
+		return 0, n.fs.attrErrno("getxattr "+attr, &n.nodeBase, err)
+	}
+	return xattrReply(dest, v)
+}
+
+// handleAttr is user.tensorfs.handle: the path of the file that holds the
+// segment's bytes, for the daemon's own user and root; others get a
+// descriptor through the control socket.
+func (n *segmentNode) handleAttr(ctx context.Context) ([]byte, error) {
+	if !n.fs.mayHaveHandle(ctx) {
+		return nil, fmt.Errorf("%w: the backing path is for the daemon's user and root; use the control socket's export", syscall.EACCES)
+	}
+	var p string
+	err := n.withMarker(func(m *alloc.Ref) (err error) {
+		p, err = n.storage().handle(m)
+		return err
+	})
+	return []byte(p), err
+}
+
+// mayHaveHandle reports whether the caller may read user.tensorfs.handle:
+// the backing is private to the daemon, so its path is for the daemon's
+// own user and root.
+func (fsys *filesystem) mayHaveHandle(ctx context.Context) bool {
+	uid := caller(ctx).Uid
+	return uid == 0 || int(uid) == os.Geteuid()
+}
+
+// segmentAttrs are every segment's virtual attributes.
+var segmentAttrs = []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRefcount, alloc.AttrHolders}
+
+// Listxattr lists a segment's stored and virtual names, so getfattr -d
+// shows them all.
+func (n *segmentNode) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errno) {
+	names := segmentAttrs[:len(segmentAttrs):len(segmentAttrs)]
+	switch d, onDevice := n.storage().(device); {
+	case onDevice:
+		names = append(names, alloc.AttrCudaRefCounter)
+		if d.seg.Size() > 0 { // no memory, no handles yet
+			names = append(names, alloc.AttrCudaIPCHandle, alloc.AttrCudaOffset, alloc.AttrCudaEventHandle)
+		}
+	case n.fs.mayHaveHandle(ctx):
+		names = append(names, alloc.AttrHandle)
+	}
+	sz, err := listAttrs(n, names, dest)
+	return sz, n.fs.errnoOf("listxattr", &n.nodeBase, err)
+}
+
+// Setxattr validates and stores a segment's attribute. Tensor attributes
+// are checked against the cached layout; a device change waits for the
+// segment's handles to close and moves it.
+func (n *segmentNode) Setxattr(ctx context.Context, attr string, data []byte, flags uint32) syscall.Errno {
+	err := n.setxattr(attr, data, flags)
+	return n.fs.errno("setxattr "+attr, &n.nodeBase, "", err)
+}
+
+func (n *segmentNode) setxattr(attr string, data []byte, flags uint32) error {
+	if attr == alloc.AttrDevice {
+		n.opening.Lock()
+		defer n.opening.Unlock()
+		if k := n.storage().kind(); k != alloc.Host && k != alloc.Device {
+			return fmt.Errorf("%w: %s segments live on the CPU", alloc.ErrInvalid, k)
+		}
+		if !n.awaitClosed() {
+			return fmt.Errorf("%w: the device of a segment changes while nobody has it open", alloc.ErrNotEmpty)
+		}
+	}
+	if alloc.TensorAttr(attr) {
+		n.attrCache.mu.Lock()
+		defer n.attrCache.mu.Unlock()
+	}
+	return n.withMarker(func(m *alloc.Ref) error {
+		var st unix.Stat_t
+		if err := n.storage().stat(m, &st); err != nil {
+			return err
+		}
+		if alloc.TensorAttr(attr) {
+			return n.setTensorAttr(m, st.Size, attr, data, int(flags))
+		}
+		if err := n.fs.setAttr(n, &n.attrCache, false, st.Size, attr, data, flags); err != nil || attr != alloc.AttrDevice {
+			return err
+		}
+		return n.fs.moveDevice(n, m)
+	})
+}
+
+// setTensorAttr stores a tensor attribute on the segment, checked against
+// the cached layout and its size, and caches the new layout; the caller
+// holds the cache's lock.
+func (n *segmentNode) setTensorAttr(m *alloc.Ref, size int64, attr string, data []byte, flags int) error {
+	cur, err := n.tensorLayoutLocked(n)
 	if err != nil {
 		return err
 	}
-	next, err := alloc.SetTensorAttr(obj, cur, attr, data, flags)
-	if err == nil {
-		n.layout.Store(&next)
-	}
-	return err
+	return n.storage().attrs(m, func(a *alloc.Ref) error {
+		p, err := a.Path()
+		if err != nil {
+			return err
+		}
+		next, err := alloc.SetTensorAttr(alloc.Object{Path: p, Size: size}, cur, attr, data, flags)
+		if err == nil {
+			n.layout.Store(&next)
+		}
+		return err
+	})
 }
 
-var _ = (fusefs.NodeRemovexattrer)((*node)(nil))
+// Removexattr removes a stored attribute of a segment.
+func (n *segmentNode) Removexattr(ctx context.Context, attr string) syscall.Errno {
+	return n.fs.attrErrno("removexattr "+attr, &n.nodeBase, removeAttr(n, &n.attrCache, attr))
+}
 
-// Removexattr removes a stored attribute.
-func (n *node) Removexattr(ctx context.Context, attr string) syscall.Errno {
-	if n.isSymlink() || !userAttr(attr) {
-		return syscall.ENODATA
-	}
-	if attr == alloc.AttrFlags || alloc.TensorAttr(attr) {
-		defer n.changingAttrs()()
-	}
-	err := n.path(func(p string) error { return alloc.Removexattr(p, attr) })
+// attrErrno is errno for attribute requests, where an absent name is an
+// answer (ENODATA), not a refusal worth a log line.
+func (fsys *filesystem) attrErrno(op string, n *nodeBase, err error) syscall.Errno {
 	if errors.Is(err, alloc.ErrNoAttr) {
 		return syscall.ENODATA
 	}
-	return n.fs.errno("removexattr "+attr, n, "", err)
-}
-
-// subtreeUsage counts the segments below the directory open at dirfd and
-// the bytes they hold: an imported or device segment's backing file is an
-// empty marker, so its bytes are counted where they live.
-func (fsys *filesystem) subtreeUsage(dirfd int) (segments, bytes int64) {
-	alloc.Walk(dirfd, func(fd int, name, _ string, st *unix.Stat_t) error {
-		if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
-			return nil
-		}
-		segments++
-		size := st.Size
-		if size == 0 {
-			alloc.At(fd, name, st.Ino, func(p string) error {
-				if id := alloc.ImportID(p); id != "" {
-					fsys.imports.with(id, func(fd int) error {
-						var st unix.Stat_t
-						if unix.Fstat(fd, &st) == nil {
-							size = st.Size
-						}
-						return nil
-					})
-				} else if alloc.DeviceOf(p) != "cpu" {
-					size = alloc.ReadDeviceState(p).Size
-				}
-				return nil
-			})
-		}
-		bytes += size
-		return nil
-	})
-	return segments, bytes
-}
-
-// acquire records a new open handle, then stops a watch for the last
-// mapping of the segment (watchMapped).
-func (n *node) acquire(h *handle) {
-	n.mu.Lock()
-	n.handles = append(n.handles, h)
-	n.mu.Unlock()
-	n.fs.watches.unwatch(n.StableAttr().Ino)
-}
-
-// release drops an open handle and reclaims an UNLINK segment whose last
-// reference went.
-func (n *node) release(h *handle) {
-	n.released.Store(int64(time.Since(epoch)))
-	n.mu.Lock()
-	for i, o := range n.handles {
-		if o == h {
-			n.handles = append(n.handles[:i], n.handles[i+1:]...)
-			break
-		}
-	}
-	left := len(n.handles)
-	if left == 0 {
-		n.handles = nil
-		if n.idle != nil {
-			close(n.idle)
-			n.idle = nil
-		}
-	}
-	n.mu.Unlock()
-	if left == 0 {
-		n.fs.reclaimLater(n)
-	}
-}
-
-// closeWait bounds how long a device change waits for handles to go.
-const closeWait = 200 * time.Millisecond
-
-// awaitClosed waits up to closeWait for n's handles to be released and
-// reports whether none is left: the kernel sends RELEASE after close(2)
-// returns, so a close followed at once by a request may find the handle
-// still open.
-func (n *node) awaitClosed() bool {
-	timeout := time.NewTimer(closeWait)
-	defer timeout.Stop()
-	for {
-		n.mu.Lock()
-		if len(n.handles) == 0 {
-			n.mu.Unlock()
-			return true
-		}
-		if n.idle == nil {
-			n.idle = make(chan struct{})
-		}
-		idle := n.idle
-		n.mu.Unlock()
-		select {
-		case <-idle:
-		case <-timeout.C:
-			return false
-		}
-	}
-}
-
-// openHandles returns the number of open handles by the pid that opened them.
-func (n *node) openHandles() map[uint32]int {
-	n.mu.Lock()
-	defer n.mu.Unlock()
-	m := make(map[uint32]int, len(n.handles))
-	for _, h := range n.handles {
-		m[h.pid]++
-	}
-	return m
+	return fsys.errno(op, n, "", err)
 }
 
 // refcount is the number of references across all processes: open
 // handles, and mappings of processes without a handle (references).
-func (n *node) refcount() int {
+func (n *segmentNode) refcount() int {
 	c := 0
 	for _, h := range n.references() {
 		c += h
@@ -409,7 +495,7 @@ func (n *node) refcount() int {
 // holders returns one line per process: pid, command name, references.
 // The name is escaped (alloc.Escape), so that every line has exactly three
 // space-separated fields whatever a process calls itself.
-func (n *node) holders() string {
+func (n *segmentNode) holders() string {
 	open := n.references()
 	pids := make([]int, 0, len(open))
 	for pid := range open {
@@ -432,4 +518,26 @@ func comm(pid int) string {
 		return "?"
 	}
 	return name
+}
+
+// subtreeUsage counts the segments below the directory open at dirfd and
+// the bytes they hold, entering only directories who (nil: anyone) may
+// list: an imported or device segment's backing file is an empty marker,
+// so its bytes are counted where they live.
+func (fsys *filesystem) subtreeUsage(dirfd int, who *requester) (segments, bytes int64) {
+	alloc.Walk(dirfd, func(fd int, name, _ string, st *unix.Stat_t) error {
+		switch st.Mode & syscall.S_IFMT {
+		case syscall.S_IFDIR:
+			if who != nil && !who.permitted(st, 4|1) {
+				return alloc.SkipDir
+			}
+		case syscall.S_IFREG:
+			segments++
+			if _, err := fsys.segmentKind(fd, name, st); err == nil {
+				bytes += st.Size
+			}
+		}
+		return nil
+	})
+	return segments, bytes
 }

@@ -1,0 +1,361 @@
+package fs
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+)
+
+// filesystem is the state shared by all nodes of one mount.
+type filesystem struct {
+	store *alloc.Store
+	log   *slog.Logger
+	root  *rootNode
+	// socket is the control socket's path, "" if none.
+	socket string
+	// allowOther is true when users other than the daemon's may enter.
+	allowOther bool
+	// gpu serves device segments; nil when the mount has no GPU.
+	gpu *devices
+	// unrestored holds the device segments this mount could not bring
+	// into device memory (no GPU, or a failed restore), with why.
+	unrestored inoErrors
+	// passthrough is true once opens are answered with FOPEN_PASSTHROUGH;
+	// it is decided after the kernel serves the mount.
+	passthrough atomic.Bool
+	requests    counters
+	started     time.Time
+	// imports holds the imported (FROMFD) segments.
+	imports imports
+	// handles bounds the descriptors open segments keep, per uid.
+	handles *handleBudget
+	// dirs bounds the directory descriptors the daemon keeps.
+	dirs *dirFds
+	// tgidsMu protects tgids, the process of each thread that opened a
+	// segment; thread ids are not reused before the pid space wraps.
+	tgidsMu sync.Mutex
+	tgids   map[uint32]uint32
+	// fuseDev is the mount's device number, which mappings through it
+	// carry, and oldDevs those of earlier mounts of the backing that
+	// processes still map; maps knows who maps what; watches wait for the
+	// last mapping of UNLINK segments (mappings.go).
+	fuseDev atomic.Uint64
+	oldDevs []uint64
+	maps    mapTable
+	watches watchSet
+	// reclaims counts the UNLINK reclaims running, so that close waits.
+	reclaims sync.WaitGroup
+}
+
+// newFilesystem makes the state of a mount of opts.Store and its root
+// node, as Mount and the unit tests share it. It owns opts.GPU and the
+// device files recovery found from then on: close releases them, and so
+// does a failed call.
+func newFilesystem(opts Options) (_ *filesystem, err error) {
+	fsys := &filesystem{
+		store:      opts.Store,
+		log:        opts.Log,
+		socket:     opts.Socket,
+		allowOther: opts.AllowOther,
+		started:    time.Now(),
+		tgids:      map[uint32]uint32{},
+		handles:    newHandleBudget(),
+		dirs:       newDirFds(defaultDirFds),
+	}
+	if fsys.log == nil {
+		fsys.log = slog.New(slog.DiscardHandler)
+	}
+	rec := opts.Recovered
+	if rec == nil {
+		rec = &Recovered{}
+	}
+	fsys.oldDevs = rec.devs
+	if opts.GPU != nil && opts.GPU.Backend() != "none" {
+		if fsys.gpu, err = newDevices(opts.GPU, opts.Store, opts.Mountpoint, rec.devices, fsys.log); err != nil {
+			opts.GPU.Close()
+			closeFiles(rec.devices)
+			return nil, fmt.Errorf("GPU segments: %w", err)
+		}
+	} else {
+		if opts.GPU != nil {
+			opts.GPU.Close()
+		}
+		for _, f := range rec.devices {
+			var st unix.Stat_t
+			if unix.Fstat(int(f.Fd()), &st) == nil {
+				fsys.unrestored.add(st.Ino, fmt.Errorf("%w: this device segment needs a mount with --gpu; its bytes are kept for one", alloc.ErrNoDevice))
+			}
+			f.Close()
+		}
+	}
+	fd, err := unix.FcntlInt(uintptr(opts.Store.RootFd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		fsys.close()
+		return nil, err
+	}
+	fsys.root = &rootNode{*fsys.newDir()}
+	fsys.dirs.pin(&fsys.root.dirNode, fd)
+	return fsys, nil
+}
+
+// close ends what the mount runs: watches, reclaims, the device (its
+// segments spilled into their backing files for the next mount) and the
+// root's descriptor. Call it once the kernel serves the mount no more.
+func (fsys *filesystem) close() {
+	fsys.watches.close()
+	fsys.reclaims.Wait()
+	if fsys.gpu != nil {
+		fsys.gpu.spill()
+	}
+	if fsys.root != nil {
+		unix.Close(fsys.root.fd)
+	}
+}
+
+func closeFiles(fs []*os.File) {
+	for _, f := range fs {
+		f.Close()
+	}
+}
+
+func (fsys *filesystem) mode() string {
+	if fsys.passthrough.Load() {
+		return "passthrough"
+	}
+	return "classic"
+}
+
+// backingFlags turns the flags of a FUSE open into those of the backing
+// open, and says whether the handle is passthrough. In passthrough mode
+// the kernel shares one backing file among all opens of a segment, so it
+// is opened read-write without O_APPEND or O_DIRECT, which the kernel
+// applies per open itself.
+func (fsys *filesystem) backingFlags(flags uint32) (int, bool) {
+	if fsys.passthrough.Load() {
+		return unix.O_RDWR | unix.O_CLOEXEC, true
+	}
+	keep := unix.O_ACCMODE | unix.O_APPEND | unix.O_DIRECT | unix.O_SYNC | unix.O_DSYNC | unix.O_NOATIME
+	return int(flags)&keep | unix.O_CLOEXEC, false
+}
+
+// errno is the one reply-and-log policy of the FUSE side: it maps err for
+// the reply to op on n (name: the entry the request names, if any) and
+// logs it. A request refused for a reason (permissions, flags, a bad
+// value, capacity) is logged once at Info with the reason; a name or
+// attribute that is absent is an answer, not a refusal, and is not
+// logged; an error no rule knows is logged at Error and answered EIO.
+func (fsys *filesystem) errno(op string, n *nodeBase, name string, err error) syscall.Errno {
+	if err == nil {
+		return 0
+	}
+	errno, known := mapErrno(err)
+	if name != "" {
+		err = fmt.Errorf("%s: %w", alloc.EscapeText(name), err)
+	}
+	switch {
+	case !known:
+		fsys.log.Error("unexpected error, answered EIO", "op", op, "path", alloc.EscapeText(n.path()), "err", err)
+	case errno == syscall.ENOENT, errno == syscall.ENODATA, errno == syscall.EEXIST && op == "create":
+	default:
+		fsys.log.Info("refused", "op", op, "path", alloc.EscapeText(n.path()), "err", err)
+	}
+	return errno
+}
+
+// errnoOf is errno for requests that name no entry.
+func (fsys *filesystem) errnoOf(op string, n *nodeBase, err error) syscall.Errno {
+	return fsys.errno(op, n, "", err)
+}
+
+// owner returns who a new backing object made in dirfd must belong to:
+// the caller that created it, with the directory's group if it is
+// set-group-ID. ok is false when the daemon is not root and the kernel
+// made it the caller's already.
+func (fsys *filesystem) owner(ctx context.Context, dirfd int) (uid, gid int, ok bool) {
+	if os.Geteuid() != 0 {
+		return 0, 0, false
+	}
+	c := caller(ctx)
+	gid = int(c.Gid)
+	var parent unix.Stat_t
+	if err := unix.Fstat(dirfd, &parent); err == nil && parent.Mode&unix.S_ISGID != 0 {
+		gid = int(parent.Gid)
+	}
+	return int(c.Uid), gid, true
+}
+
+// processOf returns the process (thread group) of a thread: FUSE names
+// the calling thread, holders are processes.
+func (fsys *filesystem) processOf(tid uint32) uint32 {
+	fsys.tgidsMu.Lock()
+	pid, ok := fsys.tgids[tid]
+	fsys.tgidsMu.Unlock()
+	if ok {
+		return pid
+	}
+	pid = readTgid(tid)
+	fsys.tgidsMu.Lock()
+	if len(fsys.tgids) >= maxTgids {
+		fsys.tgids = map[uint32]uint32{}
+	}
+	fsys.tgids[tid] = pid
+	fsys.tgidsMu.Unlock()
+	return pid
+}
+
+// maxTgids bounds the thread to process cache; it starts over when full.
+const maxTgids = 1 << 16
+
+// readTgid reads a thread's process from /proc.
+func readTgid(tid uint32) uint32 {
+	f, err := os.Open("/proc/" + strconv.Itoa(int(tid)) + "/status")
+	if err != nil {
+		return tid
+	}
+	defer f.Close()
+	buf := make([]byte, 512) // Tgid is among the first lines
+	n, _ := f.Read(buf)
+	for _, line := range strings.Split(string(buf[:n]), "\n") {
+		if v, ok := strings.CutPrefix(line, "Tgid:"); ok {
+			if pid, err := strconv.Atoi(strings.TrimSpace(v)); err == nil {
+				return uint32(pid)
+			}
+		}
+	}
+	return tid
+}
+
+// reclaimLater removes an UNLINK segment that no one holds any more. The
+// removal runs outside the request that released the handle, since it
+// notifies the kernel; other segments cost only a cached flag check.
+func (fsys *filesystem) reclaimLater(n *segmentNode) {
+	if f, err := n.flags(n); err == nil && f&alloc.Unlink != 0 {
+		fsys.reclaims.Add(1)
+		go func() {
+			defer fsys.reclaims.Done()
+			fsys.reclaim(n)
+		}()
+	}
+}
+
+// reclaim removes n's names if it is an UNLINK segment without holders;
+// while processes still map it, a watch waits for the last mapping.
+func (fsys *filesystem) reclaim(n *segmentNode) {
+	if len(n.openHandles()) > 0 || fsys.watchMapped(n) {
+		return
+	}
+	for {
+		name, parent := n.Parent()
+		if parent == nil {
+			return
+		}
+		err := dirOf(parent).withDir(func(fd int) error {
+			var st unix.Stat_t
+			if err := unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil || st.Ino != n.StableAttr().Ino {
+				return syscall.ENOENT
+			}
+			if err := unix.Unlinkat(fd, name, 0); err != nil {
+				return err
+			}
+			if st.Nlink == 1 {
+				return n.storage().release()
+			}
+			return nil
+		})
+		parent.RmChild(name)
+		parent.NotifyDelete(name, n.EmbeddedInode())
+		if err == nil {
+			fsys.log.Info("removed UNLINK segment without holders", "name", alloc.EscapeText(name))
+		}
+	}
+}
+
+// notifyNewName tells the kernel that path (relative to the root) now
+// exists, so that a cached "no such name" for it goes. A directory the
+// kernel has not looked up has nothing cached.
+func (fsys *filesystem) notifyNewName(path string) {
+	dir := fsys.root.EmbeddedInode()
+	parts := strings.Split(filepath.Clean(path), "/")
+	for _, part := range parts[:len(parts)-1] {
+		if dir = dir.GetChild(part); dir == nil {
+			return
+		}
+	}
+	dir.NotifyEntry(parts[len(parts)-1])
+}
+
+// stats is the root's user.tensorfs.stats.
+func (fsys *filesystem) stats() map[string]any {
+	var sfs unix.Statfs_t
+	fsys.store.Statfs(&sfs)
+	segs, bytes := fsys.subtreeUsage(fsys.store.RootFd, nil)
+	var ru unix.Rusage
+	unix.Getrusage(unix.RUSAGE_SELF, &ru)
+	rss, peak := memoryUse()
+	return map[string]any{
+		"mode":      fsys.mode(),
+		"segments":  segs,
+		"bytes":     bytes,
+		"capacity":  int64(sfs.Blocks) * sfs.Bsize,
+		"used":      int64(sfs.Blocks-sfs.Bfree) * sfs.Bsize,
+		"backing":   fsys.store.Dir,
+		"limbo":     fsys.limboStats(),
+		"gpu":       fsys.gpuStats(),
+		"requests":  fsys.requests.snapshot(),
+		"dir_fds":   fsys.dirs.stats(),
+		"daemon":    map[string]any{"pid": os.Getpid(), "cpu_seconds": cpuSeconds(&ru), "rss_bytes": rss, "max_rss_bytes": peak, "goroutines": runtime.NumGoroutine()},
+		"uptime_ns": strconv.FormatInt(int64(time.Since(fsys.started)), 10),
+	}
+}
+
+// limboStats counts the device blocks waiting for their consumers, and
+// how many times collections found a block still referenced ("kept").
+func (fsys *filesystem) limboStats() map[string]int64 {
+	if fsys.gpu == nil {
+		return map[string]int64{"blocks": 0, "bytes": 0, "kept": 0}
+	}
+	blocks, bytes := fsys.gpu.limbo.Stats()
+	return map[string]int64{"blocks": int64(blocks), "bytes": bytes, "kept": fsys.gpu.limbo.Kept()}
+}
+
+// gpuStats describes the device behind device segments.
+func (fsys *filesystem) gpuStats() map[string]any {
+	if fsys.gpu == nil {
+		return map[string]any{"backend": "none"}
+	}
+	return map[string]any{"backend": fsys.gpu.dev.Backend(), "device": fsys.gpu.dev.Name(), "memory": fsys.gpu.dev.Stats()}
+}
+
+// memoryUse reads the daemon's resident set and its peak from
+// /proc/self/status (getrusage's peak includes the parent's before exec).
+func memoryUse() (rss, peak int64) {
+	b, _ := os.ReadFile("/proc/self/status")
+	for _, line := range strings.Split(string(b), "\n") {
+		k, v, _ := strings.Cut(line, ":")
+		kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+		switch k {
+		case "VmRSS":
+			rss = kb * 1024
+		case "VmHWM":
+			peak = kb * 1024
+		}
+	}
+	return rss, peak
+}
+
+func cpuSeconds(ru *unix.Rusage) float64 {
+	return float64(ru.Utime.Sec+ru.Stime.Sec) + float64(ru.Utime.Usec+ru.Stime.Usec)/1e6
+}

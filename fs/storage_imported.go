@@ -1,0 +1,311 @@
+package fs
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"sync"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+)
+
+// importedFile is an imported (FROMFD) segment: a descriptor a client
+// sent over the control socket holds its bytes, the daemon holds the
+// descriptor, and an empty marker in the backing holds its name, owner,
+// flags and attributes. Its bytes are read-only through tensorfs: every
+// descriptor the daemon hands out, to the kernel for an open or to a
+// peer, is a new read-only open of the sender's file, never the sender's
+// own open file description. It ends with the daemon (recovery removes
+// its marker).
+type importedFile struct {
+	table *imports
+	id    string
+	uid   uint32 // who sent it
+	// ino and dev identify the sender's file, so that a reopen is checked.
+	ino, dev uint64
+
+	mu sync.RWMutex // read-held while fd is used; write-held to close it
+	fd int          // -1 once released
+}
+
+func (*importedFile) kind() alloc.Kind { return alloc.Imported }
+
+func (*importedFile) attrs(m *alloc.Ref, fn func(*alloc.Ref) error) error { return fn(m) }
+
+// stat is the marker's, with the size of the sender's file.
+func (in *importedFile) stat(m *alloc.Ref, st *unix.Stat_t) error {
+	*st = *m.Stat()
+	return in.with(func(fd int) error {
+		var data unix.Stat_t
+		if err := unix.Fstat(fd, &data); err != nil {
+			return err
+		}
+		st.Size, st.Blocks = data.Size, data.Blocks
+		return nil
+	})
+}
+
+func (in *importedFile) open(n *segmentNode, m *alloc.Ref, h handle, flags uint32) (segmentHandle, error) {
+	if h.writable || flags&unix.O_TRUNC != 0 {
+		return nil, fmt.Errorf("%w: FROMFD segments are read-only: open it with mode 'r'", alloc.ErrReadOnly)
+	}
+	fd, err := in.reopen()
+	if err != nil {
+		return nil, err
+	}
+	_, pt := n.fs.backingFlags(flags)
+	return &fileHandle{handle: h, fd: fd, passthrough: pt}, nil
+}
+
+func (*importedFile) resize(*alloc.Ref, int64) error {
+	return fmt.Errorf("%w: an imported (FROMFD) segment keeps the size its owner gave it", alloc.ErrReadOnly)
+}
+
+func (in *importedFile) descriptor(m *alloc.Ref, write bool) (*os.File, error) {
+	if write {
+		return nil, fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
+	}
+	fd, err := in.reopen()
+	if err != nil {
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), "imported"), nil
+}
+
+// mapped: of the processes that map the sender's file outside the mount,
+// only the sender's own count (the producer that maps its tensor): who
+// else maps a file is not the importer's to learn (DESIGN.md §9).
+func (in *importedFile) mapped(*alloc.Ref) (fileID, uint32, bool) {
+	return fileID{in.dev, in.ino}, in.uid, true
+}
+
+// handle is the /proc path of the daemon's descriptor of the sender's
+// file, which may have no name: the same pages, for the daemon's user.
+func (in *importedFile) handle(*alloc.Ref) (p string, err error) {
+	err = in.with(func(fd int) error {
+		p = "/proc/" + strconv.Itoa(os.Getpid()) + "/fd/" + strconv.Itoa(fd)
+		return nil
+	})
+	return p, err
+}
+
+// release forgets the import and closes the daemon's descriptor of the
+// sender's file.
+func (in *importedFile) release() error {
+	in.table.drop(in)
+	return nil
+}
+
+// closeFd closes the daemon's descriptor once no call uses it.
+func (in *importedFile) closeFd() {
+	in.mu.Lock()
+	defer in.mu.Unlock()
+	if in.fd >= 0 {
+		unix.Close(in.fd)
+		in.fd = -1
+	}
+}
+
+// with runs fn with the daemon's descriptor of the sender's file.
+func (in *importedFile) with(fn func(fd int) error) error {
+	in.mu.RLock()
+	defer in.mu.RUnlock()
+	if in.fd < 0 {
+		return fmt.Errorf("%w: the import was removed", syscall.ENOENT)
+	}
+	return fn(in.fd)
+}
+
+// reopen opens the sender's file again, read-only: a description of the
+// daemon's own, checked to be that file.
+func (in *importedFile) reopen() (int, error) {
+	var fd int
+	err := in.with(func(own int) (err error) {
+		fd, err = unix.Open(alloc.FdPath(own), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil || st.Ino != in.ino || st.Dev != in.dev {
+			unix.Close(fd)
+			return fmt.Errorf("reopen of an import reached another file: %w", syscall.ESTALE)
+		}
+		return nil
+	})
+	return fd, err
+}
+
+// imports holds the mount's imported segments by id.
+type imports struct {
+	mu    sync.RWMutex // protects m and count
+	m     map[string]*importedFile
+	count map[uint32]int // imports held, by sender
+}
+
+// maxImportsPerUID bounds the descriptors one user's imports keep open in
+// the daemon, so that no user can take the descriptors FUSE service needs.
+const maxImportsPerUID = 4096
+
+// get returns import id, if the daemon holds it.
+func (im *imports) get(id string) (*importedFile, bool) {
+	im.mu.RLock()
+	defer im.mu.RUnlock()
+	in, ok := im.m[id]
+	return in, ok
+}
+
+// add keeps the sender's file open at fd as a new import of uid, or
+// refuses with EMFILE when uid holds maxImportsPerUID imports already.
+func (im *imports) add(fd int, uid uint32) (*importedFile, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, err
+	}
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	if im.m == nil {
+		im.m, im.count = map[string]*importedFile{}, map[uint32]int{}
+	}
+	if im.count[uid] >= maxImportsPerUID {
+		return nil, fmt.Errorf("%w: uid %d holds %d imported segments, the most one user may", syscall.EMFILE, uid, maxImportsPerUID)
+	}
+	in := &importedFile{table: im, id: alloc.NewID(), uid: uid, ino: st.Ino, dev: st.Dev, fd: fd}
+	im.m[in.id] = in
+	im.count[uid]++
+	return in, nil
+}
+
+// drop forgets an import and closes its descriptor.
+func (im *imports) drop(in *importedFile) {
+	im.mu.Lock()
+	if im.m[in.id] == in {
+		delete(im.m, in.id)
+		im.count[in.uid]--
+	}
+	im.mu.Unlock()
+	in.closeFd()
+}
+
+// importSegment makes the peer's descriptor f the new segment name in the
+// directory open at dirfd, whose flags are pf, without a copy. The marker
+// carries the segment's name, owner, flags and metadata, all set through
+// its own descriptor: a name renamed or replaced meanwhile is never
+// followed, and the sender's file is never written.
+func (fsys *filesystem) importSegment(who requester, dirfd int, name string, pf alloc.Flags, f *os.File, dtype, shape string) error {
+	fd, err := importable(f)
+	if err != nil {
+		return err
+	}
+	in, err := fsys.imports.add(fd, who.Uid)
+	if err != nil {
+		unix.Close(fd)
+		return err
+	}
+	marker, err := unix.Openat(dirfd, name, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		fsys.imports.drop(in)
+		return err
+	}
+	defer unix.Close(marker)
+	var size int64
+	in.with(func(fd int) error {
+		var st unix.Stat_t
+		err := unix.Fstat(fd, &st)
+		size = st.Size
+		return err
+	})
+	p := alloc.FdPath(marker)
+	if os.Geteuid() == 0 {
+		err = unix.Fchown(marker, int(who.Uid), int(who.Gid))
+	}
+	if err == nil {
+		err = alloc.InheritFlags(pf|alloc.FromFD, p, false)
+	}
+	for _, a := range [][2]string{{alloc.AttrDtype, dtype}, {alloc.AttrShape, shape}} {
+		if err == nil && a[1] != "" {
+			err = alloc.Setxattr(alloc.Object{Path: p, Size: size}, a[0], []byte(a[1]), 0)
+		}
+	}
+	if err == nil {
+		err = alloc.MarkImport(p, in.id)
+	}
+	if err == nil {
+		err = unix.Fchmod(marker, 0o444) // last: the daemon may not be root
+	}
+	if err != nil {
+		unlinkIfSame(dirfd, name, marker)
+		fsys.imports.drop(in)
+		return err
+	}
+	return nil
+}
+
+// importable duplicates the peer's descriptor f if it may become a
+// segment: shared memory (a memfd, or a file on tmpfs or hugetlbfs, such
+// as /dev/shm: what PyTorch's share_memory_() and multiprocessing make)
+// that this very descriptor can read. An O_PATH or write-only descriptor
+// would give the segment's readers an access its sender does not have; a
+// file of any other filesystem (a library, a file on disk) would let its
+// importer learn, through holders, which processes map it, and a file on
+// a FUSE filesystem could be one of this mount's, which the daemon would
+// have to serve to itself.
+func importable(f *os.File) (int, error) {
+	fd, err := dupFile(f)
+	if err != nil {
+		return -1, err
+	}
+	var st unix.Stat_t
+	var sfs unix.Statfs_t
+	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+	if err == nil {
+		err = unix.Fstat(fd, &st)
+	}
+	if err == nil {
+		err = unix.Fstatfs(fd, &sfs)
+	}
+	switch {
+	case err != nil:
+	case fl&unix.O_PATH != 0:
+		err = fmt.Errorf("%w: an O_PATH descriptor grants no access to a file's bytes; send one opened for reading", syscall.EBADF)
+	case fl&unix.O_ACCMODE == unix.O_WRONLY:
+		err = fmt.Errorf("%w: a write-only descriptor cannot be read; send one opened for reading", syscall.EBADF)
+	case st.Mode&syscall.S_IFMT != syscall.S_IFREG:
+		err = fmt.Errorf("%w: import takes a regular file or memfd", alloc.ErrInvalid)
+	case sfs.Type == unix.FUSE_SUPER_MAGIC:
+		err = fmt.Errorf("%w: the file is on a FUSE filesystem; a file of a tensorfs mount is shared by its path", alloc.ErrInvalid)
+	case sfs.Type != unix.TMPFS_MAGIC && sfs.Type != unix.HUGETLBFS_MAGIC:
+		err = fmt.Errorf("%w: import takes shared memory (a memfd, or a file on tmpfs such as /dev/shm); copy other files in", alloc.ErrInvalid)
+	}
+	if err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	return fd, nil
+}
+
+// unlinkIfSame removes name in dirfd if it still names the file open at fd.
+func unlinkIfSame(dirfd int, name string, fd int) {
+	var a, b unix.Stat_t
+	if unix.Fstat(fd, &a) == nil && unix.Fstatat(dirfd, name, &b, unix.AT_SYMLINK_NOFOLLOW) == nil && a.Ino == b.Ino && a.Dev == b.Dev {
+		unix.Unlinkat(dirfd, name, 0)
+	}
+}
+
+// dupFile duplicates f's descriptor without switching f to blocking mode.
+func dupFile(f *os.File) (int, error) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return -1, err
+	}
+	fd := -1
+	cerr := rc.Control(func(raw uintptr) {
+		fd, err = unix.FcntlInt(raw, unix.F_DUPFD_CLOEXEC, 0)
+	})
+	if cerr != nil {
+		return -1, cerr
+	}
+	return fd, err
+}
