@@ -153,13 +153,13 @@ func At(dirfd int, name string, ino uint64, fn func(path string) error) error {
 // by name with O_NOFOLLOW relative to its parent's descriptor, so a
 // symbolic link is never entered, whatever is renamed meanwhile. An
 // unreadable entry is skipped; fn's error stops the walk, and so does
-// SkipDir for the directory fn was called with (its contents are skipped).
+// ErrSkipDir for the directory fn was called with (its contents are skipped).
 func Walk(dirfd int, fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
 	return walk(dirfd, "", fn)
 }
 
-// SkipDir, returned by Walk's fn for a directory, skips its contents.
-var SkipDir = errors.New("skip this directory")
+// ErrSkipDir, returned by Walk's fn for a directory, skips its contents.
+var ErrSkipDir = errors.New("skip this directory")
 
 func walk(dirfd int, rel string, fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
 	fd, err := unix.Openat(dirfd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
@@ -182,7 +182,7 @@ func walk(dirfd int, rel string, fn func(dirfd int, name, rel string, st *unix.S
 			p = rel + "/" + name
 		}
 		err := fn(dirfd, name, p, &st)
-		if err == SkipDir && st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
+		if err == ErrSkipDir && st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
 			continue
 		}
 		if err != nil {

@@ -2,6 +2,7 @@ package alloc
 
 import (
 	"os"
+	"path/filepath"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -13,7 +14,7 @@ type Recovery struct {
 	// backing files hold.
 	Segments, Bytes int64
 	// Devices are the backing files of device segments, open read-write
-	// and named by their path below the backing, for the mount to restore
+	// and named by their path, for the mount to restore
 	// into device memory (or close, without a GPU).
 	Devices []*os.File
 }
@@ -69,7 +70,7 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool) (*Recovery, error) {
 			if err != nil {
 				s.log.Warn("recover: device segment not reopened, it will not be restored", "path", rel, "err", err)
 			} else {
-				rec.Devices = append(rec.Devices, os.NewFile(uintptr(fd), rel))
+				rec.Devices = append(rec.Devices, os.NewFile(uintptr(fd), filepath.Join(s.Dir, rel)))
 			}
 		}
 		rec.Segments++

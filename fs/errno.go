@@ -11,8 +11,9 @@ import (
 )
 
 // errnos is the one table of which error a client sees as which errno.
-// The first rule whose error the chain holds (errors.Is) decides; an
-// error no rule knows, and that holds no syscall.Errno, is EIO.
+// The first rule whose error the chain holds (errors.Is) decides, then
+// the chain's own syscall.Errno (EPERM stays EPERM), then io/fs's
+// generic errors; an error none of them knows is EIO.
 var errnos = []struct {
 	err   error
 	errno syscall.Errno
@@ -34,8 +35,6 @@ var errnos = []struct {
 	{gpu.ErrNoIPC, syscall.EOPNOTSUPP},         // exported memory has no legacy IPC handle
 	{gpu.ErrInvalid, syscall.EINVAL},
 	{io.ErrUnexpectedEOF, syscall.EIO},
-	{fs.ErrNotExist, syscall.ENOENT},
-	{fs.ErrPermission, syscall.EACCES},
 }
 
 // toErrno maps an error from alloc, gpu or the kernel to the errno a
@@ -57,8 +56,13 @@ func mapErrno(err error) (syscall.Errno, bool) {
 		}
 	}
 	var errno syscall.Errno
-	if errors.As(err, &errno) {
+	switch {
+	case errors.As(err, &errno):
 		return errno, true
+	case errors.Is(err, fs.ErrNotExist):
+		return syscall.ENOENT, true
+	case errors.Is(err, fs.ErrPermission):
+		return syscall.EACCES, true
 	}
 	return syscall.EIO, false
 }

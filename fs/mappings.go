@@ -439,21 +439,6 @@ func (w *watchSet) close() {
 	w.wg.Wait()
 }
 
-// watchedLastLink returns the inode of name in dirfd when name is its
-// last link and watches are waiting, for unwatch once the name is gone;
-// 0 otherwise.
-func (fsys *filesystem) watchedLastLink(dirfd int, name string) uint64 {
-	w := &fsys.watches
-	w.mu.Lock()
-	none := len(w.m) == 0
-	w.mu.Unlock()
-	var st unix.Stat_t
-	if none || unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil || st.Nlink != 1 {
-		return 0
-	}
-	return st.Ino
-}
-
 // awaitUnmapped waits until no process maps ids and reports true, or
 // until ep, an epoll instance, is closed (false); its first check takes a
 // scan begun at or after since. It waits on pidfds of the mapping

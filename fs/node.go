@@ -85,7 +85,15 @@ var (
 	_ = (fusefs.NodeSetxattrer)((*nodeBase)(nil))
 	_ = (fusefs.NodeRemovexattrer)((*nodeBase)(nil))
 	_ = (fusefs.NodeIoctler)((*nodeBase)(nil))
+	_ = (fusefs.NodeUnlinker)((*nodeBase)(nil))
+	_ = (fusefs.NodeRmdirer)((*nodeBase)(nil))
 )
+
+// Unlink: only a directory holds names (go-fuse would answer OK).
+func (n *nodeBase) Unlink(ctx context.Context, name string) syscall.Errno { return syscall.ENOTDIR }
+
+// Rmdir: only a directory holds names (go-fuse would answer OK).
+func (n *nodeBase) Rmdir(ctx context.Context, name string) syscall.Errno { return syscall.ENOTDIR }
 
 // Ioctl serves no ioctl, on any node: each would run on a backing
 // descriptor with the daemon's rights (FITRIM, a filesystem shutdown, the

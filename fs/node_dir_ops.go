@@ -100,10 +100,8 @@ func (d *dirNode) adopt(ctx context.Context, dirfd int, a *alloc.Ref, pf alloc.F
 		attrs = func(fn func(*alloc.Ref) error) error { return s.attrs(a, fn) }
 	}
 	err := attrs(func(o *alloc.Ref) error {
-		if uid, gid, ok := d.fs.owner(ctx, dirfd); ok {
-			if err := o.Chown(uid, gid); err != nil {
-				return err
-			}
+		if err := d.fs.giveToCaller(ctx, dirfd, o); err != nil {
+			return err
 		}
 		if o.IsSymlink() {
 			return nil
@@ -112,7 +110,7 @@ func (d *dirNode) adopt(ctx context.Context, dirfd int, a *alloc.Ref, pf alloc.F
 		return alloc.InheritFlags(pf, p, o.Stat().Mode&syscall.S_IFMT == syscall.S_IFDIR)
 	})
 	mode := a.Stat().Mode & syscall.S_IFMT
-	if err == nil && (mode == syscall.S_IFDIR || mode == syscall.S_IFREG && s.kind() == alloc.Host) {
+	if err == nil && (mode == syscall.S_IFDIR || mode == syscall.S_IFREG && s != nil && s.kind() == alloc.Host) {
 		var ds storage
 		if ds, err = d.fs.inheritDevice(dirfd, a); ds != nil {
 			s = ds
@@ -125,6 +123,29 @@ func (d *dirNode) adopt(ctx context.Context, dirfd int, a *alloc.Ref, pf alloc.F
 		err = s.stat(a, st)
 	}
 	return s, err
+}
+
+// giveToCaller makes the new object o the caller's (the daemon may be
+// root), with the directory's group if it is set-group-ID. chown(2)
+// clears set-id bits, which the caller asked for: they are set again, as
+// tmpfs keeps them, less set-group-ID for a caller outside the group.
+func (fsys *filesystem) giveToCaller(ctx context.Context, dirfd int, o *alloc.Ref) error {
+	uid, gid, ok := fsys.owner(ctx, dirfd)
+	st := o.Stat()
+	if !ok || uint32(uid) == st.Uid && uint32(gid) == st.Gid {
+		return nil
+	}
+	if err := o.Chown(uid, gid); err != nil {
+		return err
+	}
+	mode := st.Mode & 07777
+	if mode&(unix.S_ISUID|unix.S_ISGID) == 0 || o.IsSymlink() || st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
+		return nil
+	}
+	if who := fuseRequester(ctx); who.Uid != 0 && !who.inGroup(uint32(gid)) {
+		mode &^= unix.S_ISGID
+	}
+	return o.Chmod(mode)
 }
 
 // made returns the Ref of the object just made at name in dirfd; the
@@ -149,9 +170,10 @@ func undo(dirfd int, name string, a *alloc.Ref) {
 }
 
 // makeNode runs make to create name in the directory, then adopts the new
-// object and returns its inode, made by node; a refusal or failure leaves
-// nothing behind.
-func (d *dirNode) makeNode(ctx context.Context, op, name string, out *fuse.EntryOut, make func(dirfd int) error, node func() fusefs.InodeEmbedder) (*fusefs.Inode, syscall.Errno) {
+// object and returns its inode, made by node (with the object's storage
+// for a segment: s, or what the directory's device makes it); a refusal
+// or failure leaves nothing behind.
+func (d *dirNode) makeNode(ctx context.Context, op, name string, out *fuse.EntryOut, s storage, make func(dirfd int) error, node func(storage) fusefs.InodeEmbedder) (*fusefs.Inode, syscall.Errno) {
 	var ch *fusefs.Inode
 	err := d.withDir(func(fd int) error {
 		pf, err := d.creatable()
@@ -167,12 +189,13 @@ func (d *dirNode) makeNode(ctx context.Context, op, name string, out *fuse.Entry
 		}
 		defer a.Close()
 		var st unix.Stat_t
-		if _, err := d.adopt(ctx, fd, a, pf, nil, &st); err != nil {
+		s, err := d.adopt(ctx, fd, a, pf, s, &st)
+		if err != nil {
 			undo(fd, name, a)
 			return err
 		}
 		out.Attr.FromStat(toSyscallStat(&st))
-		ch = d.NewInode(ctx, node(), fusefs.StableAttr{Mode: st.Mode & syscall.S_IFMT, Ino: st.Ino})
+		ch = d.NewInode(ctx, node(s), fusefs.StableAttr{Mode: st.Mode & syscall.S_IFMT, Ino: st.Ino})
 		return nil
 	})
 	return ch, d.fs.errno(op, &d.nodeBase, name, err)
@@ -180,27 +203,31 @@ func (d *dirNode) makeNode(ctx context.Context, op, name string, out *fuse.Entry
 
 // Mkdir makes a directory that inherits this one's flags and device.
 func (d *dirNode) Mkdir(ctx context.Context, name string, mode uint32, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
-	return d.makeNode(ctx, "mkdir", name, out,
+	return d.makeNode(ctx, "mkdir", name, out, nil,
 		func(fd int) error { return unix.Mkdirat(fd, name, mode) },
-		func() fusefs.InodeEmbedder { return d.fs.newDir() })
+		func(storage) fusefs.InodeEmbedder { return d.fs.newDir() })
 }
 
-// Mknod makes a special file; the kernel serves it, tensorfs keeps only
-// its metadata.
+// Mknod makes a special file, which the kernel serves (tensorfs keeps
+// only its metadata), or an empty segment.
 func (d *dirNode) Mknod(ctx context.Context, name string, mode, rdev uint32, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
-	if mode&syscall.S_IFMT == syscall.S_IFREG || mode&syscall.S_IFMT == syscall.S_IFDIR {
-		return nil, syscall.EINVAL // regular files come from Create, directories from Mkdir
+	make := func(fd int) error { return unix.Mknodat(fd, name, mode, int(rdev)) }
+	if mode&syscall.S_IFMT == syscall.S_IFREG {
+		if f, err := d.flags(d); err == nil && f&alloc.Shared != 0 {
+			return nil, d.fs.errno("mknod", &d.nodeBase, name, fmt.Errorf("%w: SHARED segments are made by open(O_CREAT)", syscall.EOPNOTSUPP))
+		}
+		return d.makeNode(ctx, "mknod", name, out, host{}, make,
+			func(s storage) fusefs.InodeEmbedder { return d.fs.newSegment(s) })
 	}
-	return d.makeNode(ctx, "mknod", name, out,
-		func(fd int) error { return unix.Mknodat(fd, name, mode, int(rdev)) },
-		func() fusefs.InodeEmbedder { return &specialNode{nodeBase{fs: d.fs}} })
+	return d.makeNode(ctx, "mknod", name, out, nil, make,
+		func(storage) fusefs.InodeEmbedder { return &specialNode{nodeBase{fs: d.fs}} })
 }
 
 // Symlink makes a symbolic link.
 func (d *dirNode) Symlink(ctx context.Context, target, name string, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
-	return d.makeNode(ctx, "symlink", name, out,
+	return d.makeNode(ctx, "symlink", name, out, nil,
 		func(fd int) error { return unix.Symlinkat(target, fd, name) },
-		func() fusefs.InodeEmbedder { return &symlinkNode{nodeBase{fs: d.fs}} })
+		func(storage) fusefs.InodeEmbedder { return &symlinkNode{nodeBase{fs: d.fs}} })
 }
 
 // Create makes and opens a new segment that inherits the directory's

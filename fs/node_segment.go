@@ -332,7 +332,9 @@ func (n *segmentNode) CopyFileRange(ctx context.Context, fhIn fusefs.FileHandle,
 	size := int64(min(length, maxCopyChunk))
 	var copied int64
 	var err error
-	switch src, to := in.(*fileHandle), dst.(*fileHandle); {
+	src, _ := in.(*fileHandle)
+	to, _ := dst.(*fileHandle)
+	switch {
 	case src != nil && to != nil:
 		var c int
 		oi, oo := int64(offIn), int64(offOut)

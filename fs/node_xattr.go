@@ -287,9 +287,6 @@ func (d *dirNode) Removexattr(ctx context.Context, attr string) syscall.Errno {
 	return d.fs.attrErrno("removexattr "+attr, &d.nodeBase, removeAttr(d, &d.attrCache, attr))
 }
 
-// rootAttrs are the root's virtual attributes beyond a directory's.
-var rootAttrs = []string{alloc.AttrStats, alloc.AttrSocket}
-
 // Getxattr adds the mount's statistics and its control socket's path.
 func (r *rootNode) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, syscall.Errno) {
 	switch {
@@ -529,7 +526,7 @@ func (fsys *filesystem) subtreeUsage(dirfd int, who *requester) (segments, bytes
 		switch st.Mode & syscall.S_IFMT {
 		case syscall.S_IFDIR:
 			if who != nil && !who.permitted(st, 4|1) {
-				return alloc.SkipDir
+				return alloc.ErrSkipDir
 			}
 		case syscall.S_IFREG:
 			segments++

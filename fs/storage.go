@@ -65,9 +65,8 @@ type kindBox struct{ s storage }
 // kindRef is a segment's current storage.
 type kindRef struct{ p atomic.Pointer[kindBox] }
 
-func (k *kindRef) load() storage    { return k.p.Load().s }
-func (k *kindRef) store(s storage)  { k.p.Store(&kindBox{s}) }
-func newKindRef(s storage) *kindRef { k := &kindRef{}; k.store(s); return k }
+func (k *kindRef) load() storage   { return k.p.Load().s }
+func (k *kindRef) store(s storage) { k.p.Store(&kindBox{s}) }
 
 // classify is the one place that decides a segment's kind, from the
 // marker its backing object m holds (alloc.ReadMarker). An error reading

@@ -41,15 +41,41 @@ func (d device) resize(m *alloc.Ref, size int64) error { return d.seg.resize(siz
 func (device) descriptor(*alloc.Ref, bool) (*os.File, error) { return nil, nil }
 
 // export hands a peer a POSIX descriptor of the segment's device memory
-// (the control socket's export of a KEEPFD segment). Whoever holds it
-// can write the memory with their own CUDA stack, so it goes only to a
-// peer that asks for write and may write the segment: a read-only export
-// cannot be honoured, and is refused.
+// (the control socket's export of a KEEPFD segment), with the access it
+// asked for: a read-only export is a read-only reopen of that memory's
+// file. Memory whose descriptor cannot be reopened (CUDA's own shareable
+// handles, which any holder can map writable) goes only to a peer that
+// asks for write, and may: a read-only export of it is refused.
 func (d device) export(write bool) (*os.File, error) {
-	if !write {
-		return nil, fmt.Errorf("%w: device memory is handed out writable or not at all: ask for write, which needs write permission on the segment", syscall.EACCES)
+	f, err := d.seg.export()
+	if err != nil || write {
+		return f, err
 	}
-	return d.seg.export()
+	defer f.Close()
+	ro, err := reopenReadOnly(int(f.Fd()))
+	if err != nil {
+		return nil, fmt.Errorf("%w: this device memory cannot be handed out read-only (%v): ask for write, which needs write permission on the segment", syscall.EACCES, err)
+	}
+	return os.NewFile(uintptr(ro), "device memory"), nil
+}
+
+// reopenReadOnly opens the file open at fd again, read-only: a new open
+// file description, checked to be the same file.
+func reopenReadOnly(fd int) (int, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return -1, err
+	}
+	ro, err := unix.Open(alloc.FdPath(fd), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, err
+	}
+	var rst unix.Stat_t
+	if err := unix.Fstat(ro, &rst); err != nil || rst.Ino != st.Ino || rst.Dev != st.Dev {
+		unix.Close(ro)
+		return -1, fmt.Errorf("reopen reached another file: %w", syscall.ESTALE)
+	}
+	return ro, nil
 }
 
 func (device) mapped(*alloc.Ref) (fileID, uint32, bool) { return fileID{}, 0, false }

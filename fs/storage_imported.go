@@ -124,16 +124,8 @@ func (in *importedFile) with(fn func(fd int) error) error {
 func (in *importedFile) reopen() (int, error) {
 	var fd int
 	err := in.with(func(own int) (err error) {
-		fd, err = unix.Open(alloc.FdPath(own), unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return err
-		}
-		var st unix.Stat_t
-		if err := unix.Fstat(fd, &st); err != nil || st.Ino != in.ino || st.Dev != in.dev {
-			unix.Close(fd)
-			return fmt.Errorf("reopen of an import reached another file: %w", syscall.ESTALE)
-		}
-		return nil
+		fd, err = reopenReadOnly(own)
+		return err
 	})
 	return fd, err
 }

@@ -291,9 +291,21 @@ func TestAttackImportDescriptors(t *testing.T) {
 		os.WriteFile(wo, []byte("write-only"), 0o200)
 		os.Chown(wo, userA, userA)
 		reachable(t, wo)
-		ro := filepath.Join(t.TempDir(), "ro")
-		os.WriteFile(ro, []byte("readable"), 0o644)
-		reachable(t, ro)
+		// Import takes shared memory: a file on /dev/shm (tmpfs), as
+		// torch's share_memory_() makes. A world-readable file on disk
+		// would let its importer learn who maps it (holders): refused.
+		shm, err := os.CreateTemp("/dev/shm", "tensorfs-attack-ro-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ro := shm.Name()
+		t.Cleanup(func() { os.Remove(ro) })
+		shm.WriteString("readable")
+		shm.Chmod(0o644)
+		shm.Close()
+		disk := filepath.Join(t.TempDir(), "disk")
+		os.WriteFile(disk, []byte("on disk"), 0o644)
+		reachable(t, disk)
 		if err := os.WriteFile(m.path("shared/onmount"), []byte("on the mount"), 0o666); err != nil {
 			t.Fatal(err)
 		}
@@ -305,6 +317,8 @@ func TestAttackImportDescriptors(t *testing.T) {
 			{wo, "w", "shared/wo", syscall.EBADF},
 			{m.path("shared/onmount"), "r", "shared/self", syscall.EINVAL},
 			{"/dev/null", "r", "shared/dev", syscall.EINVAL},
+			{disk, "r", "shared/disk", syscall.EINVAL},
+			{"/etc/passwd", "r", "shared/passwd", syscall.EINVAL},
 			{ro, "r", "shared/ro", 0},
 		} {
 			out := pythonAs(t, userA, "/", attackImportScript, sock, c.file, c.how, c.dest)

@@ -1277,6 +1277,11 @@ func TestGPUExportKeepFD(t *testing.T) {
 		if n, err := f.ReadAt(got, 0); n != len(want) || !bytes.Equal(got, want) {
 			t.Errorf("exported descriptor reads %d bytes (%v), different from the segment's %d", n, err, len(want))
 		}
+		// A read-only export carries read-only access: no write reaches
+		// the device memory through it.
+		if _, err := f.WriteAt([]byte("NOPE"), 0); err == nil {
+			t.Errorf("a write through the read-only export succeeded")
+		}
 		// Exporting moved nothing: the segment reads the same, stays on the
 		// device, and its backing file stays empty.
 		run(t, "cmp", src, seg)
