@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/fdpass"
 )
 
 // Cred is a peer's credentials, from SO_PEERCRED.
@@ -292,17 +294,18 @@ func (s *Server) serve(c *net.UnixConn) {
 		defer close(msgs)
 		defer cancel()
 		for {
-			m, err := recvMsg(c, maxRequestFDs)
+			msg, err := recvMsg(c, maxRequestFDs)
 			if err != nil {
 				return
 			}
-			if m.err = s.quota.adopt(cred.Uid, m.fds); m.err != nil {
-				m.fds = nil // closed
+			m := message{Msg: msg}
+			if m.err = s.quota.adopt(cred.Uid, m.FDs); m.err != nil {
+				m.FDs = nil // closed
 			}
 			select {
 			case msgs <- m:
 			case <-ctx.Done():
-				s.quota.release(m.fds...)
+				s.quota.release(m.FDs...)
 				return
 			}
 		}
@@ -361,14 +364,14 @@ func peerCred(c *net.UnixConn) (Cred, error) {
 func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m message) {
 	req, err := s.decode(m)
 	if err != nil {
-		s.quota.release(m.fds...)
+		s.quota.release(m.FDs...)
 		s.refuse(c, cred, req.Op, err)
 		return
 	}
 	if req.Op == opExport || req.Op == opImport {
 		err := s.quota.take(cred.Uid, Limits{FDs: backendFDs})
 		if err != nil {
-			s.quota.release(m.fds...)
+			s.quota.release(m.FDs...)
 			s.refuse(c, cred, req.Op, err)
 			return
 		}
@@ -381,18 +384,18 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 			s.refuse(c, cred, req.Op, err)
 			return
 		}
-		fd, err := dupFile(f)
+		fd, err := fdpass.Dup(f)
 		f.Close()
 		if err != nil {
 			s.refuse(c, cred, req.Op, fmt.Errorf("backend's file: %w", err))
 			return
 		}
 		s.reply(c, cred, req.Op, reply{V: version, OK: true, FDs: 1}, []int{fd})
-		closeFDs([]int{fd})
+		fdpass.Close([]int{fd})
 	case opImport:
-		f := os.NewFile(uintptr(m.fds[0]), "ctl-import:"+req.Path)
+		f := os.NewFile(uintptr(m.FDs[0]), "ctl-import:"+req.Path)
 		err := s.cfg.Backend.Import(cred, req.Path, f, req.Dtype, req.Shape)
-		s.quota.uncount(m.fds...)
+		s.quota.uncount(m.FDs...)
 		f.Close()
 		if err != nil {
 			s.refuse(c, cred, req.Op, err)
@@ -400,7 +403,7 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 		}
 		s.reply(c, cred, req.Op, reply{V: version, OK: true}, nil)
 	case opAllGather, opBroadcast:
-		s.collective(ctx, c, cred, &req, m.fds)
+		s.collective(ctx, c, cred, &req, m.FDs)
 	case opLoad:
 		s.load(c, cred, &req)
 	}
@@ -423,13 +426,13 @@ func (s *Server) load(c *net.UnixConn, cred Cred, req *request) {
 	defer s.quota.give(cred.Uid, Limits{FDs: batch + backendFDs})
 	segs, files, more, err := l.Load(cred, req.Path, req.Write, req.After, batch)
 	var fds []int
-	defer func() { closeFDs(fds) }()
+	defer func() { fdpass.Close(fds) }()
 	for i, f := range files {
 		segs[i].FD = -1
 		if f == nil {
 			continue
 		}
-		fd, derr := dupFile(f)
+		fd, derr := fdpass.Dup(f)
 		f.Close()
 		if derr == nil {
 			segs[i].FD = len(fds)
@@ -470,12 +473,12 @@ func (s *Server) decode(m message) (request, error) {
 	switch {
 	case m.err != nil:
 		return request{}, m.err
-	case m.flags&unix.MSG_TRUNC != 0:
+	case m.Truncated:
 		return request{}, protoErrorf(syscall.EMSGSIZE, "request exceeds %d bytes", maxMessage)
-	case m.flags&unix.MSG_CTRUNC != 0:
+	case m.FDsTruncated:
 		return request{}, protoErrorf(syscall.EINVAL, "more than %d descriptors attached", maxRequestFDs)
 	}
-	return parseRequest(m.data, len(m.fds))
+	return parseRequest(m.Data, len(m.FDs))
 }
 
 // collective runs an all_gather or broadcast request: it joins the group
