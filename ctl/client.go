@@ -68,6 +68,20 @@ func (c *Client) Load(path string, write bool, after string) ([]Segment, []*os.F
 	return rep.Segments, files, rep.More, nil
 }
 
+// Purge asks the daemon to purge its backing when it exits (once the
+// mount is unmounted and its last user gone). Only the daemon's user and
+// root may ask; others get EACCES.
+func (c *Client) Purge() error {
+	_, _, err := c.roundTrip(&request{Op: opPurge}, nil, 0)
+	return err
+}
+
+// Peer returns the credentials of the daemon at the other end, as the
+// kernel recorded them when it made the socket.
+func (c *Client) Peer() (Cred, error) {
+	return peerCred(c.conn)
+}
+
 // A GroupOption modifies an AllGather or Broadcast request.
 type GroupOption func(*request)
 

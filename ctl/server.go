@@ -9,20 +9,32 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
 	"tensorfs/fdpass"
 )
 
-// Cred is a peer's credentials, from SO_PEERCRED.
+// Cred is a peer's credentials as the kernel recorded them when it
+// connected (SO_PEERCRED, SO_PEERGROUPS): later changes to the peer's
+// credentials, its exit or the reuse of its pid change nothing.
 type Cred struct {
 	Pid      int32
 	Uid, Gid uint32
+	// Groups are the supplementary groups.
+	Groups []uint32
+}
+
+// InGroup reports whether gid is the peer's primary group or one of its
+// supplementary groups.
+func (c Cred) InGroup(gid uint32) bool {
+	return c.Gid == gid || slices.Contains(c.Groups, gid)
 }
 
 // Backend serves the segment operations (package fs implements it). Paths
@@ -78,8 +90,13 @@ type Config struct {
 	// Private serves only Owner and root: other uids are refused with
 	// EACCES whatever they ask (a mount without --allow-other).
 	Private bool
-	// Owner is the uid a private socket serves besides root.
+	// Owner is the daemon's uid: the one a private socket serves besides
+	// root, and the one that may ask for a purge besides root.
 	Owner uint32
+	// Purge is called when the owner or root asks the daemon to purge its
+	// backing when it exits (op purge); nil refuses the op (EOPNOTSUPP).
+	// It records the wish and returns at once.
+	Purge func() error
 	// PerUID and Total limit what peers may hold in the daemon, each uid
 	// and all together; zero fields take the defaults (per uid 1024
 	// connections, 512 waiting requests, 2048 descriptors; in total 4096,
@@ -279,7 +296,7 @@ func (s *Server) serve(c *net.UnixConn) {
 	}()
 	cred, err := peerCred(c)
 	if err != nil {
-		s.cfg.Log.Warn("ctl: SO_PEERCRED", "err", err)
+		s.cfg.Log.Warn("ctl: peer credentials", "err", err)
 		return
 	}
 	if err := s.admit(cred); err != nil {
@@ -341,23 +358,47 @@ func (s *Server) turnAway(c *net.UnixConn, cred Cred, err error) {
 	}
 }
 
-// peerCred returns the credentials of c's peer.
+// peerCred returns the credentials of c's peer as the kernel recorded
+// them at connect.
 func peerCred(c *net.UnixConn) (Cred, error) {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		return Cred{}, err
 	}
-	var uc *unix.Ucred
+	var cred Cred
 	var credErr error
 	if err := rc.Control(func(fd uintptr) {
-		uc, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+		var uc *unix.Ucred
+		if uc, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); credErr != nil {
+			credErr = fmt.Errorf("SO_PEERCRED: %w", credErr)
+			return
+		}
+		cred = Cred{Pid: uc.Pid, Uid: uc.Uid, Gid: uc.Gid}
+		cred.Groups, credErr = peerGroups(int(fd))
 	}); err != nil {
 		return Cred{}, err
 	}
-	if credErr != nil {
-		return Cred{}, credErr
+	return cred, credErr
+}
+
+// peerGroups returns the supplementary groups of the peer of the socket
+// fd (SO_PEERGROUPS), growing the buffer while the kernel answers ERANGE
+// with the size it needs.
+func peerGroups(fd int) ([]uint32, error) {
+	buf := make([]uint32, 32)
+	for {
+		size := uint32(4 * len(buf))
+		_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(fd), unix.SOL_SOCKET, unix.SO_PEERGROUPS,
+			uintptr(unsafe.Pointer(&buf[0])), uintptr(unsafe.Pointer(&size)), 0)
+		switch {
+		case errno == unix.ERANGE && int(size) > 4*len(buf):
+			buf = make([]uint32, size/4)
+		case errno != 0:
+			return nil, fmt.Errorf("SO_PEERGROUPS: %w", errno)
+		default:
+			return buf[:size/4], nil
+		}
 	}
-	return Cred{Pid: uc.Pid, Uid: uc.Uid, Gid: uc.Gid}, nil
 }
 
 // handle answers one request message, taking ownership of its fds.
@@ -406,7 +447,29 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 		s.collective(ctx, c, cred, &req, m.FDs)
 	case opLoad:
 		s.load(c, cred, &req)
+	case opPurge:
+		s.purge(c, cred)
 	}
+}
+
+// purge answers a purge request: the daemon's own user and root may ask
+// it to purge its backing when it exits.
+func (s *Server) purge(c *net.UnixConn, cred Cred) {
+	var err error
+	switch {
+	case s.cfg.Purge == nil:
+		err = protoErrorf(syscall.EOPNOTSUPP, "this daemon does not purge on request")
+	case cred.Uid != 0 && cred.Uid != s.cfg.Owner:
+		err = protoErrorf(syscall.EACCES, "only uid %d (the daemon's user) and root may purge its backing", s.cfg.Owner)
+	default:
+		err = s.cfg.Purge()
+	}
+	if err != nil {
+		s.refuse(c, cred, opPurge, err)
+		return
+	}
+	s.cfg.Log.Info("ctl: purge asked: the backing goes when the daemon exits", "pid", cred.Pid, "uid", cred.Uid)
+	s.reply(c, cred, opPurge, reply{V: version, OK: true}, nil)
 }
 
 // load answers a load request: as many segments as one reply can carry
