@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 
@@ -289,24 +288,8 @@ func permitted(cred ctl.Cred, st *unix.Stat_t, want uint32) bool {
 	return mode&want == want
 }
 
-// inGroup reports whether the peer's primary or supplementary groups
-// include gid.
+// inGroup reports whether the peer's primary or supplementary groups, as
+// they were when it connected, include gid.
 func inGroup(cred ctl.Cred, gid uint32) bool {
-	if cred.Gid == gid {
-		return true
-	}
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(int(cred.Pid)) + "/status")
-	if err != nil {
-		return false
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if groups, ok := strings.CutPrefix(line, "Groups:"); ok {
-			for _, g := range strings.Fields(groups) {
-				if g == strconv.FormatUint(uint64(gid), 10) {
-					return true
-				}
-			}
-		}
-	}
-	return false
+	return cred.InGroup(gid)
 }
