@@ -169,7 +169,12 @@ func TestPeerGroups(t *testing.T) {
 		t.Errorf("this process: %+v, want uid %d, groups %v", got, os.Getuid(), want)
 	}
 
-	pid, out := runPeer(t, "groups", path, &syscall.Credential{Uid: 1000, Gid: 1000, Groups: []uint32{3000, 4, 2000}})
+	// More groups than peerGroups first makes room for: it must grow.
+	groups := []uint32{3000, 4, 2000}
+	for g := range uint32(40) {
+		groups = append(groups, 10000+g)
+	}
+	pid, out := runPeer(t, "groups", path, &syscall.Credential{Uid: 1000, Gid: 1000, Groups: groups})
 	want = nil
 	for _, f := range strings.Fields(out) {
 		g, err := strconv.ParseUint(f, 10, 32)
@@ -178,7 +183,7 @@ func TestPeerGroups(t *testing.T) {
 		}
 		want = append(want, uint32(g))
 	}
-	if !slices.Equal(sorted(want), []uint32{4, 2000, 3000}) {
+	if !slices.Equal(sorted(want), sorted(groups)) {
 		t.Fatalf("peer's getgroups() = %v, want the groups it was started with", want)
 	}
 	b.mu.Lock()
@@ -187,7 +192,7 @@ func TestPeerGroups(t *testing.T) {
 	if got.Pid != int32(pid) || got.Uid != 1000 || got.Gid != 1000 || !slices.Equal(sorted(got.Groups), sorted(want)) {
 		t.Errorf("peer's cred %+v, want pid %d, uid and gid 1000, groups %v", got, pid, want)
 	}
-	for gid, in := range map[uint32]bool{1000: true, 4: true, 2000: true, 3000: true, 0: false, 5: false} {
+	for gid, in := range map[uint32]bool{1000: true, 4: true, 2000: true, 3000: true, 10039: true, 0: false, 5: false, 10040: false} {
 		if got.InGroup(gid) != in {
 			t.Errorf("InGroup(%d) = %v, want %v", gid, !in, in)
 		}
