@@ -14,10 +14,10 @@ import (
 	"tensorfs/ctl"
 )
 
-// Serving returns the pid of a live tensorfs daemon serving mp, mounted or
+// serving returns the pid of a live tensorfs daemon serving mp, mounted or
 // detached, or 0: the one its pid file names, or else the one listening on
 // its control socket.
-func Serving(mp string) int {
+func serving(mp string) int {
 	b, _ := os.ReadFile(alloc.StatePath(mp, ".pid"))
 	if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && pid > 0 && isDaemon(pid) {
 		return pid
@@ -55,10 +55,10 @@ func writePidFile(mp string) (remove func(), err error) {
 	return func() { os.Remove(p) }, nil
 }
 
-// WaitExit waits up to timeout for the process pid to exit and reports
+// waitExit waits up to timeout for the process pid to exit and reports
 // whether it did. A pidfd becomes readable once the process has exited,
 // reaped or not (a daemon is not our child).
-func WaitExit(pid int, timeout time.Duration) bool {
+func waitExit(pid int, timeout time.Duration) bool {
 	fd, err := unix.PidfdOpen(pid, 0)
 	if err != nil {
 		return errors.Is(err, unix.ESRCH)

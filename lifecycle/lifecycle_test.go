@@ -192,24 +192,24 @@ func mountTmpfs(t *testing.T, dir string) {
 // on its control socket.
 func TestServing(t *testing.T) {
 	mp := mountpoint(t)
-	if pid := Serving(mp); pid != 0 {
-		t.Fatalf("Serving(fresh mountpoint) = %d", pid)
+	if pid := serving(mp); pid != 0 {
+		t.Fatalf("serving(fresh mountpoint) = %d", pid)
 	}
 	d := startFake(t, "idle", mp)
 	writePid(t, mp, d.pid)
-	if pid := Serving(mp); pid != d.pid {
-		t.Errorf("Serving = %d, want the daemon its pid file names, %d", pid, d.pid)
+	if pid := serving(mp); pid != d.pid {
+		t.Errorf("serving = %d, want the daemon its pid file names, %d", pid, d.pid)
 	}
 	for what, pid := range map[string]int{"a process that is no daemon": os.Getpid(), "an exited process": exitedPid(t)} {
 		writePid(t, mp, pid)
-		if got := Serving(mp); got != 0 {
-			t.Errorf("pid file naming %s (%d): Serving = %d, want 0", what, pid, got)
+		if got := serving(mp); got != 0 {
+			t.Errorf("pid file naming %s (%d): serving = %d, want 0", what, pid, got)
 		}
 	}
 	os.Remove(alloc.StatePath(mp, ".pid"))
 	c := startFake(t, "ctl", mp)
-	if pid := Serving(mp); pid != c.pid {
-		t.Errorf("without a pid file: Serving = %d, want the control socket's daemon %d", pid, c.pid)
+	if pid := serving(mp); pid != c.pid {
+		t.Errorf("without a pid file: serving = %d, want the control socket's daemon %d", pid, c.pid)
 	}
 }
 
@@ -293,13 +293,13 @@ func TestPrepareStale(t *testing.T) {
 	if err := unix.Statfs(mp, &sfs); !errors.Is(err, unix.ENOTCONN) {
 		t.Fatalf("statfs of the dead mount: %v, want ENOTCONN", err)
 	}
-	if !Mounted(mp) {
-		t.Fatal("Mounted(stale mount) = false")
+	if !mountedAt(mp) {
+		t.Fatal("mountedAt(stale mount) = false")
 	}
 	if err := Prepare(mp); err != nil {
 		t.Fatalf("Prepare(stale mount) = %v", err)
 	}
-	if Mounted(mp) {
+	if mountedAt(mp) {
 		t.Error("the stale mount is still there")
 	}
 }
@@ -320,8 +320,8 @@ func TestUnmount(t *testing.T) {
 	}
 
 	mountTmpfs(t, mp)
-	if res, err := Unmount(mp, false); err != nil || res.Busy || Mounted(mp) {
-		t.Errorf("Unmount(idle tmpfs) = %+v, %v; mounted after: %v", res, err, Mounted(mp))
+	if res, err := Unmount(mp, false); err != nil || res.Busy || mountedAt(mp) {
+		t.Errorf("Unmount(idle tmpfs) = %+v, %v; mounted after: %v", res, err, mountedAt(mp))
 	}
 
 	mountTmpfs(t, mp)
@@ -332,8 +332,8 @@ func TestUnmount(t *testing.T) {
 	}
 	defer func() { holder.Process.Kill(); holder.Wait() }()
 	// No daemon serves on: not Busy.
-	if res, err := Unmount(mp, false); err != nil || res != (Unmounted{Held: 1}) || Mounted(mp) {
-		t.Errorf("Unmount(tmpfs a process is in) = %+v, %v; mounted after: %v; want 1 held, detached", res, err, Mounted(mp))
+	if res, err := Unmount(mp, false); err != nil || res != (Unmounted{Held: 1}) || mountedAt(mp) {
+		t.Errorf("Unmount(tmpfs a process is in) = %+v, %v; mounted after: %v; want 1 held, detached", res, err, mountedAt(mp))
 	}
 }
 
@@ -391,7 +391,7 @@ func TestUnmountPurgeServed(t *testing.T) {
 	if _, err := Unmount(mp, true); err == nil || !strings.Contains(err.Error(), fmt.Sprintf("ask daemon %d to purge", idle.pid)) {
 		t.Errorf("Unmount(purge) of a daemon without a socket = %v, want a refusal naming it", err)
 	}
-	if !Mounted(mp) {
+	if !mountedAt(mp) {
 		t.Error("a refused purge unmounted")
 	}
 }
@@ -436,16 +436,16 @@ func TestWaitExit(t *testing.T) {
 	if err := c.Start(); err != nil {
 		t.Fatal(err)
 	}
-	if WaitExit(c.Process.Pid, 50*time.Millisecond) {
-		t.Error("WaitExit(a live process) = true")
+	if waitExit(c.Process.Pid, 50*time.Millisecond) {
+		t.Error("waitExit(a live process) = true")
 	}
 	c.Process.Kill()
-	if !WaitExit(c.Process.Pid, 5*time.Second) {
-		t.Error("WaitExit(a killed, unreaped process) = false")
+	if !waitExit(c.Process.Pid, 5*time.Second) {
+		t.Error("waitExit(a killed, unreaped process) = false")
 	}
 	c.Wait()
-	if !WaitExit(exitedPid(t), time.Second) {
-		t.Error("WaitExit(a reaped process) = false")
+	if !waitExit(exitedPid(t), time.Second) {
+		t.Error("waitExit(a reaped process) = false")
 	}
 }
 

@@ -50,10 +50,10 @@ func Prepare(mp string) error {
 	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
 		return fmt.Errorf("mountpoint %s is not a directory", mp)
 	}
-	if Mounted(mp) {
+	if mountedAt(mp) {
 		return fmt.Errorf("%s is already mounted; run tensorfs unmount %s first", mp, mp)
 	}
-	if pid := Serving(mp); pid > 0 {
+	if pid := serving(mp); pid > 0 {
 		return &ServedError{Mountpoint: mp, Pid: pid}
 	}
 	return nil
@@ -75,10 +75,10 @@ func cleanStale(mp string) error {
 	return nil
 }
 
-// Mounted reports whether the absolute path mp is the root of a mount in
+// mountedAt reports whether the absolute path mp is the root of a mount in
 // this namespace, live or stale. It reads /proc/self/mountinfo and never
 // touches mp, which may hang or fail on a stale mount.
-func Mounted(mp string) bool {
+func mountedAt(mp string) bool {
 	mounts, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(mp))
 	return err == nil && len(mounts) > 0
 }

@@ -45,7 +45,7 @@ type Config struct {
 func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	mp := cfg.Mountpoint
 	// The pid file says that this daemon serves mp, from before it
-	// touches the backing until it exits (see Serving).
+	// touches the backing until it exits (see serving).
 	removePid, err := writePidFile(mp)
 	if err != nil {
 		return err

@@ -39,8 +39,8 @@ type Unmounted struct {
 // (before anything is unmounted: a refusal changes nothing), and once it
 // has exited, or if none served mp, Unmount purges it itself.
 func Unmount(mp string, purge bool) (Unmounted, error) {
-	pid := Serving(mp)
-	mounted := Mounted(mp)
+	pid := serving(mp)
+	mounted := mountedAt(mp)
 	if !mounted && pid == 0 && !purge {
 		return Unmounted{}, fmt.Errorf("%s is %w", mp, ErrNotMounted)
 	}
@@ -65,7 +65,7 @@ func Unmount(mp string, purge bool) (Unmounted, error) {
 			grace = time.Second // only for users that are exiting already
 		}
 		switch {
-		case WaitExit(pid, grace):
+		case waitExit(pid, grace):
 		case res.Busy:
 			return res, nil
 		default:
