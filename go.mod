@@ -4,6 +4,7 @@ go 1.26.8
 
 require (
 	github.com/hanwen/go-fuse/v2 v2.12.1
+	github.com/moby/sys/mountinfo v0.7.2
 	golang.org/x/sys v0.49.0
 	gorgonia.org/cu v0.9.6
 )

@@ -9,7 +9,7 @@ import (
 	"sync"
 	"syscall"
 
-	"golang.org/x/sys/unix"
+	"tensorfs/fdpass"
 )
 
 // Client is a connection to the control socket. Its methods may be called
@@ -68,6 +68,20 @@ func (c *Client) Load(path string, write bool, after string) ([]Segment, []*os.F
 	return rep.Segments, files, rep.More, nil
 }
 
+// Purge asks the daemon to purge its backing when it exits (once the
+// mount is unmounted and its last user gone). Only the daemon's user and
+// root may ask; others get EACCES.
+func (c *Client) Purge() error {
+	_, _, err := c.roundTrip(&request{Op: opPurge}, nil, 0)
+	return err
+}
+
+// Peer returns the credentials of the daemon at the other end, as the
+// kernel recorded them when it made the socket.
+func (c *Client) Peer() (Cred, error) {
+	return peerCred(c.conn)
+}
+
 // A GroupOption modifies an AllGather or Broadcast request.
 type GroupOption func(*request)
 
@@ -116,14 +130,14 @@ func (c *Client) roundTrip(r *request, f *os.File, want int) (reply, []*os.File,
 	defer c.mu.Unlock()
 	var fds []int
 	if f != nil {
-		fd, err := dupFile(f)
+		fd, err := fdpass.Dup(f)
 		if err != nil {
 			return reply{}, nil, fmt.Errorf("ctl %s: %w", r.Op, err)
 		}
-		defer closeFDs([]int{fd})
+		defer fdpass.Close([]int{fd})
 		fds = []int{fd}
 	}
-	if err := sendMsg(c.conn, b, fds); err != nil {
+	if err := fdpass.Send(c.conn, b, fds...); err != nil {
 		return reply{}, nil, fmt.Errorf("ctl %s: %w", r.Op, err)
 	}
 	m, err := recvMsg(c.conn, maxWorld)
@@ -135,18 +149,18 @@ func (c *Client) roundTrip(r *request, f *os.File, want int) (reply, []*os.File,
 	}
 	rep, err := checkReply(m)
 	if err != nil {
-		closeFDs(m.fds)
+		fdpass.Close(m.FDs)
 		return reply{}, nil, fmt.Errorf("ctl %s: %w", r.Op, err)
 	}
 	if !rep.OK {
 		return reply{}, nil, &RemoteError{Op: r.Op, Errno: syscall.Errno(rep.Errno), Msg: rep.Error}
 	}
-	if want >= 0 && len(m.fds) != want {
-		closeFDs(m.fds)
-		return reply{}, nil, fmt.Errorf("ctl %s: reply has %d descriptors, want %d", r.Op, len(m.fds), want)
+	if want >= 0 && len(m.FDs) != want {
+		fdpass.Close(m.FDs)
+		return reply{}, nil, fmt.Errorf("ctl %s: reply has %d descriptors, want %d", r.Op, len(m.FDs), want)
 	}
-	files := make([]*os.File, len(m.fds))
-	for i, fd := range m.fds {
+	files := make([]*os.File, len(m.FDs))
+	for i, fd := range m.FDs {
 		name := r.Path
 		switch r.Op {
 		case opAllGather:
@@ -160,14 +174,14 @@ func (c *Client) roundTrip(r *request, f *os.File, want int) (reply, []*os.File,
 }
 
 // checkReply validates a received reply message.
-func checkReply(m message) (reply, error) {
+func checkReply(m fdpass.Msg) (reply, error) {
 	switch {
-	case m.flags&unix.MSG_CTRUNC != 0:
+	case m.FDsTruncated:
 		return reply{}, errors.New("reply's descriptors truncated (out of descriptors?)")
-	case m.flags&unix.MSG_TRUNC != 0:
+	case m.Truncated:
 		return reply{}, errors.New("reply truncated")
 	}
-	return parseReply(m.data, len(m.fds))
+	return parseReply(m.Data, len(m.FDs))
 }
 
 // closeFiles closes files.

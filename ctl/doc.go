@@ -5,10 +5,13 @@
 // request (load), turn a descriptor of their own into a segment without a
 // copy (import), and exchange
 // descriptors among the local ranks of a named group (all_gather,
-// broadcast). It knows nothing of FUSE: the segment operations are served
-// by a Backend, which package fs implements, and every request carries the
-// peer's credentials as the kernel reported them at connect time
-// (SO_PEERCRED), against which the backend checks permissions.
+// broadcast); the daemon's own user and root may also ask it to purge its
+// backing when it exits (purge). It knows nothing of FUSE: the segment
+// operations are served by a Backend, which package fs implements, and
+// every request carries the peer's credentials as the kernel recorded
+// them when the peer connected (SO_PEERCRED and SO_PEERGROUPS: pid, uid,
+// gid and supplementary groups, never read again later), against which
+// the backend checks permissions.
 //
 // # Transport
 //
@@ -30,7 +33,8 @@
 // Every request has
 //
 //	"v"   integer, required, must be 1 (the protocol version)
-//	"op"  string, required: "export", "import", "load", "all_gather" or "broadcast"
+//	"op"  string, required: "export", "import", "load", "all_gather", "broadcast"
+//	      or "purge"
 //
 // and, by op (fds is the number of descriptors attached):
 //
@@ -43,6 +47,7 @@
 //	            "open" (bool, optional)
 //	broadcast   "group", "rank", "world", "root" (required),     1 if rank == root, else 0
 //	            "open" (bool, optional)
+//	purge       none                                            0
 //
 // Member names are case-sensitive and may appear once. A member that is
 // not listed for the op, a missing required member, a value of the wrong
@@ -86,7 +91,11 @@
 // where export returns 1 (the segment, O_RDONLY or O_RDWR as asked),
 // import 0, all_gather world descriptors in rank order (rank 0 first, the
 // caller's own included), broadcast 1 (the root's descriptor) to every
-// rank but the root, which gets 0. A load reply adds
+// rank but the root, which gets 0, and purge 0. Purge succeeds only for
+// the daemon's own uid and root (others: EACCES, and nothing changes);
+// it does not unmount anything: the daemon purges its backing when it
+// exits, once unmounted and its last user gone (what "tensorfs unmount
+// --purge" asks for). A load reply adds
 //
 //	"segments": [{"name":"layer/0/weight","size":2048,"fd":0,"flags":"SHAREDMEM",
 //	              "dtype":"float32","shape":"[16, 32]","stride":"","offset":""}, ...]
@@ -122,7 +131,7 @@
 // Errors the daemon itself answers (others come from the backend):
 //
 //	EPROTONOSUPPORT  "v" is not 1
-//	EOPNOTSUPP       unknown "op", or load on a daemon whose backend does
+//	EOPNOTSUPP       unknown "op", or load or purge on a daemon that does
 //	                 not serve it
 //	EINVAL           not a JSON object, bad member, bad path or group,
 //	                 integer out of range, wrong number of descriptors,
@@ -131,7 +140,8 @@
 //	EMSGSIZE         request longer than 65536 bytes (MSG_TRUNC)
 //	ETIMEDOUT        the group did not fill in time (below)
 //	EACCES           the mount is private and the peer is not its user
-//	                 (below)
+//	                 (below), or purge from a uid other than the
+//	                 daemon's and root
 //	EAGAIN           the peer's uid, or all users together, reached a
 //	                 limit (below)
 //

@@ -31,6 +31,7 @@ const (
 	opAllGather = "all_gather"
 	opBroadcast = "broadcast"
 	opLoad      = "load"
+	opPurge     = "purge"
 )
 
 // A request is a decoded, validated request message.
@@ -61,6 +62,7 @@ var opMembers = map[string][]memberSpec{
 	opAllGather: {{"group", true}, {"rank", true}, {"world", true}, {"open", false}},
 	opBroadcast: {{"group", true}, {"rank", true}, {"world", true}, {"root", true}, {"open", false}},
 	opLoad:      {{"path", true}, {"write", false}, {"after", false}},
+	opPurge:     {},
 }
 
 // wantFDs is the number of descriptors a valid request carries.
@@ -379,7 +381,8 @@ func parseReply(b []byte, nfds int) (reply, error) {
 // RemoteError is a refusal from the daemon. It unwraps to its Errno, so
 // errors.Is(err, syscall.EPERM) and errors.Is(err, fs.ErrNotExist) work.
 type RemoteError struct {
-	// Op is the request's op: export, import, all_gather or broadcast.
+	// Op is the request's op: export, import, load, all_gather, broadcast
+	// or purge.
 	Op string
 	// Errno is the errno the daemon answered.
 	Errno syscall.Errno

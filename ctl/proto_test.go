@@ -25,6 +25,7 @@ func TestParseRequest(t *testing.T) {
 		{in: `{"v":1,"op":"all_gather","group":"g","rank":252,"world":253}`, nfds: 1, want: request{Op: opAllGather, Group: "g", Rank: 252, World: 253}},
 		{in: `{"v":1,"op":"all_gather","group":"g","rank":0,"world":2,"open":true}`, nfds: 1, want: request{Op: opAllGather, Group: "g", World: 2, Open: true}},
 		{in: `{"v":1,"op":"broadcast","group":"g","rank":1,"world":2,"root":0,"open":false}`, want: request{Op: opBroadcast, Group: "g", Rank: 1, World: 2}},
+		{in: `{"v":1,"op":"purge"}`, want: request{Op: opPurge}},
 
 		{in: ``, errno: syscall.EINVAL},
 		{in: `[]`, errno: syscall.EINVAL},
@@ -57,6 +58,8 @@ func TestParseRequest(t *testing.T) {
 		{in: `{"v":1,"op":"import","path":"a"}`, errno: syscall.EINVAL},
 		{in: `{"v":1,"op":"import","path":"a"}`, nfds: 2, errno: syscall.EINVAL},
 		{in: `{"v":1,"op":"all_gather","group":"g","rank":0,"world":2}`, errno: syscall.EINVAL},
+		{in: `{"v":1,"op":"purge","path":"a"}`, errno: syscall.EINVAL},
+		{in: `{"v":1,"op":"purge"}`, nfds: 1, errno: syscall.EINVAL},
 		{in: `{"v":1,"op":"all_gather","group":"g","rank":2,"world":2}`, nfds: 1, errno: syscall.EINVAL},
 		{in: `{"v":1,"op":"all_gather","group":"g","rank":-1,"world":2}`, nfds: 1, errno: syscall.EINVAL},
 		{in: `{"v":1,"op":"all_gather","group":"g","rank":0,"world":254}`, nfds: 1, errno: syscall.EINVAL},
@@ -120,6 +123,12 @@ func TestErrorReplyBounded(t *testing.T) {
 	}
 }
 
+// badPath reports whether p is not a clean relative path inside the mount.
+func badPath(p string) bool {
+	return p == "" || len(p) > maxPath || path.Clean(p) != p || path.IsAbs(p) ||
+		p == ".." || strings.HasPrefix(p, "../") || strings.ContainsRune(p, 0)
+}
+
 // FuzzParseRequest checks that parseRequest never panics, refuses with an
 // errno, and that what it accepts is valid and survives a round trip
 // through the client's encoding.
@@ -140,10 +149,16 @@ func FuzzParseRequest(f *testing.F) {
 		}
 		switch r.Op {
 		case opExport, opImport:
-			p := r.Path
-			if p == "" || p == "." || len(p) > maxPath || path.Clean(p) != p || path.IsAbs(p) ||
-				p == ".." || strings.HasPrefix(p, "../") || strings.ContainsRune(p, 0) {
+			if p := r.Path; p == "." || badPath(p) {
 				t.Fatalf("accepted path %q", p)
+			}
+		case opLoad:
+			if p := r.Path; p != "." && badPath(p) {
+				t.Fatalf("accepted directory %q", p)
+			}
+		case opPurge:
+			if r != (request{Op: opPurge}) {
+				t.Fatalf("accepted %+v", r)
 			}
 		case opAllGather, opBroadcast:
 			if r.Group == "" || len(r.Group) > maxGroup || r.World < 1 || r.World > maxWorld ||

@@ -5,6 +5,8 @@ import (
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/fdpass"
 )
 
 // Limits bounds what peers may hold in the daemon, per uid or in total.
@@ -156,7 +158,7 @@ func (q *quota) adopt(uid uint32, fds []int) error {
 		return nil
 	}
 	if err := q.take(uid, Limits{FDs: len(fds)}); err != nil {
-		closeFDs(fds)
+		fdpass.Close(fds)
 		return err
 	}
 	q.mu.Lock()

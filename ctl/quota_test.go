@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/fdpass"
 )
 
 // wantLimit checks that err is the EAGAIN refusal naming limit.
@@ -49,7 +51,7 @@ func TestQuota(t *testing.T) {
 	fds := make([]int, 4)
 	for i := range fds {
 		f := memfd(t, "x")
-		fd, err := dupFile(f)
+		fd, err := fdpass.Dup(f)
 		f.Close()
 		if err != nil {
 			t.Fatal(err)

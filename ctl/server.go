@@ -9,20 +9,32 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/fdpass"
 )
 
-// Cred is a peer's credentials, taken once when it connects.
+// Cred is a peer's credentials as the kernel recorded them when it
+// connected (SO_PEERCRED, SO_PEERGROUPS): later changes to the peer's
+// credentials, its exit or the reuse of its pid change nothing.
 type Cred struct {
 	Pid      int32
 	Uid, Gid uint32
-	// Groups are the peer's supplementary groups.
+	// Groups are the supplementary groups.
 	Groups []uint32
+}
+
+// InGroup reports whether gid is the peer's primary group or one of its
+// supplementary groups.
+func (c Cred) InGroup(gid uint32) bool {
+	return c.Gid == gid || slices.Contains(c.Groups, gid)
 }
 
 // Backend serves the segment operations (package fs implements it). Paths
@@ -78,8 +90,13 @@ type Config struct {
 	// Private serves only Owner and root: other uids are refused with
 	// EACCES whatever they ask (a mount without --allow-other).
 	Private bool
-	// Owner is the uid a private socket serves besides root.
+	// Owner is the daemon's uid: the one a private socket serves besides
+	// root, and the one that may ask for a purge besides root.
 	Owner uint32
+	// Purge is called when the owner or root asks the daemon to purge its
+	// backing when it exits (op purge); nil refuses the op (EOPNOTSUPP).
+	// It records the wish and returns at once.
+	Purge func() error
 	// PerUID and Total limit what peers may hold in the daemon, each uid
 	// and all together; zero fields take the defaults (per uid 1024
 	// connections, 512 waiting requests, 2048 descriptors; in total 4096,
@@ -279,7 +296,7 @@ func (s *Server) serve(c *net.UnixConn) {
 	}()
 	cred, err := peerCred(c)
 	if err != nil {
-		s.cfg.Log.Warn("ctl: SO_PEERCRED", "err", err)
+		s.cfg.Log.Warn("ctl: peer credentials", "err", err)
 		return
 	}
 	if err := s.admit(cred); err != nil {
@@ -294,17 +311,18 @@ func (s *Server) serve(c *net.UnixConn) {
 		defer close(msgs)
 		defer cancel()
 		for {
-			m, err := recvMsg(c, maxRequestFDs)
+			msg, err := recvMsg(c, maxRequestFDs)
 			if err != nil {
 				return
 			}
-			if m.err = s.quota.adopt(cred.Uid, m.fds); m.err != nil {
-				m.fds = nil // closed
+			m := message{Msg: msg}
+			if m.err = s.quota.adopt(cred.Uid, m.FDs); m.err != nil {
+				m.FDs = nil // closed
 			}
 			select {
 			case msgs <- m:
 			case <-ctx.Done():
-				s.quota.release(m.fds...)
+				s.quota.release(m.FDs...)
 				return
 			}
 		}
@@ -340,37 +358,61 @@ func (s *Server) turnAway(c *net.UnixConn, cred Cred, err error) {
 	}
 }
 
-// peerCred returns the credentials of c's peer.
+// peerCred returns the credentials of c's peer as the kernel recorded
+// them at connect.
 func peerCred(c *net.UnixConn) (Cred, error) {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		return Cred{}, err
 	}
-	var uc *unix.Ucred
+	var cred Cred
 	var credErr error
 	if err := rc.Control(func(fd uintptr) {
-		uc, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+		var uc *unix.Ucred
+		if uc, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); credErr != nil {
+			credErr = fmt.Errorf("SO_PEERCRED: %w", credErr)
+			return
+		}
+		cred = Cred{Pid: uc.Pid, Uid: uc.Uid, Gid: uc.Gid}
+		cred.Groups, credErr = peerGroups(int(fd))
 	}); err != nil {
 		return Cred{}, err
 	}
-	if credErr != nil {
-		return Cred{}, credErr
+	return cred, credErr
+}
+
+// peerGroups returns the supplementary groups of the peer of the socket
+// fd (SO_PEERGROUPS), growing the buffer while the kernel answers ERANGE
+// with the size it needs.
+func peerGroups(fd int) ([]uint32, error) {
+	buf := make([]uint32, 32)
+	for {
+		size := uint32(4 * len(buf))
+		_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(fd), unix.SOL_SOCKET, unix.SO_PEERGROUPS,
+			uintptr(unsafe.Pointer(&buf[0])), uintptr(unsafe.Pointer(&size)), 0)
+		switch {
+		case errno == unix.ERANGE && int(size) > 4*len(buf):
+			buf = make([]uint32, size/4)
+		case errno != 0:
+			return nil, fmt.Errorf("SO_PEERGROUPS: %w", errno)
+		default:
+			return buf[:size/4], nil
+		}
 	}
-	return Cred{Pid: uc.Pid, Uid: uc.Uid, Gid: uc.Gid}, nil
 }
 
 // handle answers one request message, taking ownership of its fds.
 func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m message) {
 	req, err := s.decode(m)
 	if err != nil {
-		s.quota.release(m.fds...)
+		s.quota.release(m.FDs...)
 		s.refuse(c, cred, req.Op, err)
 		return
 	}
 	if req.Op == opExport || req.Op == opImport {
 		err := s.quota.take(cred.Uid, Limits{FDs: backendFDs})
 		if err != nil {
-			s.quota.release(m.fds...)
+			s.quota.release(m.FDs...)
 			s.refuse(c, cred, req.Op, err)
 			return
 		}
@@ -383,18 +425,18 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 			s.refuse(c, cred, req.Op, err)
 			return
 		}
-		fd, err := dupFile(f)
+		fd, err := fdpass.Dup(f)
 		f.Close()
 		if err != nil {
 			s.refuse(c, cred, req.Op, fmt.Errorf("backend's file: %w", err))
 			return
 		}
 		s.reply(c, cred, req.Op, reply{V: version, OK: true, FDs: 1}, []int{fd})
-		closeFDs([]int{fd})
+		fdpass.Close([]int{fd})
 	case opImport:
-		f := os.NewFile(uintptr(m.fds[0]), "ctl-import:"+req.Path)
+		f := os.NewFile(uintptr(m.FDs[0]), "ctl-import:"+req.Path)
 		err := s.cfg.Backend.Import(cred, req.Path, f, req.Dtype, req.Shape)
-		s.quota.uncount(m.fds...)
+		s.quota.uncount(m.FDs...)
 		f.Close()
 		if err != nil {
 			s.refuse(c, cred, req.Op, err)
@@ -402,10 +444,32 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 		}
 		s.reply(c, cred, req.Op, reply{V: version, OK: true}, nil)
 	case opAllGather, opBroadcast:
-		s.collective(ctx, c, cred, &req, m.fds)
+		s.collective(ctx, c, cred, &req, m.FDs)
 	case opLoad:
 		s.load(c, cred, &req)
+	case opPurge:
+		s.purge(c, cred)
 	}
+}
+
+// purge answers a purge request: the daemon's own user and root may ask
+// it to purge its backing when it exits.
+func (s *Server) purge(c *net.UnixConn, cred Cred) {
+	var err error
+	switch {
+	case s.cfg.Purge == nil:
+		err = protoErrorf(syscall.EOPNOTSUPP, "this daemon does not purge on request")
+	case cred.Uid != 0 && cred.Uid != s.cfg.Owner:
+		err = protoErrorf(syscall.EACCES, "only uid %d (the daemon's user) and root may purge its backing", s.cfg.Owner)
+	default:
+		err = s.cfg.Purge()
+	}
+	if err != nil {
+		s.refuse(c, cred, opPurge, err)
+		return
+	}
+	s.cfg.Log.Info("ctl: purge asked: the backing goes when the daemon exits", "pid", cred.Pid, "uid", cred.Uid)
+	s.reply(c, cred, opPurge, reply{V: version, OK: true}, nil)
 }
 
 // load answers a load request: as many segments as one reply can carry
@@ -425,13 +489,13 @@ func (s *Server) load(c *net.UnixConn, cred Cred, req *request) {
 	defer s.quota.give(cred.Uid, Limits{FDs: batch + backendFDs})
 	segs, files, more, err := l.Load(cred, req.Path, req.Write, req.After, batch)
 	var fds []int
-	defer func() { closeFDs(fds) }()
+	defer func() { fdpass.Close(fds) }()
 	for i, f := range files {
 		segs[i].FD = -1
 		if f == nil {
 			continue
 		}
-		fd, derr := dupFile(f)
+		fd, derr := fdpass.Dup(f)
 		f.Close()
 		if derr == nil {
 			segs[i].FD = len(fds)
@@ -472,12 +536,12 @@ func (s *Server) decode(m message) (request, error) {
 	switch {
 	case m.err != nil:
 		return request{}, m.err
-	case m.flags&unix.MSG_TRUNC != 0:
+	case m.Truncated:
 		return request{}, protoErrorf(syscall.EMSGSIZE, "request exceeds %d bytes", maxMessage)
-	case m.flags&unix.MSG_CTRUNC != 0:
+	case m.FDsTruncated:
 		return request{}, protoErrorf(syscall.EINVAL, "more than %d descriptors attached", maxRequestFDs)
 	}
-	return parseRequest(m.data, len(m.fds))
+	return parseRequest(m.Data, len(m.FDs))
 }
 
 // collective runs an all_gather or broadcast request: it joins the group

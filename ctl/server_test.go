@@ -16,6 +16,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/fdpass"
 )
 
 var errBoom = errors.New("boom")
@@ -79,7 +81,7 @@ func (b *fakeBackend) Import(cred Cred, path string, f *os.File, dtype, shape st
 	if err != nil {
 		return err
 	}
-	fd, err := dupFile(f)
+	fd, err := fdpass.Dup(f)
 	if err != nil {
 		return err
 	}
@@ -452,7 +454,7 @@ func TestGroupKeys(t *testing.T) {
 	newFD := func(uid uint32) int {
 		f := memfd(t, "x")
 		defer f.Close()
-		fd, err := dupFile(f)
+		fd, err := fdpass.Dup(f)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -595,14 +597,14 @@ func exchange(t *testing.T, c *net.UnixConn, b []byte, nfds int) reply {
 		defer f.Close()
 		fds = append(fds, int(f.Fd()))
 	}
-	if err := sendMsg(c, b, fds); err != nil {
+	if err := fdpass.Send(c, b, fds...); err != nil {
 		t.Fatal(err)
 	}
 	m, err := recvMsg(c, maxWorld)
 	if err != nil {
 		t.Fatal(err)
 	}
-	closeFDs(m.fds)
+	fdpass.Close(m.FDs)
 	rep, err := checkReply(m)
 	if err != nil {
 		t.Fatal(err)

@@ -27,7 +27,7 @@ var _ = (ctl.Backend)(controlBackend{})
 // with the access asked for and permitted, never one the daemon or a
 // sender holds.
 func (b controlBackend) Export(cred ctl.Cred, path string, write bool) (*os.File, error) {
-	who := peer(cred)
+	who := cred
 	var f *os.File
 	err := b.walk(who, path, func(dirfd int, name string) error {
 		m, err := alloc.OpenRef(dirfd, name, 0)
@@ -69,7 +69,7 @@ type segmentInfo struct {
 
 // segment classifies the segment m and checks that who may open it for
 // reading, and writing if write: its storage, stat and flags.
-func (b controlBackend) segment(who requester, m *alloc.Ref, write bool) (storage, *segmentInfo, error) {
+func (b controlBackend) segment(who ctl.Cred, m *alloc.Ref, write bool) (storage, *segmentInfo, error) {
 	if m.Stat().Mode&syscall.S_IFMT != syscall.S_IFREG {
 		return nil, nil, fmt.Errorf("%w: not a segment", alloc.ErrInvalid)
 	}
@@ -85,7 +85,7 @@ func (b controlBackend) segment(who requester, m *alloc.Ref, write bool) (storag
 	if write {
 		want, what = 4|2, "read and write"
 	}
-	if !who.permitted(&seg.st, want) {
+	if !permitted(&who, &seg.st, want) {
 		return nil, nil, fmt.Errorf("%w: no %s permission", syscall.EACCES, what)
 	}
 	err = s.attrs(m, func(a *alloc.Ref) error {
@@ -100,13 +100,13 @@ func (b controlBackend) segment(who requester, m *alloc.Ref, write bool) (storag
 
 // Import makes the peer's descriptor the segment at path, without a copy.
 func (b controlBackend) Import(cred ctl.Cred, path string, f *os.File, dtype, shape string) error {
-	who := peer(cred)
+	who := cred
 	err := b.walk(who, path, func(dirfd int, name string) error {
 		var dir unix.Stat_t
 		if err := unix.Fstat(dirfd, &dir); err != nil {
 			return err
 		}
-		if !who.permitted(&dir, 2|1) {
+		if !permitted(&who, &dir, 2|1) {
 			return fmt.Errorf("%w: no write permission on the directory", syscall.EACCES)
 		}
 		pf, err := alloc.ReadFlags(alloc.FdPath(dirfd))
@@ -129,7 +129,7 @@ func (b controlBackend) Import(cred ctl.Cred, path string, f *os.File, dtype, sh
 // walk resolves the parent directory of path in the backing as the peer
 // would: every directory on the way must grant it search permission. It
 // runs fn with an O_PATH descriptor of that directory and the final name.
-func (b controlBackend) walk(who requester, path string, fn func(dirfd int, name string) error) error {
+func (b controlBackend) walk(who ctl.Cred, path string, fn func(dirfd int, name string) error) error {
 	if !b.fsys.allowOther && who.Uid != 0 && int(who.Uid) != os.Geteuid() {
 		return fmt.Errorf("%w: the mount is private to its user (mount with --allow-other to share it)", syscall.EACCES)
 	}
@@ -140,7 +140,7 @@ func (b controlBackend) walk(who requester, path string, fn func(dirfd int, name
 	}
 	for _, part := range parts[:len(parts)-1] {
 		var st unix.Stat_t
-		if err := unix.Fstat(fd, &st); err != nil || !who.permitted(&st, 1) {
+		if err := unix.Fstat(fd, &st); err != nil || !permitted(&who, &st, 1) {
 			unix.Close(fd)
 			return fmt.Errorf("%w: no search permission on the way", syscall.EACCES)
 		}
@@ -153,7 +153,7 @@ func (b controlBackend) walk(who requester, path string, fn func(dirfd int, name
 	}
 	defer unix.Close(fd)
 	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil || !who.permitted(&st, 1) {
+	if err := unix.Fstat(fd, &st); err != nil || !permitted(&who, &st, 1) {
 		return fmt.Errorf("%w: no search permission on the way", syscall.EACCES)
 	}
 	return fn(fd, parts[len(parts)-1])

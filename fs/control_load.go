@@ -25,7 +25,7 @@ var _ = (ctl.Loader)(controlBackend{})
 // new open file description with the access asked for; a device segment
 // comes without one (open it through the mount).
 func (b controlBackend) Load(cred ctl.Cred, dir string, write bool, after string, max int) ([]ctl.Segment, []*os.File, bool, error) {
-	l := &loader{b: b, who: peer(cred), write: write, after: strings.Split(after, "/"), max: max}
+	l := &loader{b: b, who: cred, write: write, after: strings.Split(after, "/"), max: max}
 	if after == "" {
 		l.after = nil
 	}
@@ -49,7 +49,7 @@ func (b controlBackend) Load(cred ctl.Cred, dir string, write bool, after string
 // resume after the last name of the one before.
 type loader struct {
 	b     controlBackend
-	who   requester
+	who   ctl.Cred
 	write bool
 	after []string // components of the name to resume after; nil from the start
 	max   int
@@ -75,7 +75,7 @@ func (l *loader) dir(parentfd int, name string, rel []string) error {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return err
 	}
-	if !l.who.permitted(&st, 4|1) {
+	if !permitted(&l.who, &st, 4|1) {
 		return fmt.Errorf("%w: %s: listing it needs read and search permission", syscall.EACCES, display(rel))
 	}
 	names, err := f.Readdirnames(-1)

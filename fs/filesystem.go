@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/procfs"
 )
 
 // filesystem is the state shared by all nodes of one mount.
@@ -221,21 +222,11 @@ const maxTgids = 1 << 16
 
 // readTgid reads a thread's process from /proc.
 func readTgid(tid uint32) uint32 {
-	f, err := os.Open("/proc/" + strconv.Itoa(int(tid)) + "/status")
+	st, err := procfs.ReadStatus(int(tid))
 	if err != nil {
 		return tid
 	}
-	defer f.Close()
-	buf := make([]byte, 512) // Tgid is among the first lines
-	n, _ := f.Read(buf)
-	for _, line := range strings.Split(string(buf[:n]), "\n") {
-		if v, ok := strings.CutPrefix(line, "Tgid:"); ok {
-			if pid, err := strconv.Atoi(strings.TrimSpace(v)); err == nil {
-				return uint32(pid)
-			}
-		}
-	}
-	return tid
+	return uint32(st.Tgid)
 }
 
 // reclaimLater removes an UNLINK segment that no one holds any more. The
@@ -342,18 +333,8 @@ func (fsys *filesystem) gpuStats() map[string]any {
 // memoryUse reads the daemon's resident set and its peak from
 // /proc/self/status (getrusage's peak includes the parent's before exec).
 func memoryUse() (rss, peak int64) {
-	b, _ := os.ReadFile("/proc/self/status")
-	for _, line := range strings.Split(string(b), "\n") {
-		k, v, _ := strings.Cut(line, ":")
-		kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
-		switch k {
-		case "VmRSS":
-			rss = kb * 1024
-		case "VmHWM":
-			peak = kb * 1024
-		}
-	}
-	return rss, peak
+	st, _ := procfs.ReadStatus(os.Getpid())
+	return st.VmRSS, st.VmHWM
 }
 
 func cpuSeconds(ru *unix.Rusage) float64 {

@@ -14,7 +14,6 @@ package fs
 import (
 	"bytes"
 	"errors"
-	"fmt"
 	"os"
 	"slices"
 	"strconv"
@@ -24,6 +23,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
@@ -627,13 +627,9 @@ func earlierDevs(rootFd int) []uint64 {
 		return nil
 	}
 	mounted := map[uint64]bool{}
-	info, _ := os.ReadFile("/proc/self/mountinfo")
-	for _, line := range strings.Split(string(info), "\n") {
-		var id, parent int
-		var major, minor uint32
-		if _, err := fmt.Sscanf(line, "%d %d %d:%d", &id, &parent, &major, &minor); err == nil {
-			mounted[unix.Mkdev(major, minor)] = true
-		}
+	mounts, _ := mountinfo.GetMounts(nil)
+	for _, m := range mounts {
+		mounted[unix.Mkdev(uint32(m.Major), uint32(m.Minor))] = true
 	}
 	var devs []uint64
 	for _, f := range strings.Fields(string(buf[:n])) {

@@ -37,6 +37,10 @@ type Options struct {
 	GPU gpu.Device
 	// Recovered is what Recover found mapped; nil for nothing.
 	Recovered *Recovered
+	// Purge is called when the daemon's user or root asks over the
+	// control socket for the backing to be purged when the daemon exits
+	// (ctl.Config.Purge); nil refuses.
+	Purge func() error
 }
 
 // Server is a mounted tensorfs.
@@ -151,7 +155,7 @@ func Mount(opts Options) (_ *Server, err error) {
 	fsys.afterMount(opts.Mountpoint, opts.Recovered)
 	s := &Server{Server: srv, fs: fsys}
 	if opts.Socket != "" {
-		s.ctl, err = ctl.Listen(ctl.Config{Path: opts.Socket, Backend: controlBackend{fsys}, Errno: toErrno, Log: opts.Log, Private: !opts.AllowOther, Owner: uint32(os.Geteuid())})
+		s.ctl, err = ctl.Listen(ctl.Config{Path: opts.Socket, Backend: controlBackend{fsys}, Errno: toErrno, Log: opts.Log, Private: !opts.AllowOther, Owner: uint32(os.Geteuid()), Purge: opts.Purge})
 		if err != nil {
 			srv.Unmount()
 			return nil, fmt.Errorf("control socket: %w", err)

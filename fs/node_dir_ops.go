@@ -142,7 +142,7 @@ func (fsys *filesystem) giveToCaller(ctx context.Context, dirfd int, o *alloc.Re
 	if mode&(unix.S_ISUID|unix.S_ISGID) == 0 || o.IsSymlink() || st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
 		return nil
 	}
-	if who := fuseRequester(ctx); who.Uid != 0 && !who.inGroup(uint32(gid)) {
+	if who := fuseRequester(ctx); who.Uid != 0 && !who.InGroup(uint32(gid)) {
 		mode &^= unix.S_ISGID
 	}
 	return o.Chmod(mode)

@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/ctl"
 )
 
 // attrCache caches the stored flags and tensor layout of a directory or
@@ -521,11 +522,11 @@ func comm(pid int) string {
 // the bytes they hold, entering only directories who (nil: anyone) may
 // list: an imported or device segment's backing file is an empty marker,
 // so its bytes are counted where they live.
-func (fsys *filesystem) subtreeUsage(dirfd int, who *requester) (segments, bytes int64) {
+func (fsys *filesystem) subtreeUsage(dirfd int, who *ctl.Cred) (segments, bytes int64) {
 	alloc.Walk(dirfd, func(fd int, name, _ string, st *unix.Stat_t) error {
 		switch st.Mode & syscall.S_IFMT {
 		case syscall.S_IFDIR:
-			if who != nil && !who.permitted(st, 4|1) {
+			if who != nil && !permitted(who, st, 4|1) {
 				return alloc.ErrSkipDir
 			}
 		case syscall.S_IFREG:

@@ -10,6 +10,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/ctl"
+	"tensorfs/fdpass"
 )
 
 // importedFile is an imported (FROMFD) segment: a descriptor a client
@@ -186,7 +188,7 @@ func (im *imports) drop(in *importedFile) {
 // carries the segment's name, owner, flags and metadata, all set through
 // its own descriptor: a name renamed or replaced meanwhile is never
 // followed, and the sender's file is never written.
-func (fsys *filesystem) importSegment(who requester, dirfd int, name string, pf alloc.Flags, f *os.File, dtype, shape string) error {
+func (fsys *filesystem) importSegment(who ctl.Cred, dirfd int, name string, pf alloc.Flags, f *os.File, dtype, shape string) error {
 	fd, err := importable(f)
 	if err != nil {
 		return err
@@ -245,7 +247,7 @@ func (fsys *filesystem) importSegment(who requester, dirfd int, name string, pf 
 // a FUSE filesystem could be one of this mount's, which the daemon would
 // have to serve to itself.
 func importable(f *os.File) (int, error) {
-	fd, err := dupFile(f)
+	fd, err := fdpass.Dup(f)
 	if err != nil {
 		return -1, err
 	}
@@ -284,20 +286,4 @@ func unlinkIfSame(dirfd int, name string, fd int) {
 	if unix.Fstat(fd, &a) == nil && unix.Fstatat(dirfd, name, &b, unix.AT_SYMLINK_NOFOLLOW) == nil && a.Ino == b.Ino && a.Dev == b.Dev {
 		unix.Unlinkat(dirfd, name, 0)
 	}
-}
-
-// dupFile duplicates f's descriptor without switching f to blocking mode.
-func dupFile(f *os.File) (int, error) {
-	rc, err := f.SyscallConn()
-	if err != nil {
-		return -1, err
-	}
-	fd := -1
-	cerr := rc.Control(func(raw uintptr) {
-		fd, err = unix.FcntlInt(raw, unix.F_DUPFD_CLOEXEC, 0)
-	})
-	if cerr != nil {
-		return -1, cerr
-	}
-	return fd, err
 }

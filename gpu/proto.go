@@ -8,6 +8,8 @@ import (
 	"net"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/fdpass"
 )
 
 // The helper protocol. Daemon and helper exchange messages over a
@@ -152,54 +154,31 @@ func (e *remoteError) Unwrap() error { return e.sentinel }
 
 // send writes m with the file descriptor fd attached when fd >= 0.
 func send(c *net.UnixConn, m *message, fd int) error {
-	var oob []byte
-	if fd >= 0 {
-		oob = unix.UnixRights(fd)
+	if fd < 0 {
+		return fdpass.Send(c, m.marshal())
 	}
-	_, _, err := c.WriteMsgUnix(m.marshal(), oob, nil)
-	return err
+	return fdpass.Send(c, m.marshal(), fd)
 }
 
 // receiver reads messages from one connection.
-type receiver struct {
-	c   *net.UnixConn
-	buf []byte
-	oob []byte
-}
+type receiver struct{ c *net.UnixConn }
 
-func newReceiver(c *net.UnixConn) *receiver {
-	return &receiver{c: c, buf: make([]byte, maxMessage), oob: make([]byte, unix.CmsgSpace(4*4))}
-}
+func newReceiver(c *net.UnixConn) *receiver { return &receiver{c: c} }
 
 // receive reads one message and the file descriptor attached to it, or -1.
 // It returns io.EOF when the peer has closed the connection.
 func (r *receiver) receive() (*message, int, error) {
-	n, oobn, flags, _, err := r.c.ReadMsgUnix(r.buf, r.oob)
+	msg, err := fdpass.Recv(r.c, maxMessage, 4)
 	if err != nil {
 		return nil, -1, err
 	}
 	fd := -1
-	if oobn > 0 {
-		cmsgs, err := unix.ParseSocketControlMessage(r.oob[:oobn])
-		if err != nil {
-			return nil, -1, fmt.Errorf("%w: control message: %v", errProtocol, err)
-		}
-		for _, cm := range cmsgs {
-			fds, err := unix.ParseUnixRights(&cm)
-			if err != nil {
-				continue
-			}
-			for _, f := range fds {
-				if fd < 0 {
-					fd = f
-				} else {
-					unix.Close(f)
-				}
-			}
-		}
+	if len(msg.FDs) > 0 {
+		fd = msg.FDs[0]
+		fdpass.Close(msg.FDs[1:])
 	}
-	m, err := unmarshal(r.buf[:n])
-	if err == nil && flags&(unix.MSG_TRUNC|unix.MSG_CTRUNC) != 0 {
+	m, err := unmarshal(msg.Data)
+	if err == nil && (msg.Truncated || msg.FDsTruncated) {
 		err = fmt.Errorf("%w: truncated message", errProtocol)
 	}
 	if err != nil {

@@ -8,9 +8,11 @@ package integration
 // root.
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"regexp"
 	"strconv"
 	"strings"
@@ -471,4 +473,85 @@ func daemonFDs(t *testing.T, pid int) (int, int) {
 	}
 	t.Fatalf("no Max open files in /proc/%d/limits", pid)
 	return 0, 0
+}
+
+// ctlLoadScript connects to the socket argv[1], loads the directory
+// argv[2] and prints the reply as JSON, with "data": what each descriptor
+// it got reads.
+const ctlLoadScript = `
+import array, json, os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sys.argv[1])
+s.sendmsg([json.dumps({"v": 1, "op": "load", "path": sys.argv[2]}).encode()])
+data, anc, _, _ = s.recvmsg(65536, socket.CMSG_SPACE(253 * 4), socket.MSG_CMSG_CLOEXEC)
+fds = [fd for level, typ, d in anc if (level, typ) == (socket.SOL_SOCKET, socket.SCM_RIGHTS)
+       for fd in array.array("i", d[:len(d) - len(d) % 4])]
+rep = json.loads(data)
+rep["data"] = [os.pread(fd, 64, 0).decode() for fd in fds]
+print(json.dumps(rep))
+`
+
+// TestAttackCtlGroups (F3): the socket checks a peer against the
+// supplementary groups it connected with, as the kernel checks an open:
+// a segment of mode 0640 in group G loads for userA with G among its
+// groups and is refused (EACCES) to userA without G or with another group
+// only.
+func TestAttackCtlGroups(t *testing.T) {
+	t.Parallel()
+	requireTorchFreePython(t)
+	const g = 2345
+	m := mountFS(t, "passthrough", "--allow-other")
+	reachable(t, m.dir)
+	sock := controlSocket(t, m)
+	if err := os.Mkdir(m.path("grp"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	seg := m.path("grp/w")
+	if err := os.WriteFile(seg, []byte("group only"), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(seg, 0, g); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		groups []uint32
+		errno  syscall.Errno
+	}{
+		{[]uint32{g}, 0},
+		{[]uint32{17, g, 4000}, 0},
+		{[]uint32{}, syscall.EACCES},
+		{[]uint32{g + 1}, syscall.EACCES},
+	} {
+		run := func(name string, args ...string) (string, error) {
+			ctx, cancel := context.WithTimeout(context.Background(), commandTimeout)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, name, args...)
+			cmd.Dir = "/"
+			cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: userA, Gid: userA, Groups: c.groups}}
+			out, err := cmd.Output()
+			return string(out), err
+		}
+		// The kernel's verdict on open(2) through the mount, for reference.
+		if _, err := run("cat", seg); (err == nil) != (c.errno == 0) {
+			t.Fatalf("uid %d groups %v: cat %s: %v; the kernel disagrees with the case", userA, c.groups, seg, err)
+		}
+		out, err := run(systemPython, "-c", ctlLoadScript, sock, "grp")
+		if err != nil {
+			t.Fatalf("uid %d groups %v: load: %v\n%s", userA, c.groups, err, out)
+		}
+		var r struct {
+			OK    bool     `json:"ok"`
+			Errno int      `json:"errno"`
+			Data  []string `json:"data"`
+		}
+		if err := json.Unmarshal([]byte(out), &r); err != nil {
+			t.Fatalf("load printed %q: %v", out, err)
+		}
+		switch {
+		case c.errno == 0 && (!r.OK || len(r.Data) != 1 || r.Data[0] != "group only"):
+			t.Errorf("uid %d groups %v: load of grp: %s; want the segment", userA, c.groups, out)
+		case c.errno != 0 && (r.OK || r.Errno != int(c.errno) || len(r.Data) != 0):
+			t.Errorf("uid %d groups %v: load of grp: %s; want errno %d", userA, c.groups, out, int(c.errno))
+		}
+	}
 }

@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -120,9 +121,10 @@ func TestAttackLifeMountOverServedMount(t *testing.T) {
 }
 
 // TestAttackLifePurgeBusyMount: unmount --purge of a mount whose segment
-// a child still maps detaches it, says who keeps it and who purges, and
-// exits 0; the backing stays while the child uses it and is purged by the
-// daemon once the child is gone.
+// a child still maps asks the daemon over its control socket to purge,
+// detaches the mount, says who keeps it and who purges, and exits 0; the
+// backing stays while the child uses it and is purged by the daemon once
+// the child is gone.
 func TestAttackLifePurgeBusyMount(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
@@ -160,15 +162,52 @@ func TestAttackLifePurgeBusyMount(t *testing.T) {
 			if _, err := os.Lstat(backing); !errors.Is(err, fs.ErrNotExist) {
 				return false, fmt.Sprintf("backing %s: %v", backing, err)
 			}
-			if _, err := os.Lstat(backing + ".purge"); !errors.Is(err, fs.ErrNotExist) {
-				return false, fmt.Sprintf("purge request: %v", err)
-			}
 			return true, ""
 		})
-		if !strings.Contains(m.stderr.String(), "purged the backing") {
-			t.Errorf("the daemon's log does not say it purged:\n%s", tail(m.stderr.String()))
-		}
+		wantLog(t, m, "ctl: purge asked", "uid=0")
+		wantLog(t, m, "purged the backing")
 	})
+}
+
+// TestAttackLifePurgeOverSocket: the control socket's purge is for the
+// daemon's user and root. userA, let in by --allow-other, is refused
+// (EACCES, logged) and nothing is purged: after a plain unmount the next
+// mount serves the segment. Root's purge, followed by a plain umount(8),
+// has the daemon purge its backing as it exits.
+func TestAttackLifePurgeOverSocket(t *testing.T) {
+	t.Parallel()
+	requireTorchFreePython(t)
+	m := mountFS(t, "passthrough", "--allow-other")
+	reachable(t, m.dir)
+	if err := os.WriteFile(m.path("w"), []byte("kept"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	a := startCtlAgent(t, userA, controlSocket(t, m))
+	a.send(t, "c", map[string]any{"op": "purge"}, "")
+	a.wantErrno(t, "c", "purge", syscall.EACCES)
+	a.close(t, "c")
+	wantLog(t, m, "ctl: refused", "op=purge", fmt.Sprintf("uid=%d", userA))
+	m.unmount(t, false)
+	if strings.Contains(m.stderr.String(), "purged") {
+		t.Errorf("the daemon purged after uid %d's refused request:\n%s", userA, tail(m.stderr.String()))
+	}
+
+	m2 := m.remount(t)
+	if b, err := os.ReadFile(m2.path("w")); err != nil || string(b) != "kept" {
+		t.Fatalf("after uid %d's refused purge, the next mount reads %q, %v; want the segment", userA, b, err)
+	}
+	c := controlDial(t, m2)
+	if err := c.Purge(); err != nil {
+		t.Fatalf("root's purge: %v", err)
+	}
+	c.Close()
+	run(t, "umount", m2.dir)
+	lifeWaitExit(t, m2)
+	backing := alloc.PrivateBacking(m2.dir)
+	if _, err := os.Lstat(backing); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("backing %s after root's purge and umount: %v", backing, err)
+	}
+	wantLog(t, m2, "purged the backing")
 }
 
 // TestAttackLifeImportFifo: a FIFO that a user put where root imports

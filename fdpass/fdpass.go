@@ -1,0 +1,142 @@
+// Package fdpass frames messages with descriptors attached (SCM_RIGHTS)
+// on unix sockets of type SOCK_SEQPACKET, one message per packet: the
+// framing that the control socket (package ctl) and the GPU helper
+// protocol (package gpu) share. It knows nothing of what the bytes mean.
+//
+// Descriptors received are close-on-exec and belong to the caller, who
+// must close them; so must a caller that drops a Msg.
+package fdpass
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// Msg is one received message.
+type Msg struct {
+	// Data is the message's bytes, a copy the caller owns.
+	Data []byte
+	// FDs are the descriptors attached to it, in order.
+	FDs []int
+	// Truncated is set when the message was longer than the room Recv
+	// gave it (MSG_TRUNC): Data holds its start, the rest is lost.
+	Truncated bool
+	// FDsTruncated is set when more descriptors came than Recv had room
+	// for (MSG_CTRUNC): the kernel closed those that did not fit.
+	FDsTruncated bool
+}
+
+// buffers holds receive buffers, taken only once a message is there, so
+// that connections waiting for one pin none.
+var buffers sync.Pool
+
+// Recv reads one message of up to maxBytes bytes with room for maxFDs
+// descriptors; it honours c's read deadline. At the end of a session (the
+// peer closed, or sent a zero-length message, which SOCK_SEQPACKET cannot
+// tell apart) it returns io.EOF, having closed any descriptors that came.
+func Recv(c *net.UnixConn, maxBytes, maxFDs int) (Msg, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return Msg{}, err
+	}
+	var m Msg
+	var recvErr error
+	oob := make([]byte, unix.CmsgSpace(4*maxFDs))
+	err = rc.Read(func(fd uintptr) bool {
+		bp, _ := buffers.Get().(*[]byte)
+		if bp == nil || cap(*bp) < maxBytes {
+			b := make([]byte, maxBytes)
+			bp = &b
+		}
+		defer buffers.Put(bp)
+		buf := (*bp)[:maxBytes]
+		var n, oobn, flags int
+		for {
+			n, oobn, flags, _, recvErr = unix.Recvmsg(int(fd), buf, oob, unix.MSG_CMSG_CLOEXEC)
+			if recvErr != unix.EINTR {
+				break
+			}
+		}
+		if recvErr == unix.EAGAIN {
+			return false // wait until readable
+		}
+		if recvErr == nil {
+			m.Data = append([]byte(nil), buf[:n]...)
+			m.FDs = parseRights(oob[:oobn])
+			m.Truncated = flags&unix.MSG_TRUNC != 0
+			m.FDsTruncated = flags&unix.MSG_CTRUNC != 0
+		}
+		return true
+	})
+	switch {
+	case err != nil:
+		return Msg{}, err
+	case recvErr != nil:
+		return Msg{}, recvErr
+	case len(m.Data) == 0:
+		Close(m.FDs)
+		return Msg{}, io.EOF
+	}
+	return m, nil
+}
+
+// parseRights returns the descriptors of all SCM_RIGHTS control messages
+// in oob.
+func parseRights(oob []byte) []int {
+	var fds []int
+	for len(oob) > 0 {
+		hdr, data, rest, err := unix.ParseOneSocketControlMessage(oob)
+		if err != nil {
+			break // the kernel writes whole headers, even when truncating
+		}
+		if hdr.Level == unix.SOL_SOCKET && hdr.Type == unix.SCM_RIGHTS {
+			rights, _ := unix.ParseUnixRights(&unix.SocketControlMessage{Header: hdr, Data: data})
+			fds = append(fds, rights...)
+		}
+		oob = rest
+	}
+	return fds
+}
+
+// Send sends b as one message with fds attached. The descriptors stay the
+// caller's.
+func Send(c *net.UnixConn, b []byte, fds ...int) error {
+	var oob []byte
+	if len(fds) > 0 {
+		oob = unix.UnixRights(fds...)
+	}
+	n, _, err := c.WriteMsgUnix(b, oob, nil)
+	if err == nil && n != len(b) {
+		err = fmt.Errorf("short write: %d of %d bytes", n, len(b))
+	}
+	return err
+}
+
+// Dup returns a close-on-exec duplicate of f's descriptor, without
+// putting f into blocking mode as f.Fd would.
+func Dup(f *os.File) (int, error) {
+	if f == nil {
+		return -1, os.ErrInvalid
+	}
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return -1, err
+	}
+	dup, dupErr := -1, error(nil)
+	if err := rc.Control(func(fd uintptr) { dup, dupErr = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0) }); err != nil {
+		return -1, err
+	}
+	return dup, dupErr
+}
+
+// Close closes descriptors, ignoring errors.
+func Close(fds []int) {
+	for _, fd := range fds {
+		unix.Close(fd)
+	}
+}

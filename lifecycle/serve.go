@@ -1,0 +1,196 @@
+package lifecycle
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"runtime/debug"
+	"sync/atomic"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/fs"
+	"tensorfs/gpu"
+)
+
+// Config is what a daemon serves.
+type Config struct {
+	// Mountpoint is the absolute path to mount at.
+	Mountpoint string
+	// Backing is the backing directory; "" for a private one.
+	Backing string
+	// Capacity sizes the private tmpfs in bytes; 0 for the default.
+	Capacity int64
+	// Disk is where SHARED segments live; "" for none.
+	Disk string
+	// GPU is the device backend: "none", "sim" or "cuda".
+	GPU string
+	// AllowOther lets other users in; NoPassthrough makes the daemon serve
+	// read and write itself; Debug logs every FUSE request.
+	AllowOther, NoPassthrough, Debug bool
+}
+
+// Serve mounts cfg.Mountpoint, calls ready with the mode data is served
+// in ("passthrough" or "classic") once the mount serves, and serves until
+// it is unmounted or the process is signalled. SIGINT or SIGTERM detaches
+// a busy mount and serves on until its last user closes; a second signal
+// stops at once. A purge asked over the control socket runs as it
+// returns. Call Prepare first.
+func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
+	mp := cfg.Mountpoint
+	// The pid file says that this daemon serves mp, from before it
+	// touches the backing until it exits (see serving).
+	removePid, err := writePidFile(mp)
+	if err != nil {
+		return err
+	}
+	defer removePid()
+	// Registered after the pid file, so that it runs once the mount and
+	// the store are closed, while the pid file still names this daemon.
+	var purge atomic.Bool
+	defer func() {
+		if purge.Load() {
+			purgeAtExit(mp, log)
+		}
+	}()
+	// Modes are exactly what clients ask for: the kernel applied their
+	// umask already.
+	unix.Umask(0)
+	raiseFileLimit()
+	// The heap is metadata (one node per segment the kernel knows); a
+	// tighter GC target keeps the daemon small at 100,000 segments for a
+	// little CPU.
+	debug.SetGCPercent(50)
+
+	// The GPU helper starts before the mount, so it inherits nothing of it.
+	// fs.Mount owns it from the call on; failures before close it here.
+	dev := startGPU(cfg.GPU, log)
+	store, err := alloc.Open(alloc.Config{Mountpoint: mp, Backing: cfg.Backing, Capacity: cfg.Capacity, Disk: cfg.Disk}, log)
+	if err != nil {
+		closeGPU(dev)
+		return err
+	}
+	defer store.Close()
+	segs, bytes, recovered, err := fs.Recover(store)
+	if err != nil {
+		closeGPU(dev)
+		return fmt.Errorf("recover backing %s: %w", store.Dir, err)
+	}
+	srv, err := fs.Mount(fs.Options{
+		Mountpoint:    mp,
+		Store:         store,
+		NoPassthrough: cfg.NoPassthrough,
+		AllowOther:    cfg.AllowOther,
+		Debug:         cfg.Debug,
+		Log:           log,
+		Socket:        alloc.StatePath(mp, ".sock"),
+		GPU:           dev,
+		Recovered:     recovered,
+		Purge:         func() error { purge.Store(true); return nil },
+	})
+	if err != nil {
+		return err
+	}
+	defer srv.Close()
+	log.Info("mounted", "mountpoint", mp, "backing", store.Dir, "mode", srv.Mode(), "segments", segs, "bytes", bytes)
+	ready(srv.Mode())
+
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	defer signal.Stop(sigs)
+	done := make(chan struct{})
+	go func() { srv.Wait(); close(done) }()
+	select {
+	case <-done:
+		log.Info("unmounted", "mountpoint", mp)
+		return nil
+	case s := <-sigs:
+		log.Info("signal, unmounting", "signal", s.String())
+	}
+	// A busy mount is detached: it leaves the namespace now and the
+	// daemon serves the open files until their last user closes them.
+	// A second signal stops serving at once.
+	if err := detach(mp); err != nil {
+		return err
+	}
+	select {
+	case <-done:
+		log.Info("unmounted", "mountpoint", mp)
+	case s := <-sigs:
+		log.Warn("second signal: exiting while files are still open; their users get ENOTCONN", "signal", s.String())
+	}
+	return nil
+}
+
+// purgeAtExit purges the private backing of mp, as asked over the
+// control socket ("tensorfs unmount --purge" of a mount that was busy).
+func purgeAtExit(mp string, log *slog.Logger) {
+	if err := alloc.Purge(mp); err != nil {
+		log.Error("purge asked over the control socket", "err", err)
+		return
+	}
+	log.Info("purged the backing, as asked over the control socket", "backing", alloc.PrivateBacking(mp))
+}
+
+// raiseFileLimit lifts the soft limit on open files to the hard one:
+// every directory the kernel knows and every open segment holds one. It
+// runs before the mount: the control socket sizes its limits to half of
+// the soft limit then (ctl.Config.Total), leaving the rest to FUSE.
+func raiseFileLimit() {
+	var r unix.Rlimit
+	if unix.Getrlimit(unix.RLIMIT_NOFILE, &r) == nil && r.Cur < r.Max {
+		r.Cur = r.Max
+		unix.Setrlimit(unix.RLIMIT_NOFILE, &r)
+	}
+}
+
+// startGPU starts the device process for backend sim or cuda. When it
+// cannot start, the mount serves host segments and the log says why, in
+// one line.
+func startGPU(backend string, log *slog.Logger) gpu.Device {
+	if backend == "none" {
+		return nil
+	}
+	exe, err := os.Executable()
+	if err == nil && backend == "cuda" {
+		// CUDA lives in a helper binary of its own (built with -tags cuda),
+		// so that this one never links libcuda.
+		exe, err = findCUDAHelper(exe)
+	}
+	var dev gpu.Device
+	if err == nil {
+		dev, err = gpu.Start(exe, backend, 0, log)
+	}
+	if err != nil {
+		log.Warn("GPU segments off", "why", err.Error())
+		return nil
+	}
+	log.Info("GPU segments on", "backend", dev.Backend(), "device", dev.Name())
+	return dev
+}
+
+// closeGPU stops the device process, if one was started.
+func closeGPU(dev gpu.Device) {
+	if dev != nil {
+		dev.Close()
+	}
+}
+
+// findCUDAHelper looks for tensorfs-gpu beside the tensorfs binary, then
+// on PATH.
+func findCUDAHelper(self string) (string, error) {
+	p := filepath.Join(filepath.Dir(self), "tensorfs-gpu")
+	if _, err := os.Stat(p); err == nil {
+		return p, nil
+	}
+	if p, err := exec.LookPath("tensorfs-gpu"); err == nil {
+		return p, nil
+	}
+	return "", errors.New("no tensorfs-gpu helper beside tensorfs or on PATH; build it with scripts/cuda-sdk.sh and go build -tags cuda ./gpu/cmd/tensorfs-gpu")
+}
