@@ -61,12 +61,14 @@ var defaultTimeouts = timeouts{control: 10 * time.Second, copyFloor: 10 * time.S
 // maxTimeout caps a deadline, so that a huge n cannot overflow it.
 const maxTimeout = 24 * time.Hour
 
-// of returns how long the helper may take to answer m.
+// of returns how long the helper may take to answer m, in whole
+// milliseconds.
 func (t timeouts) of(m *message) time.Duration {
 	switch m.op {
 	case opCopyIn, opCopyOut, opCopyFromFile, opCopyToFile:
 		n := float64(max(m.args[4], 0)) // every copy's last argument
-		return t.copyFloor + time.Duration(min(n/float64(t.copyRate)*float64(time.Second), float64(maxTimeout)))
+		d := time.Duration(min(n/float64(t.copyRate)*float64(time.Second), float64(maxTimeout)))
+		return (t.copyFloor + d).Round(time.Millisecond)
 	}
 	return t.control
 }
