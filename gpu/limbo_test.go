@@ -4,8 +4,10 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -55,6 +57,80 @@ func TestLimbo(t *testing.T) {
 			t.Errorf("Stats = %d, %d; want empty", n, bytes)
 		}
 	})
+}
+
+// TestLimboConcurrentCollect: a Collect called while another runs waits
+// for it and counts what it frees, so a caller that collects after an
+// out-of-memory error never misses blocks the periodic collector holds.
+func TestLimboConcurrentCollect(t *testing.T) {
+	forEachDevice(t, func(t *testing.T, d Device) {
+		l := NewLimbo(d)
+		entered, gate := make(chan struct{}), make(chan struct{})
+		var once sync.Once
+		l.Add(alloc(t, d, 100), func() bool {
+			once.Do(func() { close(entered); <-gate })
+			return false
+		})
+		var ref atomic.Int64
+		ref.Store(1)
+		l.Add(alloc(t, d, 200), func() bool { return ref.Load() > 0 })
+
+		first, second := make(chan int, 1), make(chan int, 1)
+		go func() { first <- l.Collect() }()
+		<-entered    // the first Collect runs, stopped in the first predicate
+		ref.Store(0) // the second block becomes free meanwhile
+		go func() { second <- l.Collect() }()
+		select {
+		case n := <-second:
+			t.Fatalf("a Collect during another returned %d at once; want it to wait", n)
+		case <-time.After(100 * time.Millisecond):
+		}
+		close(gate)
+		if n := <-first; n != 2 {
+			t.Errorf("first Collect freed %d, want 2", n)
+		}
+		if n := <-second; n != 2 {
+			t.Errorf("second Collect reports %d freed during its call, want 2", n)
+		}
+		if n, bytes := l.Stats(); n != 0 || bytes != 0 {
+			t.Errorf("Stats = %d, %d; want empty", n, bytes)
+		}
+	})
+}
+
+// TestLimboCollectRace: with a collector running all the time, a block
+// unreferenced when Collect is called has left the limbo when it returns.
+func TestLimboCollectRace(t *testing.T) {
+	d := NewSim(0, 0)
+	defer d.Close()
+	l := NewLimbo(d)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+				l.Collect()
+			}
+		}
+	})
+	defer func() { close(stop); wg.Wait() }()
+	for i := range 300 {
+		var ref atomic.Int64
+		ref.Store(1)
+		b := alloc(t, d, 100)
+		l.Add(b, func() bool { return ref.Load() > 0 })
+		ref.Store(0)
+		l.Collect()
+		if n, _ := l.Stats(); n != 0 {
+			t.Fatalf("round %d: %d blocks in limbo after a Collect called once they were free", i, n)
+		}
+		if err := d.Free(b); !errors.Is(err, ErrNoBlock) {
+			t.Fatalf("round %d: block still allocated after Collect: %v", i, err)
+		}
+	}
 }
 
 // consumerCounter maps the counter file at path as a consumer does and
