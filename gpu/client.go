@@ -82,8 +82,11 @@ var errClosed = fmt.Errorf("%w: device closed", ErrUnavailable)
 // helper is `exe gpu-helper --backend B --device N` (see HelperMain), with
 // one end of a socket pair as file descriptor 3, its own process group
 // (a terminal's Ctrl-C reaches the daemon, which then closes the device),
-// and SIGKILL should the daemon die. log receives the helper's output at
-// debug level and its death as a warning; nil discards them.
+// and SIGKILL should the daemon die. Each call has a deadline (timeouts);
+// at the first one missed the helper is killed and the Device fails every
+// call with ErrUnavailable from then on. log receives the helper's output
+// at debug level, its death as a warning and a missed deadline as an
+// error; nil discards them.
 //
 // Backend "none" returns Unavailable, and no error. An unknown backend is
 // ErrInvalid. When the helper cannot start, or exits before it serves
