@@ -37,8 +37,10 @@ import (
 // A daemon running as root mounts a tmpfs of its own on the directory
 // (counterFSOptions: 64 MiB and 16384 inodes, nosuid, nodev, noexec), so
 // that readers who grow their counter files fill that and nothing else.
-// A daemon that is not root cannot mount one; its counters lie in the
-// directory as they are, and its readers are its own user alone.
+// A daemon that is not root cannot mount one: its counters lie in the
+// directory as it is (under /dev/shm), where a reader who grows one takes
+// room until the next Value or New cuts it back; the segments, and so the
+// counters, are that user's own.
 //
 // The daemon never maps a counter file: a consumer may truncate its
 // counter, which then reads as zero rather than fault the daemon.
