@@ -15,20 +15,63 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/gpu/internal/devmem"
 )
 
 const (
 	// stagingSlot and stagingSlots size the staging area shared with the
 	// helper: CopyIn and CopyOut move up to stagingSlot bytes per round
-	// trip, and up to stagingSlots of them at once.
+	// trip. Every copy, file copies included, holds a slot while the
+	// helper works on it, so that no more copies reach the helper than it
+	// has lanes (devmem.MaxLanes): a copy never waits in the helper for
+	// another, and its deadline measures its own work.
 	stagingSlot  = 4 << 20
-	stagingSlots = 4
+	stagingSlots = devmem.MaxLanes
 	// helloTimeout bounds the helper's start, CUDA initialisation included.
 	helloTimeout = time.Minute
 	// exitTimeout is how long a closed helper gets to free the device and
 	// exit before it is killed.
 	exitTimeout = 10 * time.Second
 )
+
+// timeouts bound how long the daemon waits for the helper's answer to a
+// call. A call unanswered at its deadline means the helper hangs (a wedged
+// driver, a GPU that stopped): the daemon kills it, and GPU segments are
+// off (see remote.expire), rather than let a FUSE request wait forever.
+type timeouts struct {
+	// control bounds Alloc, AllocExportable, Free, IPC, Export and Stats:
+	// a few driver calls each, which take micro- to milliseconds (an
+	// allocation is zeroed on the device at hundreds of GB/s).
+	control time.Duration
+	// copyFloor plus n bytes at copyRate bytes per second bound a copy of
+	// n bytes. The rate is far below what a copy runs at (device and host
+	// memory move GB/s; tmpfs reads as fast) so that it holds for a file
+	// copy from a slow disk (--disk) shared by the helper's lanes.
+	copyFloor time.Duration
+	copyRate  int64
+}
+
+// defaultTimeouts are the deadlines of every helper: 10 s for a control
+// call, 10 s plus 1 s per 16 MiB for a copy (10.25 s for a 4 MiB staging
+// round trip, 74 s for a 1 GiB copy_file_range). Tests shorten them
+// through remote.timeouts; users cannot.
+var defaultTimeouts = timeouts{control: 10 * time.Second, copyFloor: 10 * time.Second, copyRate: 16 << 20}
+
+// maxTimeout caps a deadline, so that a huge n cannot overflow it.
+const maxTimeout = 24 * time.Hour
+
+// of returns how long the helper may take to answer m, in whole
+// milliseconds.
+func (t timeouts) of(m *message) time.Duration {
+	switch m.op {
+	case opCopyIn, opCopyOut, opCopyFromFile, opCopyToFile:
+		n := float64(max(m.args[4], 0)) // every copy's last argument
+		d := time.Duration(min(n/float64(t.copyRate)*float64(time.Second), float64(maxTimeout)))
+		return (t.copyFloor + d).Round(time.Millisecond)
+	}
+	return t.control
+}
 
 // errClosed is what calls on a closed Device return.
 var errClosed = fmt.Errorf("%w: device closed", ErrUnavailable)
@@ -39,8 +82,11 @@ var errClosed = fmt.Errorf("%w: device closed", ErrUnavailable)
 // helper is `exe gpu-helper --backend B --device N` (see HelperMain), with
 // one end of a socket pair as file descriptor 3, its own process group
 // (a terminal's Ctrl-C reaches the daemon, which then closes the device),
-// and SIGKILL should the daemon die. log receives the helper's output at
-// debug level and its death as a warning; nil discards them.
+// and SIGKILL should the daemon die. Each call has a deadline (timeouts);
+// at the first one missed the helper is killed and the Device fails every
+// call with ErrUnavailable from then on. log receives the helper's output
+// at debug level, its death as a warning and a missed deadline as an
+// error; nil discards them.
 //
 // Backend "none" returns Unavailable, and no error. An unknown backend is
 // ErrInvalid. When the helper cannot start, or exits before it serves
@@ -80,6 +126,7 @@ type remote struct {
 	state         *os.ProcessState // the helper's exit, set before exited is closed
 	name, backend string
 	slots         chan int64 // offsets of the free staging slots
+	timeouts      timeouts   // set at start; tests shorten them
 
 	stagingMu sync.RWMutex // read-held while a copy uses staging, write-held to unmap it
 	staging   []byte       // the staging area, mapped shared; nil once unmapped
@@ -114,13 +161,14 @@ func start(exe string, args []string, log *slog.Logger) (_ Device, err error) {
 		return nil, fmt.Errorf("%w: socket: %v", ErrUnavailable, err)
 	}
 	r := &remote{
-		log:     log,
-		conn:    c.(*net.UnixConn),
-		out:     &tail{log: log},
-		exited:  make(chan struct{}),
-		slots:   make(chan int64, stagingSlots),
-		pending: make(map[uint32]chan reply),
-		gone:    make(chan struct{}),
+		log:      log,
+		conn:     c.(*net.UnixConn),
+		out:      &tail{log: log},
+		exited:   make(chan struct{}),
+		slots:    make(chan int64, stagingSlots),
+		timeouts: defaultTimeouts,
+		pending:  make(map[uint32]chan reply),
+		gone:     make(chan struct{}),
 	}
 	cmd := exec.Command(exe, args...)
 	cmd.ExtraFiles = []*os.File{theirs}
@@ -138,7 +186,7 @@ func start(exe string, args []string, log *slog.Logger) (_ Device, err error) {
 	}()
 	defer func() {
 		if err != nil {
-			r.proc.Kill()
+			r.kill()
 			<-r.exited
 			r.conn.Close()
 			if r.staging != nil {
@@ -207,13 +255,23 @@ func (r *remote) exitError() error {
 	select {
 	case <-r.exited:
 	case <-time.After(exitTimeout):
-		r.proc.Kill()
+		r.kill()
 		<-r.exited
 	}
 	if line := r.out.last(); line != "" {
 		return fmt.Errorf("%w: gpu helper exited (%v): %s", ErrUnavailable, r.state, line)
 	}
 	return fmt.Errorf("%w: gpu helper exited (%v)", ErrUnavailable, r.state)
+}
+
+// kill sends SIGKILL to the helper's process group (its own, from Start),
+// unless the helper has exited already.
+func (r *remote) kill() {
+	select {
+	case <-r.exited:
+	default:
+		syscall.Kill(-r.proc.Pid, syscall.SIGKILL)
+	}
 }
 
 // readLoop hands each reply to its call, until the connection ends.
@@ -228,7 +286,7 @@ func (r *remote) readLoop(rx *receiver) {
 		ch := r.pending[m.id]
 		delete(r.pending, m.id)
 		r.mu.Unlock()
-		if ch == nil { // not a call of ours: the protocol is broken
+		if ch == nil { // not a call of ours (or expire gave up on them all)
 			if fd >= 0 {
 				unix.Close(fd)
 			}
@@ -239,11 +297,15 @@ func (r *remote) readLoop(rx *receiver) {
 	}
 }
 
-// fail records why the helper is gone and fails every waiting call.
+// fail records why the helper is gone and fails every waiting call,
+// unless expire did so first.
 func (r *remote) fail(cause error) {
 	r.mu.Lock()
-	closing := r.closing
+	closing, gone := r.closing, r.err != nil
 	r.mu.Unlock()
+	if gone {
+		return
+	}
 	var err error
 	switch {
 	case closing:
@@ -251,25 +313,62 @@ func (r *remote) fail(cause error) {
 	case errors.Is(cause, io.EOF) || errors.Is(cause, syscall.ECONNRESET):
 		err = r.exitError()
 	default:
-		r.proc.Kill()
+		r.kill()
 		err = fmt.Errorf("%w: %v", ErrUnavailable, cause)
+	}
+	pending, ok := r.giveUp(err, 0)
+	if !ok {
+		return
 	}
 	if !closing {
 		r.log.Warn("gpu helper gone; GPU segments are unavailable", "err", err)
 	}
+	answer(pending, err)
+}
+
+// giveUp makes err the answer to every later call, unless the helper was
+// given up on already; with id > 0, only while call id is still waiting.
+// It reports whether it did, and returns the calls waiting, for answer.
+func (r *remote) giveUp(err error, id uint32) (pending map[uint32]chan reply, ok bool) {
 	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, waiting := r.pending[id]; r.err != nil || id > 0 && !waiting {
+		return nil, false
+	}
 	r.err = err
-	pending := r.pending
+	pending = r.pending
 	r.pending = nil
 	close(r.gone)
-	r.mu.Unlock()
+	return pending, true
+}
+
+// answer fails the calls pending with err.
+func answer(pending map[uint32]chan reply, err error) {
 	for _, ch := range pending {
 		ch <- reply{err: err}
 	}
 }
 
+// expire gives up on a helper that left call m unanswered for d, its
+// deadline: it kills the helper, so that no FUSE request waits on it any
+// longer, and fails m, every call in flight and every later one with
+// ErrUnavailable. Host segments are not concerned; GPU segments are off
+// until the daemon starts again.
+func (r *remote) expire(m *message, d time.Duration) {
+	call := opNames[m.op]
+	err := fmt.Errorf("%w: gpu helper did not answer %s within %v; killed it, GPU segments are off", ErrUnavailable, call, d)
+	pending, ok := r.giveUp(err, m.id)
+	if !ok {
+		return // answered meanwhile, or given up on already
+	}
+	r.kill()
+	r.log.Error("gpu helper stalled; killed it, GPU segments are off", "call", call, "args", m.args, "waited", d, "pid", r.proc.Pid)
+	answer(pending, err)
+}
+
 // call sends a request, with fd attached when fd >= 0, and waits for its
-// reply. It returns the reply's file descriptor, or -1.
+// reply until its deadline (timeouts). It returns the reply's file
+// descriptor, or -1.
 func (r *remote) call(m *message, fd int) (*message, int, error) {
 	ch := make(chan reply, 1)
 	r.mu.Lock()
@@ -279,6 +378,9 @@ func (r *remote) call(m *message, fd int) (*message, int, error) {
 		return nil, -1, err
 	}
 	r.lastID++
+	if r.lastID == 0 { // 0 means no call to giveUp
+		r.lastID++
+	}
 	m.id = r.lastID
 	r.pending[m.id] = ch
 	r.mu.Unlock()
@@ -301,7 +403,16 @@ func (r *remote) call(m *message, fd int) (*message, int, error) {
 		}
 		return nil, -1, fmt.Errorf("send to gpu helper: %w", err)
 	}
-	rep := <-ch
+	d := r.timeouts.of(m)
+	timer := time.NewTimer(d)
+	var rep reply
+	select {
+	case rep = <-ch:
+	case <-timer.C:
+		r.expire(m, d)
+		rep = <-ch // the reply that beat expire, or its error
+	}
+	timer.Stop()
 	if rep.err != nil {
 		return nil, -1, rep.err
 	}
@@ -405,6 +516,8 @@ func (r *remote) fileCopy(op uint8, b Block, off int64, fd int, fileOff, n int64
 	if fd < 0 {
 		return fmt.Errorf("%w: file descriptor %d", ErrInvalid, fd)
 	}
+	so := <-r.slots // a copy holds a slot (see stagingSlots), not its bytes
+	defer func() { r.slots <- so }()
 	_, rfd, err := r.call(&message{op: op, args: []int64{int64(b.ID), b.Size, off, fileOff, n}}, fd)
 	if rfd >= 0 {
 		unix.Close(rfd)
@@ -463,7 +576,7 @@ func (r *remote) Close() error {
 	select {
 	case <-r.exited:
 	case <-time.After(exitTimeout):
-		r.proc.Kill()
+		r.kill()
 		<-r.exited
 		err = fmt.Errorf("gpu helper did not exit within %v; killed", exitTimeout)
 	}

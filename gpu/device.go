@@ -6,8 +6,9 @@ import "os"
 //
 // Ranges are checked: off and n must lie within the block (ErrInvalid), and
 // a Block must be one this Device handed out and has not freed (ErrNoBlock).
-// A Device returned by Start forwards every call to its helper process; once
-// the helper is gone every call fails with ErrUnavailable.
+// A Device returned by Start forwards every call to its helper process, each
+// with a deadline past which the helper is killed (see the package doc);
+// once the helper is gone every call fails with ErrUnavailable.
 type Device interface {
 	// Name is the device the daemon names segments by: "cuda:N" for the
 	// cuda and sim backends alike, "none" for Unavailable.

@@ -38,6 +38,19 @@
 // output, and host segments go on. Start again for a new helper; blocks of
 // the old one are gone.
 //
+// A helper that hangs cannot wedge the daemon either: every call has a
+// deadline, 10 s for a control call (Alloc, AllocExportable, Free, IPC,
+// Export, Stats) and 10 s plus 1 s per 16 MiB for a copy (10.25 s for a
+// 4 MiB round trip through staging, 74 s for 1 GiB). At most
+// devmem.MaxLanes copies are in flight, one per lane of the helper, so a
+// copy's deadline measures its own work. A call unanswered at its
+// deadline is taken for a hung driver: the daemon kills the helper
+// (SIGKILL to its process group), logs one error line naming the call and
+// its wait, and that call, every call in flight and every later one fail
+// with ErrUnavailable, saying that GPU segments are off. Host segments go
+// on. The environment variable SimStallEnv makes a sim helper stall, for
+// tests of this only.
+//
 // gorgonia.org/cu's init calls cuInit and exits the process when that
 // fails, in every process that links it. So the cuda helper is a binary
 // of its own (gpu/cmd/tensorfs-gpu, calling HelperMain with cuda.Open),
@@ -61,16 +74,24 @@
 //
 // A consumer opens a block with its own CUDA stack from IPC (or Export
 // for a block from AllocExportable) while it holds the segment's file open
-// or a reference counter (a Counter of a CounterDir: one file per segment,
-// writable by exactly those who may read the segment). Blocks whose
-// segment was unlinked or shrunk while referenced wait in a Limbo until
-// Collect finds them unreferenced, as PyTorch's CudaIPCSentDataLimbo does.
+// or a reference counter (a Counter of a CounterDir: one 8-byte file per
+// segment, the daemon's, which a POSIX ACL opens to exactly those who may
+// read the segment; as root, on a tmpfs of its own of 64 MiB). Blocks
+// whose segment was unlinked or shrunk while referenced wait in a Limbo
+// until Collect finds them unreferenced, as PyTorch's CudaIPCSentDataLimbo
+// does. Collects run one at a time, and one that arrives during another
+// waits for it: a block unreferenced when Collect is called has left the
+// limbo when it returns.
 //
 // # Caveats
 //
 // Free a block only when no consumer can still reach it: its device memory
 // may be handed out again at once, to another segment. A Device's Block
 // values mean nothing to another Device, nor to a new helper.
+//
+// A copy from or to a file counts the file's time too: a file copy that
+// stalls on its file (a descriptor of a hung filesystem) past the deadline
+// takes the helper down like a hung driver.
 //
 // A legacy CUDA IPC mapping (cuIpcOpenMemHandle) is always read-write:
 // whoever may read a segment and has its handle can also write its device

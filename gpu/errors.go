@@ -13,7 +13,8 @@ import (
 var (
 	// ErrUnavailable is returned when no device serves the call: the
 	// helper process failed to start or died (the error text ends with its
-	// last line of output, e.g. why cuInit failed), the backend is none, or
+	// last line of output, e.g. why cuInit failed), or left a call
+	// unanswered past its deadline and was killed; the backend is none, or
 	// the Device was closed. Blocks of a dead helper are gone with it.
 	ErrUnavailable = devmem.ErrUnavailable
 	// ErrOutOfMemory is returned when the device cannot hold another

@@ -24,6 +24,9 @@ const helperEnv = "TENSORFS_GPU_TEST_HELPER"
 const crashLine = "fake CUDA fault: an illegal memory access was encountered"
 
 func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) == "counter-attack" {
+		os.Exit(runCounterAttack())
+	}
 	if mode, ok := os.LookupEnv(helperEnv); ok && len(os.Args) > 1 && os.Args[1] == "gpu-helper" {
 		if mode == "crash-on-alloc" {
 			openBackend = func(string, int, func(int) (Device, error)) (Device, error) { return crashOnAlloc{NewSim(0, 0)}, nil }

@@ -44,6 +44,13 @@ const (
 	opStats                      // reply args: the Stats fields in order
 )
 
+// opNames name the requests, after the Device methods, for errors and logs.
+var opNames = [...]string{
+	opHello: "hello", opAlloc: "Alloc", opAllocExportable: "AllocExportable", opFree: "Free",
+	opCopyIn: "CopyIn", opCopyOut: "CopyOut", opCopyFromFile: "CopyFromFile", opCopyToFile: "CopyToFile",
+	opIPC: "IPC", opExport: "Export", opStats: "Stats",
+}
+
 const (
 	headerSize = 8
 	maxMessage = 64 << 10 // bytes of one message, header included

@@ -1,12 +1,15 @@
 package gpu
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
@@ -19,24 +22,52 @@ import (
 // the segment's memory, and decrements it when done. Counter.Value reads
 // it, and a Limbo predicate built on it frees the memory at zero.
 //
-// A counter file has the owner and group of its segment and gives read
-// and write to exactly the classes that may read the segment (Follow):
-// only those who can open a segment can change its counter, and no counter
-// changes through another segment's file. The directory belongs to the
-// daemon, mode 0711: others reach a counter by its path, but cannot list,
-// add, remove or replace counters. It must lie outside the FUSE mount
-// (mapping a file of its own mount deadlocks the daemon).
+// A counter file is 8 bytes, belongs to the daemon's user, and is never
+// set-id. Who may open it is an access ACL that mirrors the classes of its
+// segment (Follow): read and write for each class that may read the
+// segment, nothing for the others, so that only those who can open a
+// segment can change its counter, and no counter changes through another
+// segment's file. Only the daemon's user can change a counter's mode,
+// owner or ACL; a reader can change its bytes and its size, which Value
+// puts back to 8 bytes. The directory belongs to the daemon, mode 0711:
+// others reach a counter by its path, but cannot list, add, remove or
+// replace counters. It must lie outside the FUSE mount (mapping a file of
+// its own mount deadlocks the daemon), on a filesystem with POSIX ACLs.
+//
+// A daemon running as root mounts a tmpfs of its own on the directory
+// (counterFSOptions: 64 MiB and 16384 inodes, nosuid, nodev, noexec), so
+// that readers who grow their counter files fill that and nothing else.
+// A daemon that is not root cannot mount one: its counters lie in the
+// directory as it is (under /dev/shm), where a reader who grows one takes
+// room until the next Value or New cuts it back; the segments, and so the
+// counters, are that user's own.
 //
 // The daemon never maps a counter file: a consumer may truncate its
 // counter, which then reads as zero rather than fault the daemon.
 type CounterDir struct {
-	dir  *os.File
-	last atomic.Uint64 // the last counter number handed out
+	dir     *os.File
+	uid     uint32 // the daemon's user, owner of every counter
+	mounted bool   // the directory is a tmpfs the daemon mounted
+	last    atomic.Uint64
+	log     atomic.Pointer[slog.Logger] // for counters put back; see SetLog
 }
+
+const (
+	// counterSize is the size of a counter file: one int64.
+	counterSize = 8
+	// counterFSOptions are the mount options of the counters' own tmpfs
+	// (root only): 64 MiB and 16384 inodes, so 16383 counters of a 4 KiB
+	// page each, and a reader who grows a counter can take no more.
+	counterFSOptions = "size=64m,nr_inodes=16384,mode=0711"
+	// counterFSSource names the tmpfs in /proc/mounts.
+	counterFSSource = "tensorfs-counters"
+)
 
 // OpenCounterDir makes the directory path for counters, or takes over the
 // one an earlier daemon left there, removing the counters in it. An
-// existing directory must belong to this process's user.
+// existing directory must belong to this process's user. As root it mounts
+// the counters' own tmpfs there, in place of one a crashed daemon left.
+// Warnings go to slog.Default until SetLog names a logger.
 func OpenCounterDir(path string) (*CounterDir, error) {
 	path, err := filepath.Abs(path)
 	if err != nil {
@@ -45,37 +76,100 @@ func OpenCounterDir(path string) (*CounterDir, error) {
 	if err := unix.Mkdir(path, 0o700); err != nil && !errors.Is(err, unix.EEXIST) {
 		return nil, fmt.Errorf("create counter directory %s: %w", path, err)
 	}
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("open counter directory %s: %w", path, err)
-	}
-	dir := os.NewFile(uintptr(fd), path)
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		dir.Close()
+	d := &CounterDir{uid: uint32(os.Geteuid())}
+	d.log.Store(slog.Default())
+	if d.dir, err = openOwnDir(path); err != nil {
 		return nil, err
 	}
-	if int(st.Uid) != os.Geteuid() {
-		dir.Close()
-		return nil, fmt.Errorf("counter directory %s belongs to uid %d, not to the daemon's user %d: remove it", path, st.Uid, os.Geteuid())
+	if d.uid == 0 {
+		err = d.mount(path)
 	}
-	d := &CounterDir{dir: dir}
-	if err := unix.Fchmod(fd, 0o711); err == nil {
-		err = d.empty()
+	if err == nil {
+		if err = unix.Fchmod(int(d.dir.Fd()), 0o711); err == nil {
+			err = d.empty()
+		}
 	}
 	if err != nil {
-		dir.Close()
+		d.dir.Close()
+		if d.mounted {
+			unix.Unmount(path, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW)
+		}
 		return nil, fmt.Errorf("counter directory %s: %w", path, err)
 	}
 	return d, nil
 }
 
-// empty removes every counter in the directory.
-func (d *CounterDir) empty() error {
-	if _, err := d.dir.Seek(0, 0); err != nil {
+// openOwnDir opens the directory path, which must not be a symbolic link
+// and must belong to this process's user.
+func openOwnDir(path string) (*os.File, error) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open counter directory %s: %w", path, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	if int(st.Uid) != os.Geteuid() {
+		unix.Close(fd)
+		return nil, fmt.Errorf("counter directory %s belongs to uid %d, not to the daemon's user %d: remove it", path, st.Uid, os.Geteuid())
+	}
+	return os.NewFile(uintptr(fd), path), nil
+}
+
+// mount mounts the counters' tmpfs on the directory path, whose
+// descriptor d.dir is, and makes d.dir its root. A tmpfs a crashed daemon
+// left there is detached first (consumers keep what they mapped), and
+// counters left in the directory beneath are removed.
+func (d *CounterDir) mount(path string) error {
+	var stx unix.Statx_t
+	if err := unix.Statx(int(d.dir.Fd()), "", unix.AT_EMPTY_PATH, unix.STATX_BASIC_STATS, &stx); err != nil {
 		return err
 	}
-	names, err := d.dir.Readdirnames(-1)
+	if stx.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT != 0 && stx.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0 {
+		var fs unix.Statfs_t
+		if err := unix.Fstatfs(int(d.dir.Fd()), &fs); err != nil {
+			return err
+		}
+		if fs.Type != unix.TMPFS_MAGIC {
+			return fmt.Errorf("a filesystem of type %#x is mounted there, not a tmpfs of counters: unmount it", fs.Type)
+		}
+		if err := unix.Unmount(path, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW); err != nil {
+			return fmt.Errorf("detach the counters of an earlier daemon: %w", err)
+		}
+		if err := d.reopen(path); err != nil {
+			return err
+		}
+	}
+	if err := d.empty(); err != nil {
+		return err
+	}
+	opts := fmt.Sprintf("%s,uid=%d,gid=%d", counterFSOptions, os.Geteuid(), os.Getegid())
+	if err := unix.Mount(counterFSSource, path, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, opts); err != nil {
+		return fmt.Errorf("mount tmpfs: %w", err)
+	}
+	d.mounted = true
+	return d.reopen(path)
+}
+
+// reopen makes d.dir the directory now at path.
+func (d *CounterDir) reopen(path string) error {
+	f, err := openOwnDir(path)
+	if err != nil {
+		return err
+	}
+	d.dir.Close()
+	d.dir = f
+	return nil
+}
+
+// SetLog names the logger that warns of counter files put back (Value).
+func (d *CounterDir) SetLog(log *slog.Logger) { d.log.Store(log) }
+
+// empty removes every counter in the directory.
+func (d *CounterDir) empty() error {
+	names, err := d.names()
 	if err != nil {
 		return err
 	}
@@ -87,18 +181,38 @@ func (d *CounterDir) empty() error {
 	return nil
 }
 
+// names lists the directory.
+func (d *CounterDir) names() ([]string, error) {
+	if _, err := d.dir.Seek(0, 0); err != nil {
+		return nil, err
+	}
+	return d.dir.Readdirnames(-1)
+}
+
 // New makes a counter set to zero, for the daemon's user alone until
-// Follow gives it a segment's access.
+// Follow gives it a segment's access. When the counters' tmpfs is full it
+// first cuts back every counter a reader grew (trim).
 func (d *CounterDir) New() (*Counter, error) {
 	name := strconv.FormatUint(d.last.Add(1), 10)
 	fd, err := unix.Openat(int(d.dir.Fd()), name, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("create counter %s: %w", name, err)
 	}
-	c := &Counter{dir: d, name: name, fd: fd}
-	// The mode again, explicitly: the daemon's umask plays no part.
-	if err := unix.Fchmod(fd, 0o600); err == nil {
-		err = unix.Ftruncate(fd, 8)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	c := &Counter{dir: d, name: name, fd: fd, gid: st.Gid, mode: 0o600}
+	// The mode again, explicitly: the daemon's umask plays no part. The
+	// bytes are written, not left a hole, so that the page is there: a
+	// consumer of a full tmpfs would fault on its first increment.
+	err = unix.Fchmod(fd, c.mode)
+	if err == nil {
+		err = c.zero()
+	}
+	if errors.Is(err, unix.ENOSPC) && d.trim() {
+		err = c.zero()
 	}
 	if err != nil {
 		c.Remove()
@@ -107,12 +221,43 @@ func (d *CounterDir) New() (*Counter, error) {
 	return c, nil
 }
 
-// RemoveAll removes the directory and the counters in it, when the
-// daemon is done. Counters keep working for the daemon (their Remove then
-// has nothing left to remove), and consumers keep their mappings.
+// trim cuts every counter file longer than 8 bytes back to 8 and reports
+// whether it cut any.
+func (d *CounterDir) trim() bool {
+	names, err := d.names()
+	if err != nil {
+		return false
+	}
+	var cut []string
+	for _, name := range names {
+		fd, err := unix.Openat(int(d.dir.Fd()), name, unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+		if err != nil {
+			continue
+		}
+		var st unix.Stat_t
+		if unix.Fstat(fd, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFREG && st.Size > counterSize && unix.Ftruncate(fd, counterSize) == nil {
+			cut = append(cut, name)
+		}
+		unix.Close(fd)
+	}
+	if len(cut) > 0 {
+		d.log.Load().Warn("counter files full; cut back those that consumers grew past 8 bytes", "dir", d.dir.Name(), "files", strings.Join(cut, ","))
+	}
+	return len(cut) > 0
+}
+
+// RemoveAll removes the counters and the directory (unmounting the
+// counters' tmpfs, if the daemon mounted it), when the daemon is done.
+// Counters keep working for the daemon (their Remove then has nothing left
+// to remove), and consumers keep their mappings.
 func (d *CounterDir) RemoveAll() error {
 	if err := d.empty(); err != nil {
 		return err
+	}
+	if d.mounted {
+		if err := unix.Unmount(d.dir.Name(), unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW); err != nil {
+			return fmt.Errorf("unmount counters %s: %w", d.dir.Name(), err)
+		}
 	}
 	return os.Remove(d.dir.Name())
 }
@@ -123,48 +268,111 @@ type Counter struct {
 	dir  *CounterDir
 	name string
 	fd   int // -1 once removed
+
+	// What Follow last gave the file, which Value puts back: its group,
+	// its permission bits and its access ACL (nil before Follow).
+	gid    uint32
+	mode   uint32
+	acl    []byte
+	warned bool // a change behind the daemon's back was logged
 }
 
 // Path is the counter file's absolute path, for consumers.
 func (c *Counter) Path() string { return filepath.Join(c.dir.dir.Name(), c.name) }
 
 // Value reads the counter. A counter file that a consumer shortened reads
-// as zero, as if it had stored zero.
+// as zero, as if it had stored zero. A file found at another size than 8
+// bytes is put back to 8 (its first 8 bytes kept, or zero), and one whose
+// owner or mode changed gets those Follow gave it; the first such repair
+// of each file is logged as a warning.
 func (c *Counter) Value() int64 {
-	var b [8]byte
+	var st unix.Stat_t
+	if err := unix.Fstat(c.fd, &st); err == nil {
+		c.repair(&st)
+	}
+	var b [counterSize]byte
 	if n, err := unix.Pread(c.fd, b[:], 0); err != nil || n < len(b) {
 		return 0
 	}
 	return int64(binary.LittleEndian.Uint64(b[:]))
 }
 
-// Follow gives the counter the owner and group of a segment whose mode is
-// mode, and read and write permission for each class (owner, group,
-// others) that mode lets read. While the owner or group changes, the
-// counter is closed to all but root, so that no class gains access it
-// had neither before nor after.
-func (c *Counter) Follow(uid, gid, mode uint32) error {
-	var want uint32
-	for _, r := range []uint32{0o400, 0o040, 0o004} {
-		if mode&r != 0 {
-			want |= r | r>>1 // read and write
+// repair puts back the size, owner and mode of a counter file whose stat
+// is st.
+func (c *Counter) repair(st *unix.Stat_t) {
+	var what []string
+	var err error
+	switch {
+	case st.Size > counterSize:
+		what, err = append(what, "size"), unix.Ftruncate(c.fd, counterSize)
+	case st.Size < counterSize:
+		what, err = append(what, "size"), c.zero()
+	}
+	if st.Uid != c.dir.uid || st.Gid != c.gid || st.Mode&0o7777 != c.mode {
+		what = append(what, "owner or mode")
+		if aerr := c.apply(st); err == nil {
+			err = aerr
 		}
 	}
+	if len(what) == 0 || c.warned {
+		return
+	}
+	c.warned = true
+	args := []any{"file", c.Path(), "changed", strings.Join(what, ", "), "size", st.Size, "uid", st.Uid, "gid", st.Gid, "mode", fmt.Sprintf("%#o", st.Mode&0o7777)}
+	if err != nil {
+		args = append(args, "err", err)
+	}
+	c.dir.log.Load().Warn("reference counter file changed behind the daemon; put back", args...)
+}
+
+// zero writes the counter's 8 bytes as zero.
+func (c *Counter) zero() error {
+	n, err := unix.Pwrite(c.fd, make([]byte, counterSize), 0)
+	if err == nil && n < counterSize {
+		err = unix.ENOSPC
+	}
+	return err
+}
+
+// Follow gives the counter the access of a segment whose owner is uid,
+// whose group is gid and whose mode is mode: read and write to each class
+// (owner, group, others) that mode lets read, none to the others, by an
+// access ACL on a file that stays the daemon's (see counterACL). The file
+// takes the segment's group, so that the ACL's group class is the
+// segment's; while the group changes, the counter is closed to all but
+// the daemon, so that no class gains access it had neither before nor
+// after.
+func (c *Counter) Follow(uid, gid, mode uint32) error {
+	acl, fileMode := counterACL(c.dir.uid, uid, mode)
 	var st unix.Stat_t
 	if err := unix.Fstat(c.fd, &st); err != nil {
 		return err
 	}
-	if st.Uid != uid || st.Gid != gid {
-		if err := unix.Fchmod(c.fd, 0); err != nil {
-			return err
-		}
-		if err := unix.Fchown(c.fd, int(uid), int(gid)); err != nil {
-			return err
-		}
-	} else if st.Mode&0o7777 == want {
+	if st.Uid == c.dir.uid && st.Gid == gid && st.Mode&0o7777 == fileMode && bytes.Equal(acl, c.acl) {
 		return nil
 	}
-	return unix.Fchmod(c.fd, want)
+	c.gid, c.mode, c.acl = gid, fileMode, acl
+	return c.apply(&st)
+}
+
+// apply gives the file, whose stat is st, the owner, group, mode and ACL
+// that c records.
+func (c *Counter) apply(st *unix.Stat_t) error {
+	if st.Uid != c.dir.uid || st.Gid != c.gid {
+		if err := unix.Fchmod(c.fd, 0o600); err != nil {
+			return err
+		}
+		if err := unix.Fchown(c.fd, int(c.dir.uid), int(c.gid)); err != nil {
+			return err
+		}
+	}
+	if c.acl == nil {
+		return unix.Fchmod(c.fd, c.mode)
+	}
+	if err := unix.Fsetxattr(c.fd, aclXattr, c.acl, 0); err != nil {
+		return fmt.Errorf("set the access ACL: %w", err)
+	}
+	return nil
 }
 
 // Remove deletes the counter file. Consumers that have it open or mapped
@@ -179,4 +387,66 @@ func (c *Counter) Remove() error {
 	}
 	c.fd = -1
 	return err
+}
+
+// POSIX access ACLs as the kernel takes them in the system.posix_acl_access
+// extended attribute (linux/posix_acl_xattr.h): a little-endian uint32
+// version, then one entry per class, each a uint16 tag, a uint16 permission
+// set and a uint32 user or group id, in the order of the tags, named ones
+// by id.
+const (
+	aclXattr       = "system.posix_acl_access"
+	aclVersion     = 2
+	aclUserObj     = 0x01 // the file's owner
+	aclUser        = 0x02 // a named user
+	aclGroupObj    = 0x04 // the file's group
+	aclMask        = 0x10 // the most the named entries and the group get
+	aclOther       = 0x20 // everyone else
+	aclUndefinedID = 0xffffffff
+	aclRW          = 0o6 // read and write
+)
+
+// aclEntry is one entry of a POSIX ACL.
+type aclEntry struct {
+	tag, perm uint16
+	id        uint32
+}
+
+// encodeACL returns the system.posix_acl_access value of entries, which
+// must be in the kernel's order (by tag, named ones by id).
+func encodeACL(entries []aclEntry) []byte {
+	b := binary.LittleEndian.AppendUint32(nil, aclVersion)
+	for _, e := range entries {
+		b = binary.LittleEndian.AppendUint16(b, e.tag)
+		b = binary.LittleEndian.AppendUint16(b, e.perm)
+		b = binary.LittleEndian.AppendUint32(b, e.id)
+	}
+	return b
+}
+
+// counterACL returns the access ACL of a counter file owned by owner (the
+// daemon's user) whose segment's owner is uid and mode is mode, with the
+// file's group the segment's, and the permission bits the file then has.
+// Each class gets read and write when mode lets it read the segment, and
+// nothing otherwise, as POSIX checks classes: the segment's owner by a
+// named user entry (rw- or ---, so that an owner refused the segment is
+// refused its counter even where group or others may read), the group by
+// the file's own group entry, others by the other entry. The mask lets
+// them all be; the daemon's user keeps rw-, as its own file.
+func counterACL(owner, uid, mode uint32) (acl []byte, fileMode uint32) {
+	class := func(read uint32) uint16 {
+		if mode&read != 0 {
+			return aclRW
+		}
+		return 0
+	}
+	entries := []aclEntry{{aclUserObj, aclRW, aclUndefinedID}}
+	if uid != owner { // the daemon's user has its own entry
+		entries = append(entries, aclEntry{aclUser, class(0o400), uid})
+	}
+	entries = append(entries,
+		aclEntry{aclGroupObj, class(0o040), aclUndefinedID},
+		aclEntry{aclMask, aclRW, aclUndefinedID},
+		aclEntry{aclOther, class(0o004), aclUndefinedID})
+	return encodeACL(entries), 0o660 | uint32(class(0o004))
 }

@@ -5,9 +5,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"os"
+	"strings"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -42,6 +45,9 @@ var openBackend = func(backend string, index int, openCUDA func(int) (Device, er
 // returns the exit status: 0 after a clean shutdown, 1 when the device or
 // the socket fails, 2 on bad arguments.
 //
+// For tests only, a sim helper reads SimStallEnv (see there) to answer
+// some requests late or never, as a hung driver would.
+//
 // openCUDA opens the cuda backend: cuda.Open (package gpu/cuda) in the
 // tensorfs-gpu helper, nil in the daemon, which serves sim only and must
 // never link CUDA (see the package doc).
@@ -57,6 +63,14 @@ func HelperMain(args []string, stderr io.Writer, openCUDA func(index int) (Devic
 	if set.NArg() > 0 || *index < 0 || (*backend != "sim" && *backend != "cuda") {
 		fmt.Fprintf(stderr, "gpu-helper: want --backend sim or --backend cuda, and --device N >= 0; got %q (usage: gpu-helper --backend sim|cuda --device N)\n", args)
 		return 2
+	}
+	var stall map[uint8]time.Duration
+	if *backend == "sim" {
+		var err error
+		if stall, err = parseStall(os.Getenv(SimStallEnv)); err != nil {
+			fmt.Fprintf(stderr, "gpu-helper: %s: %v\n", SimStallEnv, err)
+			return 2
+		}
 	}
 	dev, err := openBackend(*backend, *index, openCUDA)
 	if err != nil {
@@ -79,26 +93,71 @@ func HelperMain(args []string, stderr io.Writer, openCUDA func(index int) (Devic
 		return 1
 	}
 	defer conn.Close()
-	if err := Serve(conn, dev); err != nil {
+	if err := serve(conn, dev, stall); err != nil {
 		fmt.Fprintf(stderr, "gpu-helper: %v\n", err)
 		return 1
 	}
 	return 0
 }
 
+// SimStallEnv names the environment variable that makes a sim helper
+// stall, for tests of the daemon's deadlines only: a comma-separated list
+// of request kinds (alloc, free, copy, ipc, export, stats), each either
+// alone, to never answer such a request, or as KIND=DURATION, to answer it
+// that late (e.g. "copy" or "copy=2s,stats"). The cuda helper ignores it.
+const SimStallEnv = "TENSORFS_GPU_SIM_STALL"
+
+// stallKinds are the request kinds SimStallEnv names, with their ops.
+var stallKinds = map[string][]uint8{
+	"alloc": {opAlloc, opAllocExportable}, "free": {opFree},
+	"copy": {opCopyIn, opCopyOut, opCopyFromFile, opCopyToFile},
+	"ipc":  {opIPC}, "export": {opExport}, "stats": {opStats},
+}
+
+// parseStall parses the value of SimStallEnv into how long each op
+// stalls; "" is nil.
+func parseStall(v string) (map[uint8]time.Duration, error) {
+	if v == "" {
+		return nil, nil
+	}
+	stall := map[uint8]time.Duration{}
+	for _, item := range strings.Split(v, ",") {
+		kind, after, timed := strings.Cut(item, "=")
+		d := time.Duration(math.MaxInt64) // never answer
+		if timed {
+			var err error
+			if d, err = time.ParseDuration(after); err != nil || d < 0 {
+				return nil, fmt.Errorf("%q: want KIND or KIND=DURATION", item)
+			}
+		}
+		ops, ok := stallKinds[kind]
+		if !ok {
+			return nil, fmt.Errorf("%q: unknown kind (want alloc, free, copy, ipc, export or stats)", kind)
+		}
+		for _, op := range ops {
+			stall[op] = d
+		}
+	}
+	return stall, nil
+}
+
 // server serves one connection.
 type server struct {
 	conn    *net.UnixConn
 	dev     Device
-	staging []byte // the daemon's staging area, mapped shared
+	staging []byte                  // the daemon's staging area, mapped shared
+	stall   map[uint8]time.Duration // how long to sleep before serving an op (tests)
 }
 
 // Serve serves dev to the daemon at the other end of conn, a SOCK_SEQPACKET
 // socket, until the daemon closes it; requests run concurrently. It returns
 // nil once the daemon has closed the connection and every request is
 // answered. It neither closes conn nor dev.
-func Serve(conn *net.UnixConn, dev Device) error {
-	s := &server{conn: conn, dev: dev}
+func Serve(conn *net.UnixConn, dev Device) error { return serve(conn, dev, nil) }
+
+// serve is Serve with each op in stall answered that much later.
+func serve(conn *net.UnixConn, dev Device, stall map[uint8]time.Duration) error {
+	s := &server{conn: conn, dev: dev, stall: stall}
 	rx := newReceiver(conn)
 	m, fd, err := rx.receive()
 	if err != nil {
@@ -174,6 +233,9 @@ func (s *server) hello(m *message, fd int) (unpin func() error, err error) {
 func (s *server) handle(m *message, fd int) {
 	if fd >= 0 {
 		defer unix.Close(fd)
+	}
+	if d, ok := s.stall[m.op]; ok {
+		time.Sleep(d)
 	}
 	reply := &message{op: m.op, id: m.id}
 	export, err := s.do(m, fd, reply)
