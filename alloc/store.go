@@ -256,7 +256,13 @@ func Purge(mountpoint string) error {
 	}
 	// The daemon's state beside the backing goes too; its log stays.
 	for _, ext := range []string{".refcounters", ".pid"} {
-		if err := os.RemoveAll(StatePath(mountpoint, ext)); err != nil {
+		p := StatePath(mountpoint, ext)
+		if isMountpoint(p) { // the counters' own tmpfs, left by a crashed daemon
+			if err := unix.Unmount(p, unix.MNT_DETACH); err != nil {
+				return fmt.Errorf("unmount %s: %w", p, err)
+			}
+		}
+		if err := os.RemoveAll(p); err != nil {
 			return err
 		}
 	}

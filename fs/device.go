@@ -34,6 +34,40 @@ type devices struct {
 	// mu protects segs, every device segment by backing inode number.
 	mu   sync.Mutex
 	segs map[uint64]*devSeg
+
+	// ownersMu protects owners: the counters held by the segments of
+	// each uid, which maxCountersPerUID bounds. A leaf lock.
+	ownersMu sync.Mutex
+	owners   map[uint32]int
+}
+
+// maxCountersPerUID bounds the consumer counters the segments of one user
+// hold, a quarter of what the counters' tmpfs has room for, so that no
+// user can take every counter (gpu.OpenCounterDir).
+const maxCountersPerUID = 4096
+
+// takeCounter counts a new counter of a segment of uid, or refuses it with
+// EMFILE when uid's segments hold maxCountersPerUID already.
+func (d *devices) takeCounter(uid uint32) error {
+	d.ownersMu.Lock()
+	defer d.ownersMu.Unlock()
+	if d.owners[uid] >= maxCountersPerUID {
+		return fmt.Errorf("%w: the segments of uid %d hold %d consumer counters, the most one user may", syscall.EMFILE, uid, maxCountersPerUID)
+	}
+	if d.owners == nil {
+		d.owners = map[uint32]int{}
+	}
+	d.owners[uid]++
+	return nil
+}
+
+// giveCounter returns a counter of a segment of uid.
+func (d *devices) giveCounter(uid uint32) {
+	d.ownersMu.Lock()
+	defer d.ownersMu.Unlock()
+	if d.owners[uid]--; d.owners[uid] <= 0 {
+		delete(d.owners, uid)
+	}
 }
 
 // devSeg is one device segment.
@@ -68,6 +102,9 @@ type devSeg struct {
 	// blocks waits in limbo (retired).
 	counter *gpu.Counter
 	retired int
+	// counterUID owned the segment when its counter was made; the
+	// counter counts against that user's bound.
+	counterUID uint32
 }
 
 // newDevices serves dev for store, mounted at mountpoint: it prepares the
@@ -84,6 +121,7 @@ func newDevices(dev gpu.Device, store *alloc.Store, mountpoint string, restore [
 	if err != nil {
 		return nil, err
 	}
+	counters.SetLog(log)
 	d := &devices{dev: dev, limbo: gpu.NewLimbo(dev), counters: counters, log: log, segs: map[uint64]*devSeg{}, stop: make(chan struct{})}
 	for _, f := range restore {
 		if err := d.restore(f); err != nil {
@@ -268,6 +306,7 @@ func (seg *devSeg) removeCounterLocked() {
 	if err := seg.counter.Remove(); err != nil {
 		seg.d.log.Warn("reference counter not removed", "file", seg.counter.Path(), "err", err)
 	}
+	seg.d.giveCounter(seg.counterUID)
 	seg.counter = nil
 }
 
@@ -484,14 +523,23 @@ func (seg *devSeg) refCounter() (string, error) {
 	if seg.removed {
 		return "", fmt.Errorf("%w: the segment was removed before a consumer asked for a counter", alloc.ErrNoAttr)
 	}
-	c, err := seg.d.counters.New()
-	if err != nil {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(seg.backing.Fd()), &st); err != nil {
 		return "", err
 	}
-	seg.counter = c
-	if err := seg.followLocked(); err != nil {
-		seg.counter = nil
-		c.Remove()
+	if err := seg.d.takeCounter(st.Uid); err != nil {
+		return "", err
+	}
+	c, err := seg.d.counters.New()
+	if err == nil {
+		seg.counter, seg.counterUID = c, st.Uid
+		if err = seg.followLocked(); err != nil {
+			seg.counter = nil
+			c.Remove()
+		}
+	}
+	if err != nil {
+		seg.d.giveCounter(st.Uid)
 		return "", err
 	}
 	return c.Path(), nil

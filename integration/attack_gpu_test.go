@@ -212,8 +212,8 @@ func TestAttackGPUCounterOtherUser(t *testing.T) {
 	pc, pub := agCounter(t, private), agCounter(t, public)
 
 	var st syscall.Stat_t
-	if err := syscall.Stat(pc, &st); err != nil || st.Uid != userA || st.Gid != userA || st.Mode&0o7777 != 0o600 {
-		t.Errorf("counter of a 0600 segment of uid %d: %d:%d mode %#o (%v); want %d:%d 0600",
+	if err := syscall.Stat(pc, &st); err != nil || st.Uid != 0 || st.Gid != userA || st.Mode&0o7777 != 0o660 {
+		t.Errorf("counter of a 0600 segment of uid %d: %d:%d mode %#o (%v); want 0:%d 0660 (root's, an ACL grants uid %d)",
 			userA, st.Uid, st.Gid, st.Mode&0o7777, err, userA, userA)
 	}
 	if got := agCanOpen(t, userB, "rw", pc); got != "denied" {
