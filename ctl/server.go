@@ -583,6 +583,9 @@ func (s *Server) refuse(c *net.UnixConn, cred Cred, op string, err error) {
 
 // logRefusal logs why a request from cred was refused.
 func (s *Server) logRefusal(cred Cred, op string, err error) {
+	if s.errnoOf(err) == syscall.ENOENT {
+		return // absence is an answer, not a refusal (as on the FUSE side)
+	}
 	s.cfg.Log.Info("ctl: refused", "op", op, "pid", cred.Pid, "uid", cred.Uid, "errno", s.errnoOf(err), "reason", err.Error())
 }
 

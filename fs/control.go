@@ -35,7 +35,7 @@ func (b controlBackend) Export(cred ctl.Cred, path string, write bool) (*os.File
 			return err
 		}
 		defer m.Close()
-		s, seg, err := b.segment(who, m, write)
+		s, seg, err := b.segment(who, m, write, "")
 		if err != nil {
 			return err
 		}
@@ -68,8 +68,9 @@ type segmentInfo struct {
 }
 
 // segment classifies the segment m and checks that who may open it for
-// reading, and writing if write: its storage, stat and flags.
-func (b controlBackend) segment(who ctl.Cred, m *alloc.Ref, write bool) (storage, *segmentInfo, error) {
+// reading, and writing if write: its storage, stat and flags. name, if
+// set, names the segment in a refusal.
+func (b controlBackend) segment(who ctl.Cred, m *alloc.Ref, write bool, name string) (storage, *segmentInfo, error) {
 	if m.Stat().Mode&syscall.S_IFMT != syscall.S_IFREG {
 		return nil, nil, fmt.Errorf("%w: not a segment", alloc.ErrInvalid)
 	}
@@ -86,7 +87,10 @@ func (b controlBackend) segment(who ctl.Cred, m *alloc.Ref, write bool) (storage
 		want, what = 4|2, "read and write"
 	}
 	if !permitted(&who, &seg.st, want) {
-		return nil, nil, fmt.Errorf("%w: no %s permission", syscall.EACCES, what)
+		if name != "" {
+			name += ": "
+		}
+		return nil, nil, fmt.Errorf("%w: %sno %s permission", syscall.EACCES, name, what)
 	}
 	err = s.attrs(m, func(a *alloc.Ref) error {
 		p, err := a.Path()

@@ -139,9 +139,9 @@ func (l *loader) segment(dirfd int, name string, rel []string, st *unix.Stat_t) 
 		return err
 	}
 	defer m.Close()
-	s, info, err := l.b.segment(l.who, m, l.write)
+	s, info, err := l.b.segment(l.who, m, l.write, display(rel))
 	if err != nil {
-		return fmt.Errorf("%s: %w", display(rel), err)
+		return err
 	}
 	seg := ctl.Segment{Name: path.Join(rel...), Size: info.st.Size}
 	if l.write && info.Flags&alloc.FromFD != 0 {
