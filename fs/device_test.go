@@ -3,9 +3,11 @@ package fs
 import (
 	"bytes"
 	"errors"
+	"os"
 	"path/filepath"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
@@ -92,5 +94,71 @@ func TestCounterBudget(t *testing.T) {
 	d.giveCounter(1000)
 	if err := d.takeCounter(1000); err != nil {
 		t.Errorf("uid 1000 after a counter went: %v", err)
+	}
+}
+
+// stallingDevice is a simulated device whose copies from files wait for
+// a signal, as a slow or hung GPU would.
+type stallingDevice struct {
+	gpu.Device
+	started chan struct{}
+	release chan struct{}
+}
+
+func (d *stallingDevice) CopyFromFile(b gpu.Block, off int64, fd int, fileOff, n int64) error {
+	d.started <- struct{}{}
+	<-d.release
+	return d.Device.CopyFromFile(b, off, fd, fileOff, n)
+}
+
+// TestDeviceCopyLeavesStatFree: while a copy into a device segment waits
+// on the device, stat of the segment answers at once (its size is read
+// without the copy's lock), and a copy larger than a chunk goes to the
+// device a chunk at a time.
+func TestDeviceCopyLeavesStatFree(t *testing.T) {
+	fsys := testFS(t)
+	dev := &stallingDevice{Device: gpu.NewSim(0, 1<<30), started: make(chan struct{}), release: make(chan struct{})}
+	d, err := newDevices(dev, fsys.store, filepath.Join(t.TempDir(), "mnt"), nil, fsys.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fsys.gpu = d
+	g := mkdir(t, &fsys.root.dirNode, "g")
+	if errno := g.Setxattr(callerCtx(0), alloc.AttrDevice, []byte("cuda:0"), 0); errno != 0 {
+		t.Fatal(errno)
+	}
+	seg := mkseg(t, g, "w")
+	dseg := seg.storage().(device).seg
+	src, err := os.CreateTemp(t.TempDir(), "src")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	size := int64(2*copyChunk + 4096)
+	if err := src.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- dseg.fromFile(int(src.Fd()), 0, 0, size) }()
+	for chunk := 0; chunk < 3; chunk++ {
+		<-dev.started // the copy holds its chunk on the device
+		statted := make(chan int64, 1)
+		go func() {
+			var a fuse.AttrOut
+			seg.Getattr(callerCtx(0), nil, &a)
+			statted <- int64(a.Size)
+		}()
+		select {
+		case got := <-statted:
+			if got != size {
+				t.Errorf("stat during the copy: %d bytes, want %d", got, size)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatal("stat waited for a copy on the device")
+		}
+		dev.release <- struct{}{}
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("the copy: %v", err)
 	}
 }

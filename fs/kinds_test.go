@@ -259,6 +259,16 @@ func TestDeviceSpillRestore(t *testing.T) {
 	if _, _, errno := seg.Open(callerCtx(0), unix.O_RDONLY); errno != syscall.EOPNOTSUPP {
 		t.Errorf("open of a device segment on a mount without a GPU: %v, want EOPNOTSUPP", errno)
 	}
+	var a fuse.AttrOut
+	if errno := seg.Getattr(callerCtx(0), nil, &a); errno != 0 || a.Size != uint64(len(payload)) {
+		t.Errorf("stat of an unavailable device segment: %v, %d bytes", errno, a.Size)
+	}
+	if errno := seg.Setattr(callerCtx(0), nil, &fuse.SetAttrIn{SetAttrInCommon: fuse.SetAttrInCommon{Valid: fuse.FATTR_SIZE}}, &a); errno != syscall.EOPNOTSUPP {
+		t.Errorf("truncate of an unavailable device segment: %v, want EOPNOTSUPP", errno)
+	}
+	if _, err := (controlBackend{fsys}).Export(rootPeer, "g/w", false); !errors.Is(err, alloc.ErrReadOnly) && !errors.Is(err, alloc.ErrNoDevice) {
+		t.Errorf("export of an unavailable device segment: %v", err)
+	}
 	fsys.close()
 
 	// With one again: restored.

@@ -303,12 +303,9 @@ func parseUint(b []byte, base, limit uint64) (uint64, bool) {
 // outlived (a mapping through the mount shows as the mount's file), and
 // the file its kind keeps its bytes in outside the mount (a mapping
 // through the handle path or a descriptor the daemon handed out). A
-// device segment cannot be mapped.
+// device segment's kind has no such file, and mmap of it is ENODEV.
 func (n *segmentNode) mapped() []mappedFile {
 	s := n.storage()
-	if s.kind() == alloc.Device {
-		return nil
-	}
 	ino := n.StableAttr().Ino
 	files := everyone(fileID{n.fs.fuseDev.Load(), ino})
 	for _, dev := range n.fs.oldDevs {
