@@ -7,11 +7,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
+	"tensorfs/procfs"
 	"time"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 )
 
@@ -248,24 +249,8 @@ const clockTicks = 100
 // maxrss a process inherits across execve from the process that started
 // it (here the bench, with its mappings), so it is not used.
 func (c *contender) rss() (now, peak int64, err error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", c.pid))
-	if err != nil {
-		return 0, 0, err
-	}
-	field := func(name string) (int64, error) {
-		for _, line := range strings.Split(string(b), "\n") {
-			if v, ok := strings.CutPrefix(line, name+":"); ok {
-				kb, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
-				return kb * kiB, err
-			}
-		}
-		return 0, fmt.Errorf("no %s for pid %d", name, c.pid)
-	}
-	if now, err = field("VmRSS"); err != nil {
-		return 0, 0, err
-	}
-	peak, err = field("VmHWM")
-	return now, peak, err
+	st, err := procfs.ReadStatus(c.pid)
+	return st.VmRSS, st.VmHWM, err
 }
 
 // liveHeap returns the daemon's live heap in MiB after its last garbage
@@ -302,28 +287,21 @@ func mountTmpfs(dir string) error {
 // mountOf describes the mount holding path, from /proc/self/mountinfo:
 // its mount point, type, and the mount's and the superblock's options.
 func mountOf(path string) (string, error) {
-	b, err := os.ReadFile("/proc/self/mountinfo")
+	mounts, err := mountinfo.GetMounts(nil)
 	if err != nil {
 		return "", err
 	}
-	best, desc := "", ""
-	for _, line := range strings.Split(string(b), "\n") {
-		// ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - TYPE SOURCE SUPEROPTIONS
-		f := strings.Fields(line)
-		sep := slices.Index(f, "-")
-		if sep < 6 || len(f) < sep+4 {
-			continue
-		}
-		mp := f[4]
-		if (path == mp || strings.HasPrefix(path, strings.TrimSuffix(mp, "/")+"/")) && len(mp) >= len(best) {
-			best = mp
-			desc = fmt.Sprintf("%s `%s,%s`", f[sep+1], f[5], f[sep+3])
+	var best *mountinfo.Info
+	for _, m := range mounts {
+		mp := m.Mountpoint
+		if (path == mp || strings.HasPrefix(path, strings.TrimSuffix(mp, "/")+"/")) && (best == nil || len(mp) >= len(best.Mountpoint)) {
+			best = m
 		}
 	}
-	if best == "" {
+	if best == nil {
 		return "", fmt.Errorf("no mount holds %s", path)
 	}
-	return desc, nil
+	return fmt.Sprintf("%s `%s,%s`", best.FSType, best.Options, best.VFSOptions), nil
 }
 
 func unmountTmpfs(dir string) {
