@@ -225,7 +225,12 @@ func (h *fileHandle) Lseek(ctx context.Context, off uint64, whence uint32) (uint
 	return uint64(pos), 0
 }
 
+// fstat answers for a file that holds the attributes too; an imported
+// segment's owner and mode are its marker's, not the sender's file's.
 func (h *fileHandle) fstat(st *unix.Stat_t) (bool, error) {
+	if !h.attrsHere {
+		return false, nil
+	}
 	return true, unix.Fstat(h.fd, st)
 }
 

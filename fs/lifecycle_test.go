@@ -436,3 +436,20 @@ func eventually(t *testing.T, what string, cond func() bool) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestImportedStatIsTheMarkers: stat of an imported segment, with or
+// without an open handle, shows its marker's owner and mode (read-only)
+// and the size of the sender's file, never the sender's file's mode.
+func TestImportedStatIsTheMarkers(t *testing.T) {
+	x := newOpsFS(t)
+	id := x.ids["imported"]
+	var a fuse.AttrOut
+	if st := x.raw.GetAttr(nil, &fuse.GetAttrIn{InHeader: hdr(id)}, &a); st != fuse.OK || a.Mode&07777 != 0o444 || a.Size != 14 {
+		t.Errorf("stat of an import: %v, mode %#o, %d bytes; want 0444, 14", st, a.Mode&07777, a.Size)
+	}
+	fh, _ := x.open("imported")
+	in := &fuse.GetAttrIn{InHeader: hdr(id), Flags_: fuse.FUSE_GETATTR_FH, Fh_: fh}
+	if st := x.raw.GetAttr(nil, in, &a); st != fuse.OK || a.Mode&07777 != 0o444 {
+		t.Errorf("fstat of an open import: %v, mode %#o; want 0444 (the marker's, not the memfd's)", st, a.Mode&07777)
+	}
+}

@@ -196,15 +196,8 @@ func (n *segmentNode) dropSetid(m *alloc.Ref, c *fuse.Caller) error {
 		return nil
 	}
 	return n.storage().attrs(m, func(a *alloc.Ref) error {
-		p, err := a.Path()
-		var st unix.Stat_t
-		if err == nil {
-			err = unix.Stat(p, &st)
-		}
-		if err != nil {
-			return err
-		}
-		if kill := setidToDrop(&st, c.Gid); kill != 0 {
+		st := a.Stat() // just opened: what the kernel checked
+		if kill := setidToDrop(st, c.Gid); kill != 0 {
 			if err := a.Chmod(st.Mode &^ kill); err != nil {
 				return err
 			}
