@@ -43,6 +43,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 )
 
@@ -719,49 +720,15 @@ func isFuse(e mountEntry) bool {
 }
 
 func readMountinfo() []mountEntry {
-	data, err := os.ReadFile("/proc/self/mountinfo")
+	mounts, err := mountinfo.GetMounts(nil)
 	if err != nil {
 		return nil
 	}
-	var out []mountEntry
-	for _, line := range strings.Split(string(data), "\n") {
-		f := strings.Fields(line)
-		sep := slices.Index(f, "-")
-		if len(f) < 5 || sep < 0 || sep+2 >= len(f) {
-			continue
-		}
-		id, err := strconv.Atoi(f[0])
-		if err != nil {
-			continue
-		}
-		out = append(out, mountEntry{
-			id:         id,
-			mountPoint: unescapeMountinfo(f[4]),
-			options:    f[5],
-			fsType:     f[sep+1],
-			source:     unescapeMountinfo(f[sep+2]),
-		})
+	out := make([]mountEntry, 0, len(mounts))
+	for _, m := range mounts {
+		out = append(out, mountEntry{id: m.ID, mountPoint: m.Mountpoint, options: m.Options, fsType: m.FSType, source: m.Source})
 	}
 	return out
-}
-
-// unescapeMountinfo undoes the kernel's octal escapes (\040 for space...).
-func unescapeMountinfo(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // mountSet returns the current mounts. Entries are compared whole, as the
