@@ -9,12 +9,14 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// handleBudget bounds the backing descriptors that open segments keep in
-// the daemon (one each), per uid and in total, so that no user can take
-// the descriptors that serve everyone else. Root is bound by the total
-// only. The control socket has the other half of the daemon's open-file
-// limit (package ctl).
-type handleBudget struct {
+// budget bounds something each user can make the daemon hold, per uid
+// and in total, so that no user can take what serves everyone else: the
+// backing descriptors of open segments (one each; the control socket has
+// the other half of the daemon's open-file limit, package ctl), and GPU
+// consumer counters. Root is bound by the total only.
+type budget struct {
+	// what names the things counted, in refusals ("open segments").
+	what          string
 	perUID, total int
 
 	mu   sync.Mutex
@@ -22,37 +24,42 @@ type handleBudget struct {
 	all  int
 }
 
-// newHandleBudget sizes the budget from the daemon's open-file limit:
-// half of it, less a reserve for directories and the daemon's own files,
-// and a quarter of that for one user.
-func newHandleBudget() *handleBudget {
+// newBudget bounds what: perUID for one user, total for all.
+func newBudget(what string, perUID, total int) *budget {
+	return &budget{what: what, perUID: perUID, total: total, used: map[uint32]int{}}
+}
+
+// newHandleBudget sizes the open segments' budget from the daemon's
+// open-file limit: half of it, less a reserve for directories and the
+// daemon's own files, and a quarter of that for one user.
+func newHandleBudget() *budget {
 	limit := 1024
 	var r unix.Rlimit
 	if unix.Getrlimit(unix.RLIMIT_NOFILE, &r) == nil {
 		limit = int(min(r.Cur, 1<<30))
 	}
 	total := max(limit/2-256, 64)
-	return &handleBudget{perUID: max(total/4, 16), total: total, used: map[uint32]int{}}
+	return newBudget("open segments", max(total/4, 16), total)
 }
 
-// take counts a new open handle of uid, or refuses it: EMFILE when uid
-// holds its share, ENFILE when the daemon holds its total.
-func (b *handleBudget) take(uid uint32) error {
+// take counts a new one of uid, or refuses it: EMFILE when uid holds its
+// share, ENFILE when the daemon holds its total.
+func (b *budget) take(uid uint32) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	switch {
 	case b.all >= b.total:
-		return fmt.Errorf("%w: the daemon holds %d open segments, the most it serves at once", syscall.ENFILE, b.all)
+		return fmt.Errorf("%w: the daemon holds %d %s, the most it keeps at once", syscall.ENFILE, b.all, b.what)
 	case uid != 0 && b.used[uid] >= b.perUID:
-		return fmt.Errorf("%w: uid %d holds %d open segments, the most one user may", syscall.EMFILE, uid, b.perUID)
+		return fmt.Errorf("%w: uid %d holds %d %s, the most one user may", syscall.EMFILE, uid, b.perUID, b.what)
 	}
 	b.used[uid]++
 	b.all++
 	return nil
 }
 
-// give returns a handle of uid.
-func (b *handleBudget) give(uid uint32) {
+// give returns one of uid.
+func (b *budget) give(uid uint32) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.used[uid]--; b.used[uid] <= 0 {

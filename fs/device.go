@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -35,40 +36,15 @@ type devices struct {
 	mu   sync.Mutex
 	segs map[uint64]*devSeg
 
-	// ownersMu protects owners: the counters held by the segments of
-	// each uid, which maxCountersPerUID bounds. A leaf lock.
-	ownersMu sync.Mutex
-	owners   map[uint32]int
+	// owners bounds the consumer counters the segments of each user hold
+	// (by the segment's owner when its counter was made).
+	owners *budget
 }
 
 // maxCountersPerUID bounds the consumer counters the segments of one user
 // hold, a quarter of what the counters' tmpfs has room for, so that no
 // user can take every counter (gpu.OpenCounterDir).
 const maxCountersPerUID = 4096
-
-// takeCounter counts a new counter of a segment of uid, or refuses it with
-// EMFILE when uid's segments hold maxCountersPerUID already.
-func (d *devices) takeCounter(uid uint32) error {
-	d.ownersMu.Lock()
-	defer d.ownersMu.Unlock()
-	if d.owners[uid] >= maxCountersPerUID {
-		return fmt.Errorf("%w: the segments of uid %d hold %d consumer counters, the most one user may", syscall.EMFILE, uid, maxCountersPerUID)
-	}
-	if d.owners == nil {
-		d.owners = map[uint32]int{}
-	}
-	d.owners[uid]++
-	return nil
-}
-
-// giveCounter returns a counter of a segment of uid.
-func (d *devices) giveCounter(uid uint32) {
-	d.ownersMu.Lock()
-	defer d.ownersMu.Unlock()
-	if d.owners[uid]--; d.owners[uid] <= 0 {
-		delete(d.owners, uid)
-	}
-}
 
 // devSeg is one device segment.
 type devSeg struct {
@@ -122,7 +98,8 @@ func newDevices(dev gpu.Device, store *alloc.Store, mountpoint string, restore [
 		return nil, err
 	}
 	counters.SetLog(log)
-	d := &devices{dev: dev, limbo: gpu.NewLimbo(dev), counters: counters, log: log, segs: map[uint64]*devSeg{}, stop: make(chan struct{})}
+	d := &devices{dev: dev, limbo: gpu.NewLimbo(dev), counters: counters, log: log, segs: map[uint64]*devSeg{}, stop: make(chan struct{}),
+		owners: newBudget("consumer counters", maxCountersPerUID, math.MaxInt)}
 	for _, f := range restore {
 		if err := d.restore(f); err != nil {
 			log.Warn("device segment not restored", "path", f.Name(), "err", err)
@@ -306,7 +283,7 @@ func (seg *devSeg) removeCounterLocked() {
 	if err := seg.counter.Remove(); err != nil {
 		seg.d.log.Warn("reference counter not removed", "file", seg.counter.Path(), "err", err)
 	}
-	seg.d.giveCounter(seg.counterUID)
+	seg.d.owners.give(seg.counterUID)
 	seg.counter = nil
 }
 
@@ -527,7 +504,7 @@ func (seg *devSeg) refCounter() (string, error) {
 	if err := unix.Fstat(int(seg.backing.Fd()), &st); err != nil {
 		return "", err
 	}
-	if err := seg.d.takeCounter(st.Uid); err != nil {
+	if err := seg.d.owners.take(st.Uid); err != nil {
 		return "", err
 	}
 	c, err := seg.d.counters.New()
@@ -539,7 +516,7 @@ func (seg *devSeg) refCounter() (string, error) {
 		}
 	}
 	if err != nil {
-		seg.d.giveCounter(st.Uid)
+		seg.d.owners.give(st.Uid)
 		return "", err
 	}
 	return c.Path(), nil

@@ -2,10 +2,8 @@ package fs
 
 import (
 	"bytes"
-	"errors"
 	"os"
 	"path/filepath"
-	"syscall"
 	"testing"
 	"time"
 
@@ -72,28 +70,6 @@ func TestDeviceSegmentRemovedWhileOpen(t *testing.T) {
 	h.Release(callerCtx(0))
 	if blocks, bytes := fsys.gpu.limbo.Stats(); blocks != 0 {
 		t.Errorf("after the last close, limbo holds %d blocks (%d bytes), want none", blocks, bytes)
-	}
-}
-
-// TestCounterBudget: one user's segments stop at maxCountersPerUID
-// consumer counters with EMFILE, another user's go on, and a returned
-// counter frees a place.
-func TestCounterBudget(t *testing.T) {
-	var d devices
-	for i := 0; i < maxCountersPerUID; i++ {
-		if err := d.takeCounter(1000); err != nil {
-			t.Fatalf("counter %d of uid 1000: %v", i, err)
-		}
-	}
-	if err := d.takeCounter(1000); !errors.Is(err, syscall.EMFILE) {
-		t.Errorf("a counter past the bound: %v, want EMFILE", err)
-	}
-	if err := d.takeCounter(1001); err != nil {
-		t.Errorf("another user's counter: %v", err)
-	}
-	d.giveCounter(1000)
-	if err := d.takeCounter(1000); err != nil {
-		t.Errorf("uid 1000 after a counter went: %v", err)
 	}
 }
 

@@ -38,7 +38,7 @@
 //  4. devSeg.mu, then devSeg.cmu (a device segment's memory, then its
 //     consumer counter; the limbo's predicates take cmu alone)
 //  5. segmentNode.mu, importedFile.mu, imports.mu, devices.mu,
-//     handleBudget.mu, mapTable.mu, watchSet.mu (leaves: nothing is taken
+//     budget.mu, mapTable.mu, watchSet.mu (leaves: nothing is taken
 //     while one is held)
 //
 // A helper that expects a lock held says so in its name (…Locked).

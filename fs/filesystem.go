@@ -42,7 +42,7 @@ type filesystem struct {
 	// imports holds the imported (FROMFD) segments.
 	imports imports
 	// handles bounds the descriptors open segments keep, per uid.
-	handles *handleBudget
+	handles *budget
 	// dirs bounds the directory descriptors the daemon keeps.
 	dirs *dirFds
 	// tgidsMu protects tgids, the process of each thread that opened a

@@ -234,7 +234,7 @@ func TestCreateOfExistingName(t *testing.T) {
 // TestHandleBudget: one user's open segments stop at its share with
 // EMFILE, others' and root's go on, and a release frees a place.
 func TestHandleBudget(t *testing.T) {
-	b := &handleBudget{perUID: 2, total: 5, used: map[uint32]int{}}
+	b := newBudget("open segments", 2, 5)
 	for i := 0; i < 2; i++ {
 		if err := b.take(1000); err != nil {
 			t.Fatal(err)
