@@ -5,8 +5,8 @@ import (
 	"context"
 	"errors"
 	"io"
-	"os"
 	"net"
+	"os"
 	"reflect"
 	"strings"
 	"sync"
@@ -391,7 +391,10 @@ func TestEtcdOutage(t *testing.T) {
 		"lookup":  func() error { _, err := c.Lookup(ctx, "m"); return err },
 		"version": func() error { _, err := c.Version(ctx, info.Version); return err },
 		"publish": func() error { _, err := a.Publish(ctx, "n", []LocalEntry{dirEntry(".")}); return err },
-		"pull":    func() error { _, err := c.Pull(ctx, []Job{{Content: v.Contents[v.Entries[1].Content], Dst: dst(t, int64(len(data)))}}); return err },
+		"pull": func() error {
+			_, err := c.Pull(ctx, []Job{{Content: v.Contents[v.Entries[1].Content], Dst: dst(t, int64(len(data)))}})
+			return err
+		},
 	}
 	var wg sync.WaitGroup
 	for name, call := range calls {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/bits"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -24,6 +25,15 @@ func newBitmap(pieces int) bitmap { return make(bitmap, (pieces+7)/8) }
 
 func (b bitmap) has(i int) bool { return i >= 0 && i/8 < len(b) && b[i/8]&(1<<(i%8)) != 0 }
 func (b bitmap) set(i int)      { b[i/8] |= 1 << (i % 8) }
+
+// count returns the number of pieces in b.
+func (b bitmap) count() int {
+	n := 0
+	for _, x := range b {
+		n += bits.OnesCount8(x)
+	}
+	return n
+}
 
 // fill sets pieces 0..pieces-1.
 func (b bitmap) fill(pieces int) {

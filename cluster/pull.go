@@ -12,6 +12,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -78,6 +79,7 @@ type Pull struct {
 	start     time.Time            // when the pull began
 	lastStep  time.Time            // last piece held, or holder news
 	inFlights int                  // fetches in flight
+	scratch   []string             // holderLocked's
 }
 
 // group is one distinct content of a pull and where it goes.
@@ -86,11 +88,16 @@ type group struct {
 	dsts    []*os.File
 	local   io.ReaderAt       // a complete copy this node holds already
 	holders map[string]bitmap // node to the pieces it holds
+	seeds   map[string]bool   // holders that have every piece
 	have    bitmap            // pieces written and verified
 	busy    map[int]bool      // pieces in flight
 	bad     map[int][]string  // peers that sent a bad copy of a piece
 	left    int               // pieces missing
 	done    chan struct{}     // closed when complete
+
+	// This node's share of the pieces one node holds: those with
+	// (index+offset) % shares == share (see mine).
+	share, shares, offset int
 }
 
 // Pull starts fetching jobs from the nodes that hold them and returns: Done
@@ -126,8 +133,9 @@ func (n *Node) Pull(ctx context.Context, jobs []Job) (*Pull, error) {
 		g := byID[j.Content.ID()]
 		if g == nil {
 			pieces := j.Content.Pieces()
-			g = &group{c: j.Content, holders: map[string]bitmap{}, have: newBitmap(pieces),
-				busy: map[int]bool{}, bad: map[int][]string{}, left: pieces, done: make(chan struct{})}
+			g = &group{c: j.Content, holders: map[string]bitmap{}, seeds: map[string]bool{}, have: newBitmap(pieces),
+				busy: map[int]bool{}, bad: map[int][]string{}, left: pieces, done: make(chan struct{}),
+				offset: int(j.Content.ID()[0])} // spreads the first shares of many contents
 			byID[j.Content.ID()] = g
 			p.groups = append(p.groups, g)
 			p.total += j.Content.Size
@@ -363,15 +371,19 @@ func (p *Pull) missingLocked() string {
 
 // pickLocked chooses the next piece: among the missing pieces not in
 // flight, one with the fewest usable holders (rarest first, so pieces
-// spread before they are copied again), ties broken at random so that
-// pullers at once ask for different pieces; from its least busy usable
-// holder. p.mu is held.
+// spread before they are copied again), ties broken at random; from its
+// least busy usable holder. A piece only one node holds is fetched by one
+// of the nodes pulling it (each takes its share, see group.mine), so that
+// its holder sends it once; the others fetch it from that puller. Another
+// puller's share is taken only when there is nothing else to do. p.mu is
+// held.
 func (p *Pull) pickLocked() (task, bool) {
 	var (
-		best       task
-		bestRarity = math.MaxInt
-		ties       int
-		now        = time.Now()
+		best, other task
+		bestRarity  = math.MaxInt
+		ties        int
+		haveOther   bool
+		now         = time.Now()
 	)
 	gi0 := rand.IntN(len(p.groups))
 	for k := range p.groups {
@@ -390,33 +402,75 @@ func (p *Pull) pickLocked() (task, bool) {
 			if peer == "" {
 				continue
 			}
-			if rarity < bestRarity {
-				best, bestRarity, ties = task{g: g, i: i, peer: transport.Peer{Name: peer, Addr: p.peers[peer]}}, rarity, 1
-			} else if rarity == bestRarity {
+			t := task{g: g, i: i, peer: transport.Peer{Name: peer, Addr: p.peers[peer]}}
+			switch {
+			case rarity == 1 && !g.mine(i):
+				other, haveOther = t, true
+			case rarity < bestRarity:
+				best, bestRarity, ties = t, rarity, 1
+			case rarity == bestRarity:
 				if ties++; rand.IntN(ties) == 0 {
-					best = task{g: g, i: i, peer: transport.Peer{Name: peer, Addr: p.peers[peer]}}
+					best = t
 				}
 			}
 			if bestRarity == 1 {
-				return best, true // nothing is rarer; the random start spreads pullers
+				return best, true // nothing is rarer; the random start spreads the picks
 			}
 		}
 	}
-	return best, bestRarity != math.MaxInt
+	if bestRarity != math.MaxInt {
+		return best, true
+	}
+	return other, haveOther && p.inFlights == 0
+}
+
+// mine reports whether piece i is this node's share of the pieces of g
+// that only one node holds: the nodes pulling g (those whose bitmaps are
+// incomplete) split them by index.
+func (g *group) mine(i int) bool {
+	return g.shares <= 1 || (i+g.offset)%g.shares == g.share
+}
+
+// holdersChangedLocked recomputes, after a change to g's holders, which
+// of them have it all (g.seeds), and this node's share of g among the
+// nodes pulling it (those whose bitmaps are incomplete). p.mu is held.
+func (p *Pull) holdersChangedLocked(g *group) {
+	names := []string{p.n.cfg.Node}
+	clear(g.seeds)
+	for node, bits := range g.holders {
+		switch {
+		case node == p.n.cfg.Node:
+		case bits.count() < g.c.Pieces():
+			names = append(names, node)
+		default:
+			g.seeds[node] = true
+		}
+	}
+	slices.Sort(names)
+	g.shares, g.share = len(names), slices.Index(names, p.n.cfg.Node)
 }
 
 // holderLocked returns how many usable holders piece i of g has, and the
-// least busy of them with room for another fetch ("" if none).
+// least busy of them with room for another fetch ("" if none). Holders
+// that have the whole content (the publisher, nodes done pulling) count as
+// busier by PerPeer for a piece others hold too: their upload is kept for
+// the pieces only they have. p.mu is held.
 func (p *Pull) holderLocked(g *group, i int, now time.Time) (int, string) {
-	usable, chosen, least, ties := 0, "", math.MaxInt, 0
+	usable := p.scratch[:0]
 	for node, bits := range g.holders {
-		if !bits.has(i) || p.peers[node] == "" || p.down[node].After(now) || p.strikes[node] >= maxStrikes || containsStr(g.bad[i], node) {
-			continue
+		if bits.has(i) && p.peers[node] != "" && !p.down[node].After(now) && p.strikes[node] < maxStrikes && !slices.Contains(g.bad[i], node) {
+			usable = append(usable, node)
 		}
-		usable++
+	}
+	p.scratch = usable
+	chosen, least, ties := "", math.MaxInt, 0
+	for _, node := range usable {
 		load := p.inflight[node]
 		if load >= p.n.cfg.PerPeer {
 			continue
+		}
+		if len(usable) > 1 && g.seeds[node] {
+			load += p.n.cfg.PerPeer
 		}
 		if load < least {
 			chosen, least, ties = node, load, 1
@@ -426,16 +480,7 @@ func (p *Pull) holderLocked(g *group, i int, now time.Time) (int, string) {
 			}
 		}
 	}
-	return usable, chosen
-}
-
-func containsStr(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
-	}
-	return false
+	return len(usable), chosen
 }
 
 // fetch fetches one piece into its destinations, verifies it and records
@@ -560,6 +605,7 @@ func (p *Pull) load() error {
 			for _, kv := range resp.Responses[i].GetResponseRange().Kvs {
 				g.holders[strings.TrimPrefix(string(kv.Key), n.keys.holders(g.c.ID()))] = bitmap(kv.Value)
 			}
+			p.holdersChangedLocked(g)
 			go p.watch(n.keys.holders(g.c.ID()), resp.Header.Revision+1, func(ev *clientv3.Event) { p.onHolder(g, ev) })
 		}
 	}
@@ -629,6 +675,7 @@ func (p *Pull) onHolder(g *group, ev *clientv3.Event) {
 	} else {
 		g.holders[node] = bitmap(ev.Kv.Value)
 	}
+	p.holdersChangedLocked(g)
 	p.lastStep = time.Now()
 	p.signalLocked()
 }
