@@ -362,7 +362,7 @@ func (n *Node) etcdErr(what string, err error) error {
 		if n.ctx.Err() != nil {
 			return fmt.Errorf("cluster: %s: %w", what, ErrClosed)
 		}
-		return fmt.Errorf("%w: cluster: %s: etcd %v did not answer within %v", ErrUnavailable, what, n.cfg.Endpoints, n.cfg.Timeout)
+		return fmt.Errorf("%w: cluster: %s: etcd %v did not answer within %v (down, unreachable, or refusing this node's certificate)", ErrUnavailable, what, n.cfg.Endpoints, n.cfg.Timeout)
 	}
 	return fmt.Errorf("%w: cluster: %s: etcd %v: %v", ErrUnavailable, what, n.cfg.Endpoints, err)
 }
@@ -382,6 +382,10 @@ func (n *Node) Close() error {
 		return nil
 	}
 	n.closed = true
+	n.mu.Unlock()
+	n.cancel()
+	n.wg.Wait()
+	n.mu.Lock()
 	s := n.sess
 	n.mu.Unlock()
 	if s != nil {
@@ -391,8 +395,6 @@ func (n *Node) Close() error {
 		}
 		cancel()
 	}
-	n.cancel()
-	n.wg.Wait()
 	n.tr.Close()
 	return n.etcd.Close()
 }

@@ -25,7 +25,7 @@ import (
 // Pull defaults (Config).
 const (
 	DefaultParallel     = 8
-	DefaultPerPeer      = 4
+	DefaultPerPeer      = 2
 	DefaultNoHolderWait = 30 * time.Second
 	// fetchIdle ends a fetch that has received nothing for this long.
 	fetchIdle = 10 * time.Second
@@ -515,6 +515,9 @@ func (p *Pull) fetch(t task) {
 			g.bad[t.i] = append(g.bad[t.i], t.peer.Name)
 			log.Info("cluster: peer does not serve a piece it announced; asking another", "err", err)
 			break
+		}
+		if p.down[t.peer.Name].After(time.Now()) {
+			break // the fetches in flight when it failed: one failure
 		}
 		p.fails[t.peer.Name]++
 		backoff := min(time.Second<<min(p.fails[t.peer.Name]-1, 4), 10*time.Second)

@@ -262,9 +262,13 @@ func pull(ctx context.Context, n *cluster.Node, name, out string, log *slog.Logg
 	for {
 		select {
 		case <-tick.C:
-			log.Info("pull", "progress", p.Progress().String())
+			pr := p.Progress()
+			log.Info("pull", "progress", pr.String(), "from", pr.ByPeer)
 		case err := <-done:
 			if err != nil {
+				return pullResult{}, err
+			}
+			if err := applyMeta(out, v); err != nil {
 				return pullResult{}, err
 			}
 			pr := p.Progress()
@@ -272,4 +276,38 @@ func pull(ctx context.Context, n *cluster.Node, name, out string, log *slog.Logg
 				MBps: float64(pr.Total) / pr.Elapsed.Seconds() / 1e6, ByPeer: pr.ByPeer}, nil
 		}
 	}
+}
+
+// applyMeta gives the pulled files and directories their published mode,
+// owner, attributes and times (deepest first, so that a directory's mode
+// does not stop the writes below it).
+func applyMeta(out string, v *cluster.Version) error {
+	for i := len(v.Entries) - 1; i >= 0; i-- {
+		e := &v.Entries[i]
+		p := filepath.Join(out, filepath.FromSlash(e.Path))
+		attrs := map[string][]byte{}
+		for name, val := range e.Xattrs {
+			attrs[name] = val
+		}
+		for name, val := range map[string]string{alloc.AttrDtype: e.Dtype, alloc.AttrShape: e.Shape, alloc.AttrStride: e.Stride, alloc.AttrOffset: e.StorageOffset} {
+			if val != "" {
+				attrs[name] = []byte(val)
+			}
+		}
+		for name, val := range attrs {
+			if err := unix.Setxattr(p, name, val, 0); err != nil {
+				return fmt.Errorf("%s: %s: %w", p, name, err)
+			}
+		}
+		if err := os.Lchown(p, int(e.UID), int(e.GID)); err != nil {
+			return err
+		}
+		if err := os.Chmod(p, os.FileMode(e.Mode&0o777)); err != nil {
+			return err
+		}
+		if err := os.Chtimes(p, e.MtimeTime(), e.MtimeTime()); err != nil {
+			return err
+		}
+	}
+	return nil
 }
