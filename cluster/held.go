@@ -203,6 +203,9 @@ func (n *Node) announce() {
 			return
 		}
 		if err := n.flush(); err != nil {
+			if n.ctx.Err() != nil {
+				return
+			}
 			n.log.Warn("cluster: announcing held pieces failed; retrying", "node", n.cfg.Node, "err", err)
 			sleep(n.ctx, time.Second)
 			n.kick()

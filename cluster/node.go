@@ -78,7 +78,7 @@ type Node struct {
 
 	ctx    context.Context // ends at Close
 	cancel context.CancelFunc
-	wg     sync.WaitGroup // run and announce
+	wg     sync.WaitGroup // run, announce and the pulls
 
 	wake    chan struct{} // tells announce to write (buffered, 1)
 	flushMu sync.Mutex    // one flush at a time
@@ -115,8 +115,9 @@ type nodeInfo struct {
 // Join makes this daemon a node of the cluster cfg names: it starts the
 // piece server and returns; the node registers itself, renews its lease and
 // announces what it holds in the background, and keeps trying while etcd
-// is unreachable or its name is held by another live daemon (cluster calls
-// meanwhile fail with ErrUnavailable). Close leaves the cluster.
+// is unreachable or its name is held by another live daemon (calls that
+// need the lease meanwhile fail with ErrUnavailable or ErrNameInUse).
+// Close leaves the cluster.
 func Join(cfg Config) (*Node, error) {
 	if err := cfg.fill(); err != nil {
 		return nil, err

@@ -44,7 +44,7 @@ type DirEvent struct {
 // Publish makes entries (a whole tree: "." and every parent of every path)
 // the current version of dir, cluster-wide, and serves its files' pieces
 // from their Data. Files are hashed here (Entry.Content is ignored);
-// set-id bits are not published. Publishing what is already current
+// set-id bits (and a file's sticky bit) are not published. Publishing what is already current
 // changes nothing. Concurrent publishers of one dir are ordered; each
 // version records the one it replaced. Fails with ErrInvalid for a bad
 // name or entry, ErrUnavailable when etcd does not answer.
@@ -57,9 +57,13 @@ func (n *Node) Publish(ctx context.Context, dir string, local []LocalEntry) (Dir
 	entries := make([]Entry, len(local))
 	for i := range local {
 		e := &local[i].Entry
-		if !e.IsDir() && e.Mode&0o7000 != 0 {
-			n.log.Info("cluster: publishing without set-id and sticky bits", "dir", dir, "path", e.Path, "mode", fmt.Sprintf("%o", e.Mode))
-			e.Mode &^= 0o7000
+		strip := uint32(0o7000) // a file's set-id and sticky bits
+		if e.IsDir() {
+			strip = 0o6000 // a directory keeps its sticky bit
+		}
+		if e.Mode&strip != 0 {
+			n.log.Info("cluster: publishing without set-id bits", "dir", dir, "path", e.Path, "mode", fmt.Sprintf("%o", e.Mode))
+			e.Mode &^= strip
 		}
 		if !e.IsDir() && local[i].Data == nil {
 			return DirInfo{}, fmt.Errorf("%w: %s: file %q has no data", ErrInvalid, dir, e.Path)

@@ -159,6 +159,9 @@ func (n *Node) Pull(ctx context.Context, jobs []Job) (*Pull, error) {
 		}
 		held = append(held, g)
 		p.left += g.left
+		if g.left == 0 {
+			close(g.done) // an empty file
+		}
 	}
 	p.ctx, p.cancel = context.WithCancel(ctx)
 	stop := context.AfterFunc(n.ctx, p.cancel)
@@ -234,16 +237,14 @@ func (pr Progress) String() string {
 // run copies the contents held locally, fetches the rest, and ends the
 // pull.
 func (p *Pull) run() {
-	for _, g := range p.groups {
-		if g.local != nil {
-			p.copyLocal(g)
-		} else if g.left == 0 {
-			close(g.done)
-		}
-	}
 	var wg sync.WaitGroup
 	for range p.n.cfg.Parallel {
 		wg.Go(p.worker)
+	}
+	for _, g := range p.groups {
+		if g.local != nil {
+			p.copyLocal(g)
+		}
 	}
 	wg.Wait()
 	p.cancel()
