@@ -656,6 +656,13 @@ func TestJoinRefuses(t *testing.T) {
 			t.Errorf("%s: %v, want ErrInvalid", name, err)
 		}
 	}
+	// Without Listen, the piece server listens where etcd is reached from.
+	cfg := tc.config("node-a")
+	cfg.Listen = ""
+	n := tc.join(cfg)
+	if host, port, _ := net.SplitHostPort(n.Addr()); host != "127.0.0.1" || port != DefaultPort {
+		t.Fatalf("default piece server address %s, want 127.0.0.1:%s", n.Addr(), DefaultPort)
+	}
 }
 
 // TestManifest checks content hashing and addresses.

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/url"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -23,6 +24,7 @@ import (
 const (
 	DefaultLeaseTTL = 10 * time.Second
 	DefaultTimeout  = 3 * time.Second
+	DefaultPort     = "7070"
 )
 
 // Config says how a node joins a cluster.
@@ -33,7 +35,8 @@ type Config struct {
 	// certificate must carry it as a DNS name.
 	Node string
 	// Listen is the host:port the piece server listens on (port 0 picks
-	// one).
+	// one). Default: DefaultPort on the address this host reaches the
+	// first endpoint from.
 	Listen string
 	// Advertise is the host:port peers reach the piece server at; default
 	// the address Listen bound, which must then name a host.
@@ -186,6 +189,13 @@ func (cfg *Config) fill() error {
 	if err := cfg.Credentials.CheckName(cfg.Node); err != nil {
 		return fmt.Errorf("%w: %v", ErrInvalid, err)
 	}
+	if cfg.Listen == "" {
+		ip, err := localAddrToward(cfg.Endpoints[0])
+		if err != nil {
+			return fmt.Errorf("%w: cluster: no piece server address given, and %v", ErrInvalid, err)
+		}
+		cfg.Listen = net.JoinHostPort(ip, DefaultPort)
+	}
 	if cfg.Prefix == "" {
 		cfg.Prefix = DefaultPrefix
 	}
@@ -223,6 +233,22 @@ func (cfg *Config) fill() error {
 		cfg.Transport = transport.NewGRPC(cfg.Credentials, cfg.Log)
 	}
 	return nil
+}
+
+// localAddrToward returns the address this host sends from to reach an
+// etcd endpoint (a URL or host:port): the route's source, found by
+// connecting a UDP socket, which sends nothing.
+func localAddrToward(endpoint string) (string, error) {
+	hostport := endpoint
+	if u, err := url.Parse(endpoint); err == nil && u.Host != "" {
+		hostport = u.Host
+	}
+	c, err := net.Dial("udp", hostport)
+	if err != nil {
+		return "", fmt.Errorf("no route to etcd endpoint %s: %v", endpoint, err)
+	}
+	defer c.Close()
+	return c.LocalAddr().(*net.UDPAddr).IP.String(), nil
 }
 
 // Name returns this node's name.

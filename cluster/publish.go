@@ -44,10 +44,10 @@ type DirEvent struct {
 // Publish makes entries (a whole tree: "." and every parent of every path)
 // the current version of dir, cluster-wide, and serves its files' pieces
 // from their Data. Files are hashed here (Entry.Content is ignored);
-// set-id bits (and a file's sticky bit) are not published. Publishing what is already current
-// changes nothing. Concurrent publishers of one dir are ordered; each
-// version records the one it replaced. Fails with ErrInvalid for a bad
-// name or entry, ErrUnavailable when etcd does not answer.
+// set-id bits (and a file's sticky bit) are not published. Publishing what
+// is already current changes nothing. Concurrent publishers of one dir are
+// ordered; each version records the one it replaced. Fails with ErrInvalid
+// for a bad name or entry, ErrUnavailable when etcd does not answer.
 func (n *Node) Publish(ctx context.Context, dir string, local []LocalEntry) (DirInfo, error) {
 	if err := CheckDir(dir); err != nil {
 		return DirInfo{}, err
