@@ -51,7 +51,7 @@ type Progress struct {
 	Rate         float64          // bytes per second since the pull began
 	ETA          time.Duration    // at Rate; 0 when done or unknown
 	Peers        int              // peers with a fetch in flight now
-	Elapsed      time.Duration    // since the pull began
+	Elapsed      time.Duration    // since the pull began, until it ended
 	ByPeer       map[string]int64 // verified bytes fetched from each peer
 }
 
@@ -77,6 +77,7 @@ type Pull struct {
 	total     int64                // bytes of all groups
 	left      int                  // pieces missing
 	start     time.Time            // when the pull began
+	end       time.Time            // when it ended (zero until then)
 	lastStep  time.Time            // last piece held, or holder news
 	inFlights int                  // fetches in flight
 	scratch   []string             // holderLocked's
@@ -206,7 +207,11 @@ func (p *Pull) Wait() error {
 func (p *Pull) Progress() Progress {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	pr := Progress{Bytes: p.bytes, Total: p.total, Elapsed: time.Since(p.start), ByPeer: map[string]int64{}}
+	end := p.end
+	if end.IsZero() {
+		end = time.Now()
+	}
+	pr := Progress{Bytes: p.bytes, Total: p.total, Elapsed: end.Sub(p.start), ByPeer: map[string]int64{}}
 	for peer, b := range p.byPeer {
 		pr.ByPeer[peer] = b
 	}
@@ -261,6 +266,7 @@ func (p *Pull) run() {
 		}
 	}
 	err := p.err
+	p.end = time.Now()
 	p.mu.Unlock()
 	pr := p.Progress()
 	if err != nil {
