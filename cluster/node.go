@@ -144,9 +144,7 @@ func Join(cfg Config) (*Node, error) {
 		DialKeepAliveTimeout: cfg.Timeout,
 		TLS:                  cfg.Credentials.ClientConfig(""),
 		Logger:               zap.NewNop(), // failures are logged here, with what they stop
-		// Reconnect within seconds of etcd's return, not after gRPC's
-		// backoff has grown to minutes.
-		DialOptions: []grpc.DialOption{grpc.WithConnectParams(transport.ConnectParams)},
+		DialOptions:          []grpc.DialOption{grpc.WithConnectParams(transport.ConnectParams())},
 	})
 	if err != nil {
 		l.Close()

@@ -24,10 +24,13 @@ import (
 const ChunkSize = 1 << 20
 
 // ConnectParams bound gRPC's reconnection backoff to a few seconds, so that
-// a peer (or etcd) that comes back is reached again at once.
-var ConnectParams = grpc.ConnectParams{
-	Backoff:           backoff.Config{BaseDelay: 250 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 2 * time.Second},
-	MinConnectTimeout: 5 * time.Second,
+// a peer (or etcd) that comes back is reached again at once, not after a
+// backoff grown to minutes.
+func ConnectParams() grpc.ConnectParams {
+	return grpc.ConnectParams{
+		Backoff:           backoff.Config{BaseDelay: 250 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 2 * time.Second},
+		MinConnectTimeout: 5 * time.Second,
+	}
 }
 
 // GRPC is the gRPC implementation of Transport: one server per node, one
@@ -129,7 +132,7 @@ func (g *GRPC) conn(peer Peer) (*grpc.ClientConn, error) {
 	c, err := grpc.NewClient("passthrough:///"+peer.Addr,
 		grpc.WithTransportCredentials(credentials.NewTLS(g.creds.ClientConfig(peer.Name))),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(2*ChunkSize)),
-		grpc.WithConnectParams(ConnectParams),
+		grpc.WithConnectParams(ConnectParams()),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
 	)
 	if err != nil {
