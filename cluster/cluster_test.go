@@ -668,7 +668,7 @@ func TestJoinRefuses(t *testing.T) {
 // TestManifest checks content hashing and addresses.
 func TestManifest(t *testing.T) {
 	data := randomBytes(t, 3*65536+5)
-	c, err := HashContent(bytes.NewReader(data), int64(len(data)), 65536)
+	c, err := hashContent(bytes.NewReader(data), int64(len(data)), 65536)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -687,7 +687,7 @@ func TestManifest(t *testing.T) {
 	if _, err := decodeContent(c.ID(), tampered); !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("tampered content: %v", err)
 	}
-	if _, err := HashContent(bytes.NewReader(data[:10]), int64(len(data)), 65536); err == nil {
+	if _, err := hashContent(bytes.NewReader(data[:10]), int64(len(data)), 65536); err == nil {
 		t.Fatal("hashing past the data succeeded")
 	}
 	if got := pieceSizeFor(int64(MaxPieces)*DefaultPieceSize+1, DefaultPieceSize); got != 2*DefaultPieceSize {

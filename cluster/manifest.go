@@ -43,7 +43,7 @@ type Content struct {
 	PieceSize int64  `json:"piece_size"`
 	Hashes    []byte `json:"sha256"` // SHA-256 of each piece, concatenated
 
-	id string // hex SHA-256 of the encoding; set by HashContent and decodeContent
+	id string // hex SHA-256 of the encoding; set by hashContent and decodeContent
 }
 
 // ID returns the content's ID.
@@ -113,9 +113,9 @@ func pieceSizeFor(size, base int64) int64 {
 	return base
 }
 
-// HashContent reads size bytes of r and returns their Content, cut into
+// hashContent reads size bytes of r and returns their Content, cut into
 // pieces of pieceSize (see pieceSizeFor). Pieces are hashed in parallel.
-func HashContent(r io.ReaderAt, size, pieceSize int64) (*Content, error) {
+func hashContent(r io.ReaderAt, size, pieceSize int64) (*Content, error) {
 	c := &Content{Size: size, PieceSize: pieceSizeFor(size, pieceSize)}
 	c.Hashes = make([]byte, c.Pieces()*sha256.Size)
 	next := make(chan int, c.Pieces())

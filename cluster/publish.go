@@ -197,7 +197,7 @@ func (n *Node) hashFiles(local []LocalEntry) ([]*Content, error) {
 		sem <- struct{}{}
 		wg.Go(func() {
 			defer func() { <-sem }()
-			out[i], errs[i] = HashContent(local[i].Data, local[i].Size, n.cfg.PieceSize)
+			out[i], errs[i] = hashContent(local[i].Data, local[i].Size, n.cfg.PieceSize)
 			if errs[i] != nil {
 				errs[i] = fmt.Errorf("hash %q: %w", local[i].Path, errs[i])
 			}
