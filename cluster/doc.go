@@ -1,0 +1,59 @@
+// Package cluster takes tensorfs beyond one node: published directories
+// are recorded in etcd, and their segments move between nodes piece by
+// piece, each node serving every verified piece it holds (DESIGN.md §10).
+//
+// Nothing here runs unless the daemon joins a cluster (Join). The package
+// knows nothing of FUSE or of the backing store: the fs side hands it
+// files (io.ReaderAt to publish or offer, *os.File to pull into) and
+// metadata (Entry), and shows what Version returns.
+//
+// # Key layout
+//
+// Every key lives under Config.Prefix (default "/tensorfs/"), so several
+// clusters can share one etcd. P is that prefix; VID and CID are hex
+// SHA-256 digests, NODE a node name, DIR and PATH clean relative paths.
+//
+//	P nodes/NODE          {"addr":"host:port"}: NODE's piece server. Tied to the
+//	                      daemon's lease; created only if absent (a transaction
+//	                      on CreateRevision == 0), so two live daemons cannot
+//	                      share a name.
+//	P dirs/DIR            {"version":VID,"publisher":NODE,"time":...,"prev":VID}:
+//	                      the current version of a published directory. Replaced
+//	                      by a transaction on its ModRevision (compare-and-swap),
+//	                      so concurrent publishers are ordered and none is lost.
+//	P versions/VID        {"entries":N,"bytes":B}: written after all of VID's
+//	                      entries, so a version whose key exists is complete.
+//	P entries/VID/PATH    Entry (JSON): one file or directory of version VID; "."
+//	                      is the directory itself. VID is the SHA-256 over the
+//	                      entries' encodings in path order ("." first), each
+//	                      preceded by its length in decimal and a newline.
+//	P contents/CID        Content (JSON): size, piece size, SHA-256 of each piece.
+//	                      CID is the SHA-256 of this value: equal bytes have one
+//	                      CID across paths and versions.
+//	P holders/CID/NODE    bitmap (bit i of byte i/8 set: NODE holds piece i,
+//	                      verified). Tied to NODE's lease, so a dead node's
+//	                      entries vanish with it; written only in a transaction
+//	                      that checks NODE's key still carries that lease.
+//
+// Versions, entries and contents are immutable and content-addressed:
+// rewriting one writes the same bytes. Publishing writes contents, entries,
+// the publisher's holder keys and the version key, then swaps dirs/DIR;
+// a publish that dies part way leaves unreferenced immutable keys and no
+// visible change. Readers of an older version are not disturbed: its keys
+// stay, and so do the holders of its contents.
+//
+// Holder lists differ from Mooncake's P2P Store, which keeps one JSON
+// replica list per object and updates it by compare-and-swap on its
+// ModRevision: etcd ties a lease to a whole key, and N nodes announcing
+// pieces at once would contend on one key. Here each node writes only its
+// own key per content (its lease makes it vanish with the node), and the
+// compare in each transaction is on the node's ownership of its name.
+//
+// # Failures
+//
+// Every call that needs etcd gives up after Config.Timeout with
+// ErrUnavailable; the data path (fetching from holders already known)
+// does not need etcd, and announcements wait for it to return. When the
+// lease is lost (etcd unreachable for longer than its TTL), the node joins
+// again with a new lease and announces everything it holds.
+package cluster

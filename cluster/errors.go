@@ -1,0 +1,30 @@
+package cluster
+
+import "errors"
+
+// Errors of the cluster calls, wrapped with what failed.
+var (
+	// ErrUnavailable is returned when etcd does not answer within the
+	// configured timeout, or this node has not (yet) joined: the call
+	// may succeed once etcd is back. Local segments are unaffected.
+	ErrUnavailable = errors.New("cluster unavailable")
+	// ErrNotPublished is returned for a directory or content that is not
+	// published.
+	ErrNotPublished = errors.New("not published")
+	// ErrInvalid is returned for a bad name or a bad entry to publish.
+	ErrInvalid = errors.New("invalid")
+	// ErrCorrupt is returned when what etcd holds does not match its
+	// content address, or a version is incomplete.
+	ErrCorrupt = errors.New("corrupt manifest")
+	// ErrNameInUse is returned while another live daemon holds this
+	// node's name.
+	ErrNameInUse = errors.New("node name in use")
+	// ErrNoHolder is returned by a pull when no live node holds a piece
+	// it still needs for longer than the configured wait.
+	ErrNoHolder = errors.New("no node holds the piece")
+	// ErrBusy is returned when a content is already being pulled by this
+	// node.
+	ErrBusy = errors.New("content already being pulled")
+	// ErrClosed is returned after Close.
+	ErrClosed = errors.New("cluster node closed")
+)

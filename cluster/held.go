@@ -1,0 +1,327 @@
+package cluster
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"math/bits"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/client/v3/concurrency"
+
+	"tensorfs/cluster/transport"
+)
+
+// maxTxnOps bounds the operations of one transaction (etcd's default limit
+// is 128).
+const maxTxnOps = 64
+
+// bitmap is a set of piece indexes: bit i of byte i/8.
+type bitmap []byte
+
+func newBitmap(pieces int) bitmap { return make(bitmap, (pieces+7)/8) }
+
+func (b bitmap) has(i int) bool { return i >= 0 && i/8 < len(b) && b[i/8]&(1<<(i%8)) != 0 }
+func (b bitmap) set(i int)      { b[i/8] |= 1 << (i % 8) }
+
+// count returns the number of pieces in b.
+func (b bitmap) count() int {
+	n := 0
+	for _, x := range b {
+		n += bits.OnesCount8(x)
+	}
+	return n
+}
+
+// fill sets pieces 0..pieces-1.
+func (b bitmap) fill(pieces int) {
+	for i := range pieces {
+		b.set(i)
+	}
+}
+
+// held is a content this node serves, and how much of it etcd knows.
+type held struct {
+	content *Content    // nil until an offered content is resolved
+	src     io.ReaderAt // where its bytes are
+	size    int64       // offered: the size src must have
+	bits    bitmap      // pieces held and verified; nil until resolved
+	pulling bool        // a Pull is filling it
+	dropped bool        // to be deleted from etcd, then forgotten
+	gen     uint64      // Node.gen at the last change to bits or dropped
+	written uint64      // gen that etcd has
+}
+
+// Piece implements transport.Source: only pieces of published contents
+// that this node holds and has verified are served.
+func (n *Node) Piece(p transport.Piece) (io.ReaderAt, int64, int64, error) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	h := n.held[p.Content]
+	switch {
+	case h == nil || h.dropped || h.content == nil:
+		return nil, 0, 0, fmt.Errorf("content %.12s: %w (not held here)", p.Content, transport.ErrNotServed)
+	case !h.bits.has(p.Index) || p.Index >= h.content.Pieces():
+		return nil, 0, 0, fmt.Errorf("piece %d of %.12s: %w (not held, or not verified yet)", p.Index, p.Content, transport.ErrNotServed)
+	}
+	off, size := h.content.PieceRange(p.Index)
+	n.stats.piecesServed.Add(1)
+	n.stats.bytesServed.Add(size)
+	return h.src, off, size, nil
+}
+
+// Offer serves a complete content this node holds, reading it from src
+// (size bytes), and announces it: the call a restarted daemon makes for
+// each pulled or published segment it recovered whole. It returns at once;
+// the content is looked up in etcd (and served, announced) when etcd
+// answers. A content that is not published, or whose size is not size, is
+// logged and never served.
+func (n *Node) Offer(id string, src io.ReaderAt, size int64) error {
+	if !validID(id) {
+		return fmt.Errorf("%w: content ID %q", ErrInvalid, id)
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.closed {
+		return ErrClosed
+	}
+	if h := n.held[id]; h != nil && !h.dropped {
+		return fmt.Errorf("%w: content %.12s is served already", ErrInvalid, id)
+	}
+	n.held[id] = &held{src: src, size: size, gen: n.nextGen()}
+	n.kick()
+	return nil
+}
+
+// Drop stops serving a content (its segment is gone from this node) and
+// removes its holder key.
+func (n *Node) Drop(id string) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if h := n.held[id]; h != nil {
+		h.dropped = true
+		h.src = nil
+		h.gen = n.nextGen()
+		n.kick()
+	}
+}
+
+// hold registers a content this node serves from src, with the pieces in
+// bits held; pulling marks a content a Pull is filling.
+func (n *Node) hold(c *Content, src io.ReaderAt, bits bitmap, pulling bool) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if h := n.held[c.ID()]; h != nil && !h.dropped {
+		if h.pulling {
+			return fmt.Errorf("%w: %.12s", ErrBusy, c.ID())
+		}
+		return fmt.Errorf("%w: content %.12s is served already", ErrInvalid, c.ID())
+	}
+	n.held[c.ID()] = &held{content: c, src: src, size: c.Size, bits: bits, pulling: pulling, gen: n.nextGen()}
+	n.kick()
+	return nil
+}
+
+// holdPiece marks piece i of a content held and announces it at once.
+func (n *Node) holdPiece(id string, i int) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if h := n.held[id]; h != nil && !h.dropped {
+		h.bits.set(i)
+		h.gen = n.nextGen()
+		n.kick()
+	}
+}
+
+// endPull marks a pulled content complete, or drops it if incomplete.
+func (n *Node) endPull(id string, complete bool) {
+	n.mu.Lock()
+	h := n.held[id]
+	if h != nil {
+		h.pulling = false
+	}
+	n.mu.Unlock()
+	if h != nil && !complete {
+		n.Drop(id)
+	}
+}
+
+// completeSource returns the source of a content this node holds whole.
+func (n *Node) completeSource(id string) io.ReaderAt {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	h := n.held[id]
+	if h == nil || h.dropped || h.pulling || h.content == nil {
+		return nil
+	}
+	for i := range h.content.Pieces() {
+		if !h.bits.has(i) {
+			return nil
+		}
+	}
+	return h.src
+}
+
+// nextGen returns a new generation number for a change to n.held; n.mu
+// is held.
+func (n *Node) nextGen() uint64 {
+	n.gen++
+	return n.gen
+}
+
+// kick wakes the announcer.
+func (n *Node) kick() {
+	select {
+	case n.wake <- struct{}{}:
+	default:
+	}
+}
+
+// rewriteAll marks every content unwritten (a new lease has none of them)
+// and wakes the announcer.
+func (n *Node) rewriteAll() {
+	n.mu.Lock()
+	n.epoch++
+	for _, h := range n.held {
+		h.written = 0
+	}
+	n.mu.Unlock()
+	n.kick()
+}
+
+// announce writes what this node holds to etcd whenever it changes,
+// coalescing the changes made while a write is in flight. On failure it
+// retries every second; a new lease rewrites everything.
+func (n *Node) announce() {
+	defer n.wg.Done()
+	for {
+		select {
+		case <-n.wake:
+		case <-n.ctx.Done():
+			return
+		}
+		if err := n.flush(); err != nil {
+			if n.ctx.Err() != nil {
+				return
+			}
+			n.log.Warn("cluster: announcing held pieces failed; retrying", "node", n.cfg.Node, "err", err)
+			sleep(n.ctx, time.Second)
+			n.kick()
+		}
+	}
+}
+
+// pending is one holder key to write.
+type pending struct {
+	id     string
+	gen    uint64
+	bits   bitmap
+	delete bool // delete the key instead
+}
+
+// flush writes every changed holder key, maxTxnOps at a time.
+func (n *Node) flush() error {
+	n.flushMu.Lock()
+	defer n.flushMu.Unlock()
+	for {
+		if err := n.resolveOffers(); err != nil {
+			return err
+		}
+		n.mu.Lock()
+		s, epoch := n.sess, n.epoch
+		var batch []pending
+		for id, h := range n.held {
+			if h.gen == h.written || h.content == nil && !h.dropped {
+				continue
+			}
+			p := pending{id: id, gen: h.gen, bits: bytes.Clone(h.bits), delete: h.dropped}
+			if batch = append(batch, p); len(batch) == maxTxnOps {
+				break
+			}
+		}
+		n.mu.Unlock()
+		if s == nil || len(batch) == 0 {
+			return nil // run() rewrites everything once joined
+		}
+		if err := n.writeHolders(s, batch); err != nil {
+			return err
+		}
+		n.mu.Lock()
+		for _, p := range batch {
+			if h := n.held[p.id]; h != nil && n.epoch == epoch {
+				h.written = max(h.written, p.gen)
+				if h.dropped && h.written == h.gen {
+					delete(n.held, p.id)
+				}
+			}
+		}
+		n.mu.Unlock()
+	}
+}
+
+// writeHolders writes a batch of holder keys under s's lease, in one
+// transaction that checks this node's key still carries that lease.
+func (n *Node) writeHolders(s *concurrency.Session, batch []pending) error {
+	ops := make([]clientv3.Op, 0, len(batch))
+	for _, p := range batch {
+		key := n.keys.holder(p.id, n.cfg.Node)
+		if p.delete {
+			ops = append(ops, clientv3.OpDelete(key))
+		} else {
+			ops = append(ops, clientv3.OpPut(key, string(p.bits), clientv3.WithLease(s.Lease())))
+		}
+	}
+	ctx, cancel := n.timeout(n.ctx)
+	defer cancel()
+	resp, err := n.etcd.Txn(ctx).
+		If(clientv3.Compare(clientv3.LeaseValue(n.keys.node(n.cfg.Node)), "=", int64(s.Lease()))).
+		Then(ops...).
+		Commit()
+	if err != nil {
+		return n.etcdErr("announce held pieces", err)
+	}
+	if !resp.Succeeded {
+		s.Orphan() // our name is no longer under this lease: join again
+		return fmt.Errorf("%w: node %s's key no longer carries its lease", ErrUnavailable, n.cfg.Node)
+	}
+	return nil
+}
+
+// resolveOffers looks up offered contents in etcd; those found (and of the
+// offered size) are served and announced in full, the others dropped.
+func (n *Node) resolveOffers() error {
+	n.mu.Lock()
+	var ids []string
+	for id, h := range n.held {
+		if h.content == nil && !h.dropped {
+			ids = append(ids, id)
+		}
+	}
+	n.mu.Unlock()
+	for _, id := range ids {
+		c, err := n.Content(n.ctx, id)
+		n.mu.Lock()
+		h := n.held[id]
+		switch {
+		case h == nil || h.dropped || h.content != nil:
+		case err == nil && c.Size == h.size:
+			h.content, h.bits = c, newBitmap(c.Pieces())
+			h.bits.fill(c.Pieces())
+			h.gen = n.nextGen()
+			n.log.Info("cluster: serving a recovered content", "content", id, "bytes", c.Size)
+		case err == nil || errors.Is(err, ErrNotPublished) || errors.Is(err, ErrCorrupt):
+			if err == nil {
+				err = fmt.Errorf("offered %d bytes, published %d", h.size, c.Size)
+			}
+			n.log.Warn("cluster: not serving an offered content", "content", id, "err", err)
+			delete(n.held, id)
+		default:
+			n.mu.Unlock()
+			return err
+		}
+		n.mu.Unlock()
+	}
+	return nil
+}

@@ -1,0 +1,481 @@
+package cluster
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+)
+
+// maxTxnBytes bounds the values written by one transaction (etcd refuses
+// requests over 1.5 MiB by default).
+const maxTxnBytes = 1 << 20
+
+// LocalEntry is an entry to publish and, for a file, its bytes.
+type LocalEntry struct {
+	Entry
+	// Data holds a file's Entry.Size bytes; nil for a directory. The node
+	// serves the published pieces from it until Drop: it must not change.
+	Data io.ReaderAt
+}
+
+// DirInfo is the current version of a published directory.
+type DirInfo struct {
+	Dir       string    `json:"-"`
+	Version   string    `json:"version"`
+	Publisher string    `json:"publisher"`
+	Time      time.Time `json:"time"`
+	Prev      string    `json:"prev,omitempty"` // the version it replaced
+}
+
+// DirEvent is a change to the published directories.
+type DirEvent struct {
+	DirInfo
+	Deleted bool // the directory was unpublished
+}
+
+// Publish makes entries (a whole tree: "." and every parent of every path)
+// the current version of dir, cluster-wide, and serves its files' pieces
+// from their Data. Files are hashed here (Entry.Content is ignored);
+// set-id bits (and a file's sticky bit) are not published. Publishing what
+// is already current changes nothing. Concurrent publishers of one dir are
+// ordered; each version records the one it replaced. Fails with ErrInvalid
+// for a bad name or entry, ErrUnavailable when etcd does not answer.
+func (n *Node) Publish(ctx context.Context, dir string, local []LocalEntry) (DirInfo, error) {
+	if err := CheckDir(dir); err != nil {
+		return DirInfo{}, err
+	}
+	local = slices.Clone(local)
+	slices.SortFunc(local, func(a, b LocalEntry) int { return entryOrder(a.Entry, b.Entry) })
+	entries := make([]Entry, len(local))
+	for i := range local {
+		e := &local[i].Entry
+		strip := uint32(0o7000) // a file's set-id and sticky bits
+		if e.IsDir() {
+			strip = 0o6000 // a directory keeps its sticky bit
+		}
+		if e.Mode&strip != 0 {
+			n.log.Info("cluster: publishing without set-id bits", "dir", dir, "path", e.Path, "mode", fmt.Sprintf("%o", e.Mode))
+			e.Mode &^= strip
+		}
+		if !e.IsDir() && local[i].Data == nil {
+			return DirInfo{}, fmt.Errorf("%w: %s: file %q has no data", ErrInvalid, dir, e.Path)
+		}
+		if err := e.check(); err != nil {
+			return DirInfo{}, fmt.Errorf("%w: %s: %v", ErrInvalid, dir, err)
+		}
+		entries[i] = *e
+	}
+	if err := checkTree(entries); err != nil {
+		return DirInfo{}, fmt.Errorf("%s: %w", dir, err)
+	}
+	contents, err := n.hashFiles(local)
+	if err != nil {
+		return DirInfo{}, fmt.Errorf("cluster: publish %s: %w", dir, err)
+	}
+	encoded := make([][]byte, len(entries))
+	for i := range entries {
+		if c := contents[i]; c != nil {
+			entries[i].Content = c.ID()
+		}
+		encoded[i] = encodeEntry(&entries[i])
+	}
+	vid := versionID(encoded)
+
+	if _, err := n.lease(ctx); err != nil {
+		return DirInfo{}, fmt.Errorf("cluster: publish %s: %w", dir, err)
+	}
+	// Serve the pieces before any key names them.
+	var added []string
+	var ops []clientv3.Op
+	seen := map[string]bool{}
+	for i, c := range contents {
+		if c == nil || seen[c.ID()] {
+			continue
+		}
+		seen[c.ID()] = true
+		ops = append(ops, clientv3.OpPut(n.keys.content(c.ID()), string(c.encode())))
+		bits := newBitmap(c.Pieces())
+		bits.fill(c.Pieces())
+		if n.hold(c, local[i].Data, bits, false) == nil {
+			added = append(added, c.ID())
+		}
+	}
+	info, err := n.publish(ctx, dir, vid, entries, encoded, ops)
+	if err != nil {
+		for _, id := range added {
+			n.Drop(id)
+		}
+		return DirInfo{}, fmt.Errorf("cluster: publish %s: %w", dir, err)
+	}
+	n.log.Info("cluster: published", "dir", dir, "version", vid, "entries", len(entries), "prev", info.Prev)
+	return info, nil
+}
+
+// publish writes a version's keys (contents in ops, then entries, the
+// publisher's holder keys and the version key) and swaps dir to it.
+func (n *Node) publish(ctx context.Context, dir, vid string, entries []Entry, encoded [][]byte, ops []clientv3.Op) (DirInfo, error) {
+	var total int64
+	for i := range entries {
+		ops = append(ops, clientv3.OpPut(n.keys.entry(vid, entries[i].Path), string(encoded[i])))
+		total += entries[i].Size
+	}
+	if err := n.putAll(ctx, ops); err != nil {
+		return DirInfo{}, err
+	}
+	if err := n.flush(); err != nil {
+		return DirInfo{}, err
+	}
+	header, _ := json.Marshal(versionHeader{Entries: len(entries), Bytes: total})
+	if err := n.putAll(ctx, []clientv3.Op{clientv3.OpPut(n.keys.version(vid), string(header))}); err != nil {
+		return DirInfo{}, err
+	}
+	key := n.keys.dir(dir)
+	for {
+		cur, rev, err := n.getDir(ctx, dir)
+		if err != nil {
+			return DirInfo{}, err
+		}
+		if cur.Version == vid {
+			return cur, nil
+		}
+		info := DirInfo{Dir: dir, Version: vid, Publisher: n.cfg.Node, Time: time.Now().UTC(), Prev: cur.Version}
+		value, _ := json.Marshal(info)
+		tctx, cancel := n.timeout(ctx)
+		resp, err := n.etcd.Txn(tctx).
+			If(clientv3.Compare(clientv3.ModRevision(key), "=", rev)).
+			Then(clientv3.OpPut(key, string(value))).
+			Commit()
+		cancel()
+		if err != nil {
+			return DirInfo{}, n.etcdErr("publish "+dir, err)
+		}
+		if resp.Succeeded {
+			return info, nil
+		}
+	}
+}
+
+// putAll writes ops in transactions of at most maxTxnOps operations and
+// about maxTxnBytes bytes.
+func (n *Node) putAll(ctx context.Context, ops []clientv3.Op) error {
+	for len(ops) > 0 {
+		k, size := 0, 0
+		for k < len(ops) && k < maxTxnOps && (k == 0 || size+len(ops[k].ValueBytes()) <= maxTxnBytes) {
+			size += len(ops[k].ValueBytes())
+			k++
+		}
+		tctx, cancel := n.timeout(ctx)
+		_, err := n.etcd.Txn(tctx).Then(ops[:k]...).Commit()
+		cancel()
+		if err != nil {
+			return n.etcdErr("write manifests", err)
+		}
+		ops = ops[k:]
+	}
+	return nil
+}
+
+// hashFiles hashes the files of local, several at once; the result has a
+// Content at each file's index.
+func (n *Node) hashFiles(local []LocalEntry) ([]*Content, error) {
+	out := make([]*Content, len(local))
+	errs := make([]error, len(local))
+	sem := make(chan struct{}, runtime.GOMAXPROCS(0))
+	var wg sync.WaitGroup
+	for i := range local {
+		if local[i].IsDir() {
+			continue
+		}
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			out[i], errs[i] = hashContent(local[i].Data, local[i].Size, n.cfg.PieceSize)
+			if errs[i] != nil {
+				errs[i] = fmt.Errorf("hash %q: %w", local[i].Path, errs[i])
+			}
+		})
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+// getDir returns dir's current version and its key's ModRevision (0 and a
+// zero DirInfo when it is not published).
+func (n *Node) getDir(ctx context.Context, dir string) (DirInfo, int64, error) {
+	tctx, cancel := n.timeout(ctx)
+	defer cancel()
+	resp, err := n.etcd.Get(tctx, n.keys.dir(dir))
+	if err != nil {
+		return DirInfo{}, 0, n.etcdErr("look up "+dir, err)
+	}
+	if len(resp.Kvs) == 0 {
+		return DirInfo{Dir: dir}, 0, nil
+	}
+	info, err := decodeDir(dir, resp.Kvs[0].Value)
+	return info, resp.Kvs[0].ModRevision, err
+}
+
+// decodeDir parses the value of a dirs/ key.
+func decodeDir(dir string, b []byte) (DirInfo, error) {
+	info := DirInfo{Dir: dir}
+	if err := json.Unmarshal(b, &info); err != nil || !validID(info.Version) {
+		return info, fmt.Errorf("%w: directory %s: %q", ErrCorrupt, dir, b)
+	}
+	return info, nil
+}
+
+// Lookup returns the current version of a published directory, or
+// ErrNotPublished.
+func (n *Node) Lookup(ctx context.Context, dir string) (DirInfo, error) {
+	if err := CheckDir(dir); err != nil {
+		return DirInfo{}, err
+	}
+	info, rev, err := n.getDir(ctx, dir)
+	if err == nil && rev == 0 {
+		err = fmt.Errorf("cluster: %s: %w", dir, ErrNotPublished)
+	}
+	return info, err
+}
+
+// Dirs returns every published directory and the etcd revision they were
+// read at.
+func (n *Node) Dirs(ctx context.Context) ([]DirInfo, int64, error) {
+	tctx, cancel := n.timeout(ctx)
+	defer cancel()
+	resp, err := n.etcd.Get(tctx, n.keys.dirs(), clientv3.WithPrefix())
+	if err != nil {
+		return nil, 0, n.etcdErr("list published directories", err)
+	}
+	var out []DirInfo
+	for _, kv := range resp.Kvs {
+		dir := strings.TrimPrefix(string(kv.Key), n.keys.dirs())
+		info, err := decodeDir(dir, kv.Value)
+		if err != nil {
+			n.log.Warn("cluster: skipping a corrupt directory key", "err", err)
+			continue
+		}
+		out = append(out, info)
+	}
+	return out, resp.Header.Revision, nil
+}
+
+// Unpublish removes a directory from the cluster's namespace. Its versions
+// stay for the readers that have them, and every node keeps serving what
+// it holds until it drops it.
+func (n *Node) Unpublish(ctx context.Context, dir string) error {
+	if err := CheckDir(dir); err != nil {
+		return err
+	}
+	tctx, cancel := n.timeout(ctx)
+	defer cancel()
+	resp, err := n.etcd.Delete(tctx, n.keys.dir(dir))
+	if err != nil {
+		return n.etcdErr("unpublish "+dir, err)
+	}
+	if resp.Deleted == 0 {
+		return fmt.Errorf("cluster: %s: %w", dir, ErrNotPublished)
+	}
+	n.log.Info("cluster: unpublished", "dir", dir)
+	return nil
+}
+
+// Version reads a published version: its entries, checked against its ID,
+// and the contents of its files, checked against theirs.
+func (n *Node) Version(ctx context.Context, vid string) (*Version, error) {
+	if !validID(vid) {
+		return nil, fmt.Errorf("%w: version ID %q", ErrInvalid, vid)
+	}
+	tctx, cancel := n.timeout(ctx)
+	defer cancel()
+	resp, err := n.etcd.Txn(tctx).Then(
+		clientv3.OpGet(n.keys.version(vid)),
+		clientv3.OpGet(n.keys.entries(vid), clientv3.WithPrefix()),
+	).Commit()
+	if err != nil {
+		return nil, n.etcdErr("read version "+vid, err)
+	}
+	hkv, ekv := resp.Responses[0].GetResponseRange().Kvs, resp.Responses[1].GetResponseRange().Kvs
+	if len(hkv) == 0 {
+		return nil, fmt.Errorf("cluster: version %s: %w", vid, ErrNotPublished)
+	}
+	var header versionHeader
+	if err := json.Unmarshal(hkv[0].Value, &header); err != nil || header.Entries != len(ekv) {
+		return nil, fmt.Errorf("%w: version %s: header %q, %d entries", ErrCorrupt, vid, hkv[0].Value, len(ekv))
+	}
+	v := &Version{ID: vid, Entries: make([]Entry, len(ekv)), Contents: map[string]*Content{}}
+	raw := map[string][]byte{}
+	for i, kv := range ekv {
+		e := &v.Entries[i]
+		if err := json.Unmarshal(kv.Value, e); err != nil || n.keys.entry(vid, e.Path) != string(kv.Key) {
+			return nil, fmt.Errorf("%w: version %s: entry %q", ErrCorrupt, vid, kv.Key)
+		}
+		if err := e.check(); err != nil {
+			return nil, fmt.Errorf("%w: version %s: %v", ErrCorrupt, vid, err)
+		}
+		raw[e.Path] = kv.Value
+	}
+	slices.SortFunc(v.Entries, entryOrder)
+	encoded := make([][]byte, len(v.Entries))
+	for i := range v.Entries {
+		encoded[i] = raw[v.Entries[i].Path]
+	}
+	if versionID(encoded) != vid {
+		return nil, fmt.Errorf("%w: version %s: its entries do not hash to its ID", ErrCorrupt, vid)
+	}
+	if err := checkTree(v.Entries); err != nil {
+		return nil, fmt.Errorf("%w: version %s: %v", ErrCorrupt, vid, err)
+	}
+	var ids []string
+	for i := range v.Entries {
+		if e := &v.Entries[i]; !e.IsDir() {
+			if !validID(e.Content) {
+				return nil, fmt.Errorf("%w: version %s: %q: content %q", ErrCorrupt, vid, e.Path, e.Content)
+			}
+			ids = append(ids, e.Content)
+		}
+	}
+	slices.Sort(ids)
+	ids = slices.Compact(ids)
+	for len(ids) > 0 {
+		k := min(len(ids), maxTxnOps)
+		if err := n.getContents(ctx, ids[:k], v.Contents); err != nil {
+			return nil, err
+		}
+		ids = ids[k:]
+	}
+	for i := range v.Entries {
+		if e := &v.Entries[i]; !e.IsDir() && v.Contents[e.Content].Size != e.Size {
+			return nil, fmt.Errorf("%w: version %s: %q has %d bytes, its content %d", ErrCorrupt, vid, e.Path, e.Size, v.Contents[e.Content].Size)
+		}
+	}
+	return v, nil
+}
+
+// getContents reads the contents ids (at most maxTxnOps) into out.
+func (n *Node) getContents(ctx context.Context, ids []string, out map[string]*Content) error {
+	ops := make([]clientv3.Op, len(ids))
+	for i, id := range ids {
+		ops[i] = clientv3.OpGet(n.keys.content(id))
+	}
+	tctx, cancel := n.timeout(ctx)
+	defer cancel()
+	resp, err := n.etcd.Txn(tctx).Then(ops...).Commit()
+	if err != nil {
+		return n.etcdErr("read contents", err)
+	}
+	for i, id := range ids {
+		kvs := resp.Responses[i].GetResponseRange().Kvs
+		if len(kvs) == 0 {
+			return fmt.Errorf("cluster: content %s: %w", id, ErrNotPublished)
+		}
+		c, err := decodeContent(id, kvs[0].Value)
+		if err != nil {
+			return err
+		}
+		out[id] = c
+	}
+	return nil
+}
+
+// Content reads one published content.
+func (n *Node) Content(ctx context.Context, id string) (*Content, error) {
+	if !validID(id) {
+		return nil, fmt.Errorf("%w: content ID %q", ErrInvalid, id)
+	}
+	out := map[string]*Content{}
+	if err := n.getContents(ctx, []string{id}, out); err != nil {
+		return nil, err
+	}
+	return out[id], nil
+}
+
+// Watch sends the published directories as they are, then every change,
+// until ctx ends (then it closes the channel). While etcd is unreachable
+// it waits; when etcd returns it goes on where it left off, or, if that
+// history is gone (compacted), sends the whole state again, with
+// deletions for what vanished meanwhile.
+func (n *Node) Watch(ctx context.Context) <-chan DirEvent {
+	ch := make(chan DirEvent, 16)
+	ctx, cancel := context.WithCancel(ctx)
+	stop := context.AfterFunc(n.ctx, cancel) // end with the node too
+	go func() {
+		defer close(ch)
+		defer stop()
+		defer cancel()
+		known := map[string]bool{}
+		send := func(ev DirEvent) bool {
+			select {
+			case ch <- ev:
+				known[ev.Dir] = !ev.Deleted
+				return true
+			case <-ctx.Done():
+				return false
+			}
+		}
+		for ctx.Err() == nil {
+			dirs, rev, err := n.Dirs(ctx)
+			if err != nil {
+				sleep(ctx, time.Second)
+				continue
+			}
+			now := map[string]bool{}
+			for _, d := range dirs {
+				now[d.Dir] = true
+				if !send(DirEvent{DirInfo: d}) {
+					return
+				}
+			}
+			for dir, live := range known {
+				if live && !now[dir] && !send(DirEvent{DirInfo: DirInfo{Dir: dir}, Deleted: true}) {
+					return
+				}
+			}
+			if !n.watchDirs(ctx, rev+1, send) {
+				return
+			}
+		}
+	}()
+	return ch
+}
+
+// watchDirs sends the changes to dirs/ from revision rev until ctx ends
+// (false) or the watch fails and the state must be read again (true).
+func (n *Node) watchDirs(ctx context.Context, rev int64, send func(DirEvent) bool) bool {
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	for resp := range n.etcd.Watch(wctx, n.keys.dirs(), clientv3.WithPrefix(), clientv3.WithRev(rev)) {
+		if err := resp.Err(); err != nil {
+			n.log.Info("cluster: watch of published directories ended; reading them again", "err", err)
+			return ctx.Err() == nil
+		}
+		for _, ev := range resp.Events {
+			dir := strings.TrimPrefix(string(ev.Kv.Key), n.keys.dirs())
+			de := DirEvent{DirInfo: DirInfo{Dir: dir}, Deleted: ev.Type == clientv3.EventTypeDelete}
+			if !de.Deleted {
+				info, err := decodeDir(dir, ev.Kv.Value)
+				if err != nil {
+					n.log.Warn("cluster: skipping a corrupt directory key", "err", err)
+					continue
+				}
+				de.DirInfo = info
+			}
+			if !send(de) {
+				return false
+			}
+		}
+	}
+	return ctx.Err() == nil
+}

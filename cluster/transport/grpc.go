@@ -1,0 +1,192 @@
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/status"
+
+	"tensorfs/cluster/transport/piecepb"
+)
+
+// ChunkSize is the size of the messages a piece is streamed in.
+const ChunkSize = 1 << 20
+
+// ConnectParams bound gRPC's reconnection backoff to a few seconds, so that
+// a peer (or etcd) that comes back is reached again at once, not after a
+// backoff grown to minutes.
+func ConnectParams() grpc.ConnectParams {
+	return grpc.ConnectParams{
+		Backoff:           backoff.Config{BaseDelay: 250 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 2 * time.Second},
+		MinConnectTimeout: 5 * time.Second,
+	}
+}
+
+// GRPC is the gRPC implementation of Transport: one server per node, one
+// client connection per peer, a server stream per piece fetched. Every
+// connection is mutual TLS with the cluster's credentials.
+type GRPC struct {
+	creds *Credentials
+	log   *slog.Logger
+
+	mu     sync.Mutex
+	conns  map[Peer]*grpc.ClientConn // peers dialled, by name and address
+	server *grpc.Server              // nil until Serve
+	closed bool
+}
+
+var _ Transport = (*GRPC)(nil)
+
+// NewGRPC returns a gRPC transport that authenticates with creds.
+func NewGRPC(creds *Credentials, log *slog.Logger) *GRPC {
+	return &GRPC{creds: creds, log: log, conns: map[Peer]*grpc.ClientConn{}}
+}
+
+// Serve implements Transport.
+func (g *GRPC) Serve(l net.Listener, src Source) error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed {
+		l.Close()
+		return net.ErrClosed
+	}
+	if g.server != nil {
+		l.Close()
+		return errors.New("transport: already serving")
+	}
+	g.server = grpc.NewServer(
+		grpc.Creds(credentials.NewTLS(g.creds.ServerConfig())),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
+	)
+	piecepb.RegisterPiecesServer(g.server, &pieceServer{src: src, log: g.log})
+	go func() {
+		if err := g.server.Serve(l); err != nil {
+			g.log.Warn("cluster: piece server stopped", "addr", l.Addr(), "err", err)
+		}
+	}()
+	return nil
+}
+
+// Fetch implements Transport.
+func (g *GRPC) Fetch(ctx context.Context, peer Peer, p Piece, w io.Writer) (int64, error) {
+	conn, err := g.conn(peer)
+	if err != nil {
+		return 0, err
+	}
+	stream, err := piecepb.NewPiecesClient(conn).Fetch(ctx, &piecepb.FetchRequest{Content: p.Content, Index: uint32(p.Index)})
+	if err != nil {
+		return 0, fetchError(ctx, peer, p, err)
+	}
+	var n int64
+	for {
+		chunk, err := stream.Recv()
+		if err == io.EOF {
+			return n, nil
+		}
+		if err != nil {
+			return n, fetchError(ctx, peer, p, err)
+		}
+		k, err := w.Write(chunk.Data)
+		n += int64(k)
+		if err != nil {
+			return n, err
+		}
+	}
+}
+
+// fetchError wraps a gRPC error in ErrNotServed or ErrUnreachable, or in
+// the context's error when the caller gave up.
+func fetchError(ctx context.Context, peer Peer, p Piece, err error) error {
+	kind := ErrUnreachable
+	switch {
+	case ctx.Err() != nil:
+		return fmt.Errorf("fetch piece %d of %.12s from %s: %w", p.Index, p.Content, peer.Name, context.Cause(ctx))
+	case status.Code(err) == codes.NotFound:
+		kind = ErrNotServed
+	}
+	return fmt.Errorf("fetch piece %d of %.12s from %s (%s): %w: %s", p.Index, p.Content, peer.Name, peer.Addr, kind, status.Convert(err).Message())
+}
+
+// conn returns the connection to peer, dialling it the first time. gRPC
+// connects lazily and reconnects by itself.
+func (g *GRPC) conn(peer Peer) (*grpc.ClientConn, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed {
+		return nil, net.ErrClosed
+	}
+	if c := g.conns[peer]; c != nil {
+		return c, nil
+	}
+	c, err := grpc.NewClient("passthrough:///"+peer.Addr,
+		grpc.WithTransportCredentials(credentials.NewTLS(g.creds.ClientConfig(peer.Name))),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(2*ChunkSize)),
+		grpc.WithConnectParams(ConnectParams()),
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("peer %s (%s): %w: %v", peer.Name, peer.Addr, ErrUnreachable, err)
+	}
+	g.conns[peer] = c
+	return c, nil
+}
+
+// Close implements Transport.
+func (g *GRPC) Close() error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.closed {
+		return nil
+	}
+	g.closed = true
+	if g.server != nil {
+		g.server.Stop()
+	}
+	for _, c := range g.conns {
+		c.Close()
+	}
+	g.conns = nil
+	return nil
+}
+
+// pieceServer answers Fetch from a Source.
+type pieceServer struct {
+	piecepb.UnimplementedPiecesServer
+	src Source
+	log *slog.Logger
+}
+
+// Fetch streams the piece the request names, in chunks of ChunkSize.
+func (s *pieceServer) Fetch(req *piecepb.FetchRequest, stream grpc.ServerStreamingServer[piecepb.Chunk]) error {
+	p := Piece{Content: req.Content, Index: int(req.Index)}
+	r, off, n, err := s.src.Piece(p)
+	if err != nil {
+		s.log.Info("cluster: refused a piece", "content", p.Content, "piece", p.Index, "err", err)
+		return status.Error(codes.NotFound, err.Error())
+	}
+	for n > 0 {
+		// A new buffer per message: gRPC may hold a message after Send.
+		buf := make([]byte, min(n, ChunkSize))
+		if k, err := r.ReadAt(buf, off); k < len(buf) {
+			s.log.Warn("cluster: reading a piece failed", "content", p.Content, "piece", p.Index, "err", err)
+			return status.Error(codes.Internal, "reading the piece failed")
+		}
+		if err := stream.Send(&piecepb.Chunk{Data: buf}); err != nil {
+			return err
+		}
+		off += int64(len(buf))
+		n -= int64(len(buf))
+	}
+	return nil
+}
