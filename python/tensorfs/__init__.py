@@ -151,29 +151,32 @@ def _format_dims(dims):
 
 
 def check_shape(shape: _typing.Any, what: str = "tensorfs") -> tuple:
-    """Return shape (a sequence of ints, or a string "[2, 3]") as a tuple, as the daemon checks it.
+    """Return shape as a tuple of ints, checked as the daemon checks user.tensor.shape.
 
-    ValueError, saying which part is wrong and prefixed with what, for
-    anything else: "3x4", negative or non-integer dims.
+    shape is a sequence of ints or a string the daemon accepts: "[3, 4]",
+    "(3,)", "3,4", "[]" for a scalar. ValueError prefixed with what, saying
+    which part is wrong, for anything else ("3x4", negative dims).
     """
     if isinstance(shape, str):
-        s = shape.strip()
-        if not (s.startswith("[") and s.endswith("]")) and not (s.startswith("(") and s.endswith(")")):
-            raise ValueError("%s: shape %r is not a list like \"[3, 4]\"" % (what, shape))
-        parts = [p.strip() for p in s[1:-1].split(",")]
-        if parts == [""]:
-            parts = []
+        body = shape.strip()
+        if not body:
+            raise ValueError('%s: empty shape, use "[]" for a scalar' % what)
+        if body[0] in "[(":
+            if len(body) < 2 or body[-1] != {"[": "]", "(": ")"}[body[0]]:
+                raise ValueError("%s: unbalanced brackets in shape %r" % (what, shape))
+            body = body[1:-1].strip()
+        parts = [p.strip() for p in body.split(",")] if body else []
+        if len(parts) > 1 and parts[-1] == "":
+            parts.pop()  # "(3,)"
     else:
         parts = list(shape)
     dims = []
     for p in parts:
-        try:
-            d = int(p) if isinstance(p, str) and p.isdigit() or not isinstance(p, (str, float)) else None
-        except (TypeError, ValueError):
-            d = None
-        if d is None or d < 0 or isinstance(p, bool):
+        ok = (isinstance(p, str) and p.isascii() and p.isdigit()) or (
+            not isinstance(p, (str, bool, float)) and hasattr(p, "__index__"))
+        if not ok or int(p) < 0:
             raise ValueError("%s: %r in shape %r is not a non-negative integer" % (what, p, shape))
-        dims.append(d)
+        dims.append(int(p))
     return tuple(dims)
 
 
@@ -446,17 +449,18 @@ def explain(err: OSError, path: str, what: str) -> OSError:
         why = ("the tensorfs daemon serving %s is gone (ENOTCONN: transport endpoint is not connected): "
                "remount it with tensorfs mount" % path)
     elif e in (_errno.EPERM, _errno.EACCES, _errno.EEXIST, _errno.EROFS):
+        where = path if _os.path.isdir(path) else parent  # the directory something was made in
         try:
-            target = _flags(path) if _os.path.lexists(path) else []
-            dirflags = _flags(parent)
+            target = _flags(path) if _os.path.isfile(path) else []
+            dirflags = _flags(where)
         except OSError:
             target, dirflags = [], []
         if "FROMFD" in target:
             why = "%s is FROMFD (an imported, read-only segment)" % path
         elif "NOCREATE" in dirflags:
-            why = "%s is NOCREATE: nothing new may be created in it" % parent
+            why = "%s is NOCREATE: nothing new may be created in it" % where
         elif "EXCLUSIVE" in dirflags and e == _errno.EEXIST:
-            why = "%s is EXCLUSIVE: an existing segment is never replaced" % parent
+            why = "%s is EXCLUSIVE: an existing segment is never replaced" % where
         elif e in (_errno.EACCES, _errno.EPERM):
             why += " (permission bits of %s or its directory)" % path
     exc = OSError(e, "%s: %s" % (what, why), path)
@@ -595,28 +599,29 @@ class Client:
         return self.request({"op": "export", "path": path, "write": bool(write)}, want=1,
                             filename=path)[1][0]
 
-    def import_fd(self, fd, path, dtype=None, shape=None):
+    def import_fd(self, fd, path, dtype=None, shape=None, *, shown=None):
         """Make fd (regular file or memfd) the read-only FROMFD segment at path, no copy.
 
         dtype and shape are checked here, with the daemon's rules (one
         dtype table), so that a refusal says why: ValueError or TypeError
-        naming path.
+        naming shown (default path).
         """
+        shown = shown or path
         req = {"op": "import", "path": path}
         if dtype is not None:
             try:
                 req["dtype"] = canonical_dtype(dtype)
             except TypeError as e:
-                raise TypeError("tensorfs.import_fd: %s: %s" % (path, e)) from None
+                raise TypeError("tensorfs.import_fd: %s: %s" % (shown, e)) from None
         if shape is not None:
-            dims = check_shape(shape, "tensorfs.import_fd: %s" % path)
+            dims = check_shape(shape, "tensorfs.import_fd: %s" % shown)
             req["shape"] = _format_dims(dims)
             if dtype is not None:
                 need = -(-DTYPES[req["dtype"]]["bits"] * _numel(dims) // 8)
                 have = _os.fstat(fd).st_size
                 if need > have:
                     raise ValueError("tensorfs.import_fd: %s: %s %s needs %d bytes, the descriptor holds %d"
-                                     % (path, req["dtype"], list(dims), need, have))
+                                     % (shown, req["dtype"], list(dims), need, have))
         self.request(req, [fd], filename=path)
 
     def load(self, path, write=False):
@@ -700,7 +705,7 @@ def import_fd(fd, path, dtype=None, shape=None, *, mount=None):
     """
     mount, rel = _resolve(path, mount)
     with Client(mount) as c:
-        c.import_fd(fd, rel, dtype, shape)
+        c.import_fd(fd, rel, dtype, shape, shown=path)
 
 
 def all_gather_fds(path, group, rank, world, fd, *, timeout=None, open_group=False):
