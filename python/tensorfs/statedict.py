@@ -244,7 +244,8 @@ def _listing(path, write):
     """
     mount = _tfs.find_mount(path)
     rel = _os.path.relpath(_os.path.abspath(path), mount)
-    recorded = any(_tfs._getxattr(path, a) is not None for a in _RECORDS)
+    keys = _get_json(path, _KEYS_ATTR)
+    recorded = keys is not None or any(_tfs._getxattr(path, a) is not None for a in _RECORDS[1:])
     out = []
     try:
         with _tfs.Client(mount) as c:
@@ -274,8 +275,7 @@ def _listing(path, write):
         if e.errno == _errno.ENOTCONN:
             raise _tfs.explain(e, path, "tensorfs: loading %s" % path) from None
         raise
-    keys = _get_json(path, _KEYS_ATTR) or []
-    rank = {k: i for i, k in enumerate(keys)}
+    rank = {k: i for i, k in enumerate(keys or ())}
     out.sort(key=lambda e: (rank.get(e.name, len(rank)), e.name))
     return out
 
