@@ -538,13 +538,13 @@ func (j *importJob) startTensor(c *copier, ref tensorRef) error {
 	if err != nil {
 		return err
 	}
-	if err := prepareSegment(f, ref); err != nil {
+	if err := prepareSegment(f, ref, j.dir); err != nil {
 		f.Close()
 		return err
 	}
 	c.add(f, 0, ref.src.f, ref.src.dataAt+t.Begin, t.Size(), func(err error) error {
 		if errors.Is(err, unix.ENOSPC) {
-			err = errFull
+			err = full(j.dir)
 		}
 		if cerr := f.Close(); err == nil {
 			err = cerr
@@ -559,7 +559,7 @@ func (j *importJob) startTensor(c *copier, ref tensorRef) error {
 
 // prepareSegment sets a tensor's dtype and shape on its new segment f,
 // and sizes a device segment.
-func prepareSegment(f *os.File, ref tensorRef) error {
+func prepareSegment(f *os.File, ref tensorRef, dir string) error {
 	// A host segment gets its pages as its bytes are written, as a full
 	// mount says with ENOSPC; reserving them first would clear every
 	// page once more. A device segment is sized at once, so that its
@@ -567,7 +567,7 @@ func prepareSegment(f *os.File, ref tensorRef) error {
 	if n := ref.t.Size(); n > 0 && onDevice(f) {
 		if err := f.Truncate(n); err != nil {
 			if errors.Is(err, unix.ENOSPC) {
-				return fmt.Errorf("reserving %d bytes: %w", n, errFull)
+				return fmt.Errorf("reserving %d bytes: %w", n, full(dir))
 			}
 			return err
 		}

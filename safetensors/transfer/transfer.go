@@ -37,6 +37,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 )
 
 const (
@@ -58,9 +59,14 @@ const (
 var (
 	// errInterrupted is returned once the context is done.
 	errInterrupted = errors.New("interrupted")
-	// errFull is returned when the mount has no room for a segment.
-	errFull = errors.New("the mount is full (see df; mount with a larger --capacity)")
+	// errFull is wrapped by the error for a mount with no room for a segment.
+	errFull = errors.New("the tensorfs mount is full")
 )
+
+// full is errFull for an import into dir, saying where to look.
+func full(dir string) error {
+	return fmt.Errorf("%w: df -h %s shows it; free segments or mount with a larger --capacity", errFull, dir)
+}
 
 // Options are what Import and Export may report as they go.
 type Options struct {
