@@ -47,10 +47,12 @@ if _typing.TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "Client",
+    "IncompatibleKeys",
     "TensorMeta",
     "all_gather_fds",
     "broadcast_fd",
     "canonical_dtype",
+    "check_shape",
     "export_fd",
     "export_safetensors",
     "find_mount",
@@ -194,7 +196,7 @@ def _meta_from(attrs, nbytes):
     return TensorMeta(dtype, shape, stride, offset, nbytes)
 
 
-def meta(path):
+def meta(path: str) -> TensorMeta:
     """Read a segment's TensorMeta from its xattrs.
 
     A missing dtype reads as uint8 and a missing shape as one dimension
@@ -205,7 +207,7 @@ def meta(path):
     return _meta_from(attrs, nbytes)
 
 
-def metadata(path):
+def metadata(path: str) -> "dict[str, str]":
     """Return the string metadata of a state dict or safetensors directory.
 
     save_state_dict(metadata=...) and import_safetensors keep it as the
@@ -288,7 +290,8 @@ def _numpy_dtype(dtype):
     return _np().dtype(name).newbyteorder("<")
 
 
-def open(path, mode=None, *, dtype=None, shape=None):
+def open(path: str, mode: _typing.Optional[str] = None, *, dtype: _typing.Any = None,
+         shape: _typing.Optional[_typing.Sequence[int]] = None) -> "numpy.ndarray":
     """Map the segment at path as a NumPy array, zero-copy (np.memmap).
 
     dtype, shape, stride and storage_offset come from the segment's xattrs;
@@ -366,7 +369,7 @@ def save(path: str, x: _typing.Any) -> None:
         _os.rename(tmp, path)
     except OSError as e:
         _unlink_quietly(tmp)
-        raise explain(e, path, "tensorfs.save: %s" % path) from None
+        raise _explain(e, path, "tensorfs.save: %s" % path) from None
 
 
 def _write_temp(path, buf, dtype, shape, what, tmpdir=None):
@@ -381,7 +384,7 @@ def _write_temp(path, buf, dtype, shape, what, tmpdir=None):
     try:
         fd = _os.open(tmp, _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_CLOEXEC, 0o644)
     except OSError as e:
-        raise explain(e, path, "%s: %s" % (what, path)) from None
+        raise _explain(e, path, "%s: %s" % (what, path)) from None
     try:
         try:
             for name in _ATTR_KEEP:
@@ -397,7 +400,7 @@ def _write_temp(path, buf, dtype, shape, what, tmpdir=None):
             _os.close(fd)
     except OSError as e:
         _unlink_quietly(tmp)
-        raise explain(e, path, "%s: %s (%s %s, %s)" % (what, path, dtype, list(shape), _human(len(buf)))) from None
+        raise _explain(e, path, "%s: %s (%s %s, %s)" % (what, path, dtype, list(shape), _human(len(buf)))) from None
     except BaseException:
         _unlink_quietly(tmp)
         raise
@@ -425,7 +428,7 @@ def _human(n):
         n /= 1024
 
 
-def explain(err: OSError, path: str, what: str) -> OSError:
+def _explain(err: OSError, path: str, what: str) -> OSError:
     """Return err as a new OSError of the same errno that says what failed and why.
 
     what names the operation and tensor. The reason is computed here, from
@@ -499,14 +502,14 @@ def find_mount(path: str) -> str:
                 return d
         except OSError as e:
             if e.errno == _errno.ENOTCONN:
-                raise explain(e, d, "tensorfs: %s" % path) from None
+                raise _explain(e, d, "tensorfs: %s" % path) from None
         parent = _os.path.dirname(d)
         if parent == d:
             raise OSError(_errno.ENOENT, "tensorfs: %s is not inside a tensorfs mount" % path, path)
         d = parent
 
 
-def socket_path(mount):
+def socket_path(mount: str) -> str:
     """Return the control socket path of the mount rooted at mount."""
     s = _getxattr(mount, XATTR_SOCKET)
     if not s:
@@ -683,7 +686,7 @@ class Client:
         return self.request(req, want=1)[1][0]
 
 
-def export_fd(path, write=False, *, mount=None):
+def export_fd(path: str, write: bool = False, *, mount: _typing.Optional[str] = None) -> int:
     """Return a descriptor of the KEEPFD segment at path (O_RDWR if write).
 
     The fd is new and close-on-exec; the caller owns it and must os.close()
@@ -696,7 +699,8 @@ def export_fd(path, write=False, *, mount=None):
         return c.export(rel, write)
 
 
-def import_fd(fd, path, dtype=None, shape=None, *, mount=None):
+def import_fd(fd: int, path: str, dtype: _typing.Any = None, shape: _typing.Any = None, *,
+              mount: _typing.Optional[str] = None) -> None:
     """Make fd (a regular file or memfd) the segment at path without a copy.
 
     The segment is read-only (FROMFD) and lives as long as the daemon that
@@ -708,7 +712,8 @@ def import_fd(fd, path, dtype=None, shape=None, *, mount=None):
         c.import_fd(fd, rel, dtype, shape, shown=path)
 
 
-def all_gather_fds(path, group, rank, world, fd, *, timeout=None, open_group=False):
+def all_gather_fds(path: str, group: str, rank: int, world: int, fd: int, *,
+                   timeout: _typing.Optional[float] = None, open_group: bool = False) -> "list[int]":
     """All-gather descriptors among the world local ranks of group.
 
     path is the mount or any path inside it. Every rank calls this (own
@@ -722,7 +727,8 @@ def all_gather_fds(path, group, rank, world, fd, *, timeout=None, open_group=Fal
         return c.all_gather(group, rank, world, fd, open_group)
 
 
-def broadcast_fd(path, group, rank, world, root, fd=None, *, timeout=None, open_group=False):
+def broadcast_fd(path: str, group: str, rank: int, world: int, root: int, fd: _typing.Optional[int] = None, *,
+                 timeout: _typing.Optional[float] = None, open_group: bool = False) -> _typing.Optional[int]:
     """Broadcast root's fd to the world ranks of group.
 
     path is the mount or any path inside it. The root passes fd and gets

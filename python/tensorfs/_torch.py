@@ -30,6 +30,9 @@ import weakref as _weakref
 
 import tensorfs as _tfs
 
+if _typing.TYPE_CHECKING:  # pragma: no cover
+    import torch
+
 
 def _torch():
     try:
@@ -138,7 +141,7 @@ def tensor_on(mm, m, path, write, ident=None, published=False):
     return base[:len(mm) // size * size].view(tdt).as_strided(shape, stride, m.storage_offset)
 
 
-def open_torch(path, mode=None):
+def open_torch(path: str, mode: _typing.Optional[str] = None) -> "torch.Tensor":
     """Map the segment at path as a torch CPU tensor, zero-copy.
 
     mode "r+" maps it shared and writable: stores reach every process that
@@ -182,7 +185,7 @@ def tensor_bytes(x):
 
 # --- publish --------------------------------------------------------------
 
-def publish(tensor, path, *, mount=None):
+def publish(tensor: "torch.Tensor", path: str, *, mount: _typing.Optional[str] = None) -> "torch.Tensor":
     """Move a torch CPU tensor to shared memory that becomes the segment at path.
 
     The tensor's elements are copied once into a new memfd (as

@@ -117,7 +117,7 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
         try:
             _os.makedirs(path)
         except OSError as e:
-            raise _tfs.explain(e, path, "tensorfs.save_state_dict: %s" % path) from None
+            raise _tfs._explain(e, path, "tensorfs.save_state_dict: %s" % path) from None
     for n in names:
         if _os.path.isdir(_os.path.join(path, n)):
             raise IsADirectoryError(_errno.EISDIR, "tensorfs.save_state_dict: %s is a directory, "
@@ -127,7 +127,7 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
         try:
             tmp = _mkdtemp(path)
         except OSError as e:
-            raise _tfs.explain(e, path, "tensorfs.save_state_dict: %s" % path) from None
+            raise _tfs._explain(e, path, "tensorfs.save_state_dict: %s" % path) from None
         first = {}
         for name, value in state_dict.items():
             dst = _os.path.join(tmp, name)
@@ -156,7 +156,7 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
                     _rename2(src, dst, _RENAME_NOREPLACE)
                     moved.append((name, False))
             except OSError as e:
-                raise _tfs.explain(e, dst, "tensorfs.save_state_dict: tensor %r" % name) from None
+                raise _tfs._explain(e, dst, "tensorfs.save_state_dict: tensor %r" % name) from None
     except BaseException:
         _undo(path, tmp, moved, old_attrs, created)
         raise
@@ -187,7 +187,7 @@ def _replace_attrs(path, metadata, keys):
         _set_json(path, _KEYS_ATTR, keys)
     except OSError as e:
         _restore_attrs(path, old)
-        raise _tfs.explain(e, path, "tensorfs.save_state_dict: %s: setting its metadata" % path) from None
+        raise _tfs._explain(e, path, "tensorfs.save_state_dict: %s: setting its metadata" % path) from None
     return old
 
 
@@ -273,7 +273,7 @@ def _listing(path, write):
             if entry.fd is not None:
                 _os.close(entry.fd)
         if e.errno == _errno.ENOTCONN:
-            raise _tfs.explain(e, path, "tensorfs: loading %s" % path) from None
+            raise _tfs._explain(e, path, "tensorfs: loading %s" % path) from None
         raise
     rank = {k: i for i, k in enumerate(keys or ())}
     out.sort(key=lambda e: (rank.get(e.name, len(rank)), e.name))
