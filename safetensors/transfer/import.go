@@ -141,6 +141,9 @@ func (j *importJob) open(src string) error {
 		return fmt.Errorf("%s: %w", src, err)
 	}
 	j.indexRaw, j.indexAt = raw, filepath.Base(src)
+	if len(j.index.WeightMap) == 0 {
+		return fmt.Errorf("%s: the index's weight_map names no tensor", src)
+	}
 	for _, name := range j.index.Files() {
 		p := filepath.Join(filepath.Dir(src), name)
 		f, err := openRegular(p)

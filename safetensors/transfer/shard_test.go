@@ -282,6 +282,7 @@ func TestShardedRefused(t *testing.T) {
 		{"moved", strings.Replace(string(good), `"scale": "model-00003-of-00003.safetensors"`, `"scale": "model-00001-of-00003.safetensors"`, 1), `"scale"`},
 		{"no file", strings.Replace(string(good), `"scale": "model-00003-of-00003.safetensors"`, `"scale": "model-00009-of-00009.safetensors"`, 1), "00009"},
 		{"bad json", string(good[:len(good)-3]), "bad index"},
+		{"empty", `{"weight_map": {}}`, "names no tensor"},
 	} {
 		if err := os.WriteFile(index, []byte(c.index), 0o644); err != nil {
 			t.Fatal(err)
