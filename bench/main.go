@@ -59,7 +59,7 @@ type config struct {
 }
 
 // allGroups are the case groups in the order they run.
-var allGroups = []string{"io", "mmap", "meta", "readdir", "import", "scale", "torch", "holders"}
+var allGroups = []string{"io", "mmap", "meta", "readdir", "import", "scale", "torch", "model", "holders"}
 
 func main() {
 	if err := run(); err != nil {
@@ -219,6 +219,8 @@ func (b *bench) group(name string) error {
 		return b.groupScale()
 	case "holders":
 		return b.groupHolders()
+	case "model":
+		return b.groupModel()
 	default:
 		return b.groupTorch()
 	}

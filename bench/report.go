@@ -38,6 +38,8 @@ func (b *bench) tables() []table {
 			[]string{ptName, classicName, loopName}, nil},
 		{"PyTorch", []metricDef{mTorchReady, mTorchMem, mTorchLoose, mTorchCopies},
 			[]string{ptName, classicName, shmName, copyName}, [][2]string{{ptName, shmName}}},
+		{"A model in 4 workers (passthrough: tensorfs.load_into)", []metricDef{mModelReady, mModelMem},
+			[]string{ptName, modelMmapName, modelLoadName}, [][2]string{{ptName, modelMmapName}, {ptName, modelLoadName}}},
 		{fmt.Sprintf("Reference counts with %d processes mapping %d segments each", holderProcs, holderMappings),
 			[]metricDef{mRefcountScan, mHoldersScan, mRefcountCached}, []string{ptName, classicName}, nil},
 	}

@@ -86,6 +86,8 @@ func (b *bench) targets() []target {
 	}
 	ts = append(ts, t)
 	ratio("PyTorch: ready faster than share_memory_()", mTorchReady, ptName, shmName, 1)
+	ratio("model: load_into ready in ≤ 1.1× the time of mmap views of a safetensors file", mModelReady, ptName, modelMmapName, 1/1.1)
+	ratio("model: load_into memory within 5% of mmap views of a safetensors file", mModelMem, ptName, modelMmapName, 1/1.05)
 	ratio("tensorfs import ≥ 0.9× cp", mImport, ptName, cpName, 0.9)
 	ratio("tensorfs import into cuda:0 (sim) ≥ 0.9× cp into it", mImport, simName, simCpName, 0.9)
 	return ts

@@ -48,8 +48,8 @@ def main(mount):
         print(f"consumer {pid} mapped it; w[0, :4].sum() = {s:.4f}")
     print(f"producer's w[0, :4].sum() = {float(weights[0, :4].sum()):.4f}")
 
-    print("\n$ getfattr -n user.tensorfs.holders " + path)
-    print(subprocess.run(["getfattr", "-n", "user.tensorfs.holders", "--only-values", path],
+    print("\n$ getfattr --only-values -n user.tensorfs.holders " + path)
+    print(subprocess.run(["getfattr", "--only-values", "-n", "user.tensorfs.holders", path],
                          capture_output=True, text=True).stdout)
     print("$ tensorfs ls -l " + os.path.dirname(path))
     tensorfs_bin = os.environ.get("TENSORFS", "bin/tensorfs")

@@ -37,7 +37,7 @@ def _package_files():
     """Yield (path in the archive, path on disk) of the package's files."""
     pkg = os.path.join(HERE, NAME)
     for name in sorted(os.listdir(pkg)):
-        if name.endswith((".py", ".json")):
+        if name.endswith((".py", ".json")) or name == "py.typed":
             yield NAME + "/" + name, os.path.join(pkg, name)
 
 

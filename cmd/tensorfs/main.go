@@ -17,8 +17,11 @@ const usage = `usage:
   tensorfs mount [flags] MOUNTPOINT     mount; returns once ready (-f: stay in the foreground)
   tensorfs unmount [--purge] MOUNTPOINT unmount; --purge also releases the backing memory
   tensorfs ls [-l] PATH...              segments: size, device, flags, refs, dtype, shape (-l: holders)
-  tensorfs import FILE DIR              a .safetensors file into DIR (new or empty), one segment per tensor
-  tensorfs export DIR FILE              the tensors under DIR into a .safetensors file
+  tensorfs import FILE|INDEX|DIR DIR    a .safetensors file or sharded checkpoint into DIR (new or empty), one segment per tensor
+  tensorfs export [--max-shard-size SIZE] DIR FILE|DIR
+                                        the tensors under DIR into a .safetensors file, or shards with an index
+  tensorfs set DTYPE SHAPE PATH...      give segments a dtype and a (contiguous) shape
+  tensorfs show PATH...                 a segment's dtype, shape, stride and offset
 Run "tensorfs mount -h" for the mount flags.
 `
 
@@ -46,6 +49,10 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runImport(args[1:], stdout, stderr)
 	case "export":
 		return runExport(args[1:], stdout, stderr)
+	case "set":
+		return runSet(args[1:], stdout, stderr)
+	case "show":
+		return runShow(args[1:], stdout, stderr)
 	case "gpu-helper":
 		return gpu.HelperMain(args[1:], stderr, nil)
 	case "-h", "--help", "help":

@@ -1,8 +1,9 @@
 package main
 
-// tensorfs import FILE DIR and tensorfs export DIR FILE: safetensors files
-// in and out of a mount (package safetensors/transfer), with a progress
-// line on a terminal.
+// tensorfs import FILE|INDEX|DIR DIR and tensorfs export [--max-shard-size
+// SIZE] DIR FILE|DIR: safetensors files and sharded checkpoints in and out
+// of a mount (package safetensors/transfer), with a progress line on a
+// terminal.
 
 import (
 	"context"
@@ -27,22 +28,36 @@ import (
 const progressMin = 64 << 20
 
 func runImport(args []string, stdout, stderr io.Writer) int {
-	return runTransfer("import", "FILE.safetensors DIR   (DIR: new or empty, inside a tensorfs mount)", "into",
+	return runTransfer("import", "FILE.safetensors|INDEX.json|CHECKPOINT-DIR DIR   (DIR: new or empty, inside a tensorfs mount)", "into",
 		transfer.Import, args, stdout, stderr)
 }
 
 func runExport(args []string, stdout, stderr io.Writer) int {
-	return runTransfer("export", "DIR FILE.safetensors", "to", transfer.Export, args, stdout, stderr)
+	return runTransfer("export", "[--max-shard-size SIZE] DIR FILE.safetensors|OUT-DIR", "to", transfer.Export, args, stdout, stderr)
 }
 
 // runTransfer runs import or export (op) of its two arguments, from and
 // to, with a progress line on a terminal, and says what it did: "OPed N
-// tensors (SIZE) from FROM INTO TO".
-func runTransfer(op, synopsis, into string, do func(ctx context.Context, from, to string, opt transfer.Options) (*safetensors.Header, error),
+// tensors (SIZE) from FROM INTO TO", with the files and ties when there
+// are several files or any tie.
+func runTransfer(op, synopsis, into string, do func(ctx context.Context, from, to string, opt transfer.Options) (transfer.Summary, error),
 	args []string, stdout, stderr io.Writer) int {
 	set := flag.NewFlagSet("tensorfs "+op, flag.ContinueOnError)
+	var maxShard *string
+	if op == "export" {
+		maxShard = set.String("max-shard-size", "", "split into shards of at most SIZE (5GB, 500MB, or bytes) with an index, as transformers' save_pretrained")
+	}
 	if code, ok := parseFlags(set, args, synopsis, stdout, stderr); !ok {
 		return code
+	}
+	var maxShardSize int64
+	if maxShard != nil && *maxShard != "" {
+		n, err := safetensors.ParseShardSize(*maxShard)
+		if err != nil {
+			fmt.Fprintf(stderr, "tensorfs %s: --max-shard-size: %v\n", op, err)
+			return 2
+		}
+		maxShardSize = n
 	}
 	if set.NArg() != 2 {
 		fmt.Fprintf(stderr, "tensorfs %s: want %s\n", op, synopsis)
@@ -52,16 +67,24 @@ func runTransfer(op, synopsis, into string, do func(ctx context.Context, from, t
 	ctx, stop := interruptible()
 	defer stop()
 	p := newProgress(stderr, op+"ing "+filepath.Base(from))
-	h, err := do(ctx, from, to, transfer.Options{
-		Progress: p.update,
-		Warn:     func(msg string) { fmt.Fprintf(stderr, "tensorfs %s: %s\n", op, msg) },
+	sum, err := do(ctx, from, to, transfer.Options{
+		Progress:     p.update,
+		Warn:         func(msg string) { fmt.Fprintf(stderr, "tensorfs %s: %s\n", op, msg) },
+		MaxShardSize: maxShardSize,
 	})
 	p.finish()
 	if err != nil {
 		fmt.Fprintf(stderr, "tensorfs %s: %s\n", op, alloc.EscapeText(err.Error()))
 		return 1
 	}
-	fmt.Fprintf(stdout, "%sed %d tensors (%s) from %s %s %s\n", op, len(h.Tensors), byteCount(h.DataSize()), from, into, to)
+	extra := ""
+	if sum.Files > 1 {
+		extra += fmt.Sprintf(", %d files", sum.Files)
+	}
+	if sum.Links > 0 {
+		extra += fmt.Sprintf(", %d tied", sum.Links)
+	}
+	fmt.Fprintf(stdout, "%sed %d tensors (%s%s) from %s %s %s\n", op, sum.Tensors, byteCount(sum.Bytes), extra, from, into, to)
 	return 0
 }
 

@@ -47,7 +47,7 @@ def shm_views(path):
 
 
 def by_path(d, names):
-    return {name: tensorfs.open_torch(os.path.join(d, *name.split(".")), "r") for name in names}
+    return {name: tensorfs.open_torch(os.path.join(d, name), "r") for name in names}
 
 
 def timed(fn, touch):

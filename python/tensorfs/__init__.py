@@ -25,8 +25,12 @@ descriptor (see tensorfs.reductions).
 
 Control-socket operations (publish, import_fd, export_fd, load_state_dict,
 all_gather_fds, broadcast_fd) raise ``OSError(errno, message)`` with the
-daemon's errno and reason when the daemon refuses a request.
+daemon's errno and reason when the daemon refuses a request; saves and
+loads raise it with the path, the tensor and why (a full mount, a flag, a
+daemon that is gone).
 """
+
+from __future__ import annotations
 
 import array as _array
 import builtins as _builtins
@@ -36,24 +40,32 @@ import json as _json
 import mmap as _mmap
 import os as _os
 import socket as _socket
+import typing as _typing
+
+if _typing.TYPE_CHECKING:  # pragma: no cover
+    import numpy
 
 __all__ = [
     "Client",
+    "IncompatibleKeys",
     "TensorMeta",
     "all_gather_fds",
     "broadcast_fd",
     "canonical_dtype",
+    "check_shape",
     "export_fd",
     "export_safetensors",
     "find_mount",
     "import_fd",
     "import_safetensors",
+    "load_into",
     "load_state_dict",
     "meta",
     "metadata",
     "open",
     "open_torch",
     "publish",
+    "safe_open",
     "save",
     "save_state_dict",
     "socket_path",
@@ -89,13 +101,17 @@ def _load_dtypes():
 DTYPES, _DTYPE_NAMES = _load_dtypes()
 
 
-def canonical_dtype(name):
-    """Return tensorfs's canonical spelling of a dtype (a str, numpy or torch dtype).
+def canonical_dtype(name: _typing.Any) -> str:
+    """Return tensorfs's canonical spelling of a dtype.
 
-    The same spellings as the daemon accepts, from the same table: PyTorch
-    names and aliases ("float", "torch.half"), NumPy names and little-endian
+    name is a string, a torch dtype (torch.float32), a NumPy dtype
+    (np.dtype("float32")) or NumPy scalar type (np.float32). The same
+    spellings as the daemon accepts, from the same table: PyTorch names
+    and aliases ("float", "torch.half"), NumPy names and little-endian
     codes ("single", "<f4"), case-insensitively. TypeError otherwise.
     """
+    if (name.__module__ if isinstance(name, type) else type(name).__module__) == "numpy":
+        name = _np().dtype(name).str  # np.float32 and np.dtype("f4") alike: "<f4", byte order and all
     s = str(name).strip().encode("utf-8", "surrogateescape").lower().decode("utf-8", "surrogateescape")
     try:
         return _DTYPE_NAMES[s]
@@ -136,6 +152,36 @@ def _format_dims(dims):
     return "[" + ", ".join(str(int(d)) for d in dims) + "]"
 
 
+def check_shape(shape: _typing.Any, what: str = "tensorfs") -> tuple:
+    """Return shape as a tuple of ints, checked as the daemon checks user.tensor.shape.
+
+    shape is a sequence of ints or a string the daemon accepts: "[3, 4]",
+    "(3,)", "3,4", "[]" for a scalar. ValueError prefixed with what, saying
+    which part is wrong, for anything else ("3x4", negative dims).
+    """
+    if isinstance(shape, str):
+        body = shape.strip()
+        if not body:
+            raise ValueError('%s: empty shape, use "[]" for a scalar' % what)
+        if body[0] in "[(":
+            if len(body) < 2 or body[-1] != {"[": "]", "(": ")"}[body[0]]:
+                raise ValueError("%s: unbalanced brackets in shape %r" % (what, shape))
+            body = body[1:-1].strip()
+        parts = [p.strip() for p in body.split(",")] if body else []
+        if len(parts) > 1 and parts[-1] == "":
+            parts.pop()  # "(3,)"
+    else:
+        parts = list(shape)
+    dims = []
+    for p in parts:
+        ok = (isinstance(p, str) and p.isascii() and p.isdigit()) or (
+            not isinstance(p, (str, bool, float)) and hasattr(p, "__index__"))
+        if not ok or int(p) < 0:
+            raise ValueError("%s: %r in shape %r is not a non-negative integer" % (what, p, shape))
+        dims.append(int(p))
+    return tuple(dims)
+
+
 def _meta_from(attrs, nbytes):
     """TensorMeta from a dict of the four user.tensor.* values (missing ones absent or None)."""
     dtype = canonical_dtype(attrs.get(XATTR_DTYPE) or "uint8")
@@ -150,7 +196,7 @@ def _meta_from(attrs, nbytes):
     return TensorMeta(dtype, shape, stride, offset, nbytes)
 
 
-def meta(path):
+def meta(path: str) -> TensorMeta:
     """Read a segment's TensorMeta from its xattrs.
 
     A missing dtype reads as uint8 and a missing shape as one dimension
@@ -161,7 +207,7 @@ def meta(path):
     return _meta_from(attrs, nbytes)
 
 
-def metadata(path):
+def metadata(path: str) -> "dict[str, str]":
     """Return the string metadata of a state dict or safetensors directory.
 
     save_state_dict(metadata=...) and import_safetensors keep it as the
@@ -244,7 +290,8 @@ def _numpy_dtype(dtype):
     return _np().dtype(name).newbyteorder("<")
 
 
-def open(path, mode=None, *, dtype=None, shape=None):
+def open(path: str, mode: _typing.Optional[str] = None, *, dtype: _typing.Any = None,
+         shape: _typing.Optional[_typing.Sequence[int]] = None) -> "numpy.ndarray":
     """Map the segment at path as a NumPy array, zero-copy (np.memmap).
 
     dtype, shape, stride and storage_offset come from the segment's xattrs;
@@ -302,29 +349,134 @@ def _as_bytes_source(x):
     return memoryview(a.reshape(-1).view(np.uint8)), dtype, tuple(a.shape)
 
 
-def save(path, x):
-    """Write a NumPy array or torch tensor (a contiguous copy) to path.
+_SAVE_PREFIX = ".save-"  # temporary names of saves in progress; readers skip them
+_ATTR_KEEP = ("user.tensorfs.flags", "user.tensorfs.device")  # set while empty; a save keeps them
 
-    The file is created or truncated, its old tensor xattrs removed, the
-    bytes written, then user.tensor.dtype and user.tensor.shape set.
+
+def save(path: str, x: _typing.Any) -> None:
+    """Write a NumPy array or torch tensor (a contiguous copy) to path, all or nothing.
+
+    The bytes go into a hidden temporary segment beside path
+    (".save-NAME-XXXX"), which gets user.tensor.dtype and user.tensor.shape
+    and is renamed over path at the end: readers see the old segment or the
+    new one, never a part. The segment's flags and device, if path exists,
+    carry over. On any error (a full mount included) nothing is left, and
+    the OSError names path, the mount and why.
     """
     buf, dtype, shape = _as_bytes_source(x)
-    fd = _os.open(path, _os.O_WRONLY | _os.O_CREAT | _os.O_TRUNC | _os.O_CLOEXEC, 0o644)
+    tmp = _write_temp(path, buf, dtype, shape, "tensorfs.save")
     try:
-        for name in (XATTR_SHAPE, XATTR_STRIDE, XATTR_OFFSET, XATTR_DTYPE):
-            try:
-                _os.removexattr(fd, name)
-            except OSError as e:
-                if e.errno not in (_errno.ENODATA, _errno.ENOTSUP):
-                    raise
-        view = memoryview(buf)
-        while view:
-            n = _os.write(fd, view)
-            view = view[n:]
-        _os.setxattr(fd, XATTR_DTYPE, dtype.encode())
-        _os.setxattr(fd, XATTR_SHAPE, _format_dims(shape).encode())
-    finally:
-        _os.close(fd)
+        _os.rename(tmp, path)
+    except OSError as e:
+        _unlink_quietly(tmp)
+        raise _explain(e, path, "tensorfs.save: %s" % path) from None
+
+
+def _write_temp(path, buf, dtype, shape, what, tmpdir=None):
+    """Write the segment meant for path under a temporary name; return that name.
+
+    The name is in tmpdir, by default path's directory. On failure the
+    temporary segment is gone and the OSError says why, naming path.
+    """
+    d, base = _os.path.split(_os.path.abspath(path))
+    d = tmpdir or d
+    tmp = _os.path.join(d, "%s%s-%s" % (_SAVE_PREFIX, base[:200], _os.urandom(4).hex()))
+    try:
+        fd = _os.open(tmp, _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise _explain(e, path, "%s: %s" % (what, path)) from None
+    try:
+        try:
+            for name in _ATTR_KEEP:
+                old = _getxattr(path, name) if _os.path.lexists(path) else None
+                if old is not None and old != _getxattr(tmp, name):
+                    value = "|".join(f for f in old.split("|") if f != "FROMFD") if name == XATTR_FLAGS else old
+                    if value:
+                        _os.setxattr(fd, name, value.encode())
+            _write_all(fd, buf)
+            _os.setxattr(fd, XATTR_DTYPE, dtype.encode())
+            _os.setxattr(fd, XATTR_SHAPE, _format_dims(shape).encode())
+        finally:
+            _os.close(fd)
+    except OSError as e:
+        _unlink_quietly(tmp)
+        raise _explain(e, path, "%s: %s (%s %s, %s)" % (what, path, dtype, list(shape), _human(len(buf)))) from None
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return tmp
+
+
+def _write_all(fd, buf):
+    view = memoryview(buf).cast("B")
+    while view:
+        n = _os.write(fd, view)
+        view = view[n:]
+
+
+def _unlink_quietly(path):
+    try:
+        _os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _human(n):
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return "%d bytes" % n if unit == "bytes" else "%.1f %s" % (n, unit)
+        n /= 1024
+
+
+def _explain(err: OSError, path: str, what: str) -> OSError:
+    """Return err as a new OSError of the same errno that says what failed and why.
+
+    what names the operation and tensor. The reason is computed here, from
+    the mount's own attributes: a full mount (with its capacity, as df
+    shows it), a daemon that is gone (ENOTCONN), a FROMFD segment, a
+    NOCREATE or EXCLUSIVE directory, a permission.
+    """
+    e = err.errno
+    why = _os.strerror(e) if e else str(err)
+    parent = _os.path.dirname(_os.path.abspath(path))
+    if e in (_errno.ENOSPC, _errno.EDQUOT):
+        mount = _mount_or(parent)
+        try:
+            st = _os.statvfs(mount)
+            size = " (%s of %s free)" % (_human(st.f_bavail * st.f_frsize), _human(st.f_blocks * st.f_frsize))
+        except OSError:
+            size = ""
+        why = ("the tensorfs mount %s is full%s: see df -h %s; free segments or mount with a larger --capacity"
+               % (mount, size, mount))
+    elif e == _errno.ENOTCONN:
+        why = ("the tensorfs daemon serving %s is gone (ENOTCONN: transport endpoint is not connected): "
+               "remount it with tensorfs mount" % path)
+    elif e in (_errno.EPERM, _errno.EACCES, _errno.EEXIST, _errno.EROFS):
+        where = path if _os.path.isdir(path) else parent  # the directory something was made in
+        try:
+            target = _flags(path) if _os.path.isfile(path) else []
+            dirflags = _flags(where)
+        except OSError:
+            target, dirflags = [], []
+        if "FROMFD" in target:
+            why = "%s is FROMFD (an imported, read-only segment)" % path
+        elif "NOCREATE" in dirflags:
+            why = "%s is NOCREATE: nothing new may be created in it" % where
+        elif "EXCLUSIVE" in dirflags and e == _errno.EEXIST:
+            why = "%s is EXCLUSIVE: an existing segment is never replaced" % where
+        elif e in (_errno.EACCES, _errno.EPERM):
+            why += " (permission bits of %s or its directory)" % path
+    exc = OSError(e, "%s: %s" % (what, why), path)
+    exc.__cause__ = err
+    return exc
+
+
+def _mount_or(path):
+    """The mount root holding path, or path itself if none is found."""
+    try:
+        return find_mount(path)
+    except OSError:
+        return path
 
 
 # --- control socket -------------------------------------------------------
@@ -333,24 +485,31 @@ _MAX_FDS = 253
 _MAX_MSG = 65536
 
 
-def find_mount(path):
-    """Return the root of the tensorfs mount holding path (it need not exist yet)."""
+def find_mount(path: str) -> str:
+    """Return the root of the tensorfs mount holding path (it need not exist yet).
+
+    A mount whose daemon is gone is OSError ENOTCONN, saying so.
+    """
     d = _os.path.abspath(path)
-    if not _os.path.isdir(d):
+    try:
+        if not _os.path.isdir(d):
+            d = _os.path.dirname(d)
+    except OSError:
         d = _os.path.dirname(d)
     while True:
         try:
             if _getxattr(d, XATTR_SOCKET):
                 return d
-        except OSError:
-            pass
+        except OSError as e:
+            if e.errno == _errno.ENOTCONN:
+                raise _explain(e, d, "tensorfs: %s" % path) from None
         parent = _os.path.dirname(d)
         if parent == d:
             raise OSError(_errno.ENOENT, "tensorfs: %s is not inside a tensorfs mount" % path, path)
         d = parent
 
 
-def socket_path(mount):
+def socket_path(mount: str) -> str:
     """Return the control socket path of the mount rooted at mount."""
     s = _getxattr(mount, XATTR_SOCKET)
     if not s:
@@ -443,13 +602,29 @@ class Client:
         return self.request({"op": "export", "path": path, "write": bool(write)}, want=1,
                             filename=path)[1][0]
 
-    def import_fd(self, fd, path, dtype=None, shape=None):
-        """Make fd (regular file or memfd) the read-only FROMFD segment at path, no copy."""
+    def import_fd(self, fd, path, dtype=None, shape=None, *, shown=None):
+        """Make fd (regular file or memfd) the read-only FROMFD segment at path, no copy.
+
+        dtype and shape are checked here, with the daemon's rules (one
+        dtype table), so that a refusal says why: ValueError or TypeError
+        naming shown (default path).
+        """
+        shown = shown or path
         req = {"op": "import", "path": path}
         if dtype is not None:
-            req["dtype"] = canonical_dtype(dtype)
+            try:
+                req["dtype"] = canonical_dtype(dtype)
+            except TypeError as e:
+                raise TypeError("tensorfs.import_fd: %s: %s" % (shown, e)) from None
         if shape is not None:
-            req["shape"] = shape if isinstance(shape, str) else _format_dims(shape)
+            dims = check_shape(shape, "tensorfs.import_fd: %s" % shown)
+            req["shape"] = _format_dims(dims)
+            if dtype is not None:
+                need = -(-DTYPES[req["dtype"]]["bits"] * _numel(dims) // 8)
+                have = _os.fstat(fd).st_size
+                if need > have:
+                    raise ValueError("tensorfs.import_fd: %s: %s %s needs %d bytes, the descriptor holds %d"
+                                     % (shown, req["dtype"], list(dims), need, have))
         self.request(req, [fd], filename=path)
 
     def load(self, path, write=False):
@@ -511,7 +686,7 @@ class Client:
         return self.request(req, want=1)[1][0]
 
 
-def export_fd(path, write=False, *, mount=None):
+def export_fd(path: str, write: bool = False, *, mount: _typing.Optional[str] = None) -> int:
     """Return a descriptor of the KEEPFD segment at path (O_RDWR if write).
 
     The fd is new and close-on-exec; the caller owns it and must os.close()
@@ -524,7 +699,8 @@ def export_fd(path, write=False, *, mount=None):
         return c.export(rel, write)
 
 
-def import_fd(fd, path, dtype=None, shape=None, *, mount=None):
+def import_fd(fd: int, path: str, dtype: _typing.Any = None, shape: _typing.Any = None, *,
+              mount: _typing.Optional[str] = None) -> None:
     """Make fd (a regular file or memfd) the segment at path without a copy.
 
     The segment is read-only (FROMFD) and lives as long as the daemon that
@@ -533,10 +709,11 @@ def import_fd(fd, path, dtype=None, shape=None, *, mount=None):
     """
     mount, rel = _resolve(path, mount)
     with Client(mount) as c:
-        c.import_fd(fd, rel, dtype, shape)
+        c.import_fd(fd, rel, dtype, shape, shown=path)
 
 
-def all_gather_fds(path, group, rank, world, fd, *, timeout=None, open_group=False):
+def all_gather_fds(path: str, group: str, rank: int, world: int, fd: int, *,
+                   timeout: _typing.Optional[float] = None, open_group: bool = False) -> "list[int]":
     """All-gather descriptors among the world local ranks of group.
 
     path is the mount or any path inside it. Every rank calls this (own
@@ -550,7 +727,8 @@ def all_gather_fds(path, group, rank, world, fd, *, timeout=None, open_group=Fal
         return c.all_gather(group, rank, world, fd, open_group)
 
 
-def broadcast_fd(path, group, rank, world, root, fd=None, *, timeout=None, open_group=False):
+def broadcast_fd(path: str, group: str, rank: int, world: int, root: int, fd: _typing.Optional[int] = None, *,
+                 timeout: _typing.Optional[float] = None, open_group: bool = False) -> _typing.Optional[int]:
     """Broadcast root's fd to the world ranks of group.
 
     path is the mount or any path inside it. The root passes fd and gets
@@ -564,5 +742,6 @@ def broadcast_fd(path, group, rank, world, root, fd=None, *, timeout=None, open_
 
 # The torch and state-dict halves import torch, or nothing, only when called.
 from ._torch import open_torch, publish  # noqa: E402
-from .statedict import load_state_dict, save_state_dict  # noqa: E402
+from .statedict import IncompatibleKeys, load_into, load_state_dict, save_state_dict  # noqa: E402
 from .safetensors import export_safetensors, import_safetensors  # noqa: E402
+from .safeopen import safe_open  # noqa: E402

@@ -18,12 +18,20 @@ sender's tensor off the segment, or (for torch.from_file's storages) fail
 with EBADF.
 """
 
+from __future__ import annotations
+
+import array as _array
 import mmap as _mmap
 import os as _os
 import threading as _threading
+import typing as _typing
+import warnings as _warnings
 import weakref as _weakref
 
 import tensorfs as _tfs
+
+if _typing.TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 
 def _torch():
@@ -82,13 +90,14 @@ def _torch_layout(m, pack):
 class _Mapping:
     """A segment mapped by this process: its path, whether shared and writable, its size."""
 
-    __slots__ = ("path", "write", "nbytes", "ref", "ident", "published")
+    __slots__ = ("path", "write", "nbytes", "ref", "ident", "published", "warned")
 
     def __init__(self, path, write, nbytes, ident, published):
         self.path, self.write, self.nbytes = path, write, nbytes
         self.ident = ident  # (st_dev, st_ino, st_size) of path when mapped, or None
         self.published = published  # a publish()ed memfd: readers map the read-only segment
         self.ref = None
+        self.warned = False  # the copy-on-write divergence warning was given
 
 
 _lock = _threading.Lock()
@@ -132,7 +141,7 @@ def tensor_on(mm, m, path, write, ident=None, published=False):
     return base[:len(mm) // size * size].view(tdt).as_strided(shape, stride, m.storage_offset)
 
 
-def open_torch(path, mode=None):
+def open_torch(path: str, mode: _typing.Optional[str] = None) -> "torch.Tensor":
     """Map the segment at path as a torch CPU tensor, zero-copy.
 
     mode "r+" maps it shared and writable: stores reach every process that
@@ -176,7 +185,7 @@ def tensor_bytes(x):
 
 # --- publish --------------------------------------------------------------
 
-def publish(tensor, path, *, mount=None):
+def publish(tensor: "torch.Tensor", path: str, *, mount: _typing.Optional[str] = None) -> "torch.Tensor":
     """Move a torch CPU tensor to shared memory that becomes the segment at path.
 
     The tensor's elements are copied once into a new memfd (as
@@ -234,11 +243,51 @@ def _segment_of(t):
     return m, t.storage_offset() * size
 
 
+_PAGE = _mmap.PAGESIZE
+_PM_PRESENT, _PM_FILE = 1 << 63, 1 << 61
+
+
+def _diverged(start, nbytes):
+    """Whether any page of [start, start+nbytes) of a private file mapping was written here.
+
+    A written page of a copy-on-write mapping is this process's own
+    anonymous page: present in /proc/self/pagemap without the file bit.
+    """
+    first, last = start // _PAGE, (start + max(nbytes, 1) - 1) // _PAGE
+    fd = _os.open("/proc/self/pagemap", _os.O_RDONLY | _os.O_CLOEXEC)
+    try:
+        step = 1 << 16  # pages per read: 512 KiB of entries
+        for p in range(first, last + 1, step):
+            n = min(step, last + 1 - p)
+            for e in _array.array("Q", _os.pread(fd, n * 8, p * 8)):
+                if e & _PM_PRESENT and not e & _PM_FILE:
+                    return True
+    finally:
+        _os.close(fd)
+    return False
+
+
+def _warn_if_diverged(t, m):
+    """Warn, once per mapping, that a changed copy-on-write tensor travels as its segment's bytes."""
+    if m.write or m.published or m.warned:
+        return
+    size = t.element_size()
+    extent = (1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride()))) * size
+    if _diverged(t.data_ptr(), extent):
+        m.warned = True
+        _warnings.warn(
+            "tensorfs: a tensor of %s was loaded copy-on-write (mode 'r') and changed in place by this process; "
+            "it is sent to the other process by path, which sees the segment's bytes, not these changes. Load "
+            "with mode='r+' to change the segment itself, or send tensor.clone()." % m.path,
+            RuntimeWarning, stacklevel=3)
+
+
 def _reduce_tensor(t):
     seg = _segment_of(t)
     if seg is None or (t.requires_grad and not t.is_leaf):
         return _torch_reduce_tensor(t)
     m, offset = seg
+    _warn_if_diverged(t, m)
     return (_rebuild_tensor, (m.path, m.write and not m.published, str(t.dtype).split(".")[-1], tuple(t.shape),
                               tuple(t.stride()), offset, t.requires_grad,
                               isinstance(t, _torch().nn.Parameter)))

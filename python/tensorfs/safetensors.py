@@ -154,11 +154,14 @@ def _copy(src, src_off, dst, dst_off, n):
         src_off, dst_off, n = src_off + k, dst_off + k, n - k
 
 
-def import_safetensors(file, path):
+def import_safetensors(file: str, path: str) -> int:
     """Import the safetensors file into the new or empty directory path, all or nothing.
 
-    Returns the number of tensors. Each tensor becomes a segment (name
-    "a/b" the segment b in directory a) with its dtype and shape; the
+    Returns the number of tensors. Each tensor becomes a segment named as
+    the tensor ("a/b" the segment b in directory a) with its dtype and
+    shape; a metadata entry that names a tensor under a name the file does
+    not have (safetensors' save_model records a dropped tie so) becomes a
+    hard link to that tensor's segment; the
     metadata, the tensor order and, unless export would rebuild it, the
     original header are kept on the directory, so that export_safetensors
     (or `tensorfs export`) writes the file back byte-identical.
@@ -179,6 +182,12 @@ def import_safetensors(file, path):
             for i in range(1, len(parts)):
                 if "/".join(parts[:i]) in names:
                     raise ValueError("tensor %r is also the directory of tensor %r" % ("/".join(parts[:i]), name))
+        links = {k: v for k, v in (meta or {}).items() if k not in names and v in names}
+        for k in list(links):
+            parts = k.split("/")
+            if any(p in ("", ".", "..") or "\0" in p for p in parts) or parts[0].startswith(_IMPORT_TMP) \
+                    or any("/".join(parts[:i]) in names for i in range(1, len(parts))):
+                del links[k]
         created = not _os.path.exists(path)
         _tfs.find_mount(path)
         if created:
@@ -199,6 +208,9 @@ def import_safetensors(file, path):
                     _os.setxattr(fd, _tfs.XATTR_SHAPE, _tfs._format_dims(shape).encode())
                 finally:
                     _os.close(fd)
+            for k, v in sorted(links.items()):
+                _os.makedirs(_os.path.dirname(_os.path.join(tmp, k)), exist_ok=True)
+                _os.link(_os.path.join(tmp, v), _os.path.join(tmp, k))
             for attr in _os.listxattr(path):
                 if attr.startswith(_PREFIX):
                     _os.removexattr(path, attr)
@@ -267,32 +279,57 @@ def _segments(path):
             if off + _nbytes(st, m.shape) > m.nbytes:
                 raise ValueError("tensorfs.export_safetensors: %s: %d bytes are too few for %s %s at byte %d"
                                  % (full, m.nbytes, m.dtype, list(m.shape), off))
-            segs[_os.path.relpath(full, path)] = (full, st, list(m.shape), off)
+            ino = _os.stat(full)
+            segs[_os.path.relpath(full, path)] = (full, st, list(m.shape), off, (ino.st_dev, ino.st_ino))
     return segs
 
 
-def export_safetensors(path, file):
+def _untie(segs, recorded):
+    """Keep one name of each segment with several (hard links): the recorded one, else the first.
+
+    Returns (kept segs, {other name: kept name}), as safetensors'
+    _remove_duplicate_names decides which name to keep.
+    """
+    groups = {}
+    for rel, seg in segs.items():
+        groups.setdefault(seg[4], []).append(rel)
+    kept, ties = {}, {}
+    for names in groups.values():
+        names.sort(key=lambda n: n.encode())
+        keep = next((n for n in names if n in recorded), names[0])
+        kept[keep] = segs[keep]
+        ties.update((n, keep) for n in names if n != keep)
+    return kept, ties
+
+
+def export_safetensors(path: str, file: str) -> int:
     """Write the segments under the directory path to the safetensors file.
 
-    Returns the number of tensors. Names: as recorded by an import, else
-    the state-dict name (the relative path with "." for "/", as
-    load_state_dict names it). Order: recorded first, then the reference
-    writer's (dtype descending, then name). Files without dtype or shape
-    are skipped with a warning each; a non-contiguous layout or a dtype
-    the format lacks is a ValueError. The file is written whole through a
-    temporary file renamed into place.
+    Returns the number of tensors. Names: the path under path (as
+    load_state_dict names them). Order: recorded by an import first, then
+    the reference writer's (dtype descending, then name). Names of one
+    segment (ties, hard links) are written once, as safetensors' save_model
+    writes shared tensors: the recorded name or else the first, the others
+    as metadata entries "other": "kept". Files without dtype or shape are
+    skipped with a warning each; a non-contiguous layout or a dtype the
+    format lacks is a ValueError. The file is written whole through a
+    temporary file renamed into place. (`tensorfs export` does the same,
+    and writes sharded checkpoints too.)
     """
     segs = _segments(path)
     recorded = _get_chunks(path, _ORDER_ATTR)
     order = _json.loads(recorded) if recorded is not None else []
     if not segs and recorded is None:
         raise ValueError("tensorfs.export_safetensors: no tensors under %s" % path)
+    segs, ties = _untie(segs, set(order))
     meta = _tfs.metadata(path)
+    for name, keep in ties.items():
+        meta.setdefault(name, keep)
     # (name, dtype, shape, relative path): recorded names first, as recorded.
     first = [(rel, segs[rel][1], segs[rel][2], rel) for rel in dict.fromkeys(order) if rel in segs]
     done = {t[3] for t in first}
-    entries = first + reference_order([(rel.replace("/", "."), st, shape, rel)
-                                       for rel, (_, st, shape, _) in segs.items() if rel not in done])
+    entries = first + reference_order([(rel, st, shape, rel)
+                                       for rel, (_, st, shape, _, _) in segs.items() if rel not in done])
     files = {t[0]: t[3] for t in entries}
     if len(files) != len(entries):
         raise ValueError("tensorfs.export_safetensors: two segments under %s have the same name" % path)
@@ -312,7 +349,7 @@ def export_safetensors(path, file):
     try:
         _os.write(fd, len(header).to_bytes(8, "little") + header)
         for name, _, _, begin, end in sorted(placed, key=lambda t: t[3]):
-            full, _, _, off = segs[files[name]]
+            full, _, _, off, _ = segs[files[name]]
             src = _os.open(full, _os.O_RDONLY | _os.O_CLOEXEC)
             try:
                 _copy(src, off, fd, 8 + len(header) + begin, end - begin)

@@ -1,109 +1,431 @@
 """State dicts in a tensorfs directory: one segment per tensor.
 
-A name "a.b.c" is the segment a/b/c under the directory (subdirectories
-made as needed), with its dtype and shape as xattrs; the state dict's
+The naming rule, the same for save_state_dict and `tensorfs import`: the
+tensor "a.b.c" is the segment DIR/a.b.c, its name verbatim (a "/" in a
+name makes a subdirectory, as import does for safetensors names with
+"/"). Readers (load_state_dict, load_into, safe_open) name a segment by
+its path under DIR; in a directory that neither an import nor
+save_state_dict recorded (no user.safetensors.keys, .order or .shards:
+the nested layout save_state_dict wrote before, or a tree made by hand)
+a "/" reads as ".", so "a/b/c" is still "a.b.c".
+
+Tensors that share storage (the same view of one storage: tied weights)
+are stored once: the first name is the segment, the others hard links to
+it, and they load back as one tensor under every name. The state dict's
 string metadata is the directory's user.safetensors.meta.KEY attributes,
-the same that import_safetensors and export_safetensors use.
+its key order user.safetensors.keys.
 """
 
+from __future__ import annotations
+
+import collections as _collections
+import ctypes as _ctypes
+import errno as _errno
+import json as _json
 import mmap as _mmap
 import os as _os
+import shutil as _shutil
+import typing as _typing
 import warnings as _warnings
 
 import tensorfs as _tfs
 
+if _typing.TYPE_CHECKING:  # pragma: no cover
+    import torch
+
 _ST_PREFIX = "user.safetensors."
+_KEYS_ATTR = _ST_PREFIX + "keys"
+_RECORDS = (_KEYS_ATTR, _ST_PREFIX + "order", _ST_PREFIX + "shards")
+_TEMPORARY = (".import-", _tfs._SAVE_PREFIX)
 
 
-def _segment_path(name):
-    parts = str(name).split(".")
+def _check_name(name):
+    parts = str(name).split("/")
     for p in parts:
-        if p in ("", "..") or "/" in p or "\0" in p:
+        if p in ("", ".", "..") or "\0" in p or len(p.encode()) > 255:
             raise ValueError("tensorfs.save_state_dict: name %r does not make a path "
-                             "(empty component, '..', '/' or NUL)" % (name,))
-    return parts
+                             "(empty component, '.', '..', NUL or over 255 bytes)" % (name,))
+    if parts[0].startswith(_TEMPORARY):
+        raise ValueError("tensorfs.save_state_dict: name %r starts with a prefix tensorfs keeps for "
+                         "temporary names (%s)" % (name, ", ".join(_TEMPORARY)))
+    return str(name)
 
 
-def save_state_dict(path, state_dict, metadata=None):
-    """Write every tensor (or NumPy array) of state_dict under the directory path.
+def _tie_key(x):
+    """What makes two values the same tensor: one view of one storage; None for others."""
+    if type(x).__module__.split(".")[0] == "torch":
+        try:
+            ptr = x.untyped_storage().data_ptr()  # torch >= 2.0
+        except AttributeError:
+            ptr = x.storage().data_ptr()
+        if ptr == 0 or x.device.type == "meta":
+            return None
+        return ("torch", str(x.device), ptr, x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
+    iface = getattr(x, "__array_interface__", None)
+    if iface is None or iface["data"][0] == 0:
+        return None
+    return ("numpy", iface["data"][0], iface["shape"], iface.get("strides"), iface["typestr"])
 
-    A name "a.b.c" becomes the segment path/a/b/c, a contiguous copy of the
-    tensor with user.tensor.dtype and user.tensor.shape; existing segments
-    of the same names are replaced, others left alone. metadata (a dict of
-    strings) replaces the directory's user.safetensors.meta.* attributes;
-    attributes an earlier import_safetensors left (the recorded tensor
-    order and header) are removed, since they describe another file. A name
-    that is also another name's directory ("a" and "a.b") is a ValueError.
+
+def _renameat2():
+    libc = _ctypes.CDLL(None, use_errno=True)
+    fn = libc.renameat2
+    fn.argtypes = [_ctypes.c_int, _ctypes.c_char_p, _ctypes.c_int, _ctypes.c_char_p, _ctypes.c_uint]
+    return fn
+
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+
+
+def _rename2(src, dst, flags):
+    if _renameat2()(_AT_FDCWD, _os.fsencode(src), _AT_FDCWD, _os.fsencode(dst), flags) != 0:
+        e = _ctypes.get_errno()
+        raise OSError(e, _os.strerror(e), dst)
+
+
+def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
+                    metadata: _typing.Optional[_typing.Mapping[str, str]] = None) -> None:
+    """Write every tensor (or NumPy array) of state_dict under the directory path, all or nothing.
+
+    The tensor "a.b.c" becomes the segment path/a.b.c, a contiguous copy
+    with user.tensor.dtype and user.tensor.shape; names that are one view
+    of one storage (tied weights) become one segment, the later names hard
+    links to the first. Existing segments of the same names are replaced,
+    others left alone. metadata (a dict of strings) replaces the
+    directory's user.safetensors.meta.* attributes, the key order goes to
+    user.safetensors.keys, and what an earlier import recorded is removed,
+    since it describes another file.
+
+    Everything is written under a hidden temporary directory in path
+    first, then moved into place (an existing segment is exchanged, and
+    exchanged back if a later step fails): on any error, a full mount
+    included, path is left as it was, and the OSError names the tensor,
+    the mount and why. A name that is also another's directory ("a" and
+    "a/b") is a ValueError.
     """
-    parts = {name: _segment_path(name) for name in state_dict}
-    files = {tuple(p) for p in parts.values()}
-    for name, p in parts.items():
-        for i in range(1, len(p)):
-            if tuple(p[:i]) in files:
+    names = [_check_name(k) for k in state_dict]
+    files = set(names)
+    for n in names:
+        parts = n.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in files:
                 raise ValueError("tensorfs.save_state_dict: %r is a tensor and the directory of %r"
-                                 % (".".join(p[:i]), name))
-    _os.makedirs(path, exist_ok=True)
+                                 % ("/".join(parts[:i]), n))
+    created = not _os.path.isdir(path)
+    if created:
+        try:
+            _os.makedirs(path)
+        except OSError as e:
+            raise _tfs._explain(e, path, "tensorfs.save_state_dict: %s" % path) from None
+    for n in names:
+        if _os.path.isdir(_os.path.join(path, n)):
+            raise IsADirectoryError(_errno.EISDIR, "tensorfs.save_state_dict: %s is a directory, "
+                                    "tensor %r cannot replace it" % (_os.path.join(path, n), n))
+    tmp, moved, old_attrs = None, [], None
+    try:
+        try:
+            tmp = _mkdtemp(path)
+        except OSError as e:
+            raise _tfs._explain(e, path, "tensorfs.save_state_dict: %s" % path) from None
+        first = {}
+        for name, value in state_dict.items():
+            dst = _os.path.join(tmp, name)
+            if "/" in name:
+                _os.makedirs(_os.path.dirname(dst), exist_ok=True)
+            key = _tie_key(value)
+            if key is not None and key in first:
+                _os.link(_os.path.join(tmp, first[key]), dst)
+                continue
+            if key is not None:
+                first[key] = name
+            buf, dtype, shape = _tfs._as_bytes_source(value)
+            seg = _tfs._write_temp(_os.path.join(path, name), buf, dtype, shape,
+                                   "tensorfs.save_state_dict: tensor %r" % name, _os.path.dirname(dst))
+            _os.rename(seg, dst)
+        old_attrs = _replace_attrs(path, metadata, list(state_dict))
+        for name in state_dict:
+            src, dst = _os.path.join(tmp, name), _os.path.join(path, name)
+            if "/" in name:
+                _os.makedirs(_os.path.dirname(dst), exist_ok=True)
+            try:
+                if _os.path.lexists(dst):
+                    _rename2(src, dst, _RENAME_EXCHANGE)  # the old segment waits in tmp
+                    moved.append((name, True))
+                else:
+                    _rename2(src, dst, _RENAME_NOREPLACE)
+                    moved.append((name, False))
+            except OSError as e:
+                raise _tfs._explain(e, dst, "tensorfs.save_state_dict: tensor %r" % name) from None
+    except BaseException:
+        _undo(path, tmp, moved, old_attrs, created)
+        raise
+    _shutil.rmtree(tmp, ignore_errors=True)  # the replaced segments
+
+
+def _mkdtemp(path):
+    while True:
+        d = _os.path.join(path, "%s%s" % (_tfs._SAVE_PREFIX, _os.urandom(6).hex()))
+        try:
+            _os.mkdir(d, 0o755)
+            return d
+        except FileExistsError:
+            continue
+
+
+def _replace_attrs(path, metadata, keys):
+    """Set the state dict's attributes on path; return the old ones, to restore."""
+    old = {}
+    for attr in _os.listxattr(path):
+        if attr.startswith(_ST_PREFIX):
+            old[attr] = _os.getxattr(path, attr)
+    try:
+        for attr in old:
+            _os.removexattr(path, attr)
+        for key, value in (metadata or {}).items():
+            _os.setxattr(path, _tfs._ST_META + str(key), str(value).encode())
+        _set_json(path, _KEYS_ATTR, keys)
+    except OSError as e:
+        _restore_attrs(path, old)
+        raise _tfs._explain(e, path, "tensorfs.save_state_dict: %s: setting its metadata" % path) from None
+    return old
+
+
+def _restore_attrs(path, old):
     for attr in _os.listxattr(path):
         if attr.startswith(_ST_PREFIX):
             _os.removexattr(path, attr)
-    for key, value in (metadata or {}).items():
-        _os.setxattr(path, _tfs._ST_META + str(key), str(value).encode())
-    made = set()
-    for name, tensor in state_dict.items():
-        p = parts[name]
-        d = _os.path.join(path, *p[:-1])
-        if d not in made:
-            _os.makedirs(d, exist_ok=True)
-            made.add(d)
-        _tfs.save(_os.path.join(d, p[-1]), tensor)
+    for attr, value in old.items():
+        _os.setxattr(path, attr, value)
 
 
-def load_state_dict(path, device="cpu", mode="r"):
+def _set_json(path, name, value):
+    from .safetensors import _set_chunks
+    _set_chunks(path, name, _json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
+
+
+def _undo(path, tmp, moved, old_attrs, created):
+    """Put path back as save_state_dict found it."""
+    if created:
+        _shutil.rmtree(path, ignore_errors=True)
+        return
+    for name, exchanged in reversed(moved):
+        src, dst = _os.path.join(tmp, name), _os.path.join(path, name)
+        try:
+            _rename2(src if exchanged else dst, dst if exchanged else src,
+                     _RENAME_EXCHANGE if exchanged else _RENAME_NOREPLACE)
+        except OSError:
+            pass  # best effort: the error that brought us here is what the caller sees
+    if old_attrs is not None:
+        _restore_attrs(path, old_attrs)
+    if tmp is not None:
+        _shutil.rmtree(tmp, ignore_errors=True)
+    for name, exchanged in moved:  # directories made for names with "/" that are empty again
+        d = _os.path.dirname(name)
+        while d and not exchanged:
+            try:
+                _os.rmdir(_os.path.join(path, d))
+            except OSError:
+                break
+            d = _os.path.dirname(d)
+
+
+# --- loading ----------------------------------------------------------------
+
+_Loaded = _collections.namedtuple("_Loaded", "name full meta fd")
+
+
+def _listing(path, write):
+    """[(name, full path, TensorMeta or None, fd or None)] of the segments under path.
+
+    One control-socket load per 253 segments. Names follow the module's
+    naming rule; temporary entries are skipped, and so, with a warning,
+    are segments without dtype or shape. The caller closes the fds.
+    """
+    mount = _tfs.find_mount(path)
+    rel = _os.path.relpath(_os.path.abspath(path), mount)
+    keys = _get_json(path, _KEYS_ATTR)
+    recorded = keys is not None or any(_tfs._getxattr(path, a) is not None for a in _RECORDS[1:])
+    out = []
+    try:
+        with _tfs.Client(mount) as c:
+            for seg, fd in c.load(rel, write):
+                name = seg["name"]
+                full = _os.path.join(path, name)
+                if name.split("/")[0].startswith(_TEMPORARY):
+                    if fd is not None:
+                        _os.close(fd)
+                    continue
+                if not seg.get("dtype") or not seg.get("shape"):
+                    if fd is not None:
+                        _os.close(fd)
+                    missing = [a for a, k in ((_tfs.XATTR_DTYPE, "dtype"), (_tfs.XATTR_SHAPE, "shape"))
+                               if not seg.get(k)]
+                    _warnings.warn("tensorfs: skipping %s: it has no %s" % (full, " and no ".join(missing)),
+                                   stacklevel=3)
+                    continue
+                m = _tfs._meta_from({_tfs.XATTR_DTYPE: seg["dtype"], _tfs.XATTR_SHAPE: seg["shape"],
+                                     _tfs.XATTR_STRIDE: seg.get("stride"),
+                                     _tfs.XATTR_OFFSET: seg.get("offset")}, seg["size"])
+                out.append(_Loaded(name if recorded else name.replace("/", "."), full, m, fd))
+    except OSError as e:
+        for entry in out:
+            if entry.fd is not None:
+                _os.close(entry.fd)
+        if e.errno == _errno.ENOTCONN:
+            raise _tfs._explain(e, path, "tensorfs: loading %s" % path) from None
+        raise
+    rank = {k: i for i, k in enumerate(keys or ())}
+    out.sort(key=lambda e: (rank.get(e.name, len(rank)), e.name))
+    return out
+
+
+def _get_json(path, name):
+    from .safetensors import _get_chunks
+    raw = _get_chunks(path, name)
+    return None if raw is None else _json.loads(raw)
+
+
+def _map_all(entries, write, with_mapping):
+    """Map each segment once (hard links share one mapping); call with_mapping(entry, mm, ident) per name.
+
+    Closes every fd. Returns the list of results in entries' order.
+    """
+    maps = {}
+    results = []
+    try:
+        for e in entries:
+            if e.fd is None:  # imported or GPU segment: through the mount
+                st = _os.stat(e.full)
+                ident = (st.st_dev, st.st_ino, st.st_size)
+                mm = maps.get(ident)
+                if mm is None and st.st_size:
+                    mm = maps[ident] = _tfs._map(e.full, write and not _tfs._read_only(e.full))
+            else:
+                st = _os.fstat(e.fd)
+                ident = ("fd", st.st_dev, st.st_ino)
+                mm = maps.get(ident)
+                if mm is None and e.meta.nbytes:
+                    mm = maps[ident] = _mmap.mmap(e.fd, e.meta.nbytes,
+                                                  access=_mmap.ACCESS_WRITE if write else _mmap.ACCESS_COPY)
+            results.append(with_mapping(e, mm, ident))
+    finally:
+        for e in entries:
+            if e.fd is not None:
+                _os.close(e.fd)
+    return results
+
+
+def load_state_dict(path: str, device: str = "cpu", mode: str = "r") -> "dict[str, torch.Tensor]":
     """Return {name: tensor} for every segment under the directory path, zero-copy.
 
     Each tensor maps its segment's pages: mode "r" copy-on-write (stores
-    stay private), "r+" shared and writable (refused, naming the flag, for
-    FROMFD segments). The segments' descriptors and metadata come from the
+    stay private to this process, and a tensor changed so warns when it is
+    sent to another process), "r+" shared and writable (refused, naming
+    the flag, for FROMFD segments). Names of one segment (ties) come back
+    as one tensor. The segments' descriptors and metadata come from the
     control socket's load request, one round trip per 253 segments, with
     the permission checks of open(2); imported and GPU segments are opened
-    through the mount. The name of path/a/b/c is "a.b.c". A segment
-    without user.tensor.dtype or user.tensor.shape is skipped with a
-    warning. device other than "cpu" copies each tensor there
-    (tensor.to(device)). The tensors pickle by path through
-    torch.multiprocessing.
+    through the mount. Names follow the module's rule; the order is the
+    saved state dict's, then by name. A segment without user.tensor.dtype
+    or user.tensor.shape is skipped with a warning. device other than
+    "cpu" copies each tensor there (tensor.to(device)). The tensors pickle
+    by path through torch.multiprocessing.
     """
-    from ._torch import open_torch, tensor_on, torch_dtype
+    from ._torch import tensor_on, torch_dtype
     if mode not in ("r", "r+"):
         raise ValueError("tensorfs.load_state_dict: mode must be 'r' or 'r+', not %r" % (mode,))
     write = mode == "r+"
-    mount = _tfs.find_mount(path)
-    rel = _os.path.relpath(_os.path.abspath(path), mount)
+    entries = _listing(path, write)
+    for e in entries:
+        try:
+            torch_dtype(e.meta.dtype)
+        except TypeError:
+            for x in entries:
+                if x.fd is not None:
+                    _os.close(x.fd)
+            raise
+    made = {}
+
+    def tensor(e, mm, ident):
+        key = (ident, e.meta)
+        t = made.get(key)
+        if t is None:
+            t = made[key] = tensor_on(mm, e.meta, e.full, write and not (e.fd is None and _tfs._read_only(e.full)))
+        return t
+
+    tensors = _map_all(entries, write, tensor)
     out = {}
-    with _tfs.Client(mount) as c:
-        for seg, fd in c.load(rel, write):
-            full = _os.path.join(path, seg["name"])
-            try:
-                if not seg.get("dtype") or not seg.get("shape"):
-                    missing = [a for a, k in ((_tfs.XATTR_DTYPE, "dtype"), (_tfs.XATTR_SHAPE, "shape"))
-                               if not seg.get(k)]
-                    _warnings.warn("tensorfs.load_state_dict: skipping %s: it has no %s"
-                                   % (full, " and no ".join(missing)), stacklevel=2)
-                    continue
-                if fd is None:
-                    t = open_torch(full, mode)
-                else:
-                    m = _tfs._meta_from({_tfs.XATTR_DTYPE: seg["dtype"], _tfs.XATTR_SHAPE: seg["shape"],
-                                         _tfs.XATTR_STRIDE: seg.get("stride"),
-                                         _tfs.XATTR_OFFSET: seg.get("offset")}, seg["size"])
-                    torch_dtype(m.dtype)
-                    mm = None
-                    if seg["size"]:
-                        mm = _mmap.mmap(fd, seg["size"], access=_mmap.ACCESS_WRITE if write else _mmap.ACCESS_COPY)
-                    t = tensor_on(mm, m, full, write)
-            finally:
-                if fd is not None:
-                    _os.close(fd)
-            if device != "cpu":
-                t = t.to(device)
-            out[seg["name"].replace("/", ".")] = t
+    moved = {}
+    for e, t in zip(entries, tensors):
+        if device != "cpu":
+            t = moved.setdefault(id(t), t.to(device))
+        out[e.name] = t
     return out
+
+
+IncompatibleKeys = _collections.namedtuple("IncompatibleKeys", "missing_keys unexpected_keys")
+IncompatibleKeys.__doc__ = "What load_into did not match: as torch's load_state_dict returns it."
+
+
+def load_into(module: "torch.nn.Module", path: str, *, strict: bool = True, mode: str = "r") -> IncompatibleKeys:
+    """Put every parameter and buffer of module on its segment under path, without a copy.
+
+    The module's parameters and persistent buffers become tensors on the
+    segments' pages (mode "r": copy-on-write, "r+": shared and writable),
+    each parameter a new nn.Parameter with the old one's requires_grad.
+    The module may be on any device, "meta" included (build it there, then
+    load: no memory for weights twice); what it holds is replaced, never
+    copied into. Ties are kept: names that were one Parameter (a tied
+    lm_head and embedding) get one new Parameter, and names that are one
+    segment one tensor. A name the directory lacks but whose tensor is
+    tied to one it has is not missing (as safetensors' load_model treats
+    checkpoints written without the tied copy).
+
+    Returns IncompatibleKeys(missing_keys, unexpected_keys); with strict
+    (the default) either raises RuntimeError as torch's load_state_dict
+    does. A shape or dtype that differs from the module's raises
+    RuntimeError naming the tensors (no cast: that would copy), and then
+    nothing of module has changed. Works the same on torch 1.13 and 2.x.
+    """
+    import torch
+    sd = load_state_dict(path, mode=mode)
+    own = module.state_dict(keep_vars=True)
+    problems = []
+    for name, old in own.items():
+        t = sd.get(name)
+        if t is None:
+            continue
+        if tuple(t.shape) != tuple(old.shape):
+            problems.append("size mismatch for %s: copying a param with shape %s from checkpoint, the shape in "
+                            "current model is %s." % (name, tuple(t.shape), tuple(old.shape)))
+        elif t.dtype != old.dtype:
+            problems.append("dtype mismatch for %s: %s in %s, %s in the module; load_into does not cast "
+                            "(that would copy): convert the module first" % (name, t.dtype, path, old.dtype))
+    if problems:
+        raise RuntimeError("Error(s) in loading state_dict for %s:\n\t%s"
+                           % (type(module).__name__, "\n\t".join(problems)))
+    new = {}  # id(old tensor) -> what replaces it, so that ties stay ties
+    for name, old in own.items():
+        if name in sd:
+            t = sd[name]
+            if isinstance(old, torch.nn.Parameter):
+                t = new[id(old)] if id(old) in new else torch.nn.Parameter(t, requires_grad=old.requires_grad)
+            new.setdefault(id(old), t)
+    missing = []
+    for name, old in own.items():
+        t = new.get(id(old))
+        if t is None:
+            missing.append(name)
+            continue
+        owner, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(owner) if owner else module, attr, t)
+    unexpected = [k for k in sd if k not in own]
+    if strict and (missing or unexpected):
+        msgs = []
+        if missing:
+            msgs.append("Missing key(s) in state_dict: %s." % ", ".join('"%s"' % k for k in missing))
+        if unexpected:
+            msgs.append("Unexpected key(s) in state_dict: %s." % ", ".join('"%s"' % k for k in unexpected))
+        raise RuntimeError("Error(s) in loading state_dict for %s:\n\t%s" % (type(module).__name__, "\n\t".join(msgs)))
+    return IncompatibleKeys(missing, unexpected)

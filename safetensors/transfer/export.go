@@ -3,115 +3,509 @@ package transfer
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"math"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
+
+	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
 	"tensorfs/safetensors"
 )
 
 // Export writes the tensors under dir, every regular file with a dtype
-// and a shape, to the safetensors file out, through a temporary file in
-// out's directory renamed into place once complete and synced. Files with
-// only one of dtype and shape are skipped, each with a line to opt.Warn.
-// Once ctx is done it stops, removes the temporary file and returns an
-// error saying it was interrupted.
-func Export(ctx context.Context, dir, out string, opt Options) (*safetensors.Header, error) {
+// and a shape, to out: one safetensors file, or, when out is a directory
+// (an existing one, a path ending in '/', any path when opt.MaxShardSize
+// is set, or one not ending in .safetensors when dir was imported from a
+// sharded checkpoint), a sharded checkpoint in it as transformers writes
+// one: PREFIX-0000i-of-0000n.safetensors and PREFIX.safetensors.index.json,
+// or PREFIX.safetensors alone when one shard holds everything. A
+// directory imported from a sharded checkpoint is written back as the same
+// files while its tensors and metadata are unchanged and opt.MaxShardSize
+// is 0; otherwise the tensors are split afresh (safetensors.Split, in the
+// order recorded on dir, then by name) into shards of opt.MaxShardSize
+// bytes, or safetensors.DefaultMaxShardSize.
+//
+// Several names of one segment (hard links: a tie) are written once, as
+// safetensors' save_model writes shared tensors: under the name an import
+// recorded, else the first in byte order, each other name becoming a
+// metadata entry "other": "kept" unless metadata has that key already (in
+// the index's metadata for a sharded checkpoint, as huggingface_hub writes
+// it).
+//
+// Every file goes through a temporary file in its directory, renamed into
+// place once all are complete and synced. Files with only one of dtype and
+// shape are skipped, each with a line to opt.Warn. Once ctx is done it
+// stops, removes the temporary files and returns an error saying it was
+// interrupted.
+func Export(ctx context.Context, dir, out string, opt Options) (Summary, error) {
 	fi, err := os.Stat(dir)
 	if err != nil {
-		return nil, err
+		return Summary{}, err
 	}
 	if !fi.IsDir() {
-		return nil, fmt.Errorf("%s is not a directory", dir)
+		return Summary{}, fmt.Errorf("%s is not a directory", dir)
 	}
-	segs, err := scanSegments(dir, opt.Warn)
+	e := &exportJob{dir: dir}
+	if err := e.read(opt.Warn); err != nil {
+		return Summary{}, err
+	}
+	var files []*outFile
+	if e.toDirectory(out, opt.MaxShardSize) {
+		e.outDir = out
+		files, err = e.planShards(out, opt.MaxShardSize)
+	} else {
+		var f *outFile
+		f, err = e.planFile(out)
+		files = []*outFile{f}
+	}
 	if err != nil {
-		return nil, err
+		return Summary{}, err
 	}
-	orderRaw, recorded, err := getChunks(dir, attrSTOrder)
-	if err != nil {
-		return nil, err
+	if err := e.write(ctx, files, opt.Progress); err != nil {
+		return Summary{}, err
 	}
-	if len(segs) == 0 && !recorded {
-		return nil, fmt.Errorf("no tensors under %s: a segment needs %s and %s to be exported",
-			dir, alloc.AttrDtype, alloc.AttrShape)
-	}
-	var order []string
-	if recorded {
-		if err := json.Unmarshal(orderRaw, &order); err != nil {
-			return nil, fmt.Errorf("%s on %s is not a JSON list of names: %v", attrSTOrder, dir, err)
+	sum := Summary{Links: len(e.ties)}
+	for _, f := range files {
+		if f.h != nil {
+			sum.Files++
+			sum.Tensors += len(f.h.Tensors)
+			sum.Bytes += f.h.DataSize()
 		}
 	}
-	meta, err := readMetadata(dir)
-	if err != nil {
-		return nil, err
-	}
-	tensors := orderTensors(segs, order)
+	return sum, nil
+}
 
-	h, err := rebuildHeader(tensors, meta)
-	if err != nil {
-		return nil, err
-	}
-	var header []byte
-	if raw, ok, err := getChunks(dir, attrSTHeader); err != nil {
-		return nil, err
-	} else if ok {
-		if orig, err := safetensors.ParseHeader(raw, h.DataSize()); err == nil && sameTensors(orig, tensors, meta) {
-			h, header = orig, raw
-		}
-	}
-	if header == nil {
-		header = h.Encode()
-	}
+// exportJob is what Export read from the directory.
+type exportJob struct {
+	dir     string
+	segs    map[string]*segment // the names written, ties removed
+	ties    map[string]string   // a tie's other name -> the name written
+	meta    map[string]string   // user.safetensors.meta.*
+	order   []string            // user.safetensors.order: a single import's header order
+	keys    []string            // user.safetensors.keys: save_state_dict's key order
+	shards  *shardsRecord       // user.safetensors.shards: a sharded import
+	outDir  string              // the directory of shards written, "" for one file
+	created bool                // Export made outDir
+}
 
-	err = writeFile(out, func(f *os.File) error {
-		if _, err := f.Write(append(safetensors.AppendPrefix(nil, header), header...)); err != nil {
+// outFile is one file to write: a safetensors file (h and its header) or
+// the index (raw).
+type outFile struct {
+	path   string
+	h      *safetensors.Header
+	header []byte
+	raw    []byte
+}
+
+// read scans dir and reads what imports and save_state_dict recorded.
+func (e *exportJob) read(warn func(string)) error {
+	segs, err := scanSegments(e.dir, warn)
+	if err != nil {
+		return err
+	}
+	for _, attr := range []struct {
+		name string
+		into any
+	}{{attrSTOrder, &e.order}, {attrSTKeys, &e.keys}, {attrSTShards, &e.shards}} {
+		raw, ok, err := getChunks(e.dir, attr.name)
+		if err != nil {
 			return err
 		}
-		dataAt := safetensors.PrefixSize + int64(len(header))
-		c := newCopier(ctx, h.DataSize(), opt.Progress)
-		for _, i := range h.DataOrder() {
-			if c.failed() != nil {
-				break
+		if ok {
+			if err := json.Unmarshal(raw, attr.into); err != nil {
+				return fmt.Errorf("%s on %s is not what tensorfs records: %v", attr.name, e.dir, err)
 			}
-			t := h.Tensors[i]
-			s := segs[t.Name]
-			src, err := openRegular(s.path)
-			if err != nil {
-				c.fail(fmt.Errorf("tensor %q: %w", t.Name, err))
-				break
-			}
-			c.add(f, dataAt+t.Begin, src, s.offset, t.Size(), func(err error) error {
-				src.Close()
-				if err != nil {
-					return fmt.Errorf("tensor %q: %w", t.Name, err)
-				}
-				return nil
-			})
 		}
-		return c.wait()
-	})
+	}
+	if e.shards != nil && len(e.shards.Files) == 0 {
+		return fmt.Errorf("%s on %s lists no files", attrSTShards, e.dir)
+	}
+	if len(segs) == 0 && e.order == nil && e.shards == nil {
+		return fmt.Errorf("no tensors under %s: a segment needs %s and %s to be exported",
+			e.dir, alloc.AttrDtype, alloc.AttrShape)
+	}
+	if e.meta, err = readMetadata(e.dir); err != nil {
+		return err
+	}
+	e.segs, e.ties = untie(segs, e.recorded())
+	return nil
+}
+
+// recorded returns the names an import read from its files.
+func (e *exportJob) recorded() map[string]bool {
+	names := map[string]bool{}
+	for _, n := range e.order {
+		names[n] = true
+	}
+	if e.shards != nil {
+		for _, f := range e.shards.Files {
+			for _, n := range f.Tensors {
+				names[n] = true
+			}
+		}
+	}
+	return names
+}
+
+// untie keeps one name of each segment that has several (hard links):
+// the one recorded, else the first in byte order, as safetensors'
+// _remove_duplicate_names keeps the first. It returns the names kept and
+// the others, each with the name kept for it.
+func untie(segs map[string]*segment, recorded map[string]bool) (map[string]*segment, map[string]string) {
+	groups := map[fileID][]string{}
+	for name, s := range segs {
+		groups[s.id] = append(groups[s.id], name)
+	}
+	kept, ties := map[string]*segment{}, map[string]string{}
+	for _, names := range groups {
+		slices.Sort(names)
+		keep := names[0]
+		if i := slices.IndexFunc(names, func(n string) bool { return recorded[n] }); i >= 0 {
+			keep = names[i]
+		}
+		kept[keep] = segs[keep]
+		for _, n := range names {
+			if n != keep {
+				ties[n] = keep
+			}
+		}
+	}
+	return kept, ties
+}
+
+// withTies returns meta plus an entry for every tie whose name it does
+// not have yet.
+func (e *exportJob) withTies(meta map[string]string) map[string]string {
+	if len(e.ties) == 0 {
+		return meta
+	}
+	out := maps.Clone(meta)
+	if out == nil {
+		out = map[string]string{}
+	}
+	for n, keep := range e.ties {
+		if _, ok := out[n]; !ok {
+			out[n] = keep
+		}
+	}
+	return out
+}
+
+// toDirectory decides whether out is a directory of shards.
+func (e *exportJob) toDirectory(out string, maxShardSize int64) bool {
+	if fi, err := os.Stat(out); err == nil && fi.IsDir() {
+		return true
+	}
+	return maxShardSize > 0 || strings.HasSuffix(out, "/") ||
+		(e.shards != nil && !strings.HasSuffix(out, ".safetensors"))
+}
+
+// planFile plans the one file out: the tensors in the recorded order,
+// then as the reference writer orders them; the original header when an
+// import kept it and it still describes them.
+func (e *exportJob) planFile(out string) (*outFile, error) {
+	meta := e.withTies(e.meta)
+	h, err := rebuildHeader(orderTensors(e.segs, e.order), meta)
 	if err != nil {
 		return nil, err
 	}
-	return h, nil
+	f := &outFile{path: out, h: h, header: h.Encode()}
+	if raw, ok, err := getChunks(e.dir, attrSTHeader); err != nil {
+		return nil, err
+	} else if ok {
+		if orig, err := safetensors.ParseHeader(raw, h.DataSize()); err == nil && sameTensors(orig, h.Tensors, meta) {
+			f.h, f.header = orig, raw
+		}
+	}
+	return f, nil
+}
+
+// planShards plans the files of a sharded checkpoint in the directory
+// out: the recorded shards when they still describe the tensors, else a
+// fresh split.
+func (e *exportJob) planShards(out string, maxShardSize int64) ([]*outFile, error) {
+	if maxShardSize == 0 && e.shards != nil {
+		if files, ok := e.recordedShards(out); ok {
+			return files, nil
+		}
+	}
+	if maxShardSize == 0 {
+		maxShardSize = safetensors.DefaultMaxShardSize
+	}
+	prefix := "model"
+	var indexMeta map[string]json.RawMessage
+	if e.shards != nil {
+		prefix = strings.TrimSuffix(e.shards.Index, safetensors.IndexSuffix)
+		indexMeta = e.shards.Metadata
+	}
+	// The order to split in: save_state_dict's keys, a sharded import's
+	// files one after the other, a single import's header; then by name.
+	var order []string
+	switch {
+	case e.keys != nil:
+		order = e.keys
+	case e.shards != nil:
+		for _, f := range e.shards.Files {
+			order = append(order, f.Tensors...)
+		}
+	default:
+		order = e.order
+	}
+	var tensors []safetensors.Tensor
+	done := map[string]bool{}
+	for _, n := range order {
+		if s, ok := e.segs[n]; ok && !done[n] {
+			tensors = append(tensors, s.tensor)
+			done[n] = true
+		}
+	}
+	var rest []safetensors.Tensor
+	for n, s := range e.segs {
+		if !done[n] {
+			rest = append(rest, s.tensor)
+		}
+	}
+	slices.SortFunc(rest, func(a, b safetensors.Tensor) int { return strings.Compare(a.Name, b.Name) })
+	tensors = append(tensors, rest...)
+	sizes := make([]int64, len(tensors))
+	var total int64
+	for i, t := range tensors {
+		n, err := safetensors.NBytes(t.Dtype, t.Shape)
+		if err != nil {
+			return nil, fmt.Errorf("tensor %q: %w", t.Name, err)
+		}
+		sizes[i], total = n, total+n
+	}
+	groups := safetensors.Split(sizes, maxShardSize)
+	if len(groups) <= 1 {
+		h, err := rebuildHeader(sortedTensors(tensors), e.withTies(e.meta))
+		if err != nil {
+			return nil, err
+		}
+		return []*outFile{{path: filepath.Join(out, safetensors.ShardName(prefix, 0, 1)), h: h, header: h.Encode()}}, nil
+	}
+	// Each file gets the directory's metadata but the ties, which go to
+	// the index, as huggingface_hub writes them.
+	fileMeta := map[string]string{}
+	for k, v := range e.meta {
+		if _, tie := e.ties[k]; !tie {
+			fileMeta[k] = v
+		}
+	}
+	if len(fileMeta) == 0 {
+		fileMeta = nil
+	}
+	ix := &safetensors.Index{Metadata: map[string]json.RawMessage{}, WeightMap: map[string]string{}}
+	for k, v := range indexMeta {
+		ix.Metadata[k] = v
+	}
+	for n, keep := range e.ties {
+		if _, ok := ix.Metadata[n]; !ok {
+			ix.Metadata[n], _ = json.Marshal(keep)
+		}
+	}
+	ix.Metadata["total_size"] = json.RawMessage(strconv.FormatInt(total, 10))
+	var files []*outFile
+	for i, g := range groups {
+		name := safetensors.ShardName(prefix, i, len(groups))
+		var shard []safetensors.Tensor
+		for _, k := range g {
+			shard = append(shard, tensors[k])
+			ix.WeightMap[tensors[k].Name] = name
+		}
+		h, err := rebuildHeader(sortedTensors(shard), fileMeta)
+		if err != nil {
+			return nil, err
+		}
+		files = append(files, &outFile{path: filepath.Join(out, name), h: h, header: h.Encode()})
+	}
+	return append(files, &outFile{path: filepath.Join(out, prefix+safetensors.IndexSuffix), raw: ix.Encode()}), nil
+}
+
+// recordedShards plans the files a sharded import recorded, if the
+// directory still holds exactly their tensors with their dtypes and
+// shapes, and their metadata and the ties are unchanged.
+func (e *exportJob) recordedShards(out string) ([]*outFile, bool) {
+	r := e.shards
+	if !maps.Equal(e.meta, r.commonMetadata()) {
+		return nil, false
+	}
+	recordedMeta := indexStrings(r.Metadata)
+	var files []*outFile
+	n := 0
+	for _, fr := range r.Files {
+		var tensors []safetensors.Tensor
+		for _, name := range fr.Tensors {
+			s, ok := e.segs[name]
+			if !ok {
+				return nil, false
+			}
+			tensors = append(tensors, s.tensor)
+		}
+		n += len(tensors)
+		for k, v := range fr.Metadata {
+			recordedMeta[k] = v
+		}
+		h, err := rebuildHeader(tensors, fr.Metadata)
+		if err != nil {
+			return nil, false
+		}
+		f := &outFile{path: filepath.Join(out, fr.Name), h: h, header: h.Encode()}
+		if fr.Header != "" {
+			if orig, err := safetensors.ParseHeader([]byte(fr.Header), h.DataSize()); err == nil && sameTensors(orig, tensors, fr.Metadata) {
+				f.h, f.header = orig, []byte(fr.Header)
+			}
+		}
+		files = append(files, f)
+	}
+	if n != len(e.segs) {
+		return nil, false
+	}
+	for name, keep := range e.ties {
+		if recordedMeta[name] != keep {
+			return nil, false
+		}
+	}
+	ix := &safetensors.Index{Metadata: r.Metadata, WeightMap: map[string]string{}}
+	for _, fr := range r.Files {
+		for _, name := range fr.Tensors {
+			ix.WeightMap[name] = fr.Name
+		}
+	}
+	raw := ix.Encode()
+	if r.Raw != "" {
+		raw = []byte(r.Raw)
+	}
+	return append(files, &outFile{path: filepath.Join(out, r.Index), raw: raw}), true
+}
+
+// sortedTensors returns tensors in the reference writer's order.
+func sortedTensors(tensors []safetensors.Tensor) []safetensors.Tensor {
+	out := slices.Clone(tensors)
+	safetensors.SortTensors(out)
+	return out
+}
+
+// write writes the files through temporary files, copying the tensors'
+// bytes with one copier, and renames them into place once all are
+// complete and synced. A directory it had to create for them is removed
+// if it fails.
+func (e *exportJob) write(ctx context.Context, files []*outFile, progress func(done, total int64)) (err error) {
+	if e.outDir != "" {
+		if err := os.Mkdir(e.outDir, 0o755); err == nil {
+			e.created = true
+		} else if !errors.Is(err, fs.ErrExist) {
+			return err
+		}
+	}
+	var temps []*os.File
+	defer func() {
+		for _, f := range temps {
+			f.Close()
+			if err != nil {
+				os.Remove(f.Name())
+			}
+		}
+		if err != nil && e.created {
+			os.Remove(e.outDir)
+		}
+	}()
+	var total int64
+	for _, f := range files {
+		if f.h != nil {
+			total += f.h.DataSize()
+		}
+	}
+	c := newCopier(ctx, total, progress)
+	for _, f := range files {
+		tmp, err := os.CreateTemp(filepath.Dir(f.path), "."+filepath.Base(f.path)+".tmp-")
+		if err != nil {
+			c.fail(err)
+			break
+		}
+		temps = append(temps, tmp)
+		if f.h == nil {
+			if _, err := tmp.Write(f.raw); err != nil {
+				c.fail(err)
+				break
+			}
+			continue
+		}
+		if _, err := tmp.Write(append(safetensors.AppendPrefix(nil, f.header), f.header...)); err != nil {
+			c.fail(err)
+			break
+		}
+		if err := e.queue(c, tmp, f); err != nil {
+			c.fail(err)
+			break
+		}
+	}
+	if err := c.wait(); err != nil {
+		return err
+	}
+	for _, tmp := range temps {
+		if err := tmp.Chmod(0o644); err != nil {
+			return err
+		}
+		if err := tmp.Sync(); err != nil {
+			return err
+		}
+	}
+	for i, tmp := range temps {
+		if err := os.Rename(tmp.Name(), files[i].path); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// queue adds the copies of f's tensors into tmp to c.
+func (e *exportJob) queue(c *copier, tmp *os.File, f *outFile) error {
+	dataAt := safetensors.PrefixSize + int64(len(f.header))
+	for _, i := range f.h.DataOrder() {
+		if err := c.failed(); err != nil {
+			return err
+		}
+		t := f.h.Tensors[i]
+		s := e.segs[t.Name]
+		src, err := openRegular(s.path)
+		if err != nil {
+			return fmt.Errorf("tensor %q: %w", t.Name, err)
+		}
+		c.add(tmp, dataAt+t.Begin, src, s.offset, t.Size(), func(err error) error {
+			src.Close()
+			if err != nil {
+				return fmt.Errorf("tensor %q: %w", t.Name, err)
+			}
+			return nil
+		})
+	}
+	return nil
 }
 
 // segment is one exportable segment found under the export directory.
 type segment struct {
 	path   string
+	id     fileID             // the inode: names of one segment are a tie
 	tensor safetensors.Tensor // name, dtype and shape; no offsets
 	offset int64              // byte offset of the tensor in the segment
 }
 
+// fileID tells one file from another: device and inode.
+type fileID struct{ dev, ino uint64 }
+
 // scanSegments finds every regular file under dir that has a dtype and a
-// shape, keyed by its path relative to dir, with '/' separators. Temporary
-// directories of imports are skipped.
+// shape, keyed by its path relative to dir, with '/' separators.
+// Temporary entries of imports and of the Python client's saves (names
+// starting with .import- or .save- at the top) are skipped.
 func scanSegments(dir string, warn func(string)) (map[string]*segment, error) {
 	segs := map[string]*segment{}
 	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
@@ -122,8 +516,11 @@ func scanSegments(dir string, warn func(string)) (map[string]*segment, error) {
 		if err != nil {
 			return err
 		}
-		if d.IsDir() && rel != "." && !strings.Contains(rel, "/") && strings.HasPrefix(rel, importPrefix) {
-			return fs.SkipDir
+		if rel != "." && !strings.Contains(rel, "/") && (strings.HasPrefix(rel, importPrefix) || strings.HasPrefix(rel, savePrefix)) {
+			if d.IsDir() {
+				return fs.SkipDir
+			}
+			return nil
 		}
 		if !d.Type().IsRegular() {
 			return nil
@@ -197,15 +594,15 @@ func readSegment(path, dtype, shape string) (*segment, error) {
 		}
 		off = elems * d.Size
 	}
-	fi, err := os.Stat(path)
-	if err != nil {
+	var fst unix.Stat_t
+	if err := unix.Stat(path, &fst); err != nil {
 		return nil, err
 	}
-	if off > fi.Size() || n > fi.Size()-off {
+	if off > fst.Size || n > fst.Size-off {
 		return nil, fmt.Errorf("%d-byte segment is too short for %s %s at byte %d (%d bytes)",
-			fi.Size(), d.Name, alloc.FormatShape(dims), off, n)
+			fst.Size, d.Name, alloc.FormatShape(dims), off, n)
 	}
-	return &segment{path: path, tensor: safetensors.Tensor{Dtype: st, Shape: dims}, offset: off}, nil
+	return &segment{path: path, id: fileID{fst.Dev, fst.Ino}, tensor: safetensors.Tensor{Dtype: st, Shape: dims}, offset: off}, nil
 }
 
 // contiguous reports whether stride is the row-major stride of shape,
@@ -289,30 +686,4 @@ func readMetadata(dir string) (map[string]string, error) {
 		}
 	}
 	return meta, nil
-}
-
-// writeFile creates path through a temporary file in its directory that
-// fill writes and that is renamed into place once complete and synced.
-func writeFile(path string, fill func(*os.File) error) error {
-	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-")
-	if err != nil {
-		return err
-	}
-	err = fill(f)
-	if err == nil {
-		err = f.Chmod(0o644)
-	}
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(f.Name(), path)
-	}
-	if err != nil {
-		os.Remove(f.Name())
-	}
-	return err
 }

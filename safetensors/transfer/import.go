@@ -3,8 +3,10 @@ package transfer
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"maps"
 	"os"
@@ -19,39 +21,37 @@ import (
 	"tensorfs/safetensors"
 )
 
-// Import imports the safetensors file src into dir, a new or empty
-// directory inside a tensorfs mount (created with its missing parents),
-// all or nothing. It refuses a src that is not a regular file before
-// opening it, and a malformed file before writing anything. Once ctx is
-// done it stops, removes what it wrote and returns an error saying it was
-// interrupted.
-func Import(ctx context.Context, src, dir string, opt Options) (*safetensors.Header, error) {
-	f, err := openRegular(src)
-	if err != nil {
-		return nil, err
+// Import imports src into dir, a new or empty directory inside a tensorfs
+// mount (created with its missing parents), all or nothing: one segment
+// per tensor, named as the tensor. src is a safetensors file, a sharded
+// checkpoint's index file (PREFIX.safetensors.index.json, whose shards
+// are read from its directory), or a directory holding one index or,
+// without an index, one .safetensors file. Every file is checked before
+// anything is written: a malformed file, an index that does not match its
+// shards, or a name in two shards is refused. Ties the reference writer
+// recorded in metadata (a name that is not a tensor mapped to one that
+// is, as safetensors' save_model and huggingface_hub write them) become
+// hard links: one segment under both names. It refuses a source that is
+// not a regular file before opening it. Once ctx is done it stops,
+// removes what it wrote and returns an error saying it was interrupted.
+func Import(ctx context.Context, src, dir string, opt Options) (Summary, error) {
+	job := &importJob{dir: dir}
+	defer job.closeSources()
+	if err := job.open(src); err != nil {
+		return Summary{}, err
 	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, err
-	}
-	h, raw, err := safetensors.ReadHeader(f, fi.Size())
-	if err != nil {
-		return nil, fmt.Errorf("%s: %w", src, err)
-	}
-	job := &importJob{src: f, h: h, dataAt: safetensors.PrefixSize + int64(len(raw)), dir: dir}
-	if err := job.plan(raw); err != nil {
-		return nil, fmt.Errorf("%s: %w", src, err)
+	if err := job.plan(); err != nil {
+		return Summary{}, fmt.Errorf("%s: %w", src, err)
 	}
 	if err := job.prepareDir(); err != nil {
 		job.rollback()
-		return nil, err
+		return Summary{}, err
 	}
 	if err := job.run(ctx, opt.Progress); err != nil {
 		job.rollback()
-		return nil, err
+		return Summary{}, err
 	}
-	return h, nil
+	return job.summary, nil
 }
 
 // openRegular opens path for reading if it is a regular file. A FIFO or
@@ -78,16 +78,26 @@ func openRegular(path string) (*os.File, error) {
 	return f, nil
 }
 
+// source is one safetensors file being imported.
+type source struct {
+	path   string
+	f      *os.File
+	h      *safetensors.Header
+	raw    []byte // the header as read
+	dataAt int64  // offset of the byte buffer in the file
+}
+
 // importJob is one import in progress, and what to undo if it fails.
 type importJob struct {
-	src    *os.File
-	h      *safetensors.Header
-	dataAt int64 // offset of the byte buffer in src
-	dir    string
+	srcs     []*source
+	index    *safetensors.Index // nil for one file
+	indexRaw []byte
+	indexAt  string // the index file's name
+	dir      string
 
-	dtypes []string          // tensorfs dtype of each tensor of h
-	shapes []string          // user.tensor.shape of each tensor of h
-	attrs  map[string][]byte // what to set on dir
+	links   map[string]string // tie name -> the tensor whose segment it shares
+	attrs   map[string][]byte // what to set on dir
+	summary Summary
 
 	created string   // topmost directory the import created, "" if none
 	tmp     string   // the .import-XXXX directory, "" once removed
@@ -95,37 +105,256 @@ type importJob struct {
 	set     []string // attributes set on dir
 }
 
-// plan checks everything that can be checked before writing: tensor names
-// that make valid paths, dtypes and shapes tensorfs accepts, metadata that
-// fits extended attributes. It fills in what run sets.
-func (j *importJob) plan(raw []byte) error {
-	names := make(map[string]bool, len(j.h.Tensors))
-	for _, t := range j.h.Tensors {
-		names[t.Name] = true
+// tensorRef is one tensor of one source, with the attributes its
+// segment gets.
+type tensorRef struct {
+	src          *source
+	t            safetensors.Tensor
+	dtype, shape string
+}
+
+// open finds and opens the sources of src and reads their headers (and
+// the index).
+func (j *importJob) open(src string) error {
+	fi, err := os.Stat(src)
+	if err != nil {
+		return err
 	}
-	for _, t := range j.h.Tensors {
-		if err := checkTensorName(t.Name); err != nil {
+	if fi.IsDir() {
+		if src, err = findCheckpoint(src); err != nil {
 			return err
 		}
-		for i := range len(t.Name) {
-			if t.Name[i] == '/' && names[t.Name[:i]] {
-				return fmt.Errorf("tensor %q is also the directory of tensor %q", t.Name[:i], t.Name)
+	}
+	f, err := openRegular(src)
+	if err != nil {
+		return err
+	}
+	if !isIndex(f, src) {
+		return j.addSource(src, f)
+	}
+	defer f.Close()
+	raw, err := io.ReadAll(io.LimitReader(f, safetensors.MaxHeaderSize+1))
+	if err != nil {
+		return err
+	}
+	if j.index, err = safetensors.ParseIndex(raw); err != nil {
+		return fmt.Errorf("%s: %w", src, err)
+	}
+	j.indexRaw, j.indexAt = raw, filepath.Base(src)
+	if len(j.index.WeightMap) == 0 {
+		return fmt.Errorf("%s: the index's weight_map names no tensor", src)
+	}
+	for _, name := range j.index.Files() {
+		p := filepath.Join(filepath.Dir(src), name)
+		f, err := openRegular(p)
+		if err != nil {
+			return fmt.Errorf("%s names %s: %w", src, name, err)
+		}
+		if err := j.addSource(p, f); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// addSource reads the header of the safetensors file f and adds it; f is
+// the job's to close.
+func (j *importJob) addSource(path string, f *os.File) error {
+	s := &source{path: path, f: f}
+	j.srcs = append(j.srcs, s)
+	fi, err := f.Stat()
+	if err != nil {
+		return err
+	}
+	if s.h, s.raw, err = safetensors.ReadHeader(f, fi.Size()); err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	s.dataAt = safetensors.PrefixSize + int64(len(s.raw))
+	return nil
+}
+
+func (j *importJob) closeSources() {
+	for _, s := range j.srcs {
+		s.f.Close()
+	}
+}
+
+// isIndex tells an index file from a safetensors file: a name ending in
+// .json, or a first byte '{' where a safetensors file has its header
+// length, whose high bytes are zero (an index has no NUL byte).
+func isIndex(f *os.File, path string) bool {
+	if strings.HasSuffix(path, ".json") {
+		return true
+	}
+	var b [safetensors.PrefixSize]byte
+	n, _ := f.ReadAt(b[:], 0)
+	return n == len(b) && b[0] == '{' && bytes.IndexByte(b[:], 0) < 0
+}
+
+// findCheckpoint returns the index file in dir, or its one .safetensors
+// file when it has no index.
+func findCheckpoint(dir string) (string, error) {
+	indexes, _ := filepath.Glob(filepath.Join(dir, "*"+safetensors.IndexSuffix))
+	files, _ := filepath.Glob(filepath.Join(dir, "*.safetensors"))
+	switch {
+	case len(indexes) == 1:
+		return indexes[0], nil
+	case len(indexes) > 1:
+		return "", fmt.Errorf("%s holds %d index files (%s): name the one to import", dir, len(indexes), strings.Join(baseNames(indexes), ", "))
+	case len(files) == 1:
+		return files[0], nil
+	case len(files) > 1:
+		return "", fmt.Errorf("%s holds %d .safetensors files and no *%s: name the file to import", dir, len(files), safetensors.IndexSuffix)
+	}
+	return "", fmt.Errorf("%s holds no .safetensors file and no *%s", dir, safetensors.IndexSuffix)
+}
+
+func baseNames(paths []string) []string {
+	out := make([]string, len(paths))
+	for i, p := range paths {
+		out[i] = filepath.Base(p)
+	}
+	return out
+}
+
+// plan checks everything that can be checked before writing: that the
+// index and the shards agree, tensor names that make valid paths and
+// appear once, dtypes and shapes tensorfs accepts, metadata that fits
+// extended attributes. It fills in what run sets.
+func (j *importJob) plan() error {
+	owner := map[string]*source{}
+	for _, s := range j.srcs {
+		for _, t := range s.h.Tensors {
+			if o, ok := owner[t.Name]; ok {
+				return fmt.Errorf("tensor %q is in both %s and %s", t.Name, filepath.Base(o.path), filepath.Base(s.path))
+			}
+			owner[t.Name] = s
+			if j.index != nil {
+				if f, ok := j.index.WeightMap[t.Name]; !ok || f != filepath.Base(s.path) {
+					return fmt.Errorf("%s holds tensor %q, which the index puts in %q", filepath.Base(s.path), t.Name, f)
+				}
+			}
+			dt, _ := safetensors.TensorfsDtype(t.Dtype) // known: ReadHeader checked
+			if _, err := alloc.ParseDtype(dt); err != nil {
+				return fmt.Errorf("tensor %q: tensorfs does not know dtype %s", t.Name, t.Dtype)
+			}
+			shape := alloc.FormatShape(t.Shape)
+			if _, err := alloc.ParseShape(shape); err != nil {
+				return fmt.Errorf("tensor %q: tensorfs cannot store shape %s: %v", t.Name, shape, err)
+			}
+			j.summary.Tensors++
+			j.summary.Bytes += t.Size()
+		}
+	}
+	if j.index != nil {
+		for _, name := range slices.Sorted(maps.Keys(j.index.WeightMap)) {
+			if owner[name] == nil {
+				return fmt.Errorf("the index puts tensor %q in %s, which does not hold it", name, j.index.WeightMap[name])
 			}
 		}
-		dt, _ := safetensors.TensorfsDtype(t.Dtype) // known: ReadHeader checked
-		if _, err := alloc.ParseDtype(dt); err != nil {
-			return fmt.Errorf("tensor %q: tensorfs does not know dtype %s", t.Name, t.Dtype)
-		}
-		shape := alloc.FormatShape(t.Shape)
-		if _, err := alloc.ParseShape(shape); err != nil {
-			return fmt.Errorf("tensor %q: tensorfs cannot store shape %s: %v", t.Name, shape, err)
-		}
-		j.dtypes = append(j.dtypes, dt)
-		j.shapes = append(j.shapes, shape)
 	}
+	j.links = map[string]string{}
+	for _, meta := range j.metadatas() {
+		for k, v := range meta {
+			if owner[k] == nil && owner[v] != nil && checkTensorName(k) == nil {
+				j.links[k] = v
+			}
+		}
+	}
+	names := map[string]bool{}
+	for name := range owner {
+		names[name] = true
+	}
+	for name := range j.links {
+		names[name] = true
+	}
+	for name := range names {
+		if err := checkTensorName(name); err != nil {
+			return err
+		}
+		for i := range len(name) {
+			if name[i] == '/' && names[name[:i]] {
+				return fmt.Errorf("tensor %q is also the directory of tensor %q", name[:i], name)
+			}
+		}
+	}
+	j.summary.Links, j.summary.Files = len(j.links), len(j.srcs)
+	return j.planAttrs()
+}
 
+// metadatas returns every metadata object of the sources, the index's
+// string values included.
+func (j *importJob) metadatas() []map[string]string {
+	var out []map[string]string
+	if j.index != nil {
+		out = append(out, indexStrings(j.index.Metadata))
+	}
+	for _, s := range j.srcs {
+		out = append(out, s.h.Metadata)
+	}
+	return out
+}
+
+// indexStrings returns the string values of an index's metadata.
+func indexStrings(meta map[string]json.RawMessage) map[string]string {
+	out := map[string]string{}
+	for k, raw := range meta {
+		var v string
+		if json.Unmarshal(raw, &v) == nil {
+			out[k] = v
+		}
+	}
+	return out
+}
+
+// planAttrs fills in the attributes of dir: for one file its metadata,
+// its tensor order and, unless export would rebuild it, its header; for a
+// sharded checkpoint the metadata its files share and the shards record.
+func (j *importJob) planAttrs() error {
 	j.attrs = map[string][]byte{}
-	for k, v := range j.h.Metadata {
+	var meta map[string]string
+	if j.index == nil {
+		s := j.srcs[0]
+		meta = s.h.Metadata
+		order := make([]string, len(s.h.Tensors))
+		for i, t := range s.h.Tensors {
+			order[i] = t.Name
+		}
+		ob, err := marshalJSON(order)
+		if err != nil {
+			return err
+		}
+		setChunks(j.attrs, attrSTOrder, ob)
+		if rebuilt, err := rebuildHeader(s.h.Tensors, s.h.Metadata); err != nil {
+			return err
+		} else if !bytes.Equal(rebuilt.Encode(), s.raw) {
+			setChunks(j.attrs, attrSTHeader, s.raw)
+		}
+	} else {
+		rec := shardsRecord{Index: j.indexAt, Metadata: j.index.Metadata}
+		if !bytes.Equal(j.index.Encode(), j.indexRaw) {
+			rec.Raw = string(j.indexRaw)
+		}
+		for _, s := range j.srcs {
+			fr := fileRecord{Name: filepath.Base(s.path), Metadata: s.h.Metadata, Tensors: []string{}}
+			for _, t := range s.h.Tensors {
+				fr.Tensors = append(fr.Tensors, t.Name)
+			}
+			if rebuilt, err := rebuildHeader(s.h.Tensors, s.h.Metadata); err != nil {
+				return err
+			} else if !bytes.Equal(rebuilt.Encode(), s.raw) {
+				fr.Header = string(s.raw)
+			}
+			rec.Files = append(rec.Files, fr)
+		}
+		b, err := marshalJSON(rec)
+		if err != nil {
+			return err
+		}
+		setChunks(j.attrs, attrSTShards, b)
+		meta = rec.commonMetadata()
+	}
+	for k, v := range meta {
 		name := attrSTMeta + k
 		switch {
 		case strings.IndexByte(k, 0) >= 0:
@@ -138,22 +367,6 @@ func (j *importJob) plan(raw []byte) error {
 				k, len(v), xattrSizeMax)
 		}
 		j.attrs[name] = []byte(v)
-	}
-	order := make([]string, len(j.h.Tensors))
-	for i, t := range j.h.Tensors {
-		order[i] = t.Name
-	}
-	ob, err := marshalNames(order)
-	if err != nil {
-		return err
-	}
-	setChunks(j.attrs, attrSTOrder, ob)
-	rebuilt, err := rebuildHeader(j.h.Tensors, j.h.Metadata)
-	if err != nil {
-		return err
-	}
-	if !bytes.Equal(rebuilt.Encode(), raw) {
-		setChunks(j.attrs, attrSTHeader, raw)
 	}
 	return nil
 }
@@ -248,17 +461,31 @@ func (j *importJob) run(ctx context.Context, progress func(done, total int64)) e
 		return err
 	}
 	j.tmp = tmp
-	c := newCopier(ctx, j.h.DataSize(), progress)
-	for _, i := range j.h.DataOrder() { // the source is read front to back
-		if err := c.failed(); err != nil {
-			break
-		}
-		if err := j.startTensor(c, i); err != nil {
-			c.fail(fmt.Errorf("tensor %q: %w", j.h.Tensors[i].Name, err))
+	c := newCopier(ctx, j.summary.Bytes, progress)
+	for _, s := range j.srcs {
+		for _, i := range s.h.DataOrder() { // each source is read front to back
+			if err := c.failed(); err != nil {
+				break
+			}
+			ref := tensorRef{src: s, t: s.h.Tensors[i]}
+			ref.dtype, _ = safetensors.TensorfsDtype(ref.t.Dtype)
+			ref.shape = alloc.FormatShape(ref.t.Shape)
+			if err := j.startTensor(c, ref); err != nil {
+				c.fail(fmt.Errorf("tensor %q: %w", ref.t.Name, err))
+			}
 		}
 	}
 	if err := c.wait(); err != nil {
 		return err
+	}
+	for _, name := range slices.Sorted(maps.Keys(j.links)) {
+		path := filepath.Join(tmp, filepath.FromSlash(name))
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			return err
+		}
+		if err := os.Link(filepath.Join(tmp, filepath.FromSlash(j.links[name])), path); err != nil {
+			return fmt.Errorf("tying %q to %q: %w", name, j.links[name], err)
+		}
 	}
 
 	// The attributes go first: once a segment is in place, the import is
@@ -301,11 +528,11 @@ func (j *importJob) run(ctx context.Context, progress func(done, total int64)) e
 	return nil
 }
 
-// startTensor creates tensor i's segment in the temporary directory,
-// reserves its bytes, sets its dtype and shape, and queues the copy of
-// its bytes, which closes it.
-func (j *importJob) startTensor(c *copier, i int) error {
-	t := j.h.Tensors[i]
+// startTensor creates a tensor's segment in the temporary directory,
+// sets its dtype and shape, and queues the copy of its bytes, which
+// closes it.
+func (j *importJob) startTensor(c *copier, ref tensorRef) error {
+	t := ref.t
 	path := filepath.Join(j.tmp, filepath.FromSlash(t.Name))
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return err
@@ -314,13 +541,13 @@ func (j *importJob) startTensor(c *copier, i int) error {
 	if err != nil {
 		return err
 	}
-	if err := j.prepareSegment(f, i); err != nil {
+	if err := prepareSegment(f, ref, j.dir); err != nil {
 		f.Close()
 		return err
 	}
-	c.add(f, 0, j.src, j.dataAt+t.Begin, t.Size(), func(err error) error {
+	c.add(f, 0, ref.src.f, ref.src.dataAt+t.Begin, t.Size(), func(err error) error {
 		if errors.Is(err, unix.ENOSPC) {
-			err = errFull
+			err = full(j.dir)
 		}
 		if cerr := f.Close(); err == nil {
 			err = cerr
@@ -333,26 +560,26 @@ func (j *importJob) startTensor(c *copier, i int) error {
 	return nil
 }
 
-// prepareSegment sets the dtype and shape of tensor i on its new segment
-// f, and sizes a device segment.
-func (j *importJob) prepareSegment(f *os.File, i int) error {
+// prepareSegment sets a tensor's dtype and shape on its new segment f,
+// and sizes a device segment.
+func prepareSegment(f *os.File, ref tensorRef, dir string) error {
 	// A host segment gets its pages as its bytes are written, as a full
 	// mount says with ENOSPC; reserving them first would clear every
 	// page once more. A device segment is sized at once, so that its
 	// memory is allocated once rather than grown write by write.
-	if n := j.h.Tensors[i].Size(); n > 0 && onDevice(f) {
+	if n := ref.t.Size(); n > 0 && onDevice(f) {
 		if err := f.Truncate(n); err != nil {
 			if errors.Is(err, unix.ENOSPC) {
-				return fmt.Errorf("reserving %d bytes: %w", n, errFull)
+				return fmt.Errorf("reserving %d bytes: %w", n, full(dir))
 			}
 			return err
 		}
 	}
-	if err := unix.Fsetxattr(int(f.Fd()), alloc.AttrDtype, []byte(j.dtypes[i]), 0); err != nil {
-		return fmt.Errorf("setting %s=%s: %w", alloc.AttrDtype, j.dtypes[i], err)
+	if err := unix.Fsetxattr(int(f.Fd()), alloc.AttrDtype, []byte(ref.dtype), 0); err != nil {
+		return fmt.Errorf("setting %s=%s: %w", alloc.AttrDtype, ref.dtype, err)
 	}
-	if err := unix.Fsetxattr(int(f.Fd()), alloc.AttrShape, []byte(j.shapes[i]), 0); err != nil {
-		return fmt.Errorf("setting %s=%s: %w", alloc.AttrShape, j.shapes[i], err)
+	if err := unix.Fsetxattr(int(f.Fd()), alloc.AttrShape, []byte(ref.shape), 0); err != nil {
+		return fmt.Errorf("setting %s=%s: %w", alloc.AttrShape, ref.shape, err)
 	}
 	return nil
 }

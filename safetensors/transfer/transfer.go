@@ -35,7 +35,9 @@ package transfer
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
 )
 
 const (
@@ -43,20 +45,28 @@ const (
 	attrSTMeta   = attrSTPrefix + "meta."
 	attrSTOrder  = attrSTPrefix + "order"
 	attrSTHeader = attrSTPrefix + "header"
+	attrSTShards = attrSTPrefix + "shards"
+	attrSTKeys   = attrSTPrefix + "keys"
 
 	xattrNameMax = 255      // XATTR_NAME_MAX
 	xattrSizeMax = 64 << 10 // XATTR_SIZE_MAX: the largest attribute value
 	nameMax      = 255      // NAME_MAX: the longest path component
 
 	importPrefix = ".import-" // temporary directory of an import in progress
+	savePrefix   = ".save-"   // temporary entry of a save by the Python client
 )
 
 var (
 	// errInterrupted is returned once the context is done.
 	errInterrupted = errors.New("interrupted")
-	// errFull is returned when the mount has no room for a segment.
-	errFull = errors.New("the mount is full (see df; mount with a larger --capacity)")
+	// errFull is wrapped by the error for a mount with no room for a segment.
+	errFull = errors.New("the tensorfs mount is full")
 )
+
+// full is errFull for an import into dir, saying where to look.
+func full(dir string) error {
+	return fmt.Errorf("%w: df -h %s shows it; free segments or mount with a larger --capacity", errFull, dir)
+}
 
 // Options are what Import and Export may report as they go.
 type Options struct {
@@ -65,6 +75,57 @@ type Options struct {
 	Progress func(done, total int64)
 	// Warn, if not nil, receives one line for each file Export skips.
 	Warn func(msg string)
+	// MaxShardSize, when not 0, makes Export split the tensors afresh
+	// into shards of at most this many bytes (safetensors.Split).
+	MaxShardSize int64
+}
+
+// Summary says what an import or an export moved.
+type Summary struct {
+	Tensors int   // tensors with bytes of their own
+	Links   int   // further names of a tensor's segment (ties)
+	Files   int   // safetensors files read or written
+	Bytes   int64 // bytes of the tensors
+}
+
+// shardsRecord is what an import of a sharded checkpoint records on the
+// directory (user.safetensors.shards, JSON) so that export writes the
+// same files back.
+type shardsRecord struct {
+	Index    string                     `json:"index"`    // the index file's name
+	Metadata map[string]json.RawMessage `json:"metadata"` // the index's metadata, null when it had none
+	// Raw is the index file's bytes when safetensors.Index.Encode would
+	// not give them back.
+	Raw   string       `json:"raw,omitempty"`
+	Files []fileRecord `json:"files"`
+}
+
+// fileRecord is one shard of a shardsRecord.
+type fileRecord struct {
+	Name     string            `json:"name"`
+	Tensors  []string          `json:"tensors"`  // in header order
+	Metadata map[string]string `json:"metadata"` // its __metadata__, null when it had none
+	// Header is its header when export would not rebuild it.
+	Header string `json:"header,omitempty"`
+}
+
+// commonMetadata is the directory's metadata (user.safetensors.meta.*)
+// of a sharded import: the index's string values, and the entries every
+// shard has with the same value.
+func (r *shardsRecord) commonMetadata() map[string]string {
+	meta := indexStrings(r.Metadata)
+	for k, v := range r.Files[0].Metadata {
+		same := true
+		for _, f := range r.Files[1:] {
+			if w, ok := f.Metadata[k]; !ok || w != v {
+				same = false
+			}
+		}
+		if same {
+			meta[k] = v
+		}
+	}
+	return meta
 }
 
 // interrupted returns errInterrupted once ctx is done.

@@ -74,12 +74,12 @@ func getChunks(path, name string) (value []byte, ok bool, err error) {
 	}
 }
 
-// marshalNames encodes a list of names as JSON without HTML escaping.
-func marshalNames(names []string) ([]byte, error) {
+// marshalJSON encodes v as JSON without HTML escaping.
+func marshalJSON(v any) ([]byte, error) {
 	var b bytes.Buffer
 	enc := json.NewEncoder(&b)
 	enc.SetEscapeHTML(false)
-	if err := enc.Encode(names); err != nil {
+	if err := enc.Encode(v); err != nil {
 		return nil, err
 	}
 	return bytes.TrimRight(b.Bytes(), "\n"), nil

@@ -1,0 +1,200 @@
+package main
+
+// tensorfs set DTYPE SHAPE PATH... and tensorfs show PATH...: a segment's
+// tensor layout, its user.tensor.* attributes, with the daemon's rules
+// checked here first so that a refusal says why.
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+)
+
+func runSet(args []string, stdout, stderr io.Writer) int {
+	set := flag.NewFlagSet("tensorfs set", flag.ContinueOnError)
+	const synopsis = "DTYPE SHAPE PATH...   (a contiguous layout: stride and storage offset are removed)"
+	if code, ok := parseFlags(set, args, synopsis, stdout, stderr); !ok {
+		return code
+	}
+	if set.NArg() < 3 {
+		fmt.Fprintf(stderr, "tensorfs set: want %s\n", synopsis)
+		return 2
+	}
+	d, err := alloc.ParseDtype(set.Arg(0))
+	if err != nil {
+		fmt.Fprintf(stderr, "tensorfs set: %s\n", alloc.EscapeText(err.Error()))
+		return 2
+	}
+	shape, err := alloc.ParseShape(set.Arg(1))
+	if err != nil {
+		fmt.Fprintf(stderr, "tensorfs set: %s (want a list such as \"[4096, 1024]\" or 4096,1024)\n", alloc.EscapeText(err.Error()))
+		return 2
+	}
+	status := 0
+	for _, path := range set.Args()[2:] {
+		if err := setLayout(path, d, shape); err != nil {
+			fmt.Fprintf(stderr, "tensorfs set: %s\n", alloc.EscapeText(err.Error()))
+			status = 1
+			continue
+		}
+		fmt.Fprintf(stdout, "%s: %s %s\n", alloc.Escape(path), d.Name, alloc.FormatShape(shape))
+	}
+	return status
+}
+
+// setLayout sets dtype and shape on path and removes its stride and
+// storage offset, checking first that the tensor fits the segment. On a
+// refusal the old attributes are put back.
+func setLayout(path string, d alloc.Dtype, shape []int64) error {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return err
+	}
+	if !fi.Mode().IsRegular() {
+		return fmt.Errorf("%s is not a segment", path)
+	}
+	need, err := alloc.Extent(d, shape, nil, 0)
+	if err != nil {
+		return fmt.Errorf("%s: %v", path, err)
+	}
+	if need > fi.Size() && device(path) == "cpu" {
+		return fmt.Errorf("%s: %s %s needs %d bytes, the segment has %d", path, d.Name, alloc.FormatShape(shape), need, fi.Size())
+	}
+	names := []string{alloc.AttrShape, alloc.AttrStride, alloc.AttrOffset, alloc.AttrDtype}
+	old := map[string][]byte{}
+	for _, name := range names {
+		v, ok, err := alloc.GetXattr(path, name)
+		if err != nil {
+			return explainXattr(path, err)
+		}
+		if ok {
+			old[name] = v
+		}
+	}
+	// The layout goes first, so that no step checks the new dtype against
+	// the old shape.
+	for _, name := range names[:3] {
+		if err := unix.Removexattr(path, name); err != nil && !errors.Is(err, unix.ENODATA) {
+			return explainXattr(path, err)
+		}
+	}
+	err = unix.Setxattr(path, alloc.AttrDtype, []byte(d.Name), 0)
+	if err == nil {
+		err = unix.Setxattr(path, alloc.AttrShape, []byte(alloc.FormatShape(shape)), 0)
+	}
+	if err != nil {
+		for _, name := range []string{alloc.AttrDtype, alloc.AttrShape, alloc.AttrStride, alloc.AttrOffset} {
+			unix.Removexattr(path, name)
+			if v, ok := old[name]; ok {
+				unix.Setxattr(path, name, v, 0)
+			}
+		}
+		return explainXattr(path, err)
+	}
+	return nil
+}
+
+// device returns a segment's user.tensorfs.device, "cpu" when unset.
+func device(path string) string {
+	if v := attrOr(path, alloc.AttrDevice); v != "-" {
+		return v
+	}
+	return "cpu"
+}
+
+// explainXattr turns an attribute error into one that names path and the
+// usual cause.
+func explainXattr(path string, err error) error {
+	switch {
+	case errors.Is(err, unix.ENOTSUP):
+		return fmt.Errorf("%s is not on a tensorfs mount (no user attributes: %v)", path, err)
+	case errors.Is(err, unix.ENOTCONN):
+		return fmt.Errorf("%s: the tensorfs daemon is gone (%v): remount it with tensorfs mount", path, err)
+	case errors.Is(err, unix.EPERM) || errors.Is(err, unix.EACCES):
+		return fmt.Errorf("%s: %v (the segment's owner, or root, sets its layout)", path, err)
+	}
+	return fmt.Errorf("%s: %v", path, err)
+}
+
+func runShow(args []string, stdout, stderr io.Writer) int {
+	set := flag.NewFlagSet("tensorfs show", flag.ContinueOnError)
+	if code, ok := parseFlags(set, args, "PATH...", stdout, stderr); !ok {
+		return code
+	}
+	if set.NArg() == 0 {
+		fmt.Fprintln(stderr, "tensorfs show: want PATH...")
+		return 2
+	}
+	status := 0
+	for _, path := range set.Args() {
+		line, err := showLayout(path)
+		if err != nil {
+			fmt.Fprintf(stderr, "tensorfs show: %s\n", alloc.EscapeText(err.Error()))
+			status = 1
+			continue
+		}
+		fmt.Fprintln(stdout, line)
+	}
+	return status
+}
+
+// showLayout describes a segment's tensor in one line:
+// "PATH: float32 [4096, 1024] (16.0M; contiguous)", with a stride and
+// storage offset when set, and what is wrong when the attributes do not
+// describe a tensor that fits.
+func showLayout(path string) (string, error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return "", err
+	}
+	if !fi.Mode().IsRegular() {
+		return "", fmt.Errorf("%s is not a segment", path)
+	}
+	get := func(name string) (string, bool, error) {
+		v, ok, err := alloc.GetXattr(path, name)
+		if err != nil {
+			return "", false, explainXattr(path, err)
+		}
+		return strings.TrimSpace(string(v)), ok, nil
+	}
+	dt, hasDtype, err := get(alloc.AttrDtype)
+	if err != nil {
+		return "", err
+	}
+	shape, hasShape, _ := get(alloc.AttrShape)
+	stride, hasStride, _ := get(alloc.AttrStride)
+	offset, hasOffset, _ := get(alloc.AttrOffset)
+	var b strings.Builder
+	fmt.Fprintf(&b, "%s: ", alloc.Escape(path))
+	if !hasDtype && !hasShape {
+		fmt.Fprintf(&b, "no dtype or shape (%s; tensorfs set DTYPE SHAPE %s gives it one)", byteCount(fi.Size()), alloc.Escape(path))
+		return b.String(), nil
+	}
+	fmt.Fprintf(&b, "%s %s (%s", or(dt, hasDtype, "no dtype"), or(shape, hasShape, "no shape"), byteCount(fi.Size()))
+	if hasStride {
+		fmt.Fprintf(&b, "; stride %s", alloc.EscapeText(stride))
+	}
+	if hasOffset && offset != "0" {
+		fmt.Fprintf(&b, "; storage offset %s", alloc.EscapeText(offset))
+	}
+	if !hasStride && (!hasOffset || offset == "0") {
+		b.WriteString("; contiguous")
+	}
+	b.WriteString(")")
+	return b.String(), nil
+}
+
+// or returns the escaped value v, or missing when it is absent.
+func or(v string, ok bool, missing string) string {
+	if !ok {
+		return missing
+	}
+	return alloc.EscapeText(v)
+}
