@@ -351,3 +351,19 @@ func TestUnlinkSegmentReclaimed(t *testing.T) {
 }
 
 func jsonDecode(s string, v any) error { return json.Unmarshal([]byte(s), v) }
+
+// TestSubtreeUsageCountsTiesOnce: a segment with two names (tied weights)
+// counts once in rbytes and rsegments.
+func TestSubtreeUsageCountsTiesOnce(t *testing.T) {
+	x := newOpsFS(t)
+	var out fuse.EntryOut
+	if st := x.raw.Link(nil, &fuse.LinkIn{InHeader: hdr(x.ids["dir"]), Oldnodeid: x.ids["host"]}, "tied", &out); st != fuse.OK {
+		t.Fatal(st)
+	}
+	if b, _ := x.getxattr("root", alloc.AttrRbytes); b != "38" {
+		t.Errorf("rbytes with a tie: %s, want 38 (the tie counted once)", b)
+	}
+	if s, _ := x.getxattr("root", alloc.AttrRsegments); s != "4" {
+		t.Errorf("rsegments with a tie: %s, want 4", s)
+	}
+}

@@ -521,8 +521,10 @@ func comm(pid int) string {
 // subtreeUsage counts the segments below the directory open at dirfd and
 // the bytes they hold, entering only directories who (nil: anyone) may
 // list: an imported or device segment's backing file is an empty marker,
-// so its bytes are counted where they live.
+// so its bytes are counted where they live. A segment with several names
+// (tied weights) counts once.
 func (fsys *filesystem) subtreeUsage(dirfd int, who *ctl.Cred) (segments, bytes int64) {
+	linked := map[uint64]bool{}
 	alloc.Walk(dirfd, func(fd int, name, _ string, st *unix.Stat_t) error {
 		switch st.Mode & syscall.S_IFMT {
 		case syscall.S_IFDIR:
@@ -530,6 +532,12 @@ func (fsys *filesystem) subtreeUsage(dirfd int, who *ctl.Cred) (segments, bytes 
 				return alloc.ErrSkipDir
 			}
 		case syscall.S_IFREG:
+			if st.Nlink > 1 {
+				if linked[st.Ino] {
+					return nil
+				}
+				linked[st.Ino] = true
+			}
 			segments++
 			if _, err := fsys.segmentKind(fd, name, st); err == nil {
 				bytes += st.Size
