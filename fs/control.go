@@ -35,14 +35,17 @@ func (b controlBackend) Export(cred ctl.Cred, path string, write bool) (*os.File
 			return err
 		}
 		defer m.Close()
-		s, seg, err := b.segment(who, m, write, "")
+		s, _, err := b.segment(who, m, write, "")
 		if err != nil {
 			return err
 		}
+		flags, err := flagsOf(s, m)
 		switch {
-		case seg.Flags&alloc.KeepFD == 0:
+		case err != nil:
+			return err
+		case flags&alloc.KeepFD == 0:
 			return fmt.Errorf("%w: export hands out descriptors of KEEPFD segments only", alloc.ErrReadOnly)
-		case write && seg.Flags&alloc.FromFD != 0:
+		case write && flags&alloc.FromFD != 0:
 			return fmt.Errorf("%w: FROMFD segments are read-only", alloc.ErrReadOnly)
 		}
 		if e, ok := s.(exporter); ok {
@@ -60,17 +63,10 @@ func (b controlBackend) Export(cred ctl.Cred, path string, write bool) (*os.File
 	return f, nil
 }
 
-// segmentInfo is what a segment's attribute object says, checked for a
-// peer.
-type segmentInfo struct {
-	st    unix.Stat_t
-	Flags alloc.Flags
-}
-
 // segment classifies the segment m and checks that who may open it for
-// reading, and writing if write: its storage, stat and flags. name, if
-// set, names the segment in a refusal.
-func (b controlBackend) segment(who ctl.Cred, m *alloc.Ref, write bool, name string) (storage, *segmentInfo, error) {
+// reading, and writing if write: its storage and stat. name, if set,
+// names the segment in a refusal.
+func (b controlBackend) segment(who ctl.Cred, m *alloc.Ref, write bool, name string) (storage, *unix.Stat_t, error) {
 	if m.Stat().Mode&syscall.S_IFMT != syscall.S_IFREG {
 		return nil, nil, fmt.Errorf("%w: not a segment", alloc.ErrInvalid)
 	}
@@ -78,28 +74,33 @@ func (b controlBackend) segment(who ctl.Cred, m *alloc.Ref, write bool, name str
 	if err != nil {
 		return nil, nil, err
 	}
-	var seg segmentInfo
-	if err := s.stat(m, &seg.st); err != nil {
+	var st unix.Stat_t
+	if err := s.stat(m, &st); err != nil {
 		return nil, nil, err
 	}
 	want, what := uint32(4), "read"
 	if write {
 		want, what = 4|2, "read and write"
 	}
-	if !permitted(&who, &seg.st, want) {
+	if !permitted(&who, &st, want) {
 		if name != "" {
 			name += ": "
 		}
 		return nil, nil, fmt.Errorf("%w: %sno %s permission", syscall.EACCES, name, what)
 	}
+	return s, &st, nil
+}
+
+// flagsOf reads the flags of the segment m, whose storage is s.
+func flagsOf(s storage, m *alloc.Ref) (f alloc.Flags, err error) {
 	err = s.attrs(m, func(a *alloc.Ref) error {
 		p, err := a.Path()
 		if err == nil {
-			seg.Flags, err = alloc.ReadFlags(p)
+			f, err = alloc.ReadFlags(p)
 		}
 		return err
 	})
-	return s, &seg, err
+	return f, err
 }
 
 // Import makes the peer's descriptor the segment at path, without a copy.

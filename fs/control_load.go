@@ -139,14 +139,20 @@ func (l *loader) segment(dirfd int, name string, rel []string, st *unix.Stat_t) 
 		return err
 	}
 	defer m.Close()
-	s, info, err := l.b.segment(l.who, m, l.write, display(rel))
+	s, st, err := l.b.segment(l.who, m, l.write, display(rel))
 	if err != nil {
 		return err
 	}
-	seg := ctl.Segment{Name: path.Join(rel...), Size: info.st.Size}
-	if l.write && info.Flags&alloc.FromFD != 0 {
-		return fmt.Errorf("%w: %s is FROMFD (imported, read-only): load it without write", alloc.ErrReadOnly, display(rel))
+	if l.write {
+		f, err := flagsOf(s, m)
+		if err != nil {
+			return err
+		}
+		if f&alloc.FromFD != 0 {
+			return fmt.Errorf("%w: %s is FROMFD (imported, read-only): load it without write", alloc.ErrReadOnly, display(rel))
+		}
 	}
+	seg := ctl.Segment{Name: path.Join(rel...), Size: st.Size}
 	file, err := s.descriptor(m, l.write)
 	if err == nil {
 		err = s.attrs(m, func(a *alloc.Ref) error { return readAttrs(&seg, a, file) })
