@@ -19,6 +19,8 @@ const usage = `usage:
   tensorfs ls [-l] PATH...              segments: size, device, flags, refs, dtype, shape (-l: holders)
   tensorfs import FILE DIR              a .safetensors file into DIR (new or empty), one segment per tensor
   tensorfs export DIR FILE              the tensors under DIR into a .safetensors file
+  tensorfs publish DIR                  DIR becomes a new version of itself on every node of the cluster
+  tensorfs pull DIR                     fetch what a published DIR holds from the cluster's nodes
 Run "tensorfs mount -h" for the mount flags.
 `
 
@@ -46,6 +48,10 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runImport(args[1:], stdout, stderr)
 	case "export":
 		return runExport(args[1:], stdout, stderr)
+	case "publish":
+		return runPublish(args[1:], stdout, stderr)
+	case "pull":
+		return runPull(args[1:], stdout, stderr)
 	case "gpu-helper":
 		return gpu.HelperMain(args[1:], stderr, nil)
 	case "-h", "--help", "help":
