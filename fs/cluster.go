@@ -146,6 +146,9 @@ type dirRecord struct {
 // a symbolic link, and entries were checked by package cluster (clean
 // relative paths, files and directories only).
 func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error {
+	if err := cluster.CheckDir(info.Dir); err != nil {
+		return err // package cluster refuses such a name; never walk one
+	}
 	c.mu.Lock()
 	maps.Copy(c.known, v.Contents)
 	prev := c.made[info.Dir]
@@ -231,6 +234,10 @@ func (c *clusterFS) openPath(rel string, create bool) (int, error) {
 	}
 	done := ""
 	for _, part := range strings.Split(rel, "/") {
+		if part == "" || part == "." || part == ".." {
+			unix.Close(fd)
+			return -1, fmt.Errorf("%w: %q is not a clean relative path", alloc.ErrInvalid, rel)
+		}
 		done = path.Join(done, part)
 		if create {
 			if err := unix.Mkdirat(fd, part, 0o755); err == nil {
