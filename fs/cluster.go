@@ -794,6 +794,9 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 	for _, e := range v.Entries {
 		cids[e.Path] = e.Content
 	}
+	// The cluster reads each content from the first file of its (in the
+	// order of their paths, as Publish takes them): those are kept.
+	slices.SortFunc(objs, func(a, b published) int { return entryOrder(a.entry.Path, b.entry.Path) })
 	seen := map[string]bool{}
 	for i := range objs {
 		o := &objs[i]
@@ -808,7 +811,7 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 			}
 			c.fsys.pulled.identify(o.seg, cid, o.entry.Size)
 		}
-		if !seen[cid] { // the cluster reads each content from its first file
+		if !seen[cid] {
 			seen[cid] = true
 			c.fsys.pulled.serveFrom(cid, o.entry.Data.(*os.File))
 			o.entry.Data = nil
@@ -824,6 +827,20 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 	c.mu.Unlock()
 	c.fsys.log.Info("published", "dir", alloc.EscapeText(dir), "version", info.Version, "entries", len(v.Entries), "bytes", v.Bytes(), "uid", who.Uid)
 	return info.Version, nil
+}
+
+// entryOrder orders paths of a published directory as package cluster
+// does: "." first, then bytewise.
+func entryOrder(a, b string) int {
+	switch {
+	case a == b:
+		return 0
+	case a == ".":
+		return -1
+	case b == ".":
+		return 1
+	}
+	return strings.Compare(a, b)
 }
 
 // collect describes every object below the directory open at top (dir in
@@ -976,7 +993,9 @@ func (c *clusterFS) freeze(objs []published, dir string) error {
 		o.seg, o.frozen = c.fsys.pulled.add(st.Ino, mk), true
 		if n := c.fsys.segmentAt(dir + "/" + o.entry.Path); n != nil && n.StableAttr().Ino == st.Ino {
 			n.opening.Lock()
+			n.mu.Lock()
 			writer := slices.ContainsFunc(n.handles, func(h *handle) bool { return h.writable })
+			n.mu.Unlock()
 			if !writer {
 				n.kind.store(o.seg)
 				o.node = n
