@@ -500,33 +500,24 @@ func (c *clusterFS) fetch(items []pullItem) ([]*fill, *cluster.Pull) {
 	var jobs, copies []pullItem
 	c.mu.Lock()
 	for i, it := range items {
-		p := it.seg
-		p.mu.Lock()
-		switch {
-		case p.complete:
-			fills[i] = &fill{done: make(chan struct{})}
-			close(fills[i].done)
+		fills[i] = it.begin()
+		if fills[i] != nil {
 			it.f.Close()
-		case p.fill != nil:
-			fills[i] = p.fill
-			it.f.Close()
-		default:
-			p.fill = &fill{done: make(chan struct{})}
-			fills[i] = p.fill
-			var st unix.Stat_t
-			unix.Fstat(int(it.f.Fd()), &st)
-			it.cid, it.size, it.mtime = p.cid, p.size, st.Mtim
-			switch l := c.busy[p.cid]; {
-			case l != nil:
-				l.followers = append(l.followers, it)
-			case c.fsys.pulled.servedFile(p.cid) != nil:
-				copies = append(copies, it)
-			default:
-				c.busy[p.cid] = &leader{}
-				jobs = append(jobs, it)
-			}
+			continue
 		}
-		p.mu.Unlock()
+		fills[i] = it.seg.fill
+		var st unix.Stat_t
+		unix.Fstat(int(it.f.Fd()), &st)
+		it.mtime = st.Mtim
+		switch l := c.busy[it.cid]; {
+		case l != nil:
+			l.followers = append(l.followers, it)
+		case c.fsys.pulled.servedFile(it.cid) != nil:
+			copies = append(copies, it)
+		default:
+			c.busy[it.cid] = &leader{}
+			jobs = append(jobs, it)
+		}
 	}
 	c.mu.Unlock()
 	for _, it := range copies {
@@ -536,6 +527,26 @@ func (c *clusterFS) fetch(items []pullItem) ([]*fill, *cluster.Pull) {
 		return fills, nil
 	}
 	return fills, c.pull(jobs)
+}
+
+// begin starts the fill of it's segment and takes its content and size,
+// unless it is complete (a fill that is done) or being filled (that
+// fill): nil when the fill starts.
+func (it *pullItem) begin() *fill {
+	p := it.seg
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	switch {
+	case p.complete:
+		f := &fill{done: make(chan struct{})}
+		close(f.done)
+		return f
+	case p.fill != nil:
+		return p.fill
+	}
+	p.fill = &fill{done: make(chan struct{})}
+	it.cid, it.size = p.cid, p.size
+	return nil
 }
 
 // pull starts pulling jobs, each the leader of its content, and returns
