@@ -1214,8 +1214,12 @@ func (fsys *filesystem) clusterAttr(d *dirNode) ([]byte, error) {
 	return json.Marshal(out)
 }
 
-// clusterAttrs lists user.tensorfs.cluster for a published directory.
+// clusterAttrs lists user.tensorfs.cluster for a published directory;
+// a mount with no cluster and no pulled segment has none to look for.
 func (fsys *filesystem) clusterAttrs(d *dirNode) []string {
+	if fsys.cl == nil && fsys.pulled.n.Load() == 0 {
+		return nil
+	}
 	var names []string
 	d.withDir(func(fd int) error {
 		if rec, err := alloc.ReadPublished(alloc.FdPath(fd)); err == nil && rec != nil {
@@ -1250,4 +1254,18 @@ func (b controlBackend) Pull(cred ctl.Cred, dir string) (int64, error) {
 		return n, fmt.Errorf("%s: %w", alloc.EscapeText(dir), err)
 	}
 	return n, nil
+}
+
+// clusterStats is the "cluster" member of user.tensorfs.stats: this
+// node's name and piece server, and what it has moved since it joined;
+// nil without a cluster.
+func (fsys *filesystem) clusterStats() map[string]any {
+	if fsys.cl == nil {
+		return nil
+	}
+	n := fsys.cl.node
+	st := n.Stats()
+	return map[string]any{"node": n.Name(), "addr": n.Addr(), "pulled_segments": fsys.pulled.n.Load(),
+		"pieces_served": st.PiecesServed, "bytes_served": st.BytesServed, "pieces_fetched": st.PiecesFetched,
+		"bytes_fetched": st.BytesFetched, "bad_pieces": st.BadPieces, "failed_fetches": st.FailedFetches}
 }

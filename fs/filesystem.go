@@ -313,6 +313,7 @@ func (fsys *filesystem) stats() map[string]any {
 		"gpu":       fsys.gpuStats(),
 		"requests":  fsys.requests.snapshot(),
 		"dir_fds":   fsys.dirs.stats(),
+		"cluster":   fsys.clusterStats(),
 		"daemon":    map[string]any{"pid": os.Getpid(), "cpu_seconds": cpuSeconds(&ru), "rss_bytes": rss, "max_rss_bytes": peak, "goroutines": runtime.NumGoroutine()},
 		"uptime_ns": strconv.FormatInt(int64(time.Since(fsys.started)), 10),
 	}

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/ctl"
 )
 
 // The cluster tests run real daemons on the test bed of scripts/cluster.sh:
@@ -358,6 +359,25 @@ func TestCluster(t *testing.T) {
 				t.Errorf("%s/model/a: %v %v; want 0644, uid %d", n, fi, err, userA)
 			}
 		}
+		// A pulled segment maps as any segment does, and its mapping
+		// counts (the test process is not the daemon, which must never
+		// map its own mount).
+		f, err := os.Open(filepath.Join(n3, "model/a"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := unix.Mmap(int(f.Fd()), 0, len(want["a"]), unix.PROT_READ, unix.MAP_SHARED)
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(m, want["a"]) {
+			t.Error("a mapping of a pulled segment does not hold its bytes")
+		}
+		if rc, _ := getxattr(filepath.Join(n3, "model/a"), alloc.AttrRefcount); string(rc) != "1" {
+			t.Errorf("refcount of a mapped pulled segment: %q, want 1", rc)
+		}
+		unix.Munmap(m)
 	})
 
 	t.Run("read-only", func(t *testing.T) {
@@ -422,6 +442,39 @@ func TestCluster(t *testing.T) {
 		}
 		sameFiles(t, filepath.Join(n2, "model"), want)
 		v1 = v2
+	})
+
+	t.Run("load", func(t *testing.T) {
+		// The control socket's load hands out a pulled segment's
+		// descriptor once it is pulled: node3 has version 2's new
+		// segments still to pull.
+		if a := waitVersion(t, filepath.Join(n3, "model"), v1); a.Complete == a.Segments {
+			t.Fatalf("node3 has all of version 2 already: %+v", a)
+		}
+		sock, err := getxattr(n3, alloc.AttrSocket)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, err := ctl.Dial(string(sock))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		segs, files, more, err := c.Load("model", false, "")
+		if err != nil || more {
+			t.Fatalf("load: %v (more: %v)", err, more)
+		}
+		for i, s := range segs {
+			b := make([]byte, s.Size+1)
+			n, _ := files[s.FD].ReadAt(b, 0)
+			if !bytes.Equal(b[:n], want[s.Name]) || s.Dtype != "uint8" {
+				t.Errorf("load: %s: %d bytes, dtype %q; want the %d published, uint8", s.Name, n, s.Dtype, len(want[s.Name]))
+			}
+			files[i].Close()
+		}
+		if len(segs) != len(want) {
+			t.Errorf("load gave %d segments, want %d", len(segs), len(want))
+		}
 	})
 
 	// model2: eight pieces per file, so that a pull lasts a couple of
