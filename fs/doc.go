@@ -34,7 +34,8 @@
 // in this list is held:
 //
 //  0. clusterFS.nsMu (a publish, or a published version being made)
-//  1. segmentNode.opening (read: an open; write: a device change)
+//  1. segmentNode.opening (read: an open; write: a device change, or a
+//     publish freezing the segment)
 //  2. attrCache.mu (filling or changing a node's cached attributes)
 //  3. dirFds.mu (the directory descriptor cache; never held across a
 //     call that opens a descriptor)
