@@ -3,6 +3,7 @@ package alloc
 import (
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -14,7 +15,8 @@ import (
 )
 
 // Two kinds of segment keep their bytes and attributes outside the
-// backing tree, which holds an empty marker file at the segment's name:
+// backing tree, which holds an empty marker file at the segment's name,
+// and a third marks a backing file that holds its own bytes:
 //
 //   - SHARED segments live in a file DISK/<id> on the persistent --disk
 //     directory; the marker's attrDisk attribute is the id. The disk file
@@ -29,9 +31,11 @@ import (
 // a daemon of another user keeps them in its private backing, which no
 // one else can reach. Ids are checked (validID) before they name a path.
 var (
-	attrDisk   = internalAttr("disk")
-	attrPath   = internalAttr("path")
-	attrImport = internalAttr("import")
+	attrDisk      = internalAttr("disk")
+	attrPath      = internalAttr("path")
+	attrImport    = internalAttr("import")
+	attrPulled    = internalAttr("pulled")
+	attrPublished = internalAttr("published")
 )
 
 // internalAttr returns the stored name of the daemon's attribute name.
@@ -46,7 +50,7 @@ func internalAttr(name string) string {
 // clients neither see nor set.
 func InternalAttr(name string) bool {
 	switch name {
-	case attrDisk, attrPath, attrImport, attrDevSize, attrSpilled:
+	case attrDisk, attrPath, attrImport, attrDevSize, attrSpilled, attrPulled, attrPublished:
 		return true
 	}
 	return false
@@ -86,6 +90,9 @@ const (
 	// Device: GPU memory holds the bytes; the backing file keeps the
 	// attributes and, after a clean unmount, the spilled bytes.
 	Device
+	// Pulled: a read-only segment of a published directory; the backing
+	// file holds its bytes once complete.
+	Pulled
 )
 
 // String names the kind as logs, stats and tests do.
@@ -97,6 +104,8 @@ func (k Kind) String() string {
 		return "imported"
 	case Device:
 		return "device"
+	case Pulled:
+		return "pulled"
 	}
 	return "host"
 }
@@ -109,15 +118,30 @@ type Marker struct {
 	ID string
 	// Device is the device the bytes live on, "cuda:N" (Device).
 	Device string
+	// Content is a Pulled segment's content ID, "" while it is being
+	// published; Size its published size; Complete is true once its
+	// backing file holds all of its bytes, verified.
+	Content  string
+	Size     int64
+	Complete bool
+}
+
+// pulledValue is the encoding of a Pulled marker.
+type pulledValue struct {
+	Content  string `json:"content"`
+	Size     int64  `json:"size"`
+	Complete bool   `json:"complete"`
 }
 
 // ReadMarker is the one classifier of backing objects: it reads the
-// marker of the object at path, whose stat is st. Only an empty regular
-// file can be a marker; anything else is Host. Errors reading the
+// marker of the object at path, whose stat is st. Only a regular file can
+// be a marker, and only an empty one, except a Pulled segment's; anything
+// else is Host. (A caller that knows which files with bytes may be Pulled
+// takes the others for Host without this call.) Errors reading the
 // attributes are returned, never taken for "no marker"; a marker whose id
 // tensorfs cannot have made is ErrInvalid.
 func ReadMarker(path string, st *unix.Stat_t) (Marker, error) {
-	if st.Mode&syscall.S_IFMT != syscall.S_IFREG || st.Size != 0 {
+	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
 		return Marker{}, nil
 	}
 	names, err := listNames(path)
@@ -127,6 +151,12 @@ func ReadMarker(path string, st *unix.Stat_t) (Marker, error) {
 	has := map[string]bool{}
 	for _, n := range names {
 		has[n] = true
+	}
+	if has[attrPulled] {
+		return readPulled(path)
+	}
+	if st.Size != 0 {
+		return Marker{}, nil
 	}
 	readID := func(attr string, kind Kind) (Marker, error) {
 		id, err := readAttr(path, attr)
@@ -158,6 +188,69 @@ func ReadMarker(path string, st *unix.Stat_t) (Marker, error) {
 		return Marker{Kind: Device, Device: dev}, nil
 	}
 	return Marker{}, nil
+}
+
+// readPulled reads and checks a Pulled marker.
+func readPulled(path string) (Marker, error) {
+	v, err := readAttr(path, attrPulled)
+	if err != nil {
+		return Marker{}, err
+	}
+	var p pulledValue
+	if err := json.Unmarshal([]byte(v), &p); err != nil || !validContent(p.Content) || p.Size < 0 || p.Size > MaxSegmentSize {
+		return Marker{}, fmt.Errorf("%w: the pulled marker holds %q", ErrInvalid, v)
+	}
+	return Marker{Kind: Pulled, Content: p.Content, Size: p.Size, Complete: p.Complete}, nil
+}
+
+// validContent reports whether id is "" or a content ID: 64 lowercase hex
+// digits (a SHA-256).
+func validContent(id string) bool {
+	if id == "" {
+		return true
+	}
+	if len(id) != 64 {
+		return false
+	}
+	for _, c := range id {
+		if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}
+
+// MarkPulled records on the regular file at path (a FdPath) that it is a
+// Pulled segment: m's Content, Size and Complete.
+func MarkPulled(path string, m Marker) error {
+	if !validContent(m.Content) || m.Size < 0 {
+		return fmt.Errorf("%w: pulled marker content %q, size %d", ErrInvalid, m.Content, m.Size)
+	}
+	b, _ := json.Marshal(pulledValue{m.Content, m.Size, m.Complete})
+	return unix.Setxattr(path, attrPulled, b, 0)
+}
+
+// Unmark removes a Pulled marker from the file at path, which becomes a
+// Host segment again.
+func Unmark(path string) error {
+	err := unix.Removexattr(path, attrPulled)
+	if errors.Is(err, unix.ENODATA) {
+		return nil
+	}
+	return err
+}
+
+// ReadPublished returns what the directory at path records of the
+// version published there (MarkPublished), nil if none.
+func ReadPublished(path string) ([]byte, error) {
+	v, _, err := GetXattr(path, attrPublished)
+	return v, err
+}
+
+// MarkPublished records on the directory at path the version published
+// there, as the caller encodes it.
+func MarkPublished(path string, v []byte) error {
+	return unix.Setxattr(path, attrPublished, v, 0)
 }
 
 // MarkImport makes the empty file at path the marker of imported segment id.
@@ -289,8 +382,8 @@ func (s *Store) RecordSharedPath(markerPath, rel string) error {
 		return nil
 	}
 	var st unix.Stat_t
-	if err := unix.Stat(markerPath, &st); err != nil {
-		return err
+	if err := unix.Stat(markerPath, &st); err != nil || st.Size != 0 {
+		return err // a disk marker is empty
 	}
 	m, err := ReadMarker(markerPath, &st)
 	if err != nil || m.Kind != Disk {

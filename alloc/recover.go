@@ -17,6 +17,19 @@ type Recovery struct {
 	// and named by their path, for the mount to restore
 	// into device memory (or close, without a GPU).
 	Devices []*os.File
+	// Pulled are the Pulled segments: complete ones with their backing
+	// file open read-only (to serve to peers), incomplete ones emptied.
+	Pulled []PulledFile
+}
+
+// PulledFile is a Pulled segment recovery found.
+type PulledFile struct {
+	// Ino is the backing file's inode; Marker its marker.
+	Ino    uint64
+	Marker Marker
+	// File is the backing file, open read-only and named by its path,
+	// when the segment is complete; nil otherwise.
+	File *os.File
 }
 
 // Recover prepares a backing left by an earlier daemon for a new mount.
@@ -25,7 +38,10 @@ type Recovery struct {
 // live process still maps its backing file (mapped may be nil). Imported
 // segments ended with the daemon that held them and their markers are
 // removed. SHARED segments whose markers are gone (a purged backing) are
-// restored from --disk. Recovery acts only on names below the backing
+// restored from --disk. Pulled segments are kept: a complete one as it
+// is, an incomplete one emptied (its pull starts again from zero), and
+// one frozen for a publish that never finished becomes a Host segment
+// again. Recovery acts only on names below the backing
 // root, through descriptors (Walk, Ref): whatever the backing holds,
 // nothing outside it is touched. A marker that cannot be read is kept
 // and logged.
@@ -62,6 +78,16 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool) (*Recovery, error) {
 			s.log.Info("recover: removing UNLINK segment without holders", "path", rel)
 			return unix.Unlinkat(dirfd, name, 0)
 		}
+		if merr == nil && m.Kind == Pulled {
+			if pf, ok := s.recoverPulled(ref, rel, m); ok {
+				rec.Pulled = append(rec.Pulled, pf)
+				rec.Segments++
+				if pf.File != nil {
+					rec.Bytes += st.Size
+				}
+				return nil
+			}
+		}
 		ds, derr := ReadDeviceState(p)
 		if m.Kind == Device || derr == nil && ds.Spilled {
 			// A spilled device segment's backing file holds its bytes;
@@ -84,7 +110,47 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool) (*Recovery, error) {
 		for _, f := range rec.Devices {
 			f.Close()
 		}
+		for _, pf := range rec.Pulled {
+			if pf.File != nil {
+				pf.File.Close()
+			}
+		}
 		return nil, err
 	}
 	return rec, nil
+}
+
+// recoverPulled recovers the Pulled segment at ref (rel in the backing)
+// whose marker is m; ok is false when it is a Host segment again (a
+// publish that never finished). A complete segment whose file cannot be
+// opened is kept without one (logged): served here, not to peers.
+func (s *Store) recoverPulled(ref *Ref, rel string, m Marker) (PulledFile, bool) {
+	p, _ := ref.Path()
+	pf := PulledFile{Ino: ref.Stat().Ino, Marker: m}
+	switch {
+	case m.Content == "":
+		if err := Unmark(p); err != nil {
+			s.log.Warn("recover: a segment frozen for a publish that never finished keeps its marker", "path", rel, "err", err)
+			return pf, true
+		}
+		s.log.Info("recover: a publish never finished; the segment is writable again", "path", rel)
+		return pf, false
+	case !m.Complete:
+		fd, err := ref.Open(unix.O_WRONLY)
+		if err == nil {
+			err = unix.Ftruncate(fd, 0)
+			unix.Close(fd)
+		}
+		if err != nil {
+			s.log.Warn("recover: an incomplete pull could not be emptied", "path", rel, "err", err)
+		}
+		return pf, true
+	}
+	fd, err := ref.Open(unix.O_RDONLY)
+	if err != nil {
+		s.log.Warn("recover: a complete pulled segment could not be opened; it is not served to peers", "path", rel, "err", err)
+		return pf, true
+	}
+	pf.File = os.NewFile(uintptr(fd), filepath.Join(s.Dir, rel))
+	return pf, true
 }

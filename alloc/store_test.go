@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -149,5 +150,94 @@ func TestRecoverKeepsMappedUnlinkSegments(t *testing.T) {
 	}
 	if _, err := os.Stat(unmapped); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("unmapped UNLINK segment: %v, want removed", err)
+	}
+}
+
+// TestRecoverPulled: a complete pulled segment is kept with its file open,
+// an incomplete one is emptied (its pull starts over), and one frozen for
+// a publish that never finished is a host segment again.
+func TestRecoverPulled(t *testing.T) {
+	backing := t.TempDir()
+	s, err := Open(Config{Backing: backing}, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	cid := strings.Repeat("0f", 32)
+	for name, m := range map[string]Marker{
+		"complete": {Content: cid, Size: 8, Complete: true},
+		"partial":  {Content: cid, Size: 8},
+		"frozen":   {Size: 8, Complete: true},
+	} {
+		p := filepath.Join(backing, name)
+		os.WriteFile(p, []byte("8 bytes!"), 0o644)
+		if err := MarkPulled(p, m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rec, err := s.Recover(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[uint64]PulledFile{}
+	for _, pf := range rec.Pulled {
+		got[pf.Ino] = pf
+	}
+	stat := func(name string) *unix.Stat_t {
+		var st unix.Stat_t
+		if err := unix.Stat(filepath.Join(backing, name), &st); err != nil {
+			t.Fatal(err)
+		}
+		return &st
+	}
+	st := stat("complete")
+	if pf := got[st.Ino]; pf.File == nil || pf.Marker != (Marker{Kind: Pulled, Content: cid, Size: 8, Complete: true}) || st.Size != 8 {
+		t.Errorf("complete: %+v, %d bytes; want it kept, open", pf, st.Size)
+	} else {
+		pf.File.Close()
+	}
+	st = stat("partial")
+	if pf := got[st.Ino]; pf.File != nil || pf.Marker.Complete || st.Size != 0 {
+		t.Errorf("partial: %+v, %d bytes; want it emptied, without a file", pf, st.Size)
+	}
+	st = stat("frozen")
+	if m, err := ReadMarker(filepath.Join(backing, "frozen"), st); err != nil || m.Kind != Host || st.Size != 8 || got[st.Ino].Ino != 0 {
+		t.Errorf("frozen: %+v %v, %d bytes; want a host segment with its bytes", m, err, st.Size)
+	}
+	if rec.Segments != 3 || rec.Bytes != 16 {
+		t.Errorf("Recover counted %d segments, %d bytes; want 3, 16", rec.Segments, rec.Bytes)
+	}
+}
+
+// TestReadMarkerPulled: a pulled marker is read on a file with bytes; one
+// that does not hold a content ID tensorfs makes is ErrInvalid.
+func TestReadMarkerPulled(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "f")
+	os.WriteFile(p, []byte("bytes"), 0o644)
+	var st unix.Stat_t
+	unix.Stat(p, &st)
+	if m, err := ReadMarker(p, &st); err != nil || m.Kind != Host {
+		t.Fatalf("a file with bytes and no marker: %+v %v", m, err)
+	}
+	want := Marker{Kind: Pulled, Content: strings.Repeat("a1", 32), Size: 5, Complete: true}
+	if err := MarkPulled(p, want); err != nil {
+		t.Fatal(err)
+	}
+	if m, err := ReadMarker(p, &st); err != nil || m != want {
+		t.Errorf("ReadMarker = %+v %v; want %+v", m, err, want)
+	}
+	for _, bad := range []string{`{"content":"../../etc","size":5}`, `{"content":"","size":-1}`, `not json`} {
+		if err := unix.Setxattr(p, attrPulled, []byte(bad), 0); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ReadMarker(p, &st); !errors.Is(err, ErrInvalid) {
+			t.Errorf("marker %s: %v; want ErrInvalid", bad, err)
+		}
+	}
+	if err := MarkPulled(p, Marker{Content: "/etc/passwd"}); !errors.Is(err, ErrInvalid) {
+		t.Errorf("MarkPulled of a bad content ID: %v", err)
+	}
+	if names, _ := Listxattr(p); len(names) != 0 {
+		t.Errorf("Listxattr shows the marker: %v", names)
 	}
 }

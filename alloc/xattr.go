@@ -23,6 +23,7 @@ const (
 	AttrRsegments = "user.tensorfs.rsegments"
 	AttrSocket    = "user.tensorfs.socket"
 	AttrStats     = "user.tensorfs.stats"
+	AttrCluster   = "user.tensorfs.cluster"
 
 	AttrCudaIPCHandle   = "user.tensorfs.cuda.ipc_handle"
 	AttrCudaOffset      = "user.tensorfs.cuda.offset"

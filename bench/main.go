@@ -4,8 +4,10 @@
 // mode and tensorfs with --no-passthrough (classic); metadata cases also
 // against go-fuse's stock LoopbackNode over the same tmpfs
 // (bench/loopbackfs, mounted with tensorfs's options, and for readdir
-// also with go-fuse's), tensorfs import and export against cp, and the
-// PyTorch case against share_memory_() and a private copy per worker.
+// also with go-fuse's), tensorfs import and export against cp, the
+// PyTorch case against share_memory_() and a private copy per worker, and
+// pulls over a cluster test bed (scripts/cluster.sh) against iperf3
+// between the same namespaces.
 // Contenders are interleaved round by round (the order rotating each
 // round, backwards every other round) so that the noise of a shared
 // machine falls on all of them alike; the report gives medians and
@@ -56,10 +58,12 @@ type config struct {
 	torchSize int64         // the PyTorch weight tensor
 	// importSize is the tensor data of the imported safetensors file.
 	importSize int64
+	// clusterSize is the tensor data of the model the cluster group pulls.
+	clusterSize int64
 }
 
 // allGroups are the case groups in the order they run.
-var allGroups = []string{"io", "mmap", "meta", "readdir", "import", "scale", "torch", "model", "holders"}
+var allGroups = []string{"io", "mmap", "meta", "readdir", "import", "scale", "torch", "model", "holders", "cluster"}
 
 func main() {
 	if err := run(); err != nil {
@@ -79,9 +83,11 @@ func run() error {
 
 	cfg.ioSize, cfg.randTime, cfg.mmapSize = 2*giB, 4*time.Second, 1*giB
 	cfg.metaN, cfg.dirN, cfg.scaleSize, cfg.torchSize, cfg.importSize = 10000, 100000, 8*giB, 1*giB, 1*giB
+	cfg.clusterSize = 1 * giB
 	if *quick {
 		cfg.ioSize, cfg.randTime, cfg.mmapSize = 256*miB, time.Second, 256*miB
 		cfg.metaN, cfg.dirN, cfg.scaleSize, cfg.torchSize, cfg.importSize = 2000, 10000, 1*giB, 256*miB, 128*miB
+		cfg.clusterSize = 256 * miB
 	}
 	if cfg.rounds == 0 {
 		cfg.rounds = 5
@@ -221,6 +227,8 @@ func (b *bench) group(name string) error {
 		return b.groupHolders()
 	case "model":
 		return b.groupModel()
+	case "cluster":
+		return b.groupCluster()
 	default:
 		return b.groupTorch()
 	}

@@ -42,6 +42,9 @@ func (b *bench) tables() []table {
 			[]string{ptName, modelMmapName, modelLoadName}, [][2]string{{ptName, modelMmapName}, {ptName, modelLoadName}}},
 		{fmt.Sprintf("Reference counts with %d processes mapping %d segments each", holderProcs, holderMappings),
 			[]metricDef{mRefcountScan, mHoldersScan, mRefcountCached}, []string{ptName, classicName}, nil},
+		{"Cluster (1 Gbit/s links)", []metricDef{mLinkRate, mPullTime, mUpload, mPulledRead},
+			[]string{iperfName, oneName, fourName, seedsName, killedName, tmpfsName, pulledName},
+			[][2]string{{oneName, iperfName}, {fourName, oneName}, {killedName, seedsName}, {pulledName, tmpfsName}}},
 	}
 }
 
@@ -62,8 +65,8 @@ func (b *bench) report() string {
 	fmt.Fprintf(&w, "- Kernel: %s; %s; %s; torch %s; tensorfs %s\n", kernel(), runtime.Version(), firstLine("fio", "--version"), torch, b.version)
 	fmt.Fprintf(&w, "- Sizes: fio file %s, random reads %s per run; mmap and open() segment %s; metadata loops %d ops; "+
 		"readdir directory %d segments; safetensors file %s of tensor data in %d tensors; scale data %s; PyTorch weights %s; "+
-		"open(): %d samples per round\n", fmtSize(cfg.ioSize), cfg.randTime, fmtSize(cfg.mmapSize), cfg.metaN, cfg.dirN,
-		fmtSize(cfg.importSize), importTensors, fmtSize(cfg.scaleSize), fmtSize(cfg.torchSize), openSamples)
+		"open(): %d samples per round; cluster model %s\n", fmtSize(cfg.ioSize), cfg.randTime, fmtSize(cfg.mmapSize), cfg.metaN, cfg.dirN,
+		fmtSize(cfg.importSize), importTensors, fmtSize(cfg.scaleSize), fmtSize(cfg.torchSize), openSamples, fmtSize(cfg.clusterSize))
 	fmt.Fprintf(&w, "\nContenders: **tmpfs**, a directory on a tmpfs the bench mounts; **passthrough**, tensorfs with FUSE "+
 		"passthrough; **classic**, tensorfs `--no-passthrough` (the daemon serves read and write); **loopback**, go-fuse's "+
 		"stock `LoopbackNode` over the same tmpfs (`bench/loopbackfs`, passthrough as root) mounted with tensorfs's "+

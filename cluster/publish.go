@@ -228,9 +228,12 @@ func (n *Node) getDir(ctx context.Context, dir string) (DirInfo, int64, error) {
 	return info, resp.Kvs[0].ModRevision, err
 }
 
-// decodeDir parses the value of a dirs/ key.
+// decodeDir parses the value of a dirs/ key, whose name is dir.
 func decodeDir(dir string, b []byte) (DirInfo, error) {
 	info := DirInfo{Dir: dir}
+	if err := CheckDir(dir); err != nil {
+		return info, fmt.Errorf("%w: directory %q: %v", ErrCorrupt, dir, err)
+	}
 	if err := json.Unmarshal(b, &info); err != nil || !validID(info.Version) {
 		return info, fmt.Errorf("%w: directory %s: %q", ErrCorrupt, dir, b)
 	}

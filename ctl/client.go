@@ -76,6 +76,21 @@ func (c *Client) Purge() error {
 	return err
 }
 
+// Publish makes the directory path (relative to the mount root) a new
+// version of itself cluster-wide and returns the version's ID.
+func (c *Client) Publish(path string) (string, error) {
+	rep, _, err := c.roundTrip(&request{Op: opPublish, Path: path}, nil, 0)
+	return rep.Version, err
+}
+
+// Pull fetches every segment below the directory path (relative to the
+// mount root) that is not complete on this node, and returns once all are,
+// with the bytes fetched.
+func (c *Client) Pull(path string) (int64, error) {
+	rep, _, err := c.roundTrip(&request{Op: opPull, Path: path}, nil, 0)
+	return rep.Bytes, err
+}
+
 // Peer returns the credentials of the daemon at the other end, as the
 // kernel recorded them when it made the socket.
 func (c *Client) Peer() (Cred, error) {

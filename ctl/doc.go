@@ -6,7 +6,9 @@
 // copy (import), and exchange
 // descriptors among the local ranks of a named group (all_gather,
 // broadcast); the daemon's own user and root may also ask it to purge its
-// backing when it exits (purge). It knows nothing of FUSE: the segment
+// backing when it exits (purge). A daemon in a cluster also publishes a
+// directory cluster-wide (publish) and pulls what a published directory
+// holds from its peers (pull). It knows nothing of FUSE: the segment
 // operations are served by a Backend, which package fs implements, and
 // every request carries the peer's credentials as the kernel recorded
 // them when the peer connected (SO_PEERCRED and SO_PEERGROUPS: pid, uid,
@@ -33,8 +35,8 @@
 // Every request has
 //
 //	"v"   integer, required, must be 1 (the protocol version)
-//	"op"  string, required: "export", "import", "load", "all_gather", "broadcast"
-//	      or "purge"
+//	"op"  string, required: "export", "import", "load", "all_gather", "broadcast",
+//	      "purge", "publish" or "pull"
 //
 // and, by op (fds is the number of descriptors attached):
 //
@@ -48,6 +50,8 @@
 //	broadcast   "group", "rank", "world", "root" (required),     1 if rank == root, else 0
 //	            "open" (bool, optional)
 //	purge       none                                            0
+//	publish     "path" (required)                               0
+//	pull        "path" (required)                               0
 //
 // Member names are case-sensitive and may appear once. A member that is
 // not listed for the op, a missing required member, a value of the wrong
@@ -61,6 +65,7 @@
 //     before the backend sees the path ("a//./b/" is "a/b").
 //   - path (load): a directory, as above, except that "." (or "./") names
 //     the mount root.
+//   - path (publish, pull): a directory, as for export (not the root).
 //   - write (export, load): true asks for read-write descriptors; default
 //     false (read-only).
 //   - after (load): resume the listing after the segment of this name (the
@@ -91,7 +96,7 @@
 // where export returns 1 (the segment, O_RDONLY or O_RDWR as asked),
 // import 0, all_gather world descriptors in rank order (rank 0 first, the
 // caller's own included), broadcast 1 (the root's descriptor) to every
-// rank but the root, which gets 0, and purge 0. Purge succeeds only for
+// rank but the root, which gets 0, and purge, publish and pull 0. Purge succeeds only for
 // the daemon's own uid and root (others: EACCES, and nothing changes);
 // it does not unmount anything: the daemon purges its backing when it
 // exits, once unmounted and its last user gone (what "tensorfs unmount
@@ -117,7 +122,32 @@
 // with "write") on every segment; one refusal refuses the request (EACCES,
 // naming the path), and so does "write" with a FROMFD segment (EPERM).
 // Descriptors handed out by export and load are not counted in a
-// segment's user.tensorfs.refcount or holders. Failure is
+// segment's user.tensorfs.refcount or holders.
+//
+// A publish reply adds "version": the ID of the version made (64 hex
+// digits), once every segment below the directory is hashed and the
+// version is in the cluster's namespace; those segments are read-only on
+// every node from then on. The peer must own the directory or may write
+// it, may read and search every directory below, may read and write every
+// segment not yet published (publishing freezes it) and read every one
+// published already. Refused: segments of other kinds (GPU, imported,
+// SHARED) and pulled segments not complete on this node (EINVAL), a
+// segment open for writing (EBUSY), objects that are neither segments nor
+// directories (EINVAL). A pull reply, sent once every segment below the
+// directory that was not complete on this node is (or one failed), adds
+// "bytes": the bytes fetched. The peer must be able to search every
+// directory on the way, read and search every directory below and read
+// every segment it fetches. While it runs, user.tensorfs.cluster on the
+// directory shows its progress. Both ops block their connection for as
+// long as they take (a pull, as long as the transfer); on a daemon that
+// joined no cluster they fail with EOPNOTSUPP. Cluster failures have
+// their own errnos: ETIMEDOUT (etcd did not answer within its timeout:
+// down, unreachable, or refusing this node's certificate), EHOSTUNREACH
+// (no live node holds a piece still needed), ENOSPC (the pull does not
+// fit; nothing of it is kept), EBADMSG (what the cluster holds does not
+// match its content address), ENOENT (the directory is not published).
+//
+// Failure is
 //
 //	{"v":1,"ok":false,"errno":E,"error":"why"}
 //
@@ -160,7 +190,7 @@
 // together: open connections (default 1024 per uid, 4096 in all),
 // all_gather and broadcast requests waiting for their group (512, 2048),
 // and descriptors held for peers, those received and not yet closed plus
-// 4 for each export or import being served and 4 plus the reply's room
+// 4 for each export, import, publish or pull being served and 4 plus the reply's room
 // for each load (2048, 8192). The totals are
 // lowered, if need be, so that the descriptors the socket may hold stay
 // within half of the daemon's RLIMIT_NOFILE: the other half is FUSE's.

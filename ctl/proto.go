@@ -32,6 +32,8 @@ const (
 	opBroadcast = "broadcast"
 	opLoad      = "load"
 	opPurge     = "purge"
+	opPublish   = "publish"
+	opPull      = "pull"
 )
 
 // A request is a decoded, validated request message.
@@ -63,6 +65,8 @@ var opMembers = map[string][]memberSpec{
 	opBroadcast: {{"group", true}, {"rank", true}, {"world", true}, {"root", true}, {"open", false}},
 	opLoad:      {{"path", true}, {"write", false}, {"after", false}},
 	opPurge:     {},
+	opPublish:   {{"path", true}},
+	opPull:      {{"path", true}},
 }
 
 // wantFDs is the number of descriptors a valid request carries.
@@ -160,7 +164,7 @@ func parseRequest(b []byte, nfds int) (request, error) {
 		}
 	}
 	switch r.Op {
-	case opExport, opImport:
+	case opExport, opImport, opPublish, opPull:
 		if r.Path, err = cleanPath(r.Path); err != nil {
 			return r, err
 		}
@@ -297,6 +301,8 @@ func (r *request) marshal() ([]byte, error) {
 		if r.Write {
 			m["write"] = true
 		}
+	case opPublish, opPull:
+		m["path"] = r.Path
 	case opImport:
 		m["path"] = r.Path
 		if r.Dtype != "" {
@@ -336,6 +342,8 @@ type reply struct {
 	Error    string    `json:"error,omitempty"`
 	Segments []Segment `json:"segments,omitempty"` // load
 	More     bool      `json:"more,omitempty"`     // load: segments follow the last one
+	Version  string    `json:"version,omitempty"`  // publish: the version made
+	Bytes    int64     `json:"bytes,omitempty"`    // pull: the bytes pulled
 }
 
 // A Segment is one segment of a load reply: its name relative to the
@@ -381,8 +389,8 @@ func parseReply(b []byte, nfds int) (reply, error) {
 // RemoteError is a refusal from the daemon. It unwraps to its Errno, so
 // errors.Is(err, syscall.EPERM) and errors.Is(err, fs.ErrNotExist) work.
 type RemoteError struct {
-	// Op is the request's op: export, import, load, all_gather, broadcast
-	// or purge.
+	// Op is the request's op: export, import, load, all_gather, broadcast,
+	// purge, publish or pull.
 	Op string
 	// Errno is the errno the daemon answered.
 	Errno syscall.Errno

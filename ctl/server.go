@@ -72,6 +72,18 @@ type Loader interface {
 	Load(cred Cred, path string, write bool, after string, max int) ([]Segment, []*os.File, bool, error)
 }
 
+// A Publisher is a Backend that also serves publish and pull: a daemon
+// that may join a cluster (DESIGN.md §10).
+type Publisher interface {
+	// Publish makes the directory path a new version of itself
+	// cluster-wide, checked for cred, and returns the version's ID.
+	Publish(cred Cred, path string) (string, error)
+	// Pull fetches every segment below the directory path that is not
+	// complete on this node, checked for cred, and returns once all are
+	// (or one failed) with the bytes fetched.
+	Pull(cred Cred, path string) (int64, error)
+}
+
 // Config configures a Server.
 type Config struct {
 	// Path is where the socket is created.
@@ -409,7 +421,7 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 		s.refuse(c, cred, req.Op, err)
 		return
 	}
-	if req.Op == opExport || req.Op == opImport {
+	if req.Op == opExport || req.Op == opImport || req.Op == opPublish || req.Op == opPull {
 		err := s.quota.take(cred.Uid, Limits{FDs: backendFDs})
 		if err != nil {
 			s.quota.release(m.FDs...)
@@ -449,7 +461,30 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 		s.load(c, cred, &req)
 	case opPurge:
 		s.purge(c, cred)
+	case opPublish, opPull:
+		s.cluster(c, cred, &req)
 	}
+}
+
+// cluster answers a publish or pull request.
+func (s *Server) cluster(c *net.UnixConn, cred Cred, req *request) {
+	p, ok := s.cfg.Backend.(Publisher)
+	if !ok {
+		s.refuse(c, cred, req.Op, protoErrorf(syscall.EOPNOTSUPP, "this backend does not serve %s", req.Op))
+		return
+	}
+	r := reply{V: version, OK: true}
+	var err error
+	if req.Op == opPublish {
+		r.Version, err = p.Publish(cred, req.Path)
+	} else {
+		r.Bytes, err = p.Pull(cred, req.Path)
+	}
+	if err != nil {
+		s.refuse(c, cred, req.Op, err)
+		return
+	}
+	s.reply(c, cred, req.Op, r, nil)
 }
 
 // purge answers a purge request: the daemon's own user and root may ask

@@ -16,7 +16,9 @@
 // value of the storage interface (storage.go), decided once by classify
 // from the marker its backing file holds: host (the backing file itself),
 // shared (a file on --disk), imported (a descriptor a client sent),
-// device (GPU memory). Handles are of two types: fileHandle, for bytes in
+// device (GPU memory), pulled (a read-only segment of a directory
+// published to a cluster, whose backing file holds its bytes once pulled;
+// cluster.go is the mount's side of the cluster). Handles are of two types: fileHandle, for bytes in
 // a host file (passthrough or read and write by the daemon), and
 // deviceHandle. The control socket's export and load reach segments
 // through the same classify and storage methods.
@@ -31,7 +33,9 @@
 // From outermost to innermost; a lock is never taken while one below it
 // in this list is held:
 //
-//  1. segmentNode.opening (read: an open; write: a device change)
+//  0. clusterFS.nsMu (a publish, or a published version being made)
+//  1. segmentNode.opening (read: an open; write: a device change, or a
+//     publish freezing the segment)
 //  2. attrCache.mu (filling or changing a node's cached attributes)
 //  3. dirFds.mu (the directory descriptor cache; never held across a
 //     call that opens a descriptor)
@@ -39,7 +43,8 @@
 //     consumer counter; the limbo's predicates take cmu alone)
 //  5. segmentNode.mu, importedFile.mu, imports.mu, devices.mu,
 //     budget.mu, mapTable.mu, watchSet.mu (leaves: nothing is taken
-//     while one is held)
+//     while one is held); and clusterFS.mu, then pulledSet.mu (which
+//     calls cluster.Node.Drop), then pulled.mu
 //
 // A helper that expects a lock held says so in its name (…Locked).
 //

@@ -7,6 +7,7 @@ import (
 	"syscall"
 
 	"tensorfs/alloc"
+	"tensorfs/cluster"
 	"tensorfs/gpu"
 )
 
@@ -35,6 +36,14 @@ var errnos = []struct {
 	{gpu.ErrNoIPC, syscall.EOPNOTSUPP},         // exported memory has no legacy IPC handle
 	{gpu.ErrInvalid, syscall.EINVAL},
 	{io.ErrUnexpectedEOF, syscall.EIO},
+	{cluster.ErrUnavailable, syscall.ETIMEDOUT}, // etcd did not answer in time
+	{cluster.ErrNotPublished, syscall.ENOENT},   // no such published directory or content
+	{cluster.ErrInvalid, syscall.EINVAL},        // a name or entry a publish refuses
+	{cluster.ErrCorrupt, syscall.EBADMSG},       // what etcd holds does not match its address
+	{cluster.ErrNameInUse, syscall.EADDRINUSE},  // another live daemon has this node's name
+	{cluster.ErrNoHolder, syscall.EHOSTUNREACH}, // no live node holds a piece still needed
+	{cluster.ErrBusy, syscall.EBUSY},            // the content is being pulled already
+	{cluster.ErrClosed, syscall.ESHUTDOWN},      // the daemon is leaving the cluster
 }
 
 // toErrno maps an error from alloc, gpu or the kernel to the errno a

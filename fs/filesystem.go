@@ -34,6 +34,10 @@ type filesystem struct {
 	// unrestored holds the device segments this mount could not bring
 	// into device memory (no GPU, or a failed restore), with why.
 	unrestored inoErrors
+	// pulled holds the segments of published directories (pulled kind).
+	pulled pulledSet
+	// cl is the mount's membership of a cluster; nil without --cluster.
+	cl *clusterFS
 	// passthrough is true once opens are answered with FOPEN_PASSTHROUGH;
 	// it is decided after the kernel serves the mount.
 	passthrough atomic.Bool
@@ -84,6 +88,8 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 		rec = &Recovered{}
 	}
 	fsys.oldDevs = rec.devs
+	fsys.pulled.fsys = fsys
+	fsys.pulled.restore(rec.pulled, opts.Cluster != nil)
 	if opts.GPU != nil && opts.GPU.Backend() != "none" {
 		if fsys.gpu, err = newDevices(opts.GPU, opts.Store, opts.Mountpoint, rec.devices, fsys.log); err != nil {
 			opts.GPU.Close()
@@ -307,6 +313,7 @@ func (fsys *filesystem) stats() map[string]any {
 		"gpu":       fsys.gpuStats(),
 		"requests":  fsys.requests.snapshot(),
 		"dir_fds":   fsys.dirs.stats(),
+		"cluster":   fsys.clusterStats(),
 		"daemon":    map[string]any{"pid": os.Getpid(), "cpu_seconds": cpuSeconds(&ru), "rss_bytes": rss, "max_rss_bytes": peak, "goroutines": runtime.NumGoroutine()},
 		"uptime_ns": strconv.FormatInt(int64(time.Since(fsys.started)), 10),
 	}

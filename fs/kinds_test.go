@@ -86,15 +86,15 @@ func TestVirtualAttributes(t *testing.T) {
 		Requests map[string]int64
 	}
 	v, st := x.getxattr("root", alloc.AttrStats)
-	if st != fuse.OK || jsonDecode(v, &stats) != nil || stats.Segments != 4 {
-		t.Errorf("stats %s (%v): want 4 segments", v, st)
+	if st != fuse.OK || jsonDecode(v, &stats) != nil || stats.Segments != 5 {
+		t.Errorf("stats %s (%v): want 5 segments", v, st)
 	}
 	if stats.Requests["CREATE"] == 0 || stats.Requests["GETXATTR"] == 0 {
 		t.Errorf("stats count no CREATE or GETXATTR: %v", stats.Requests)
 	}
-	// 8 bytes each for host, shared and device, 14 for the import.
-	if r, _ := x.getxattr("root", alloc.AttrRbytes); r != "38" {
-		t.Errorf("rbytes of the root: %s, want 38", r)
+	// 8 bytes each for host, shared, device and pulled, 14 for the import.
+	if r, _ := x.getxattr("root", alloc.AttrRbytes); r != "46" {
+		t.Errorf("rbytes of the root: %s, want 46", r)
 	}
 }
 

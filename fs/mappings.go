@@ -581,6 +581,8 @@ type Recovered struct {
 	kept [][]mappedFile
 	// devices are the backing files of device segments (alloc.Recovery).
 	devices []*os.File
+	// pulled are the pulled segments (alloc.Recovery).
+	pulled []alloc.PulledFile
 }
 
 // Recover prepares store's backing for a mount (alloc.Store.Recover),
@@ -612,6 +614,7 @@ func Recover(store *alloc.Store) (segments, bytes int64, rec *Recovered, err err
 		}
 	}
 	rec.devices = found.Devices
+	rec.pulled = found.Pulled
 	return found.Segments, found.Bytes, rec, nil
 }
 

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/cluster"
 	"tensorfs/ctl"
 	"tensorfs/gpu"
 )
@@ -41,6 +42,9 @@ type Options struct {
 	// control socket for the backing to be purged when the daemon exits
 	// (ctl.Config.Purge); nil refuses.
 	Purge func() error
+	// Cluster, if set, makes the mount a node of that cluster (its Log
+	// defaults to Log); nil joins none, and nothing of it runs.
+	Cluster *cluster.Config
 }
 
 // Server is a mounted tensorfs.
@@ -50,13 +54,16 @@ type Server struct {
 	ctl *ctl.Server
 }
 
-// Close stops the control socket, ends what the mount runs and spills
-// device segments into their backing files for the next mount; call it
-// once the mount is gone.
+// Close stops the control socket, leaves the cluster, ends what the
+// mount runs and spills device segments into their backing files for the
+// next mount; call it once the mount is gone.
 func (s *Server) Close() error {
 	var err error
 	if s.ctl != nil {
 		err = s.ctl.Close()
+	}
+	if s.fs.cl != nil {
+		s.fs.cl.close()
 	}
 	s.fs.close()
 	return err
@@ -78,9 +85,17 @@ func Mount(opts Options) (_ *Server, err error) {
 	}
 	defer func() {
 		if err != nil {
+			if fsys.cl != nil {
+				fsys.cl.close()
+			}
 			fsys.close()
 		}
 	}()
+	if opts.Cluster != nil {
+		if err := fsys.joinCluster(*opts.Cluster); err != nil {
+			return nil, fmt.Errorf("join the cluster: %w", err)
+		}
+	}
 
 	// Kernel caching: entries, absent names and attributes are kept one
 	// second. Every change made through the mount updates the kernel's
@@ -160,6 +175,9 @@ func Mount(opts Options) (_ *Server, err error) {
 			srv.Unmount()
 			return nil, fmt.Errorf("control socket: %w", err)
 		}
+	}
+	if fsys.cl != nil {
+		fsys.cl.start()
 	}
 	return s, nil
 }

@@ -74,7 +74,7 @@ func (d *dirNode) child(ctx context.Context, dirfd int, name string, out *fuse.E
 // backing file is a host segment (markers are empty), which costs no
 // further call.
 func (fsys *filesystem) segmentKind(dirfd int, name string, st *unix.Stat_t) (storage, error) {
-	if st.Size != 0 && !fsys.unrestored.has() {
+	if fsys.hostBySize(st) {
 		return host{}, nil
 	}
 	m, err := alloc.OpenRef(dirfd, name, st.Ino)
@@ -427,7 +427,7 @@ func (fsys *filesystem) lastLink(dirfd int, name string) (storage, uint64, error
 	if st.Mode&syscall.S_IFMT != syscall.S_IFREG || st.Nlink != 1 {
 		return nil, 0, nil
 	}
-	if st.Size != 0 && !fsys.unrestored.has() {
+	if fsys.hostBySize(&st) {
 		return nil, st.Ino, nil // a host segment: nothing to free
 	}
 	s, err := fsys.segmentKind(dirfd, name, &st)

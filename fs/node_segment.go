@@ -115,7 +115,10 @@ func (n *segmentNode) Getattr(ctx context.Context, f fusefs.FileHandle, out *fus
 // live, and its size. Growth reserves memory, so ENOSPC comes here, not as
 // a SIGBUS later.
 func (n *segmentNode) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
-	err := n.setattr(in, n.followAccess)
+	err := attrsFixed(n.storage())
+	if err == nil {
+		err = n.setattr(in, n.followAccess)
+	}
 	if size, ok := in.GetSize(); ok && err == nil {
 		if h, isSeg := f.(segmentHandle); isSeg && h.common().writable {
 			err = h.truncate(int64(size))

@@ -239,6 +239,8 @@ func (d *dirNode) Getxattr(ctx context.Context, attr string, dest []byte) (uint3
 		v, err = deviceAttr(d)
 	case attr == alloc.AttrRbytes || attr == alloc.AttrRsegments:
 		v, err = d.usageAttr(ctx, attr)
+	case attr == alloc.AttrCluster:
+		v, err = d.fs.clusterAttr(d)
 	default:
 		var sz int
 		sz, err = storedAttr(d, attr, dest)
@@ -272,7 +274,7 @@ var dirAttrs = []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRbytes, all
 
 // Listxattr lists a directory's stored and virtual names.
 func (d *dirNode) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errno) {
-	n, err := listAttrs(d, dirAttrs, dest)
+	n, err := listAttrs(d, append(dirAttrs[:len(dirAttrs):len(dirAttrs)], d.fs.clusterAttrs(d)...), dest)
 	return n, d.fs.errnoOf("listxattr", &d.nodeBase, err)
 }
 
@@ -416,6 +418,9 @@ func (n *segmentNode) Setxattr(ctx context.Context, attr string, data []byte, fl
 }
 
 func (n *segmentNode) setxattr(attr string, data []byte, flags uint32) error {
+	if err := attrsFixed(n.storage()); err != nil {
+		return err
+	}
 	if attr == alloc.AttrDevice {
 		n.opening.Lock()
 		defer n.opening.Unlock()
@@ -468,7 +473,11 @@ func (n *segmentNode) setTensorAttr(m *alloc.Ref, size int64, attr string, data 
 
 // Removexattr removes a stored attribute of a segment.
 func (n *segmentNode) Removexattr(ctx context.Context, attr string) syscall.Errno {
-	return n.fs.attrErrno("removexattr "+attr, &n.nodeBase, removeAttr(n, &n.attrCache, attr))
+	err := attrsFixed(n.storage())
+	if err == nil {
+		err = removeAttr(n, &n.attrCache, attr)
+	}
+	return n.fs.attrErrno("removexattr "+attr, &n.nodeBase, err)
 }
 
 // attrErrno is errno for attribute requests, where an absent name is an

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"sort"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -27,10 +28,13 @@ import (
 // learns to route is classified before it is served.
 
 // opKinds are the matrix's columns.
-var opKinds = []string{"root", "dir", "host", "shared", "imported", "device", "symlink", "fifo"}
+var opKinds = []string{"root", "dir", "host", "shared", "imported", "device", "pulled", "symlink", "fifo"}
 
 // segmentKinds are the columns that are segments.
-var segmentKinds = map[string]bool{"host": true, "shared": true, "imported": true, "device": true}
+var segmentKinds = map[string]bool{"host": true, "shared": true, "imported": true, "device": true, "pulled": true}
+
+// readOnlyKinds are the segment kinds opened read-only.
+var readOnlyKinds = map[string]bool{"imported": true, "pulled": true}
 
 // opsFS is a filesystem with one node of every kind, driven through the
 // bridge.
@@ -97,6 +101,7 @@ func newOpsFS(t *testing.T) *opsFS {
 		t.Fatal(err)
 	}
 	x.ids["imported"] = x.lookup(1, "imported")
+	x.ids["pulled"] = x.lookup(1, pulledSegment(t, fsys, "pulled"))
 	var out fuse.EntryOut
 	if st := x.raw.Symlink(nil, ptr(hdr(1)), "host", "symlink", &out); st != fuse.OK {
 		t.Fatalf("symlink: %v", st)
@@ -107,6 +112,26 @@ func newOpsFS(t *testing.T) *opsFS {
 	}
 	x.ids["fifo"] = out.NodeId
 	return x
+}
+
+// pulledSegment makes name in the root a complete pulled segment of 8
+// bytes, as recovery finds one, and returns name.
+func pulledSegment(t *testing.T, fsys *filesystem, name string) string {
+	t.Helper()
+	p := filepath.Join(fsys.store.Dir, name)
+	if err := os.WriteFile(p, []byte("8 bytes!"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	mk := alloc.Marker{Kind: alloc.Pulled, Content: strings.Repeat("ab", 32), Size: 8, Complete: true}
+	if err := alloc.MarkPulled(p, mk); err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(p, &st); err != nil {
+		t.Fatal(err)
+	}
+	fsys.pulled.add(st.Ino, mk)
+	return name
 }
 
 func ptr[T any](v T) *T { return &v }
@@ -160,7 +185,7 @@ func (x *opsFS) open(k string) (uint64, bool) {
 	switch {
 	case segmentKinds[k]:
 		flags := uint32(unix.O_RDWR)
-		if k == "imported" {
+		if readOnlyKinds[k] {
 			flags = unix.O_RDONLY
 		}
 		var out fuse.OpenOut
@@ -198,7 +223,7 @@ type opRow struct {
 
 // notDir answers a namespace request on a node that is not a directory:
 // the node type does not serve it.
-var notDir = map[string]fuse.Status{"host": fuse.ENOTSUP, "shared": fuse.ENOTSUP, "imported": fuse.ENOTSUP, "device": fuse.ENOTSUP, "symlink": fuse.ENOTSUP, "fifo": fuse.ENOTSUP}
+var notDir = map[string]fuse.Status{"host": fuse.ENOTSUP, "shared": fuse.ENOTSUP, "imported": fuse.ENOTSUP, "device": fuse.ENOTSUP, "pulled": fuse.ENOTSUP, "symlink": fuse.ENOTSUP, "fifo": fuse.ENOTSUP}
 
 // neverOpened marks the handle requests of kinds that are never opened.
 var neverOpened = map[string]fuse.Status{"symlink": na, "fifo": na}
@@ -217,7 +242,7 @@ var opMatrix = map[string]opRow{
 	"Lookup": {func(x *opsFS, k string) fuse.Status {
 		var out fuse.EntryOut
 		return x.raw.Lookup(nil, ptr(hdr(x.ids[k])), "absent", &out)
-	}, merge(map[string]fuse.Status{"root": fuse.ENOENT, "dir": fuse.ENOENT}, map[string]fuse.Status{"host": fuse.ENOENT, "shared": fuse.ENOENT, "imported": fuse.ENOENT, "device": fuse.ENOENT, "symlink": fuse.ENOENT, "fifo": fuse.ENOENT})},
+	}, merge(map[string]fuse.Status{"root": fuse.ENOENT, "dir": fuse.ENOENT}, map[string]fuse.Status{"host": fuse.ENOENT, "shared": fuse.ENOENT, "imported": fuse.ENOENT, "device": fuse.ENOENT, "pulled": fuse.ENOENT, "symlink": fuse.ENOENT, "fifo": fuse.ENOENT})},
 	"Forget": {func(x *opsFS, k string) fuse.Status {
 		if k != "root" {
 			parent, ok := x.parents[k]
@@ -244,7 +269,7 @@ var opMatrix = map[string]opRow{
 		}
 		in = &fuse.SetAttrIn{SetAttrInCommon: fuse.SetAttrInCommon{InHeader: hdr(x.ids[k]), Valid: fuse.FATTR_SIZE, Size: 4}}
 		return x.raw.SetAttr(nil, in, &out)
-	}, map[string]fuse.Status{"root": fuse.EISDIR, "dir": fuse.EISDIR, "imported": fuse.EPERM, "symlink": fuse.Status(syscall.EOPNOTSUPP), "fifo": fuse.EISDIR}},
+	}, map[string]fuse.Status{"root": fuse.EISDIR, "dir": fuse.EISDIR, "imported": fuse.EPERM, "pulled": fuse.EPERM, "symlink": fuse.Status(syscall.EOPNOTSUPP), "fifo": fuse.EISDIR}},
 	"Mknod": {func(x *opsFS, k string) fuse.Status {
 		var out fuse.EntryOut
 		return x.raw.Mknod(nil, &fuse.MknodIn{InHeader: hdr(x.ids[k]), Mode: syscall.S_IFIFO | 0o600}, x.fresh(), &out)
@@ -265,7 +290,7 @@ var opMatrix = map[string]opRow{
 	"Link": {func(x *opsFS, k string) fuse.Status {
 		var out fuse.EntryOut
 		return x.raw.Link(nil, &fuse.LinkIn{InHeader: hdr(1), Oldnodeid: x.ids[k]}, x.fresh(), &out)
-	}, map[string]fuse.Status{"root": fuse.EPERM, "dir": fuse.EPERM, "shared": fuse.Status(syscall.EXDEV), "imported": fuse.Status(syscall.EXDEV), "device": fuse.Status(syscall.EXDEV)}},
+	}, map[string]fuse.Status{"root": fuse.EPERM, "dir": fuse.EPERM, "shared": fuse.Status(syscall.EXDEV), "imported": fuse.Status(syscall.EXDEV), "device": fuse.Status(syscall.EXDEV), "pulled": fuse.Status(syscall.EXDEV)}},
 	"Symlink": {func(x *opsFS, k string) fuse.Status {
 		var out fuse.EntryOut
 		return x.raw.Symlink(nil, ptr(hdr(x.ids[k])), "target", x.fresh(), &out)
@@ -273,7 +298,7 @@ var opMatrix = map[string]opRow{
 	"Readlink": {func(x *opsFS, k string) fuse.Status {
 		_, st := x.raw.Readlink(nil, ptr(hdr(x.ids[k])))
 		return st
-	}, map[string]fuse.Status{"root": fuse.ENOTSUP, "dir": fuse.ENOTSUP, "host": fuse.ENOTSUP, "shared": fuse.ENOTSUP, "imported": fuse.ENOTSUP, "device": fuse.ENOTSUP, "fifo": fuse.ENOTSUP}},
+	}, map[string]fuse.Status{"root": fuse.ENOTSUP, "dir": fuse.ENOTSUP, "host": fuse.ENOTSUP, "shared": fuse.ENOTSUP, "imported": fuse.ENOTSUP, "device": fuse.ENOTSUP, "pulled": fuse.ENOTSUP, "fifo": fuse.ENOTSUP}},
 	"Access": {func(x *opsFS, k string) fuse.Status {
 		return x.raw.Access(nil, &fuse.AccessIn{InHeader: hdr(x.ids[k]), Mask: unix.R_OK})
 	}, nil},
@@ -293,11 +318,11 @@ var opMatrix = map[string]opRow{
 			return fuse.EIO // another namespace would be set with the daemon's rights
 		}
 		return x.raw.SetXAttr(nil, &fuse.SetXAttrIn{InHeader: hdr(x.ids[k]), Size: 1}, "user.note", []byte("x"))
-	}, map[string]fuse.Status{"symlink": fuse.EPERM, "fifo": fuse.EPERM}},
+	}, map[string]fuse.Status{"pulled": fuse.EPERM, "symlink": fuse.EPERM, "fifo": fuse.EPERM}},
 	"RemoveXAttr": {func(x *opsFS, k string) fuse.Status {
 		x.raw.SetXAttr(nil, &fuse.SetXAttrIn{InHeader: hdr(x.ids[k]), Size: 1}, "user.gone", []byte("x"))
 		return x.raw.RemoveXAttr(nil, ptr(hdr(x.ids[k])), "user.gone")
-	}, map[string]fuse.Status{"symlink": fuse.ENOATTR, "fifo": fuse.ENOATTR}},
+	}, map[string]fuse.Status{"pulled": fuse.EPERM, "symlink": fuse.ENOATTR, "fifo": fuse.ENOATTR}},
 	"Create": {func(x *opsFS, k string) fuse.Status {
 		var out fuse.CreateOut
 		st := x.raw.Create(nil, &fuse.CreateIn{InHeader: hdr(x.ids[k]), Flags: unix.O_RDWR, Mode: 0o600}, x.fresh(), &out)
@@ -321,7 +346,7 @@ var opMatrix = map[string]opRow{
 			x.raw.Release(nil, &fuse.ReleaseIn{InHeader: hdr(x.ids[k]), Fh: out.Fh})
 		}
 		return st
-	}, map[string]fuse.Status{"root": fuse.ENOTSUP, "dir": fuse.ENOTSUP, "imported": fuse.EPERM, "symlink": fuse.ENOTSUP, "fifo": fuse.ENOTSUP}},
+	}, map[string]fuse.Status{"root": fuse.ENOTSUP, "dir": fuse.ENOTSUP, "imported": fuse.EPERM, "pulled": fuse.EPERM, "symlink": fuse.ENOTSUP, "fifo": fuse.ENOTSUP}},
 	"Read": {func(x *opsFS, k string) fuse.Status {
 		return x.withFh(k, func(fh uint64) fuse.Status {
 			buf := make([]byte, 8)
@@ -379,13 +404,13 @@ var opMatrix = map[string]opRow{
 			_, st := x.raw.Write(nil, &fuse.WriteIn{InHeader: hdr(x.ids[k]), Fh: fh}, []byte("w"))
 			return st
 		})
-	}, merge(neverOpened, map[string]fuse.Status{"root": fuse.ENOTSUP, "dir": fuse.ENOTSUP, "imported": fuse.EBADF})},
+	}, merge(neverOpened, map[string]fuse.Status{"root": fuse.ENOTSUP, "dir": fuse.ENOTSUP, "imported": fuse.EBADF, "pulled": fuse.EBADF})},
 	"Writev": {func(x *opsFS, k string) fuse.Status {
 		return x.withFh(k, func(fh uint64) fuse.Status {
 			_, st := x.raw.Writev(nil, &fuse.WriteIn{InHeader: hdr(x.ids[k]), Fh: fh}, [][]byte{[]byte("w"), []byte("v")})
 			return st
 		})
-	}, merge(neverOpened, map[string]fuse.Status{"root": fuse.ENOSYS, "dir": fuse.ENOSYS, "imported": fuse.EBADF, "device": fuse.ENOSYS})},
+	}, merge(neverOpened, map[string]fuse.Status{"root": fuse.ENOSYS, "dir": fuse.ENOSYS, "imported": fuse.EBADF, "pulled": fuse.EBADF, "device": fuse.ENOSYS})},
 	"CopyFileRange": {func(x *opsFS, k string) fuse.Status {
 		return x.withFh(k, func(fh uint64) fuse.Status {
 			to := x.segment(1, x.fresh())
@@ -422,7 +447,7 @@ var opMatrix = map[string]opRow{
 			}
 			return x.raw.Fallocate(nil, &fuse.FallocateIn{InHeader: hdr(x.ids[k]), Fh: fh, Length: 64})
 		})
-	}, merge(neverOpened, map[string]fuse.Status{"root": fuse.ENOTSUP, "dir": fuse.ENOTSUP, "imported": fuse.EBADF})},
+	}, merge(neverOpened, map[string]fuse.Status{"root": fuse.ENOTSUP, "dir": fuse.ENOTSUP, "imported": fuse.EBADF, "pulled": fuse.EBADF})},
 	"OpenDir": {func(x *opsFS, k string) fuse.Status {
 		var out fuse.OpenOut
 		st := x.raw.OpenDir(nil, &fuse.OpenIn{InHeader: hdr(x.ids[k])}, &out)
@@ -452,7 +477,7 @@ var opMatrix = map[string]opRow{
 		return x.withFh(k, func(fh uint64) fuse.Status {
 			return x.raw.FsyncDir(nil, &fuse.FsyncIn{InHeader: hdr(x.ids[k]), Fh: fh})
 		})
-	}, merge(neverOpened, map[string]fuse.Status{"host": fuse.ENOTSUP, "shared": fuse.ENOTSUP, "imported": fuse.ENOTSUP, "device": fuse.ENOTSUP})},
+	}, merge(neverOpened, map[string]fuse.Status{"host": fuse.ENOTSUP, "shared": fuse.ENOTSUP, "imported": fuse.ENOTSUP, "device": fuse.ENOTSUP, "pulled": fuse.ENOTSUP})},
 	"StatFs": {func(x *opsFS, k string) fuse.Status {
 		return x.raw.StatFs(nil, ptr(hdr(x.ids[k])), &fuse.StatfsOut{})
 	}, nil},

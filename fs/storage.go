@@ -16,7 +16,7 @@ import (
 // storage is where one segment's bytes and attributes live: one
 // implementation per kind of segment, each in a file of its own
 // (storage_host.go, storage_shared.go, storage_imported.go,
-// storage_device.go; DESIGN.md §11). Every method gets the segment's
+// storage_device.go, storage_pulled.go; DESIGN.md §11). Every method gets the segment's
 // backing object (its marker, for kinds whose bytes live elsewhere) as a
 // Ref already checked to be the segment's inode, so no kind ever reaches
 // a backing object by name.
@@ -69,7 +69,8 @@ func (k *kindRef) load() storage   { return k.p.Load().s }
 func (k *kindRef) store(s storage) { k.p.Store(&kindBox{s}) }
 
 // classify is the one place that decides a segment's kind, from the
-// marker its backing object m holds (alloc.ReadMarker). An error reading
+// marker its backing object m holds (alloc.ReadMarker), which is read
+// for an empty file or a pulled segment's (hostBySize). An error reading
 // the marker is returned, never taken for another kind. A marker this
 // mount cannot serve (a SHARED segment without --disk, a device segment
 // without a GPU, an import that ended, an id tensorfs cannot have made)
@@ -80,8 +81,8 @@ func (fsys *filesystem) classify(m *alloc.Ref) (storage, error) {
 	if why := fsys.unrestored.get(st.Ino); why != nil {
 		return unavailable{k: alloc.Device, why: why, forget: func() { fsys.unrestored.drop(st.Ino) }}, nil
 	}
-	if st.Size != 0 {
-		return host{}, nil // markers are empty: the common case costs nothing more
+	if st.Size != 0 && !fsys.pulled.has(st.Ino) {
+		return host{}, nil // markers are empty but pulled ones: the common case costs nothing more
 	}
 	p, err := m.Path()
 	if err != nil {
@@ -95,6 +96,8 @@ func (fsys *filesystem) classify(m *alloc.Ref) (storage, error) {
 		return nil, err
 	}
 	switch mk.Kind {
+	case alloc.Pulled:
+		return fsys.pulled.classify(st, mk), nil
 	case alloc.Disk:
 		if fsys.store.Disk == "" {
 			return unavailable{k: mk.Kind, why: fmt.Errorf("%w: this SHARED segment lives on the --disk directory, and this mount has none", alloc.ErrNoDisk)}, nil
@@ -117,6 +120,14 @@ func (fsys *filesystem) classify(m *alloc.Ref) (storage, error) {
 		return device{seg}, nil
 	}
 	return host{}, nil
+}
+
+// hostBySize reports whether the regular file st is a host segment
+// without reading its marker: it has bytes, and no segment with bytes but
+// a marker (a pulled one, a device one not restored) is its inode. No
+// call is made.
+func (fsys *filesystem) hostBySize(st *unix.Stat_t) bool {
+	return st.Size != 0 && !fsys.unrestored.has() && !fsys.pulled.has(st.Ino)
 }
 
 // unavailable is a segment whose bytes this mount cannot reach; why says

@@ -15,6 +15,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/cluster"
+	"tensorfs/cluster/transport"
 	"tensorfs/fs"
 	"tensorfs/gpu"
 )
@@ -34,6 +36,22 @@ type Config struct {
 	// AllowOther lets other users in; NoPassthrough makes the daemon serve
 	// read and write itself; Debug logs every FUSE request.
 	AllowOther, NoPassthrough, Debug bool
+	// Cluster, if set, makes the daemon a node of a cluster.
+	Cluster *ClusterConfig
+}
+
+// ClusterConfig says how a daemon joins a cluster (DESIGN.md §10).
+type ClusterConfig struct {
+	// Endpoints are etcd's client URLs.
+	Endpoints []string
+	// Node is this node's name, which its certificate carries.
+	Node string
+	// CA, Cert and Key are PEM files: the cluster's CA, and this node's
+	// certificate and key, issued by it.
+	CA, Cert, Key string
+	// Listen is where the piece server listens (host:port); "" for port
+	// 7070 on the address etcd is reached from.
+	Listen string
 }
 
 // Serve mounts cfg.Mountpoint, calls ready with the mode data is served
@@ -68,6 +86,14 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	// little CPU.
 	debug.SetGCPercent(50)
 
+	var clusterCfg *cluster.Config
+	if c := cfg.Cluster; c != nil {
+		creds, err := transport.LoadCredentials(c.CA, c.Cert, c.Key)
+		if err != nil {
+			return err
+		}
+		clusterCfg = &cluster.Config{Endpoints: c.Endpoints, Node: c.Node, Listen: c.Listen, Credentials: creds, Log: log}
+	}
 	// The GPU helper starts before the mount, so it inherits nothing of it.
 	// fs.Mount owns it from the call on; failures before close it here.
 	dev := startGPU(cfg.GPU, log)
@@ -93,6 +119,7 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		GPU:           dev,
 		Recovered:     recovered,
 		Purge:         func() error { purge.Store(true); return nil },
+		Cluster:       clusterCfg,
 	})
 	if err != nil {
 		return err

@@ -2,10 +2,16 @@
 # A tensorfs cluster on one machine, for tests, benchmarks and the README
 # walk-through (run as root).
 #
-#   scripts/cluster.sh up N DIR [--rate RATE]   build it: N nodes and etcd
+#   scripts/cluster.sh up N DIR [--rate RATE] [--capacity SIZE]
+#                                               build it: etcd and N nodes,
+#                                               node K's tensorfs at DIR/nodeK
 #   scripts/cluster.sh down DIR                 remove everything up made
 #   scripts/cluster.sh exec DIR NAME CMD...     run CMD in NAME's network
 #                                               namespace (node1..nodeN, etcd)
+#   scripts/cluster.sh mount DIR K [FLAGS...]   mount node K again (after its
+#                                               daemon died or was unmounted),
+#                                               FLAGS added to tensorfs mount's
+#   scripts/cluster.sh etcd DIR stop|start      stop or start etcd
 #
 # Layout. Every node and etcd get a network namespace of their own; their
 # links (veth pairs) meet at a bridge in one more namespace (the switch),
@@ -18,23 +24,26 @@
 #
 # DIR receives: certs/ (a cluster CA made with openssl and a certificate
 # per node and for etcd, each naming its node and address), etcd/ (data),
-# etcd.log, bin/tensorfs-testbed (etcd's embedded server, and a node agent
-# used before the daemon joins clusters), nodeK/ (where node K's tensorfs
-# is mounted) and testbed.env, the variables that describe it (sourced by
-# tests).
+# etcd.log, bin/tensorfs (built from this checkout, or $TENSORFS_BIN if
+# set), bin/tensorfs-testbed (etcd's embedded server, and small clients the
+# tests use), nodeK/ (where node K's tensorfs is mounted) and testbed.env,
+# the variables that describe it (sourced by tests).
 #
-# Processes run in a node's namespace with `exec`, which enters only the
-# network namespace (nsenter --net): a mount made there, such as
-#   scripts/cluster.sh exec DIR node1 tensorfs mount --cluster "$TESTBED_ETCD" \
-#       --node node1 --cluster-ca ... DIR/node1
-# is the host's, visible from the host. (`ip netns exec` would give the
-# command a mount namespace of its own, hiding the mount.) `down` unmounts
-# DIR/node*, stops every process in the test bed's namespaces and deletes
-# them.
+# Each node's daemon runs in the node's network namespace, entered with
+# nsenter --net only: its mount is the host's, so the CLI works from the
+# host through each node's mount (tensorfs publish DIR/node1/model,
+# tensorfs pull DIR/node2/model), and the daemon reaches etcd and its
+# peers over the node's shaped link. (`ip netns exec` would give it a
+# mount namespace of its own, hiding the mount.) Nodes are mounted with
+# --allow-other (permissions are the kernel's, as on any mount) and
+# --capacity SIZE (default 4G; the memory is taken only as segments fill
+# it); each daemon logs where tensorfs mount says ("log /run/tensorfs/...").
+# `down` unmounts DIR/node* (releasing their memory), stops every process
+# in the test bed's namespaces and deletes them.
 set -Eeuo pipefail
 
 usage() {
-	sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
+	sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2
 	exit 2
 }
 
@@ -105,9 +114,42 @@ link() {
 	fi
 }
 
+# start_etcd ID: etcd in its namespace, waiting until it serves.
+start_etcd() {
+	local id=$1 i
+	mkdir -p "$dir/etcd"
+	nsenter --net="/var/run/netns/$(ns "$id" etcd)" setsid "$dir/bin/tensorfs-testbed" etcd \
+		-dir "$dir/etcd/data" -listen 10.99.0.254:2379 \
+		-ca "$dir/certs/ca.pem" -cert "$dir/certs/etcd.pem" -key "$dir/certs/etcd-key.pem" \
+		</dev/null >"$dir/etcd.log" 2>&1 &
+	for i in $(seq 1 300); do
+		if grep -q "etcd ready" "$dir/etcd.log" 2>/dev/null; then
+			return 0
+		fi
+		if ! kill -0 $! 2>/dev/null || [ "$i" -eq 300 ]; then
+			cat "$dir/etcd.log" >&2
+			die "etcd did not start (log above, in $dir/etcd.log)"
+		fi
+		sleep 0.1
+	done
+}
+
+# mount_node ID K [FLAGS...]: node K's tensorfs at DIR/nodeK, its daemon in
+# node K's network namespace, with the cluster's flags and FLAGS.
+mount_node() {
+	local id=$1 k=$2
+	shift 2
+	nsenter --net="/var/run/netns/$(ns "$id" "node$k")" "$dir/bin/tensorfs" mount \
+		--allow-other --capacity "$capacity" \
+		--cluster https://10.99.0.254:2379 --node "node$k" --cluster-ca "$dir/certs/ca.pem" \
+		--cluster-cert "$dir/certs/node$k.pem" --cluster-key "$dir/certs/node$k-key.pem" \
+		"$@" "$dir/node$k" >/dev/null
+}
+
 up() {
 	[ $# -ge 2 ] || usage
 	local n=$1 rate=1gbit
+	capacity=4G
 	dir=$2
 	shift 2
 	while [ $# -gt 0 ]; do
@@ -115,6 +157,11 @@ up() {
 		--rate)
 			[ $# -ge 2 ] || usage
 			rate=$2
+			shift 2
+			;;
+		--capacity)
+			[ $# -ge 2 ] || usage
+			capacity=$2
 			shift 2
 			;;
 		*) usage ;;
@@ -136,6 +183,11 @@ up() {
 	command -v go >/dev/null 2>&1 || go=/usr/local/go/bin/go
 	mkdir -p "$dir/bin" "$dir/certs"
 	(cd "$repo" && "$go" build -o "$dir/bin/tensorfs-testbed" ./cluster/internal/testbed)
+	if [ -n "${TENSORFS_BIN:-}" ]; then
+		cp "$TENSORFS_BIN" "$dir/bin/tensorfs"
+	else
+		(cd "$repo" && "$go" build -o "$dir/bin/tensorfs" ./cmd/tensorfs)
+	fi
 
 	openssl req -x509 -new -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes \
 		-keyout "$dir/certs/ca-key.pem" -out "$dir/certs/ca.pem" -days 30 \
@@ -159,34 +211,53 @@ up() {
 		mkdir -p "$dir/node$k"
 	done
 
-	mkdir -p "$dir/etcd"
-	nsenter --net="/var/run/netns/$(ns "$id" etcd)" setsid "$dir/bin/tensorfs-testbed" etcd \
-		-dir "$dir/etcd/data" -listen 10.99.0.254:2379 \
-		-ca "$dir/certs/ca.pem" -cert "$dir/certs/etcd.pem" -key "$dir/certs/etcd-key.pem" \
-		</dev/null >"$dir/etcd.log" 2>&1 &
-	local i
-	for i in $(seq 1 300); do
-		if grep -q "etcd ready" "$dir/etcd.log" 2>/dev/null; then
-			break
-		fi
-		if ! kill -0 $! 2>/dev/null || [ "$i" -eq 300 ]; then
-			cat "$dir/etcd.log" >&2
-			die "etcd did not start (log above, in $dir/etcd.log)"
-		fi
-		sleep 0.1
-	done
-	trap - ERR
-
+	start_etcd "$id"
 	cat >"$dir/testbed.env" <<-ENV
 		TESTBED_ID=$id
 		TESTBED_N=$n
 		TESTBED_RATE=$rate
+		TESTBED_CAPACITY=$capacity
 		TESTBED_ETCD=https://10.99.0.254:2379
 		TESTBED_CA=$dir/certs/ca.pem
 		TESTBED_CERTS=$dir/certs
 		TESTBED_BIN=$dir/bin/tensorfs-testbed
+		TESTBED_TENSORFS=$dir/bin/tensorfs
 	ENV
-	echo "cluster.sh: $n nodes at 10.99.0.1-$n ($rate links), etcd at https://10.99.0.254:2379; see $dir/testbed.env"
+	for k in $(seq 1 "$n"); do
+		mount_node "$id" "$k"
+	done
+	trap - ERR
+	echo "cluster.sh: $n nodes at 10.99.0.1-$n ($rate links), tensorfs mounted at $dir/node1-$n, etcd at https://10.99.0.254:2379; see $dir/testbed.env"
+}
+
+# remount DIR K [FLAGS...]: mount node K again.
+remount() {
+	[ $# -ge 2 ] || usage
+	dir=$(realpath "$1")
+	local k=$2
+	shift 2
+	[ -f "$dir/testbed.env" ] || die "no test bed in $dir"
+	capacity=$(sed -n 's/^TESTBED_CAPACITY=//p' "$dir/testbed.env")
+	local n
+	n=$(sed -n 's/^TESTBED_N=//p' "$dir/testbed.env")
+	[[ $k =~ ^[0-9]+$ ]] && [ "$k" -ge 1 ] && [ "$k" -le "$n" ] || die "no node $k in the test bed in $dir (nodes 1 to $n)"
+	mount_node "$(testbed_id "$dir")" "$k" "$@"
+}
+
+# etcd_ctl DIR stop|start: stop etcd (as a crash would) or start it again.
+etcd_ctl() {
+	[ $# -eq 2 ] || usage
+	dir=$(realpath "$1")
+	local id pids
+	id=$(testbed_id "$dir")
+	case $2 in
+	stop)
+		pids=$(ip netns pids "$(ns "$id" etcd)" || true)
+		[ -z "$pids" ] || kill -9 $pids
+		;;
+	start) start_etcd "$id" ;;
+	*) usage ;;
+	esac
 }
 
 # down_id ID DIR: unmount the nodes' mounts, stop every process in the
@@ -195,7 +266,11 @@ down_id() {
 	local id=$1 d=$2 m nsname
 	for m in "$d"/node*; do
 		if [ -d "$m" ] && mountpoint -q "$m"; then
-			umount "$m" 2>/dev/null || umount -l "$m"
+			if [ -x "$d/bin/tensorfs" ]; then
+				"$d/bin/tensorfs" unmount --purge "$m" >/dev/null 2>&1 || umount -l "$m"
+			else
+				umount "$m" 2>/dev/null || umount -l "$m"
+			fi
 		fi
 	done
 	for nsname in $(ip netns list | awk '{print $1}' | grep "^tfs-$id-" || true); do
@@ -240,5 +315,7 @@ case $cmd in
 up) up "$@" ;;
 down) down "$@" ;;
 exec) exec_in "$@" ;;
+mount) remount "$@" ;;
+etcd) etcd_ctl "$@" ;;
 *) usage ;;
 esac

@@ -22,6 +22,8 @@ const usage = `usage:
                                         the tensors under DIR into a .safetensors file, or shards with an index
   tensorfs set DTYPE SHAPE PATH...      give segments a dtype and a (contiguous) shape
   tensorfs show PATH...                 a segment's dtype, shape, stride and offset
+  tensorfs publish DIR                  DIR becomes a new version of itself on every node of the cluster
+  tensorfs pull DIR                     fetch what a published DIR holds from the cluster's nodes
 Run "tensorfs mount -h" for the mount flags.
 `
 
@@ -53,6 +55,10 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runSet(args[1:], stdout, stderr)
 	case "show":
 		return runShow(args[1:], stdout, stderr)
+	case "publish":
+		return runPublish(args[1:], stdout, stderr)
+	case "pull":
+		return runPull(args[1:], stdout, stderr)
 	case "gpu-helper":
 		return gpu.HelperMain(args[1:], stderr, nil)
 	case "-h", "--help", "help":

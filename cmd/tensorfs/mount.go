@@ -24,6 +24,9 @@ type mountFlags struct {
 	allowOther    bool
 	debug         bool
 	noPassthrough bool
+	// cluster: etcd endpoints (comma-separated), node name, the cluster
+	// CA, this node's certificate and key, the piece server's address.
+	cluster, node, clusterCA, clusterCert, clusterKey, clusterListen string
 }
 
 func (m *mountFlags) register(set *flag.FlagSet) {
@@ -35,6 +38,12 @@ func (m *mountFlags) register(set *flag.FlagSet) {
 	set.BoolVar(&m.allowOther, "allow-other", false, "let other users in (permissions are always checked by the kernel)")
 	set.BoolVar(&m.debug, "debug", false, "log every FUSE request")
 	set.BoolVar(&m.noPassthrough, "no-passthrough", false, "serve read/write from the daemon instead of FUSE passthrough")
+	set.StringVar(&m.cluster, "cluster", "", "join the cluster whose etcd is at these endpoints (comma-separated URLs, https://HOST:2379)")
+	set.StringVar(&m.node, "node", "", "this node's name in the cluster (its certificate carries it)")
+	set.StringVar(&m.clusterCA, "cluster-ca", "", "the cluster's CA certificate (PEM)")
+	set.StringVar(&m.clusterCert, "cluster-cert", "", "this node's certificate, issued by the cluster CA (PEM)")
+	set.StringVar(&m.clusterKey, "cluster-key", "", "this node's private key (PEM)")
+	set.StringVar(&m.clusterListen, "cluster-listen", "", "where the piece server listens, HOST:PORT (default: port 7070 on the address etcd is reached from)")
 }
 
 func runMount(args []string, stdout, stderr io.Writer) int {
@@ -85,6 +94,7 @@ func runMount(args []string, stdout, stderr io.Writer) int {
 		AllowOther:    m.allowOther,
 		NoPassthrough: m.noPassthrough,
 		Debug:         m.debug,
+		Cluster:       clusterConfig(&m),
 	}
 	err = lifecycle.Serve(cfg, log, func(mode string) {
 		fmt.Fprintf(stdout, "ready pid=%d mode=%s mountpoint=%s\n", os.Getpid(), mode, mp)
@@ -107,12 +117,41 @@ func checkMountFlags(m *mountFlags) (int64, error) {
 	if m.capacity != "" && m.backing != "" {
 		return 0, errors.New("--capacity sizes the private tmpfs and cannot be used with --backing")
 	}
+	if err := checkClusterFlags(m); err != nil {
+		return 0, err
+	}
 	if m.capacity != "" && os.Geteuid() != 0 {
 		// alloc.Open could only warn in the log: refuse on the terminal instead.
 		return 0, fmt.Errorf("--capacity needs root: it sizes a private tmpfs, which only root may mount; "+
 			"as uid %d segments live in /dev/shm and share its limit (df -h /dev/shm). Drop --capacity, or mount as root", os.Geteuid())
 	}
 	return parseSize(m.capacity)
+}
+
+// checkClusterFlags checks the cluster flags: all of them or none.
+func checkClusterFlags(m *mountFlags) error {
+	if m.cluster == "" {
+		if m.node != "" || m.clusterCA != "" || m.clusterCert != "" || m.clusterKey != "" || m.clusterListen != "" {
+			return errors.New("--node, --cluster-ca, --cluster-cert, --cluster-key and --cluster-listen go with --cluster ENDPOINTS")
+		}
+		return nil
+	}
+	if m.node == "" || m.clusterCA == "" || m.clusterCert == "" || m.clusterKey == "" {
+		return errors.New("--cluster needs --node NAME, --cluster-ca FILE, --cluster-cert FILE and --cluster-key FILE (the cluster runs on mutual TLS)")
+	}
+	if os.Geteuid() != 0 {
+		return errors.New("--cluster needs root: segments pulled from a cluster take their published owners")
+	}
+	return nil
+}
+
+// clusterConfig returns the cluster the flags name, nil for none.
+func clusterConfig(m *mountFlags) *lifecycle.ClusterConfig {
+	if m.cluster == "" {
+		return nil
+	}
+	return &lifecycle.ClusterConfig{Endpoints: strings.Split(m.cluster, ","), Node: m.node,
+		CA: m.clusterCA, Cert: m.clusterCert, Key: m.clusterKey, Listen: m.clusterListen}
 }
 
 // parseSize reads sizes such as 512M, 8G, 1T or plain bytes; "" is 0.

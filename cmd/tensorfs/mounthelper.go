@@ -44,21 +44,32 @@ func runMountHelper(args []string, stdout, stderr io.Writer) int {
 // mountOptions translates fstab options to tensorfs mount flags; generic
 // options that mount(8) or systemd handle themselves are dropped.
 func mountOptions(list string) ([]string, error) {
-	var flags []string
+	var flags, endpoints []string
 	for _, opt := range strings.Split(list, ",") {
 		key, val, hasVal := strings.Cut(opt, "=")
 		switch {
 		case opt == "" || generic(key):
-		case key == "capacity" || key == "backing" || key == "disk" || key == "gpu":
+		case key == "capacity" || key == "backing" || key == "disk" || key == "gpu" || key == "node" ||
+			key == "cluster_ca" || key == "cluster_cert" || key == "cluster_key" || key == "cluster_listen":
 			if !hasVal {
 				return nil, fmt.Errorf("option %s needs a value, as in %s=...", key, key)
 			}
-			flags = append(flags, "--"+key, val)
+			flags = append(flags, "--"+strings.ReplaceAll(key, "_", "-"), val)
+		case key == "cluster":
+			// One endpoint per option: fstab separates options with commas.
+			if !hasVal {
+				return nil, fmt.Errorf("option cluster needs an etcd endpoint, as in cluster=https://10.0.0.1:2379")
+			}
+			endpoints = append(endpoints, val)
 		case (key == "allow_other" || key == "debug" || key == "no_passthrough") && !hasVal:
 			flags = append(flags, "--"+strings.ReplaceAll(key, "_", "-"))
 		default:
-			return nil, fmt.Errorf("unknown option %q (tensorfs takes capacity, backing, disk, gpu, allow_other, no_passthrough, debug)", opt)
+			return nil, fmt.Errorf("unknown option %q (tensorfs takes capacity, backing, disk, gpu, allow_other, no_passthrough, debug, "+
+				"cluster, node, cluster_ca, cluster_cert, cluster_key, cluster_listen)", opt)
 		}
+	}
+	if len(endpoints) > 0 {
+		flags = append(flags, "--cluster", strings.Join(endpoints, ","))
 	}
 	return flags, nil
 }

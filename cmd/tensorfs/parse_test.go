@@ -32,7 +32,13 @@ func TestMountOptions(t *testing.T) {
 	if err != nil || !slices.Equal(got, want) {
 		t.Errorf("mountOptions = %q, %v; want %q", got, err, want)
 	}
-	for _, bad := range []string{"bogus", "capacity", "allow_other=1", "gpu"} {
+	got, err = mountOptions("cluster=https://10.0.0.1:2379,node=node1,cluster=https://10.0.0.2:2379,cluster_ca=/etc/t/ca.pem,cluster_cert=/etc/t/n.pem,cluster_key=/etc/t/n-key.pem")
+	want = []string{"--node", "node1", "--cluster-ca", "/etc/t/ca.pem", "--cluster-cert", "/etc/t/n.pem", "--cluster-key", "/etc/t/n-key.pem",
+		"--cluster", "https://10.0.0.1:2379,https://10.0.0.2:2379"}
+	if err != nil || !slices.Equal(got, want) {
+		t.Errorf("mountOptions(cluster) = %q, %v; want %q", got, err, want)
+	}
+	for _, bad := range []string{"bogus", "capacity", "allow_other=1", "gpu", "cluster", "cluster_foo=1"} {
 		_, err := mountOptions(bad)
 		if err == nil || !strings.Contains(err.Error(), "option") {
 			t.Errorf("mountOptions(%q) = %v; want an error naming the option", bad, err)

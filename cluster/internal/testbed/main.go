@@ -1,54 +1,53 @@
 // Command tensorfs-testbed runs the parts of a cluster test bed
-// (scripts/cluster.sh) that are not the tensorfs daemon: etcd, and a node
-// that publishes or pulls plain files through package cluster, for the
-// test bed's tests and measurements before the daemon joins clusters.
+// (scripts/cluster.sh) that are not the tensorfs daemon: etcd, and two
+// clients the tests use to play a hostile member or outsider.
 //
 //	tensorfs-testbed etcd -dir DIR -listen HOST:PORT -ca F -cert F -key F
-//	tensorfs-testbed node [flags] publish NAME SRCDIR
-//	tensorfs-testbed node [flags] pull NAME OUTDIR
+//	tensorfs-testbed put -etcd URL -ca F -cert F -key F KEY VALUE...
+//	tensorfs-testbed fetch -peer NAME@HOST:PORT -ca F -cert F -key F CONTENT INDEX
 //
-// A node prints one JSON line on stdout when its publish or pull is done,
-// and another when it stops (SIGTERM/SIGINT) with what it served. It keeps
-// serving until then (a puller with -exit leaves at once).
+// put writes raw keys into etcd, as any holder of a certificate of the
+// cluster may (what a forged manifest looks like to the daemons). fetch
+// asks a node's piece server for one piece and prints how many bytes came,
+// or fails with the peer's refusal.
 package main
 
 import (
 	"context"
-	"encoding/json"
 	"flag"
 	"fmt"
-	"io/fs"
+	"io"
 	"log/slog"
 	"net"
 	"os"
 	"os/signal"
-	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
-	"golang.org/x/sys/unix"
 
-	"tensorfs/alloc"
-	"tensorfs/cluster"
 	"tensorfs/cluster/internal/etcdtest"
 	"tensorfs/cluster/transport"
 )
 
 func main() {
 	if len(os.Args) < 2 {
-		fmt.Fprintln(os.Stderr, "usage: tensorfs-testbed etcd|node ...")
+		fmt.Fprintln(os.Stderr, "usage: tensorfs-testbed etcd|put|fetch ...")
 		os.Exit(2)
 	}
 	var err error
 	switch os.Args[1] {
 	case "etcd":
 		err = runEtcd(os.Args[2:])
-	case "node":
-		err = runNode(os.Args[2:])
+	case "put":
+		err = runPut(os.Args[2:])
+	case "fetch":
+		err = runFetch(os.Args[2:])
 	default:
-		err = fmt.Errorf("unknown command %q: want etcd or node", os.Args[1])
+		err = fmt.Errorf("unknown command %q: want etcd, put or fetch", os.Args[1])
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "tensorfs-testbed:", err)
@@ -88,226 +87,69 @@ func runEtcd(args []string) error {
 	return err
 }
 
-// runNode joins the cluster and publishes or pulls.
-func runNode(args []string) error {
-	fl := flag.NewFlagSet("node", flag.ExitOnError)
-	endpoint := fl.String("etcd", "", "etcd client URL")
-	name := fl.String("node", "", "node name")
-	listen := fl.String("listen", "", "piece server address, host:port")
+// credentials reads the -ca, -cert and -key flags of fl.
+func credentials(fl *flag.FlagSet) func() (*transport.Credentials, error) {
 	ca := fl.String("ca", "", "cluster CA (PEM)")
-	cert := fl.String("cert", "", "this node's certificate (PEM)")
-	key := fl.String("key", "", "this node's key (PEM)")
-	pieceSize := fl.Int64("piece-size", cluster.DefaultPieceSize, "piece size of what this node publishes")
-	parallel := fl.Int("parallel", cluster.DefaultParallel, "pieces in flight in a pull")
-	perPeer := fl.Int("per-peer", cluster.DefaultPerPeer, "pieces in flight from one peer")
-	exit := fl.Bool("exit", false, "leave once the pull is done instead of serving")
-	verbose := fl.Bool("v", false, "log debug messages")
+	cert := fl.String("cert", "", "certificate (PEM)")
+	key := fl.String("key", "", "key (PEM)")
+	return func() (*transport.Credentials, error) { return transport.LoadCredentials(*ca, *cert, *key) }
+}
+
+// runPut writes KEY VALUE pairs into etcd in one transaction.
+func runPut(args []string) error {
+	fl := flag.NewFlagSet("put", flag.ExitOnError)
+	endpoint := fl.String("etcd", "", "etcd client URL")
+	creds := credentials(fl)
 	fl.Parse(args)
-	if fl.NArg() != 3 || fl.Arg(0) != "publish" && fl.Arg(0) != "pull" {
-		return fmt.Errorf("node: want publish NAME SRCDIR or pull NAME OUTDIR")
+	if fl.NArg() == 0 || fl.NArg()%2 != 0 {
+		return fmt.Errorf("put: want KEY VALUE pairs")
 	}
-	level := slog.LevelInfo
-	if *verbose {
-		level = slog.LevelDebug
-	}
-	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})).With("node", *name)
-	creds, err := transport.LoadCredentials(*ca, *cert, *key)
+	c, err := creds()
 	if err != nil {
 		return err
 	}
-	n, err := cluster.Join(cluster.Config{
-		Endpoints: []string{*endpoint}, Node: *name, Listen: *listen, Credentials: creds,
-		PieceSize: *pieceSize, Parallel: *parallel, PerPeer: *perPeer, Log: log,
-	})
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{*endpoint}, DialTimeout: 3 * time.Second,
+		TLS: c.ClientConfig(""), Logger: zap.NewNop()})
 	if err != nil {
 		return err
 	}
-	defer n.Close()
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
-	out := json.NewEncoder(os.Stdout)
-	switch fl.Arg(0) {
-	case "publish":
-		info, err := publish(ctx, n, fl.Arg(1), fl.Arg(2))
-		if err != nil {
-			return err
-		}
-		out.Encode(map[string]any{"published": info.Dir, "version": info.Version})
-	case "pull":
-		res, err := pull(ctx, n, fl.Arg(1), fl.Arg(2), log)
-		if err != nil {
-			return err
-		}
-		out.Encode(res)
-		if *exit {
-			return nil
-		}
+	defer cli.Close()
+	var ops []clientv3.Op
+	for i := 0; i < fl.NArg(); i += 2 {
+		ops = append(ops, clientv3.OpPut(fl.Arg(i), fl.Arg(i+1)))
 	}
-	<-ctx.Done()
-	st := n.Stats()
-	return out.Encode(map[string]any{"node": *name, "served_bytes": st.BytesServed, "served_pieces": st.PiecesServed,
-		"fetched_bytes": st.BytesFetched, "bad_pieces": st.BadPieces, "failed_fetches": st.FailedFetches})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, err = cli.Txn(ctx).Then(ops...).Commit()
+	return err
 }
 
-// publish publishes the files and directories under src as name.
-func publish(ctx context.Context, n *cluster.Node, name, src string) (cluster.DirInfo, error) {
-	var entries []cluster.LocalEntry
-	err := filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, err := filepath.Rel(src, p)
-		if err != nil {
-			return err
-		}
-		e, err := localEntry(p, filepath.ToSlash(rel), d.IsDir())
-		if err != nil {
-			return err
-		}
-		entries = append(entries, e)
-		return nil
-	})
+// runFetch fetches one piece from a peer and prints its size.
+func runFetch(args []string) error {
+	fl := flag.NewFlagSet("fetch", flag.ExitOnError)
+	peer := fl.String("peer", "", "NAME@HOST:PORT of the piece server")
+	creds := credentials(fl)
+	fl.Parse(args)
+	name, addr, ok := strings.Cut(*peer, "@")
+	if !ok || fl.NArg() != 2 {
+		return fmt.Errorf("fetch: want -peer NAME@HOST:PORT CONTENT INDEX")
+	}
+	index, err := strconv.Atoi(fl.Arg(1))
 	if err != nil {
-		return cluster.DirInfo{}, err
+		return err
 	}
-	return n.Publish(ctx, name, entries)
-}
-
-// localEntry describes one file or directory from its stat and xattrs.
-func localEntry(path, rel string, dir bool) (cluster.LocalEntry, error) {
-	var st unix.Stat_t
-	if err := unix.Lstat(path, &st); err != nil {
-		return cluster.LocalEntry{}, err
-	}
-	e := cluster.LocalEntry{Entry: cluster.Entry{Path: rel, Mode: st.Mode, UID: st.Uid, GID: st.Gid, Mtime: st.Mtim.Nano()}}
-	layout, err := alloc.ReadLayout(path)
+	c, err := creds()
 	if err != nil {
-		return e, err
+		return err
 	}
-	e.Dtype, e.Shape, e.Stride, e.StorageOffset = layout.Dtype, layout.Shape, layout.Stride, layout.Offset
-	names, err := alloc.Listxattr(path)
+	tr := transport.NewGRPC(c, slog.New(slog.DiscardHandler))
+	defer tr.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	n, err := tr.Fetch(ctx, transport.Peer{Name: name, Addr: addr}, transport.Piece{Content: fl.Arg(0), Index: index}, io.Discard)
 	if err != nil {
-		return e, err
+		return err
 	}
-	for _, attr := range names {
-		if !strings.HasPrefix(attr, "user.") || alloc.TensorAttr(attr) || strings.HasPrefix(attr, "user.tensorfs.") {
-			continue
-		}
-		v := make([]byte, 64<<10)
-		k, err := unix.Getxattr(path, attr, v)
-		if err != nil {
-			return e, err
-		}
-		if e.Xattrs == nil {
-			e.Xattrs = map[string][]byte{}
-		}
-		e.Xattrs[attr] = v[:k]
-	}
-	if !dir {
-		f, err := os.Open(path)
-		if err != nil {
-			return e, err
-		}
-		e.Size, e.Data = st.Size, f // open until the process ends: it is served
-	}
-	return e, nil
-}
-
-// pullResult is what a pull prints when done.
-type pullResult struct {
-	Node    string           `json:"node"`
-	Bytes   int64            `json:"bytes"`
-	Seconds float64          `json:"seconds"`
-	MBps    float64          `json:"mbytes_per_s"`
-	ByPeer  map[string]int64 `json:"by_peer"`
-}
-
-// pull pulls the current version of name into out, logging progress
-// every second.
-func pull(ctx context.Context, n *cluster.Node, name, out string, log *slog.Logger) (pullResult, error) {
-	info, err := n.Lookup(ctx, name)
-	if err != nil {
-		return pullResult{}, err
-	}
-	v, err := n.Version(ctx, info.Version)
-	if err != nil {
-		return pullResult{}, err
-	}
-	var jobs []cluster.Job
-	for _, e := range v.Entries {
-		p := filepath.Join(out, filepath.FromSlash(e.Path))
-		if e.IsDir() {
-			if err := os.MkdirAll(p, 0o755); err != nil {
-				return pullResult{}, err
-			}
-			continue
-		}
-		f, err := os.OpenFile(p, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o644)
-		if err != nil {
-			return pullResult{}, err
-		}
-		if err := f.Truncate(e.Size); err != nil {
-			return pullResult{}, err
-		}
-		jobs = append(jobs, cluster.Job{Content: v.Contents[e.Content], Dst: f})
-	}
-	p, err := n.Pull(ctx, jobs)
-	if err != nil {
-		return pullResult{}, err
-	}
-	tick := time.NewTicker(time.Second)
-	defer tick.Stop()
-	done := make(chan error, 1)
-	go func() { done <- p.Wait() }()
-	for {
-		select {
-		case <-tick.C:
-			pr := p.Progress()
-			log.Info("pull", "progress", pr.String(), "from", pr.ByPeer)
-		case err := <-done:
-			if err != nil {
-				return pullResult{}, err
-			}
-			if err := applyMeta(out, v); err != nil {
-				return pullResult{}, err
-			}
-			pr := p.Progress()
-			return pullResult{Node: n.Name(), Bytes: pr.Total, Seconds: pr.Elapsed.Seconds(),
-				MBps: float64(pr.Total) / pr.Elapsed.Seconds() / 1e6, ByPeer: pr.ByPeer}, nil
-		}
-	}
-}
-
-// applyMeta gives the pulled files and directories their published mode,
-// owner, attributes and times (deepest first, so that a directory's mode
-// does not stop the writes below it).
-func applyMeta(out string, v *cluster.Version) error {
-	for i := len(v.Entries) - 1; i >= 0; i-- {
-		e := &v.Entries[i]
-		p := filepath.Join(out, filepath.FromSlash(e.Path))
-		attrs := map[string][]byte{}
-		for name, val := range e.Xattrs {
-			attrs[name] = val
-		}
-		for name, val := range map[string]string{alloc.AttrDtype: e.Dtype, alloc.AttrShape: e.Shape, alloc.AttrStride: e.Stride, alloc.AttrOffset: e.StorageOffset} {
-			if val != "" {
-				attrs[name] = []byte(val)
-			}
-		}
-		for name, val := range attrs {
-			if err := unix.Setxattr(p, name, val, 0); err != nil {
-				return fmt.Errorf("%s: %s: %w", p, name, err)
-			}
-		}
-		if err := os.Lchown(p, int(e.UID), int(e.GID)); err != nil {
-			return err
-		}
-		if err := os.Chmod(p, os.FileMode(e.Mode&0o777)); err != nil {
-			return err
-		}
-		if err := os.Chtimes(p, e.MtimeTime(), e.MtimeTime()); err != nil {
-			return err
-		}
-	}
+	fmt.Println(n)
 	return nil
 }

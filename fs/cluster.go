@@ -1,0 +1,567 @@
+package fs
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"path"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/cluster"
+)
+
+// The mount's side of a cluster (DESIGN.md §10): package cluster moves
+// the bytes and keeps the namespace in etcd; here, a directory is
+// published from the backing, every published directory is made in the
+// backing as its versions arrive (names, owners, modes, times, attributes
+// and pulled markers, without the bytes), and pulled segments are filled
+// from the cluster straight into their backing files. Nothing here runs
+// unless the mount joined a cluster (Options.Cluster).
+
+// errNoCluster refuses a cluster operation on a mount that joined none.
+var errNoCluster = fmt.Errorf("%w: this mount has joined no cluster (mount with --cluster)", syscall.EOPNOTSUPP)
+
+// clusterFS is the mount's membership of a cluster.
+type clusterFS struct {
+	fsys *filesystem
+	node *cluster.Node
+	ctx  context.Context // ends at close
+	stop context.CancelFunc
+	wg   sync.WaitGroup // the watch and the pulls' waiters
+
+	// nsMu serialises the changes to published directories' names: a
+	// publish, and the making of a version from the namespace.
+	nsMu sync.Mutex
+
+	mu sync.Mutex
+	// known are the contents of the versions seen, by ID: their piece
+	// hashes, for pulls.
+	known map[string]*cluster.Content
+	// busy are the contents being pulled, by ID.
+	busy map[string]*leader
+	// pulls are the pulls that "tensorfs pull" runs, by directory, for
+	// the progress user.tensorfs.cluster shows.
+	pulls map[string]*cluster.Pull
+	// made is the version of each published directory last made here.
+	made map[string]*cluster.Version
+}
+
+// joinCluster makes the mount a node of the cluster cfg names (the
+// piece server listens from now on; etcd is reached in the background).
+func (fsys *filesystem) joinCluster(cfg cluster.Config) error {
+	if cfg.Log == nil {
+		cfg.Log = fsys.log
+	}
+	node, err := cluster.Join(cfg)
+	if err != nil {
+		return err
+	}
+	c := &clusterFS{fsys: fsys, node: node, known: map[string]*cluster.Content{}, busy: map[string]*leader{}, pulls: map[string]*cluster.Pull{}, made: map[string]*cluster.Version{}}
+	c.ctx, c.stop = context.WithCancel(context.Background())
+	fsys.cl = c
+	return nil
+}
+
+// start serves the complete pulled segments recovery found and makes the
+// published directories as they are and as they change, until close.
+func (c *clusterFS) start() {
+	for cid, f := range c.fsys.pulled.servedFiles() {
+		var st unix.Stat_t
+		if err := unix.Fstat(int(f.Fd()), &st); err == nil {
+			c.node.Offer(cid, f, st.Size)
+		}
+	}
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		c.watch()
+	}()
+}
+
+// close leaves the cluster: pulls end, the node revokes its lease.
+func (c *clusterFS) close() {
+	c.stop()
+	c.node.Close()
+	c.wg.Wait()
+	c.fsys.pulled.closeAll()
+}
+
+// watch makes each published directory's versions as they arrive.
+func (c *clusterFS) watch() {
+	for ev := range c.node.Watch(c.ctx) {
+		if ev.Deleted {
+			c.fsys.log.Info("cluster: directory unpublished; its names stay as they are", "dir", alloc.EscapeText(ev.Dir))
+			continue
+		}
+		for c.ctx.Err() == nil {
+			v, err := c.node.Version(c.ctx, ev.Version)
+			if err == nil {
+				err = c.materialize(ev.DirInfo, v)
+			}
+			if err == nil {
+				break
+			}
+			c.fsys.log.Warn("cluster: cannot make a published version here", "dir", alloc.EscapeText(ev.Dir), "version", ev.Version, "err", err)
+			if !errors.Is(err, cluster.ErrUnavailable) {
+				break // a version refused is not asked for again
+			}
+			select {
+			case <-time.After(time.Second):
+			case <-c.ctx.Done():
+			}
+		}
+	}
+}
+
+// dirRecord is what a published directory's backing directory records
+// of its version (alloc.MarkPublished), and user.tensorfs.cluster shows.
+type dirRecord struct {
+	Version   string    `json:"version"`
+	Publisher string    `json:"publisher"`
+	Time      time.Time `json:"time"`
+}
+
+// materialize makes version v of the published directory info.Dir in the
+// backing: its directories and, for each file, a pulled segment with the
+// published owner, mode, times and attributes whose bytes come when it is
+// opened or pulled. A name whose content did not change keeps its
+// segment (and its bytes); one that changed gets a new segment, while an
+// open file of the old one keeps working; names of the old version that
+// v has not are removed. Objects that are not pulled segments (a local
+// segment a user made at a published name) are left alone. Nothing is
+// followed: every directory is opened below its parent without following
+// a symbolic link, and entries were checked by package cluster (clean
+// relative paths, files and directories only).
+func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error {
+	if err := cluster.CheckDir(info.Dir); err != nil {
+		return err // package cluster refuses such a name; never walk one
+	}
+	c.mu.Lock()
+	maps.Copy(c.known, v.Contents)
+	prev := c.made[info.Dir]
+	c.mu.Unlock()
+	c.nsMu.Lock()
+	defer c.nsMu.Unlock()
+	top, err := c.openPath(info.Dir, true)
+	if err != nil {
+		return err
+	}
+	dirs := map[string]int{".": top}
+	defer func() {
+		for _, fd := range dirs {
+			unix.Close(fd)
+		}
+	}()
+	want := map[string]bool{}
+	var failed error
+	for i := range v.Entries {
+		e := &v.Entries[i]
+		want[e.Path] = true
+		if e.Path == "." {
+			continue
+		}
+		pfd, ok := dirs[path.Dir(e.Path)]
+		if !ok {
+			continue // its directory could not be made
+		}
+		rel := info.Dir + "/" + e.Path
+		if e.IsDir() {
+			fd, err := c.makeDir(pfd, path.Base(e.Path), rel)
+			if err != nil {
+				failed = cmpErr(failed, err)
+				continue
+			}
+			dirs[e.Path] = fd
+			continue
+		}
+		if err := c.makeFile(pfd, path.Base(e.Path), rel, e); err != nil {
+			failed = cmpErr(failed, err)
+		}
+	}
+	c.removeStale(top, info.Dir, want, prev)
+	// Directories' attributes last, deepest first: their times change
+	// while their names are made.
+	for i := len(v.Entries) - 1; i >= 0; i-- {
+		e := &v.Entries[i]
+		if fd, ok := dirs[e.Path]; ok && e.IsDir() {
+			if err := applyEntry(alloc.FdPath(fd), e); err != nil {
+				failed = cmpErr(failed, fmt.Errorf("%s: %w", alloc.EscapeText(info.Dir+"/"+e.Path), err))
+			}
+		}
+	}
+	rec, _ := json.Marshal(dirRecord{Version: v.ID, Publisher: info.Publisher, Time: info.Time})
+	if err := alloc.MarkPublished(alloc.FdPath(top), rec); err != nil {
+		failed = cmpErr(failed, err)
+	}
+	c.mu.Lock()
+	c.made[info.Dir] = v
+	c.mu.Unlock()
+	if failed == nil {
+		c.fsys.log.Info("cluster: version made here", "dir", alloc.EscapeText(info.Dir), "version", v.ID, "publisher", info.Publisher, "entries", len(v.Entries))
+	}
+	return failed
+}
+
+// cmpErr keeps the first error.
+func cmpErr(first, err error) error {
+	if first != nil {
+		return first
+	}
+	return err
+}
+
+// openPath opens the backing directory at rel (a clean relative path)
+// below the root, one component at a time without following a symbolic
+// link, making missing ones (root's, mode 0755) if create is set. It
+// returns an O_PATH descriptor.
+func (c *clusterFS) openPath(rel string, create bool) (int, error) {
+	fd, err := unix.FcntlInt(uintptr(c.fsys.store.RootFd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return -1, err
+	}
+	done := ""
+	for _, part := range strings.Split(rel, "/") {
+		if part == "" || part == "." || part == ".." {
+			unix.Close(fd)
+			return -1, fmt.Errorf("%w: %q is not a clean relative path", alloc.ErrInvalid, rel)
+		}
+		done = path.Join(done, part)
+		if create {
+			if err := unix.Mkdirat(fd, part, 0o755); err == nil {
+				c.fsys.notifyNewName(done)
+			} else if !errors.Is(err, unix.EEXIST) {
+				unix.Close(fd)
+				return -1, fmt.Errorf("%s: %w", alloc.EscapeText(done), err)
+			}
+		}
+		next, err := unix.Openat(fd, part, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		unix.Close(fd)
+		if err != nil {
+			return -1, fmt.Errorf("%s is not a directory of the backing: %w", alloc.EscapeText(done), err)
+		}
+		fd = next
+	}
+	return fd, nil
+}
+
+// makeDir makes (or finds) the directory name in dirfd, rel in the
+// mount, and returns its O_PATH descriptor.
+func (c *clusterFS) makeDir(dirfd int, name, rel string) (int, error) {
+	err := unix.Mkdirat(dirfd, name, 0o700) // its mode comes with its attributes
+	if err == nil {
+		c.fsys.notifyNewName(rel)
+	} else if !errors.Is(err, unix.EEXIST) {
+		return -1, fmt.Errorf("%s: %w", alloc.EscapeText(rel), err)
+	}
+	fd, err := unix.Openat(dirfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("%s: a published directory, here another object: %w", alloc.EscapeText(rel), err)
+	}
+	return fd, nil
+}
+
+// makeFile makes the pulled segment of entry e at name in dirfd (rel in
+// the mount), or keeps the one there if it has e's content.
+func (c *clusterFS) makeFile(dirfd int, name, rel string, e *cluster.Entry) error {
+	var old *alloc.Ref
+	var st unix.Stat_t
+	err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
+	switch {
+	case errors.Is(err, unix.ENOENT):
+	case err != nil:
+		return err
+	case st.Mode&syscall.S_IFMT != syscall.S_IFREG:
+		c.fsys.log.Warn("cluster: a published file's name holds another object here; left alone", "path", alloc.EscapeText(rel))
+		return nil
+	default:
+		if old, err = alloc.OpenRef(dirfd, name, st.Ino); err != nil {
+			return err
+		}
+		defer old.Close()
+		p, _ := old.Path()
+		mk, err := alloc.ReadMarker(p, old.Stat())
+		if err != nil {
+			return err
+		}
+		if mk.Kind != alloc.Pulled {
+			c.fsys.log.Warn("cluster: a local segment has a published file's name here; it is left alone", "path", alloc.EscapeText(rel))
+			return nil
+		}
+		if mk.Content == e.Content {
+			c.fsys.pulled.classify(old.Stat(), mk)
+			return applyEntry(p, e)
+		}
+	}
+	fd, err := unix.Openat(dirfd, ".", unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	mk := alloc.Marker{Kind: alloc.Pulled, Content: e.Content, Size: e.Size, Complete: e.Size == 0}
+	p := alloc.FdPath(fd)
+	if err := alloc.MarkPulled(p, mk); err != nil {
+		return err
+	}
+	if err := applyEntry(p, e); err != nil {
+		return err
+	}
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	seg := c.fsys.pulled.add(st.Ino, mk)
+	if err = c.link(dirfd, fd, name, old != nil); err != nil {
+		c.fsys.pulled.forget(seg)
+		return fmt.Errorf("%s: %w", alloc.EscapeText(rel), err)
+	}
+	if old != nil {
+		if prev := c.fsys.pulled.get(old.Stat().Ino); prev != nil {
+			prev.release()
+		}
+		c.fsys.forgetName(rel)
+	}
+	c.fsys.notifyNewName(rel)
+	return nil
+}
+
+// link gives the unnamed file open at fd the name name in dirfd,
+// replacing what is there if replace is set (through a temporary name
+// and a rename, so that the name is never missing).
+func (c *clusterFS) link(dirfd, fd int, name string, replace bool) error {
+	to := name
+	if replace {
+		to = ".tensorfs-pulled-" + alloc.NewID()
+	}
+	if err := unix.Linkat(unix.AT_FDCWD, alloc.FdPath(fd), dirfd, to, unix.AT_SYMLINK_FOLLOW); err != nil {
+		return err
+	}
+	if !replace {
+		return nil
+	}
+	if err := unix.Renameat(dirfd, to, dirfd, name); err != nil {
+		unix.Unlinkat(dirfd, to, 0)
+		return err
+	}
+	return nil
+}
+
+// applyEntry gives the object at p (a FdPath) e's owner, mode, times and
+// attributes where they differ. Tensor attributes are written as published (package cluster
+// checked them against the size), other user.* attributes not in e are
+// removed; tensorfs's own (user.tensorfs.*) are left alone.
+func applyEntry(p string, e *cluster.Entry) error {
+	var st unix.Stat_t
+	if err := unix.Stat(p, &st); err != nil {
+		return err
+	}
+	attrs := map[string][]byte{}
+	for name, v := range e.Xattrs {
+		attrs[name] = v
+	}
+	l := e.Layout()
+	for _, a := range [][2]string{{alloc.AttrDtype, l.Dtype}, {alloc.AttrShape, l.Shape}, {alloc.AttrStride, l.Stride}, {alloc.AttrOffset, l.Offset}} {
+		if a[1] != "" {
+			attrs[a[0]] = []byte(a[1])
+		}
+	}
+	have, err := alloc.Listxattr(p)
+	if err != nil {
+		return err
+	}
+	for _, name := range have {
+		if _, ok := attrs[name]; !ok && !strings.HasPrefix(name, "user.tensorfs.") {
+			if err := unix.Removexattr(p, name); err != nil {
+				return err
+			}
+		}
+	}
+	for name, v := range attrs {
+		cur, ok, err := alloc.GetXattr(p, name)
+		if err == nil && (!ok || !bytes.Equal(cur, v)) {
+			err = unix.Setxattr(p, name, v, 0)
+		}
+		if err != nil {
+			return err
+		}
+	}
+	if st.Uid != e.UID || st.Gid != e.GID {
+		if err := unix.Chown(p, int(e.UID), int(e.GID)); err != nil {
+			return err
+		}
+	}
+	if st.Mode&07777 != e.Mode&07777 || st.Uid != e.UID || st.Gid != e.GID {
+		if err := unix.Chmod(p, e.Mode&07777); err != nil { // after chown, which clears set-id bits
+			return err
+		}
+	}
+	if st.Mtim.Nano() != e.Mtime {
+		mt := unix.NsecToTimespec(e.Mtime)
+		return unix.UtimesNanoAt(unix.AT_FDCWD, p, []unix.Timespec{mt, mt}, 0)
+	}
+	return nil
+}
+
+// removeStale removes, below the published directory open at top (dir in
+// the mount), the pulled segments whose paths the current version has
+// not, and the directories of the previous version made here (prev, nil
+// if unknown) that it has not, once they are empty. A directory below
+// that is published on its own is its own version's.
+func (c *clusterFS) removeStale(top int, dir string, want map[string]bool, prev *cluster.Version) {
+	var gone []string
+	if prev != nil {
+		for _, e := range prev.Entries {
+			if e.IsDir() && !want[e.Path] {
+				gone = append(gone, e.Path)
+			}
+		}
+	}
+	alloc.Walk(top, func(fd int, name, rel string, st *unix.Stat_t) error {
+		if st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
+			var rec []byte
+			alloc.At(fd, name, st.Ino, func(p string) (err error) {
+				rec, err = alloc.ReadPublished(p)
+				return err
+			})
+			if rec != nil {
+				return alloc.ErrSkipDir
+			}
+		}
+		if want[rel] {
+			return nil
+		}
+		switch st.Mode & syscall.S_IFMT {
+		case syscall.S_IFREG:
+			p := c.fsys.pulled.get(st.Ino)
+			if p == nil {
+				return nil
+			}
+			if err := unix.Unlinkat(fd, name, 0); err != nil {
+				return nil
+			}
+			p.release()
+			c.fsys.forgetName(dir + "/" + rel)
+		}
+		return nil
+	})
+	slices.Sort(gone)
+	for i := len(gone) - 1; i >= 0; i-- { // deepest first
+		if unix.Unlinkat(top, gone[i], unix.AT_REMOVEDIR) == nil {
+			c.fsys.forgetName(dir + "/" + gone[i])
+		}
+	}
+}
+
+// forgetName tells the kernel, and go-fuse's tree, that the name at rel
+// (relative to the root) no longer names what it named: an object a
+// process holds open becomes nameless, as an unlinked file does.
+func (fsys *filesystem) forgetName(rel string) {
+	dir := fsys.root.EmbeddedInode()
+	parts := strings.Split(rel, "/")
+	for _, part := range parts[:len(parts)-1] {
+		if dir = dir.GetChild(part); dir == nil {
+			return
+		}
+	}
+	name := parts[len(parts)-1]
+	if ch := dir.GetChild(name); ch != nil {
+		dir.RmChild(name)
+		dir.NotifyDelete(name, ch)
+		return
+	}
+	dir.NotifyEntry(name)
+}
+
+// clusterAttr is user.tensorfs.cluster of a published directory: its
+// version, publisher and time, how many of its segments and bytes are
+// complete here, and the progress of a "tensorfs pull" of it.
+func (fsys *filesystem) clusterAttr(d *dirNode) ([]byte, error) {
+	var out struct {
+		dirRecord
+		Segments int64             `json:"segments"`
+		Complete int64             `json:"complete"`
+		Bytes    int64             `json:"bytes"`
+		Local    int64             `json:"local_bytes"`
+		Pull     *cluster.Progress `json:"pull,omitempty"`
+	}
+	err := d.withDir(func(fd int) error {
+		rec, err := alloc.ReadPublished(alloc.FdPath(fd))
+		if err != nil {
+			return err
+		}
+		if rec == nil {
+			return alloc.ErrNoAttr
+		}
+		if err := json.Unmarshal(rec, &out.dirRecord); err != nil {
+			return fmt.Errorf("%w: the directory's published version %q", alloc.ErrInvalid, rec)
+		}
+		return alloc.Walk(fd, func(dfd int, name, _ string, st *unix.Stat_t) error {
+			if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+				return nil
+			}
+			p := fsys.pulled.get(st.Ino)
+			if p == nil {
+				return nil
+			}
+			size, complete := p.state()
+			out.Segments++
+			out.Bytes += size
+			if complete {
+				out.Complete++
+				out.Local += size
+			}
+			return nil
+		})
+	})
+	if err != nil {
+		return nil, err
+	}
+	if c := fsys.cl; c != nil {
+		c.mu.Lock()
+		pl := c.pulls[d.Path(nil)]
+		c.mu.Unlock()
+		if pl != nil {
+			pr := pl.Progress()
+			out.Pull = &pr
+		}
+	}
+	return json.Marshal(out)
+}
+
+// clusterAttrs lists user.tensorfs.cluster for a published directory;
+// a mount with no cluster and no pulled segment has none to look for.
+func (fsys *filesystem) clusterAttrs(d *dirNode) []string {
+	if fsys.cl == nil && fsys.pulled.n.Load() == 0 {
+		return nil
+	}
+	var names []string
+	d.withDir(func(fd int) error {
+		if rec, err := alloc.ReadPublished(alloc.FdPath(fd)); err == nil && rec != nil {
+			names = append(names, alloc.AttrCluster)
+		}
+		return nil
+	})
+	return names
+}
+
+// clusterStats is the "cluster" member of user.tensorfs.stats: this
+// node's name and piece server, and what it has moved since it joined;
+// nil without a cluster.
+func (fsys *filesystem) clusterStats() map[string]any {
+	if fsys.cl == nil {
+		return nil
+	}
+	n := fsys.cl.node
+	st := n.Stats()
+	return map[string]any{"node": n.Name(), "addr": n.Addr(), "pulled_segments": fsys.pulled.n.Load(),
+		"pieces_served": st.PiecesServed, "bytes_served": st.BytesServed, "pieces_fetched": st.PiecesFetched,
+		"bytes_fetched": st.BytesFetched, "bad_pieces": st.BadPieces, "failed_fetches": st.FailedFetches}
+}

@@ -1,0 +1,374 @@
+package fs
+
+// Publishing a directory from the backing (DESIGN.md §10), and the
+// control socket's publish and pull.
+
+import (
+	"encoding/json"
+	"fmt"
+	"maps"
+	"os"
+	"slices"
+	"strings"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/cluster"
+	"tensorfs/ctl"
+)
+
+// published is one object of a directory being published.
+type published struct {
+	entry cluster.LocalEntry
+	seg   *pulled // its pulled segment (nil for a directory)
+	// frozen is true for a host segment this publish made read-only.
+	frozen bool
+	node   *segmentNode // its node in the kernel's tree, if any
+}
+
+// publish publishes the directory dir (relative to the root) for who:
+// every segment and directory below it, with its owner, mode, time and
+// attributes, becomes a new version of dir cluster-wide, and its host
+// segments become pulled ones here, read-only. who must own dir or may
+// write it, and must be able to read and write each host segment (a
+// publish freezes it) and read each directory and published segment.
+// Refused: segments of other kinds (device, imported, SHARED, one still
+// to be pulled), a segment open for writing or with more than one name,
+// and objects that are neither segments nor directories. It returns the
+// version.
+func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
+	if err := cluster.CheckDir(dir); err != nil {
+		return "", err
+	}
+	c.nsMu.Lock()
+	defer c.nsMu.Unlock()
+	var top int
+	err := controlBackend{c.fsys}.walk(who, dir, func(parent int, name string) (err error) {
+		top, err = unix.Openat(parent, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		return err
+	})
+	if err != nil {
+		return "", err
+	}
+	defer unix.Close(top)
+	var st unix.Stat_t
+	if err := unix.Fstat(top, &st); err != nil {
+		return "", err
+	}
+	if who.Uid != 0 && who.Uid != st.Uid && !permitted(&who, &st, 2|1) {
+		return "", fmt.Errorf("%w: publishing a directory needs its ownership or write permission on it", syscall.EACCES)
+	}
+	objs, err := c.collect(who, top, dir, &st)
+	defer func() {
+		for _, o := range objs {
+			if f, ok := o.entry.Data.(*os.File); ok && f != nil {
+				f.Close()
+			}
+		}
+	}()
+	if err == nil {
+		err = c.freeze(objs, dir)
+	}
+	if err != nil {
+		return "", err
+	}
+	local := make([]cluster.LocalEntry, len(objs))
+	for i, o := range objs {
+		local[i] = o.entry
+	}
+	info, err := c.node.Publish(c.ctx, dir, local)
+	var v *cluster.Version
+	if err == nil {
+		v, err = c.node.Version(c.ctx, info.Version)
+	}
+	if err != nil {
+		c.thaw(objs, dir)
+		return "", err
+	}
+	cids := map[string]string{}
+	for _, e := range v.Entries {
+		cids[e.Path] = e.Content
+	}
+	// The cluster reads each content from the first file of its (in the
+	// order of their paths, as Publish takes them): those are kept.
+	slices.SortFunc(objs, func(a, b published) int { return entryOrder(a.entry.Path, b.entry.Path) })
+	seen := map[string]bool{}
+	for i := range objs {
+		o := &objs[i]
+		if o.seg == nil {
+			continue
+		}
+		cid := cids[o.entry.Path]
+		if o.frozen {
+			p := alloc.FdPath(int(o.entry.Data.(*os.File).Fd()))
+			if err := alloc.MarkPulled(p, alloc.Marker{Kind: alloc.Pulled, Content: cid, Size: o.entry.Size, Complete: true}); err != nil {
+				c.fsys.log.Error("cluster: a published segment's marker was not written; a restart makes it writable again", "path", alloc.EscapeText(dir+"/"+o.entry.Path), "err", err)
+			}
+			c.fsys.pulled.identify(o.seg, cid, o.entry.Size)
+		}
+		if !seen[cid] {
+			seen[cid] = true
+			c.fsys.pulled.serveFrom(cid, o.entry.Data.(*os.File))
+			o.entry.Data = nil
+		}
+	}
+	rec, _ := json.Marshal(dirRecord{Version: info.Version, Publisher: info.Publisher, Time: info.Time})
+	if err := alloc.MarkPublished(alloc.FdPath(top), rec); err != nil {
+		c.fsys.log.Warn("cluster: the published directory's version is not recorded here", "dir", alloc.EscapeText(dir), "err", err)
+	}
+	c.mu.Lock()
+	maps.Copy(c.known, v.Contents)
+	c.made[dir] = v
+	c.mu.Unlock()
+	c.fsys.log.Info("published", "dir", alloc.EscapeText(dir), "version", info.Version, "entries", len(v.Entries), "bytes", v.Bytes(), "uid", who.Uid)
+	return info.Version, nil
+}
+
+// entryOrder orders paths of a published directory as package cluster
+// does: "." first, then bytewise.
+func entryOrder(a, b string) int {
+	switch {
+	case a == b:
+		return 0
+	case a == ".":
+		return -1
+	case b == ".":
+		return 1
+	}
+	return strings.Compare(a, b)
+}
+
+// collect describes every object below the directory open at top (dir in
+// the mount, whose stat is st) for a publish by who, checking it.
+func (c *clusterFS) collect(who ctl.Cred, top int, dir string, st *unix.Stat_t) ([]published, error) {
+	if !permitted(&who, st, 4|1) {
+		return nil, fmt.Errorf("%w: %s: publishing needs read and search permission on every directory", syscall.EACCES, alloc.EscapeText(dir))
+	}
+	root, err := dirEntry(alloc.FdPath(top), ".", st)
+	if err != nil {
+		return nil, err
+	}
+	objs := []published{{entry: cluster.LocalEntry{Entry: root}}}
+	err = alloc.Walk(top, func(fd int, name, rel string, st *unix.Stat_t) error {
+		where := alloc.EscapeText(dir + "/" + rel)
+		switch st.Mode & syscall.S_IFMT {
+		case syscall.S_IFDIR:
+			if !permitted(&who, st, 4|1) {
+				return fmt.Errorf("%w: %s: publishing needs read and search permission on every directory", syscall.EACCES, where)
+			}
+			var e cluster.Entry
+			err := alloc.At(fd, name, st.Ino, func(p string) (err error) {
+				e, err = dirEntry(p, rel, st)
+				return err
+			})
+			objs = append(objs, published{entry: cluster.LocalEntry{Entry: e}})
+			return err
+		case syscall.S_IFREG:
+			o, err := c.segmentEntry(who, fd, name, rel, st)
+			if err != nil {
+				return fmt.Errorf("%s: %w", where, err)
+			}
+			objs = append(objs, o)
+			return nil
+		}
+		return fmt.Errorf("%w: %s: only segments and directories are published", alloc.ErrInvalid, where)
+	})
+	return objs, err
+}
+
+// dirEntry describes the directory at p (rel in the published one).
+func dirEntry(p, rel string, st *unix.Stat_t) (cluster.Entry, error) {
+	e := cluster.Entry{Path: rel, Mode: st.Mode, UID: st.Uid, GID: st.Gid, Mtime: st.Mtim.Nano()}
+	var err error
+	e.Xattrs, err = userXattrs(p)
+	return e, err
+}
+
+// userXattrs reads the user.* attributes a manifest carries: all but
+// tensorfs's own and the tensor attributes (which have fields of their
+// own).
+func userXattrs(p string) (map[string][]byte, error) {
+	names, err := alloc.Listxattr(p)
+	if err != nil {
+		return nil, err
+	}
+	var attrs map[string][]byte
+	for _, name := range names {
+		if strings.HasPrefix(name, "user.tensorfs.") || alloc.TensorAttr(name) {
+			continue
+		}
+		v, ok, err := alloc.GetXattr(p, name)
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			if attrs == nil {
+				attrs = map[string][]byte{}
+			}
+			attrs[name] = v
+		}
+	}
+	return attrs, nil
+}
+
+// segmentEntry describes the segment name in fd (rel in the published
+// directory) for a publish by who, with its bytes open read-only.
+func (c *clusterFS) segmentEntry(who ctl.Cred, fd int, name, rel string, st *unix.Stat_t) (published, error) {
+	var o published
+	m, err := alloc.OpenRef(fd, name, st.Ino)
+	if err != nil {
+		return o, err
+	}
+	defer m.Close()
+	s, err := c.fsys.classify(m)
+	if err != nil {
+		return o, err
+	}
+	if err := s.stat(m, st); err != nil {
+		return o, err
+	}
+	switch p, _ := s.(*pulled); {
+	case s.kind() == alloc.Host:
+		if !permitted(&who, st, 4|2) {
+			return o, fmt.Errorf("%w: publishing a segment makes it read-only: it needs read and write permission", syscall.EACCES)
+		}
+		if st.Nlink > 1 {
+			return o, fmt.Errorf("%w: the segment has %d names; a published one has one", alloc.ErrInvalid, st.Nlink)
+		}
+	case p != nil && p.isComplete():
+		if !permitted(&who, st, 4) {
+			return o, fmt.Errorf("%w: no read permission", syscall.EACCES)
+		}
+		o.seg = p
+	case p != nil:
+		return o, fmt.Errorf("%w: the segment is not pulled here yet (tensorfs pull it first)", alloc.ErrInvalid)
+	default:
+		return o, fmt.Errorf("%w: %s segments are not published (copy it into a host segment)", alloc.ErrInvalid, s.kind())
+	}
+	path, _ := m.Path()
+	l, err := alloc.ReadLayout(path)
+	if err != nil {
+		return o, err
+	}
+	e := cluster.Entry{Path: rel, Mode: st.Mode, UID: st.Uid, GID: st.Gid, Mtime: st.Mtim.Nano(), Size: st.Size,
+		Dtype: l.Dtype, Shape: l.Shape, Stride: l.Stride, StorageOffset: l.Offset}
+	if e.Xattrs, err = userXattrs(path); err != nil {
+		return o, err
+	}
+	rfd, err := m.Open(unix.O_RDONLY)
+	if err != nil {
+		return o, err
+	}
+	o.entry = cluster.LocalEntry{Entry: e, Data: os.NewFile(uintptr(rfd), rel)}
+	return o, nil
+}
+
+// freeze makes the host segments of objs (below dir) read-only before
+// they are hashed: each gets a pulled marker without a content ID, joins
+// the pulled set, and its node (if the kernel has one) gets the pulled
+// storage once no handle has it open for writing. A segment open for
+// writing undoes it all.
+func (c *clusterFS) freeze(objs []published, dir string) error {
+	for i := range objs {
+		o := &objs[i]
+		if o.seg != nil || o.entry.IsDir() {
+			continue
+		}
+		f := o.entry.Data.(*os.File)
+		var st unix.Stat_t
+		if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+			c.thaw(objs, dir)
+			return err
+		}
+		mk := alloc.Marker{Kind: alloc.Pulled, Size: st.Size, Complete: true}
+		if err := alloc.MarkPulled(alloc.FdPath(int(f.Fd())), mk); err != nil {
+			c.thaw(objs, dir)
+			return err
+		}
+		o.seg, o.frozen = c.fsys.pulled.add(st.Ino, mk), true
+		if n := c.fsys.segmentAt(dir + "/" + o.entry.Path); n != nil && n.StableAttr().Ino == st.Ino {
+			n.opening.Lock()
+			n.mu.Lock()
+			writer := slices.ContainsFunc(n.handles, func(h *handle) bool { return h.writable })
+			n.mu.Unlock()
+			if !writer {
+				n.kind.store(o.seg)
+				o.node = n
+			}
+			n.opening.Unlock()
+			if writer {
+				c.thaw(objs, dir)
+				return fmt.Errorf("%w: %s is open for writing; close it, then publish", syscall.EBUSY, alloc.EscapeText(dir+"/"+o.entry.Path))
+			}
+		}
+		// Bytes written before the freeze are what is hashed: the size
+		// is read again once no writer is left.
+		if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+			c.thaw(objs, dir)
+			return err
+		}
+		o.entry.Size = st.Size
+	}
+	return nil
+}
+
+// thaw undoes freeze: the segments it froze are host segments again.
+func (c *clusterFS) thaw(objs []published, dir string) {
+	for i := range objs {
+		o := &objs[i]
+		if !o.frozen {
+			continue
+		}
+		if err := alloc.Unmark(alloc.FdPath(int(o.entry.Data.(*os.File).Fd()))); err != nil {
+			c.fsys.log.Error("cluster: a segment frozen for a failed publish keeps its marker; a restart makes it writable again", "path", alloc.EscapeText(dir+"/"+o.entry.Path), "err", err)
+		}
+		c.fsys.pulled.forget(o.seg)
+		if o.node != nil {
+			o.node.opening.Lock()
+			o.node.kind.store(host{})
+			o.node.opening.Unlock()
+		}
+		o.frozen, o.seg, o.node = false, nil, nil
+	}
+}
+
+// segmentAt returns the node the kernel knows at rel (relative to the
+// root) if it is a segment's.
+func (fsys *filesystem) segmentAt(rel string) *segmentNode {
+	i := fsys.root.EmbeddedInode()
+	for _, part := range strings.Split(rel, "/") {
+		if i = i.GetChild(part); i == nil {
+			return nil
+		}
+	}
+	n, _ := i.Operations().(*segmentNode)
+	return n
+}
+
+var _ = (ctl.Publisher)(controlBackend{})
+
+// Publish serves the control socket's publish (clusterFS.publish).
+func (b controlBackend) Publish(cred ctl.Cred, dir string) (string, error) {
+	if b.fsys.cl == nil {
+		return "", errNoCluster
+	}
+	v, err := b.fsys.cl.publish(cred, dir)
+	if err != nil {
+		return "", fmt.Errorf("%s: %w", alloc.EscapeText(dir), err)
+	}
+	return v, nil
+}
+
+// Pull serves the control socket's pull (clusterFS.pullDir).
+func (b controlBackend) Pull(cred ctl.Cred, dir string) (int64, error) {
+	if b.fsys.cl == nil {
+		return 0, errNoCluster
+	}
+	n, err := b.fsys.cl.pullDir(cred, dir)
+	if err != nil {
+		return n, fmt.Errorf("%s: %w", alloc.EscapeText(dir), err)
+	}
+	return n, nil
+}

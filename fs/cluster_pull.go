@@ -1,0 +1,374 @@
+package fs
+
+// Pulls: the segments of a published directory filled from the cluster,
+// straight into their backing files (DESIGN.md §10).
+
+import (
+	"fmt"
+	"io"
+	"os"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/cluster"
+	"tensorfs/ctl"
+)
+
+// pullItem is one pulled segment to fill, and its backing file open
+// read-write (which the pull owns from then on).
+type pullItem struct {
+	seg *pulled
+	f   *os.File
+	// cid, size and mtime are the segment's content, size and published
+	// modification time, taken when its fill begins.
+	cid   string
+	size  int64
+	mtime unix.Timespec
+}
+
+// leader is a content being pulled into one segment's file; the other
+// segments of this mount with that content copy it once it is complete.
+type leader struct {
+	followers []pullItem
+}
+
+// fetch fills the incomplete segments of items from the cluster, each
+// unless a pull fills it already (whose fill it joins): segments whose
+// content this mount has complete are copied from it, the others are
+// pulled, each content once. It returns, once the pull has started, the
+// fill of each item, and the pull (nil if none started).
+func (c *clusterFS) fetch(items []pullItem) ([]*fill, *cluster.Pull) {
+	fills := make([]*fill, len(items))
+	var jobs, copies []pullItem
+	c.mu.Lock()
+	for i, it := range items {
+		var started bool
+		if fills[i], started = it.begin(); !started {
+			it.f.Close()
+			continue
+		}
+		var st unix.Stat_t
+		unix.Fstat(int(it.f.Fd()), &st)
+		it.mtime = st.Mtim
+		switch l := c.busy[it.cid]; {
+		case l != nil:
+			l.followers = append(l.followers, it)
+		case c.fsys.pulled.servedFile(it.cid) != nil:
+			copies = append(copies, it)
+		default:
+			c.busy[it.cid] = &leader{}
+			jobs = append(jobs, it)
+		}
+	}
+	c.mu.Unlock()
+	for _, it := range copies {
+		c.finish(it, c.copyLocal(it, c.fsys.pulled.servedFile(it.cid)))
+	}
+	if len(jobs) == 0 {
+		return fills, nil
+	}
+	return fills, c.pull(jobs)
+}
+
+// begin returns the fill of it's segment: a new one, started, which takes
+// the segment's content and size; else the one that fills it, or, for a
+// complete segment, one that is done.
+func (it *pullItem) begin() (*fill, bool) {
+	p := it.seg
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	switch {
+	case p.complete:
+		f := &fill{done: make(chan struct{})}
+		close(f.done)
+		return f, false
+	case p.fill != nil:
+		return p.fill, false
+	}
+	p.fill = &fill{done: make(chan struct{})}
+	it.cid, it.size = p.cid, p.size
+	return p.fill, true
+}
+
+// pull starts pulling jobs, each the leader of its content, and returns
+// the pull; each job is finished (with its followers) as it completes.
+func (c *clusterFS) pull(jobs []pullItem) *cluster.Pull {
+	var cjobs []cluster.Job
+	var started []pullItem
+	for _, it := range jobs {
+		cont, err := c.contentOf(it.cid)
+		if err == nil && cont.Size != it.size {
+			err = fmt.Errorf("%w: content %.12s has %d bytes, the segment %d", cluster.ErrCorrupt, it.cid, cont.Size, it.size)
+		}
+		if err == nil {
+			err = reserve(it.f, it.size)
+		}
+		if err != nil {
+			c.lead(it, err)
+			continue
+		}
+		c.fsys.pulled.pulling(it.cid, 1)
+		cjobs = append(cjobs, cluster.Job{Content: cont, Dst: it.f})
+		started = append(started, it)
+	}
+	if len(started) == 0 {
+		return nil
+	}
+	pl, err := c.node.Pull(c.ctx, cjobs)
+	if err != nil {
+		for _, it := range started {
+			c.lead(it, err)
+			c.fsys.pulled.pulling(it.cid, -1)
+		}
+		return nil
+	}
+	ended := make(chan struct{})
+	var pullErr error
+	c.wg.Add(1 + len(started))
+	go func() {
+		defer c.wg.Done()
+		pullErr = pl.Wait()
+		close(ended)
+	}()
+	for i, it := range started {
+		go func() {
+			defer c.wg.Done()
+			var err error
+			select {
+			case <-pl.Done(i):
+			case <-ended:
+				select {
+				case <-pl.Done(i):
+				default:
+					err = pullErr
+				}
+			}
+			if err == nil {
+				if err = c.complete(it); err != nil {
+					c.node.Drop(it.cid) // held whole, but its file is emptied below
+				}
+			}
+			if err == nil {
+				c.fsys.pulled.serveFrom(it.cid, it.f) // the cluster serves it from this file
+			}
+			c.lead(it, err)
+			c.fsys.pulled.pulling(it.cid, -1)
+		}()
+	}
+	return pl
+}
+
+// lead finishes the leader it of its content with err, then its
+// followers: copied from it, or failed with err.
+func (c *clusterFS) lead(it pullItem, err error) {
+	c.mu.Lock()
+	l := c.busy[it.cid]
+	delete(c.busy, it.cid)
+	c.mu.Unlock()
+	if err == nil {
+		markDone(it, nil)
+	} else {
+		c.finish(it, err)
+	}
+	if l == nil {
+		return
+	}
+	for _, f := range l.followers {
+		ferr := err
+		if ferr == nil {
+			ferr = c.copyLocal(f, it.f)
+		}
+		c.finish(f, ferr)
+	}
+}
+
+// finish ends the fill of it with err: on success the segment is
+// complete and its file closed; on failure the file is emptied (nothing
+// half pulled stays, and its published times are kept) and closed.
+func (c *clusterFS) finish(it pullItem, err error) {
+	if err != nil {
+		it.f.Truncate(0)
+		it.restoreTimes()
+		c.fsys.log.Warn("cluster: pull failed", "content", it.cid, "err", err)
+	}
+	it.f.Close()
+	markDone(it, err)
+}
+
+// restoreTimes gives the segment's file its published times again
+// (writing and truncating move them).
+func (it pullItem) restoreTimes() error {
+	return unix.UtimesNanoAt(unix.AT_FDCWD, alloc.FdPath(int(it.f.Fd())), []unix.Timespec{it.mtime, it.mtime}, 0)
+}
+
+// markDone ends the segment's fill with err, complete if err is nil.
+func markDone(it pullItem, err error) {
+	p := it.seg
+	p.mu.Lock()
+	f := p.fill
+	p.fill = nil
+	if err == nil {
+		p.complete = true
+	}
+	p.mu.Unlock()
+	if f != nil {
+		f.err = err
+		close(f.done)
+	}
+}
+
+// copyLocal fills it from src, a complete copy of its content on this
+// node, and marks it complete.
+func (c *clusterFS) copyLocal(it pullItem, src *os.File) error {
+	if err := reserve(it.f, it.size); err != nil {
+		return err
+	}
+	var off int64
+	for off < it.size {
+		in, out := off, off
+		n, err := unix.CopyFileRange(int(src.Fd()), &in, int(it.f.Fd()), &out, int(min(it.size-off, 1<<30)), 0)
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			return fmt.Errorf("%w: the local copy of %.12s ends at byte %d", io.ErrUnexpectedEOF, it.cid, off)
+		}
+		off += int64(n)
+	}
+	return c.complete(it)
+}
+
+// reserve grows f to size with its pages reserved, so that a full backing
+// answers ENOSPC now rather than half way through.
+func reserve(f *os.File, size int64) error {
+	if err := alloc.Resize(int(f.Fd()), size); err != nil {
+		return fmt.Errorf("pulling %d bytes: %w", size, err)
+	}
+	return nil
+}
+
+// complete records that it's file holds its whole content: its
+// published times again, then its marker.
+func (c *clusterFS) complete(it pullItem) error {
+	if err := it.restoreTimes(); err != nil {
+		return err
+	}
+	return alloc.MarkPulled(alloc.FdPath(int(it.f.Fd())), alloc.Marker{Kind: alloc.Pulled, Content: it.cid, Size: it.size, Complete: true})
+}
+
+// contentOf returns the published content cid: its size and piece hashes.
+func (c *clusterFS) contentOf(cid string) (*cluster.Content, error) {
+	c.mu.Lock()
+	cont := c.known[cid]
+	c.mu.Unlock()
+	if cont != nil {
+		return cont, nil
+	}
+	cont, err := c.node.Content(c.ctx, cid)
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	c.known[cid] = cont
+	c.mu.Unlock()
+	return cont, nil
+}
+
+// pullDir pulls, for who, every pulled segment below the directory dir
+// that is not complete here, and returns the bytes pulled. who must be
+// able to search every directory on the way, read every directory below
+// and read every segment pulled.
+func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
+	var items []pullItem
+	var found bool
+	err := controlBackend{c.fsys}.walk(who, dir, func(parent int, name string) error {
+		top, err := unix.Openat(parent, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(top)
+		var st unix.Stat_t
+		if err := unix.Fstat(top, &st); err != nil {
+			return err
+		}
+		if !permitted(&who, &st, 4|1) {
+			return fmt.Errorf("%w: pulling needs read and search permission on every directory", syscall.EACCES)
+		}
+		if rec, err := alloc.ReadPublished(alloc.FdPath(top)); err == nil && rec != nil {
+			found = true
+		}
+		return alloc.Walk(top, func(fd int, name, rel string, st *unix.Stat_t) error {
+			switch st.Mode & syscall.S_IFMT {
+			case syscall.S_IFDIR:
+				if !permitted(&who, st, 4|1) {
+					return fmt.Errorf("%w: %s: pulling needs read and search permission on every directory", syscall.EACCES, alloc.EscapeText(rel))
+				}
+			case syscall.S_IFREG:
+				if !c.fsys.pulled.has(st.Ino) && st.Size != 0 {
+					return nil
+				}
+				m, err := alloc.OpenRef(fd, name, st.Ino)
+				if err != nil {
+					return nil // removed or replaced meanwhile
+				}
+				defer m.Close()
+				s, err := c.fsys.classify(m)
+				p, ok := s.(*pulled)
+				if err != nil || !ok {
+					return err
+				}
+				found = true
+				if p.isComplete() {
+					return nil
+				}
+				if !permitted(&who, m.Stat(), 4) {
+					return fmt.Errorf("%w: %s: no read permission", syscall.EACCES, alloc.EscapeText(rel))
+				}
+				rw, err := m.Open(unix.O_RDWR)
+				if err != nil {
+					return err
+				}
+				items = append(items, pullItem{seg: p, f: os.NewFile(uintptr(rw), rel)})
+			}
+			return nil
+		})
+	})
+	if err == nil && !found {
+		err = fmt.Errorf("%w: %s has no published segment", cluster.ErrNotPublished, alloc.EscapeText(dir))
+	}
+	if err != nil {
+		for _, it := range items {
+			it.f.Close()
+		}
+		return 0, err
+	}
+	fills, pl := c.fetch(items)
+	if pl != nil {
+		c.mu.Lock()
+		c.pulls[dir] = pl
+		c.mu.Unlock()
+		defer func() {
+			c.mu.Lock()
+			if c.pulls[dir] == pl {
+				delete(c.pulls, dir)
+			}
+			c.mu.Unlock()
+		}()
+	}
+	var bytes int64
+	for i, f := range fills {
+		<-f.done
+		if f.err != nil {
+			err = cmpErr(err, f.err)
+			continue
+		}
+		size, _ := items[i].seg.state()
+		bytes += size
+	}
+	if err == nil {
+		c.fsys.log.Info("pulled", "dir", alloc.EscapeText(dir), "segments", len(items), "bytes", bytes, "uid", who.Uid)
+	}
+	return bytes, err
+}
