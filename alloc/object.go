@@ -147,21 +147,46 @@ func At(dirfd int, name string, ino uint64, fn func(path string) error) error {
 	return fn(p)
 }
 
+// MaxDepth is how many levels of directories Walk enters below the one
+// it starts from: each level holds a descriptor while the walk is in it,
+// and a user can make a chain of directories as deep as they like.
+const MaxDepth = 256
+
+// ErrTooDeep is returned by Walk, once it has walked the rest, when it
+// left directories deeper than MaxDepth unentered.
+var ErrTooDeep = fmt.Errorf("%w: directories nested more than %d deep", syscall.ELOOP, MaxDepth)
+
 // Walk calls fn for every object below the directory open at dirfd,
 // depth first, with the descriptor of the directory that holds it, its
 // name, its path relative to dirfd and its stat. It opens each directory
 // by name with O_NOFOLLOW relative to its parent's descriptor, so a
-// symbolic link is never entered, whatever is renamed meanwhile. An
-// unreadable entry is skipped; fn's error stops the walk, and so does
-// ErrSkipDir for the directory fn was called with (its contents are skipped).
+// symbolic link is never entered, whatever is renamed meanwhile, and
+// enters at most MaxDepth levels (ErrTooDeep). An entry removed meanwhile
+// is skipped; fn's error stops the walk, and so does any other error
+// opening a directory; ErrSkipDir for the directory fn was called with
+// skips its contents.
 func Walk(dirfd int, fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
-	return walk(dirfd, "", fn)
+	w := walker{fn: fn}
+	if err := w.walk(dirfd, "", 0); err != nil {
+		return err
+	}
+	if w.tooDeep {
+		return ErrTooDeep
+	}
+	return nil
 }
 
 // ErrSkipDir, returned by Walk's fn for a directory, skips its contents.
 var ErrSkipDir = errors.New("skip this directory")
 
-func walk(dirfd int, rel string, fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
+// walker is one Walk: its function, and whether it left a directory
+// unentered for its depth.
+type walker struct {
+	fn      func(dirfd int, name, rel string, st *unix.Stat_t) error
+	tooDeep bool
+}
+
+func (w *walker) walk(dirfd int, rel string, depth int) error {
 	fd, err := unix.Openat(dirfd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
@@ -181,7 +206,7 @@ func walk(dirfd int, rel string, fn func(dirfd int, name, rel string, st *unix.S
 		if rel != "" {
 			p = rel + "/" + name
 		}
-		err := fn(dirfd, name, p, &st)
+		err := w.fn(dirfd, name, p, &st)
 		if err == ErrSkipDir && st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
 			continue
 		}
@@ -191,16 +216,23 @@ func walk(dirfd int, rel string, fn func(dirfd int, name, rel string, st *unix.S
 		if st.Mode&syscall.S_IFMT != syscall.S_IFDIR {
 			continue
 		}
-		sub, err := unix.Openat(dirfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-		if err != nil {
+		if depth == MaxDepth {
+			w.tooDeep = true
 			continue
+		}
+		sub, err := unix.Openat(dirfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) {
+			continue // removed or replaced since the stat
+		}
+		if err != nil {
+			return fmt.Errorf("%s: %w", p, err)
 		}
 		var sst unix.Stat_t
 		if unix.Fstat(sub, &sst) != nil || sst.Ino != st.Ino {
 			unix.Close(sub) // replaced since the stat: not the directory fn saw
 			continue
 		}
-		err = walk(sub, p, fn)
+		err = w.walk(sub, p, depth+1)
 		unix.Close(sub)
 		if err != nil {
 			return err

@@ -164,3 +164,28 @@ func snapshot(t *testing.T, dir string) string {
 	})
 	return b.String()
 }
+
+// TestWalkDepthBound: Walk enters MaxDepth levels, no more, and says so
+// (ErrTooDeep, ELOOP) once it has walked the rest.
+func TestWalkDepthBound(t *testing.T) {
+	dir := t.TempDir()
+	deep := dir + strings.Repeat("/d", MaxDepth+5)
+	if err := os.MkdirAll(deep, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(dir, "top"), nil, 0o600)
+	levels, sawTop := 0, false
+	err := Walk(openDir(t, dir), func(_ int, name, rel string, _ *unix.Stat_t) error {
+		if name == "d" {
+			levels = max(levels, strings.Count(rel, "/")+1)
+		}
+		sawTop = sawTop || name == "top"
+		return nil
+	})
+	if !errors.Is(err, ErrTooDeep) || !errors.Is(err, syscall.ELOOP) {
+		t.Errorf("Walk of a chain %d deep: %v, want ErrTooDeep", MaxDepth+5, err)
+	}
+	if levels != MaxDepth+1 || !sawTop {
+		t.Errorf("Walk saw %d levels (want %d: the last unentered) and top %v", levels, MaxDepth+1, sawTop)
+	}
+}

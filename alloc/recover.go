@@ -1,6 +1,7 @@
 package alloc
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"syscall"
@@ -103,7 +104,12 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool) (*Recovery, error) {
 		rec.Bytes += st.Size
 		return nil
 	})
-	if err == nil && s.Disk != "" {
+	if errors.Is(err, ErrTooDeep) {
+		// What lies deeper is left as it is; the SHARED markers there were
+		// not seen, so the disk is not compared with the tree this time.
+		s.log.Warn("recover: directories below the depth limit left as they are; SHARED segments not restored from the disk", "err", err)
+		err = nil
+	} else if err == nil && s.Disk != "" {
 		err = s.recoverShared(known)
 	}
 	if err != nil {

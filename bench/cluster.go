@@ -289,7 +289,11 @@ func (bed *clusterBed) iperf() (float64, error) {
 	if err := server.Start(); err != nil {
 		return 0, err
 	}
-	defer server.Wait()
+	defer func() { // a server that missed its one client would wait forever
+		t := time.AfterFunc(5*time.Second, func() { server.Process.Kill() })
+		server.Wait()
+		t.Stop()
+	}()
 	var out []byte
 	var err error
 	for range 50 { // until the server listens
@@ -299,7 +303,6 @@ func (bed *clusterBed) iperf() (float64, error) {
 		time.Sleep(100 * time.Millisecond)
 	}
 	if err != nil {
-		server.Process.Kill()
 		return 0, fmt.Errorf("iperf3: %v\n%s", err, out)
 	}
 	var res struct {

@@ -65,6 +65,9 @@ var errFull = errors.New("load: reply full")
 // dir walks the directory name in parentfd, whose components below the
 // requested directory are rel.
 func (l *loader) dir(parentfd int, name string, rel []string) error {
+	if len(rel) > alloc.MaxDepth {
+		return fmt.Errorf("%w: %s", alloc.ErrTooDeep, display(rel[:8]))
+	}
 	fd, err := unix.Openat(parentfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err

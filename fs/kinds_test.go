@@ -369,3 +369,38 @@ func TestSubtreeUsageCountsTiesOnce(t *testing.T) {
 		t.Errorf("rsegments with a tie: %s, want %s as before", s, segsBefore)
 	}
 }
+
+// TestFlagsAreTheOwners: only a segment's or directory's owner, or root,
+// sets or removes its flags (EPERM), whoever may write it.
+func TestFlagsAreTheOwners(t *testing.T) {
+	x := newOpsFS(t)
+	for _, k := range []string{"dir", "host"} {
+		in := hdr(x.ids[k])
+		in.Uid, in.Gid = 4321, 4321
+		if st := x.raw.SetXAttr(nil, &fuse.SetXAttrIn{InHeader: in, Size: 6}, alloc.AttrFlags, []byte("UNLINK")); st != fuse.EPERM {
+			t.Errorf("%s: a non-owner sets flags: %v, want EPERM", k, st)
+		}
+		if st := x.raw.RemoveXAttr(nil, &in, alloc.AttrFlags); st != fuse.EPERM {
+			t.Errorf("%s: a non-owner removes flags: %v, want EPERM", k, st)
+		}
+	}
+	x.setxattr(x.ids["dir"], alloc.AttrFlags, "NOCREATE") // root may
+}
+
+// TestRenameWithinNoCreate: a NOCREATE directory's names are sealed; an
+// exchange within it keeps them and is allowed.
+func TestRenameWithinNoCreate(t *testing.T) {
+	x := newOpsFS(t)
+	dir := x.mkdir(1, "sealed")
+	x.segment(dir, "a")
+	x.segment(dir, "b")
+	x.setxattr(dir, alloc.AttrFlags, "NOCREATE")
+	for _, to := range []string{"c", "b"} {
+		if st := x.raw.Rename(nil, &fuse.RenameIn{InHeader: hdr(dir), Newdir: dir}, "a", to); st != fuse.EPERM {
+			t.Errorf("rename a to %s within NOCREATE: %v, want EPERM", to, st)
+		}
+	}
+	if st := x.raw.Rename(nil, &fuse.RenameIn{InHeader: hdr(dir), Newdir: dir, Flags: unix.RENAME_EXCHANGE}, "a", "b"); st != fuse.OK {
+		t.Errorf("exchange of a and b within NOCREATE: %v, want OK", st)
+	}
+}

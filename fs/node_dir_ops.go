@@ -461,7 +461,8 @@ func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
 }
 
 // Rename moves a name. A NOCREATE directory takes no new names, from a
-// move or an exchange; an EXCLUSIVE one never has a name's segment
+// move (within it too: its set of names is sealed) or an exchange from
+// elsewhere; an EXCLUSIVE one never has a name's segment
 // replaced or exchanged.
 func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.InodeEmbedder, newName string, flags uint32) syscall.Errno {
 	dst := dirOf(newParent.EmbeddedInode())
@@ -481,6 +482,8 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 			switch {
 			case dst != d && df&alloc.NoCreate != 0:
 				return fmt.Errorf("%w: nothing may be moved in", alloc.ErrNoCreate)
+			case !exchange && df&alloc.NoCreate != 0:
+				return fmt.Errorf("%w: its names are sealed (rename within it neither makes nor replaces one)", alloc.ErrNoCreate)
 			case dst != d && exchange && sf&alloc.NoCreate != 0:
 				return fmt.Errorf("%w: an exchange would move a name into this NOCREATE directory", alloc.ErrNoCreate)
 			case exchange && (df|sf)&alloc.Exclusive != 0:

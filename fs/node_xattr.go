@@ -199,8 +199,20 @@ func (fsys *filesystem) setAttr(o object, c *attrCache, dir bool, size int64, at
 	})
 }
 
+// mayChangeFlags refuses (EPERM) a change of flags by anyone but the
+// owner of st and root, as chattr(1) and FS_IOC_SETFLAGS do: the kernel
+// lets every writer set user.* attributes, but flags decide what the
+// daemon does with root's rights (UNLINK removes the name, which a writer
+// in a sticky directory may not).
+func mayChangeFlags(uid uint32, attr string, st *unix.Stat_t) error {
+	if attr != alloc.AttrFlags || uid == 0 || uid == st.Uid {
+		return nil
+	}
+	return fmt.Errorf("%w: only the owner (uid %d) or root changes flags", syscall.EPERM, st.Uid)
+}
+
 // removeAttr removes a stored attribute of o.
-func removeAttr(o object, c *attrCache, attr string) error {
+func removeAttr(uid uint32, o object, c *attrCache, attr string) error {
 	if !userAttr(attr) {
 		return alloc.ErrNoAttr
 	}
@@ -208,6 +220,9 @@ func removeAttr(o object, c *attrCache, attr string) error {
 		defer c.changing()()
 	}
 	return o.withAttrs(func(a *alloc.Ref) error {
+		if err := mayChangeFlags(uid, attr, a.Stat()); err != nil {
+			return err
+		}
 		p, err := a.Path()
 		if err == nil {
 			err = alloc.Removexattr(p, attr)
@@ -260,8 +275,9 @@ func (d *dirNode) usageAttr(ctx context.Context, attr string) ([]byte, error) {
 	who := fuseRequester(ctx)
 	var segs, size int64
 	err := d.withDir(func(fd int) error {
-		segs, size = d.fs.subtreeUsage(fd, &who)
-		return nil
+		var err error
+		segs, size, err = d.fs.subtreeUsage(fd, &who)
+		return err
 	})
 	if attr == alloc.AttrRbytes {
 		return []byte(strconv.FormatInt(size, 10)), err
@@ -281,13 +297,20 @@ func (d *dirNode) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.E
 // Setxattr validates and stores a directory's attribute: its flags and
 // device are inherited by what is made in it.
 func (d *dirNode) Setxattr(ctx context.Context, attr string, data []byte, flags uint32) syscall.Errno {
-	err := d.fs.setAttr(d, &d.attrCache, true, 0, attr, data, flags)
+	var st unix.Stat_t
+	err := d.stat(&st)
+	if err == nil {
+		err = mayChangeFlags(caller(ctx).Uid, attr, &st)
+	}
+	if err == nil {
+		err = d.fs.setAttr(d, &d.attrCache, true, 0, attr, data, flags)
+	}
 	return d.fs.errno("setxattr "+attr, &d.nodeBase, "", err)
 }
 
 // Removexattr removes a stored attribute of a directory.
 func (d *dirNode) Removexattr(ctx context.Context, attr string) syscall.Errno {
-	return d.fs.attrErrno("removexattr "+attr, &d.nodeBase, removeAttr(d, &d.attrCache, attr))
+	return d.fs.attrErrno("removexattr "+attr, &d.nodeBase, removeAttr(caller(ctx).Uid, d, &d.attrCache, attr))
 }
 
 // Getxattr adds the mount's statistics and its control socket's path.
@@ -413,11 +436,11 @@ func (n *segmentNode) Listxattr(ctx context.Context, dest []byte) (uint32, sysca
 // are checked against the cached layout; a device change waits for the
 // segment's handles to close and moves it.
 func (n *segmentNode) Setxattr(ctx context.Context, attr string, data []byte, flags uint32) syscall.Errno {
-	err := n.setxattr(attr, data, flags)
+	err := n.setxattr(caller(ctx).Uid, attr, data, flags)
 	return n.fs.errno("setxattr "+attr, &n.nodeBase, "", err)
 }
 
-func (n *segmentNode) setxattr(attr string, data []byte, flags uint32) error {
+func (n *segmentNode) setxattr(uid uint32, attr string, data []byte, flags uint32) error {
 	if err := attrsFixed(n.storage()); err != nil {
 		return err
 	}
@@ -438,6 +461,9 @@ func (n *segmentNode) setxattr(attr string, data []byte, flags uint32) error {
 	return n.withMarker(func(m *alloc.Ref) error {
 		var st unix.Stat_t
 		if err := n.storage().stat(m, &st); err != nil {
+			return err
+		}
+		if err := mayChangeFlags(uid, attr, &st); err != nil {
 			return err
 		}
 		if alloc.TensorAttr(attr) {
@@ -475,7 +501,7 @@ func (n *segmentNode) setTensorAttr(m *alloc.Ref, size int64, attr string, data 
 func (n *segmentNode) Removexattr(ctx context.Context, attr string) syscall.Errno {
 	err := attrsFixed(n.storage())
 	if err == nil {
-		err = removeAttr(n, &n.attrCache, attr)
+		err = removeAttr(caller(ctx).Uid, n, &n.attrCache, attr)
 	}
 	return n.fs.attrErrno("removexattr "+attr, &n.nodeBase, err)
 }
@@ -531,10 +557,11 @@ func comm(pid int) string {
 // the bytes they hold, entering only directories who (nil: anyone) may
 // list: an imported or device segment's backing file is an empty marker,
 // so its bytes are counted where they live. A segment with several names
-// (tied weights) counts once.
-func (fsys *filesystem) subtreeUsage(dirfd int, who *ctl.Cred) (segments, bytes int64) {
+// (tied weights) counts once. A subtree too deep to walk is an error
+// (ELOOP), never a smaller count.
+func (fsys *filesystem) subtreeUsage(dirfd int, who *ctl.Cred) (segments, bytes int64, err error) {
 	linked := map[uint64]bool{}
-	alloc.Walk(dirfd, func(fd int, name, _ string, st *unix.Stat_t) error {
+	err = alloc.Walk(dirfd, func(fd int, name, _ string, st *unix.Stat_t) error {
 		switch st.Mode & syscall.S_IFMT {
 		case syscall.S_IFDIR:
 			if who != nil && !permitted(who, st, 4|1) {
@@ -554,5 +581,5 @@ func (fsys *filesystem) subtreeUsage(dirfd int, who *ctl.Cred) (segments, bytes 
 		}
 		return nil
 	})
-	return segments, bytes
+	return segments, bytes, err
 }

@@ -366,8 +366,8 @@ func (c *Counter) apply(st *unix.Stat_t) error {
 			return err
 		}
 	}
-	if c.acl == nil {
-		return unix.Fchmod(c.fd, c.mode)
+	if err := unix.Fchmod(c.fd, c.mode); err != nil || c.acl == nil { // clears set-id bits an ACL keeps
+		return err
 	}
 	if err := unix.Fsetxattr(c.fd, aclXattr, c.acl, 0); err != nil {
 		return fmt.Errorf("set the access ACL: %w", err)

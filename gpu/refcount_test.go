@@ -395,7 +395,7 @@ func TestCounterValuePutsBack(t *testing.T) {
 	if err := f.Truncate(1 << 30); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Chmod(c.Path(), 0o4777); err != nil { // only root (the daemon) can
+	if err := unix.Chmod(c.Path(), 0o4777); err != nil { // only root (the daemon) can
 		t.Fatal(err)
 	}
 	if v := c.Value(); v != 7 || size() != 8 {
@@ -507,8 +507,8 @@ func counterAttack(w io.Writer, own string, readable, denied []string) {
 		return
 	}
 	defer f.Close()
-	fmt.Fprintln(w, "chmod", result(os.Chmod(own, 0o4777)))
-	fmt.Fprintln(w, "fchmod", result(f.Chmod(0o4777)))
+	fmt.Fprintln(w, "chmod", result(unix.Chmod(own, 0o4777)))
+	fmt.Fprintln(w, "fchmod", result(unix.Fchmod(int(f.Fd()), 0o4777)))
 	fmt.Fprintln(w, "chown", result(os.Chown(own, os.Getuid(), os.Getgid())))
 	acl, _ := counterACL(0, 1, 0o666)
 	fmt.Fprintln(w, "setacl", result(unix.Setxattr(own, aclXattr, acl, 0)))

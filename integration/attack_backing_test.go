@@ -35,7 +35,7 @@ func attackMount(t *testing.T, mode string, shared bool) *mount {
 	if err := os.Mkdir(m.path("shared"), 0o1777); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Chmod(m.path("shared"), 0o1777); err != nil {
+	if err := unix.Chmod(m.path("shared"), 0o1777); err != nil {
 		t.Fatal(err)
 	}
 	return m

@@ -18,6 +18,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // team is the group of the shared team directory of the rename races.
@@ -47,7 +49,7 @@ func teamDir(t *testing.T, m *mount) (dir, secret, mine string) {
 		t.Fatal(err)
 	}
 	os.Chown(dir, 0, team)
-	os.Chmod(dir, 0o2775)
+	unix.Chmod(dir, 0o2775)
 	secret, mine = filepath.Join(dir, "secret"), filepath.Join(dir, "mine")
 	for _, f := range []struct {
 		uid  int
@@ -181,7 +183,7 @@ func TestAttackExchangeIntoNoCreate(t *testing.T) {
 		if err := os.Mkdir(sealed, 0o1777); err != nil {
 			t.Fatal(err)
 		}
-		os.Chmod(sealed, 0o1777)
+		unix.Chmod(sealed, 0o1777)
 		if out, err := runAs(t, userA, "/", "sh", "-c", "printf sealed > "+sealed+"/x && printf mine > "+m.path("shared/mine")); err != nil {
 			t.Fatalf("%v\n%s", err, out)
 		}
@@ -215,7 +217,7 @@ func TestAttackIoctl(t *testing.T) {
 		reachable(t, m.dir)
 		dir := m.path("shared")
 		os.Mkdir(dir, 0o1777)
-		os.Chmod(dir, 0o1777)
+		unix.Chmod(dir, 0o1777)
 		out, err := runAs(t, userA, "/", systemPython, "-c", `
 import fcntl, os, struct, sys
 d = sys.argv[1] + "/mine"

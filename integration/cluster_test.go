@@ -711,7 +711,7 @@ func TestCluster(t *testing.T) {
 		if err := os.Mkdir(drop, 0o1777); err != nil {
 			t.Fatal(err)
 		}
-		os.Chmod(drop, 0o1777)
+		unix.Chmod(drop, 0o1777)
 		target := filepath.Join(t.TempDir(), "target")
 		os.Mkdir(target, 0o777)
 		os.Chmod(target, 0o777)
