@@ -133,9 +133,11 @@ func runPeer(t *testing.T, mode, sock string, cred *syscall.Credential, env ...s
 	cmd.Env = append([]string{"CTL_TEST_PEER=" + mode, "CTL_TEST_SOCKET=" + sock}, env...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
 	cmd.WaitDelay = 5 * time.Second
-	b, err := cmd.CombinedOutput()
+	var stderr strings.Builder // apart: a binary built with -cover warns there
+	cmd.Stderr = &stderr
+	b, err := cmd.Output()
 	if err != nil {
-		t.Fatalf("peer %s as %+v: %v\n%s", mode, cred, err, b)
+		t.Fatalf("peer %s as %+v: %v\n%s%s", mode, cred, err, b, stderr.String())
 	}
 	return cmd.Process.Pid, strings.TrimSpace(string(b))
 }
@@ -205,6 +207,8 @@ func TestPeerGroups(t *testing.T) {
 func TestCredAtConnect(t *testing.T) {
 	b := newFakeBackend(t, nil)
 	_, path := startServer(t, b, 0)
+	release := sync.OnceFunc(func() { close(b.slow) })
+	defer release() // a failure below must not leave the server waiting on the backend
 	pid, out := runPeer(t, "regroup", path, &syscall.Credential{Uid: 0, Gid: 0, Groups: []uint32{2001}}, "CTL_TEST_REGROUP=2002")
 	if out != "" {
 		t.Fatalf("peer said %q", out)
@@ -220,7 +224,7 @@ func TestCredAtConnect(t *testing.T) {
 		got = slices.Clone(b.creds)
 		b.mu.Unlock()
 	}
-	close(b.slow)
+	release()
 	if len(got) != 1 {
 		t.Fatalf("the backend got %d requests, want 1", len(got))
 	}

@@ -34,8 +34,9 @@ if ! command -v go >/dev/null 2>&1; then
 fi
 
 # Debian packages the tests use, installed only when one is missing.
-# python3-venv: the Python tests pip-install the client into a venv.
-packages=(fuse3 attr fio python3-numpy python3-torch python3-venv)
+# python3-venv: the Python tests pip-install the client into a venv; acl:
+# the GPU counter tests compare ACLs with getfacl.
+packages=(fuse3 attr acl fio python3-numpy python3-torch python3-venv)
 command -v gcc >/dev/null 2>&1 || packages+=(gcc libc6-dev) # go test -race needs cgo
 missing=()
 for p in "${packages[@]}"; do
