@@ -25,10 +25,11 @@ import (
 // every descriptor received. For each it tries to open /proc/self/fd/N
 // again for reading and writing (and writes HACKED at offset 0 through
 // what it got), reads the file's seals, and, when argv[4] is "1", tries to
-// grow it and then to shrink it to 4 KiB. It then seeks the first descriptor to 4242 and
-// reports where the others stand, and prints one JSON object.
+// grow it and then to shrink it to 4 KiB. It then seeks the first
+// descriptor to 4242, reports where the others stand, and prints one JSON
+// object.
 const descAttackScript = `
-import array, errno, fcntl, json, os, socket, sys
+import array, fcntl, json, os, socket, sys
 sock, req, times, resize = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
 out = {"replies": [], "fds": []}
 fds = []
