@@ -42,10 +42,14 @@ func (device) descriptor(*alloc.Ref, bool) (*os.File, error) { return nil, nil }
 
 // export hands a peer a POSIX descriptor of the segment's device memory
 // (the control socket's export of a KEEPFD segment), with the access it
-// asked for: a read-only export is a read-only reopen of that memory's
-// file. Memory whose descriptor cannot be reopened (CUDA's own shareable
-// handles, which any holder can map writable) goes only to a peer that
-// asks for write, and may: a read-only export of it is refused.
+// asked for, on an open file description of its own (gpu.Device.Export
+// makes a new one for each call; the sim's is an owner-only memfd, sealed
+// against resizing, which no other user can open again for writing
+// through /proc/self/fd). A read-only export is a read-only reopen of
+// that memory's file. Memory whose descriptor cannot be reopened (CUDA's
+// own shareable handles, which any holder can map writable) goes only to
+// a peer that asks for write, and may: a read-only export of it is
+// refused.
 func (d device) export(write bool) (*os.File, error) {
 	f, err := d.seg.export()
 	if err != nil || write {

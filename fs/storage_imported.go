@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 
@@ -20,8 +21,9 @@ import (
 // flags and attributes. Its bytes are read-only through tensorfs: every
 // descriptor the daemon hands out, to the kernel for an open or to a
 // peer, is a new read-only open of the sender's file, never the sender's
-// own open file description. It ends with the daemon (recovery removes
-// its marker).
+// own open file description; a memfd is made owner-only at import
+// (memfdOwnerOnly), so that no reader opens such a descriptor again for
+// writing. It ends with the daemon (recovery removes its marker).
 type importedFile struct {
 	table *imports
 	id    string
@@ -190,6 +192,11 @@ func (im *imports) drop(in *importedFile) {
 // followed, and the sender's file is never written.
 func (fsys *filesystem) importSegment(who ctl.Cred, dirfd int, name string, pf alloc.Flags, f *os.File, dtype, shape string) error {
 	fd, err := importable(f)
+	if err == nil {
+		if err = memfdOwnerOnly(fd); err != nil {
+			unix.Close(fd)
+		}
+	}
 	if err != nil {
 		return err
 	}
@@ -278,6 +285,36 @@ func importable(f *os.File) (int, error) {
 		return -1, err
 	}
 	return fd, nil
+}
+
+// memfdOwnerOnly takes the group and other bits off the mode of the file
+// open at fd if it is a memfd, keeping its owner's (a new memfd is 0777:
+// it becomes 0700). Every descriptor of an import that the daemon hands
+// out is a read-only reopen, but /proc/self/fd/N of a descriptor opens
+// its file again with the file's own mode: a memfd left 0777 would open
+// for writing for every reader. A file with a name (on /dev/shm, say)
+// keeps the mode its owner gave it, since anyone may open it by that name
+// anyway. A memfd is a file of tmpfs or hugetlbfs (importable checked
+// that) that has no name and whose link in /proc reads "/memfd:NAME
+// (deleted)". Its owner may widen the mode again: then it
+// shares its tensor writable, as it would by handing out its descriptor.
+func memfdOwnerOnly(fd int) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	link, err := os.Readlink(alloc.FdPath(fd))
+	if err != nil {
+		return err
+	}
+	if st.Nlink != 0 || !strings.HasPrefix(link, "/memfd:") || st.Mode&0o077 == 0 {
+		return nil
+	}
+	if err := unix.Fchmod(fd, st.Mode&0o700); err != nil {
+		return fmt.Errorf("%w: cannot make the memfd owner-only (mode %#o to %#o), so every reader could write it: %v",
+			syscall.EPERM, st.Mode&0o7777, st.Mode&0o700, err)
+	}
+	return nil
 }
 
 // unlinkIfSame removes name in dirfd if it still names the file open at fd.

@@ -207,18 +207,16 @@ func start(exe string, args []string, log *slog.Logger) (_ Device, err error) {
 	return r, nil
 }
 
-// hello makes and maps the staging area, sends it to the helper and waits
-// for the helper's name and backend.
+// hello makes and maps the staging area, a sealed memfd that the helper
+// maps too, sends it to the helper and waits for the helper's name and
+// backend.
 func (r *remote) hello() error {
 	size := int64(stagingSlot * stagingSlots)
-	fd, err := unix.MemfdCreate("tensorfs-gpu-staging", unix.MFD_CLOEXEC)
+	fd, err := sealedMemfd("tensorfs-gpu-staging", size)
 	if err != nil {
-		return fmt.Errorf("%w: memfd_create: %v", ErrUnavailable, err)
-	}
-	defer unix.Close(fd)
-	if err := unix.Ftruncate(fd, size); err != nil {
 		return fmt.Errorf("%w: staging area: %v", ErrUnavailable, err)
 	}
+	defer unix.Close(fd)
 	if r.staging, err = unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED); err != nil {
 		return fmt.Errorf("%w: mmap staging area: %v", ErrUnavailable, err)
 	}

@@ -54,11 +54,16 @@ type Device interface {
 	// (ErrNoIPC): share them with Export.
 	IPC(b Block) (IPCInfo, error)
 	// Export returns a new POSIX file descriptor for the allocation of a
-	// block from AllocExportable (ErrNotExportable for any other block). The
-	// caller owns the file. With cuda it is the shareable handle of
-	// cuMemExportToShareableHandle, to import with
-	// cuMemImportFromShareableHandle; with sim it is a memfd holding the
-	// block's bytes.
+	// block from AllocExportable (ErrNotExportable for any other block),
+	// never a duplicate of one the device keeps. The caller owns the file.
+	// With cuda it is the shareable handle that cuMemExportToShareableHandle
+	// makes for this call, to import with cuMemImportFromShareableHandle:
+	// its holder can map the memory writable, and it cannot be opened again
+	// read-only. With sim it is the block's memfd opened again for reading
+	// and writing, a new open file description: owner-only and sealed
+	// against any change of size, so that it opens again (through
+	// /proc/self/fd, say) for its owner alone, and no holder can shrink it
+	// under the device's mapping.
 	Export(b Block) (*os.File, error)
 
 	// Stats counts blocks and device allocations. It reports zero once the

@@ -10,6 +10,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -205,7 +206,9 @@ func serve(conn *net.UnixConn, dev Device, stall map[uint8]time.Duration) error 
 	}
 }
 
-// hello maps the staging area and pins it when the device can.
+// hello maps the staging area and pins it when the device can. The area
+// must be a file of at least the size asked that cannot shrink
+// (checkMappable): a touch of a mapping past its file's end is SIGBUS.
 func (s *server) hello(m *message, fd int) (unpin func() error, err error) {
 	if m.op != opHello {
 		return nil, fmt.Errorf("%w: first op %d, want hello", errProtocol, m.op)
@@ -215,6 +218,9 @@ func (s *server) hello(m *message, fd int) (unpin func() error, err error) {
 	}
 	if fd < 0 || m.args[0] <= 0 {
 		return nil, fmt.Errorf("%w: hello without a staging area", errProtocol)
+	}
+	if err := checkMappable(fd, m.args[0]); err != nil {
+		return nil, fmt.Errorf("%w: staging area: %v", errProtocol, err)
 	}
 	s.staging, err = unix.Mmap(fd, 0, int(m.args[0]), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
@@ -306,4 +312,23 @@ func (s *server) do(m *message, fd int, reply *message) (*os.File, error) {
 		reply.args = []int64{int64(st.Blocks), st.BlockBytes, st.DeviceBytes}
 		return nil, nil
 	}
+}
+
+// checkMappable returns nil if the file open at fd holds at least size
+// bytes and is sealed against shrinking, so that a shared mapping of its
+// first size bytes can be touched for as long as it lives; else EINVAL,
+// saying why.
+func checkMappable(fd int, size int64) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	if st.Size < size {
+		return fmt.Errorf("%w: %d bytes, %d to map", syscall.EINVAL, st.Size, size)
+	}
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil || seals&unix.F_SEAL_SHRINK == 0 {
+		return fmt.Errorf("%w: not sealed against shrinking (F_SEAL_SHRINK)", syscall.EINVAL)
+	}
+	return nil
 }

@@ -4,6 +4,8 @@ import (
 	"encoding/binary"
 	"fmt"
 	"os"
+	"strconv"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 
@@ -30,7 +32,11 @@ const (
 // staging, IPC information with deterministic fake handles (see IPCInfo),
 // and exportable blocks. Every device allocation is a memfd mapped into
 // this process, so the fd from Export, or /proc/PID/fd/N named by an IPC
-// handle, really shares the block's bytes.
+// handle, really shares the block's bytes. The memfd is owner-only and
+// sealed against any change of size (sealedMemfd): /proc/PID/fd/N opens
+// for this process's user (and root) alone, as a descriptor of another
+// user's process is a CUDA handle only to its holder, and no export can
+// shrink the memory under this process's mapping.
 type Sim struct {
 	name     string
 	capacity int64
@@ -69,20 +75,16 @@ func NewSim(index int, capacity int64) *Sim {
 	return s
 }
 
-// newMem makes a memfd of size bytes rounded up to simGranularity; a new
-// memfd reads as zeros.
+// newMem makes a sealed memfd (sealedMemfd) of size bytes rounded up to
+// simGranularity; a new memfd reads as zeros.
 func (s *Sim) newMem(size int64, _ bool) (*simMem, int64, error) {
 	size = (size + simGranularity - 1) / simGranularity * simGranularity
 	if size > s.capacity-s.used {
 		return nil, 0, fmt.Errorf("%w: %d bytes asked, %d of %d free", ErrOutOfMemory, size, s.capacity-s.used, s.capacity)
 	}
-	fd, err := unix.MemfdCreate("tensorfs-sim", unix.MFD_CLOEXEC)
+	fd, err := sealedMemfd("tensorfs-sim", size)
 	if err != nil {
-		return nil, 0, fmt.Errorf("memfd_create: %w", err)
-	}
-	if err := unix.Ftruncate(fd, size); err != nil {
-		unix.Close(fd)
-		return nil, 0, fmt.Errorf("ftruncate memfd: %w", err)
+		return nil, 0, err
 	}
 	data, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
@@ -204,8 +206,10 @@ func (s *Sim) IPC(b Block) (IPCInfo, error) {
 	return info, nil
 }
 
-// Export implements Device: the file is a new descriptor of the block's
-// memfd.
+// Export implements Device: the file is a new open file description of
+// the block's memfd, opened again through /proc/self/fd and checked to be
+// that memfd, never a duplicate of this process's own: a seek, a lock or
+// a change of flags through one export reaches no other.
 func (s *Sim) Export(b Block) (*os.File, error) {
 	a, release, err := s.table.Acquire(devmem.Block(b), 0, 0)
 	if err != nil {
@@ -215,11 +219,58 @@ func (s *Sim) Export(b Block) (*os.File, error) {
 	if !a.Exportable {
 		return nil, fmt.Errorf("%w: block %d", ErrNotExportable, b.ID)
 	}
-	fd, err := unix.FcntlInt(uintptr(a.Mem.fd), unix.F_DUPFD_CLOEXEC, 0)
+	fd, err := reopenRW(a.Mem.fd)
 	if err != nil {
-		return nil, fmt.Errorf("dup memfd: %w", err)
+		return nil, fmt.Errorf("reopen memfd: %w", err)
 	}
 	return os.NewFile(uintptr(fd), "tensorfs-sim-export"), nil
+}
+
+// memfdSeals are the seals of every memfd this package maps: its size
+// can never change, so no holder of a descriptor, an export's included,
+// can shrink it under a mapping (a touch past the end would be SIGBUS),
+// nor grow it, nor add or remove a seal.
+const memfdSeals = unix.F_SEAL_GROW | unix.F_SEAL_SHRINK | unix.F_SEAL_SEAL
+
+// sealedMemfd returns a new memfd of size bytes, zeroed, owner-only (0600:
+// the link /proc/PID/fd/N of a descriptor given out opens it for no one
+// else) and sealed with memfdSeals.
+func sealedMemfd(name string, size int64) (int, error) {
+	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		return -1, fmt.Errorf("memfd_create: %w", err)
+	}
+	if err := unix.Ftruncate(fd, size); err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("ftruncate memfd: %w", err)
+	}
+	if err := unix.Fchmod(fd, 0o600); err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("fchmod memfd: %w", err)
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, memfdSeals); err != nil {
+		unix.Close(fd)
+		return -1, fmt.Errorf("seal memfd: %w", err)
+	}
+	return fd, nil
+}
+
+// reopenRW opens the file open at fd again for reading and writing: a new
+// open file description, checked to be the same file.
+func reopenRW(fd int) (int, error) {
+	var st, nst unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return -1, err
+	}
+	nfd, err := unix.Open("/proc/self/fd/"+strconv.Itoa(fd), unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, err
+	}
+	if err := unix.Fstat(nfd, &nst); err != nil || nst.Ino != st.Ino || nst.Dev != st.Dev {
+		unix.Close(nfd)
+		return -1, fmt.Errorf("reopen reached another file: %w", syscall.ESTALE)
+	}
+	return nfd, nil
 }
 
 // Stats implements Device.
