@@ -191,7 +191,7 @@
 //
 // The daemon bounds what peers may hold in it, per uid and for all users
 // together: open connections (default 448 per uid, 4096 in all),
-// all_gather and broadcast requests waiting for their group (448, 4096),
+// all_gather and broadcast requests waiting for their group (280, 2560),
 // and descriptors held for peers, those received and not yet closed plus
 // 4 for each export, import, publish or pull being served and 4 plus the
 // reply's room for each load (896, 8192). The totals are lowered, if need

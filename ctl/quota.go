@@ -27,10 +27,10 @@ type Limits struct {
 
 // defaultTotal is the limits for all users together. Of each, root keeps
 // an eighth (rootReserve) and one uid other than root may hold an eighth
-// of the rest (perUIDCap): with these defaults 448 connections, 448
+// of the rest (perUIDCap): with these defaults 448 connections, 280
 // waiting requests and 896 descriptors, so that a group of 253 ranks (the
-// largest) fits one uid's connections and waiting requests.
-var defaultTotal = Limits{Conns: 4096, Parked: 4096, FDs: 8192}
+// largest) fits one uid's connections and waiting requests (252 wait).
+var defaultTotal = Limits{Conns: 4096, Parked: 2560, FDs: 8192}
 
 const (
 	// backendFDs is what a Backend call may hold at once, beyond the

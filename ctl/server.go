@@ -111,7 +111,7 @@ type Config struct {
 	Purge func() error
 	// PerUID and Total limit what peers may hold in the daemon, each uid
 	// and all together; zero fields of Total take the defaults (4096
-	// connections, 4096 waiting requests, 8192 descriptors). Listen lowers
+	// connections, 2560 waiting requests, 8192 descriptors). Listen lowers
 	// Total so that the socket's descriptors stay within half of
 	// RLIMIT_NOFILE, the other half being FUSE's. Root is bound by Total
 	// alone; other uids together by Total less an eighth kept for root, and
