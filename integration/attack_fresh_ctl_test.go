@@ -315,7 +315,9 @@ func TestAttackWedgeGroups(t *testing.T) {
 		line = a.next(t, "letting the flush go")
 	}
 }
-// limitsLog is the daemon's log line of the control socket's limits.
+
+// limitsLog and reserveLog read the control socket's limits in the
+// daemon's log.
 var (
 	limitsLog  = regexp.MustCompile(`ctl: listening.* conns_per_uid=(\d+) .* conns=(\d+) `)
 	reserveLog = regexp.MustCompile(`ctl: listening.* conns_root_reserve=(\d+)`)
