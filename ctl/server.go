@@ -636,12 +636,14 @@ func (s *Server) collective(ctx context.Context, c *net.UnixConn, cred Cred, req
 	o.shared.release()
 }
 
-// sharable refuses (EINVAL) a descriptor for a collective other than an
-// open regular file: the group's other ranks expect memory to map, and
-// the daemon closes what it holds, so a FIFO, socket, device or O_PATH
-// descriptor has no business there. The type is read without asking the
-// file's filesystem (AT_STATX_DONT_SYNC): a FUSE server of the peer's
-// could leave the question unanswered.
+// sharable refuses (EINVAL) a descriptor for a collective that is no
+// memory to map: an O_PATH descriptor, a directory, a FIFO, a socket or a
+// block device. Regular files (a memfd, a segment), character devices and
+// anonymous inodes (CUDA's exported allocations, dma-bufs: what PyTorch's
+// symmetric memory sends) travel. The daemon closes what it holds on a
+// goroutine of its own (quota.release), so no kind can wedge a group. The
+// type is read without asking the file's filesystem (AT_STATX_DONT_SYNC):
+// a FUSE server of the peer's could leave the question unanswered.
 func sharable(fd int) error {
 	var stx unix.Statx_t
 	if err := unix.Statx(fd, "", unix.AT_EMPTY_PATH|unix.AT_STATX_DONT_SYNC, unix.STATX_TYPE, &stx); err != nil {
@@ -655,20 +657,17 @@ func sharable(fd int) error {
 	switch t := uint32(stx.Mode) & unix.S_IFMT; {
 	case fl&unix.O_PATH != 0:
 		kind = "an O_PATH descriptor"
-	case t == unix.S_IFREG:
 	case t == unix.S_IFIFO:
 		kind = "a FIFO"
 	case t == unix.S_IFSOCK:
 		kind = "a socket"
-	case t == unix.S_IFCHR || t == unix.S_IFBLK:
-		kind = "a device"
+	case t == unix.S_IFBLK:
+		kind = "a block device"
 	case t == unix.S_IFDIR:
 		kind = "a directory"
-	default:
-		kind = fmt.Sprintf("file type %#o", t)
 	}
 	if kind != "" {
-		return protoErrorf(syscall.EINVAL, "all_gather and broadcast share open regular files only (a memfd, a segment), not %s", kind)
+		return protoErrorf(syscall.EINVAL, "all_gather and broadcast share memory to map (regular files, memfds, device memory handles), not %s", kind)
 	}
 	return nil
 }

@@ -183,9 +183,11 @@ func TestBlockingClose(t *testing.T) {
 	}
 }
 
-// TestCollectiveFDKinds (A2): all_gather and broadcast take open regular
-// files only; a FIFO, a socket, a directory or an O_PATH descriptor is
-// refused with EINVAL, logged once, and never joins the group.
+// TestCollectiveFDKinds (A2): all_gather and broadcast take memory to
+// map; a FIFO, a socket, a directory or an O_PATH descriptor is refused
+// with EINVAL, logged once, and never joins the group. Regular files and
+// anonymous inodes (an eventfd here, as CUDA's exported handles are) are
+// shared.
 func TestCollectiveFDKinds(t *testing.T) {
 	var logs lockedLog
 	s, path := listen(t, Config{Backend: newFakeBackend(t, nil), Log: slog.New(slog.NewTextHandler(&logs, nil))})
@@ -227,7 +229,7 @@ func TestCollectiveFDKinds(t *testing.T) {
 		c := dial(t, path)
 		_, err := c.AllGather("kinds", 0, 2, tc.f)
 		wantErrno(t, err, syscall.EINVAL)
-		if !strings.Contains(err.Error(), tc.name) || !strings.Contains(err.Error(), "regular files only") {
+		if !strings.Contains(err.Error(), tc.name) || !strings.Contains(err.Error(), "memory to map") {
 			t.Errorf("%s: %v", tc.name, err)
 		}
 		_, err = c.Broadcast("kinds-bc", 0, 2, 0, tc.f)
@@ -242,8 +244,15 @@ func TestCollectiveFDKinds(t *testing.T) {
 	if n != 0 {
 		t.Errorf("%d groups formed by refused requests", n)
 	}
-	// Regular files, a memfd or one on a filesystem, are shared.
-	for _, f := range []*os.File{memfdClosed(t), open(plain, unix.O_RDONLY)} {
+	// Regular files, a memfd or one on a filesystem, and an anonymous
+	// inode are shared.
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	anon := os.NewFile(uintptr(efd), "eventfd")
+	defer anon.Close()
+	for _, f := range []*os.File{memfdClosed(t), open(plain, unix.O_RDONLY), anon} {
 		files, err := dial(t, path).AllGather("one", 0, 1, f)
 		if err != nil {
 			t.Fatalf("%s: %v", f.Name(), err)
