@@ -165,15 +165,18 @@
 //	                 not serve it
 //	EINVAL           not a JSON object, bad member, bad path or group,
 //	                 integer out of range, wrong number of descriptors,
-//	                 inconsistent group membership (below)
+//	                 inconsistent group membership (below), a descriptor
+//	                 for all_gather or broadcast that is not an open
+//	                 regular file (a FIFO, socket, device, directory or
+//	                 O_PATH descriptor)
 //	ENAMETOOLONG     path longer than 4096 bytes
 //	EMSGSIZE         request longer than 65536 bytes (MSG_TRUNC)
 //	ETIMEDOUT        the group did not fill in time (below)
 //	EACCES           the mount is private and the peer is not its user
 //	                 (below), or purge from a uid other than the
 //	                 daemon's and root
-//	EAGAIN           the peer's uid, or all users together, reached a
-//	                 limit (below)
+//	EAGAIN           the peer's uid, all users but root together, or all
+//	                 users together reached a limit (below)
 //
 // After an error reply the connection stays usable, except after EACCES
 // or a limit on connections (below); every descriptor that came with a
@@ -187,13 +190,17 @@
 // it.
 //
 // The daemon bounds what peers may hold in it, per uid and for all users
-// together: open connections (default 1024 per uid, 4096 in all),
-// all_gather and broadcast requests waiting for their group (512, 2048),
+// together: open connections (default 448 per uid, 4096 in all),
+// all_gather and broadcast requests waiting for their group (280, 2560),
 // and descriptors held for peers, those received and not yet closed plus
-// 4 for each export, import, publish or pull being served and 4 plus the reply's room
-// for each load (2048, 8192). The totals are
-// lowered, if need be, so that the descriptors the socket may hold stay
-// within half of the daemon's RLIMIT_NOFILE: the other half is FUSE's.
+// 4 for each export, import, publish or pull being served and 4 plus the
+// reply's room for each load (896, 8192). The totals are lowered, if need
+// be, so that the descriptors the socket may hold stay within half of the
+// daemon's RLIMIT_NOFILE: the other half is FUSE's. An eighth of each
+// total is root's alone: uids other than root stop at the other seven
+// eighths together, and each at an eighth of that (the per-uid numbers
+// above), so that at least eight users fit and none shuts root out; root
+// is bound by the total alone. The daemon logs the limits it chose.
 // A request that would exceed a limit is answered EAGAIN, with the uid
 // and the limit in "error" (and in the daemon's log); its descriptors are
 // closed, and the connection stays usable. A connection over the limit on
@@ -220,7 +227,8 @@
 // world and root and bring a rank not yet taken: otherwise that request
 // alone is refused (EINVAL) and the group keeps waiting. A rank whose
 // connection closes while it waits leaves the group (its descriptor is
-// closed) and the rank may be joined again (a connection that sent a
+// closed: the daemon closes peers' descriptors off its locks, so a close
+// that blocks holds up no one else, and counts them until closed) and the rank may be joined again (a connection that sent a
 // further request meanwhile is noticed only once the group completes or
 // times out); a group whose last member leaves is forgotten. If a group is not full within the daemon's wait
 // limit (60 s by default) counted from its first request, every waiting

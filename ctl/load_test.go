@@ -6,6 +6,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 )
 
 // loadBackend serves load from n memfds named seg000, seg001..., the odd
@@ -59,7 +60,7 @@ func TestLoad(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			b := &loadBackend{fakeBackend: newFakeBackend(t, nil), t: t, n: tc.n, pad: tc.pad}
-			_, path := listen(t, Config{Backend: b, PerUID: Limits{FDs: tc.perUID}})
+			s, path := listen(t, Config{Backend: b, PerUID: Limits{FDs: tc.perUID}})
 			c := dial(t, path)
 			var got []Segment
 			after, replies := "", 0
@@ -89,6 +90,19 @@ func TestLoad(t *testing.T) {
 			}
 			if len(got) != tc.n || replies != tc.replies {
 				t.Errorf("%d segments in %d replies, want %d in %d", len(got), replies, tc.n, tc.replies)
+			}
+			// What each load counted is given back once it has replied: the
+			// open connection alone stays counted.
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+				s.quota.mu.Lock()
+				used := s.quota.used[0]
+				s.quota.mu.Unlock()
+				if used == (Limits{Conns: 1}) {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("after %d loads on an open connection: %+v counted, want the connection alone", replies, used)
+				}
 			}
 		})
 	}

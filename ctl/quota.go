@@ -1,8 +1,10 @@
 package ctl
 
 import (
+	"os"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -23,12 +25,12 @@ type Limits struct {
 	FDs int
 }
 
-// Default limits: a group of 253 ranks (the largest) takes a quarter of a
-// uid's connections and half of its waiting requests.
-var (
-	defaultPerUID = Limits{Conns: 1024, Parked: 512, FDs: 2048}
-	defaultTotal  = Limits{Conns: 4096, Parked: 2048, FDs: 8192}
-)
+// defaultTotal is the limits for all users together. Of each, root keeps
+// an eighth (rootReserve) and one uid other than root may hold an eighth
+// of the rest (perUIDCap): with these defaults 448 connections, 280
+// waiting requests and 896 descriptors, so that a group of 253 ranks (the
+// largest) fits one uid's connections and waiting requests (252 wait).
+var defaultTotal = Limits{Conns: 4096, Parked: 2560, FDs: 8192}
 
 const (
 	// backendFDs is what a Backend call may hold at once, beyond the
@@ -71,6 +73,19 @@ func fitTotal(total Limits, budget int) Limits {
 	return total
 }
 
+// rootReserve is the part of total that only root may take: an eighth.
+func rootReserve(total Limits) Limits {
+	return Limits{Conns: total.Conns / 8, Parked: total.Parked / 8, FDs: total.FDs / 8}
+}
+
+// perUIDCap is the most one uid other than root may hold: an eighth of
+// what total leaves once root's reserve is set aside, so that at least
+// eight users fit; never below one, nor below what one export needs.
+func perUIDCap(total Limits) Limits {
+	shared := total.minus(rootReserve(total))
+	return Limits{Conns: max(1, shared.Conns/8), Parked: max(1, shared.Parked/8), FDs: max(backendFDs+1, shared.FDs/8)}
+}
+
 // fdBudget is half the process's limit on open descriptors: the other
 // half stays for FUSE.
 func fdBudget() int {
@@ -102,18 +117,28 @@ func (l Limits) exceeds(max Limits) (string, int) {
 	return "", 0
 }
 
-// quota counts what each uid holds against the limits.
+// quota counts what each uid holds against the limits. Root is bound by
+// total alone; other uids by perUID each and, together, by total less
+// rootReserve, so that they can never shut root out.
 type quota struct {
 	perUID, total Limits
+	shared        Limits // total less rootReserve: for uids other than root
 
-	mu    sync.Mutex
-	used  map[uint32]Limits
-	sum   Limits
-	owner map[int]uint32 // received descriptors held: whose FDs they count in
+	// closing tracks the goroutines closing received descriptors
+	// (release): a close may block for as long as the file's filesystem
+	// wants, so it never runs under a lock or in a request's goroutine.
+	closing sync.WaitGroup
+
+	mu     sync.Mutex
+	used   map[uint32]Limits
+	sum    Limits
+	others Limits         // the part of sum held by uids other than root
+	owner  map[int]uint32 // received descriptors held: whose FDs they count in
 }
 
 func newQuota(perUID, total Limits) *quota {
-	return &quota{perUID: perUID, total: total, used: make(map[uint32]Limits), owner: make(map[int]uint32)}
+	return &quota{perUID: perUID, total: total, shared: total.minus(rootReserve(total)),
+		used: make(map[uint32]Limits), owner: make(map[int]uint32)}
 }
 
 // take counts d more for uid, or refuses with EAGAIN if that exceeds a
@@ -121,9 +146,17 @@ func newQuota(perUID, total Limits) *quota {
 func (q *quota) take(uid uint32, d Limits) error {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	u, sum := q.used[uid].plus(d), q.sum.plus(d)
-	what, limit := u.exceeds(q.perUID)
-	scope := "per uid"
+	u, sum, others := q.used[uid].plus(d), q.sum.plus(d), q.others
+	var what, scope string
+	var limit int
+	if uid != 0 {
+		others = others.plus(d)
+		if what, limit = u.exceeds(q.perUID); what != "" {
+			scope = "per uid"
+		} else if what, limit = others.exceeds(q.shared); what != "" {
+			scope = "for users other than root"
+		}
+	}
 	if what == "" {
 		what, limit = sum.exceeds(q.total)
 		scope = "for all users"
@@ -131,7 +164,7 @@ func (q *quota) take(uid uint32, d Limits) error {
 	if what != "" {
 		return protoErrorf(syscall.EAGAIN, "uid %d reached the limit of %d %s %s", uid, limit, what, scope)
 	}
-	q.used[uid], q.sum = u, sum
+	q.used[uid], q.sum, q.others = u, sum, others
 	return nil
 }
 
@@ -149,6 +182,9 @@ func (q *quota) giveLocked(uid uint32, d Limits) {
 		q.used[uid] = u
 	}
 	q.sum = q.sum.minus(d)
+	if uid != 0 {
+		q.others = q.others.minus(d)
+	}
 }
 
 // adopt counts received descriptors against uid's FDs until release
@@ -169,26 +205,55 @@ func (q *quota) adopt(uid uint32, fds []int) error {
 	return nil
 }
 
-// release closes adopted descriptors (negative ones are skipped) and
-// uncounts them.
+// release closes adopted descriptors (negative ones are skipped), each
+// on a goroutine of its own that q.closing tracks, and uncounts them once
+// closed: the close of a descriptor a peer sent may block (a file on a
+// FUSE mount of the peer's whose FLUSH never answers), so no lock is held
+// and no caller waits for it. Until it returns, the descriptor counts in
+// its owner's FDs, which bounds the closes a uid can leave hanging.
 func (q *quota) release(fds ...int) {
-	q.uncount(fds...)
 	for _, fd := range fds {
 		if fd >= 0 {
-			unix.Close(fd)
+			q.closeLater(fd, func() { unix.Close(fd) })
 		}
 	}
 }
 
-// uncount stops counting adopted descriptors that the caller then closes
-// itself: uncounted first, a number reused once closed is counted afresh.
-func (q *quota) uncount(fds ...int) {
+// releaseFile is release for f, the adopted descriptor fd made an
+// *os.File.
+func (q *quota) releaseFile(fd int, f *os.File) {
+	q.closeLater(fd, func() { f.Close() })
+}
+
+// closeLater forgets fd as an adopted number, then runs close on a
+// tracked goroutine and uncounts fd from its owner once close returns.
+func (q *quota) closeLater(fd int, closeFD func()) {
 	q.mu.Lock()
-	defer q.mu.Unlock()
-	for _, fd := range fds {
-		if uid, ok := q.owner[fd]; ok {
-			delete(q.owner, fd)
-			q.giveLocked(uid, Limits{FDs: 1})
+	uid, owned := q.owner[fd]
+	delete(q.owner, fd) // the number is free once close starts
+	q.closing.Add(1)
+	q.mu.Unlock()
+	go func() {
+		defer q.closing.Done()
+		closeFD()
+		if owned {
+			q.give(uid, Limits{FDs: 1})
 		}
+	}()
+}
+
+// waitClosing waits for the closes that release started, at most d; it
+// reports whether they all returned.
+func (q *quota) waitClosing(d time.Duration) bool {
+	done := make(chan struct{})
+	go func() {
+		q.closing.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return true
+	case <-time.After(d):
+		return false
 	}
 }

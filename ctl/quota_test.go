@@ -2,6 +2,7 @@ package ctl
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"strings"
 	"syscall"
@@ -38,7 +39,7 @@ func TestQuota(t *testing.T) {
 	if err := q.take(1001, conn); err != nil {
 		t.Fatal(err)
 	}
-	wantLimit(t, q.take(1001, conn), "uid 1001 reached the limit of 3 connections for all users")
+	wantLimit(t, q.take(1001, conn), "uid 1001 reached the limit of 3 connections for users other than root")
 	q.give(1000, conn)
 	if err := q.take(1001, conn); err != nil {
 		t.Fatalf("after a connection of another uid closed: %v", err)
@@ -66,6 +67,7 @@ func TestQuota(t *testing.T) {
 		t.Fatalf("a descriptor over the limit is still open: %v", err)
 	}
 	q.release(fds[:3]...)
+	q.waitClosing(time.Minute)
 	q.give(1000, Limits{Conns: 1, Parked: 1})
 	q.give(1001, Limits{Conns: 2})
 	if q.sum != (Limits{}) || len(q.used) != 0 || len(q.owner) != 0 {
@@ -97,7 +99,7 @@ func TestFitTotal(t *testing.T) {
 	defer unix.Setrlimit(unix.RLIMIT_NOFILE, &old)
 	s, _ := listen(t, Config{Backend: newFakeBackend(t, nil), PerUID: Limits{Conns: 5000}})
 	total, per := s.cfg.Total, s.cfg.PerUID
-	if total.Conns+total.FDs+maxTurningAway > int(low.Cur)/2 || per.Conns > total.Conns || per.Parked != min(defaultPerUID.Parked, total.Parked) {
+	if total.Conns+total.FDs+maxTurningAway > int(low.Cur)/2 || per != perUIDCap(total) || 8*per.Conns > total.Conns-total.Conns/8 {
 		t.Fatalf("RLIMIT_NOFILE %d: total %+v, per uid %+v", low.Cur, total, per)
 	}
 }
@@ -128,7 +130,7 @@ func TestPrivate(t *testing.T) {
 // request and is closed; the others keep working, and a closed one frees
 // its place.
 func TestConnLimit(t *testing.T) {
-	s, path := listen(t, Config{Backend: newFakeBackend(t, map[string]string{"a": "A"}), PerUID: Limits{Conns: 2}})
+	s, path := listen(t, Config{Backend: newFakeBackend(t, map[string]string{"a": "A"}), Total: Limits{Conns: 2}}) // the test runs as root: bound by the total alone
 	c1, c2 := dial(t, path), dial(t, path)
 	export := func(c *Client) {
 		t.Helper()
@@ -142,7 +144,7 @@ func TestConnLimit(t *testing.T) {
 	export(c2)
 	over := dial(t, path)
 	_, err := over.Export("a", false)
-	wantLimit(t, err, "2 connections per uid")
+	wantLimit(t, err, "2 connections for all users")
 	if _, err := over.Export("a", false); err == nil || errors.Is(err, syscall.EAGAIN) {
 		t.Fatalf("second request on a refused connection: %v, want it closed", err)
 	}
@@ -195,7 +197,7 @@ func TestConnLimit(t *testing.T) {
 // TestParkedLimit: a uid's collective requests wait up to its limit; the
 // rank that completes a group never needs a place.
 func TestParkedLimit(t *testing.T) {
-	s, path := listen(t, Config{Backend: newFakeBackend(t, nil), PerUID: Limits{Parked: 2}})
+	s, path := listen(t, Config{Backend: newFakeBackend(t, nil), Total: Limits{Parked: 2}})
 	errs := make(chan error, 2)
 	for _, g := range []string{"p0", "p1"} {
 		c := dial(t, path)
@@ -210,7 +212,7 @@ func TestParkedLimit(t *testing.T) {
 	}
 	third := dial(t, path)
 	_, err := third.AllGather("p2", 0, 2, memfdClosed(t))
-	wantLimit(t, err, "2 waiting collective requests per uid")
+	wantLimit(t, err, "2 waiting collective requests for all users")
 	files, err := third.AllGather("p0", 1, 2, memfdClosed(t))
 	if err != nil {
 		t.Fatalf("completing a group at the limit: %v", err)
@@ -232,7 +234,7 @@ func TestParkedLimit(t *testing.T) {
 // (EAGAIN), its descriptors closed.
 func TestFDLimit(t *testing.T) {
 	b := newFakeBackend(t, map[string]string{"a": "A"})
-	s, path := listen(t, Config{Backend: b, PerUID: Limits{FDs: backendFDs + 2}})
+	s, path := listen(t, Config{Backend: b, Total: Limits{FDs: backendFDs + 2}})
 	parked := dial(t, path)
 	go func() { parked.AllGather("p", 0, 3, memfdClosed(t)) }()
 	waitJoined(t, s, "p", 1)
@@ -245,19 +247,63 @@ func TestFDLimit(t *testing.T) {
 	second := dial(t, path)
 	go func() { second.AllGather("p", 1, 3, memfdClosed(t)) }()
 	waitJoined(t, s, "p", 2)
-	wantLimit(t, c.Import("i", memfdClosed(t), "", ""), "descriptors held per uid")
+	wantLimit(t, c.Import("i", memfdClosed(t), "", ""), "descriptors held for all users")
 	if rep := exchange(t, rawConn(t, path), []byte(`{"v":1,"op":"import","path":"i"}`), 5); syscall.Errno(rep.Errno) != syscall.EAGAIN {
 		t.Fatalf("5 descriptors over the limit: %+v, want EAGAIN", rep)
 	}
 	parked.Close()
 	waitJoined(t, s, "p", 1)
+	s.quota.waitClosing(time.Minute)
 	if err := c.Import("i", memfdClosed(t), "", ""); err != nil {
 		t.Fatalf("once a waiting rank left: %v", err)
 	}
+	s.quota.waitClosing(time.Minute)
 	s.quota.mu.Lock()
 	held := s.quota.used[0].FDs
 	s.quota.mu.Unlock()
 	if held != 1 {
 		t.Fatalf("%d descriptors counted, want 1 (the waiting rank's)", held)
+	}
+}
+
+// TestQuotaRootReserve (A5): other uids together stop an eighth short of
+// the total, one uid at an eighth of the rest, so that eight users fit and
+// root is refused only at the total itself; the default limits fit a
+// group of the largest world in one uid's.
+func TestQuotaRootReserve(t *testing.T) {
+	total := Limits{Conns: 64, Parked: 64, FDs: 128}
+	per := perUIDCap(total)
+	if per != (Limits{Conns: 7, Parked: 7, FDs: 14}) {
+		t.Fatalf("per uid %+v, want an eighth of 7/8 of %+v", per, total)
+	}
+	q := newQuota(per, total)
+	conn := Limits{Conns: 1}
+	for uid := uint32(1000); uid < 1008; uid++ {
+		for range per.Conns {
+			if err := q.take(uid, conn); err != nil {
+				t.Fatalf("uid %d: %v", uid, err)
+			}
+		}
+		wantLimit(t, q.take(uid, conn), fmt.Sprintf("uid %d reached the limit of 7 connections per uid", uid))
+	}
+	// 56 taken by eight uids: the other 8 are root's.
+	wantLimit(t, q.take(1008, conn), "uid 1008 reached the limit of 56 connections for users other than root")
+	for i := range total.Conns - 8*per.Conns {
+		if err := q.take(0, conn); err != nil {
+			t.Fatalf("root's connection %d: %v", i, err)
+		}
+	}
+	wantLimit(t, q.take(0, conn), "uid 0 reached the limit of 64 connections for all users")
+	// Root's place is not another user's when root lets it go.
+	q.give(0, conn)
+	wantLimit(t, q.take(1008, conn), "for users other than root")
+	q.give(1000, conn)
+	if err := q.take(1008, conn); err != nil {
+		t.Fatalf("once uid 1000 let one go: %v", err)
+	}
+
+	def := perUIDCap(defaultTotal)
+	if def.Conns < maxWorld || def.Parked < maxWorld-1 || def.FDs < maxWorld+backendFDs {
+		t.Errorf("default per uid %+v: a group of %d ranks does not fit", def, maxWorld)
 	}
 }

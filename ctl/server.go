@@ -110,11 +110,13 @@ type Config struct {
 	// It records the wish and returns at once.
 	Purge func() error
 	// PerUID and Total limit what peers may hold in the daemon, each uid
-	// and all together; zero fields take the defaults (per uid 1024
-	// connections, 512 waiting requests, 2048 descriptors; in total 4096,
-	// 2048, 8192). Listen lowers Total so that the socket's descriptors
-	// stay within half of RLIMIT_NOFILE, the other half being FUSE's, and
-	// PerUID to Total.
+	// and all together; zero fields of Total take the defaults (4096
+	// connections, 2560 waiting requests, 8192 descriptors). Listen lowers
+	// Total so that the socket's descriptors stay within half of
+	// RLIMIT_NOFILE, the other half being FUSE's. Root is bound by Total
+	// alone; other uids together by Total less an eighth kept for root, and
+	// each by PerUID, which Listen lowers to (and whose zero fields take)
+	// an eighth of that: at least eight users fit.
 	PerUID, Total Limits
 }
 
@@ -156,7 +158,7 @@ func Listen(cfg Config) (*Server, error) {
 		cfg.MaxGroupWait = 60 * time.Second
 	}
 	cfg.Total = fitTotal(cfg.Total.withDefaults(defaultTotal), fdBudget())
-	cfg.PerUID = cfg.PerUID.withDefaults(defaultPerUID).capped(cfg.Total)
+	cfg.PerUID = cfg.PerUID.withDefaults(perUIDCap(cfg.Total)).capped(perUIDCap(cfg.Total))
 	if err := removeStale(cfg.Path); err != nil {
 		return nil, err
 	}
@@ -188,9 +190,11 @@ func Listen(cfg Config) (*Server, error) {
 		cancel: cancel,
 		conns:  make(map[*net.UnixConn]struct{}),
 	}
+	reserve := rootReserve(cfg.Total)
 	cfg.Log.Info("ctl: listening", "path", cfg.Path, "private", cfg.Private,
 		"conns_per_uid", cfg.PerUID.Conns, "parked_per_uid", cfg.PerUID.Parked, "fds_per_uid", cfg.PerUID.FDs,
-		"conns", cfg.Total.Conns, "parked", cfg.Total.Parked, "fds", cfg.Total.FDs)
+		"conns", cfg.Total.Conns, "parked", cfg.Total.Parked, "fds", cfg.Total.FDs,
+		"conns_root_reserve", reserve.Conns, "parked_root_reserve", reserve.Parked, "fds_root_reserve", reserve.FDs)
 	s.wg.Add(1)
 	go s.accept()
 	return s, nil
@@ -237,8 +241,13 @@ func defaultErrno(err error) syscall.Errno {
 	return syscall.EIO
 }
 
+// closingWait bounds how long Close waits for the descriptors peers sent
+// to close (quota.release).
+const closingWait = 2 * time.Second
+
 // Close stops accepting, closes every connection (waiting group members
-// leave their groups), waits for their goroutines and removes the socket
+// leave their groups), waits for their goroutines, and for the closes of
+// the descriptors peers sent at most closingWait, and removes the socket
 // file if it is still this server's. It is safe to call more than once.
 func (s *Server) Close() error {
 	s.closeOnce.Do(func() {
@@ -251,6 +260,9 @@ func (s *Server) Close() error {
 		s.cancel()
 		s.closeErr = s.ln.Close()
 		s.wg.Wait()
+		if !s.quota.waitClosing(closingWait) {
+			s.cfg.Log.Warn("ctl: closing: descriptors that peers sent are still being closed (their filesystems do not answer); going on without them", "waited", closingWait)
+		}
 		var st unix.Stat_t
 		if unix.Stat(s.cfg.Path, &st) == nil && st.Dev == s.dev && st.Ino == s.ino {
 			if err := os.Remove(s.cfg.Path); err != nil && s.closeErr == nil {
@@ -339,8 +351,18 @@ func (s *Server) serve(c *net.UnixConn) {
 			}
 		}
 	}()
-	for m := range msgs {
-		s.handle(ctx, c, cred, m)
+	// The reader may be stuck closing descriptors over a limit (adopt):
+	// the connection ends with ctx all the same.
+	for {
+		select {
+		case m, ok := <-msgs:
+			if !ok {
+				return
+			}
+			s.handle(ctx, c, cred, m)
+		case <-ctx.Done():
+			return
+		}
 	}
 }
 
@@ -448,8 +470,7 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 	case opImport:
 		f := os.NewFile(uintptr(m.FDs[0]), "ctl-import:"+req.Path)
 		err := s.cfg.Backend.Import(cred, req.Path, f, req.Dtype, req.Shape)
-		s.quota.uncount(m.FDs...)
-		f.Close()
+		s.quota.releaseFile(m.FDs[0], f)
 		if err != nil {
 			s.refuse(c, cred, req.Op, err)
 			return
@@ -586,6 +607,11 @@ func (s *Server) collective(ctx context.Context, c *net.UnixConn, cred Cred, req
 	fd := -1
 	if len(fds) == 1 {
 		fd = fds[0]
+		if err := sharable(fd); err != nil {
+			s.quota.release(fd)
+			s.refuse(c, cred, req.Op, err)
+			return
+		}
 	}
 	g, mem, err := s.groups.join(cred, req, fd)
 	if err != nil {
@@ -608,6 +634,42 @@ func (s *Server) collective(ctx context.Context, c *net.UnixConn, cred Cred, req
 	}
 	s.reply(c, cred, req.Op, reply{V: version, OK: true, FDs: len(o.fds)}, o.fds)
 	o.shared.release()
+}
+
+// sharable refuses (EINVAL) a descriptor for a collective that is no
+// memory to map: an O_PATH descriptor, a directory, a FIFO, a socket or a
+// block device. Regular files (a memfd, a segment), character devices and
+// anonymous inodes (CUDA's exported allocations, dma-bufs: what PyTorch's
+// symmetric memory sends) travel. The daemon closes what it holds on a
+// goroutine of its own (quota.release), so no kind can wedge a group. The
+// type is read without asking the file's filesystem (AT_STATX_DONT_SYNC):
+// a FUSE server of the peer's could leave the question unanswered.
+func sharable(fd int) error {
+	var stx unix.Statx_t
+	if err := unix.Statx(fd, "", unix.AT_EMPTY_PATH|unix.AT_STATX_DONT_SYNC, unix.STATX_TYPE, &stx); err != nil {
+		return protoErrorf(syscall.EINVAL, "the descriptor sent cannot be examined: %v", err)
+	}
+	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+	if err != nil {
+		return protoErrorf(syscall.EINVAL, "the descriptor sent cannot be examined: %v", err)
+	}
+	kind := ""
+	switch t := uint32(stx.Mode) & unix.S_IFMT; {
+	case fl&unix.O_PATH != 0:
+		kind = "an O_PATH descriptor"
+	case t == unix.S_IFIFO:
+		kind = "a FIFO"
+	case t == unix.S_IFSOCK:
+		kind = "a socket"
+	case t == unix.S_IFBLK:
+		kind = "a block device"
+	case t == unix.S_IFDIR:
+		kind = "a directory"
+	}
+	if kind != "" {
+		return protoErrorf(syscall.EINVAL, "all_gather and broadcast share memory to map (regular files, memfds, device memory handles), not %s", kind)
+	}
+	return nil
 }
 
 // refuse sends the error reply for err and logs the refusal.

@@ -449,7 +449,7 @@ func TestGroupMembership(t *testing.T) {
 // descriptors, nor it theirs; an open group takes every uid that asks for
 // one. Waiting members count in their uid's Parked.
 func TestGroupKeys(t *testing.T) {
-	q := newQuota(defaultPerUID, defaultTotal)
+	q := newQuota(perUIDCap(defaultTotal), defaultTotal)
 	gs := newGroups(time.Minute, q)
 	newFD := func(uid uint32) int {
 		f := memfd(t, "x")
@@ -517,6 +517,7 @@ func TestGroupKeys(t *testing.T) {
 	if !gs.leave(b0.g, b0.m) {
 		t.Fatal("uid 1001's rank could not leave")
 	}
+	q.waitClosing(time.Minute)
 	if len(gs.m) != 0 || q.sum != (Limits{}) || len(q.owner) != 0 {
 		t.Fatalf("%d groups, %+v counted, %d descriptors left", len(gs.m), q.sum, len(q.owner))
 	}

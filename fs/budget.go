@@ -13,25 +13,30 @@ import (
 // and in total, so that no user can take what serves everyone else: the
 // backing descriptors of open segments (one each; the control socket has
 // the other half of the daemon's open-file limit, package ctl), and GPU
-// consumer counters. Root is bound by the total only.
+// consumer counters. Root is bound by the total only; an eighth of it is
+// root's alone, so that users other than root, however many, never take
+// all of it.
 type budget struct {
 	// what names the things counted, in refusals ("open segments").
 	what          string
 	perUID, total int
+	shared        int // total less root's eighth: for users other than root
 
-	mu   sync.Mutex
-	used map[uint32]int
-	all  int
+	mu     sync.Mutex
+	used   map[uint32]int
+	all    int
+	others int // the part of all held by users other than root
 }
 
-// newBudget bounds what: perUID for one user, total for all.
+// newBudget bounds what: perUID for one user, total for all, total less
+// an eighth for all users but root.
 func newBudget(what string, perUID, total int) *budget {
-	return &budget{what: what, perUID: perUID, total: total, used: map[uint32]int{}}
+	return &budget{what: what, perUID: perUID, total: total, shared: total - total/8, used: map[uint32]int{}}
 }
 
 // newHandleBudget sizes the open segments' budget from the daemon's
 // open-file limit: half of it, less a reserve for directories and the
-// daemon's own files, and a quarter of that for one user.
+// daemon's own files; a sixteenth of that for one user.
 func newHandleBudget() *budget {
 	limit := 1024
 	var r unix.Rlimit
@@ -39,11 +44,12 @@ func newHandleBudget() *budget {
 		limit = int(min(r.Cur, 1<<30))
 	}
 	total := max(limit/2-256, 64)
-	return newBudget("open segments", max(total/4, 16), total)
+	return newBudget("open segments", total/16, total)
 }
 
 // take counts a new one of uid, or refuses it: EMFILE when uid holds its
-// share, ENFILE when the daemon holds its total.
+// share, ENFILE when the daemon holds its total or, for a uid other than
+// root, when such users hold all but root's reserve.
 func (b *budget) take(uid uint32) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -52,9 +58,14 @@ func (b *budget) take(uid uint32) error {
 		return fmt.Errorf("%w: the daemon holds %d %s, the most it keeps at once", syscall.ENFILE, b.all, b.what)
 	case uid != 0 && b.used[uid] >= b.perUID:
 		return fmt.Errorf("%w: uid %d holds %d %s, the most one user may", syscall.EMFILE, uid, b.perUID, b.what)
+	case uid != 0 && b.others >= b.shared:
+		return fmt.Errorf("%w: users other than root hold %d %s, the most they may together (the rest is root's)", syscall.ENFILE, b.others, b.what)
 	}
 	b.used[uid]++
 	b.all++
+	if uid != 0 {
+		b.others++
+	}
 	return nil
 }
 
@@ -66,6 +77,9 @@ func (b *budget) give(uid uint32) {
 		delete(b.used, uid)
 	}
 	b.all--
+	if uid != 0 {
+		b.others--
+	}
 }
 
 // takeHandle takes a handle from the caller's budget for open, which

@@ -83,6 +83,8 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 	if fsys.log == nil {
 		fsys.log = slog.New(slog.DiscardHandler)
 	}
+	fsys.log.Info("open segments: limits", "per_uid", fsys.handles.perUID, "total", fsys.handles.total,
+		"root_reserve", fsys.handles.total-fsys.handles.shared)
 	rec := opts.Recovered
 	if rec == nil {
 		rec = &Recovered{}

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -309,4 +310,44 @@ func TestFlagRules(t *testing.T) {
 	}
 	empty := mkseg(t, root, "empty")
 	expect("flags of an empty segment", empty.Setxattr(ctx, alloc.AttrFlags, []byte("UNLINK"), 0), 0)
+}
+
+// TestBudgetRootReserve (A5): users other than root stop an eighth short
+// of the total, however many they are, each at its share; root takes the
+// rest up to the total; the open segments' budget gives one user a
+// sixteenth.
+func TestBudgetRootReserve(t *testing.T) {
+	b := newBudget("open segments", 4, 32)
+	for uid := uint32(1000); uid < 1007; uid++ {
+		for i := 0; i < 4; i++ {
+			if err := b.take(uid); err != nil {
+				t.Fatalf("uid %d's handle %d: %v", uid, i, err)
+			}
+		}
+	}
+	// 28 taken by seven users: the other 4 are root's.
+	if err := b.take(1007); !errors.Is(err, syscall.ENFILE) || !strings.Contains(err.Error(), "users other than root") {
+		t.Errorf("an eighth user past 7/8 of the total: %v, want ENFILE", err)
+	}
+	for i := 0; i < 4; i++ {
+		if err := b.take(0); err != nil {
+			t.Fatalf("root's handle %d: %v", i, err)
+		}
+	}
+	if err := b.take(0); !errors.Is(err, syscall.ENFILE) {
+		t.Errorf("root past the total: %v, want ENFILE", err)
+	}
+	b.give(0)
+	if err := b.take(1007); !errors.Is(err, syscall.ENFILE) {
+		t.Errorf("a user in root's freed place: %v, want ENFILE", err)
+	}
+	b.give(1000)
+	if err := b.take(1007); err != nil {
+		t.Errorf("once a user let one go: %v", err)
+	}
+
+	h := newHandleBudget()
+	if h.perUID != h.total/16 || h.shared != h.total-h.total/8 {
+		t.Errorf("open segments: %d per user, %d for users other than root, of %d", h.perUID, h.shared, h.total)
+	}
 }
