@@ -166,8 +166,8 @@
 //	EINVAL           not a JSON object, bad member, bad path or group,
 //	                 integer out of range, wrong number of descriptors,
 //	                 inconsistent group membership (below), a descriptor
-//	                 for all_gather or broadcast that is not an open
-//	                 regular file (a FIFO, socket, device, directory or
+//	                 for all_gather or broadcast that is no memory to
+//	                 map (a FIFO, socket, block device, directory or
 //	                 O_PATH descriptor)
 //	ENAMETOOLONG     path longer than 4096 bytes
 //	EMSGSIZE         request longer than 65536 bytes (MSG_TRUNC)
