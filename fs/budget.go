@@ -34,9 +34,10 @@ func newBudget(what string, perUID, total int) *budget {
 	return &budget{what: what, perUID: perUID, total: total, shared: total - total/8, used: map[uint32]int{}}
 }
 
-// newHandleBudget sizes the open segments' budget from the daemon's
-// open-file limit: half of it, less a reserve for directories and the
-// daemon's own files; a sixteenth of that for one user.
+// newHandleBudget sizes the budget of segment descriptors (one per open
+// segment, one per import) from the daemon's open-file limit: half of
+// it, less a reserve for directories and the daemon's own files; a
+// sixteenth of that for one user.
 func newHandleBudget() *budget {
 	limit := 1024
 	var r unix.Rlimit
@@ -44,7 +45,7 @@ func newHandleBudget() *budget {
 		limit = int(min(r.Cur, 1<<30))
 	}
 	total := max(limit/2-256, 64)
-	return newBudget("open segments", total/16, total)
+	return newBudget("segment descriptors (open segments and imports)", total/16, total)
 }
 
 // take counts a new one of uid, or refuses it: EMFILE when uid holds its

@@ -163,3 +163,29 @@ func TestControlImportPermissions(t *testing.T) {
 		t.Errorf("import by another user on a private mount: got %v, want EACCES", err)
 	}
 }
+
+// TestImportsShareDescriptorBudget: each import keeps a descriptor from
+// the budget open segments draw on: a user past its share gets EMFILE and
+// no name, and root still imports.
+func TestImportsShareDescriptorBudget(t *testing.T) {
+	b, backing := controlFS(t)
+	held := newBudget("segment descriptors", 2, 16)
+	b.fsys.handles, b.fsys.imports.held = held, held
+	for _, name := range []string{"pub/a", "pub/b"} {
+		if err := b.Import(ownerPeer, name, memfd(t, "x"), "", ""); err != nil {
+			t.Fatalf("import %s: %v", name, err)
+		}
+	}
+	if err := b.Import(ownerPeer, "pub/c", memfd(t, "x"), "", ""); !errors.Is(err, syscall.EMFILE) {
+		t.Errorf("a third import of a user whose share is two: %v, want EMFILE", err)
+	}
+	if _, err := os.Lstat(filepath.Join(backing, "pub", "c")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the refused import left a name: %v", err)
+	}
+	if err := b.Import(rootPeer, "pub/r", memfd(t, "x"), "", ""); err != nil {
+		t.Errorf("root's import once the user holds its share: %v", err)
+	}
+	if held.used[ownerPeer.Uid] != 2 || held.used[0] != 1 {
+		t.Errorf("the budget counts %d for the user, %d for root; want 2 and 1", held.used[ownerPeer.Uid], held.used[0])
+	}
+}

@@ -45,7 +45,8 @@ type filesystem struct {
 	started     time.Time
 	// imports holds the imported (FROMFD) segments.
 	imports imports
-	// handles bounds the descriptors open segments keep, per uid.
+	// handles bounds the descriptors open segments and imports keep,
+	// per uid.
 	handles *budget
 	// dirs bounds the directory descriptors the daemon keeps.
 	dirs *dirFds
@@ -80,10 +81,11 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 		handles:    newHandleBudget(),
 		dirs:       newDirFds(defaultDirFds),
 	}
+	fsys.imports.held = fsys.handles
 	if fsys.log == nil {
 		fsys.log = slog.New(slog.DiscardHandler)
 	}
-	fsys.log.Info("open segments: limits", "per_uid", fsys.handles.perUID, "total", fsys.handles.total,
+	fsys.log.Info("segment descriptors (open segments and imports): limits", "per_uid", fsys.handles.perUID, "total", fsys.handles.total,
 		"root_reserve", fsys.handles.total-fsys.handles.shared)
 	rec := opts.Recovered
 	if rec == nil {

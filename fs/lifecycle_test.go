@@ -53,8 +53,8 @@ func TestLastNameReleasesKind(t *testing.T) {
 	if st := x.raw.Unlink(nil, ptr(hdr(1)), "imported"); st != fuse.OK {
 		t.Fatal(st)
 	}
-	if _, ok := x.fsys.imports.get(id); ok || x.fsys.imports.count[0] != 0 {
-		t.Errorf("after the import's last name went the daemon still holds it (%d for uid 0)", x.fsys.imports.count[0])
+	if _, ok := x.fsys.imports.get(id); ok || x.fsys.handles.used[0] != 0 {
+		t.Errorf("after the import's last name went the daemon still holds it (%d descriptors for uid 0)", x.fsys.handles.used[0])
 	}
 
 	gdir := x.parents["device"]

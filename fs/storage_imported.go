@@ -134,16 +134,17 @@ func (in *importedFile) reopen() (int, error) {
 	return fd, err
 }
 
-// imports holds the mount's imported segments by id.
+// imports holds the mount's imported segments by id. Each keeps its
+// sender's descriptor open in the daemon, taken from the same budget as
+// the descriptors of open segments (filesystem.handles), so that neither
+// one user nor all users but root can take the descriptors FUSE service
+// needs.
 type imports struct {
-	mu    sync.RWMutex // protects m and count
-	m     map[string]*importedFile
-	count map[uint32]int // imports held, by sender
-}
+	held *budget // the daemon's segment descriptors, per sender
 
-// maxImportsPerUID bounds the descriptors one user's imports keep open in
-// the daemon, so that no user can take the descriptors FUSE service needs.
-const maxImportsPerUID = 4096
+	mu sync.RWMutex // protects m
+	m  map[string]*importedFile
+}
 
 // get returns import id, if the daemon holds it.
 func (im *imports) get(id string) (*importedFile, bool) {
@@ -154,34 +155,37 @@ func (im *imports) get(id string) (*importedFile, bool) {
 }
 
 // add keeps the sender's file open at fd as a new import of uid, or
-// refuses with EMFILE when uid holds maxImportsPerUID imports already.
+// refuses as the descriptor budget does (EMFILE past uid's share, ENFILE
+// past the total).
 func (im *imports) add(fd int, uid uint32) (*importedFile, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return nil, err
 	}
+	if err := im.held.take(uid); err != nil {
+		return nil, err
+	}
+	in := &importedFile{table: im, id: alloc.NewID(), uid: uid, ino: st.Ino, dev: st.Dev, fd: fd}
 	im.mu.Lock()
 	defer im.mu.Unlock()
 	if im.m == nil {
-		im.m, im.count = map[string]*importedFile{}, map[uint32]int{}
+		im.m = map[string]*importedFile{}
 	}
-	if im.count[uid] >= maxImportsPerUID {
-		return nil, fmt.Errorf("%w: uid %d holds %d imported segments, the most one user may", syscall.EMFILE, uid, maxImportsPerUID)
-	}
-	in := &importedFile{table: im, id: alloc.NewID(), uid: uid, ino: st.Ino, dev: st.Dev, fd: fd}
 	im.m[in.id] = in
-	im.count[uid]++
 	return in, nil
 }
 
 // drop forgets an import and closes its descriptor.
 func (im *imports) drop(in *importedFile) {
 	im.mu.Lock()
-	if im.m[in.id] == in {
+	forgot := im.m[in.id] == in
+	if forgot {
 		delete(im.m, in.id)
-		im.count[in.uid]--
 	}
 	im.mu.Unlock()
+	if forgot {
+		im.held.give(in.uid)
+	}
 	in.closeFd()
 }
 
