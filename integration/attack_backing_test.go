@@ -417,35 +417,55 @@ func TestAttackStateFiles(t *testing.T) {
 	ccUnmountPurgeDaemonized(t, dir, pid, before)
 }
 
-// TestAttackImportFlood (H4, imports): one user's imports hold at most
-// maxImports descriptors in the daemon; the one over gets EMFILE and the
-// mount keeps serving.
+// TestAttackImportFlood (H4, imports): each import keeps a descriptor in
+// the daemon, from the budget open segments draw on: one user's imports
+// stop at its share with EMFILE, which also refuses that user's opens
+// while they hold it, and root and other users keep importing and
+// opening.
 func TestAttackImportFlood(t *testing.T) {
 	t.Parallel()
-	const maxImports = 4096 // fs.maxImportsPerUID
 	m := attackMount(t, "passthrough", true)
 	sock := controlSocket(t, m)
-	out := pythonAs(t, userA, "/", `
-import array, json, os, socket, sys
+	if err := os.WriteFile(m.path("shared/f"), []byte("x"), 0o666); err != nil {
+		t.Fatal(err)
+	}
+	flood := asUser(pyCommand(`
+import array, errno, json, os, socket, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 s.connect(sys.argv[1])
-errnos = {}
-for i in range(int(sys.argv[2]) + 2):
+n = 0
+while n < 100000:
     fd = os.memfd_create("m")
-    s.sendmsg([json.dumps({"v": 1, "op": "import", "path": "shared/i%d" % i}).encode()],
+    s.sendmsg([json.dumps({"v": 1, "op": "import", "path": "shared/i%d" % n}).encode()],
               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
     os.close(fd)
     r = json.loads(s.recv(65536))
-    k = "ok" if r["ok"] else str(r["errno"])
-    errnos[k] = errnos.get(k, 0) + 1
-print(json.dumps(errnos))
-`, sock, fmt.Sprint(maxImports))
-	var got map[string]int
-	if err := json.Unmarshal([]byte(out), &got); err != nil {
-		t.Fatalf("flood said %q: %v", out, err)
+    if not r["ok"]:
+        print("errno", r["errno"], "after", n, flush=True)
+        break
+    n += 1
+try:
+    os.close(os.open(sys.argv[2], os.O_RDONLY))
+    print("opened", flush=True)
+except OSError as e:
+    print("open errno", e.errno, flush=True)
+sys.stdin.read()
+`, sock, m.path("shared/f")), userA)
+	stdin, _ := flood.StdinPipe()
+	stdout, _ := flood.StdoutPipe()
+	if err := flood.Start(); err != nil {
+		t.Fatal(err)
 	}
-	if got["ok"] != maxImports || got[fmt.Sprint(int(syscall.EMFILE))] != 2 {
-		t.Errorf("imports by one user: %v, want %d ok and 2 EMFILE", got, maxImports)
+	t.Cleanup(func() { flood.Process.Kill(); flood.Wait() })
+	r := bufio.NewReader(stdout)
+	line, _ := r.ReadString('\n')
+	var n int
+	if _, err := fmt.Sscanf(line, fmt.Sprintf("errno %d after %%d", int(syscall.EMFILE)), &n); err != nil || n == 0 {
+		t.Fatalf("uid %d importing again and again: %q, want EMFILE from the daemon after some imports", userA, line)
+	}
+	t.Logf("uid %d: EMFILE after %d imports", userA, n)
+	if line, _ = r.ReadString('\n'); line != fmt.Sprintf("open errno %d\n", int(syscall.EMFILE)) {
+		t.Errorf("uid %d's open while its imports hold its share: %q, want EMFILE", userA, line)
 	}
 	if err := os.WriteFile(m.path("after"), []byte("served"), 0o644); err != nil {
 		t.Errorf("root's create after the flood: %v", err)
@@ -453,6 +473,20 @@ print(json.dumps(errnos))
 	if out, err := runAs(t, userB, "/", "cat", m.path("after")); err != nil || out != "served" {
 		t.Errorf("another user's read after the flood: %q, %v", out, err)
 	}
+	out := pythonAs(t, userB, "/", `
+import array, json, os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sys.argv[1])
+fd = os.memfd_create("m")
+s.sendmsg([json.dumps({"v": 1, "op": "import", "path": "shared/b"}).encode()],
+          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+print(json.loads(s.recv(65536))["ok"])
+`, sock)
+	if strings.TrimSpace(out) != "True" {
+		t.Errorf("another user's import after the flood: %q", out)
+	}
+	stdin.Close()
+	flood.Wait()
 }
 
 // TestAttackOpenFlood (H4 through FUSE): every open segment holds a
