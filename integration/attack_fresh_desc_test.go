@@ -132,10 +132,7 @@ func TestAttackUpgradeImportedMemfd(t *testing.T) {
 	forEachModeOnce(t, func(t *testing.T, mode string) {
 		m := attackMount(t, mode, true)
 		sock := controlSocket(t, m)
-		pub := m.path("shared/pub")
-		if out, err := runAs(t, userB, "/", "sh", "-c", "mkdir "+pub+" && chmod 755 "+pub+" && setfattr -n user.tensorfs.flags -v KEEPFD "+pub); err != nil {
-			t.Fatalf("%v\n%s", err, out)
-		}
+		keepFDDir(t, m, userB, "shared/pub")
 		shm := filepath.Join("/dev/shm", "tensorfs-desc-"+mode+"-"+strconv.Itoa(os.Getpid()))
 		os.Remove(shm)
 		t.Cleanup(func() { os.Remove(shm) })

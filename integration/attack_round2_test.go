@@ -279,6 +279,17 @@ except OSError:
 print(json.dumps({"ok": True, "rdonly": acc == os.O_RDONLY, "wrote": wrote, "head": os.pread(fd, 8, 0).decode()}))
 `
 
+// keepFDDir makes rel, a KEEPFD directory of uid's that everyone may
+// search and list, as uid, and returns its path.
+func keepFDDir(t *testing.T, m *mount, uid int, rel string) string {
+	t.Helper()
+	p := m.path(rel)
+	if out, err := runAs(t, uid, "/", "sh", "-c", "mkdir "+p+" && chmod 755 "+p+" && setfattr -n user.tensorfs.flags -v KEEPFD "+p); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	return p
+}
+
 // TestAttackExportImported (F1): another user's export of a KEEPFD
 // segment that its publisher imported (0444) is a new read-only open of
 // the publisher's memfd: no write through it reaches the publisher's
@@ -288,10 +299,7 @@ func TestAttackExportImported(t *testing.T) {
 	forEachModeOnce(t, func(t *testing.T, mode string) {
 		m := attackMount(t, mode, true)
 		sock := controlSocket(t, m)
-		pub := m.path("shared/pub")
-		if out, err := runAs(t, userB, "/", "sh", "-c", "mkdir "+pub+" && chmod 755 "+pub+" && setfattr -n user.tensorfs.flags -v KEEPFD "+pub); err != nil {
-			t.Fatalf("%v\n%s", err, out)
-		}
+		keepFDDir(t, m, userB, "shared/pub")
 		// userB publishes a memfd and keeps it, to check its bytes later.
 		b := startPythonAs(t, userB, "publisher", `
 import array, json, os, socket, sys
