@@ -324,7 +324,10 @@ func splitRel(rel string) (dirs []string, name string, ok bool) {
 // restoreMarker makes the marker of disk file id at dirs/name below the
 // backing root, making the directories on the way; nothing on the way is
 // followed if it is a symbolic link. A name already taken gets the
-// marker beside it, name.shared-<id>.
+// marker beside it, name.shared-<id>. A directory made here is the
+// daemon's, mode 0711 and without flags: the disk records no directory's
+// owner, mode or flags, so no user may list or create in it, and each
+// segment is reachable by its path as its own mode allows.
 func (s *Store) restoreMarker(dirs []string, name, id string) error {
 	dirfd, err := unix.Dup(s.RootFd)
 	if err != nil {
@@ -332,7 +335,7 @@ func (s *Store) restoreMarker(dirs []string, name, id string) error {
 	}
 	defer func() { unix.Close(dirfd) }()
 	for _, d := range dirs {
-		if err := unix.Mkdirat(dirfd, d, 0o755); err != nil && !errors.Is(err, unix.EEXIST) {
+		if err := unix.Mkdirat(dirfd, d, 0o711); err != nil && !errors.Is(err, unix.EEXIST) {
 			return err
 		}
 		next, err := unix.Openat(dirfd, d, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)

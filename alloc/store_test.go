@@ -112,6 +112,11 @@ func TestRecoverRemovesUnlinkSegmentsAndRestoresShared(t *testing.T) {
 	if got, err := ReadMarker(restored, &st); err != nil || got != (Marker{Kind: Disk, ID: id}) {
 		t.Errorf("restored marker is %+v (%v), want disk id %q", got, err, id)
 	}
+	// The disk records no directory's mode: a rebuilt one lists for no
+	// user.
+	if err := unix.Stat(filepath.Join(backing, "sub"), &st); err != nil || st.Mode&0o7777 != 0o711 {
+		t.Errorf("rebuilt directory: mode %#o (%v), want 0711", st.Mode&0o7777, err)
+	}
 }
 
 // TestRecoverKeepsMappedUnlinkSegments: an UNLINK segment that the
