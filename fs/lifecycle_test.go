@@ -39,6 +39,14 @@ func TestLastNameReleasesKind(t *testing.T) {
 	if v, _, err := alloc.GetXattr(filepath.Join(store.Disk, ents[0].Name()), "trusted.tensorfs.path"); err != nil || string(v) != "sdir/moved" {
 		t.Errorf("the disk file records %q (%v), want sdir/moved", v, err)
 	}
+	// A directory's rename records the new path of every SHARED segment
+	// below it.
+	if st := x.raw.Rename(nil, &fuse.RenameIn{InHeader: hdr(1), Newdir: 1}, "sdir", "sdir2"); st != fuse.OK {
+		t.Fatalf("rename of the SHARED segment's directory: %v", st)
+	}
+	if v, _, err := alloc.GetXattr(filepath.Join(store.Disk, ents[0].Name()), "trusted.tensorfs.path"); err != nil || string(v) != "sdir2/moved" {
+		t.Errorf("after its directory's rename the disk file records %q (%v), want sdir2/moved", v, err)
+	}
 	if st := x.raw.Unlink(nil, ptr(hdr(sdir)), "moved"); st != fuse.OK {
 		t.Fatal(st)
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path"
 	"syscall"
 
 	fusefs "github.com/hanwen/go-fuse/v2/fs"
@@ -509,9 +510,9 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 			if replaced != nil {
 				err = replaced.release()
 			}
-			d.fs.recordSharedPath(dfd, newName, dst.Path(nil)+"/"+newName)
+			d.fs.recordSharedPath(dfd, newName, path.Join(dst.Path(nil), newName))
 			if exchange {
-				d.fs.recordSharedPath(fd, name, d.Path(nil)+"/"+name)
+				d.fs.recordSharedPath(fd, name, path.Join(d.Path(nil), name))
 			}
 			return err
 		})
@@ -521,15 +522,37 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 
 // recordSharedPath notes on a SHARED segment's disk file that its marker
 // is now name in dirfd, at rel in the mount, so that recovery from the
-// disk alone puts it there; other objects are left alone. A failure is
+// disk alone puts it there; for a directory, on the disk file of every
+// SHARED segment below it. Other objects are left alone. A failure is
 // logged: the rename itself happened.
 func (fsys *filesystem) recordSharedPath(dirfd int, name, rel string) {
 	if fsys.store.Disk == "" {
 		return
 	}
-	err := alloc.At(dirfd, name, 0, func(p string) error { return fsys.store.RecordSharedPath(p, rel) })
-	if err != nil && !errors.Is(err, syscall.ELOOP) {
-		fsys.log.Error("a SHARED segment moved, but its disk file still records its old path; recovery from --disk alone would put it there", "path", rel, "err", err)
+	record := func(dirfd int, name, rel string) error {
+		return alloc.At(dirfd, name, 0, func(p string) error { return fsys.store.RecordSharedPath(p, rel) })
+	}
+	var st unix.Stat_t
+	err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
+	switch {
+	case err != nil:
+	case st.Mode&unix.S_IFMT == unix.S_IFREG:
+		err = record(dirfd, name, rel)
+	case st.Mode&unix.S_IFMT == unix.S_IFDIR:
+		var fd int
+		if fd, err = unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0); err != nil {
+			break
+		}
+		err = alloc.Walk(fd, func(dirfd int, name, below string, st *unix.Stat_t) error {
+			if st.Mode&unix.S_IFMT != unix.S_IFREG {
+				return nil
+			}
+			return record(dirfd, name, rel+"/"+below)
+		})
+		unix.Close(fd)
+	}
+	if err != nil && (!errors.Is(err, syscall.ELOOP) || errors.Is(err, alloc.ErrTooDeep)) { // ELOOP: a symbolic link took the name
+		fsys.log.Error("SHARED segments moved, but a disk file still records an old path; recovery from --disk alone would put it there", "path", rel, "err", err)
 	}
 }
 
