@@ -26,6 +26,10 @@ func TestMain(m *testing.M) {
 	if mode := os.Getenv("LIFECYCLE_TEST_DAEMON"); mode != "" {
 		os.Exit(fakeDaemonMain(mode, os.Args[len(os.Args)-1]))
 	}
+	if c := os.Getenv("LIFECYCLE_TEST_DROP"); c != "" {
+		n, _ := strconv.Atoi(c)
+		os.Exit(capsChildMain(n))
+	}
 	os.Exit(m.Run())
 }
 

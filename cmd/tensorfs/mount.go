@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"strings"
 
+	"golang.org/x/sys/unix"
+
 	"tensorfs/lifecycle"
 )
 
@@ -66,6 +68,12 @@ func runMount(args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
 		return 2
+	}
+	if m.foreground {
+		// The daemon runs without CAP_SYS_RESOURCE (an exec, from here).
+		if err := lifecycle.DropCapability(unix.CAP_SYS_RESOURCE); err != nil {
+			fmt.Fprintf(stderr, "tensorfs mount: warning: serving with CAP_SYS_RESOURCE, so writes to --disk may use ext4's reserve for root and pass quotas: %v\n", err)
+		}
 	}
 	if err := lifecycle.Prepare(mp); err != nil {
 		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
