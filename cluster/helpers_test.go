@@ -16,8 +16,8 @@ import (
 	"testing"
 	"time"
 
-	"tensorfs/cluster/internal/etcdtest"
-	"tensorfs/cluster/internal/testcerts"
+	"tensorfs/internal/etcdtest"
+	"tensorfs/internal/testcerts"
 	"tensorfs/cluster/transport"
 )
 

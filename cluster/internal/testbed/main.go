@@ -29,7 +29,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
-	"tensorfs/cluster/internal/etcdtest"
+	"tensorfs/internal/etcdtest"
 	"tensorfs/cluster/transport"
 )
 
