@@ -1,0 +1,470 @@
+package fs
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"log/slog"
+	"maps"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	fusefs "github.com/hanwen/go-fuse/v2/fs"
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/cluster"
+	"tensorfs/cluster/transport"
+	"tensorfs/internal/etcdtest"
+	"tensorfs/internal/testcerts"
+)
+
+// The mount's side of a cluster (cluster.go, cluster_publish.go,
+// cluster_pull.go, storage_pulled.go), on filesystems made as testFS
+// makes them, each joined to one embedded etcd as Mount joins it
+// (joinCluster, then start), their piece servers on 127.0.0.1.
+
+// testCluster is an embedded etcd and the CA of a cluster's certificates.
+type testCluster struct {
+	t    *testing.T
+	etcd *etcdtest.Server
+	ca   *testcerts.CA
+	logs *logLines
+}
+
+// newTestCluster starts etcd with a fresh CA; it stops at the end of t,
+// after the nodes have left.
+func newTestCluster(t *testing.T) *testCluster {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("published segments keep their owners: cluster tests need root")
+	}
+	dir := t.TempDir()
+	ca, err := testcerts.NewCA(dir, "cluster")
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := ca.Issue("etcd", net.IPv4(127, 0, 0, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	caddr, err := etcdtest.FreeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	paddr, err := etcdtest.FreeAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, err := etcdtest.Start(filepath.Join(dir, "etcd"), caddr, paddr, etcdtest.TLS{CA: f.CA, Cert: f.Cert, Key: f.Key}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(e.Stop)
+	return &testCluster{t: t, etcd: e, ca: ca, logs: &logLines{t: t}}
+}
+
+// config is node name's configuration: small pieces, short timeouts.
+func (tc *testCluster) config(name string) cluster.Config {
+	f, err := tc.ca.Issue(name, net.IPv4(127, 0, 0, 1))
+	if err != nil {
+		tc.t.Fatal(err)
+	}
+	creds, err := transport.LoadCredentials(f.CA, f.Cert, f.Key)
+	if err != nil {
+		tc.t.Fatal(err)
+	}
+	return cluster.Config{
+		Endpoints:    []string{tc.etcd.ClientURL},
+		Node:         name,
+		Listen:       "127.0.0.1:0",
+		Credentials:  creds,
+		LeaseTTL:     2 * time.Second,
+		Timeout:      2 * time.Second,
+		PieceSize:    64 << 10,
+		NoHolderWait: 2 * time.Second,
+		Log:          slog.New(slog.NewTextHandler(tc.logs, &slog.HandlerOptions{Level: slog.LevelDebug})).With("node", name),
+	}
+}
+
+// node makes a filesystem that joined the cluster as name (edit, if
+// set, changes its configuration first), shared with other users, and
+// started as Mount starts it once the kernel serves the mount. It leaves
+// the cluster at the end of t.
+func (tc *testCluster) node(name string, edit func(*cluster.Config)) *filesystem {
+	tc.t.Helper()
+	fsys := testFS(tc.t)
+	fsys.allowOther = true
+	fsys.log = slog.New(slog.NewTextHandler(tc.logs, nil)).With("fs", name)
+	cfg := tc.config(name)
+	if edit != nil {
+		edit(&cfg)
+	}
+	if err := fsys.joinCluster(cfg); err != nil {
+		tc.t.Fatal(err)
+	}
+	tc.t.Cleanup(fsys.cl.close)
+	fsys.cl.start()
+	return fsys
+}
+
+// logLines collects the nodes' logs and passes them to the test log.
+type logLines struct {
+	t  *testing.T
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *logLines) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.b.Write(p)
+	l.t.Log(strings.TrimSuffix(string(p), "\n"))
+	return len(p), nil
+}
+
+func (l *logLines) contains(s string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return strings.Contains(l.b.String(), s)
+}
+
+// randomBytes returns n random bytes.
+func randomBytes(t *testing.T, n int) []byte {
+	b := make([]byte, n)
+	if _, err := rand.Read(b); err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+// modelFiles are the segments of the model makeModel makes, by path below
+// models/m.
+type modelFiles map[string][]byte
+
+// makeModel makes models/m on fsys through the handlers: a directory
+// with an attribute, a subdirectory, segments of a few pieces (one with
+// tensor and user attributes, one of another owner), a small one and an
+// empty one, their bytes written on the backing.
+func makeModel(t *testing.T, fsys *filesystem) modelFiles {
+	t.Helper()
+	root := &fsys.root.dirNode
+	m := mkdir(t, mkdir(t, root, "models"), "m")
+	layers := mkdir(t, m, "layers")
+	files := modelFiles{
+		"config.json":     []byte(`{"layers": 2}`),
+		"empty":           nil,
+		"layers/0.weight": randomBytes(t, 300<<10+17),
+		"layers/1.weight": randomBytes(t, 128<<10),
+	}
+	segs := map[string]*segmentNode{}
+	for p := range files {
+		d, name := m, p
+		if rest, ok := strings.CutPrefix(p, "layers/"); ok {
+			d, name = layers, rest
+		}
+		segs[p] = mkseg(t, d, name)
+		if err := os.WriteFile(modelPath(fsys, p), files[p], 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	set := func(n interface {
+		Setxattr(context.Context, string, []byte, uint32) syscall.Errno
+	}, attr, v string) {
+		t.Helper()
+		if errno := n.Setxattr(callerCtx(0), attr, []byte(v), 0); errno != 0 {
+			t.Fatalf("setxattr %s: %v", attr, errno)
+		}
+	}
+	set(m, "user.origin", "test")
+	set(segs["layers/1.weight"], alloc.AttrDtype, "float32")
+	set(segs["layers/1.weight"], alloc.AttrShape, "[256, 128]")
+	set(segs["layers/1.weight"], "user.note", "\x00\x01\x02")
+	if err := os.Chown(modelPath(fsys, "layers/0.weight"), 1000, 1000); err != nil {
+		t.Fatal(err)
+	}
+	return files
+}
+
+// modelPath is the backing path of p below models/m.
+func modelPath(fsys *filesystem, p string) string {
+	return filepath.Join(fsys.store.Dir, "models", "m", p)
+}
+
+// publishModel publishes models/m of fsys as root and returns the version.
+func publishModel(t *testing.T, fsys *filesystem) string {
+	t.Helper()
+	v, err := controlBackend{fsys}.Publish(rootPeer, "models/m")
+	if err != nil {
+		t.Fatalf("publish: %v", err)
+	}
+	return v
+}
+
+// awaitVersion waits until fsys has made version v of models/m.
+func awaitVersion(t *testing.T, fsys *filesystem, v string) {
+	t.Helper()
+	eventually(t, "version "+v+" made", func() bool {
+		rec, err := alloc.ReadPublished(filepath.Join(fsys.store.Dir, "models", "m"))
+		return err == nil && strings.Contains(string(rec), v)
+	})
+}
+
+// sameObject fails unless the backing objects at p on a and b have the
+// same owner, mode, modification time and user attributes (tensorfs's
+// own apart), and, if bytes is set, the same bytes.
+func sameObject(t *testing.T, a, b *filesystem, p string, bytes bool) {
+	t.Helper()
+	pa, pb := modelPath(a, p), modelPath(b, p)
+	var sa, sb unix.Stat_t
+	if err := unix.Lstat(pa, &sa); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Lstat(pb, &sb); err != nil {
+		t.Fatalf("%s on the second node: %v", p, err)
+	}
+	if sa.Mode != sb.Mode || sa.Uid != sb.Uid || sa.Gid != sb.Gid || sa.Mtim != sb.Mtim {
+		t.Errorf("%s: mode %o uid %d gid %d mtime %v here, %o %d %d %v there", p, sa.Mode, sa.Uid, sa.Gid, sa.Mtim, sb.Mode, sb.Uid, sb.Gid, sb.Mtim)
+	}
+	if xa, xb := userAttrs(t, pa), userAttrs(t, pb); !maps.EqualFunc(xa, xb, bytesEqual) {
+		t.Errorf("%s: attributes %q here, %q there", p, xa, xb)
+	}
+	if bytes {
+		ba, _ := os.ReadFile(pa)
+		bb, err := os.ReadFile(pb)
+		if err != nil || !bytesEqual(ba, bb) {
+			t.Errorf("%s: %d bytes here, %d there (%v), or they differ", p, len(ba), len(bb), err)
+		}
+	}
+}
+
+func bytesEqual(a, b []byte) bool { return bytes.Equal(a, b) }
+
+// userAttrs reads the user.* attributes of p but tensorfs's own.
+func userAttrs(t *testing.T, p string) map[string][]byte {
+	t.Helper()
+	names, err := alloc.Listxattr(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string][]byte{}
+	for _, name := range names {
+		if strings.HasPrefix(name, "user.tensorfs.") {
+			continue
+		}
+		v, _, err := alloc.GetXattr(p, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[name] = v
+	}
+	return out
+}
+
+// child returns the node of name in d: the one the tree has, else one
+// looked up through the handlers (as the kernel's lookup adds it).
+func child(t *testing.T, d *dirNode, name string) *fusefs.Inode {
+	t.Helper()
+	if ch := d.GetChild(name); ch != nil {
+		return ch
+	}
+	var out fuse.EntryOut
+	ch, errno := d.Lookup(callerCtx(0), name, &out)
+	if errno != 0 {
+		t.Fatalf("lookup %s: %v", name, errno)
+	}
+	d.AddChild(name, ch, false)
+	return ch
+}
+
+// lookupPath returns the node of rel (below the root), looked up through
+// the handlers where the tree has none.
+func lookupPath(t *testing.T, fsys *filesystem, rel string) *fusefs.Inode {
+	t.Helper()
+	d, parts := &fsys.root.dirNode, strings.Split(rel, "/")
+	for _, part := range parts[:len(parts)-1] {
+		d = child(t, d, part).Operations().(*dirNode)
+	}
+	return child(t, d, parts[len(parts)-1])
+}
+
+// readAll opens segment n read-only through the handlers, reads it whole
+// and closes it.
+func readAll(t *testing.T, n *segmentNode) []byte {
+	t.Helper()
+	fh, _, errno := n.Open(callerCtx(0), unix.O_RDONLY)
+	if errno != 0 {
+		t.Fatalf("open: %v", errno)
+	}
+	defer fh.(fusefs.FileReleaser).Release(callerCtx(0))
+	return readHandle(t, fh)
+}
+
+// readHandle reads an open segment handle whole.
+func readHandle(t *testing.T, fh fusefs.FileHandle) []byte {
+	t.Helper()
+	h := fh.(*fileHandle)
+	var st unix.Stat_t
+	if err := unix.Fstat(h.fd, &st); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, st.Size)
+	res, errno := h.Read(callerCtx(0), buf, 0)
+	if errno != 0 {
+		t.Fatalf("read: %v", errno)
+	}
+	b, _ := res.Bytes(buf)
+	return b
+}
+
+// dirAttr reads directory attribute attr of rel through the handlers.
+func dirAttr(t *testing.T, fsys *filesystem, rel, attr string) ([]byte, syscall.Errno) {
+	t.Helper()
+	d := lookupPath(t, fsys, rel).Operations().(*dirNode)
+	buf := make([]byte, 4096)
+	n, errno := d.Getxattr(callerCtx(0), attr, buf)
+	return buf[:n], errno
+}
+
+// clusterState is user.tensorfs.cluster of a published directory.
+type clusterState struct {
+	Version   string            `json:"version"`
+	Publisher string            `json:"publisher"`
+	Segments  int64             `json:"segments"`
+	Complete  int64             `json:"complete"`
+	Bytes     int64             `json:"bytes"`
+	Local     int64             `json:"local_bytes"`
+	Pull      *cluster.Progress `json:"pull"`
+}
+
+func readClusterState(t *testing.T, fsys *filesystem) clusterState {
+	t.Helper()
+	v, errno := dirAttr(t, fsys, "models/m", alloc.AttrCluster)
+	var st clusterState
+	if errno != 0 || json.Unmarshal(v, &st) != nil {
+		t.Fatalf("user.tensorfs.cluster: %q, %v", v, errno)
+	}
+	return st
+}
+
+func (m modelFiles) bytes() (n int64) {
+	for _, b := range m {
+		n += int64(len(b))
+	}
+	return n
+}
+
+// TestClusterPublishMaterializePull publishes a directory on one node:
+// its segments become read-only there; a second node makes it from the
+// namespace (names, owners, modes, times, attributes, sizes, no bytes)
+// and fills a segment when it is first opened; a third pulls it whole.
+// Bytes and attributes are the published ones everywhere, and changes to
+// a published segment are refused with EPERM.
+func TestClusterPublishMaterializePull(t *testing.T) {
+	tc := newTestCluster(t)
+	a, b, c := tc.node("node-a", nil), tc.node("node-b", nil), tc.node("node-c", nil)
+	files := makeModel(t, a)
+	v := publishModel(t, a)
+
+	// On the publisher, the segments are published ones now.
+	w := lookupPath(t, a, "models/m/layers/1.weight").Operations().(*segmentNode)
+	if _, _, errno := w.Open(callerCtx(0), unix.O_RDWR); errno != syscall.EPERM {
+		t.Errorf("open for writing of a published segment: %v, want EPERM", errno)
+	}
+	if got := readAll(t, w); !bytes.Equal(got, files["layers/1.weight"]) {
+		t.Error("the publisher reads other bytes than it published")
+	}
+	if st := readClusterState(t, a); st.Version != v || st.Publisher != "node-a" || st.Segments != 4 || st.Complete != 4 || st.Bytes != files.bytes() || st.Local != st.Bytes {
+		t.Errorf("publisher's user.tensorfs.cluster %+v", st)
+	}
+
+	// The second node makes the version, without its bytes.
+	awaitVersion(t, b, v)
+	for p := range files {
+		sameObject(t, a, b, p, false)
+	}
+	sameObject(t, a, b, ".", false)
+	sameObject(t, a, b, "layers", false)
+	if st := readClusterState(t, b); st.Version != v || st.Segments != 4 || st.Complete != 1 || st.Local != 0 {
+		t.Errorf("before any pull, user.tensorfs.cluster %+v: want 4 segments, the empty one complete", st)
+	}
+	n := lookupPath(t, b, "models/m/layers/1.weight").Operations().(*segmentNode)
+	var out fuse.AttrOut
+	if errno := n.Getattr(callerCtx(0), nil, &out); errno != 0 || out.Size != uint64(len(files["layers/1.weight"])) {
+		t.Errorf("stat of a segment still to pull: size %d (%v), want the published %d", out.Size, errno, len(files["layers/1.weight"]))
+	}
+	buf := make([]byte, 64)
+	if sz, errno := n.Getxattr(callerCtx(0), alloc.AttrShape, buf); errno != 0 || string(buf[:sz]) != "[256, 128]" {
+		t.Errorf("shape of the made segment %q (%v)", buf[:sz], errno)
+	}
+	if sz, errno := n.Getxattr(callerCtx(0), "user.note", buf); errno != 0 || string(buf[:sz]) != "\x00\x01\x02" {
+		t.Errorf("user.note of the made segment %q (%v)", buf[:sz], errno)
+	}
+	for what, errno := range map[string]syscall.Errno{
+		"setxattr": n.Setxattr(callerCtx(0), "user.x", []byte("1"), 0),
+		"removexattr": n.Removexattr(callerCtx(0), "user.note"),
+		"chmod":       n.Setattr(callerCtx(0), nil, &fuse.SetAttrIn{SetAttrInCommon: fuse.SetAttrInCommon{Valid: fuse.FATTR_MODE, Mode: 0o666}}, &out),
+		"truncate":    n.Setattr(callerCtx(0), nil, &fuse.SetAttrIn{SetAttrInCommon: fuse.SetAttrInCommon{Valid: fuse.FATTR_SIZE, Size: 0}}, &out),
+	} {
+		if errno != syscall.EPERM {
+			t.Errorf("%s of a published segment: %v, want EPERM", what, errno)
+		}
+	}
+	for _, flags := range []uint32{unix.O_WRONLY, unix.O_RDWR, unix.O_RDONLY | unix.O_TRUNC} {
+		if _, _, errno := n.Open(callerCtx(0), flags); errno != syscall.EPERM {
+			t.Errorf("open %#o of a published segment: %v, want EPERM", flags, errno)
+		}
+	}
+	if fi, _ := os.Stat(modelPath(b, "layers/1.weight")); fi.Size() != 0 {
+		t.Errorf("a refused open filled the segment: %d bytes", fi.Size())
+	}
+	// First open pulls it, then reads the published bytes.
+	if got := readAll(t, n); !bytes.Equal(got, files["layers/1.weight"]) {
+		t.Errorf("first open reads %d bytes, not the published %d", len(got), len(files["layers/1.weight"]))
+	}
+	sameObject(t, a, b, "layers/1.weight", true)
+	if st := readClusterState(t, b); st.Complete != 2 || st.Local != int64(len(files["layers/1.weight"])) {
+		t.Errorf("after one open, user.tensorfs.cluster %+v", st)
+	}
+
+	// The third node pulls the whole directory.
+	awaitVersion(t, c, v)
+	got, err := controlBackend{c}.Pull(rootPeer, "models/m")
+	if err != nil || got != files.bytes() {
+		t.Fatalf("pull: %d bytes, %v; want %d", got, err, files.bytes())
+	}
+	for p := range files {
+		sameObject(t, a, c, p, true)
+	}
+	if st := readClusterState(t, c); st.Complete != 4 || st.Local != files.bytes() {
+		t.Errorf("after the pull, user.tensorfs.cluster %+v", st)
+	}
+	if got, err := (controlBackend{c}).Pull(rootPeer, "models/m"); err != nil || got != 0 {
+		t.Errorf("pulling a complete directory again: %d bytes, %v; want 0", got, err)
+	}
+	stats := c.clusterStats()
+	if stats["node"] != "node-c" || stats["pieces_fetched"].(int64) == 0 || stats["pulled_segments"].(int64) != 4 {
+		t.Errorf("cluster stats %v", stats)
+	}
+	if _, ok := c.stats()["cluster"].(map[string]any); !ok {
+		t.Error("user.tensorfs.stats has no cluster member")
+	}
+	buf = make([]byte, 4096)
+	d := lookupPath(t, c, "models/m").Operations().(*dirNode)
+	if sz, errno := d.Listxattr(callerCtx(0), buf); errno != 0 || !slices.Contains(strings.Split(string(buf[:sz]), "\x00"), alloc.AttrCluster) {
+		t.Errorf("listxattr of a published directory %q (%v): no %s", buf[:sz], errno, alloc.AttrCluster)
+	}
+	if _, errno := dirAttr(t, c, "models", alloc.AttrCluster); errno != syscall.ENODATA {
+		t.Errorf("user.tensorfs.cluster of a directory not published: %v, want ENODATA", errno)
+	}
+}
+
