@@ -410,7 +410,7 @@ func TestClusterPublishMaterializePull(t *testing.T) {
 		t.Errorf("user.note of the made segment %q (%v)", buf[:sz], errno)
 	}
 	for what, errno := range map[string]syscall.Errno{
-		"setxattr": n.Setxattr(callerCtx(0), "user.x", []byte("1"), 0),
+		"setxattr":    n.Setxattr(callerCtx(0), "user.x", []byte("1"), 0),
 		"removexattr": n.Removexattr(callerCtx(0), "user.note"),
 		"chmod":       n.Setattr(callerCtx(0), nil, &fuse.SetAttrIn{SetAttrInCommon: fuse.SetAttrInCommon{Valid: fuse.FATTR_MODE, Mode: 0o666}}, &out),
 		"truncate":    n.Setattr(callerCtx(0), nil, &fuse.SetAttrIn{SetAttrInCommon: fuse.SetAttrInCommon{Valid: fuse.FATTR_SIZE, Size: 0}}, &out),
@@ -467,4 +467,3 @@ func TestClusterPublishMaterializePull(t *testing.T) {
 		t.Errorf("user.tensorfs.cluster of a directory not published: %v, want ENODATA", errno)
 	}
 }
-
