@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/json"
+	"errors"
 	"log/slog"
 	"maps"
 	"net"
@@ -465,5 +466,142 @@ func TestClusterPublishMaterializePull(t *testing.T) {
 	}
 	if _, errno := dirAttr(t, c, "models", alloc.AttrCluster); errno != syscall.ENODATA {
 		t.Errorf("user.tensorfs.cluster of a directory not published: %v, want ENODATA", errno)
+	}
+}
+
+// writeSeg makes segment name in d through the handlers, holding data.
+func writeSeg(t *testing.T, fsys *filesystem, d *dirNode, rel string, data []byte) *segmentNode {
+	t.Helper()
+	n := mkseg(t, d, filepath.Base(rel))
+	if err := os.WriteFile(filepath.Join(fsys.store.Dir, rel), data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// inode returns the inode of the backing object at p.
+func inode(t *testing.T, p string) uint64 {
+	t.Helper()
+	var st unix.Stat_t
+	if err := unix.Lstat(p, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Ino
+}
+
+// TestClusterRepublish publishes a second version over a first that
+// another node has made, pulled in part and holds open: new readers get
+// the new bytes, an open handle keeps the old ones, an unchanged name
+// keeps its segment, names and directories the new version has not go,
+// objects that are not pulled segments stay, and a content the node has
+// complete is copied locally rather than fetched. Two names with one
+// content are fetched once.
+func TestClusterRepublish(t *testing.T) {
+	tc := newTestCluster(t)
+	a, b := tc.node("node-a", nil), tc.node("node-b", nil)
+	files := makeModel(t, a)
+	m := lookupPath(t, a, "models/m").Operations().(*dirNode)
+	writeSeg(t, a, m, "models/m/tied", files["layers/0.weight"])
+	writeSeg(t, a, m, "models/m/gone", []byte("gone in v2"))
+	old := mkdir(t, m, "old")
+	writeSeg(t, a, old, "models/m/old/x", []byte("x"))
+	v1 := publishModel(t, a)
+	awaitVersion(t, b, v1)
+
+	// node-b pulls v1 (two names of one content among it), and keeps
+	// layers/1.weight open.
+	before := b.clusterStats()["bytes_fetched"].(int64)
+	if n, err := (controlBackend{b}).Pull(rootPeer, "models/m"); err != nil || n != files.bytes()+int64(len(files["layers/0.weight"]))+11 {
+		t.Fatalf("pull of v1: %d bytes, %v", n, err)
+	}
+	if got := b.clusterStats()["bytes_fetched"].(int64) - before; got != files.bytes()+11 {
+		t.Errorf("v1's pull fetched %d bytes, want %d: the tied copy is copied, not fetched", got, files.bytes()+11)
+	}
+	sameObject(t, a, b, "tied", true)
+	w1 := lookupPath(t, b, "models/m/layers/1.weight").Operations().(*segmentNode)
+	lb := lookupPath(t, b, "models/m/layers")
+	fh, _, errno := w1.Open(callerCtx(0), unix.O_RDONLY)
+	if errno != 0 {
+		t.Fatal(errno)
+	}
+	defer fh.(fusefs.FileReleaser).Release(callerCtx(0))
+	configIno := inode(t, modelPath(b, "config.json"))
+	// Objects of node-b's own: a host segment at a name v2 does not
+	// publish, one at a name it does, and a directory at a file's name.
+	mb := lookupPath(t, b, "models/m").Operations().(*dirNode)
+	writeSeg(t, b, mb, "models/m/local", []byte("node-b's"))
+	writeSeg(t, b, mb, "models/m/new", []byte("node-b's"))
+	mkdir(t, mb, "clash")
+
+	// v2 on node-a: layers/1.weight changes, gone and old go, new and
+	// clash come, copy has the bytes of layers/0.weight.
+	for _, name := range []string{"gone", "layers/1.weight", "old/x", "old"} {
+		d, base := m, name
+		if dir, file, ok := strings.Cut(name, "/"); ok {
+			d, base = lookupPath(t, a, "models/m/"+dir).Operations().(*dirNode), file
+		}
+		var errno syscall.Errno
+		if name == "old" {
+			errno = d.Rmdir(callerCtx(0), base)
+		} else {
+			errno = d.Unlink(callerCtx(0), base)
+		}
+		if errno != 0 {
+			t.Fatalf("remove %s: %v", name, errno)
+		}
+		d.RmChild(base) // as the bridge does for the reply
+	}
+	w2 := randomBytes(t, 200<<10)
+	layers := lookupPath(t, a, "models/m/layers").Operations().(*dirNode)
+	seg := writeSeg(t, a, layers, "models/m/layers/1.weight", w2)
+	if errno := seg.Setxattr(callerCtx(0), "user.note", []byte("v2"), 0); errno != 0 {
+		t.Fatal(errno)
+	}
+	writeSeg(t, a, m, "models/m/new", []byte("node-a's"))
+	writeSeg(t, a, m, "models/m/clash", []byte("a file"))
+	writeSeg(t, a, m, "models/m/copy", files["layers/0.weight"])
+	v2 := publishModel(t, a)
+	if v2 == v1 {
+		t.Fatal("a changed directory published the same version")
+	}
+	awaitVersion(t, b, v2)
+
+	if got := readHandle(t, fh); !bytes.Equal(got, files["layers/1.weight"]) {
+		t.Error("a handle open on v1's segment no longer reads v1's bytes")
+	}
+	if lb.GetChild("1.weight") != nil {
+		t.Error("the replaced segment's node is still in the tree")
+	}
+	w := lookupPath(t, b, "models/m/layers/1.weight").Operations().(*segmentNode)
+	if got := readAll(t, w); !bytes.Equal(got, w2) {
+		t.Error("a new open of a replaced segment does not read v2's bytes")
+	}
+	sameObject(t, a, b, "layers/1.weight", true)
+	if inode(t, modelPath(b, "config.json")) != configIno {
+		t.Error("an unchanged segment was made again")
+	}
+	for _, gone := range []string{"gone", "old"} {
+		if _, err := os.Lstat(modelPath(b, gone)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s, which v2 has not, is still there: %v", gone, err)
+		}
+	}
+	for _, p := range []string{"local", "new"} {
+		if got, err := os.ReadFile(modelPath(b, p)); err != nil || string(got) != "node-b's" {
+			t.Errorf("node-b's own segment %s: %q, %v", p, got, err)
+		}
+	}
+	if fi, err := os.Lstat(modelPath(b, "clash")); err != nil || !fi.IsDir() {
+		t.Errorf("node-b's directory at a published file's name: %v, %v", fi, err)
+	}
+	before = b.clusterStats()["bytes_fetched"].(int64)
+	if _, err := (controlBackend{b}).Pull(rootPeer, "models/m"); err != nil {
+		t.Fatal(err)
+	}
+	if got := b.clusterStats()["bytes_fetched"].(int64) - before; got != 0 {
+		t.Errorf("v2's pull fetched %d bytes; its one new content was read already, copy is held locally", got)
+	}
+	sameObject(t, a, b, "copy", true)
+	if st := readClusterState(t, b); st.Version != v2 {
+		t.Errorf("user.tensorfs.cluster names version %s, want %s", st.Version, v2)
 	}
 }
