@@ -20,6 +20,8 @@ import (
 
 	fusefs "github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
@@ -603,5 +605,130 @@ func TestClusterRepublish(t *testing.T) {
 	sameObject(t, a, b, "copy", true)
 	if st := readClusterState(t, b); st.Version != v2 {
 		t.Errorf("user.tensorfs.cluster names version %s, want %s", st.Version, v2)
+	}
+}
+
+// waitHolders waits until etcd names every one of nodes as a holder of
+// content cid.
+func waitHolders(t *testing.T, tc *testCluster, cid string, nodes ...string) {
+	t.Helper()
+	cfg := tc.config("observer")
+	cli, err := clientv3.New(clientv3.Config{Endpoints: cfg.Endpoints, DialTimeout: 2 * time.Second, TLS: cfg.Credentials.ClientConfig(""), Logger: zap.NewNop()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	eventually(t, "holders "+strings.Join(nodes, ", "), func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		defer cancel()
+		for _, n := range nodes {
+			resp, err := cli.Get(ctx, cluster.DefaultPrefix+"holders/"+cid+"/"+n)
+			if err != nil || len(resp.Kvs) == 0 {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// TestClusterCorruptHolderRefetched: a node whose copy went bad on its
+// backing serves pieces that fail verification; the puller fetches them
+// from the other holder, and its segment holds the published bytes.
+func TestClusterCorruptHolderRefetched(t *testing.T) {
+	tc := newTestCluster(t)
+	a, b := tc.node("node-a", nil), tc.node("node-b", nil)
+	c := tc.node("node-c", func(cfg *cluster.Config) { cfg.Parallel, cfg.PerPeer = 2, 1 }) // both holders asked from the start
+	data := randomBytes(t, 2<<20)
+	writeSeg(t, a, mkdir(t, mkdir(t, &a.root.dirNode, "models"), "m"), "models/m/w", data)
+	v := publishModel(t, a)
+	awaitVersion(t, b, v)
+	if _, err := (controlBackend{b}).Pull(rootPeer, "models/m"); err != nil {
+		t.Fatal(err)
+	}
+	seg := b.pulled.get(inode(t, modelPath(b, "w")))
+	if seg == nil || !seg.isComplete() {
+		t.Fatal("node-b's segment is not a complete pulled one")
+	}
+	bad := bytes.Clone(data)
+	for i := range bad {
+		bad[i] ^= 0x5a
+	}
+	if err := os.WriteFile(modelPath(b, "w"), bad, 0); err != nil { // the file node-b serves from
+		t.Fatal(err)
+	}
+	waitHolders(t, tc, seg.content(), "node-a", "node-b")
+	awaitVersion(t, c, v)
+	n := lookupPath(t, c, "models/m/w").Operations().(*segmentNode)
+	if got := readAll(t, n); !bytes.Equal(got, data) {
+		t.Fatal("the pulled segment does not hold the published bytes")
+	}
+	st := c.clusterStats()
+	if st["bad_pieces"].(int64) == 0 || st["bytes_fetched"].(int64) != int64(len(data)) || !tc.logs.contains("piece failed verification; fetching it from another holder") {
+		t.Errorf("stats %v: want bad pieces refetched, the content fetched once", st)
+	}
+}
+
+// TestClusterEtcdUnavailable stops etcd: a publish fails with ETIMEDOUT
+// within the timeout and leaves its segments writable host segments, a
+// first open or a pull of a segment to fetch fails with ETIMEDOUT and
+// leaves it empty, and once etcd is back the pull completes.
+func TestClusterEtcdUnavailable(t *testing.T) {
+	tc := newTestCluster(t)
+	a, b := tc.node("node-a", nil), tc.node("node-b", nil)
+	files := makeModel(t, a)
+	v := publishModel(t, a)
+	awaitVersion(t, b, v)
+
+	stopped := make(chan struct{})
+	go func() {
+		tc.etcd.Stop()
+		close(stopped)
+	}()
+	eventually(t, "etcd refuses connections", func() bool {
+		c, err := net.Dial("tcp", strings.TrimPrefix(tc.etcd.ClientURL, "https://"))
+		if err == nil {
+			c.Close()
+		}
+		return err != nil
+	})
+	m := lookupPath(t, a, "models/m").Operations().(*dirNode)
+	more := writeSeg(t, a, m, "models/m/more", []byte("more bytes"))
+	start := time.Now()
+	_, err := controlBackend{a}.Publish(rootPeer, "models/m")
+	if toErrno(err) != syscall.ETIMEDOUT || time.Since(start) > 5*time.Second {
+		t.Errorf("publish with etcd down: %v after %v; want ETIMEDOUT within 5s", err, time.Since(start))
+	}
+	if a.pulled.has(inode(t, modelPath(a, "more"))) {
+		t.Error("a segment of a failed publish stays published")
+	}
+	fh, _, errno := more.Open(callerCtx(0), unix.O_RDWR)
+	if errno != 0 {
+		t.Errorf("open for writing after a failed publish: %v", errno)
+	} else {
+		fh.(fusefs.FileReleaser).Release(callerCtx(0))
+	}
+
+	n := lookupPath(t, b, "models/m/layers/0.weight").Operations().(*segmentNode)
+	if _, _, errno := n.Open(callerCtx(0), unix.O_RDONLY); errno != syscall.ETIMEDOUT {
+		t.Errorf("first open with etcd down: %v, want ETIMEDOUT", errno)
+	}
+	if _, err := (controlBackend{b}).Pull(rootPeer, "models/m"); toErrno(err) != syscall.ETIMEDOUT {
+		t.Errorf("pull with etcd down: %v, want ETIMEDOUT", err)
+	}
+	if fi, err := os.Stat(modelPath(b, "layers/0.weight")); err != nil || fi.Size() != 0 {
+		t.Errorf("a failed pull left %v bytes (%v)", fi.Size(), err)
+	}
+	sameObject(t, a, b, "layers/0.weight", false) // its published times too
+
+	<-stopped
+	if err := tc.etcd.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "a pull once etcd is back", func() bool {
+		got, err := controlBackend{b}.Pull(rootPeer, "models/m")
+		return err == nil && got == files.bytes()
+	})
+	for p := range files {
+		sameObject(t, a, b, p, true)
 	}
 }
