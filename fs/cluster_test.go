@@ -732,3 +732,123 @@ func TestClusterEtcdUnavailable(t *testing.T) {
 		sameObject(t, a, b, p, true)
 	}
 }
+
+// TestClusterRefusals: what publish and pull refuse, with their errnos,
+// and what a mount without a cluster answers.
+func TestClusterRefusals(t *testing.T) {
+	tc := newTestCluster(t)
+	a, b := tc.node("node-a", nil), tc.node("node-b", nil)
+	makeModel(t, a)
+	ab := controlBackend{a}
+	root := &a.root.dirNode
+	expect := func(what string, err error, want syscall.Errno) {
+		t.Helper()
+		if got := toErrno(err); got != want {
+			t.Errorf("%s: %v (%v), want %v", what, got, err, want)
+		}
+	}
+
+	// A directory each refusal is made in, with one segment.
+	dir := func(name string) (*dirNode, *segmentNode) {
+		d := mkdir(t, root, name)
+		return d, writeSeg(t, a, d, name+"/w", []byte("weights!"))
+	}
+	_, err := ab.Publish(rootPeer, "../x")
+	expect("publish of ../x", err, syscall.EINVAL)
+	_, err = ab.Publish(rootPeer, "nothere")
+	expect("publish of a missing directory", err, syscall.ENOENT)
+	_, err = ab.Publish(otherPeer, "models/m")
+	expect("publish by a user who neither owns nor may write it", err, syscall.EACCES)
+
+	_, w := dir("open")
+	fh, _, errno := w.Open(callerCtx(0), unix.O_RDWR)
+	if errno != 0 {
+		t.Fatal(errno)
+	}
+	_, err = ab.Publish(rootPeer, "open")
+	expect("publish of a segment open for writing", err, syscall.EBUSY)
+	if errno := fh.(fusefs.FileReleaser).Release(callerCtx(0)); errno != 0 {
+		t.Fatal(errno)
+	}
+	if _, _, errno := w.Open(callerCtx(0), unix.O_RDWR); errno != 0 {
+		t.Errorf("after a refused publish, open for writing: %v", errno)
+	}
+
+	dir("linked")
+	if err := os.Link(filepath.Join(a.store.Dir, "linked/w"), filepath.Join(a.store.Dir, "linked/w2")); err != nil {
+		t.Fatal(err)
+	}
+	_, err = ab.Publish(rootPeer, "linked")
+	expect("publish of a segment with two names", err, syscall.EINVAL)
+
+	dir("fifo")
+	if err := unix.Mkfifo(filepath.Join(a.store.Dir, "fifo/p"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	_, err = ab.Publish(rootPeer, "fifo")
+	expect("publish of a FIFO", err, syscall.EINVAL)
+
+	d, _ := dir("private")
+	sub := mkdir(t, d, "sub")
+	if errno := sub.Setattr(callerCtx(0), nil, &fuse.SetAttrIn{SetAttrInCommon: fuse.SetAttrInCommon{Valid: fuse.FATTR_MODE, Mode: 0o700}}, new(fuse.AttrOut)); errno != 0 {
+		t.Fatal(errno)
+	}
+	if err := os.Chown(filepath.Join(a.store.Dir, "private"), int(ownerPeer.Uid), int(ownerPeer.Gid)); err != nil {
+		t.Fatal(err)
+	}
+	_, err = ab.Publish(ownerPeer, "private")
+	expect("publish of a directory with one its publisher may not read", err, syscall.EACCES)
+	if err := os.Chown(filepath.Join(a.store.Dir, "private/sub"), int(ownerPeer.Uid), int(ownerPeer.Gid)); err != nil {
+		t.Fatal(err)
+	}
+	_, err = ab.Publish(ownerPeer, "private")
+	expect("publish of a segment its publisher may not write", err, syscall.EACCES)
+
+	// On node-b, the version is made but not pulled.
+	v := publishModel(t, a)
+	awaitVersion(t, b, v)
+	_, err = controlBackend{b}.Publish(rootPeer, "models/m")
+	expect("publish of segments not pulled yet", err, syscall.EINVAL)
+	plain := mkdir(t, &b.root.dirNode, "plain")
+	writeSeg(t, b, plain, "plain/w", []byte("weights!"))
+	_, err = controlBackend{b}.Pull(rootPeer, "plain")
+	expect("pull of a directory not published", err, syscall.ENOENT)
+	if err := os.Chmod(modelPath(b, "layers"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	_, err = controlBackend{b}.Pull(otherPeer, "models/m")
+	expect("pull through a directory its user may not read", err, syscall.EACCES)
+	_, err = controlBackend{b}.Pull(rootPeer, "models/m/nothere")
+	expect("pull of a missing directory", err, syscall.ENOENT)
+
+	// Unpublished, the names stay.
+	if err := a.cl.node.Unpublish(context.Background(), "models/m"); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the unpublish seen", func() bool { return tc.logs.contains("directory unpublished") })
+	if _, err := os.Stat(modelPath(b, "config.json")); err != nil {
+		t.Errorf("an unpublished directory's names went: %v", err)
+	}
+
+	// A mount without a cluster.
+	none := testFS(t)
+	_, err = controlBackend{none}.Publish(rootPeer, "models/m")
+	expect("publish without a cluster", err, syscall.EOPNOTSUPP)
+	_, err = controlBackend{none}.Pull(rootPeer, "models/m")
+	expect("pull without a cluster", err, syscall.EOPNOTSUPP)
+	p := filepath.Join(none.store.Dir, "p")
+	if err := os.WriteFile(p, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	mk := alloc.Marker{Kind: alloc.Pulled, Content: strings.Repeat("ab", 32), Size: 8}
+	if err := alloc.MarkPulled(p, mk); err != nil {
+		t.Fatal(err)
+	}
+	none.pulled.add(inode(t, p), mk)
+	if none.clusterStats() != nil {
+		t.Error("cluster stats without a cluster")
+	}
+	if _, _, errno := lookupPath(t, none, "p").Operations().(*segmentNode).Open(callerCtx(0), unix.O_RDONLY); errno != syscall.EOPNOTSUPP {
+		t.Errorf("open of a segment to pull without a cluster: %v, want EOPNOTSUPP", errno)
+	}
+}
