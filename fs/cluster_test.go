@@ -770,8 +770,10 @@ func TestClusterRefusals(t *testing.T) {
 	if errno := fh.(fusefs.FileReleaser).Release(callerCtx(0)); errno != 0 {
 		t.Fatal(errno)
 	}
-	if _, _, errno := w.Open(callerCtx(0), unix.O_RDWR); errno != 0 {
+	if fh, _, errno := w.Open(callerCtx(0), unix.O_RDWR); errno != 0 {
 		t.Errorf("after a refused publish, open for writing: %v", errno)
+	} else {
+		fh.(fusefs.FileReleaser).Release(callerCtx(0))
 	}
 
 	dir("linked")
