@@ -674,7 +674,8 @@ func TestClusterCorruptHolderRefetched(t *testing.T) {
 // leaves it empty, and once etcd is back the pull completes.
 func TestClusterEtcdUnavailable(t *testing.T) {
 	tc := newTestCluster(t)
-	a, b := tc.node("node-a", nil), tc.node("node-b", nil)
+	fast := func(cfg *cluster.Config) { cfg.Timeout = time.Second }
+	a, b := tc.node("node-a", fast), tc.node("node-b", fast)
 	files := makeModel(t, a)
 	v := publishModel(t, a)
 	awaitVersion(t, b, v)
@@ -695,8 +696,8 @@ func TestClusterEtcdUnavailable(t *testing.T) {
 	more := writeSeg(t, a, m, "models/m/more", []byte("more bytes"))
 	start := time.Now()
 	_, err := controlBackend{a}.Publish(rootPeer, "models/m")
-	if toErrno(err) != syscall.ETIMEDOUT || time.Since(start) > 5*time.Second {
-		t.Errorf("publish with etcd down: %v after %v; want ETIMEDOUT within 5s", err, time.Since(start))
+	if toErrno(err) != syscall.ETIMEDOUT || time.Since(start) > 3*time.Second {
+		t.Errorf("publish with etcd down: %v after %v; want ETIMEDOUT within 3s", err, time.Since(start))
 	}
 	if a.pulled.has(inode(t, modelPath(a, "more"))) {
 		t.Error("a segment of a failed publish stays published")
