@@ -855,3 +855,87 @@ func TestClusterRefusals(t *testing.T) {
 		t.Errorf("open of a segment to pull without a cluster: %v, want EOPNOTSUPP", errno)
 	}
 }
+
+// restartable is a node whose filesystem is made on a given backing, as
+// the daemon makes it at start (Recover, then newFilesystem with the
+// cluster), so that it can leave and come back.
+type restartable struct {
+	fsys *filesystem
+	stop func() // leaves the cluster and closes the filesystem, once
+}
+
+// openNode starts node name on backing, recovering what it holds.
+func (tc *testCluster) openNode(name, backing string) restartable {
+	t := tc.t
+	t.Helper()
+	store, err := alloc.Open(alloc.Config{Backing: backing}, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _, rec, err := Recover(store)
+	if err != nil {
+		store.Close()
+		t.Fatal(err)
+	}
+	cfg := tc.config(name)
+	log := slog.New(slog.NewTextHandler(tc.logs, nil)).With("fs", name)
+	fsys, err := newFilesystem(Options{Store: store, Log: log, Recovered: rec, Cluster: &cfg})
+	if err != nil {
+		store.Close()
+		t.Fatal(err)
+	}
+	fusefs.NewNodeFS(fsys.root, &fusefs.Options{})
+	if err := fsys.joinCluster(cfg); err != nil {
+		fsys.close()
+		store.Close()
+		t.Fatal(err)
+	}
+	fsys.cl.start()
+	stop := sync.OnceFunc(func() {
+		fsys.cl.close()
+		fsys.close()
+		store.Close()
+	})
+	t.Cleanup(stop)
+	return restartable{fsys, stop}
+}
+
+// TestClusterRestartServes: a node that pulled a version and restarts
+// finds its pulled segments complete, and serves them to a third node
+// once the publisher has left.
+func TestClusterRestartServes(t *testing.T) {
+	tc := newTestCluster(t)
+	top := t.TempDir()
+	os.Chmod(top, 0o700)
+	backings := map[string]string{}
+	for _, n := range []string{"a", "b", "c"} {
+		backings[n] = filepath.Join(top, n)
+		os.Mkdir(backings[n], 0o755)
+	}
+	a, b := tc.openNode("node-a", backings["a"]), tc.openNode("node-b", backings["b"])
+	files := makeModel(t, a.fsys)
+	v := publishModel(t, a.fsys)
+	awaitVersion(t, b.fsys, v)
+	if _, err := (controlBackend{b.fsys}).Pull(rootPeer, "models/m"); err != nil {
+		t.Fatal(err)
+	}
+	b.stop()
+	a.stop()
+	b = tc.openNode("node-b", backings["b"])
+	if st := readClusterState(t, b.fsys); st.Version != v || st.Complete != 4 || st.Local != files.bytes() {
+		t.Errorf("after a restart, user.tensorfs.cluster %+v: want every segment complete", st)
+	}
+	c := tc.openNode("node-c", backings["c"])
+	awaitVersion(t, c.fsys, v)
+	if got, err := (controlBackend{c.fsys}).Pull(rootPeer, "models/m"); err != nil || got != files.bytes() {
+		t.Fatalf("pull from the restarted node alone: %d bytes, %v", got, err)
+	}
+	for p, data := range files {
+		if got, err := os.ReadFile(modelPath(c.fsys, p)); err != nil || !bytes.Equal(got, data) {
+			t.Errorf("%s pulled from the restarted node differs (%v)", p, err)
+		}
+	}
+	if served := b.fsys.clusterStats()["bytes_served"].(int64); served != files.bytes() {
+		t.Errorf("the restarted node served %d bytes, want %d", served, files.bytes())
+	}
+}
