@@ -16,9 +16,9 @@ import (
 	"testing"
 	"time"
 
-	"tensorfs/cluster/internal/etcdtest"
-	"tensorfs/cluster/internal/testcerts"
 	"tensorfs/cluster/transport"
+	"tensorfs/internal/etcdtest"
+	"tensorfs/internal/testcerts"
 )
 
 // testCluster is an embedded etcd and the certificates of a cluster.

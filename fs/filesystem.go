@@ -124,13 +124,15 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 
 // close ends what the mount runs: watches, reclaims, the device (its
 // segments spilled into their backing files for the next mount) and the
-// root's descriptor. Call it once the kernel serves the mount no more.
+// directories' descriptors. Call it once the kernel serves the mount no
+// more.
 func (fsys *filesystem) close() {
 	fsys.watches.close()
 	fsys.reclaims.Wait()
 	if fsys.gpu != nil {
 		fsys.gpu.spill()
 	}
+	fsys.dirs.closeIdle()
 	if fsys.root != nil {
 		unix.Close(fsys.root.fd)
 	}

@@ -160,7 +160,7 @@ func (c *dirFds) acquire(d *dirNode) (int, error) {
 		c.open++
 	}
 	d.users++
-	closing := c.trimLocked()
+	closing := c.trimLocked(c.max)
 	c.mu.Unlock()
 	if extra >= 0 {
 		unix.Close(extra)
@@ -183,7 +183,7 @@ func (c *dirFds) release(d *dirNode) {
 			d.idle = c.idle.PushBack(d)
 		}
 	}
-	closing = append(closing, c.trimLocked()...)
+	closing = append(closing, c.trimLocked(c.max)...)
 	c.mu.Unlock()
 	closeAll(closing)
 }
@@ -211,9 +211,9 @@ func (c *dirFds) forget(d *dirNode) {
 
 // trimLocked takes the least recently used idle descriptors past max out
 // of the cache and returns them for the caller to close unlocked.
-func (c *dirFds) trimLocked() []int {
+func (c *dirFds) trimLocked(max int) []int {
 	var fds []int
-	for c.open > c.max && c.idle.Len() > 0 {
+	for c.open > max && c.idle.Len() > 0 {
 		d := c.idle.Remove(c.idle.Front()).(*dirNode)
 		d.idle = nil
 		fds = append(fds, d.fd)
@@ -221,6 +221,15 @@ func (c *dirFds) trimLocked() []int {
 		c.open--
 	}
 	return fds
+}
+
+// closeIdle closes every idle descriptor, once the kernel serves the
+// mount no more: it forgets no node at unmount.
+func (c *dirFds) closeIdle() {
+	c.mu.Lock()
+	closing := c.trimLocked(0)
+	c.mu.Unlock()
+	closeAll(closing)
 }
 
 // stats reports the descriptors open, for the mount's statistics.

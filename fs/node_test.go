@@ -351,3 +351,42 @@ func TestBudgetRootReserve(t *testing.T) {
 		t.Errorf("open segments: %d per user, %d for users other than root, of %d", h.perUID, h.shared, h.total)
 	}
 }
+
+// TestCloseClosesDirectoryDescriptors: close closes the descriptors of
+// the directories the kernel never forgot (it forgets none at unmount),
+// not only the root's.
+func TestCloseClosesDirectoryDescriptors(t *testing.T) {
+	openFds := func() int {
+		fds, err := os.ReadDir("/proc/self/fd")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(fds)
+	}
+	top := t.TempDir()
+	os.Chmod(top, 0o700)
+	backing := filepath.Join(top, "backing")
+	os.Mkdir(backing, 0o755)
+	store, err := alloc.Open(alloc.Config{Backing: backing}, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer store.Close()
+	before := openFds()
+	fsys, err := newFilesystem(Options{Store: store})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fusefs.NewNodeFS(fsys.root, &fusefs.Options{})
+	d := mkdir(t, &fsys.root.dirNode, "a")
+	for _, name := range []string{"b", "c"} {
+		mkdir(t, d, name).withDir(func(int) error { return nil })
+	}
+	if got := fsys.dirs.stats()["open"]; got < 3 {
+		t.Fatalf("%d directory descriptors open, want the root's and two more at least", got)
+	}
+	fsys.close()
+	if after := openFds(); after != before {
+		t.Errorf("%d descriptors open before the filesystem, %d after its close", before, after)
+	}
+}

@@ -12,7 +12,7 @@ import (
 	"testing"
 	"time"
 
-	"tensorfs/cluster/internal/testcerts"
+	"tensorfs/internal/testcerts"
 )
 
 // memSource serves the pieces of one content held in memory.

@@ -29,8 +29,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
-	"tensorfs/cluster/internal/etcdtest"
 	"tensorfs/cluster/transport"
+	"tensorfs/internal/etcdtest"
 )
 
 func main() {
