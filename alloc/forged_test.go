@@ -67,6 +67,12 @@ func TestStoredNames(t *testing.T) {
 	if m, err := ReadMarker(forged.Path, &st); err != nil || m.Kind != Host {
 		t.Errorf("forged device marker classified as %v, %v; want host", m.Kind, err)
 	}
+	if names, err := Listxattr(forged.Path); err != nil || len(names) != 0 {
+		t.Errorf("Listxattr of the forged names: %q, %v; want none", names, err)
+	}
+	if _, err := Getxattr(forged.Path, AttrFlags, make([]byte, 64)); !errors.Is(err, ErrNoAttr) {
+		t.Errorf("Getxattr of the forged flags: %v, want ErrNoAttr", err)
+	}
 	// Removing the flags removes the stored ones, not the copy.
 	if err := Removexattr(obj.Path, AttrFlags); err != nil {
 		t.Fatal(err)

@@ -67,6 +67,15 @@ func ReadOnlyAttr(name string) bool {
 	case AttrFlags, AttrDevice:
 		return false
 	}
+	return ownAttr(name)
+}
+
+// ownAttr reports whether name is tensorfs's: its internal state, or a
+// user.tensorfs.* name, which the mount computes or reads through
+// StoredName. What a backing file holds under such a user.* name was not
+// stored by the daemon (a peer holding a descriptor of the file, or an
+// older daemon, stored it) and is neither served nor listed.
+func ownAttr(name string) bool {
 	return strings.HasPrefix(name, "user.tensorfs.") || InternalAttr(name)
 }
 
@@ -85,9 +94,10 @@ type Object struct {
 }
 
 // Getxattr reads a stored attribute into dest (sized like getxattr(2):
-// a zero-length dest asks for the size).
+// a zero-length dest asks for the size). tensorfs's own names are never
+// read as stored (see ownAttr).
 func Getxattr(path, name string, dest []byte) (int, error) {
-	if InternalAttr(name) {
+	if ownAttr(name) {
 		return 0, ErrNoAttr
 	}
 	n, err := unix.Getxattr(path, name, dest)
@@ -350,7 +360,7 @@ func checkLayout(l Layout, size int64, name, v string) error {
 }
 
 // Listxattr returns the user.* names stored on the object at path, less
-// tensorfs's internal ones.
+// tensorfs's own (ownAttr).
 func Listxattr(path string) ([]string, error) {
 	all, err := listNames(path)
 	if err != nil {
@@ -358,7 +368,7 @@ func Listxattr(path string) ([]string, error) {
 	}
 	var names []string
 	for _, s := range all {
-		if strings.HasPrefix(s, "user.") && !InternalAttr(s) {
+		if strings.HasPrefix(s, "user.") && !ownAttr(s) {
 			names = append(names, s)
 		}
 	}

@@ -167,10 +167,8 @@ func listAttrs(o object, virtual []string, l *alloc.Layout, dest []byte) (uint32
 		if l != nil && alloc.TensorAttr(name) && l.Get(name) == "" {
 			continue
 		}
-		if name != alloc.AttrFlags && name != alloc.AttrDevice {
-			b.WriteString(name)
-			b.WriteByte(0)
-		}
+		b.WriteString(name)
+		b.WriteByte(0)
 	}
 	n, errno := xattrReply(dest, b.Bytes())
 	if errno != 0 {
