@@ -175,3 +175,48 @@ func TestReadLayoutValidates(t *testing.T) {
 		t.Errorf("after the write: %+v, %v", l, err)
 	}
 }
+
+// TestRecoverOldBacking: a backing of an older root daemon, which stored
+// the flags and the device as user.* attributes, comes back without them:
+// an UNLINK segment is kept, and a spilled device segment is a host one
+// with its bytes, not restored to a device.
+func TestRecoverOldBacking(t *testing.T) {
+	needRoot(t)
+	backing := t.TempDir()
+	s, err := Open(Config{Backing: backing}, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	temp, spill := filepath.Join(backing, "temp"), filepath.Join(backing, "spill")
+	os.WriteFile(temp, []byte("kept"), 0o644)
+	setAttrRaw(temp, AttrFlags, "UNLINK")
+	os.WriteFile(spill, []byte("spilled!"), 0o644)
+	setAttrRaw(spill, AttrDevice, "cuda:0")
+	if err := WriteDeviceState(spill, DeviceState{Size: 8, Spilled: true}); err != nil {
+		t.Fatal(err)
+	}
+	rec, err := s.Recover(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rec.Segments != 2 || len(rec.Devices) != 0 {
+		t.Errorf("Recover kept %d segments, %d device ones; want 2, 0", rec.Segments, len(rec.Devices))
+	}
+	for p, want := range map[string]string{temp: "kept", spill: "spilled!"} {
+		if b, err := os.ReadFile(p); err != nil || string(b) != want {
+			t.Errorf("%s after recovery: %q, %v; want %q", filepath.Base(p), b, err, want)
+		}
+	}
+	// The same spilled segment with its device stored is restored.
+	if err := StoreDevice(spill, "cuda:0"); err != nil {
+		t.Fatal(err)
+	}
+	if rec, err = s.Recover(nil); err != nil {
+		t.Fatal(err)
+	}
+	if len(rec.Devices) != 1 {
+		t.Fatalf("Recover of a spilled device segment: %d devices, want 1", len(rec.Devices))
+	}
+	rec.Devices[0].Close()
+}
