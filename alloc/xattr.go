@@ -46,7 +46,7 @@ var (
 	attrDevice = internalAttr("device")
 )
 
-// storedName returns the name under which the attribute name is stored on
+// StoredName returns the name under which the attribute name is stored on
 // a backing object: the daemon's own for the flags and the device, name
 // itself for every other.
 func StoredName(name string) string {
