@@ -10,7 +10,7 @@ import (
 )
 
 // A device segment's bytes live in GPU memory while it is mounted; its
-// backing file stays empty and records the device (AttrDevice), the
+// backing file stays empty and records the device (attrDevice), the
 // segment's size (attrDevSize) and, after a clean unmount spilled the
 // bytes into the backing file, attrSpilled.
 var (
@@ -21,11 +21,24 @@ var (
 // ReadDevice returns the device stored on the backing object at path:
 // "cpu" when none is.
 func ReadDevice(path string) (string, error) {
-	v, err := readAttr(path, AttrDevice)
+	v, err := readAttr(path, StoredName(AttrDevice))
 	if err != nil || v == "" {
 		return "cpu", err
 	}
 	return v, nil
+}
+
+// StoreDevice records the device dev (canonical, ParseDevice) of the
+// backing object at path: cpu, the default, as no attribute.
+func StoreDevice(path, dev string) error {
+	if dev == "cpu" {
+		err := unix.Removexattr(path, StoredName(AttrDevice))
+		if errors.Is(err, unix.ENODATA) {
+			return nil
+		}
+		return err
+	}
+	return unix.Setxattr(path, StoredName(AttrDevice), []byte(dev), 0)
 }
 
 // ParseDevice returns the canonical name of a device value: "cpu" or

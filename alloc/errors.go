@@ -31,6 +31,11 @@ var (
 	// ErrNoSpace is returned when the backing cannot reserve the pages a
 	// segment grows to (ENOSPC).
 	ErrNoSpace = errors.New("no space left in the backing store")
+	// ErrBadStored is returned, together with what passed, when a tensor
+	// attribute stored on a backing file fails the check its write through
+	// the mount has: a peer holding a descriptor of the file (export, load)
+	// can store any user.* value there. What fails is not served.
+	ErrBadStored = errors.New("stored attribute fails validation")
 	// ErrNoAttr is returned when an attribute does not exist (ENODATA).
 	ErrNoAttr = errors.New("no such attribute")
 )

@@ -50,7 +50,7 @@ func internalAttr(name string) string {
 // clients neither see nor set.
 func InternalAttr(name string) bool {
 	switch name {
-	case attrDisk, attrPath, attrImport, attrDevSize, attrSpilled, attrPulled, attrPublished:
+	case attrDisk, attrPath, attrImport, attrDevSize, attrSpilled, attrPulled, attrPublished, attrFlags, attrDevice:
 		return true
 	}
 	return false
@@ -173,8 +173,8 @@ func ReadMarker(path string, st *unix.Stat_t) (Marker, error) {
 		return readID(attrImport, Imported)
 	case has[attrDisk]:
 		return readID(attrDisk, Disk)
-	case has[AttrDevice]:
-		v, err := readAttr(path, AttrDevice)
+	case has[StoredName(AttrDevice)]:
+		v, err := readAttr(path, StoredName(AttrDevice))
 		if err != nil {
 			return Marker{}, err
 		}

@@ -108,7 +108,7 @@ func FuzzRecover(f *testing.F) {
 // "f NAME" a file, "d NAME" a directory, "l NAME" a link to outside, and
 // after a file, "KEY VALUE" pairs that set an attribute on it (import,
 // disk, path, devsize, spilled as the internal names; flags, device as
-// the user ones); "D ID" a disk file. Names may hold "/" and "..": they
+// the names they are stored as); "D ID" a disk file. Names may hold "/" and "..": they
 // are joined as they come, which is how a planted tree could look.
 func buildTree(data, backing, disk, outside string) {
 	words := strings.Split(data, "\x00")
@@ -130,7 +130,7 @@ func buildTree(data, backing, disk, outside string) {
 		case "import", "disk", "path", "devsize", "spilled":
 			unix.Lsetxattr(last, internalAttr(kind), []byte(name), 0)
 		case "flags", "device":
-			unix.Lsetxattr(last, "user.tensorfs."+kind, []byte(name), 0)
+			unix.Lsetxattr(last, StoredName("user.tensorfs."+kind), []byte(name), 0)
 		}
 	}
 }

@@ -45,7 +45,10 @@ type PulledFile struct {
 // again. Recovery acts only on names below the backing
 // root, through descriptors (Walk, Ref): whatever the backing holds,
 // nothing outside it is touched. A marker that cannot be read is kept
-// and logged.
+// and logged. Only the daemon's own attributes decide (markers, device
+// state, and the flags and device through StoredName): no value a user
+// can store on a backing file, through a descriptor the control socket
+// handed out, makes recovery delete or change a segment.
 func (s *Store) Recover(mapped func(st *unix.Stat_t) bool) (*Recovery, error) {
 	rec := &Recovery{}
 	known := map[string]bool{}
@@ -89,8 +92,7 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool) (*Recovery, error) {
 				return nil
 			}
 		}
-		ds, derr := ReadDeviceState(p)
-		if m.Kind == Device || derr == nil && ds.Spilled {
+		if m.Kind == Device || spilled(p) {
 			// A spilled device segment's backing file holds its bytes;
 			// its marker says so only once it is empty again.
 			fd, err := ref.Open(unix.O_RDWR)
@@ -124,6 +126,20 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool) (*Recovery, error) {
 		return nil, err
 	}
 	return rec, nil
+}
+
+// spilled reports whether the backing file at path holds the bytes of a
+// device segment spilled at a clean unmount: its device state says so, and
+// its device is stored (a backing of an older daemon, which stored the
+// device as a user.* attribute, has none: its segment stays a host one,
+// with its bytes).
+func spilled(path string) bool {
+	ds, err := ReadDeviceState(path)
+	if err != nil || !ds.Spilled {
+		return false
+	}
+	dev, err := ReadDevice(path)
+	return err == nil && dev != "cpu"
 }
 
 // recoverPulled recovers the Pulled segment at ref (rel in the backing)

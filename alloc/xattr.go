@@ -31,6 +31,34 @@ const (
 	AttrCudaRefCounter  = "user.tensorfs.cuda.ref_counter"
 )
 
+// The flags and the device are the daemon's state as much as the markers
+// (marker.go) are: recovery and the last close remove an UNLINK segment's
+// name, ReadMarker takes a device for a marker, export obeys KEEPFD and
+// FROMFD. A peer of the control socket holds a descriptor of a backing
+// file itself (export, load), on which the kernel lets every writer of
+// the file set user.* attributes; so they are stored under internal
+// names (internalAttr: trusted.* when the daemon is root), and the mount
+// shows them as AttrFlags and AttrDevice. A backing written by a root
+// daemon that stored them as user.* loses them: they are never read
+// (DESIGN.md §4).
+var (
+	attrFlags  = internalAttr("flags")
+	attrDevice = internalAttr("device")
+)
+
+// StoredName returns the name under which the attribute name is stored on
+// a backing object: the daemon's own for the flags and the device, name
+// itself for every other.
+func StoredName(name string) string {
+	switch name {
+	case AttrFlags:
+		return attrFlags
+	case AttrDevice:
+		return attrDevice
+	}
+	return name
+}
+
 // ReadOnlyAttr reports whether clients may not write name: every
 // user.tensorfs.* name but the flags and the device is computed by
 // tensorfs or reserved for it.
@@ -39,6 +67,15 @@ func ReadOnlyAttr(name string) bool {
 	case AttrFlags, AttrDevice:
 		return false
 	}
+	return ownAttr(name)
+}
+
+// ownAttr reports whether name is tensorfs's: its internal state, or a
+// user.tensorfs.* name, which the mount computes or reads through
+// StoredName. What a backing file holds under such a user.* name was not
+// stored by the daemon (a peer holding a descriptor of the file, or an
+// older daemon, stored it) and is neither served nor listed.
+func ownAttr(name string) bool {
 	return strings.HasPrefix(name, "user.tensorfs.") || InternalAttr(name)
 }
 
@@ -57,9 +94,10 @@ type Object struct {
 }
 
 // Getxattr reads a stored attribute into dest (sized like getxattr(2):
-// a zero-length dest asks for the size).
+// a zero-length dest asks for the size). tensorfs's own names are never
+// read as stored (see ownAttr).
 func Getxattr(path, name string, dest []byte) (int, error) {
-	if InternalAttr(name) {
+	if ownAttr(name) {
 		return 0, ErrNoAttr
 	}
 	n, err := unix.Getxattr(path, name, dest)
@@ -71,7 +109,7 @@ func Getxattr(path, name string, dest []byte) (int, error) {
 
 // ReadFlags returns the flags stored on the object at path; none stored is 0.
 func ReadFlags(path string) (Flags, error) {
-	v, err := readAttr(path, AttrFlags)
+	v, err := readAttr(path, StoredName(AttrFlags))
 	if err != nil || v == "" {
 		return 0, err
 	}
@@ -99,6 +137,9 @@ func Setxattr(obj Object, name string, value []byte, flags int) error {
 		return setDevice(obj, string(value))
 	case TensorAttr(name):
 		cur, err := ReadLayout(obj.Path)
+		if errors.Is(err, ErrBadStored) {
+			err = nil // a valid value replaces a bad one
+		}
 		if err == nil {
 			_, err = SetTensorAttr(obj, cur, name, value, flags)
 		}
@@ -134,13 +175,13 @@ func setFlags(obj Object, v string, xflags int) error {
 // storeFlags writes f in canonical form; 0 removes the attribute.
 func storeFlags(path string, f Flags, xflags int) error {
 	if f == 0 {
-		err := unix.Removexattr(path, AttrFlags)
+		err := unix.Removexattr(path, StoredName(AttrFlags))
 		if errors.Is(err, unix.ENODATA) {
 			return nil
 		}
 		return err
 	}
-	return unix.Setxattr(path, AttrFlags, []byte(f.String()), xflags)
+	return unix.Setxattr(path, StoredName(AttrFlags), []byte(f.String()), xflags)
 }
 
 // setDevice stores a segment's or directory's device: cpu, the default,
@@ -166,14 +207,7 @@ func setDevice(obj Object, v string) error {
 			return fmt.Errorf("%w: the device of a segment is set while it is empty", ErrNotEmpty)
 		}
 	}
-	if dev == "cpu" {
-		err := unix.Removexattr(obj.Path, AttrDevice)
-		if errors.Is(err, unix.ENODATA) {
-			return nil
-		}
-		return err
-	}
-	return unix.Setxattr(obj.Path, AttrDevice, []byte(dev), 0)
+	return StoreDevice(obj.Path, dev)
 }
 
 // canonicalTensorAttr parses a dtype/shape/stride/offset value and returns
@@ -230,19 +264,39 @@ func (l Layout) With(name, v string) Layout {
 }
 
 // ReadLayout reads the tensor attributes stored on the object at path:
-// one listing, then only the names that are there.
+// one listing, then only the names that are there. Every value is checked
+// as SetTensorAttr checks it, whoever stored it (a peer that holds a
+// descriptor of the backing file can store anything): a value that does
+// not parse is left out, and so is the whole layout when the values do
+// not lay out a tensor together. Then the layout holds what passed, in
+// canonical form, and the error, wrapping ErrBadStored, says what was
+// left out and why; a caller serves the layout and logs the error.
 func ReadLayout(path string) (Layout, error) {
 	var l Layout
 	stored, err := Listxattr(path)
 	if err != nil {
 		return l, err
 	}
+	var bad []string
 	for _, name := range stored {
-		if TensorAttr(name) {
-			if *l.field(name), err = readAttr(path, name); err != nil {
-				return l, err
-			}
+		if !TensorAttr(name) {
+			continue
 		}
+		v, err := readAttr(path, name)
+		if err != nil {
+			return Layout{}, err
+		}
+		if *l.field(name), err = canonicalTensorAttr(name, v); err != nil {
+			*l.field(name) = ""
+			bad = append(bad, fmt.Sprintf("%s %q: %v", name, v, err))
+		}
+	}
+	if err := checkLayout(l, 0, "", ""); err != nil {
+		bad = append(bad, fmt.Sprintf("dtype %q shape %q stride %q offset %q together: %v", l.Dtype, l.Shape, l.Stride, l.Offset, err))
+		l = Layout{}
+	}
+	if bad != nil {
+		return l, fmt.Errorf("%w, not served: %s", ErrBadStored, strings.Join(bad, "; "))
 	}
 	return l, nil
 }
@@ -306,7 +360,7 @@ func checkLayout(l Layout, size int64, name, v string) error {
 }
 
 // Listxattr returns the user.* names stored on the object at path, less
-// tensorfs's internal ones.
+// tensorfs's own (ownAttr).
 func Listxattr(path string) ([]string, error) {
 	all, err := listNames(path)
 	if err != nil {
@@ -314,7 +368,7 @@ func Listxattr(path string) ([]string, error) {
 	}
 	var names []string
 	for _, s := range all {
-		if strings.HasPrefix(s, "user.") && !InternalAttr(s) {
+		if strings.HasPrefix(s, "user.") && !ownAttr(s) {
 			names = append(names, s)
 		}
 	}
@@ -350,7 +404,7 @@ func Removexattr(path, name string) error {
 	if ReadOnlyAttr(name) {
 		return fmt.Errorf("%w: %s is computed by tensorfs", ErrReadOnly, name)
 	}
-	err := unix.Removexattr(path, name)
+	err := unix.Removexattr(path, StoredName(name))
 	if errors.Is(err, unix.ENODATA) {
 		return ErrNoAttr
 	}

@@ -86,7 +86,7 @@ func TestSetxattrRefusesAndKeepsOldValue(t *testing.T) {
 	if got := attr(t, obj.Path, AttrShape); got != "[16, 16]" {
 		t.Errorf("shape changed to %q by refused writes", got)
 	}
-	if got := attr(t, obj.Path, AttrFlags); got != "" {
+	if got := attr(t, obj.Path, StoredName(AttrFlags)); got != "" {
 		t.Errorf("flags changed to %q by refused writes", got)
 	}
 }
@@ -96,7 +96,7 @@ func TestFlagsOnEmptySegmentAndDirectory(t *testing.T) {
 	if err := Setxattr(obj, AttrFlags, []byte("66"), 0); err != nil {
 		t.Fatal(err)
 	}
-	if got := attr(t, obj.Path, AttrFlags); got != "SHAREDMEM|UNLINK" {
+	if got := attr(t, obj.Path, StoredName(AttrFlags)); got != "SHAREDMEM|UNLINK" {
 		t.Errorf("flags stored %q", got)
 	}
 	if err := Setxattr(obj, AttrFlags, []byte("EXCLUSIVE"), 0); !errors.Is(err, ErrInvalid) {
@@ -117,7 +117,7 @@ func TestFlagsOnEmptySegmentAndDirectory(t *testing.T) {
 	if err := InheritFlags(f, child, false); err != nil {
 		t.Fatal(err)
 	}
-	if got := attr(t, child, AttrFlags); got != "UNLINK" {
+	if got := attr(t, child, StoredName(AttrFlags)); got != "UNLINK" {
 		t.Errorf("a segment inherits %q, want only its storage modes (UNLINK)", got)
 	}
 	if err := Setxattr(dir, AttrShape, []byte("[1]"), 0); !errors.Is(err, ErrInvalid) {

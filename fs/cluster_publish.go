@@ -248,7 +248,7 @@ func (c *clusterFS) segmentEntry(who ctl.Cred, fd int, name, rel string, st *uni
 		return o, fmt.Errorf("%w: %s segments are not published (copy it into a host segment)", alloc.ErrInvalid, s.kind())
 	}
 	path, _ := m.Path()
-	l, err := alloc.ReadLayout(path)
+	l, err := c.fsys.readLayout(path, rel)
 	if err != nil {
 		return o, err
 	}

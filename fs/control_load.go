@@ -158,7 +158,7 @@ func (l *loader) segment(dirfd int, name string, rel []string, st *unix.Stat_t) 
 	seg := ctl.Segment{Name: path.Join(rel...), Size: st.Size}
 	file, err := s.descriptor(m, l.write)
 	if err == nil {
-		err = s.attrs(m, func(a *alloc.Ref) error { return readAttrs(&seg, a, file) })
+		err = s.attrs(m, func(a *alloc.Ref) error { return l.b.fsys.readAttrs(&seg, a) })
 	}
 	if err != nil {
 		if file != nil {
@@ -172,30 +172,22 @@ func (l *loader) segment(dirfd int, name string, rel []string, st *unix.Stat_t) 
 }
 
 // readAttrs fills seg's flags and tensor attributes from the attribute
-// object a: through the descriptor f handed out when it opens that very
-// object (one call less each), else through a.
-func readAttrs(seg *ctl.Segment, a *alloc.Ref, f *os.File) error {
-	get := func(attr string, buf []byte) (int, error) { return unix.Getxattr(alloc.FdPath(a.Fd()), attr, buf) }
-	var st unix.Stat_t
-	if f != nil && unix.Fstat(int(f.Fd()), &st) == nil && st.Ino == a.Stat().Ino && st.Dev == a.Stat().Dev {
-		fd := int(f.Fd())
-		get = func(attr string, buf []byte) (int, error) { return unix.Fgetxattr(fd, attr, buf) }
+// object a; a tensor attribute stored there that fails validation is left
+// out and logged (alloc.ReadLayout).
+func (fsys *filesystem) readAttrs(seg *ctl.Segment, a *alloc.Ref) error {
+	p, err := a.Path()
+	if err != nil {
+		return err
 	}
-	buf := make([]byte, 8192)
-	for _, at := range []struct {
-		name string
-		v    *string
-	}{{alloc.AttrFlags, &seg.Flags}, {alloc.AttrDtype, &seg.Dtype}, {alloc.AttrShape, &seg.Shape},
-		{alloc.AttrStride, &seg.Stride}, {alloc.AttrOffset, &seg.Offset}} {
-		n, err := get(at.name, buf)
-		switch {
-		case errors.Is(err, unix.ENODATA):
-		case err != nil:
-			return err
-		default:
-			*at.v = string(buf[:n])
-		}
+	f, err := alloc.ReadFlags(p)
+	if err != nil {
+		return err
 	}
+	l, err := fsys.readLayout(p, seg.Name)
+	if err != nil {
+		return err
+	}
+	seg.Flags, seg.Dtype, seg.Shape, seg.Stride, seg.Offset = f.String(), l.Dtype, l.Shape, l.Stride, l.Offset
 	return nil
 }
 

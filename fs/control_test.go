@@ -40,7 +40,7 @@ func controlFS(t *testing.T) (controlBackend, string) {
 	if err := os.WriteFile(seg, []byte("weights!"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if err := unix.Setxattr(seg, alloc.AttrFlags, []byte("KEEPFD"), 0); err != nil {
+	if err := unix.Setxattr(seg, alloc.StoredName(alloc.AttrFlags), []byte("KEEPFD"), 0); err != nil {
 		t.Fatal(err)
 	}
 	for _, p := range []string{pub, seg} {
@@ -102,7 +102,7 @@ func TestControlExportPermissions(t *testing.T) {
 	if _, err := b.Export(otherPeer, "pub/w", false); !errors.Is(err, syscall.EACCES) {
 		t.Errorf("export through a directory the peer cannot search: got %v, want EACCES", err)
 	}
-	if err := unix.Removexattr(filepath.Join(backing, "pub", "w"), alloc.AttrFlags); err != nil {
+	if err := unix.Removexattr(filepath.Join(backing, "pub", "w"), alloc.StoredName(alloc.AttrFlags)); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := b.Export(ownerPeer, "pub/w", false); !errors.Is(err, alloc.ErrReadOnly) {

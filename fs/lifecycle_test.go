@@ -325,7 +325,7 @@ func TestDirectoryDescriptorsBounded(t *testing.T) {
 func TestCreateInDeviceDirectoryWithoutGPU(t *testing.T) {
 	fsys := testFS(t)
 	d := mkdir(t, &fsys.root.dirNode, "g")
-	if err := unix.Setxattr(filepath.Join(fsys.store.Dir, "g"), alloc.AttrDevice, []byte("cuda:0"), 0); err != nil {
+	if err := unix.Setxattr(filepath.Join(fsys.store.Dir, "g"), alloc.StoredName(alloc.AttrDevice), []byte("cuda:0"), 0); err != nil {
 		t.Fatal(err)
 	}
 	var out fuse.EntryOut
@@ -407,7 +407,7 @@ func TestRecoverKeepsWhatIsMapped(t *testing.T) {
 	for _, name := range []string{"mapped", "free"} {
 		p := filepath.Join(dir, name)
 		os.WriteFile(p, make([]byte, 4096), 0o644)
-		if err := unix.Setxattr(p, alloc.AttrFlags, []byte("UNLINK"), 0); err != nil {
+		if err := unix.Setxattr(p, alloc.StoredName(alloc.AttrFlags), []byte("UNLINK"), 0); err != nil {
 			t.Fatal(err)
 		}
 	}

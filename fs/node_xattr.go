@@ -58,31 +58,45 @@ func (c *attrCache) flags(o object) (alloc.Flags, error) {
 	return f, err
 }
 
-// tensorLayout returns the tensor attributes stored on o.
-func (c *attrCache) tensorLayout(o object) (alloc.Layout, error) {
+// tensorLayout returns the valid tensor attributes stored on the segment
+// n, whose cache c is.
+func (c *attrCache) tensorLayout(n *segmentNode) (alloc.Layout, error) {
 	if l := c.layout.Load(); l != nil {
 		return *l, nil
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.tensorLayoutLocked(o)
+	return c.tensorLayoutLocked(n)
 }
 
 // tensorLayoutLocked is tensorLayout for a caller that holds c.mu.
-func (c *attrCache) tensorLayoutLocked(o object) (alloc.Layout, error) {
+func (c *attrCache) tensorLayoutLocked(n *segmentNode) (alloc.Layout, error) {
 	if l := c.layout.Load(); l != nil {
 		return *l, nil
 	}
 	var l alloc.Layout
-	err := o.withAttrs(func(a *alloc.Ref) error {
+	err := n.withAttrs(func(a *alloc.Ref) error {
 		p, err := a.Path()
 		if err == nil {
-			l, err = alloc.ReadLayout(p)
+			l, err = n.fs.readLayout(p, n.path())
 		}
 		return err
 	})
 	if err == nil {
 		c.layout.Store(&l)
+	}
+	return l, err
+}
+
+// readLayout reads the tensor attributes stored on the backing object at
+// p, the segment name in the mount: a value that fails validation (a peer
+// holding a descriptor of the backing file stored it there) is not served,
+// and logged.
+func (fsys *filesystem) readLayout(p, name string) (alloc.Layout, error) {
+	l, err := alloc.ReadLayout(p)
+	if errors.Is(err, alloc.ErrBadStored) {
+		fsys.log.Warn("stored tensor attributes fail validation", "path", alloc.EscapeText(name), "err", err)
+		err = nil
 	}
 	return l, err
 }
@@ -129,8 +143,10 @@ func storedAttr(o object, attr string, dest []byte) (int, error) {
 	return sz, err
 }
 
-// listAttrs lists o's virtual names, then its stored ones.
-func listAttrs(o object, virtual []string, dest []byte) (uint32, error) {
+// listAttrs lists o's virtual names, then its stored ones: of a segment
+// (l not nil), tensor attributes only where its layout l holds a valid
+// value (alloc.ReadLayout).
+func listAttrs(o object, virtual []string, l *alloc.Layout, dest []byte) (uint32, error) {
 	var stored []string
 	err := o.withAttrs(func(a *alloc.Ref) error {
 		p, err := a.Path()
@@ -148,10 +164,11 @@ func listAttrs(o object, virtual []string, dest []byte) (uint32, error) {
 		b.WriteByte(0)
 	}
 	for _, name := range stored {
-		if name != alloc.AttrFlags && name != alloc.AttrDevice {
-			b.WriteString(name)
-			b.WriteByte(0)
+		if l != nil && alloc.TensorAttr(name) && l.Get(name) == "" {
+			continue
 		}
+		b.WriteString(name)
+		b.WriteByte(0)
 	}
 	n, errno := xattrReply(dest, b.Bytes())
 	if errno != 0 {
@@ -171,12 +188,15 @@ func flagsAttr(f alloc.Flags, defaultStorage bool) []byte {
 
 // deviceAttr is user.tensorfs.device as shown: "cpu" unless stored.
 func deviceAttr(o object) ([]byte, error) {
-	buf := make([]byte, 64)
-	sz, err := storedAttr(o, alloc.AttrDevice, buf)
-	if errors.Is(err, alloc.ErrNoAttr) {
-		return []byte("cpu"), nil
-	}
-	return buf[:sz], err
+	var dev string
+	err := o.withAttrs(func(a *alloc.Ref) error {
+		p, err := a.Path()
+		if err == nil {
+			dev, err = alloc.ReadDevice(p)
+		}
+		return err
+	})
+	return []byte(dev), err
 }
 
 // setAttr validates and stores an attribute on o, the object of cache c,
@@ -290,7 +310,7 @@ var dirAttrs = []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRbytes, all
 
 // Listxattr lists a directory's stored and virtual names.
 func (d *dirNode) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errno) {
-	n, err := listAttrs(d, append(dirAttrs[:len(dirAttrs):len(dirAttrs)], d.fs.clusterAttrs(d)...), dest)
+	n, err := listAttrs(d, append(dirAttrs[:len(dirAttrs):len(dirAttrs)], d.fs.clusterAttrs(d)...), nil, dest)
 	return n, d.fs.errnoOf("listxattr", &d.nodeBase, err)
 }
 
@@ -334,7 +354,7 @@ func (r *rootNode) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.
 	if r.fs.socket != "" {
 		names = append(names, alloc.AttrSocket)
 	}
-	n, err := listAttrs(r, names, dest)
+	n, err := listAttrs(r, names, nil, dest)
 	return n, r.fs.errnoOf("listxattr", &r.nodeBase, err)
 }
 
@@ -428,7 +448,11 @@ func (n *segmentNode) Listxattr(ctx context.Context, dest []byte) (uint32, sysca
 	case n.fs.mayHaveHandle(ctx):
 		names = append(names, alloc.AttrHandle)
 	}
-	sz, err := listAttrs(n, names, dest)
+	l, err := n.tensorLayout(n)
+	if err != nil {
+		return 0, n.fs.errnoOf("listxattr", &n.nodeBase, err)
+	}
+	sz, err := listAttrs(n, names, &l, dest)
 	return sz, n.fs.errnoOf("listxattr", &n.nodeBase, err)
 }
 

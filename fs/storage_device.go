@@ -143,7 +143,7 @@ func (fsys *filesystem) inheritDevice(dirfd int, a *alloc.Ref) (storage, error) 
 		return nil, err
 	}
 	p, _ := a.Path()
-	if err := unix.Setxattr(p, alloc.AttrDevice, []byte(dev), 0); err != nil {
+	if err := alloc.StoreDevice(p, dev); err != nil {
 		return nil, err
 	}
 	if a.Stat().Mode&syscall.S_IFMT != syscall.S_IFREG {
