@@ -282,9 +282,23 @@ func (bed *clusterBed) kill(k int) error {
 	return syscall.Kill(st.Daemon.Pid, syscall.SIGKILL)
 }
 
-// iperf measures one TCP stream from node1 to node2 for 3 seconds, in
-// Gbit/s received.
+// iperf measures the link from node2 to node1 with iperf3 (3 s of TCP),
+// in Gbit/s. A run that reports no bytes received (iperf3 can say so and
+// exit 0) is tried again, twice at most, with a new server.
 func (bed *clusterBed) iperf() (float64, error) {
+	var err error
+	for range 3 {
+		var rate float64
+		if rate, err = bed.iperfOnce(); err == nil {
+			return rate, nil
+		}
+	}
+	return 0, err
+}
+
+// iperfOnce is one iperf3 run: a one-off server on node1, a client on
+// node2.
+func (bed *clusterBed) iperfOnce() (float64, error) {
 	server := exec.Command(bed.script, "exec", bed.dir, "node1", "iperf3", "-s", "-1", "-B", "10.99.0.1")
 	if err := server.Start(); err != nil {
 		return 0, err
@@ -306,7 +320,8 @@ func (bed *clusterBed) iperf() (float64, error) {
 		return 0, fmt.Errorf("iperf3: %v\n%s", err, out)
 	}
 	var res struct {
-		End struct {
+		Error string `json:"error"`
+		End   struct {
 			SumReceived struct {
 				BitsPerSecond float64 `json:"bits_per_second"`
 			} `json:"sum_received"`
@@ -314,6 +329,9 @@ func (bed *clusterBed) iperf() (float64, error) {
 	}
 	if err := json.Unmarshal(out, &res); err != nil {
 		return 0, fmt.Errorf("iperf3: %v\n%s", err, out)
+	}
+	if res.Error != "" || res.End.SumReceived.BitsPerSecond <= 0 {
+		return 0, fmt.Errorf("iperf3 measured nothing (%s)\n%s", res.Error, out)
 	}
 	return res.End.SumReceived.BitsPerSecond / 1e9, nil
 }
