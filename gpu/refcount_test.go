@@ -586,9 +586,11 @@ func TestCounterAttack(t *testing.T) {
 		counters["private"].Path()+","+counters["notgroup"].Path()+","+counters["notowner"].Path())
 	cmd.Env = append(os.Environ(), childEnv+"=counter-attack")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: gid, Groups: []uint32{}}}
-	out, err := cmd.CombinedOutput()
+	var stderr strings.Builder // apart: a binary built with -cover warns there
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
 	if err != nil {
-		t.Fatalf("child as uid %d: %v\n%s", uid, err, out)
+		t.Fatalf("child as uid %d: %v\n%s%s", uid, err, out, stderr.String())
 	}
 	var got []string
 	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
