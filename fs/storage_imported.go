@@ -7,7 +7,9 @@ import (
 	"strings"
 	"sync"
 	"syscall"
+	"time"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
@@ -257,38 +259,94 @@ func (fsys *filesystem) importSegment(who ctl.Cred, dirfd int, name string, pf a
 // importer learn, through holders, which processes map it, and a file on
 // a FUSE filesystem could be one of this mount's, which the daemon would
 // have to serve to itself.
+//
+// Nothing here asks the file's filesystem before it is known not to be
+// FUSE: the sender's own FUSE server could leave a request unanswered
+// and the daemon's goroutine with it. The type comes from the inode as
+// cached (AT_STATX_DONT_SYNC), the filesystem from the mount table; only
+// a file whose mount this namespace does not list (a memfd's, or another
+// namespace's) is asked with fstatfs, for at most fsTypeWait.
 func importable(f *os.File) (int, error) {
 	fd, err := fdpass.Dup(f)
 	if err != nil {
 		return -1, err
 	}
-	var st unix.Stat_t
-	var sfs unix.Statfs_t
+	var stx unix.Statx_t
 	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
 	if err == nil {
-		err = unix.Fstat(fd, &st)
+		err = unix.Statx(fd, "", unix.AT_EMPTY_PATH|unix.AT_STATX_DONT_SYNC, unix.STATX_TYPE|unix.STATX_MNT_ID, &stx)
 	}
-	if err == nil {
-		err = unix.Fstatfs(fd, &sfs)
-	}
+	var magic int64
 	switch {
 	case err != nil:
 	case fl&unix.O_PATH != 0:
 		err = fmt.Errorf("%w: an O_PATH descriptor grants no access to a file's bytes; send one opened for reading", syscall.EBADF)
 	case fl&unix.O_ACCMODE == unix.O_WRONLY:
 		err = fmt.Errorf("%w: a write-only descriptor cannot be read; send one opened for reading", syscall.EBADF)
-	case st.Mode&syscall.S_IFMT != syscall.S_IFREG:
+	case uint32(stx.Mode)&syscall.S_IFMT != syscall.S_IFREG:
 		err = fmt.Errorf("%w: import takes a regular file or memfd", alloc.ErrInvalid)
-	case sfs.Type == unix.FUSE_SUPER_MAGIC:
+	default:
+		magic, err = fsMagic(fd, stx.Mnt_id)
+	}
+	switch {
+	case err != nil:
+	case magic == unix.FUSE_SUPER_MAGIC:
 		err = fmt.Errorf("%w: the file is on a FUSE filesystem; a file of a tensorfs mount is shared by its path", alloc.ErrInvalid)
-	case sfs.Type != unix.TMPFS_MAGIC && sfs.Type != unix.HUGETLBFS_MAGIC:
+	case magic != unix.TMPFS_MAGIC && magic != unix.HUGETLBFS_MAGIC:
 		err = fmt.Errorf("%w: import takes shared memory (a memfd, or a file on tmpfs such as /dev/shm); copy other files in", alloc.ErrInvalid)
 	}
 	if err != nil {
-		unix.Close(fd)
+		go unix.Close(fd) // a FUSE file's close waits for its FLUSH, which may never come
 		return -1, err
 	}
 	return fd, nil
+}
+
+// fsTypeWait bounds how long importable waits for a filesystem whose
+// type the mount table does not give.
+const fsTypeWait = 2 * time.Second
+
+// fsMagic returns the filesystem magic of the file open at fd, on the
+// mount of id mntID: from /proc/self/mountinfo where it lists the mount,
+// asking no filesystem; else from fstatfs, which a FUSE server may leave
+// unanswered, so the wait is fsTypeWait at most (ETIMEDOUT), and the
+// descriptor is the goroutine's to close then.
+func fsMagic(fd int, mntID uint64) (int64, error) {
+	mounts, err := mountinfo.GetMounts(func(i *mountinfo.Info) (skip, stop bool) {
+		return uint64(i.ID) != mntID, uint64(i.ID) == mntID
+	})
+	if err == nil && len(mounts) == 1 {
+		switch t := mounts[0].FSType; {
+		case t == "tmpfs":
+			return unix.TMPFS_MAGIC, nil
+		case t == "hugetlbfs":
+			return unix.HUGETLBFS_MAGIC, nil
+		case t == "fuse" || t == "fuseblk" || strings.HasPrefix(t, "fuse."):
+			return unix.FUSE_SUPER_MAGIC, nil
+		}
+		return 0, nil // another filesystem: not shared memory
+	}
+	own, err := unix.Dup(fd)
+	if err != nil {
+		return 0, err
+	}
+	type answer struct {
+		magic int64
+		err   error
+	}
+	done := make(chan answer, 1)
+	go func() {
+		var sfs unix.Statfs_t
+		err := unix.Fstatfs(own, &sfs)
+		unix.Close(own)
+		done <- answer{sfs.Type, err}
+	}()
+	select {
+	case a := <-done:
+		return a.magic, a.err
+	case <-time.After(fsTypeWait):
+		return 0, fmt.Errorf("%w: the file's filesystem did not say what it is within %v", syscall.ETIMEDOUT, fsTypeWait)
+	}
 }
 
 // memfdOwnerOnly takes the group and other bits off the mode of the file

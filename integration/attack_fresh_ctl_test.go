@@ -8,6 +8,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -33,22 +34,27 @@ import (
 // attacker of TestAttackWedgeGroups (blockFlushMain).
 const blockFlushEnv = "TENSORFS_TEST_BLOCKFLUSH"
 
+// blockFlushOpEnv says what the attacker sends its file with: "import"
+// (an import request), else an all_gather.
+const blockFlushOpEnv = "TENSORFS_TEST_BLOCKOP"
+
 func init() {
 	if dir := os.Getenv(blockFlushEnv); dir != "" {
-		os.Exit(blockFlushMain(dir, os.Getenv("TENSORFS_TEST_SOCKET")))
+		os.Exit(blockFlushMain(dir, os.Getenv("TENSORFS_TEST_SOCKET"), os.Getenv(blockFlushOpEnv)))
 	}
 }
 
 // blockFlushMain serves, on the /dev/fuse descriptor 3 that its parent
-// mounted at dir for it, a FUSE filesystem holding one file f whose FLUSH
-// from any other process is answered only once told to; it sends f with
-// an all_gather (rank 0 of 2, group "wedge") on the control socket sock.
+// mounted at dir for it, a FUSE filesystem holding one file f whose FLUSH,
+// and whose STATFS, from any other process are answered only once told
+// to; it sends f with an all_gather (rank 0 of 2, group "wedge"), or with
+// an import to "pub/x" when op is "import", on the control socket sock.
 // On stdout: "mounted", "sent", "reply ERRNO" (0 for success, -1 for no
 // reply),
 // "flush TID" for each flush that waits (a thread of another process); on stdin: "leave" closes the
 // connection ("left"), "release" answers the flushes and closes f
 // ("done"); it exits at the end of stdin.
-func blockFlushMain(dir, sock string) int {
+func blockFlushMain(dir, sock, op string) int {
 	var mu sync.Mutex
 	say := func(a ...any) {
 		mu.Lock()
@@ -56,7 +62,7 @@ func blockFlushMain(dir, sock string) int {
 		fmt.Println(a...)
 	}
 	release := make(chan struct{})
-	root := &blockFlushRoot{file: &blockFlushNode{say: say, release: release}}
+	root := &blockFlushRoot{file: &blockFlushNode{say: say, release: release}, say: say, release: release}
 	if _, err := fusefs.Mount("/dev/fd/3", root, &fusefs.Options{}); err != nil {
 		say("serve:", err)
 		return 1
@@ -68,8 +74,12 @@ func blockFlushMain(dir, sock string) int {
 		return 1
 	}
 	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: sock, Net: "unixpacket"})
+	req := `{"v":1,"op":"all_gather","group":"wedge","rank":0,"world":2}`
+	if op == "import" {
+		req = `{"v":1,"op":"import","path":"pub/x"}`
+	}
 	if err == nil {
-		err = fdpass.Send(c, []byte(`{"v":1,"op":"all_gather","group":"wedge","rank":0,"world":2}`), fd)
+		err = fdpass.Send(c, []byte(req), fd)
 	}
 	if err != nil {
 		say("send:", err)
@@ -102,13 +112,34 @@ func blockFlushMain(dir, sock string) int {
 	return 0
 }
 
-// blockFlushRoot is the attacker's root directory, holding its file "f".
+// blockFlushRoot is the attacker's root directory, holding its file "f";
+// its filesystem's STATFS from other processes waits for release.
 type blockFlushRoot struct {
 	fusefs.Inode
-	file *blockFlushNode
+	file    *blockFlushNode
+	say     func(...any)
+	release chan struct{}
 }
 
-var _ = (fusefs.NodeOnAdder)((*blockFlushRoot)(nil))
+var (
+	_ = (fusefs.NodeOnAdder)((*blockFlushRoot)(nil))
+	_ = (fusefs.NodeStatfser)((*blockFlushRoot)(nil))
+)
+
+func (r *blockFlushRoot) Statfs(ctx context.Context, out *fuse.StatfsOut) syscall.Errno {
+	if caller, ok := fuse.FromContext(ctx); ok && otherProcess(caller.Pid) {
+		r.say("statfs", caller.Pid)
+		<-r.release
+	}
+	return 0
+}
+
+// otherProcess reports whether thread tid (FUSE names threads) is not one
+// of this process's.
+func otherProcess(tid uint32) bool {
+	_, err := os.Stat(fmt.Sprintf("/proc/self/task/%d", tid))
+	return err != nil
+}
 
 func (r *blockFlushRoot) OnAdd(ctx context.Context) {
 	r.AddChild("f", r.NewPersistentInode(ctx, r.file, fusefs.StableAttr{Mode: syscall.S_IFREG}), false)
@@ -140,9 +171,7 @@ func (n *blockFlushNode) Getattr(ctx context.Context, fh fusefs.FileHandle, out 
 type blockFlushHandle struct{ n *blockFlushNode }
 
 func (h *blockFlushHandle) Flush(ctx context.Context) syscall.Errno {
-	caller, ok := fuse.FromContext(ctx)
-	if _, err := os.Stat(fmt.Sprintf("/proc/self/task/%d", caller.Pid)); ok && err != nil {
-		// The caller is a thread (FUSE names threads) of another process.
+	if caller, ok := fuse.FromContext(ctx); ok && otherProcess(caller.Pid) {
 		h.n.say("flush", caller.Pid)
 		<-h.n.release
 	}
@@ -177,8 +206,10 @@ func (c *lineChild) next(t *testing.T, what string) string {
 // its own. The test mounts it for userA as the setuid fusermount3 does for
 // any user (open /dev/fuse, mount with user_id and the descriptor, hand
 // the descriptor over): this environment does not honour set-uid bits.
-// The cleanup releases and unmounts it.
-func startBlockFlush(t *testing.T, sock string) *lineChild {
+// The cleanup releases and unmounts it. op is blockFlushMain's; an import
+// attacker's mount is allow_other (fuse.conf's user_allow_other), so that
+// the daemon may reach its file at all.
+func startBlockFlush(t *testing.T, sock, op string) *lineChild {
 	t.Helper()
 	dir := t.TempDir()
 	if err := os.Chmod(dir, 0o755); err != nil {
@@ -205,15 +236,18 @@ func startBlockFlush(t *testing.T, sock string) *lineChild {
 		t.Fatal(err)
 	}
 	defer dev.Close()
-	if err := unix.Mount("blockflush", mnt, "fuse.blockflush", unix.MS_NOSUID|unix.MS_NODEV,
-		fmt.Sprintf("fd=%d,rootmode=40000,user_id=%d,group_id=%d", dev.Fd(), userA, userA)); err != nil {
+	opts := fmt.Sprintf("fd=%d,rootmode=40000,user_id=%d,group_id=%d", dev.Fd(), userA, userA)
+	if op == "import" {
+		opts += ",allow_other"
+	}
+	if err := unix.Mount("blockflush", mnt, "fuse.blockflush", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { unix.Unmount(mnt, unix.MNT_DETACH) })
 	c := &lineChild{cmd: asUser(exec.Command(bin), userA), lines: make(chan string, 64), out: &lockedBuffer{}}
 	c.cmd.ExtraFiles = []*os.File{dev}
 	c.cmd.Dir = "/"
-	c.cmd.Env = []string{blockFlushEnv + "=" + mnt, "TENSORFS_TEST_SOCKET=" + sock, "PATH=/usr/bin:/bin"}
+	c.cmd.Env = []string{blockFlushEnv + "=" + mnt, "TENSORFS_TEST_SOCKET=" + sock, blockFlushOpEnv + "=" + op, "PATH=/usr/bin:/bin"}
 	c.cmd.Stderr = c.out
 	c.cmd.WaitDelay = 5 * time.Second
 	if c.stdin, err = c.cmd.StdinPipe(); err != nil {
@@ -260,7 +294,7 @@ func TestAttackWedgeGroups(t *testing.T) {
 	m := mountFS(t, "passthrough", "--allow-other")
 	reachable(t, m.dir)
 	sock := controlSocket(t, m)
-	a := startBlockFlush(t, sock)
+	a := startBlockFlush(t, sock, "all_gather")
 	if line := a.next(t, "mounting"); line != "mounted" {
 		t.Fatalf("the attacker: %q\n%s", line, a.out.String())
 	}
@@ -314,6 +348,67 @@ func TestAttackWedgeGroups(t *testing.T) {
 	for line := ""; line != "done"; {
 		line = a.next(t, "letting the flush go")
 	}
+}
+
+// TestAttackImportHang (fresh attack, second round): user A imports a
+// file of a FUSE filesystem it serves (allow_other, as fuse.conf's
+// user_allow_other lets any user) whose STATFS and FLUSH never answer.
+// The daemon refuses it (EINVAL: not shared memory) without asking that
+// filesystem, and user B's import works meanwhile.
+func TestAttackImportHang(t *testing.T) {
+	t.Parallel()
+	m := mountFS(t, "passthrough", "--allow-other")
+	reachable(t, m.dir)
+	if err := unix.Mkdir(m.path("pub"), 0o777); err == nil {
+		err = unix.Chmod(m.path("pub"), 0o1777)
+	}
+	sock := controlSocket(t, m)
+	a := startBlockFlush(t, sock, "import")
+	if line := a.next(t, "mounting"); line != "mounted" {
+		t.Fatalf("the attacker: %q\n%s", line, a.out.String())
+	}
+	if line := a.next(t, "sending"); line != "sent" {
+		t.Fatalf("the attacker: %q\n%s", line, a.out.String())
+	}
+	var reply string
+	for reply == "" {
+		line := a.next(t, "the daemon's answer to the import")
+		switch {
+		case strings.HasPrefix(line, "reply "):
+			reply = line
+		case strings.HasPrefix(line, "statfs "), strings.HasPrefix(line, "flush "):
+			// The daemon asked; it must answer the request all the same.
+		default:
+			t.Fatalf("the attacker: %q\n%s", line, a.out.String())
+		}
+	}
+	if reply != fmt.Sprintf("reply %d", int(syscall.EINVAL)) {
+		t.Errorf("the import of a file on the attacker's FUSE filesystem: %q, want EINVAL", reply)
+	}
+	if _, err := os.Lstat(m.path("pub/x")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the refused import left a name: %v", err)
+	}
+	out := pythonAs(t, userB, "/", `
+import array, json, os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sys.argv[1])
+fd = os.memfd_create("m")
+s.sendmsg([json.dumps({"v": 1, "op": "import", "path": "pub/b"}).encode()],
+          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+print(json.loads(s.recv(65536))["ok"])
+`, sock)
+	if strings.TrimSpace(out) != "True" {
+		t.Errorf("user B's import meanwhile: %q", out)
+	}
+	// The daemon's close of the refused file waits for the attacker's
+	// FLUSH, which the kernel sends forced: no signal ends that wait, so
+	// the daemon could not exit before the attacker answers (README,
+	// Security model). Let it answer; the daemon then exits at unmount.
+	io.WriteString(a.stdin, "release\n")
+	for line := ""; line != "done"; {
+		line = a.next(t, "letting the flush go")
+	}
+	m.unmount(t, true)
 }
 
 // limitsLog and reserveLog read the control socket's limits in the
