@@ -241,23 +241,25 @@ func readTgid(tid uint32) uint32 {
 	return uint32(st.Tgid)
 }
 
-// reclaimLater removes an UNLINK segment that no one holds any more. The
-// removal runs outside the request that released the handle, since it
-// notifies the kernel; other segments cost only a cached flag check.
-func (fsys *filesystem) reclaimLater(n *segmentNode) {
+// reclaimLater removes an UNLINK segment that no one holds any more, now
+// that uid released its last handle. The removal runs outside the request
+// that released the handle, since it notifies the kernel; other segments
+// cost only a cached flag check.
+func (fsys *filesystem) reclaimLater(n *segmentNode, uid uint32) {
 	if f, err := n.flags(n); err == nil && f&alloc.Unlink != 0 {
 		fsys.reclaims.Add(1)
 		go func() {
 			defer fsys.reclaims.Done()
-			fsys.reclaim(n)
+			fsys.reclaim(n, uid)
 		}()
 	}
 }
 
 // reclaim removes n's names if it is an UNLINK segment without holders;
-// while processes still map it, a watch waits for the last mapping.
-func (fsys *filesystem) reclaim(n *segmentNode) {
-	if len(n.openHandles()) > 0 || fsys.watchMapped(n) {
+// while processes still map it, a watch charged to uid waits for the last
+// mapping.
+func (fsys *filesystem) reclaim(n *segmentNode, uid uint32) {
+	if len(n.openHandles()) > 0 || fsys.watchMapped(n, uid) {
 		return
 	}
 	for {

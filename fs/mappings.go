@@ -340,14 +340,15 @@ func (n *segmentNode) references() map[uint32]int {
 }
 
 // watchMapped reports whether processes still map UNLINK segment n,
-// whose last handle went, and if so waits for them in a watch. An open
-// meanwhile stops the watch: acquire adds its handle, then unwatches.
-func (fsys *filesystem) watchMapped(n *segmentNode) bool {
+// whose last handle uid released, and if so waits for them in a watch
+// charged to uid. An open meanwhile stops the watch: acquire adds its
+// handle, then unwatches.
+func (fsys *filesystem) watchMapped(n *segmentNode, uid uint32) bool {
 	ids, since := n.mapped(), n.since()
 	if len(fsys.maps.mappers(ids, since, mapsTTL)) == 0 {
 		return false
 	}
-	fsys.watch(n.StableAttr().Ino, ids, since)
+	fsys.watch(n.StableAttr().Ino, ids, since, uid)
 	if len(n.openHandles()) > 0 {
 		fsys.watches.unwatch(n.StableAttr().Ino)
 	}
@@ -367,12 +368,19 @@ type watchSet struct {
 // watch starts waiting for the last mapping of ids to go (awaitUnmapped),
 // then removes the UNLINK segment whose backing inode is ino; at most one
 // watch per segment. Reopening or unlinking the segment stops it
-// (unwatch).
-func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time) {
+// (unwatch). A watch holds descriptors (its epoll instance, a pidfd per
+// mapping process), so it takes one of uid's segment descriptors
+// (filesystem.handles) until it ends; past uid's share the segment stays
+// until it is opened and closed again, or the next mount.
+func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time, uid uint32) {
 	w := &fsys.watches
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.closed || w.m[ino] != nil {
+		return
+	}
+	if err := fsys.handles.take(uid); err != nil {
+		fsys.log.Warn("cannot wait for the mappings of an UNLINK segment; it stays until it is opened and closed again, or the next mount", "ino", ino, "err", err)
 		return
 	}
 	ep, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
@@ -382,6 +390,7 @@ func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time) {
 		}
 	}
 	if err != nil {
+		fsys.handles.give(uid)
 		fsys.log.Warn("cannot wait for the mappings of an UNLINK segment; it stays until it is opened and closed again, or the next mount", "ino", ino, "err", err)
 		return
 	}
@@ -393,6 +402,7 @@ func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time) {
 	w.wg.Add(1)
 	go func() {
 		defer w.wg.Done()
+		defer fsys.handles.give(uid)
 		unmapped := fsys.maps.awaitUnmapped(f, ids, since)
 		if w.end(ino, f) && unmapped {
 			fsys.removeUnlinked(ino)
@@ -668,6 +678,6 @@ func (fsys *filesystem) afterMount(mountpoint string, rec *Recovered) {
 	}
 	now := time.Now()
 	for _, ids := range rec.kept {
-		fsys.watch(ids[0].id.ino, ids, now)
+		fsys.watch(ids[0].id.ino, ids, now, 0) // the daemon's own: no user released these
 	}
 }

@@ -237,3 +237,44 @@ func TestAwaitUnmapped(t *testing.T) {
 		t.Error("awaitUnmapped = true when stopped while mapped, want false")
 	}
 }
+
+// TestWatchesShareDescriptorBudget: a watch for the last mapping of an
+// UNLINK segment holds descriptors, so it takes one of the releasing
+// user's segment descriptors until it ends; past the user's share there
+// is no watch (second fresh attack: watches took every descriptor).
+func TestWatchesShareDescriptorBudget(t *testing.T) {
+	fsys := testFS(t)
+	held := newBudget("segment descriptors", 1, 16)
+	fsys.handles = held
+	path, id := mappedTestFile(t)
+	startMapper(t, path)
+	ids := everyone(id)
+	fsys.watch(1, ids, time.Now(), 1000)
+	fsys.watch(2, ids, time.Now(), 1000)
+	fsys.watches.mu.Lock()
+	first, second := fsys.watches.m[1] != nil, fsys.watches.m[2] != nil
+	fsys.watches.mu.Unlock()
+	if !first || second {
+		t.Errorf("watches of a user whose share is one: first %v, second %v; want true, false", first, second)
+	}
+	held.mu.Lock()
+	used := held.used[1000]
+	held.mu.Unlock()
+	if used != 1 {
+		t.Errorf("the budget counts %d for the user's watch, want 1", used)
+	}
+	fsys.watches.unwatch(1)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		held.mu.Lock()
+		used = held.used[1000]
+		held.mu.Unlock()
+		if used == 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if used != 0 {
+		t.Errorf("a stopped watch still counts %d in the budget", used)
+	}
+}

@@ -263,7 +263,7 @@ func (n *segmentNode) release(h *handle) {
 	}
 	n.mu.Unlock()
 	if left == 0 {
-		n.fs.reclaimLater(n)
+		n.fs.reclaimLater(n, h.uid)
 	}
 }
 
