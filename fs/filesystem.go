@@ -45,9 +45,11 @@ type filesystem struct {
 	started     time.Time
 	// imports holds the imported (FROMFD) segments.
 	imports imports
-	// handles bounds the descriptors open segments and imports keep,
-	// per uid.
+	// handles bounds the descriptors open segments, imports and watches
+	// keep, per uid.
 	handles *budget
+	// unlinked gathers the UNLINK segments to remove into shared walks.
+	unlinked unlinkBatch
 	// dirs bounds the directory descriptors the daemon keeps.
 	dirs *dirFds
 	// tgidsMu protects tgids, the process of each thread that opened a

@@ -527,17 +527,56 @@ func (t *mapTable) awaitUnmapped(ep *os.File, ids []mappedFile, since time.Time)
 	}
 }
 
+// unlinkBatch gathers the UNLINK segments whose last mapping went, so
+// that one walk of the backing removes all that went meanwhile, not one
+// walk each.
+type unlinkBatch struct {
+	mu      sync.Mutex // protects pending and walking
+	pending map[uint64]bool
+	walking bool
+}
+
 // removeUnlinked removes every name of the UNLINK segment whose backing
 // inode is ino, found by a walk of the backing (the kernel may have
 // forgotten the node, and after recovery there is none), and tells the
-// kernel.
+// kernel. A walk under way takes ino into its next round, so that
+// segments whose mappings go together cost a walk or two, whatever their
+// number (a walk each made it quadratic).
 func (fsys *filesystem) removeUnlinked(ino uint64) {
+	b := &fsys.unlinked
+	b.mu.Lock()
+	if b.pending == nil {
+		b.pending = map[uint64]bool{}
+	}
+	b.pending[ino] = true
+	if b.walking {
+		b.mu.Unlock()
+		return
+	}
+	b.walking = true
+	for {
+		inos := b.pending
+		b.pending = map[uint64]bool{}
+		if len(inos) == 0 {
+			b.walking = false
+			b.mu.Unlock()
+			return
+		}
+		b.mu.Unlock()
+		fsys.removeUnlinkedNames(inos)
+		b.mu.Lock()
+	}
+}
+
+// removeUnlinkedNames is one walk of removeUnlinked, for the segments
+// whose inodes are inos.
+func (fsys *filesystem) removeUnlinkedNames(inos map[uint64]bool) {
 	alloc.Walk(fsys.store.RootFd, func(dirfd int, name, rel string, st *unix.Stat_t) error {
-		if st.Ino != ino || st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+		if !inos[st.Ino] || st.Mode&syscall.S_IFMT != syscall.S_IFREG {
 			return nil
 		}
 		var f alloc.Flags
-		ferr := alloc.At(dirfd, name, ino, func(p string) (err error) {
+		ferr := alloc.At(dirfd, name, st.Ino, func(p string) (err error) {
 			f, err = alloc.ReadFlags(p)
 			return err
 		})
@@ -551,7 +590,7 @@ func (fsys *filesystem) removeUnlinked(ino uint64) {
 		if last != nil {
 			last.release()
 		}
-		fsys.notifyGone(rel, ino)
+		fsys.notifyGone(rel, st.Ino)
 		fsys.log.Info("removed UNLINK segment after its last mapping", "name", rel)
 		return nil
 	})

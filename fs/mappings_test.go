@@ -7,10 +7,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
 )
 
 // mapperEnv makes the test binary a mapper child (mapperMain) instead.
@@ -276,5 +279,48 @@ func TestWatchesShareDescriptorBudget(t *testing.T) {
 	}
 	if used != 0 {
 		t.Errorf("a stopped watch still counts %d in the budget", used)
+	}
+}
+
+// TestRemoveUnlinkedTogether: UNLINK segments whose last mappings go at
+// once are all removed (by walks shared among them), and a segment
+// without the flag under the same calls stays.
+func TestRemoveUnlinkedTogether(t *testing.T) {
+	fsys := testFS(t)
+	dir := filepath.Join(fsys.store.Dir, "d")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	var inos []uint64
+	for i := range 200 {
+		p := filepath.Join(dir, fmt.Sprint("s", i))
+		if err := os.WriteFile(p, []byte("x"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		flags := "UNLINK"
+		if i == 0 {
+			flags = "SHAREDMEM"
+		}
+		if err := unix.Setxattr(p, alloc.StoredName(alloc.AttrFlags), []byte(flags), 0); err != nil {
+			t.Fatal(err)
+		}
+		var st unix.Stat_t
+		if err := unix.Stat(p, &st); err != nil {
+			t.Fatal(err)
+		}
+		inos = append(inos, st.Ino)
+	}
+	var wg sync.WaitGroup
+	for _, ino := range inos {
+		wg.Go(func() { fsys.removeUnlinked(ino) })
+	}
+	wg.Wait()
+	ents, err := os.ReadDir(dir)
+	if err != nil || len(ents) != 1 || ents[0].Name() != "s0" {
+		names := []string{}
+		for _, e := range ents {
+			names = append(names, e.Name())
+		}
+		t.Errorf("after removing 199 UNLINK segments and one without the flag: %v (%v), want [s0]", names, err)
 	}
 }
