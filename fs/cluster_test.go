@@ -51,24 +51,7 @@ func newTestCluster(t *testing.T) *testCluster {
 	if os.Geteuid() != 0 {
 		t.Skip("published segments keep their owners: cluster tests need root")
 	}
-	dir := t.TempDir()
-	ca, err := testcerts.NewCA(dir, "cluster")
-	if err != nil {
-		t.Fatal(err)
-	}
-	f, err := ca.Issue("etcd", net.IPv4(127, 0, 0, 1))
-	if err != nil {
-		t.Fatal(err)
-	}
-	caddr, err := etcdtest.FreeAddr()
-	if err != nil {
-		t.Fatal(err)
-	}
-	paddr, err := etcdtest.FreeAddr()
-	if err != nil {
-		t.Fatal(err)
-	}
-	e, err := etcdtest.Start(filepath.Join(dir, "etcd"), caddr, paddr, etcdtest.TLS{CA: f.CA, Cert: f.Cert, Key: f.Key}, nil)
+	e, ca, err := etcdtest.StartWithCA(t.TempDir())
 	if err != nil {
 		t.Fatal(err)
 	}

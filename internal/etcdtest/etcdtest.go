@@ -7,11 +7,14 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"path/filepath"
 	"time"
 
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
+
+	"tensorfs/internal/testcerts"
 )
 
 // Server is a running (or stopped) single-member etcd.
@@ -100,4 +103,28 @@ func FreeAddr() (string, error) {
 	}
 	defer l.Close()
 	return l.Addr().String(), nil
+}
+
+// StartWithCA makes a cluster CA in dir, issues etcd's certificate from
+// it, and starts etcd with its data in dir/etcd on free ports of
+// 127.0.0.1: what a test of the cluster needs first. The caller stops it.
+func StartWithCA(dir string) (*Server, *testcerts.CA, error) {
+	ca, err := testcerts.NewCA(dir, "cluster")
+	if err != nil {
+		return nil, nil, err
+	}
+	f, err := ca.Issue("etcd", net.IPv4(127, 0, 0, 1))
+	if err != nil {
+		return nil, nil, err
+	}
+	caddr, err := FreeAddr()
+	if err != nil {
+		return nil, nil, err
+	}
+	paddr, err := FreeAddr()
+	if err != nil {
+		return nil, nil, err
+	}
+	s, err := Start(filepath.Join(dir, "etcd"), caddr, paddr, TLS{CA: f.CA, Cert: f.Cert, Key: f.Key}, nil)
+	return s, ca, err
 }
