@@ -32,13 +32,9 @@ func ReadDevice(path string) (string, error) {
 // backing object at path: cpu, the default, as no attribute.
 func StoreDevice(path, dev string) error {
 	if dev == "cpu" {
-		err := unix.Removexattr(path, StoredName(AttrDevice))
-		if errors.Is(err, unix.ENODATA) {
-			return nil
-		}
-		return err
+		dev = ""
 	}
-	return unix.Setxattr(path, StoredName(AttrDevice), []byte(dev), 0)
+	return storeOrRemove(path, StoredName(AttrDevice), dev, 0)
 }
 
 // ParseDevice returns the canonical name of a device value: "cpu" or

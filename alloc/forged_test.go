@@ -2,8 +2,6 @@ package alloc
 
 import (
 	"errors"
-	"io"
-	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -88,11 +86,7 @@ func TestStoredNames(t *testing.T) {
 func TestRecoverIgnoresForgedState(t *testing.T) {
 	needRoot(t)
 	backing := t.TempDir()
-	s, err := Open(Config{Backing: backing}, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	s := openStore(t, backing)
 	victim, empty, temp := filepath.Join(backing, "victim"), filepath.Join(backing, "empty"), filepath.Join(backing, "temp")
 	os.WriteFile(victim, []byte("owner's bytes"), 0o666)
 	os.WriteFile(empty, nil, 0o666)
@@ -183,11 +177,7 @@ func TestReadLayoutValidates(t *testing.T) {
 func TestRecoverOldBacking(t *testing.T) {
 	needRoot(t)
 	backing := t.TempDir()
-	s, err := Open(Config{Backing: backing}, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	s := openStore(t, backing)
 	temp, spill := filepath.Join(backing, "temp"), filepath.Join(backing, "spill")
 	os.WriteFile(temp, []byte("kept"), 0o644)
 	setAttrRaw(temp, AttrFlags, "UNLINK")

@@ -123,11 +123,7 @@ func TestRecoverRemovesUnlinkSegmentsAndRestoresShared(t *testing.T) {
 // predicate reports mapped stays; the others go.
 func TestRecoverKeepsMappedUnlinkSegments(t *testing.T) {
 	backing := t.TempDir()
-	s, err := Open(Config{Backing: backing}, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	s := openStore(t, backing)
 	mapped, unmapped := filepath.Join(backing, "mapped"), filepath.Join(backing, "unmapped")
 	for _, p := range []string{mapped, unmapped} {
 		os.WriteFile(p, []byte("abc"), 0o644)
@@ -163,11 +159,7 @@ func TestRecoverKeepsMappedUnlinkSegments(t *testing.T) {
 // a publish that never finished is a host segment again.
 func TestRecoverPulled(t *testing.T) {
 	backing := t.TempDir()
-	s, err := Open(Config{Backing: backing}, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	s := openStore(t, backing)
 	cid := strings.Repeat("0f", 32)
 	for name, m := range map[string]Marker{
 		"complete": {Content: cid, Size: 8, Complete: true},
@@ -245,4 +237,16 @@ func TestReadMarkerPulled(t *testing.T) {
 	if names, _ := Listxattr(p); len(names) != 0 {
 		t.Errorf("Listxattr shows the marker: %v", names)
 	}
+}
+
+// openStore opens a store on backing, with no --disk and a silent log,
+// closed when the test ends.
+func openStore(t *testing.T, backing string) *Store {
+	t.Helper()
+	s, err := Open(Config{Backing: backing}, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return s
 }

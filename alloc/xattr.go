@@ -174,14 +174,25 @@ func setFlags(obj Object, v string, xflags int) error {
 
 // storeFlags writes f in canonical form; 0 removes the attribute.
 func storeFlags(path string, f Flags, xflags int) error {
-	if f == 0 {
-		err := unix.Removexattr(path, StoredName(AttrFlags))
+	v := ""
+	if f != 0 {
+		v = f.String()
+	}
+	return storeOrRemove(path, StoredName(AttrFlags), v, xflags)
+}
+
+// storeOrRemove sets the attribute name of the object at path to v, with
+// setxattr's xflags, or removes it when v is empty (none there is no
+// error).
+func storeOrRemove(path, name, v string, xflags int) error {
+	if v == "" {
+		err := unix.Removexattr(path, name)
 		if errors.Is(err, unix.ENODATA) {
 			return nil
 		}
 		return err
 	}
-	return unix.Setxattr(path, StoredName(AttrFlags), []byte(f.String()), xflags)
+	return unix.Setxattr(path, name, []byte(v), xflags)
 }
 
 // setDevice stores a segment's or directory's device: cpu, the default,

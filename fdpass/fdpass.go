@@ -12,7 +12,9 @@ import (
 	"io"
 	"net"
 	"os"
+	"strconv"
 	"sync"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 )
@@ -132,6 +134,27 @@ func Dup(f *os.File) (int, error) {
 		return -1, err
 	}
 	return dup, dupErr
+}
+
+// Reopen opens the file open at fd again with flags (O_RDONLY, O_RDWR),
+// close-on-exec, through /proc/self/fd: a new open file description, with
+// the access the file's own mode grants, checked to be the same file
+// (ESTALE otherwise). Unlike a dup, it shares no offset, flags or locks
+// with fd.
+func Reopen(fd, flags int) (int, error) {
+	var st, nst unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return -1, err
+	}
+	nfd, err := unix.Open("/proc/self/fd/"+strconv.Itoa(fd), flags|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, err
+	}
+	if err := unix.Fstat(nfd, &nst); err != nil || nst.Ino != st.Ino || nst.Dev != st.Dev {
+		unix.Close(nfd)
+		return -1, fmt.Errorf("reopen reached another file: %w", syscall.ESTALE)
+	}
+	return nfd, nil
 }
 
 // Close closes descriptors, ignoring errors.

@@ -218,3 +218,26 @@ func TestDup(t *testing.T) {
 		t.Error("Dup put the file into blocking mode")
 	}
 }
+
+// TestReopen: a reopen is the same file on a description of its own, with
+// the access asked for.
+func TestReopen(t *testing.T) {
+	fd, err := unix.MemfdCreate("reopen", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	unix.Write(fd, []byte("abcd"))
+	ro, err := Reopen(fd, unix.O_RDONLY)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(ro)
+	b := make([]byte, 4)
+	if n, err := unix.Read(ro, b); err != nil || string(b[:n]) != "abcd" {
+		t.Errorf("read through the reopen: %q, %v; want abcd from offset 0", b[:n], err)
+	}
+	if _, err := unix.Write(ro, []byte("x")); err == nil {
+		t.Error("a read-only reopen took a write")
+	}
+}

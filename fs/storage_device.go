@@ -8,6 +8,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/fdpass"
 )
 
 // device is a segment in GPU memory (devSeg, device.go): the daemon
@@ -56,30 +57,11 @@ func (d device) export(write bool) (*os.File, error) {
 		return f, err
 	}
 	defer f.Close()
-	ro, err := reopenReadOnly(int(f.Fd()))
+	ro, err := fdpass.Reopen(int(f.Fd()), unix.O_RDONLY)
 	if err != nil {
 		return nil, fmt.Errorf("%w: this device memory cannot be handed out read-only (%v): ask for write, which needs write permission on the segment", syscall.EACCES, err)
 	}
 	return os.NewFile(uintptr(ro), "device memory"), nil
-}
-
-// reopenReadOnly opens the file open at fd again, read-only: a new open
-// file description, checked to be the same file.
-func reopenReadOnly(fd int) (int, error) {
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return -1, err
-	}
-	ro, err := unix.Open(alloc.FdPath(fd), unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return -1, err
-	}
-	var rst unix.Stat_t
-	if err := unix.Fstat(ro, &rst); err != nil || rst.Ino != st.Ino || rst.Dev != st.Dev {
-		unix.Close(ro)
-		return -1, fmt.Errorf("reopen reached another file: %w", syscall.ESTALE)
-	}
-	return ro, nil
 }
 
 func (device) mapped(*alloc.Ref) (fileID, uint32, bool) { return fileID{}, 0, false }

@@ -130,7 +130,7 @@ func (in *importedFile) with(fn func(fd int) error) error {
 func (in *importedFile) reopen() (int, error) {
 	var fd int
 	err := in.with(func(own int) (err error) {
-		fd, err = reopenReadOnly(own)
+		fd, err = fdpass.Reopen(own, unix.O_RDONLY)
 		return err
 	})
 	return fd, err

@@ -4,11 +4,10 @@ import (
 	"encoding/binary"
 	"fmt"
 	"os"
-	"strconv"
-	"syscall"
 
 	"golang.org/x/sys/unix"
 
+	"tensorfs/fdpass"
 	"tensorfs/gpu/internal/devmem"
 )
 
@@ -219,7 +218,7 @@ func (s *Sim) Export(b Block) (*os.File, error) {
 	if !a.Exportable {
 		return nil, fmt.Errorf("%w: block %d", ErrNotExportable, b.ID)
 	}
-	fd, err := reopenRW(a.Mem.fd)
+	fd, err := fdpass.Reopen(a.Mem.fd, unix.O_RDWR)
 	if err != nil {
 		return nil, fmt.Errorf("reopen memfd: %w", err)
 	}
@@ -253,24 +252,6 @@ func sealedMemfd(name string, size int64) (int, error) {
 		return -1, fmt.Errorf("seal memfd: %w", err)
 	}
 	return fd, nil
-}
-
-// reopenRW opens the file open at fd again for reading and writing: a new
-// open file description, checked to be the same file.
-func reopenRW(fd int) (int, error) {
-	var st, nst unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return -1, err
-	}
-	nfd, err := unix.Open("/proc/self/fd/"+strconv.Itoa(fd), unix.O_RDWR|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return -1, err
-	}
-	if err := unix.Fstat(nfd, &nst); err != nil || nst.Ino != st.Ino || nst.Dev != st.Dev {
-		unix.Close(nfd)
-		return -1, fmt.Errorf("reopen reached another file: %w", syscall.ESTALE)
-	}
-	return nfd, nil
 }
 
 // Stats implements Device.
