@@ -64,6 +64,9 @@ type devSeg struct {
 	exportable bool
 	// backing is the backing file, open for spilling; nil once removed.
 	backing *os.File
+	// reserved is how many bytes of the backing file's space are set
+	// aside for the spill (reserve).
+	reserved int64
 	// opens counts the open handles; atomic, so that the limbo can ask.
 	opens atomic.Int64
 
@@ -124,7 +127,9 @@ func (d *devices) restore(f *os.File) error {
 	if err != nil {
 		return err
 	}
-	seg := &devSeg{d: d, ino: st.Ino, backing: f}
+	// The segment takes f once the spilled bytes are on the device: the
+	// spill's space becomes the reservation for the next one.
+	seg := &devSeg{d: d, ino: st.Ino}
 	if err := seg.resize(ds.Size); err != nil {
 		return err
 	}
@@ -137,6 +142,10 @@ func (d *devices) restore(f *os.File) error {
 	}
 	if err := f.Truncate(0); err != nil {
 		return err
+	}
+	seg.backing = f
+	if err := seg.reserve(ds.Size); err != nil {
+		d.log.Warn("device segment restored without backing space for its next spill: a clean unmount may lose it", "path", f.Name(), "bytes", ds.Size, "err", err)
 	}
 	if err := alloc.WriteDeviceState(p, alloc.DeviceState{Size: ds.Size}); err != nil {
 		return err
@@ -178,6 +187,9 @@ func (d *devices) drop(seg *devSeg) {
 	d.mu.Unlock()
 	seg.mu.Lock()
 	defer seg.mu.Unlock()
+	if err := seg.reserve(0); err != nil {
+		d.log.Warn("backing space set aside for a device segment not given back", "file", seg.backing.Name(), "err", err)
+	}
 	seg.backing.Close()
 	seg.backing = nil
 	seg.cmu.Lock()
@@ -298,10 +310,12 @@ func (seg *devSeg) resize(size int64) error {
 	if size > alloc.MaxSegmentSize {
 		return fmt.Errorf("%w: %d bytes", alloc.ErrTooBig, size)
 	}
-	if size >= seg.size.Load() && size <= seg.block.Size && size > 0 {
-		return seg.growInPlace(size)
-	}
-	return seg.realloc(size, size)
+	return seg.withReserve(size, func() error {
+		if size >= seg.size.Load() && size <= seg.block.Size && size > 0 {
+			return seg.growInPlace(size)
+		}
+		return seg.realloc(size, size)
+	})
 }
 
 // extend grows the segment to end for a write past its end. Capacity at
@@ -310,10 +324,58 @@ func (seg *devSeg) extend(end int64) error {
 	if end > alloc.MaxSegmentSize {
 		return fmt.Errorf("%w: %d bytes", alloc.ErrTooBig, end)
 	}
-	if end <= seg.block.Size {
-		return seg.growInPlace(end)
+	return seg.withReserve(end, func() error {
+		if end <= seg.block.Size {
+			return seg.growInPlace(end)
+		}
+		return seg.realloc(min(max(end, 2*seg.block.Size), alloc.MaxSegmentSize), end)
+	})
+}
+
+// withReserve runs change, which sets the segment's size to size, with
+// the backing space for its spill set aside first when it grows, and
+// given back after when it shrinks or when change fails.
+func (seg *devSeg) withReserve(size int64, change func() error) error {
+	old := seg.reserved
+	if err := seg.reserve(max(size, old)); err != nil {
+		return err
 	}
-	return seg.realloc(min(max(end, 2*seg.block.Size), alloc.MaxSegmentSize), end)
+	if err := change(); err != nil {
+		seg.reserve(old)
+		return err
+	}
+	return seg.reserve(size)
+}
+
+// reserve sets aside size bytes of the backing file's space for the
+// segment's spill at a clean unmount (DESIGN.md §6): allocated beyond the
+// file's end, which stays 0 while mounted, so the device bytes count
+// against the backing's capacity like host bytes, a full backing answers
+// ENOSPC to the growth, and no user can fill the backing to empty the
+// segment at unmount. A smaller size gives the rest back.
+func (seg *devSeg) reserve(size int64) error {
+	if seg.backing == nil || size == seg.reserved {
+		return nil
+	}
+	fd := int(seg.backing.Fd())
+	if size > seg.reserved {
+		if err := unix.Fallocate(fd, unix.FALLOC_FL_KEEP_SIZE, seg.reserved, size-seg.reserved); err != nil {
+			if errors.Is(err, unix.ENOSPC) {
+				return fmt.Errorf("%w: no backing space to set aside for the segment's spill: %v", alloc.ErrNoSpace, err)
+			}
+			return err
+		}
+	} else {
+		// A hole frees whole blocks only: it runs to the reservation's
+		// end rounded up past any block or huge page.
+		const align = 2 << 20
+		end := (seg.reserved + align - 1) &^ (align - 1)
+		if err := unix.Fallocate(fd, unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, size, end-size); err != nil {
+			return err
+		}
+	}
+	seg.reserved = size
+	return nil
 }
 
 // growInPlace grows the segment to size within its block, zeroing the

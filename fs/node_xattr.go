@@ -521,8 +521,13 @@ func (n *segmentNode) setTensorAttr(m *alloc.Ref, size int64, attr string, data 
 	})
 }
 
-// Removexattr removes a stored attribute of a segment.
+// Removexattr removes a stored attribute of a segment. Removing a GPU
+// segment's device moves it to the CPU, as setting "cpu" does: while it is
+// empty and nobody has it open.
 func (n *segmentNode) Removexattr(ctx context.Context, attr string) syscall.Errno {
+	if _, onDevice := n.storage().(device); onDevice && attr == alloc.AttrDevice {
+		return n.fs.errno("removexattr "+attr, &n.nodeBase, "", n.setxattr(caller(ctx).Uid, attr, []byte("cpu"), 0))
+	}
 	err := attrsFixed(n.storage())
 	if err == nil {
 		err = removeAttr(caller(ctx).Uid, n, &n.attrCache, attr)

@@ -344,3 +344,58 @@ func TestAttackGPUCounterFollowsChmod(t *testing.T) {
 		}
 	}
 }
+
+// TestAttackGPUSpillReserved (second fresh attack, F2): on a --capacity
+// 32M mount, user B keeps 8 MiB in a GPU segment; user A fills the
+// backing with a host segment and tries to grow a GPU segment of its own.
+// B's device bytes have their backing space set aside, so A's writes stop
+// short of it with ENOSPC, and a clean unmount and remount give B its
+// bytes back.
+func TestAttackGPUSpillReserved(t *testing.T) {
+	t.Parallel()
+	forEachMode(t, func(t *testing.T, m *mount) {
+		reachable(t, m.dir)
+		for uid, dir := range map[int]string{userA: "a", userB: "b"} {
+			if err := os.Mkdir(m.path(dir), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Chown(m.path(dir), uid, uid); err != nil {
+				t.Fatal(err)
+			}
+		}
+		victim := gtRandom(t, "victim", 8<<20)
+		want := gtSha256(t, victim)
+		seg := gtDeviceSegment(t, m.path("b/w"))
+		if err := os.Chown(seg, userB, userB); err != nil {
+			t.Fatal(err)
+		}
+		if out, err := runAs(t, userB, "/", "dd", "if="+victim, "of="+seg, "bs=1M", "conv=notrunc", "status=none"); err != nil {
+			t.Fatalf("user B's write into its GPU segment: %v\n%s", err, out)
+		}
+
+		out, err := runAs(t, userA, "/", "dd", "if=/dev/zero", "of="+m.path("a/fill"), "bs=1M", "status=none")
+		if err == nil || !strings.Contains(out, "No space left on device") {
+			t.Errorf("user A filling the backing: %v %q, want ENOSPC", err, out)
+		}
+		if n := gtSize(t, m.path("a/fill")); n > 24<<20 {
+			t.Errorf("user A wrote %d bytes into a 32 MiB backing holding 8 MiB of GPU bytes", n)
+		}
+		grow := gtDeviceSegment(t, m.path("a/g"))
+		if err := os.Chown(grow, userA, userA); err != nil {
+			t.Fatal(err)
+		}
+		if out, err := runAs(t, userA, "/", "truncate", "-s", "16M", grow); err == nil || !strings.Contains(out, "No space left on device") {
+			t.Errorf("user A growing a GPU segment on a full backing: %v %q, want ENOSPC", err, out)
+		}
+
+		m.unmount(t, false)
+		if strings.Contains(m.stderr.String(), "not spilled") {
+			t.Errorf("a clean unmount did not spill a segment:\n%s", m.stderr.String())
+		}
+		m2 := m.remount(t)
+		if got := gtSha256(t, m2.path("b/w")); got != want {
+			t.Errorf("user B's GPU segment after user A filled the backing, unmount and remount: sha256 %s, want %s", got, want)
+		}
+		gtWantDevice(t, m2.path("b/w"), "cuda:0")
+	}, append(gtSim, "--allow-other", "--capacity", "32M")...)
+}

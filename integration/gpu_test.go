@@ -212,16 +212,19 @@ func gtBacking(t *testing.T, m *mount, rel string) string {
 	return filepath.Join(b, rel)
 }
 
-// gtWantBackingEmpty checks that the device segment rel's backing file is
-// empty while mounted, whatever the segment holds.
-func gtWantBackingEmpty(t *testing.T, m *mount, rel string) {
+// gtWantBackingReserved checks that the device segment rel's backing file
+// is empty while mounted, whatever the segment holds, with the segment's
+// size (in whole pages) set aside beyond its end for the spill.
+func gtWantBackingReserved(t *testing.T, m *mount, rel string) {
 	t.Helper()
 	var st unix.Stat_t
 	p := gtBacking(t, m, rel)
+	page := int64(os.Getpagesize())
+	want := (gtSize(t, m.path(rel)) + page - 1) / page * page
 	if err := unix.Stat(p, &st); err != nil {
 		t.Errorf("stat backing %s: %v", p, err)
-	} else if st.Size != 0 || st.Blocks != 0 {
-		t.Errorf("backing file %s of device segment %s has %d bytes (%d blocks) while mounted, want 0", p, rel, st.Size, st.Blocks)
+	} else if st.Size != 0 || st.Blocks*512 != want {
+		t.Errorf("backing file %s of device segment %s has %d bytes and %d set aside while mounted, want 0 and %d", p, rel, st.Size, st.Blocks*512, want)
 	}
 }
 
@@ -353,8 +356,14 @@ func TestGPUDeviceXattr(t *testing.T) {
 		if n := gtSize(t, seg); n != 3*gtMiB+17 {
 			t.Errorf("stat size of %s = %d, want %d", seg, n, 3*gtMiB+17)
 		}
-		gtWantBackingEmpty(t, m, "seg")
+		gtWantBackingReserved(t, m, "seg")
 		gtWantDevice(t, seg, "cuda:0")
+		// Removing the device of a segment with bytes is moving it: refused.
+		if out := runExpectFail(t, "setfattr", "-x", gtDevice, seg); strings.TrimSpace(out) == "" {
+			t.Errorf("setfattr -x %s on a device segment with bytes failed silently", gtDevice)
+		}
+		gtWantDevice(t, seg, "cuda:0")
+		run(t, "cmp", src, seg)
 
 		// A host segment with bytes keeps them and its device.
 		host := m.path("host")
@@ -387,7 +396,7 @@ func TestGPUDeviceXattr(t *testing.T) {
 			if got := gtSha256(t, p); got != want {
 				t.Errorf("sha256 of %s = %s, want %s", rel, got, want)
 			}
-			gtWantBackingEmpty(t, m, rel)
+			gtWantBackingReserved(t, m, rel)
 			if h := gtGetfattr(t, p, gtIPCHandle); len(h) != 64 {
 				t.Errorf("%s of %s has %d bytes, want 64", gtIPCHandle, rel, len(h))
 			}
@@ -395,6 +404,13 @@ func TestGPUDeviceXattr(t *testing.T) {
 		gtWantDevice(t, m.path("gd/touch"), "cuda:0")
 		if n := gtSize(t, m.path("gd/touch")); n != 0 {
 			t.Errorf("touched device segment has %d bytes", n)
+		}
+		// Removing an empty segment's device moves it to the CPU.
+		run(t, "setfattr", "-x", gtDevice, m.path("gd/touch"))
+		gtWantDevice(t, m.path("gd/touch"), "cpu")
+		run(t, "cp", src, m.path("gd/touch"))
+		if got := gtSha256(t, gtBacking(t, m, "gd/touch")); got != want {
+			t.Errorf("backing file of gd/touch, moved to the CPU by setfattr -x and written: sha256 %s, want %s", got, want)
 		}
 		// Back to cpu: a directory's new segments are host segments again.
 		gtSetDevice(t, dir, "cpu")
@@ -480,7 +496,7 @@ func TestGPUReadWrite(t *testing.T) {
 		if reads == 0 || writes == 0 {
 			t.Errorf("%s: the daemon served %d READ and %d WRITE requests for the device segment, want both > 0 (direct I/O through the daemon)", m.mode, reads, writes)
 		}
-		gtWantBackingEmpty(t, m, "rw")
+		gtWantBackingReserved(t, m, "rw")
 
 		// A write(2) straight after a read sees no stale cache: the bytes
 		// are on the device only.
@@ -600,7 +616,7 @@ func TestGPUMmapENODEV(t *testing.T) {
 		if got := gtSha256(t, seg); got != want {
 			t.Errorf("after the mapping attempts sha256 %s, want %s", got, want)
 		}
-		gtWantBackingEmpty(t, m, "nomap")
+		gtWantBackingReserved(t, m, "nomap")
 	}, gtSim...)
 }
 
@@ -664,8 +680,8 @@ func TestGPUTruncate(t *testing.T) {
 		if got := run(t, "cat", fresh); got != strings.Repeat("\x00", 20)+"end" {
 			t.Errorf("after ftruncate 10 and a write at 20: %q", got)
 		}
-		gtWantBackingEmpty(t, m, "tr")
-		gtWantBackingEmpty(t, m, "fresh")
+		gtWantBackingReserved(t, m, "tr")
+		gtWantBackingReserved(t, m, "fresh")
 		gtWantLimboEmpty(t, m, "after the resizes, nothing referenced")
 	}, gtSim...)
 }
@@ -691,7 +707,7 @@ func TestGPUCopyFileRange(t *testing.T) {
 			t.Errorf("cp host dev: %d WRITE requests, want 0 (copy_file_range in the device process)", w1-w0)
 		}
 		run(t, "cmp", src, dev)
-		gtWantBackingEmpty(t, m, "dev")
+		gtWantBackingReserved(t, m, "dev")
 
 		back := m.path("back")
 		run(t, "cp", dev, back)
@@ -1009,7 +1025,8 @@ sys.stdin.readline()
 }
 
 // TestGPULimboStats: the stats' limbo blocks and bytes agree with each
-// other at every read, also while the daemon frees a few hundred blocks.
+// other at every read, also while the daemon frees a few hundred blocks
+// (600 MiB of device bytes, which set aside as much backing space).
 func TestGPULimboStats(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
@@ -1050,7 +1067,7 @@ sys.stdin.readline()
 			t.Errorf("while the limbo emptied, stats limbo disagreed with itself (every block is %d bytes) at some of %d reads: %s",
 				size, reads, strings.Join(bad, " "))
 		}
-	}, gtSim...)
+	}, append(gtSim, "--capacity", "1G")...)
 }
 
 // TestGPUUnlinkedOpenFD: as for any file, an unlinked device segment
@@ -1145,7 +1162,7 @@ func TestGPUSpillRestore(t *testing.T) {
 		}
 		for _, rel := range gtDeviceRels {
 			gtWantDevice(t, m2.path(rel), "cuda:0")
-			gtWantBackingEmpty(t, m2, rel)
+			gtWantBackingReserved(t, m2, rel)
 		}
 		gtWantDevice(t, m2.path("host"), "cpu")
 		gtWantDevice(t, m2.path("dir"), "cuda:0")
@@ -1206,7 +1223,7 @@ func TestGPUCrash(t *testing.T) {
 				t.Errorf("%s after kill -9: sha256 %s, want %s (zeros)", rel, got, want)
 			}
 			gtWantDevice(t, p, "cuda:0")
-			gtWantBackingEmpty(t, m2, rel)
+			gtWantBackingReserved(t, m2, rel)
 			if sizes[rel] == 0 {
 				continue
 			}
@@ -1285,7 +1302,7 @@ func TestGPUExportKeepFD(t *testing.T) {
 		// Exporting moved nothing: the segment reads the same, stays on the
 		// device, and its backing file stays empty.
 		run(t, "cmp", src, seg)
-		gtWantBackingEmpty(t, m, "keep/w")
+		gtWantBackingReserved(t, m, "keep/w")
 
 		// It is the device memory: a write through a read-write export
 		// shows through the mount.
