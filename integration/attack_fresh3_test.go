@@ -1,0 +1,93 @@
+package integration
+
+// Attacks of the third fresh round (G*), each run as an unprivileged user
+// against a real mount, in both modes.
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+)
+
+// dirFloodScript opens the directory argv[1] (OPENDIR) again and again
+// until the first error or its own limit, prints how far it got, and holds
+// the descriptors until its stdin closes.
+const dirFloodScript = `
+import os, resource, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+fds = []
+try:
+    while len(fds) < hard - 64:
+        fds.append(os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY))
+    print("held", len(fds), flush=True)
+except OSError as e:
+    print("errno", e.errno, "after", len(fds), flush=True)
+sys.stdin.read()
+`
+
+// TestAttackOpendirFlood (G1): every open directory is a descriptor the
+// daemon holds (OpendirHandle) and no per-uid bound counts them, unlike
+// open segments (TestAttackOpenFlood). A user who opens one directory
+// again and again, from as many processes as it takes, fills the daemon's
+// descriptor table: root's and other users' creates then fail with EMFILE
+// and the control socket stops accepting. Per-uid bounds must hold for
+// directory handles too: root and other users keep working.
+func TestAttackOpendirFlood(t *testing.T) {
+	t.Parallel()
+	forEachModeOnce(t, func(t *testing.T, mode string) {
+		m := attackMount(t, mode, true)
+		_, limit := daemonFDs(t, m.pid)
+		var floods []*exec.Cmd
+		t.Cleanup(func() {
+			for _, f := range floods {
+				f.Process.Kill()
+				f.Wait()
+			}
+		})
+		var stdins []io.Closer
+		held := 0
+		// As many processes as the daemon's limit takes (each process
+		// stops at its own hard limit, or at the daemon's refusal).
+		for i := 0; i < 8 && held < limit; i++ {
+			flood := asUser(pyCommand(dirFloodScript, m.path("shared")), userA)
+			stdin, _ := flood.StdinPipe()
+			stdout, _ := flood.StdoutPipe()
+			if err := flood.Start(); err != nil {
+				t.Fatal(err)
+			}
+			floods = append(floods, flood)
+			stdins = append(stdins, stdin)
+			line, _ := bufio.NewReader(stdout).ReadString('\n')
+			t.Logf("flood %d: %s", i, strings.TrimSpace(line))
+			var n int
+			if _, err := fmt.Sscanf(line, "held %d", &n); err != nil {
+				var errno int
+				if _, err := fmt.Sscanf(line, "errno %d after %d", &errno, &n); err != nil {
+					t.Fatalf("flood %d: %q", i, line)
+				}
+				held += n
+				break // the daemon (or the process) said no
+			}
+			held += n
+		}
+		fds, _ := daemonFDs(t, m.pid)
+		t.Logf("uid %d holds %d directory handles; the daemon holds %d descriptors of %d", userA, held, fds, limit)
+		if err := os.WriteFile(m.path("rootfile"), []byte("root"), 0o644); err != nil {
+			t.Errorf("root's create during uid %d's directory flood: %v", userA, err)
+		}
+		if out, err := runAs(t, userB, "/", "sh", "-c", "echo b > "+m.path("shared/bfile")+" && cat "+m.path("shared/bfile")); err != nil || out != "b\n" {
+			t.Errorf("uid %d's create during uid %d's directory flood: %q, %v", userB, userA, out, err)
+		}
+		if _, err := os.ReadDir(m.path("shared")); err != nil {
+			t.Errorf("root's ls during uid %d's directory flood: %v", userA, err)
+		}
+		for _, s := range stdins {
+			s.Close()
+		}
+	})
+}
