@@ -9,8 +9,11 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // dirFloodScript opens the directory argv[1] (OPENDIR) again and again
@@ -90,4 +93,45 @@ func TestAttackOpendirFlood(t *testing.T) {
 			s.Close()
 		}
 	})
+}
+
+// keepSizeFillScript fills the tmpfs of the counter file argv[1] with
+// fallocate(FALLOC_FL_KEEP_SIZE): its size stays 8 bytes, its blocks take
+// every free page; it prints the file's size and 512-byte blocks.
+const keepSizeFillScript = `
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+p = sys.argv[1]
+fd = os.open(p, os.O_RDWR)
+free = os.statvfs(p).f_bavail * os.statvfs(p).f_frsize
+r = libc.fallocate(fd, 1, ctypes.c_long(4096), ctypes.c_long(free))
+st = os.fstat(fd)
+print(r, ctypes.get_errno(), st.st_size, st.st_blocks)
+`
+
+// TestAttackGPUCounterKeepSize (G2): a reader of a GPU segment (here its
+// owner) may write its counter file, and fallocate(FALLOC_FL_KEEP_SIZE)
+// on it takes every page of the counters' 64 MiB tmpfs while the file
+// stays 8 bytes long. The daemon cuts back only counters longer than 8
+// bytes (CounterDir.trim), so it finds nothing to cut: every other
+// segment's counter, root's included, is then ENOSPC. One user must not
+// take the counters of others: root's new segment gets its counter.
+func TestAttackGPUCounterKeepSize(t *testing.T) {
+	t.Parallel()
+	m := agMount(t)
+	seg := agSegment(t, m, "mine", 4096, userA, userA, 0o600)
+	counter := agCounter(t, seg)
+	out := strings.Fields(pythonAs(t, userA, "/", keepSizeFillScript, counter))
+	t.Logf("uid %d's fallocate(KEEP_SIZE) of its counter: rc errno size blocks = %v", userA, out)
+	var fs unix.Statfs_t
+	if err := unix.Statfs(filepath.Dir(counter), &fs); err == nil {
+		t.Logf("counters' tmpfs: %d of %d blocks free", fs.Bfree, fs.Blocks)
+	}
+	root := gtDeviceSegment(t, m.path("roots"))
+	run(t, "truncate", "-s", "4096", root)
+	if v, err := getxattr(root, gtRefCounter); err != nil {
+		t.Errorf("root's segment's %s after uid %d filled the counters with its own: %v", gtRefCounter, userA, err)
+	} else {
+		t.Logf("root's counter: %s", v)
+	}
 }
