@@ -1,0 +1,238 @@
+package integration
+
+// Attacks of the third fresh round (G*), each run as an unprivileged user
+// against a real mount, in both modes.
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+// dirFloodScript opens the directory argv[1] (OPENDIR) again and again
+// until the first error or its own limit, prints how far it got, and holds
+// the descriptors until its stdin closes.
+const dirFloodScript = `
+import os, resource, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+fds = []
+try:
+    while len(fds) < hard - 64:
+        fds.append(os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY))
+    print("held", len(fds), flush=True)
+except OSError as e:
+    print("errno", e.errno, "after", len(fds), flush=True)
+sys.stdin.read()
+`
+
+// TestAttackOpendirFlood (G1): every open directory is a descriptor the
+// daemon holds (OpendirHandle) and no per-uid bound counts them, unlike
+// open segments (TestAttackOpenFlood). A user who opens one directory
+// again and again, from as many processes as it takes, fills the daemon's
+// descriptor table: root's and other users' creates then fail with EMFILE
+// and the control socket stops accepting. Per-uid bounds must hold for
+// directory handles too: root and other users keep working.
+func TestAttackOpendirFlood(t *testing.T) {
+	t.Parallel()
+	forEachModeOnce(t, func(t *testing.T, mode string) {
+		m := attackMount(t, mode, true)
+		_, limit := daemonFDs(t, m.pid)
+		var floods []*exec.Cmd
+		t.Cleanup(func() {
+			for _, f := range floods {
+				f.Process.Kill()
+				f.Wait()
+			}
+		})
+		var stdins []io.Closer
+		held := 0
+		// As many processes as the daemon's limit takes (each process
+		// stops at its own hard limit, or at the daemon's refusal).
+		for i := 0; i < 8 && held < limit; i++ {
+			flood := asUser(pyCommand(dirFloodScript, m.path("shared")), userA)
+			stdin, _ := flood.StdinPipe()
+			stdout, _ := flood.StdoutPipe()
+			if err := flood.Start(); err != nil {
+				t.Fatal(err)
+			}
+			floods = append(floods, flood)
+			stdins = append(stdins, stdin)
+			line, _ := bufio.NewReader(stdout).ReadString('\n')
+			t.Logf("flood %d: %s", i, strings.TrimSpace(line))
+			var n int
+			if _, err := fmt.Sscanf(line, "held %d", &n); err != nil {
+				var errno int
+				if _, err := fmt.Sscanf(line, "errno %d after %d", &errno, &n); err != nil {
+					t.Fatalf("flood %d: %q", i, line)
+				}
+				held += n
+				break // the daemon (or the process) said no
+			}
+			held += n
+		}
+		fds, _ := daemonFDs(t, m.pid)
+		t.Logf("uid %d holds %d directory handles; the daemon holds %d descriptors of %d", userA, held, fds, limit)
+		if err := os.WriteFile(m.path("rootfile"), []byte("root"), 0o644); err != nil {
+			t.Errorf("root's create during uid %d's directory flood: %v", userA, err)
+		}
+		if out, err := runAs(t, userB, "/", "sh", "-c", "echo b > "+m.path("shared/bfile")+" && cat "+m.path("shared/bfile")); err != nil || out != "b\n" {
+			t.Errorf("uid %d's create during uid %d's directory flood: %q, %v", userB, userA, out, err)
+		}
+		if _, err := os.ReadDir(m.path("shared")); err != nil {
+			t.Errorf("root's ls during uid %d's directory flood: %v", userA, err)
+		}
+		for _, s := range stdins {
+			s.Close()
+		}
+	})
+}
+
+// keepSizeFillScript fills the tmpfs of the counter file argv[1] with
+// fallocate(FALLOC_FL_KEEP_SIZE): its size stays 8 bytes, its blocks take
+// every free page; it prints the file's size and 512-byte blocks.
+const keepSizeFillScript = `
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+p = sys.argv[1]
+fd = os.open(p, os.O_RDWR)
+free = os.statvfs(p).f_bavail * os.statvfs(p).f_frsize
+r = libc.fallocate(fd, 1, ctypes.c_long(4096), ctypes.c_long(free))
+st = os.fstat(fd)
+print(r, ctypes.get_errno(), st.st_size, st.st_blocks)
+`
+
+// TestAttackGPUCounterKeepSize (G2): a reader of a GPU segment (here its
+// owner) may write its counter file, and fallocate(FALLOC_FL_KEEP_SIZE)
+// on it takes every page of the counters' 64 MiB tmpfs while the file
+// stays 8 bytes long. The daemon cuts back only counters longer than 8
+// bytes (CounterDir.trim), so it finds nothing to cut: every other
+// segment's counter, root's included, is then ENOSPC. One user must not
+// take the counters of others: root's new segment gets its counter.
+func TestAttackGPUCounterKeepSize(t *testing.T) {
+	t.Parallel()
+	m := agMount(t)
+	seg := agSegment(t, m, "mine", 4096, userA, userA, 0o600)
+	counter := agCounter(t, seg)
+	out := strings.Fields(pythonAs(t, userA, "/", keepSizeFillScript, counter))
+	t.Logf("uid %d's fallocate(KEEP_SIZE) of its counter: rc errno size blocks = %v", userA, out)
+	var fs unix.Statfs_t
+	if err := unix.Statfs(filepath.Dir(counter), &fs); err == nil {
+		t.Logf("counters' tmpfs: %d of %d blocks free", fs.Bfree, fs.Blocks)
+	}
+	root := gtDeviceSegment(t, m.path("roots"))
+	run(t, "truncate", "-s", "4096", root)
+	if v, err := getxattr(root, gtRefCounter); err != nil {
+		t.Errorf("root's segment's %s after uid %d filled the counters with its own: %v", gtRefCounter, userA, err)
+	} else {
+		t.Logf("root's counter: %s", v)
+	}
+}
+
+// sharedPlantScript plants, as its user, SHARED segments whose disk files
+// record the path argv[1]/alice/model while they live elsewhere: each
+// attempt creates alice/model while a child renames the directory alice
+// away; a create whose marker gets its disk id after the rename walked
+// the directory (recordSharedPath) keeps the path it computed before.
+const sharedPlantScript = `
+import os, sys
+base, n = sys.argv[1], int(sys.argv[2])
+r1, w1 = os.pipe()
+pid = os.fork()
+if pid == 0:
+    for i in range(n):
+        if os.read(r1, 1) != b"g":
+            break
+        try:
+            os.rename(base + "/alice", "%s/h%d" % (base, i))
+        except OSError:
+            pass
+    os._exit(0)
+for i in range(n):
+    try:
+        os.mkdir(base + "/alice")
+    except FileExistsError:
+        pass
+    os.write(w1, b"g")
+    try:
+        fd = os.open(base + "/alice/model", os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o644)
+        os.write(fd, b"attacker")
+        os.close(fd)
+    except OSError:
+        pass
+    for _ in range(1000):
+        if os.path.isdir("%s/h%d" % (base, i)):
+            break
+    try:
+        os.rename(base + "/alice", "%s/late%d" % (base, i))
+    except OSError:
+        pass
+os.write(w1, b"s")
+os.waitpid(pid, 0)
+print("done")
+`
+
+// TestAttackSharedRecordedPath (G3): a SHARED segment's disk file records
+// the path its create computed (d.Path when the create began), and a
+// rename of its directory that walks the directory before the new marker
+// carries its disk id does not correct it. uid 1000 races its own creates
+// against renames of its own directory "alice" in a 1777 SHARED directory
+// and leaves disk files that all record persist/alice/model but live
+// elsewhere. uid 1001 then keeps its checkpoint at persist/alice/model.
+// After unmount --purge (or a reboot: what SHARED is for), recovery from
+// the disk puts the first disk file in id order at the recorded path and
+// the others beside it: uid 1001's path then holds uid 1000's bytes. What
+// recovery puts at a user's path must be that user's own segment.
+func TestAttackSharedRecordedPath(t *testing.T) {
+	t.Parallel()
+	forEachModeOnce(t, func(t *testing.T, mode string) {
+		disk := filepath.Join(t.TempDir(), "disk")
+		if err := os.Mkdir(disk, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		m := mountFS(t, mode, "--allow-other", "--disk", disk)
+		reachable(t, m.dir)
+		persist := m.path("persist")
+		if err := os.Mkdir(persist, 0o1777); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Chmod(persist, 0o1777); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Setxattr(persist, "user.tensorfs.flags", []byte("SHARED"), 0); err != nil {
+			t.Fatal(err)
+		}
+		pythonAs(t, userA, "/", sharedPlantScript, persist, "300")
+		planted := 0
+		ents, _ := os.ReadDir(disk)
+		for _, e := range ents {
+			v := make([]byte, 4096)
+			if n, err := unix.Getxattr(filepath.Join(disk, e.Name()), "trusted.tensorfs.path", v); err == nil && string(v[:n]) == "persist/alice/model" {
+				planted++
+			}
+		}
+		t.Logf("uid %d left %d disk files that record persist/alice/model", userA, planted)
+		if _, err := os.Stat(filepath.Join(persist, "alice")); !os.IsNotExist(err) {
+			t.Fatalf("persist/alice after the attacker: %v, want it absent", err)
+		}
+		if out, err := runAs(t, userB, "/", "sh", "-c", "mkdir "+persist+"/alice && echo victim > "+persist+"/alice/model"); err != nil {
+			t.Fatalf("uid %d's checkpoint: %v\n%s", userB, err, out)
+		}
+		m.unmount(t, true)
+		m2 := m.remount(t)
+		p := m2.path("persist/alice/model")
+		b, err := os.ReadFile(p)
+		var st unix.Stat_t
+		unix.Stat(p, &st)
+		if err != nil || string(b) != "victim\n" || st.Uid != userB {
+			t.Errorf("after unmount --purge and mount, uid %d's persist/alice/model holds %q (owner %d, %v); want its own %q", userB, b, st.Uid, err, "victim\n")
+		}
+	})
+}
