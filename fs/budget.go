@@ -11,7 +11,8 @@ import (
 
 // budget bounds something each user can make the daemon hold, per uid
 // and in total, so that no user can take what serves everyone else: the
-// backing descriptors of open segments (one each; the control socket has
+// backing descriptors of open segments and directories (one each), of
+// imports and of watches (the control socket has
 // the other half of the daemon's open-file limit, package ctl), and GPU
 // consumer counters. Root is bound by the total only; an eighth of it is
 // root's alone, so that users other than root, however many, never take
@@ -34,18 +35,19 @@ func newBudget(what string, perUID, total int) *budget {
 	return &budget{what: what, perUID: perUID, total: total, shared: total - total/8, used: map[uint32]int{}}
 }
 
-// newHandleBudget sizes the budget of segment descriptors (one per open
-// segment, one per import) from the daemon's open-file limit: half of
-// it, less a reserve for directories and the daemon's own files; a
-// sixteenth of that for one user.
+// newHandleBudget sizes the budget of the descriptors requests make the
+// daemon hold (one per open segment or directory, import or watch) from
+// the daemon's open-file limit: half of it, less a reserve for the
+// directory cache and the daemon's own files; a sixteenth of that for
+// one user.
 func newHandleBudget() *budget {
 	limit := 1024
 	var r unix.Rlimit
 	if unix.Getrlimit(unix.RLIMIT_NOFILE, &r) == nil {
 		limit = int(min(r.Cur, 1<<30))
 	}
-	total := max(limit/2-256, 64)
-	return newBudget("segment descriptors (open segments and imports)", total/16, total)
+	total := max(limit/2-256-defaultDirFds, 64)
+	return newBudget("descriptors (open segments and directories, imports, watches)", total/16, total)
 }
 
 // take counts a new one of uid, or refuses it: EMFILE when uid holds its

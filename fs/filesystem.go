@@ -87,7 +87,7 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 	if fsys.log == nil {
 		fsys.log = slog.New(slog.DiscardHandler)
 	}
-	fsys.log.Info("segment descriptors (open segments and imports): limits", "per_uid", fsys.handles.perUID, "total", fsys.handles.total,
+	fsys.log.Info("descriptors held for requests (open segments and directories, imports, watches): limits", "per_uid", fsys.handles.perUID, "total", fsys.handles.total,
 		"root_reserve", fsys.handles.total-fsys.handles.shared)
 	rec := opts.Recovered
 	if rec == nil {

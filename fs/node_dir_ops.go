@@ -556,23 +556,31 @@ func (fsys *filesystem) recordSharedPath(dirfd int, name, rel string) {
 	}
 }
 
-// OpendirHandle lists the backing directory.
+// OpendirHandle lists the backing directory. The listing's descriptor is
+// one of the caller's descriptors (fs/budget.go), as an open segment's is.
 func (d *dirNode) OpendirHandle(ctx context.Context, flags uint32) (fusefs.FileHandle, uint32, syscall.Errno) {
 	var dfd int
-	err := d.withDir(func(fd int) (err error) {
-		dfd, err = unix.Openat(fd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-		return err
+	err := d.fs.takeHandle(ctx, func() error {
+		return d.withDir(func(fd int) (err error) {
+			dfd, err = unix.Openat(fd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+			return err
+		})
 	})
 	if err != nil {
 		return nil, 0, d.fs.errnoOf("opendir", &d.nodeBase, err)
 	}
 	ds, _ := fusefs.NewLoopbackDirStreamFd(dfd)
-	return &dirHandle{ds}, 0, 0
+	return &dirHandle{ds: ds, handles: d.fs.handles, uid: caller(ctx).Uid}, 0, 0
 }
 
 // dirHandle is an open directory: it lists, seeks and syncs, and nothing
-// else (go-fuse's directory stream would also run ioctls).
-type dirHandle struct{ ds fusefs.DirStream }
+// else (go-fuse's directory stream would also run ioctls). Its descriptor
+// counts against uid's budget until it is released.
+type dirHandle struct {
+	ds      fusefs.DirStream
+	handles *budget
+	uid     uint32
+}
 
 var (
 	_ = (fusefs.FileReaddirenter)((*dirHandle)(nil))
@@ -599,4 +607,5 @@ func (h *dirHandle) Fsyncdir(ctx context.Context, flags uint32) syscall.Errno {
 // Releasedir closes the listing's descriptor.
 func (h *dirHandle) Releasedir(ctx context.Context, flags uint32) {
 	h.ds.(fusefs.FileReleasedirer).Releasedir(ctx, flags)
+	h.handles.give(h.uid)
 }
