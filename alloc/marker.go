@@ -280,12 +280,19 @@ func (s *Store) CreateShared(markerPath, rel string, flags int, mode uint32) (fd
 }
 
 // recoverShared gives every disk file that no marker names a marker at the
-// path it recorded, so SHARED segments outlive a purged backing.
+// path it recorded, so SHARED segments outlive a purged backing. A path
+// that several disk files record is given to none of them: recovery
+// cannot tell which is right (one may record a path its segment left
+// while a rename's records failed), so each goes beside it,
+// name.shared-<id>, for their owners to sort out.
 func (s *Store) recoverShared(known map[string]bool) error {
 	entries, err := os.ReadDir(FdPath(s.DiskFd))
 	if err != nil {
 		return err
 	}
+	type claim struct{ id, rel string }
+	var claims []claim
+	claimed := map[string]int{}
 	for _, e := range entries {
 		id := e.Name()
 		if known[id] || !e.Type().IsRegular() || !validID(id) {
@@ -296,16 +303,24 @@ func (s *Store) recoverShared(known map[string]bool) error {
 			rel, err = readAttr(p, attrPath)
 			return err
 		})
-		dir, name, ok := splitRel(rel)
+		claims = append(claims, claim{id, rel})
+		claimed[path.Clean("/"+rel)]++
+	}
+	for _, c := range claims {
+		dir, name, ok := splitRel(c.rel)
 		if !ok {
-			s.log.Warn("recover: disk file without a valid recorded path, left alone", "file", s.DiskPath(id), "path", rel)
+			s.log.Warn("recover: disk file without a valid recorded path, left alone", "file", s.DiskPath(c.id), "path", c.rel)
 			continue
 		}
-		if err := s.restoreMarker(dir, name, id); err != nil {
-			s.log.Warn("recover: could not restore SHARED segment", "path", rel, "file", s.DiskPath(id), "err", err)
+		aside := claimed[path.Clean("/"+c.rel)] > 1
+		if aside {
+			s.log.Warn("recover: several disk files record this path; none gets it, each goes beside it", "path", c.rel, "file", s.DiskPath(c.id), "name", name+".shared-"+c.id)
+		}
+		if err := s.restoreMarker(dir, name, c.id, aside); err != nil {
+			s.log.Warn("recover: could not restore SHARED segment", "path", c.rel, "file", s.DiskPath(c.id), "err", err)
 			continue
 		}
-		s.log.Info("recover: restored SHARED segment from disk", "path", rel, "file", s.DiskPath(id))
+		s.log.Info("recover: restored SHARED segment from disk", "path", c.rel, "file", s.DiskPath(c.id))
 	}
 	return nil
 }
@@ -323,12 +338,12 @@ func splitRel(rel string) (dirs []string, name string, ok bool) {
 
 // restoreMarker makes the marker of disk file id at dirs/name below the
 // backing root, making the directories on the way; nothing on the way is
-// followed if it is a symbolic link. A name already taken gets the
-// marker beside it, name.shared-<id>. A directory made here is the
+// followed if it is a symbolic link. A name already taken, or any name
+// when aside, gets the marker beside it, name.shared-<id>. A directory made here is the
 // daemon's, mode 0711 and without flags: the disk records no directory's
 // owner, mode or flags, so no user may list or create in it, and each
 // segment is reachable by its path as its own mode allows.
-func (s *Store) restoreMarker(dirs []string, name, id string) error {
+func (s *Store) restoreMarker(dirs []string, name, id string, aside bool) error {
 	dirfd, err := unix.Dup(s.RootFd)
 	if err != nil {
 		return err
@@ -345,8 +360,11 @@ func (s *Store) restoreMarker(dirs []string, name, id string) error {
 		unix.Close(dirfd)
 		dirfd = next
 	}
+	if aside {
+		name += ".shared-" + id
+	}
 	fd, err := unix.Openat(dirfd, name, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
-	if errors.Is(err, unix.EEXIST) {
+	if errors.Is(err, unix.EEXIST) && !aside {
 		name += ".shared-" + id
 		fd, err = unix.Openat(dirfd, name, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 	}

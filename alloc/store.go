@@ -301,3 +301,30 @@ func Resize(fd int, size int64) error {
 	}
 	return err
 }
+
+// RelPath returns the path within the backing of the object open at fd,
+// as the kernel names it now ("" for the backing's root): unlike a path
+// kept by the caller, it cannot lag behind a rename. An object no longer
+// linked is ENOENT.
+func (s *Store) RelPath(fd int) (string, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return "", err
+	}
+	if st.Nlink == 0 {
+		return "", fmt.Errorf("%w: the object is no longer linked", unix.ENOENT)
+	}
+	root, err := os.Readlink(FdPath(s.RootFd))
+	if err != nil {
+		return "", err
+	}
+	p, err := os.Readlink(FdPath(fd))
+	if err != nil || p == root {
+		return "", err
+	}
+	rel, ok := strings.CutPrefix(p, root+"/")
+	if !ok {
+		return "", fmt.Errorf("%w: %s is not below the backing %s", ErrInvalid, p, root)
+	}
+	return rel, nil
+}

@@ -119,6 +119,49 @@ func TestRecoverRemovesUnlinkSegmentsAndRestoresShared(t *testing.T) {
 	}
 }
 
+// TestRecoverContestedSharedPath: two disk files that record one path
+// (one of them stale) both go beside it, name.shared-<id>: recovery does
+// not pick one to give the name; a path only one records is its own.
+func TestRecoverContestedSharedPath(t *testing.T) {
+	backing, disk := t.TempDir(), t.TempDir()
+	s, err := Open(Config{Backing: backing, Disk: disk}, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	ids := map[string]string{}
+	for _, c := range []struct{ marker, rel string }{{"m1", "d/model"}, {"m2", "d/model"}, {"m3", "d/other"}} {
+		marker := filepath.Join(backing, c.marker)
+		os.WriteFile(marker, nil, 0o644)
+		fd, id, err := s.CreateShared(marker, c.rel, unix.O_RDWR|unix.O_CLOEXEC, 0o600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		unix.Close(fd)
+		os.Remove(marker) // a purged backing
+		ids[c.marker] = id
+	}
+	if _, err := s.Recover(nil); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{
+		"d/model.shared-" + ids["m1"]: ids["m1"],
+		"d/model.shared-" + ids["m2"]: ids["m2"],
+		"d/other":                     ids["m3"],
+	}
+	for rel, id := range want {
+		p := filepath.Join(backing, rel)
+		var st unix.Stat_t
+		unix.Stat(p, &st)
+		if got, err := ReadMarker(p, &st); err != nil || got != (Marker{Kind: Disk, ID: id}) {
+			t.Errorf("%s after recovery: %+v (%v), want disk id %q", rel, got, err, id)
+		}
+	}
+	if _, err := os.Lstat(filepath.Join(backing, "d/model")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the contested path was given to one of its claimants: %v", err)
+	}
+}
+
 // TestRecoverKeepsMappedUnlinkSegments: an UNLINK segment that the
 // predicate reports mapped stays; the others go.
 func TestRecoverKeepsMappedUnlinkSegments(t *testing.T) {

@@ -48,6 +48,10 @@ type filesystem struct {
 	// handles bounds the descriptors open segments, imports and watches
 	// keep, per uid.
 	handles *budget
+	// sharedPaths serialises the paths SHARED segments' disk files record
+	// (at create) with the renames that change them (with --disk only);
+	// no other lock is taken while it is held.
+	sharedPaths sync.Mutex
 	// unlinked gathers the UNLINK segments to remove into shared walks.
 	unlinked unlinkBatch
 	// dirs bounds the directory descriptors the daemon keeps.

@@ -272,7 +272,7 @@ func (d *dirNode) create(ctx context.Context, dirfd int, name string, flags, mod
 	if pf&alloc.Shared != 0 {
 		// The marker stays empty; the bytes live on --disk.
 		marker := fd
-		fd, s, err = d.fs.createShared(marker, d.Path(nil)+"/"+name, bflags, mode)
+		fd, s, err = d.fs.createShared(marker, bflags, mode)
 		unix.Close(marker)
 	}
 	var st unix.Stat_t
@@ -499,6 +499,12 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 					return err
 				}
 			}
+			if d.fs.store.Disk != "" {
+				// The rename and the paths it records, as one step
+				// for creates of SHARED segments (createShared).
+				d.fs.sharedPaths.Lock()
+				defer d.fs.sharedPaths.Unlock()
+			}
 			err = unix.Renameat2(fd, name, dfd, newName, uint(flags))
 			if errors.Is(err, unix.EEXIST) && flags&unix.RENAME_NOREPLACE != 0 {
 				return fmt.Errorf("%w: %s", alloc.ErrExists, newName)
@@ -510,9 +516,9 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 			if replaced != nil {
 				err = replaced.release()
 			}
-			d.fs.recordSharedPath(dfd, newName, path.Join(dst.Path(nil), newName))
+			d.fs.recordSharedPath(dfd, newName)
 			if exchange {
-				d.fs.recordSharedPath(fd, name, path.Join(d.Path(nil), name))
+				d.fs.recordSharedPath(fd, name)
 			}
 			return err
 		})
@@ -521,37 +527,50 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 }
 
 // recordSharedPath notes on a SHARED segment's disk file that its marker
-// is now name in dirfd, at rel in the mount, so that recovery from the
-// disk alone puts it there; for a directory, on the disk file of every
-// SHARED segment below it. Other objects are left alone. A failure is
-// logged: the rename itself happened.
-func (fsys *filesystem) recordSharedPath(dirfd int, name, rel string) {
+// is now name in dirfd, at that path in the backing as the kernel names
+// it, so that recovery from the disk alone puts it there; for a
+// directory, on the disk file of every SHARED segment below it. Other
+// objects are left alone. The caller holds sharedPaths. A failure is
+// logged, and the walk goes on to the other segments: the rename itself
+// happened.
+func (fsys *filesystem) recordSharedPath(dirfd int, name string) {
 	if fsys.store.Disk == "" {
 		return
 	}
-	record := func(dirfd int, name, rel string) error {
-		return alloc.At(dirfd, name, 0, func(p string) error { return fsys.store.RecordSharedPath(p, rel) })
+	var failed error
+	record := func(dirfd int, name, rel string) {
+		err := alloc.At(dirfd, name, 0, func(p string) error { return fsys.store.RecordSharedPath(p, rel) })
+		if err != nil && !errors.Is(err, syscall.ELOOP) { // ELOOP: a symbolic link took the name
+			failed = err
+		}
 	}
+	dir, err := fsys.store.RelPath(dirfd)
+	rel := path.Join(dir, name)
 	var st unix.Stat_t
-	err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
+	if err == nil {
+		err = unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
+	}
 	switch {
 	case err != nil:
 	case st.Mode&unix.S_IFMT == unix.S_IFREG:
-		err = record(dirfd, name, rel)
+		record(dirfd, name, rel)
 	case st.Mode&unix.S_IFMT == unix.S_IFDIR:
 		var fd int
 		if fd, err = unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0); err != nil {
 			break
 		}
 		err = alloc.Walk(fd, func(dirfd int, name, below string, st *unix.Stat_t) error {
-			if st.Mode&unix.S_IFMT != unix.S_IFREG {
-				return nil
+			if st.Mode&unix.S_IFMT == unix.S_IFREG {
+				record(dirfd, name, rel+"/"+below)
 			}
-			return record(dirfd, name, rel+"/"+below)
+			return nil
 		})
 		unix.Close(fd)
 	}
-	if err != nil && (!errors.Is(err, syscall.ELOOP) || errors.Is(err, alloc.ErrTooDeep)) { // ELOOP: a symbolic link took the name
+	if err == nil {
+		err = failed
+	}
+	if err != nil && (!errors.Is(err, syscall.ELOOP) || errors.Is(err, alloc.ErrTooDeep)) {
 		fsys.log.Error("SHARED segments moved, but a disk file still records an old path; recovery from --disk alone would put it there", "path", rel, "err", err)
 	}
 }

@@ -83,11 +83,19 @@ func (s shared) handle(m *alloc.Ref) (p string, err error) {
 func (s shared) release() error { return s.store.RemoveShared(s.id) }
 
 // createShared makes the disk file of a new SHARED segment whose marker
-// is open at marker and is named rel in the mount, and returns it open
-// with flags, as the segment's storage.
-func (fsys *filesystem) createShared(marker int, rel string, flags int, mode uint32) (int, storage, error) {
+// is open at marker, and returns it open with flags, as the segment's
+// storage. The disk file records the marker's path as the kernel names it
+// while no rename runs (sharedPaths), so that a rename either comes
+// before and is in that path, or after and records the new one.
+func (fsys *filesystem) createShared(marker int, flags int, mode uint32) (int, storage, error) {
 	if fsys.store.Disk == "" {
 		return -1, nil, fmt.Errorf("%w: the directory is SHARED", alloc.ErrNoDisk)
+	}
+	fsys.sharedPaths.Lock()
+	defer fsys.sharedPaths.Unlock()
+	rel, err := fsys.store.RelPath(marker)
+	if err != nil {
+		return -1, nil, err
 	}
 	fd, id, err := fsys.store.CreateShared(alloc.FdPath(marker), rel, flags, mode)
 	if err != nil {
