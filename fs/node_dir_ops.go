@@ -499,13 +499,7 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 					return err
 				}
 			}
-			if d.fs.store.Disk != "" {
-				// The rename and the paths it records, as one step
-				// for creates of SHARED segments (createShared).
-				d.fs.sharedPaths.Lock()
-				defer d.fs.sharedPaths.Unlock()
-			}
-			err = unix.Renameat2(fd, name, dfd, newName, uint(flags))
+			err = d.fs.renameRecorded(fd, name, dfd, newName, flags)
 			if errors.Is(err, unix.EEXIST) && flags&unix.RENAME_NOREPLACE != 0 {
 				return fmt.Errorf("%w: %s", alloc.ErrExists, newName)
 			}
@@ -516,14 +510,29 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 			if replaced != nil {
 				err = replaced.release()
 			}
-			d.fs.recordSharedPath(dfd, newName)
-			if exchange {
-				d.fs.recordSharedPath(fd, name)
-			}
 			return err
 		})
 	})
 	return d.fs.errno("rename", &d.nodeBase, name, err)
+}
+
+// renameRecorded renames name in fd to newName in dfd and records the
+// paths of the SHARED segments it moves, as one step for creates of
+// SHARED segments (createShared holds sharedPaths too).
+func (fsys *filesystem) renameRecorded(fd int, name string, dfd int, newName string, flags uint32) error {
+	if fsys.store.Disk == "" {
+		return unix.Renameat2(fd, name, dfd, newName, uint(flags))
+	}
+	fsys.sharedPaths.Lock()
+	defer fsys.sharedPaths.Unlock()
+	if err := unix.Renameat2(fd, name, dfd, newName, uint(flags)); err != nil {
+		return err
+	}
+	fsys.recordSharedPath(dfd, newName)
+	if flags&unix.RENAME_EXCHANGE != 0 {
+		fsys.recordSharedPath(fd, name)
+	}
+	return nil
 }
 
 // recordSharedPath notes on a SHARED segment's disk file that its marker
@@ -534,9 +543,6 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 // logged, and the walk goes on to the other segments: the rename itself
 // happened.
 func (fsys *filesystem) recordSharedPath(dirfd int, name string) {
-	if fsys.store.Disk == "" {
-		return
-	}
 	var failed error
 	record := func(dirfd int, name, rel string) {
 		err := alloc.At(dirfd, name, 0, func(p string) error { return fsys.store.RecordSharedPath(p, rel) })
