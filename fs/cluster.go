@@ -146,12 +146,26 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 	if err := cluster.CheckDir(info.Dir); err != nil {
 		return err // package cluster refuses such a name; never walk one
 	}
+	c.nsMu.Lock()
+	defer c.nsMu.Unlock()
+	// A version replaced since its event was sent is not made: it would
+	// undo its successor, a publish of this node's among them (which the
+	// watch reports after the publish has made it here). The successor's
+	// event follows.
+	cur, err := c.node.Lookup(c.ctx, info.Dir)
+	switch {
+	case errors.Is(err, cluster.ErrNotPublished):
+		return nil // unpublished since: its event follows
+	case err != nil:
+		return err
+	case cur.Version != v.ID:
+		c.fsys.log.Info("cluster: a version already replaced is not made", "dir", alloc.EscapeText(info.Dir), "version", v.ID, "current", cur.Version)
+		return nil
+	}
 	c.mu.Lock()
 	maps.Copy(c.known, v.Contents)
 	prev := c.made[info.Dir]
 	c.mu.Unlock()
-	c.nsMu.Lock()
-	defer c.nsMu.Unlock()
 	top, err := c.openPath(info.Dir, true)
 	if err != nil {
 		return err

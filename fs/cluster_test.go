@@ -922,3 +922,43 @@ func TestClusterRestartServes(t *testing.T) {
 		t.Errorf("the restarted node served %d bytes, want %d", served, files.bytes())
 	}
 }
+
+// TestClusterStaleVersionEvent: the watch reports a node's own publish
+// after the publish has made it here, so an event of the version before
+// can arrive once a newer one is made. Making it then would undo the
+// newer one: on its publisher, remove a file only the newer version has,
+// and with it the one copy of its bytes. A replaced version is not made;
+// the newer one's file stays and reaches a peer.
+func TestClusterStaleVersionEvent(t *testing.T) {
+	tc := newTestCluster(t)
+	a, b := tc.node("node-a", nil), tc.node("node-b", nil)
+	makeModel(t, a)
+	v1 := publishModel(t, a)
+	info1, err := a.cl.node.Lookup(context.Background(), "models/m")
+	if err != nil || info1.Version != v1 {
+		t.Fatalf("lookup of v1: %+v, %v", info1, err)
+	}
+	ver1, err := a.cl.node.Version(context.Background(), v1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := lookupPath(t, a, "models/m").Operations().(*dirNode)
+	extra := randomBytes(t, 64<<10)
+	writeSeg(t, a, m, "models/m/extra", extra)
+	v2 := publishModel(t, a)
+
+	// v1's event, late: nothing changes.
+	if err := a.cl.materialize(info1, ver1); err != nil {
+		t.Fatalf("making v1 after v2: %v", err)
+	}
+	if got, err := os.ReadFile(modelPath(a, "extra")); err != nil || !bytes.Equal(got, extra) {
+		t.Fatalf("the publisher's file of v2 after v1's late event: %d bytes, %v", len(got), err)
+	}
+	awaitVersion(t, b, v2)
+	if _, err := (controlBackend{b}).Pull(rootPeer, "models/m"); err != nil {
+		t.Fatalf("pull of v2: %v", err)
+	}
+	if got := readAll(t, lookupPath(t, b, "models/m/extra").Operations().(*segmentNode)); !bytes.Equal(got, extra) {
+		t.Errorf("v2's file pulled by a peer: %d bytes, want its %d", len(got), len(extra))
+	}
+}
