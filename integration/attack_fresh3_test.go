@@ -136,6 +136,44 @@ func TestAttackGPUCounterKeepSize(t *testing.T) {
 	}
 }
 
+// xattrFillScript sets user.* attributes on the counter file argv[1], as
+// its write permission lets a reader, until the tmpfs refuses one at
+// every size; it prints how many it set and the inodes left free.
+const xattrFillScript = `
+import os, sys
+p, n = sys.argv[1], 0
+for size in (65536, 4096, 256, 16, 0):
+    try:
+        while True:
+            os.setxattr(p, "user.x%d" % n, b"x" * size)
+            n += 1
+    except OSError:
+        pass
+print(n, os.statvfs(p).f_ffree)
+`
+
+// TestAttackGPUCounterXattrs (G2): tmpfs charges user.* attributes to
+// the room its inodes share (nr_inodes), and a reader of a GPU segment
+// may set them on its counter file (write permission is all it takes):
+// enough of them leave no room for another counter file, so every new
+// counter, root's included, is ENOSPC. One user must not take the
+// counters of others: root's new segment gets its counter.
+func TestAttackGPUCounterXattrs(t *testing.T) {
+	t.Parallel()
+	m := agMount(t)
+	seg := agSegment(t, m, "mine", 4096, userA, userA, 0o600)
+	counter := agCounter(t, seg)
+	out := strings.Fields(pythonAs(t, userA, "/", xattrFillScript, counter))
+	t.Logf("uid %d's user.* attributes on its counter: set, inodes free = %v", userA, out)
+	root := gtDeviceSegment(t, m.path("roots"))
+	run(t, "truncate", "-s", "4096", root)
+	if v, err := getxattr(root, gtRefCounter); err != nil {
+		t.Errorf("root's segment's %s after uid %d filled the counters' inodes with attributes: %v", gtRefCounter, userA, err)
+	} else {
+		t.Logf("root's counter: %s", v)
+	}
+}
+
 // sharedPlantScript plants, as its user, SHARED segments whose disk files
 // record the path argv[1]/alice/model while they live elsewhere: each
 // attempt creates alice/model while a child renames the directory alice
