@@ -51,12 +51,21 @@ func controlFS(t *testing.T) (controlBackend, string) {
 	return controlBackend{fsys}, fsys.store.Dir
 }
 
-// memfd returns a readable and writable memfd holding data.
+// memfd returns a readable and writable memfd holding data, ownerPeer's
+// where the test is root (as when it imports a memfd of its own: the
+// daemon makes no other user's memfd owner-only), 0777 as memfd_create
+// leaves it.
 func memfd(t *testing.T, data string) *os.File {
 	t.Helper()
 	fd, err := unix.MemfdCreate("control-test", unix.MFD_CLOEXEC)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if os.Geteuid() == 0 {
+		if err := unix.Fchown(fd, int(ownerPeer.Uid), int(ownerPeer.Gid)); err != nil {
+			unix.Close(fd)
+			t.Fatal(err)
+		}
 	}
 	f := os.NewFile(uintptr(fd), "memfd")
 	t.Cleanup(func() { f.Close() })

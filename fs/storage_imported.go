@@ -23,9 +23,10 @@ import (
 // flags and attributes. Its bytes are read-only through tensorfs: every
 // descriptor the daemon hands out, to the kernel for an open or to a
 // peer, is a new read-only open of the sender's file, never the sender's
-// own open file description; a memfd is made owner-only at import
-// (memfdOwnerOnly), so that no reader opens such a descriptor again for
-// writing. It ends with the daemon (recovery removes its marker).
+// own open file description; a memfd is made owner-only at import, or
+// refused where it is another user's (memfdOwnerOnly), so that no reader
+// opens such a descriptor again for writing. It ends with the daemon
+// (recovery removes its marker).
 type importedFile struct {
 	table *imports
 	id    string
@@ -199,7 +200,7 @@ func (im *imports) drop(in *importedFile) {
 func (fsys *filesystem) importSegment(who ctl.Cred, dirfd int, name string, pf alloc.Flags, f *os.File, dtype, shape string) error {
 	fd, err := importable(f)
 	if err == nil {
-		if err = memfdOwnerOnly(fd); err != nil {
+		if err = memfdOwnerOnly(fd, who.Uid); err != nil {
 			unix.Close(fd)
 		}
 	}
@@ -351,16 +352,27 @@ func fsMagic(fd int, mntID uint64) (int64, error) {
 
 // memfdOwnerOnly takes the group and other bits off the mode of the file
 // open at fd if it is a memfd, keeping its owner's (a new memfd is 0777:
-// it becomes 0700). Every descriptor of an import that the daemon hands
-// out is a read-only reopen, but /proc/self/fd/N of a descriptor opens
-// its file again with the file's own mode: a memfd left 0777 would open
-// for writing for every reader. A file with a name (on /dev/shm, say)
-// keeps the mode its owner gave it, since anyone may open it by that name
-// anyway. A memfd is a file of tmpfs or hugetlbfs (importable checked
-// that) that has no name and whose link in /proc reads "/memfd:NAME
-// (deleted)". Its owner may widen the mode again: then it
-// shares its tensor writable, as it would by handing out its descriptor.
-func memfdOwnerOnly(fd int) error {
+// it becomes 0700), for an import by uid. Every descriptor of an import
+// that the daemon hands out is a read-only reopen, but /proc/self/fd/N of
+// a descriptor opens its file again with the file's own mode: a memfd
+// left 0777 would open for writing for every reader. A file with a name
+// (on /dev/shm, say) keeps the mode its owner gave it, since anyone may
+// open it by that name anyway. A memfd is a file of tmpfs or hugetlbfs
+// (importable checked that) that has no name and whose link in /proc
+// reads "/memfd:NAME (deleted)". Its owner may widen the mode again: then
+// it shares its tensor writable, as it would by handing out its
+// descriptor.
+//
+// The daemon changes the mode only where uid could (chmod is the owner's
+// or root's): uid's own memfd, or any for root. Another user's memfd
+// that group or others may open, a descriptor of which someone passed to
+// uid, is refused (EPERM) and keeps its mode: changed, it would be the
+// daemon's doing, not its importer's; left as it is, every reader of the
+// segment could open the read-only descriptors the daemon hands out
+// again for writing, and write a tensor its owner gave uid read-only.
+// Another user's owner-only memfd, which no reader can open again, is
+// imported as it is.
+func memfdOwnerOnly(fd int, uid uint32) error {
 	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return err
@@ -371,6 +383,10 @@ func memfdOwnerOnly(fd int) error {
 	}
 	if st.Nlink != 0 || !strings.HasPrefix(link, "/memfd:") || st.Mode&0o077 == 0 {
 		return nil
+	}
+	if uid != 0 && st.Uid != uid {
+		return fmt.Errorf("%w: the memfd is uid %d's and mode %#o, which would let every reader of the segment open it for writing; only its owner can make it owner-only (fchmod 0700)",
+			syscall.EPERM, st.Uid, st.Mode&0o7777)
 	}
 	if err := unix.Fchmod(fd, st.Mode&0o700); err != nil {
 		return fmt.Errorf("%w: cannot make the memfd owner-only (mode %#o to %#o), so every reader could write it: %v",

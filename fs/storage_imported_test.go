@@ -1,6 +1,7 @@
 package fs
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"testing"
@@ -21,7 +22,7 @@ func TestMemfdOwnerOnly(t *testing.T) {
 		if err := unix.Fchmod(fd, c.mode); err != nil {
 			t.Fatal(err)
 		}
-		if err := memfdOwnerOnly(fd); err != nil {
+		if err := memfdOwnerOnly(fd, uint32(os.Geteuid())); err != nil {
 			t.Errorf("memfd %#o: %v", c.mode, err)
 		}
 		var st unix.Stat_t
@@ -45,10 +46,51 @@ func TestMemfdOwnerOnly(t *testing.T) {
 	if err := unix.Fchmod(int(f.Fd()), 0o666); err != nil {
 		t.Fatal(err)
 	}
-	if err := memfdOwnerOnly(int(f.Fd())); err != nil {
+	if err := memfdOwnerOnly(int(f.Fd()), uint32(os.Geteuid())); err != nil {
 		t.Fatal(err)
 	}
 	if fi, err := f.Stat(); err != nil || fi.Mode().Perm() != 0o666 {
 		t.Errorf("a named /dev/shm file after import: %v %v, want its mode 0666 kept", fi.Mode(), err)
+	}
+}
+
+// TestMemfdOwnerOnlyOthers: the daemon changes the mode of no memfd its
+// importer could not: another user's memfd that group or others may open
+// is refused (EPERM) and keeps its mode, an owner-only one is imported as
+// it is, and root's import of any makes it owner-only, as root could.
+func TestMemfdOwnerOnlyOthers(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: the memfds belong to uid 1001")
+	}
+	for _, c := range []struct {
+		mode, importer, want uint32
+		errno                error
+	}{
+		{0o777, 1000, 0o777, unix.EPERM},
+		{0o644, 1000, 0o644, unix.EPERM},
+		{0o700, 1000, 0o700, nil},
+		{0o777, 1001, 0o700, nil},
+		{0o777, 0, 0o700, nil},
+	} {
+		fd, err := unix.MemfdCreate("weights", unix.MFD_CLOEXEC)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Fchown(fd, 1001, 1001); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Fchmod(fd, c.mode); err != nil {
+			t.Fatal(err)
+		}
+		err = memfdOwnerOnly(fd, c.importer)
+		if c.errno == nil && err != nil || c.errno != nil && !errors.Is(err, c.errno) {
+			t.Errorf("uid %d's import of uid 1001's memfd %#o: %v, want %v", c.importer, c.mode, err, c.errno)
+		}
+		var st unix.Stat_t
+		unix.Fstat(fd, &st)
+		if st.Mode&0o7777 != c.want {
+			t.Errorf("uid 1001's memfd %#o after uid %d's import: %#o, want %#o", c.mode, c.importer, st.Mode&0o7777, c.want)
+		}
+		unix.Close(fd)
 	}
 }

@@ -28,8 +28,11 @@ import (
 // segment, nothing for the others, so that only those who can open a
 // segment can change its counter, and no counter changes through another
 // segment's file. Only the daemon's user can change a counter's mode,
-// owner or ACL; a reader can change its bytes and its size, which Value
-// puts back to 8 bytes. The directory belongs to the daemon, mode 0711:
+// owner or ACL; a reader can change its bytes and its size, reserve
+// pages past its end (fallocate with FALLOC_FL_KEEP_SIZE) and set user.*
+// attributes. Value puts back 8 bytes in one page; New, when the tmpfs is
+// full, puts back that and removes the attributes of every counter
+// (trim). The directory belongs to the daemon, mode 0711:
 // others reach a counter by its path, but cannot list, add, remove or
 // replace counters. It must lie outside the FUSE mount (mapping a file of
 // its own mount deadlocks the daemon), on a filesystem with POSIX ACLs.
@@ -40,7 +43,10 @@ import (
 // A daemon that is not root cannot mount one: its counters lie in the
 // directory as it is (under /dev/shm), where a reader who grows one takes
 // room until the next Value or New cuts it back; the segments, and so the
-// counters, are that user's own.
+// counters, are that user's own. What no trim reaches: a counter file
+// that a reader still holds open or mapped after the daemon removed it
+// (Remove) keeps its inode, and the pages that reader reserves through a
+// writable descriptor, until the reader lets it go.
 //
 // The daemon never maps a counter file: a consumer may truncate its
 // counter, which then reads as zero rather than fault the daemon.
@@ -190,11 +196,20 @@ func (d *CounterDir) names() ([]string, error) {
 }
 
 // New makes a counter set to zero, for the daemon's user alone until
-// Follow gives it a segment's access. When the counters' tmpfs is full it
-// first cuts back every counter a reader grew (trim).
+// Follow gives it a segment's access. When the counters' tmpfs is full
+// (ENOSPC, of pages or of its inodes' room) it puts back what readers
+// took through their counter files (trim) and tries again.
 func (d *CounterDir) New() (*Counter, error) {
 	name := strconv.FormatUint(d.last.Add(1), 10)
-	fd, err := unix.Openat(int(d.dir.Fd()), name, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	fd := -1
+	create := func() (err error) {
+		fd, err = unix.Openat(int(d.dir.Fd()), name, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+		return err
+	}
+	err := create()
+	if errors.Is(err, unix.ENOSPC) {
+		err = d.trim(create)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("create counter %s: %w", name, err)
 	}
@@ -211,8 +226,8 @@ func (d *CounterDir) New() (*Counter, error) {
 	if err == nil {
 		err = c.zero()
 	}
-	if errors.Is(err, unix.ENOSPC) && d.trim() {
-		err = c.zero()
+	if errors.Is(err, unix.ENOSPC) {
+		err = d.trim(c.zero)
 	}
 	if err != nil {
 		c.Remove()
@@ -221,29 +236,92 @@ func (d *CounterDir) New() (*Counter, error) {
 	return c, nil
 }
 
-// trim cuts every counter file longer than 8 bytes back to 8 and reports
-// whether it cut any.
-func (d *CounterDir) trim() bool {
+// trim puts back, in every counter file, what a reader took of the
+// counters' tmpfs through it (putBack), and reports the files in one
+// warning. retry is what failed with ENOSPC; trim calls it again right
+// after each file it puts back, until it succeeds, so that a reader who
+// refills the tmpfs in a loop cannot take the freed room first. It
+// returns retry's last error, ENOSPC if there was nothing to put back.
+func (d *CounterDir) trim(retry func() error) error {
 	names, err := d.names()
+	if err != nil {
+		return fmt.Errorf("%w (and listing the counters to cut back: %v)", unix.ENOSPC, err)
+	}
+	err = unix.ENOSPC
+	var cut []string
+	for _, name := range names {
+		if !d.putBack(name) {
+			continue
+		}
+		cut = append(cut, name)
+		if errors.Is(err, unix.ENOSPC) {
+			err = retry()
+		}
+	}
+	if len(cut) > 0 {
+		d.log.Load().Warn("counters' tmpfs full; put back what consumers took through their counter files (pages past the counter's, user.* attributes)", "dir", d.dir.Name(), "files", strings.Join(cut, ","))
+	}
+	return err
+}
+
+// putBack frees what the counter file name holds beyond an 8-byte
+// counter, and reports whether it held any: pages past its first
+// (cutBack), and user.* extended attributes, which a reader may set
+// (write permission is all tmpfs asks) and tmpfs charges to the room its
+// inodes share, so that enough of them leave none for a new counter.
+func (d *CounterDir) putBack(name string) bool {
+	fd, err := unix.Openat(int(d.dir.Fd()), name, unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return false
 	}
-	var cut []string
-	for _, name := range names {
-		fd, err := unix.Openat(int(d.dir.Fd()), name, unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
-		if err != nil {
-			continue
-		}
-		var st unix.Stat_t
-		if unix.Fstat(fd, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFREG && st.Size > counterSize && unix.Ftruncate(fd, counterSize) == nil {
-			cut = append(cut, name)
-		}
-		unix.Close(fd)
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if unix.Fstat(fd, &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return false
 	}
-	if len(cut) > 0 {
-		d.log.Load().Warn("counter files full; cut back those that consumers grew past 8 bytes", "dir", d.dir.Name(), "files", strings.Join(cut, ","))
+	put := excess(&st) && cutBack(fd, &st) == nil
+	return removeUserXattrs(fd) || put
+}
+
+// excess reports whether a counter file whose stat is st holds more than
+// an 8-byte counter needs: bytes past the 8, or more than one page, such
+// as pages that fallocate(FALLOC_FL_KEEP_SIZE) reserved past its end.
+func excess(st *unix.Stat_t) bool {
+	return st.Size > counterSize || st.Blocks*512 > int64(os.Getpagesize())
+}
+
+// cutBack frees every page of the counter file open at fd, whose stat is
+// st, past its first 8 bytes, and keeps those: it truncates the file to
+// 8 bytes, or to its size if shorter. On tmpfs a truncate frees every
+// page past the new size, those past the old size too (a truncate to the
+// same size frees just those).
+func cutBack(fd int, st *unix.Stat_t) error {
+	return unix.Ftruncate(fd, min(st.Size, counterSize))
+}
+
+// removeUserXattrs removes every user.* extended attribute of the file
+// open at fd and reports whether it removed any.
+func removeUserXattrs(fd int) bool {
+	var buf []byte
+	for range 3 { // a reader may add names meanwhile (ERANGE)
+		n, err := unix.Flistxattr(fd, nil)
+		if err != nil || n == 0 {
+			return false
+		}
+		buf = make([]byte, n)
+		if n, err = unix.Flistxattr(fd, buf); err == nil {
+			buf = buf[:n]
+			break
+		}
+		buf = nil
 	}
-	return len(cut) > 0
+	removed := false
+	for name := range strings.SplitSeq(string(buf), "\x00") {
+		if strings.HasPrefix(name, "user.") && unix.Fremovexattr(fd, name) == nil {
+			removed = true
+		}
+	}
+	return removed
 }
 
 // RemoveAll removes the counters and the directory (unmounting the
@@ -282,9 +360,10 @@ func (c *Counter) Path() string { return filepath.Join(c.dir.dir.Name(), c.name)
 
 // Value reads the counter. A counter file that a consumer shortened reads
 // as zero, as if it had stored zero. A file found at another size than 8
-// bytes is put back to 8 (its first 8 bytes kept, or zero), and one whose
-// owner or mode changed gets those Follow gave it; the first such repair
-// of each file is logged as a warning.
+// bytes, or holding pages past its first, is put back to 8 bytes in one
+// page (its first 8 bytes kept, or zero), and one whose owner or mode
+// changed gets those Follow gave it; the first such repair of each file
+// is logged as a warning.
 func (c *Counter) Value() int64 {
 	var st unix.Stat_t
 	if err := unix.Fstat(c.fd, &st); err == nil {
@@ -297,16 +376,21 @@ func (c *Counter) Value() int64 {
 	return int64(binary.LittleEndian.Uint64(b[:]))
 }
 
-// repair puts back the size, owner and mode of a counter file whose stat
-// is st.
+// repair puts back the size, pages, owner and mode of a counter file
+// whose stat is st.
 func (c *Counter) repair(st *unix.Stat_t) {
 	var what []string
 	var err error
-	switch {
-	case st.Size > counterSize:
-		what, err = append(what, "size"), unix.Ftruncate(c.fd, counterSize)
-	case st.Size < counterSize:
-		what, err = append(what, "size"), c.zero()
+	if excess(st) || st.Size < counterSize {
+		if st.Size != counterSize {
+			what = append(what, "size")
+		} else {
+			what = append(what, "pages")
+		}
+		err = cutBack(c.fd, st)
+		if err == nil && st.Size < counterSize {
+			err = c.zero()
+		}
 	}
 	if st.Uid != c.dir.uid || st.Gid != c.gid || st.Mode&0o7777 != c.mode {
 		what = append(what, "owner or mode")

@@ -349,8 +349,8 @@ func countMounts(t *testing.T, path string) int {
 }
 
 // TestCounterValuePutsBack: Value cuts a grown counter file back to 8
-// bytes, zeroes a shortened one, restores a changed mode, and warns once
-// per file.
+// bytes, frees pages reserved past its end, zeroes a shortened one,
+// restores a changed mode, and warns once per file.
 func TestCounterValuePutsBack(t *testing.T) {
 	needRoot(t)
 	d, err := OpenCounterDir(filepath.Join(t.TempDir(), "counters"))
@@ -383,6 +383,13 @@ func TestCounterValuePutsBack(t *testing.T) {
 		}
 		return fi.Size()
 	}
+	blocks := func() int64 {
+		var st unix.Stat_t
+		if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+			t.Fatal(err)
+		}
+		return st.Blocks
+	}
 	if _, err := f.WriteAt(make([]byte, 1<<20), 8); err != nil {
 		t.Fatal(err)
 	}
@@ -405,6 +412,12 @@ func TestCounterValuePutsBack(t *testing.T) {
 	if err := unix.Stat(c.Path(), &st); err != nil || st.Mode&0o7777 != 0o660 || getfacl(t, c.Path()) != acl {
 		t.Errorf("after chmod 4777 and Value: mode %#o, ACL %q (%v); want 0660, %q", st.Mode&0o7777, getfacl(t, c.Path()), err, acl)
 	}
+	if err := unix.Fallocate(int(f.Fd()), unix.FALLOC_FL_KEEP_SIZE, 4096, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	if v := c.Value(); v != 7 || size() != 8 || blocks() > int64(os.Getpagesize()/512) {
+		t.Errorf("Value of a counter with 1 MiB reserved past its end = %d, size %d, %d blocks after; want 7, 8, one page", v, size(), blocks())
+	}
 	if err := f.Truncate(3); err != nil {
 		t.Fatal(err)
 	}
@@ -416,35 +429,107 @@ func TestCounterValuePutsBack(t *testing.T) {
 	}
 }
 
-// TestCounterNewWhenFull: when readers have filled the counters' tmpfs by
-// growing their files, New cuts those back and makes its counter.
+// TestCounterNewWhenFull: when a reader has filled the counters' tmpfs
+// through its counter file, New puts back what it took and makes its
+// counter, and the reader's counter keeps its value in one page: a file
+// grown past 8 bytes; pages reserved past its end by fallocate with
+// FALLOC_FL_KEEP_SIZE, its size 8 bytes or cut to 0 first; user.*
+// attributes, which take the room of the tmpfs's inodes (no new counter
+// file then).
 func TestCounterNewWhenFull(t *testing.T) {
 	needRoot(t)
-	d, err := OpenCounterDir(filepath.Join(t.TempDir(), "counters"))
+	for _, tc := range []struct {
+		name  string
+		fill  func(t *testing.T, path string)
+		value int64 // the filled counter's after New
+	}{
+		{"grown", func(t *testing.T, p string) {
+			if n, err := fill(p); !errors.Is(err, unix.ENOSPC) || n > 64<<20 {
+				t.Fatalf("filling the counters' tmpfs: %d bytes, %v; want ENOSPC within 64 MiB", n, err)
+			}
+		}, 7},
+		{"keep-size", func(t *testing.T, p string) { keepSizeFill(t, p, false) }, 7},
+		{"keep-size-empty", func(t *testing.T, p string) { keepSizeFill(t, p, true) }, 0},
+		{"xattrs", fillXattrs, 7},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d, err := OpenCounterDir(filepath.Join(t.TempDir(), "counters"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.RemoveAll()
+			var logs syncBuffer
+			d.SetLog(slog.New(slog.NewTextHandler(&logs, nil)))
+			c, err := d.New()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Remove()
+			atomic.AddInt64(consumerCounter(t, c.Path()), 7)
+			tc.fill(t, c.Path())
+			c2, err := d.New()
+			if err != nil {
+				t.Fatalf("New on a full tmpfs: %v\n%s", err, logs.String())
+			}
+			defer c2.Remove()
+			if !strings.Contains(logs.String(), "put back") || !strings.Contains(logs.String(), "files="+filepath.Base(c.Path())) {
+				t.Errorf("no warning naming %s:\n%s", filepath.Base(c.Path()), logs.String())
+			}
+			if v := c.Value(); v != tc.value {
+				t.Errorf("the filled counter's value after New: %d, want %d", v, tc.value)
+			}
+			var st unix.Stat_t
+			if err := unix.Stat(c.Path(), &st); err != nil || st.Size != 8 || st.Blocks*512 > int64(os.Getpagesize()) {
+				t.Errorf("the filled counter after New and Value: %d bytes, %d blocks (%v); want 8 bytes in one page", st.Size, st.Blocks, err)
+			}
+			if n, _ := unix.Listxattr(c.Path(), make([]byte, 1<<16)); n > len("system.posix_acl_access")+1 {
+				t.Errorf("the filled counter keeps %d bytes of attribute names", n)
+			}
+		})
+	}
+}
+
+// keepSizeFill reserves every free page of the tmpfs of the counter file
+// path past its end with fallocate(FALLOC_FL_KEEP_SIZE), its size kept,
+// after cutting the file to 0 if empty.
+func keepSizeFill(t *testing.T, path string, empty bool) {
+	t.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer d.RemoveAll()
-	var logs syncBuffer
-	d.SetLog(slog.New(slog.NewTextHandler(&logs, nil)))
-	c, err := d.New()
-	if err != nil {
+	defer f.Close()
+	if empty {
+		if err := f.Truncate(0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var fs unix.Statfs_t
+	if err := unix.Fstatfs(int(f.Fd()), &fs); err != nil {
 		t.Fatal(err)
 	}
-	defer c.Remove()
-	if n, err := fill(c.Path()); !errors.Is(err, unix.ENOSPC) || n > 64<<20 {
-		t.Fatalf("filling the counters' tmpfs: %d bytes, %v; want ENOSPC within 64 MiB", n, err)
+	if err := unix.Fallocate(int(f.Fd()), unix.FALLOC_FL_KEEP_SIZE, 4096, int64(fs.Bavail)*fs.Bsize); err != nil {
+		t.Fatal(err)
 	}
-	c2, err := d.New()
-	if err != nil {
-		t.Fatalf("New on a full tmpfs: %v", err)
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil || unix.Fstatfs(int(f.Fd()), &fs) != nil || fs.Bavail != 0 || st.Size > 8 {
+		t.Fatalf("after fallocate(KEEP_SIZE): %d bytes, %d blocks, %d blocks free (%v); want the tmpfs full, the size kept", st.Size, st.Blocks, fs.Bavail, err)
 	}
-	defer c2.Remove()
-	if fi, err := os.Stat(c.Path()); err != nil || fi.Size() != 8 {
-		t.Errorf("the grown counter after New: %v %v, want 8 bytes", fi, err)
+}
+
+// fillXattrs sets user.* attributes on path, as a reader with write
+// permission may, until the tmpfs has no room for another inode.
+func fillXattrs(t *testing.T, path string) {
+	t.Helper()
+	n := 0
+	for _, size := range []int{64 << 10, 4 << 10, 256, 16, 0} {
+		for unix.Setxattr(path, fmt.Sprintf("user.x%d", n), make([]byte, size), 0) == nil {
+			n++
+		}
 	}
-	if !strings.Contains(logs.String(), "cut back") {
-		t.Errorf("no warning:\n%s", logs.String())
+	var fs unix.Statfs_t
+	if err := unix.Statfs(path, &fs); err != nil || fs.Ffree != 0 {
+		t.Fatalf("after %d user.* attributes: %d inodes free (%v); want none", n, fs.Ffree, err)
 	}
 }
 

@@ -136,6 +136,44 @@ func TestAttackGPUCounterKeepSize(t *testing.T) {
 	}
 }
 
+// xattrFillScript sets user.* attributes on the counter file argv[1], as
+// its write permission lets a reader, until the tmpfs refuses one at
+// every size; it prints how many it set and the inodes left free.
+const xattrFillScript = `
+import os, sys
+p, n = sys.argv[1], 0
+for size in (65536, 4096, 256, 16, 0):
+    try:
+        while True:
+            os.setxattr(p, "user.x%d" % n, b"x" * size)
+            n += 1
+    except OSError:
+        pass
+print(n, os.statvfs(p).f_ffree)
+`
+
+// TestAttackGPUCounterXattrs (G2): tmpfs charges user.* attributes to
+// the room its inodes share (nr_inodes), and a reader of a GPU segment
+// may set them on its counter file (write permission is all it takes):
+// enough of them leave no room for another counter file, so every new
+// counter, root's included, is ENOSPC. One user must not take the
+// counters of others: root's new segment gets its counter.
+func TestAttackGPUCounterXattrs(t *testing.T) {
+	t.Parallel()
+	m := agMount(t)
+	seg := agSegment(t, m, "mine", 4096, userA, userA, 0o600)
+	counter := agCounter(t, seg)
+	out := strings.Fields(pythonAs(t, userA, "/", xattrFillScript, counter))
+	t.Logf("uid %d's user.* attributes on its counter: set, inodes free = %v", userA, out)
+	root := gtDeviceSegment(t, m.path("roots"))
+	run(t, "truncate", "-s", "4096", root)
+	if v, err := getxattr(root, gtRefCounter); err != nil {
+		t.Errorf("root's segment's %s after uid %d filled the counters' inodes with attributes: %v", gtRefCounter, userA, err)
+	} else {
+		t.Logf("root's counter: %s", v)
+	}
+}
+
 // sharedPlantScript plants, as its user, SHARED segments whose disk files
 // record the path argv[1]/alice/model while they live elsewhere: each
 // attempt creates alice/model while a child renames the directory alice
@@ -233,6 +271,94 @@ func TestAttackSharedRecordedPath(t *testing.T) {
 		unix.Stat(p, &st)
 		if err != nil || string(b) != "victim\n" || st.Uid != userB {
 			t.Errorf("after unmount --purge and mount, uid %d's persist/alice/model holds %q (owner %d, %v); want its own %q", userB, b, st.Uid, err, "victim\n")
+		}
+	})
+}
+
+// othersMemfdVictimScript makes two memfds, "weights" as memfd_create
+// leaves it (0777) and "private" owner-only (0600), prints their modes,
+// and hands a read-only descriptor of each to whoever connects to the
+// abstract socket argv[1]; once told to on stdin, it prints their modes
+// and the first bytes of "weights" again.
+const othersMemfdVictimScript = `
+import array, os, socket, sys
+fd = os.memfd_create("weights")
+os.write(fd, b"WEIGHTS!" * 512)
+priv = os.memfd_create("private")
+os.fchmod(priv, 0o600)
+os.write(priv, b"PRIVATE!" * 512)
+ro = [os.open("/proc/self/fd/%d" % f, os.O_RDONLY) for f in (fd, priv)]
+l = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+l.bind("\0" + sys.argv[1])
+l.listen(1)
+mode = lambda f: oct(os.fstat(f).st_mode & 0o7777)
+print(mode(fd), mode(priv), flush=True)
+c, _ = l.accept()
+c.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", ro))])
+c.close()
+sys.stdin.readline()
+print(mode(fd), mode(priv), os.pread(fd, 8, 0).decode(), flush=True)
+`
+
+// othersMemfdImportScript takes the two descriptors the victim hands out
+// on the abstract socket argv[2], tries to make the first owner-only
+// itself, and imports each over the control socket argv[1] at argv[3]
+// and argv[4]; it prints its own fchmod's errno and each import's ok and
+// errno.
+const othersMemfdImportScript = `
+import array, json, os, socket, sys
+v = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+v.connect("\0" + sys.argv[2])
+_, anc, _, _ = v.recvmsg(16, socket.CMSG_SPACE(8))
+fds = array.array("i", anc[0][2][:8])
+try:
+    os.fchmod(fds[0], 0o700)
+    own = 0
+except OSError as e:
+    own = e.errno
+out = [str(own)]
+for fd, path in zip(fds, sys.argv[3:5]):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(sys.argv[1])
+    s.sendmsg([json.dumps({"v": 1, "op": "import", "path": path}).encode()],
+              [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    r = json.loads(s.recv(65536).decode())
+    out += [str(r.get("ok")), str(r.get("errno", 0))]
+print(" ".join(out))
+`
+
+// TestAttackImportOthersMemfd (G4): uid 1000 holds a read-only descriptor
+// of uid 1001's memfd, which memfd_create left 0777, and imports it. The
+// daemon makes an imported memfd owner-only (memfdOwnerOnly), and as root
+// it could: it would change uid 1001's file, which uid 1000 itself cannot
+// (its fchmod is EPERM). The daemon must change no file its importer
+// could not: the import is refused (EPERM) and the memfd keeps its mode.
+// An owner-only memfd of uid 1001's, which no reader could open again for
+// writing, is imported as it is.
+func TestAttackImportOthersMemfd(t *testing.T) {
+	t.Parallel()
+	forEachModeOnce(t, func(t *testing.T, mode string) {
+		m := attackMount(t, mode, true)
+		sock := controlSocket(t, m)
+		name := fmt.Sprintf("tensorfs-victim-%s-%d", mode, os.Getpid())
+		v := startPythonAs(t, userB, "victim", othersMemfdVictimScript, name)
+		if r := v.next(t); r != "0o777 0o600" {
+			t.Fatalf("victim's memfds: %s, want 0o777 0o600", r)
+		}
+		out := strings.TrimSpace(pythonAs(t, userA, "/", othersMemfdImportScript, sock, name, "shared/weights", "shared/private"))
+		t.Logf("uid %d: own fchmod errno, then ok and errno of each import: %s", userA, out)
+		if want := fmt.Sprintf("%d False %d True 0", unix.EPERM, unix.EPERM); out != want {
+			t.Errorf("uid %d's fchmod and imports of uid %d's memfds (0777, 0600): %q, want %q (its fchmod EPERM, the 0777 one refused EPERM, the owner-only one imported)", userA, userB, out, want)
+		}
+		if _, err := os.Lstat(m.path("shared/weights")); !os.IsNotExist(err) {
+			t.Errorf("shared/weights after the refused import: %v, want no such segment", err)
+		}
+		if b, err := os.ReadFile(m.path("shared/private")); err != nil || !strings.HasPrefix(string(b), "PRIVATE!") {
+			t.Errorf("shared/private: %.8q, %v; want the owner-only memfd's bytes", b, err)
+		}
+		v.send(t, "")
+		if r := v.next(t); r != "0o777 0o600 WEIGHTS!" {
+			t.Errorf("victim's memfds after uid %d's imports: %s, want 0o777 0o600 WEIGHTS! (their modes unchanged)", userA, r)
 		}
 	})
 }
