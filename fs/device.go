@@ -37,7 +37,8 @@ type devices struct {
 	segs map[uint64]*devSeg
 
 	// owners bounds the consumer counters the segments of each user hold
-	// (by the segment's owner when its counter was made).
+	// (by the segment's owner when its counter was made), removed ones a
+	// consumer still holds open or mapped too (gpu.Counter.Remove).
 	owners *budget
 }
 
@@ -203,8 +204,9 @@ func (d *devices) drop(seg *devSeg) {
 	seg.cmu.Unlock()
 }
 
-// collect frees limbo blocks nobody refers to any more, every second,
-// until spill stops it.
+// collect frees limbo blocks nobody refers to any more, and lets go of
+// removed counter files nobody holds any more (gpu.CounterDir.Sweep),
+// every second, until spill stops it.
 func (d *devices) collect() {
 	defer d.wg.Done()
 	tick := time.NewTicker(time.Second)
@@ -213,6 +215,7 @@ func (d *devices) collect() {
 		select {
 		case <-tick.C:
 			d.limbo.Collect()
+			d.counters.Sweep()
 		case <-d.stop:
 			return
 		}
@@ -288,15 +291,21 @@ func (seg *devSeg) replace(nb gpu.Block) {
 
 // removeCounterLocked removes the counter file of a removed segment once
 // none of its blocks waits in limbo: nothing is left for it to protect.
+// It counts against its owner's bound until no consumer holds it.
 func (seg *devSeg) removeCounterLocked() {
 	if !seg.removed || seg.retired > 0 || seg.counter == nil {
 		return
 	}
-	if err := seg.counter.Remove(); err != nil {
+	if err := seg.counter.Remove(seg.d.giveCounter(seg.counterUID)); err != nil {
 		seg.d.log.Warn("reference counter not removed", "file", seg.counter.Path(), "err", err)
 	}
-	seg.d.owners.give(seg.counterUID)
 	seg.counter = nil
+}
+
+// giveCounter returns what gives a counter of uid back to its bound, for
+// gpu.Counter.Remove.
+func (d *devices) giveCounter(uid uint32) func() {
+	return func() { d.owners.give(uid) }
 }
 
 // Size returns the segment's size in bytes, without waiting for a copy.
@@ -570,15 +579,14 @@ func (seg *devSeg) refCounter() (string, error) {
 		return "", err
 	}
 	c, err := seg.d.counters.New()
-	if err == nil {
-		seg.counter, seg.counterUID = c, st.Uid
-		if err = seg.followLocked(); err != nil {
-			seg.counter = nil
-			c.Remove()
-		}
-	}
 	if err != nil {
 		seg.d.owners.give(st.Uid)
+		return "", err
+	}
+	seg.counter, seg.counterUID = c, st.Uid
+	if err := seg.followLocked(); err != nil {
+		seg.counter = nil
+		c.Remove(seg.d.giveCounter(st.Uid))
 		return "", err
 	}
 	return c.Path(), nil

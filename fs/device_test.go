@@ -2,8 +2,11 @@ package fs
 
 import (
 	"bytes"
+	"errors"
+	"math"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
@@ -70,6 +73,64 @@ func TestDeviceSegmentRemovedWhileOpen(t *testing.T) {
 	h.Release(callerCtx(0))
 	if blocks, bytes := fsys.gpu.limbo.Stats(); blocks != 0 {
 		t.Errorf("after the last close, limbo holds %d blocks (%d bytes), want none", blocks, bytes)
+	}
+}
+
+// TestDeviceCounterRemovedHeld: a removed segment's consumer counter that
+// a consumer still holds open counts against its owner's bound until the
+// consumer closes it: a user cannot pile up removed counter files, each
+// an inode of the counters' tmpfs, beyond its bound.
+func TestDeviceCounterRemovedHeld(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: segments of another user")
+	}
+	fsys := testFS(t)
+	testDevices(t, fsys)
+	fsys.gpu.owners = newBudget("consumer counters", 1, math.MaxInt) // one counter for uid 1000
+	dir := mkdir(t, &fsys.root.dirNode, "g")
+	if errno := dir.Setxattr(callerCtx(0), alloc.AttrDevice, []byte("cuda:0"), 0); errno != 0 {
+		t.Fatalf("set the directory's device: %v", errno)
+	}
+	create := func(name string) *deviceHandle {
+		t.Helper()
+		var out fuse.EntryOut
+		ch, fh, _, errno := dir.Create(callerCtx(0), name, unix.O_RDWR, 0o644, &out)
+		if errno != 0 {
+			t.Fatalf("create %s: %v", name, errno)
+		}
+		dir.AddChild(name, ch, false)
+		h := fh.(*deviceHandle)
+		if err := unix.Fchown(int(h.seg.backing.Fd()), 1000, 1000); err != nil {
+			t.Fatal(err)
+		}
+		return h
+	}
+	a := create("a")
+	path, err := a.seg.refCounter()
+	if err != nil {
+		t.Fatal(err)
+	}
+	held, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	a.Release(callerCtx(0))
+	if errno := dir.Unlink(callerCtx(0), "a"); errno != 0 {
+		t.Fatalf("unlink: %v", errno)
+	}
+	if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("counter of the removed segment: %v", err)
+	}
+	b := create("b")
+	defer b.Release(callerCtx(0))
+	if _, err := b.seg.refCounter(); !errors.Is(err, syscall.EMFILE) {
+		t.Errorf("uid 1000's second counter while its removed first is held: %v, want EMFILE", err)
+	}
+	held.Close()
+	fsys.gpu.counters.Sweep()
+	if _, err := b.seg.refCounter(); err != nil {
+		t.Errorf("uid 1000's second counter once its removed first is let go: %v", err)
 	}
 }
 

@@ -24,8 +24,11 @@ const helperEnv = "TENSORFS_GPU_TEST_HELPER"
 const crashLine = "fake CUDA fault: an illegal memory access was encountered"
 
 func TestMain(m *testing.M) {
-	if os.Getenv(childEnv) == "counter-attack" {
+	switch os.Getenv(childEnv) {
+	case "counter-attack":
 		os.Exit(runCounterAttack())
+	case "removed-holder":
+		os.Exit(runRemovedHolder())
 	}
 	if mode, ok := os.LookupEnv(helperEnv); ok && len(os.Args) > 1 && os.Args[1] == "gpu-helper" {
 		if mode == "crash-on-alloc" {

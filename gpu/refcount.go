@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
@@ -43,10 +44,17 @@ import (
 // A daemon that is not root cannot mount one: its counters lie in the
 // directory as it is (under /dev/shm), where a reader who grows one takes
 // room until the next Value or New cuts it back; the segments, and so the
-// counters, are that user's own. What no trim reaches: a counter file
-// that a reader still holds open or mapped after the daemon removed it
-// (Remove) keeps its inode, and the pages that reader reserves through a
-// writable descriptor, until the reader lets it go.
+// counters, are that user's own.
+//
+// A counter file the daemon removed (Remove) lives on while a reader
+// holds it open or mapped, taking an inode and what that reader reserves
+// through a writable descriptor. So Remove first takes every reader's
+// access away (no reopen, no attribute set through a descriptor it
+// kept), and keeps such a file open (retired) until Sweep finds nobody
+// holds it: trim puts retired files back too, through the daemon's
+// descriptor, and Remove reports that it let a file go (released) only
+// then, so that a bound on the counters of a user bounds the removed
+// files they keep too.
 //
 // The daemon never maps a counter file: a consumer may truncate its
 // counter, which then reads as zero rather than fault the daemon.
@@ -56,6 +64,31 @@ type CounterDir struct {
 	mounted bool   // the directory is a tmpfs the daemon mounted
 	last    atomic.Uint64
 	log     atomic.Pointer[slog.Logger] // for counters put back; see SetLog
+
+	// mu protects the fields below; trim holds it while it lists the
+	// directory and puts counters back.
+	mu sync.Mutex
+	// retired holds the removed counter files a reader still held.
+	retired []retiredCounter
+	closed  bool // RemoveAll ran: Remove lets every counter go at once
+	// heldWarned is set once held has logged that it cannot tell.
+	heldWarned atomic.Bool
+}
+
+// retiredCounter is a removed counter file that a reader still held
+// (Counter.Remove).
+type retiredCounter struct {
+	fd       int    // the daemon's read-write descriptor
+	name     string // its name before it was removed, for warnings
+	released func() // Remove's; nil for none
+}
+
+// release closes the retired counter file and reports that it is gone.
+func (r retiredCounter) release() {
+	unix.Close(r.fd)
+	if r.released != nil {
+		r.released()
+	}
 }
 
 const (
@@ -230,51 +263,70 @@ func (d *CounterDir) New() (*Counter, error) {
 		err = d.trim(c.zero)
 	}
 	if err != nil {
-		c.Remove()
+		c.Remove(nil)
 		return nil, fmt.Errorf("create counter %s: %w", name, err)
 	}
 	return c, nil
 }
 
-// trim puts back, in every counter file, what a reader took of the
-// counters' tmpfs through it (putBack), and reports the files in one
-// warning. retry is what failed with ENOSPC; trim calls it again right
-// after each file it puts back, until it succeeds, so that a reader who
-// refills the tmpfs in a loop cannot take the freed room first. It
+// trim puts back, in every counter file, retired ones too, what a reader
+// took of the counters' tmpfs through it (putBack), and reports the files
+// in one warning. retry is what failed with ENOSPC; trim calls it again
+// right after each file it puts back, until it succeeds, so that a reader
+// who refills the tmpfs in a loop cannot take the freed room first. It
 // returns retry's last error, ENOSPC if there was nothing to put back.
 func (d *CounterDir) trim(retry func() error) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
 	names, err := d.names()
 	if err != nil {
 		return fmt.Errorf("%w (and listing the counters to cut back: %v)", unix.ENOSPC, err)
 	}
 	err = unix.ENOSPC
-	var cut []string
+	var cut, cutRemoved []string
 	for _, name := range names {
-		if !d.putBack(name) {
-			continue
-		}
-		cut = append(cut, name)
-		if errors.Is(err, unix.ENOSPC) {
-			err = retry()
+		if d.putBack(name) {
+			cut = append(cut, name)
+			if errors.Is(err, unix.ENOSPC) {
+				err = retry()
+			}
 		}
 	}
-	if len(cut) > 0 {
-		d.log.Load().Warn("counters' tmpfs full; put back what consumers took through their counter files (pages past the counter's, user.* attributes)", "dir", d.dir.Name(), "files", strings.Join(cut, ","))
+	for _, r := range d.retired {
+		if putBackFile(r.fd) {
+			cutRemoved = append(cutRemoved, r.name)
+			if errors.Is(err, unix.ENOSPC) {
+				err = retry()
+			}
+		}
+	}
+	if len(cut)+len(cutRemoved) > 0 {
+		args := []any{"dir", d.dir.Name(), "files", strings.Join(cut, ",")}
+		if len(cutRemoved) > 0 { // still held by a reader
+			args = append(args, "removed", strings.Join(cutRemoved, ","))
+		}
+		d.log.Load().Warn("counters' tmpfs full; put back what consumers took through their counter files (pages past the counter's, user.* attributes)", args...)
 	}
 	return err
 }
 
-// putBack frees what the counter file name holds beyond an 8-byte
-// counter, and reports whether it held any: pages past its first
-// (cutBack), and user.* extended attributes, which a reader may set
-// (write permission is all tmpfs asks) and tmpfs charges to the room its
-// inodes share, so that enough of them leave none for a new counter.
+// putBack puts back the counter file name (putBackFile) and reports
+// whether it held anything to put back.
 func (d *CounterDir) putBack(name string) bool {
 	fd, err := unix.Openat(int(d.dir.Fd()), name, unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return false
 	}
 	defer unix.Close(fd)
+	return putBackFile(fd)
+}
+
+// putBackFile frees what the counter file open for writing at fd holds
+// beyond an 8-byte counter, and reports whether it held any: pages past
+// its first (cutBack), and user.* extended attributes, which a reader may
+// set (write permission is all tmpfs asks) and tmpfs charges to the room
+// its inodes share, so that enough of them leave none for a new counter.
+func putBackFile(fd int) bool {
 	var st unix.Stat_t
 	if unix.Fstat(fd, &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
 		return false
@@ -324,12 +376,70 @@ func removeUserXattrs(fd int) bool {
 	return removed
 }
 
+// Sweep lets go of the retired counter files (Counter.Remove) that
+// nobody holds any more: it closes them and calls their released. The
+// daemon calls it now and then.
+func (d *CounterDir) Sweep() {
+	d.mu.Lock()
+	var free []retiredCounter
+	kept := d.retired[:0]
+	for _, r := range d.retired {
+		if d.held(r.fd) {
+			kept = append(kept, r)
+		} else {
+			free = append(free, r)
+		}
+	}
+	clear(d.retired[len(kept):])
+	d.retired = kept
+	d.mu.Unlock()
+	for _, r := range free {
+		r.release()
+	}
+}
+
+// held reports whether a reader still holds the removed counter file
+// whose daemon's read-write descriptor is fd, open or mapped. It first
+// takes every reader's access away: mode 0600, whose group bits leave the
+// ACL's mask, and so its named user and group entries, nothing; so that
+// nobody opens the file again (through an O_PATH descriptor or a bind
+// mount, which keep it without opening it, and the test below cannot
+// see), or sets attributes on it through a descriptor it kept. Then it
+// asks for a write lease, which the kernel grants the file's owner only
+// when no other file description of it is open (a mapping keeps its
+// own), and gives it up at once. A refused lease reads as held, and so
+// does one the daemon cannot ask (leases-enable 0), which it logs once.
+func (d *CounterDir) held(fd int) bool {
+	err := unix.Fchmod(fd, 0o600)
+	if err == nil {
+		_, err = unix.FcntlInt(uintptr(fd), unix.F_SETLEASE, unix.F_WRLCK)
+	}
+	if err != nil {
+		if !errors.Is(err, unix.EAGAIN) && !d.heldWarned.Swap(true) {
+			d.log.Load().Warn("removed reference counter files are kept until the daemon ends: it cannot tell whether a consumer still holds them", "dir", d.dir.Name(), "err", err)
+		}
+		return true
+	}
+	unix.FcntlInt(uintptr(fd), unix.F_SETLEASE, unix.F_UNLCK)
+	return false
+}
+
 // RemoveAll removes the counters and the directory (unmounting the
-// counters' tmpfs, if the daemon mounted it), when the daemon is done.
-// Counters keep working for the daemon (their Remove then has nothing left
-// to remove), and consumers keep their mappings.
+// counters' tmpfs, if the daemon mounted it), when the daemon is done,
+// and lets go of the retired counters. Counters keep working for the
+// daemon (their Remove then has nothing left to remove, and lets go at
+// once), and consumers keep their mappings.
 func (d *CounterDir) RemoveAll() error {
-	if err := d.empty(); err != nil {
+	d.mu.Lock()
+	d.closed = true
+	free := d.retired
+	d.retired = nil
+	err := d.empty()
+	d.mu.Unlock()
+	for _, r := range free {
+		r.release()
+	}
+	if err != nil {
 		return err
 	}
 	if d.mounted {
@@ -459,18 +569,33 @@ func (c *Counter) apply(st *unix.Stat_t) error {
 	return nil
 }
 
-// Remove deletes the counter file. Consumers that have it open or mapped
-// keep it; the daemon no longer reads it.
-func (c *Counter) Remove() error {
+// Remove deletes the counter file, takes every reader's access to it
+// away, and calls released (unless nil) once nobody holds it open or
+// mapped: at once if nobody does, else from the Sweep that first finds
+// so, or from RemoveAll. Until then the CounterDir keeps the file open,
+// retired, and trim puts back what a reader reserves through it. Readers
+// who mapped it keep their mappings.
+func (c *Counter) Remove(released func()) error {
 	err := unix.Unlinkat(int(c.dir.dir.Fd()), c.name, 0)
 	if errors.Is(err, unix.ENOENT) {
 		err = nil // RemoveAll came first
 	}
-	if cerr := unix.Close(c.fd); err == nil {
-		err = cerr
-	}
+	c.dir.retire(retiredCounter{c.fd, c.name, released})
 	c.fd = -1
 	return err
+}
+
+// retire keeps the removed counter file r while a reader holds it, and
+// lets it go otherwise.
+func (d *CounterDir) retire(r retiredCounter) {
+	d.mu.Lock()
+	if !d.closed && d.held(r.fd) {
+		d.retired = append(d.retired, r)
+		d.mu.Unlock()
+		return
+	}
+	d.mu.Unlock()
+	r.release()
 }
 
 // POSIX access ACLs as the kernel takes them in the system.posix_acl_access

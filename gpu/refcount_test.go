@@ -1,6 +1,7 @@
 package gpu
 
 import (
+	"bufio"
 	"bytes"
 	"encoding/hex"
 	"errors"
@@ -97,7 +98,7 @@ func TestCounters(t *testing.T) {
 	}
 
 	// Remove deletes the file; RemoveAll the rest and the directory.
-	if err := a.Remove(); err != nil {
+	if err := a.Remove(nil); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := os.Stat(a.Path()); !errors.Is(err, os.ErrNotExist) {
@@ -109,7 +110,7 @@ func TestCounters(t *testing.T) {
 	if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("counter directory after RemoveAll: %v", err)
 	}
-	if err := b.Remove(); err != nil {
+	if err := b.Remove(nil); err != nil {
 		t.Errorf("Remove after RemoveAll: %v", err)
 	}
 }
@@ -233,7 +234,7 @@ func TestCounterFollow(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Remove()
+	defer c.Remove(nil)
 	// The daemon's own user and group (root's, or those of the user who
 	// runs the tests), then others, which only root may give a file.
 	me, mine := uint32(os.Geteuid()), uint32(os.Getegid())
@@ -288,7 +289,7 @@ func TestCounterDirTmpfs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer old.Remove()
+	defer old.Remove(nil)
 	var fs unix.Statfs_t
 	if err := unix.Statfs(path, &fs); err != nil || fs.Type != unix.TMPFS_MAGIC || fs.Blocks*uint64(fs.Bsize) != 64<<20 || fs.Files != 16384 {
 		t.Errorf("counter directory: type %#x, %d bytes, %d inodes (%v); want a tmpfs of 64 MiB and 16384 inodes", fs.Type, fs.Blocks*uint64(fs.Bsize), fs.Files, err)
@@ -364,7 +365,7 @@ func TestCounterValuePutsBack(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Remove()
+	defer c.Remove(nil)
 	if err := c.Follow(1000, 1000, 0o640); err != nil {
 		t.Fatal(err)
 	}
@@ -464,14 +465,14 @@ func TestCounterNewWhenFull(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			defer c.Remove()
+			defer c.Remove(nil)
 			atomic.AddInt64(consumerCounter(t, c.Path()), 7)
 			tc.fill(t, c.Path())
 			c2, err := d.New()
 			if err != nil {
 				t.Fatalf("New on a full tmpfs: %v\n%s", err, logs.String())
 			}
-			defer c2.Remove()
+			defer c2.Remove(nil)
 			if !strings.Contains(logs.String(), "put back") || !strings.Contains(logs.String(), "files="+filepath.Base(c.Path())) {
 				t.Errorf("no warning naming %s:\n%s", filepath.Base(c.Path()), logs.String())
 			}
@@ -562,16 +563,6 @@ const childEnv = "TENSORFS_GPU_TEST_CHILD"
 // segments it may read by group or as other, denied those it may not
 // read. It prints one line per try: what, the path's base name, result.
 func counterAttack(w io.Writer, own string, readable, denied []string) {
-	result := func(err error) string {
-		var errno syscall.Errno
-		switch {
-		case err == nil:
-			return "ok"
-		case errors.As(err, &errno):
-			return unix.ErrnoName(errno)
-		}
-		return err.Error()
-	}
 	for _, p := range append(append([]string{own}, readable...), denied...) {
 		f, err := os.OpenFile(p, os.O_RDWR, 0)
 		fmt.Fprintln(w, "open", filepath.Base(p), result(err))
@@ -601,6 +592,19 @@ func counterAttack(w io.Writer, own string, readable, denied []string) {
 	fmt.Fprintln(w, "fill", result(err), n <= 64<<20)
 }
 
+// result names err as the child's lines do: ok, an errno's name, or
+// the error's text.
+func result(err error) string {
+	var errno syscall.Errno
+	switch {
+	case err == nil:
+		return "ok"
+	case errors.As(err, &errno):
+		return unix.ErrnoName(errno)
+	}
+	return err.Error()
+}
+
 func runCounterAttack() int {
 	args := os.Args[1:]
 	if len(args) != 3 {
@@ -619,19 +623,7 @@ func runCounterAttack() int {
 func TestCounterAttack(t *testing.T) {
 	needRoot(t)
 	const uid, gid = 1000, 1000
-	base, err := os.MkdirTemp("", "tensorfs-counter-attack")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(base)
-	if err := os.Chmod(base, 0o711); err != nil {
-		t.Fatal(err)
-	}
-	// The test binary, where uid 1000 can run it.
-	exe := filepath.Join(base, "gpu.test")
-	if err := copyFile(testExe(t), exe); err != nil {
-		t.Fatal(err)
-	}
+	base, exe := childBase(t)
 	d, err := OpenCounterDir(filepath.Join(base, "counters"))
 	if err != nil {
 		t.Fatal(err)
@@ -655,7 +647,7 @@ func TestCounterAttack(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer c.Remove()
+		defer c.Remove(nil)
 		if err := c.Follow(s.uid, s.gid, s.mode); err != nil {
 			t.Fatal(err)
 		}
@@ -712,10 +704,306 @@ func TestCounterAttack(t *testing.T) {
 	}
 }
 
+// childBase makes a directory that every user may pass through (0711,
+// below the temporary directory, removed at cleanup), with a copy of the
+// test binary in it, and returns both paths.
+func childBase(t *testing.T) (base, exe string) {
+	t.Helper()
+	base, err := os.MkdirTemp("", "tensorfs-counter-attack")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(base) })
+	if err := os.Chmod(base, 0o711); err != nil {
+		t.Fatal(err)
+	}
+	exe = filepath.Join(base, "gpu.test")
+	if err := copyFile(testExe(t), exe); err != nil {
+		t.Fatal(err)
+	}
+	return base, exe
+}
+
 func copyFile(from, to string) error {
 	b, err := os.ReadFile(from)
 	if err != nil {
 		return err
 	}
 	return os.WriteFile(to, b, 0o755)
+}
+
+// fdKeepSizeFill reserves every free page of the tmpfs of the counter file
+// open at fd past its end with fallocate(FALLOC_FL_KEEP_SIZE), as a reader
+// holding it may after the daemon removed it.
+func fdKeepSizeFill(t *testing.T, fd int) {
+	t.Helper()
+	var fs unix.Statfs_t
+	if err := unix.Fstatfs(fd, &fs); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Fallocate(fd, unix.FALLOC_FL_KEEP_SIZE, 4096, int64(fs.Bavail)*fs.Bsize); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Fstatfs(fd, &fs); err != nil || fs.Bavail != 0 {
+		t.Fatalf("after fallocate(KEEP_SIZE): %d blocks free (%v); want the tmpfs full", fs.Bavail, err)
+	}
+}
+
+// TestCounterRemoveReleased: a counter file nobody else holds, or whose
+// readers closed it and unmapped it before, is let go at Remove: released
+// runs before Remove returns.
+func TestCounterRemoveReleased(t *testing.T) {
+	needRoot(t)
+	d, err := OpenCounterDir(filepath.Join(t.TempDir(), "counters"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.RemoveAll()
+	for _, used := range []bool{false, true} {
+		c, err := d.New()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if used {
+			f, err := os.OpenFile(c.Path(), os.O_RDWR, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			mem, err := unix.Mmap(int(f.Fd()), 0, 8, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+			if err != nil {
+				t.Fatal(err)
+			}
+			f.Close()
+			unix.Munmap(mem)
+		}
+		released := 0
+		if err := c.Remove(func() { released++ }); err != nil {
+			t.Fatal(err)
+		}
+		if released != 1 {
+			t.Errorf("counter nobody holds (used before: %v): released %d times at Remove, want 1", used, released)
+		}
+		d.Sweep()
+		if released != 1 {
+			t.Errorf("counter let go at Remove: released %d times after Sweep, want 1", released)
+		}
+	}
+	if len(d.retired) != 0 {
+		t.Errorf("%d counters kept, want none", len(d.retired))
+	}
+}
+
+// TestCounterRemovedHeld: a counter file a reader holds open, or mapped,
+// when the daemon removes it is kept until the reader lets it go: what
+// the reader reserves through it after the removal (fallocate KEEP_SIZE
+// of the whole tmpfs) New puts back, through the daemon's descriptor;
+// released runs only at the first Sweep after the reader closed or
+// unmapped it.
+func TestCounterRemovedHeld(t *testing.T) {
+	needRoot(t)
+	d, err := OpenCounterDir(filepath.Join(t.TempDir(), "counters"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.RemoveAll()
+	var logs syncBuffer
+	d.SetLog(slog.New(slog.NewTextHandler(&logs, nil)))
+
+	// Held by a descriptor.
+	c, err := d.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.OpenFile(c.Path(), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	name := filepath.Base(c.Path())
+	var released atomic.Int32
+	if err := c.Remove(func() { released.Add(1) }); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(c.Path()); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("removed counter: %v", err)
+	}
+	if n := released.Load(); n != 0 {
+		t.Fatalf("counter held open: released %d times at Remove, want 0", n)
+	}
+	fdKeepSizeFill(t, int(f.Fd()))
+	c2, err := d.New()
+	if err != nil {
+		t.Fatalf("New with the tmpfs filled through a removed counter a reader holds: %v\n%s", err, logs.String())
+	}
+	defer c2.Remove(nil)
+	if !strings.Contains(logs.String(), "removed="+name) {
+		t.Errorf("no warning naming the removed counter %s:\n%s", name, logs.String())
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil || st.Size > 8 || st.Blocks*512 > int64(os.Getpagesize()) {
+		t.Errorf("the held counter after New: %d bytes, %d blocks (%v); want at most 8 bytes in one page", st.Size, st.Blocks, err)
+	}
+	d.Sweep()
+	if n := released.Load(); n != 0 {
+		t.Errorf("counter still held: released %d times after Sweep, want 0", n)
+	}
+	f.Close()
+	if n := released.Load(); n != 0 {
+		t.Errorf("released %d times before a Sweep, want 0", n)
+	}
+	d.Sweep()
+	d.Sweep()
+	if n := released.Load(); n != 1 {
+		t.Errorf("counter its reader closed: released %d times after Sweep, want 1", n)
+	}
+
+	// Held by a mapping alone (its descriptor closed).
+	c, err = d.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	g, err := os.OpenFile(c.Path(), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(int(g.Fd()), 0, 8, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	g.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	released.Store(0)
+	if err := c.Remove(func() { released.Add(1) }); err != nil {
+		t.Fatal(err)
+	}
+	d.Sweep()
+	if n := released.Load(); n != 0 {
+		t.Errorf("counter held by a mapping: released %d times, want 0", n)
+	}
+	unix.Munmap(mem)
+	d.Sweep()
+	if n := released.Load(); n != 1 {
+		t.Errorf("counter its reader unmapped: released %d times after Sweep, want 1", n)
+	}
+
+	// RemoveAll lets go of what is still held.
+	c, err = d.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := os.OpenFile(c.Path(), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	released.Store(0)
+	if err := c.Remove(func() { released.Add(1) }); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.RemoveAll(); err != nil {
+		t.Fatal(err)
+	}
+	if n := released.Load(); n != 1 {
+		t.Errorf("counter held at RemoveAll: released %d times, want 1", n)
+	}
+}
+
+// runRemovedHolder is the child of TestCounterRemovedRevoked: it holds the
+// counter file os.Args[1] by an O_PATH descriptor and a read-write one,
+// says "held", and once a line comes on stdin (the daemon removed the
+// file) tries to open it again through the O_PATH descriptor, to set a
+// user.* attribute through the read-write one, and to reserve 1 MiB past
+// its end; it prints each result and holds the file until stdin closes.
+func runRemovedHolder() int {
+	p := os.Args[1]
+	opath, err := unix.Open(p, unix.O_PATH|unix.O_CLOEXEC, 0)
+	if err != nil {
+		fmt.Println("open O_PATH", result(err))
+		return 1
+	}
+	rw, err := unix.Open(p, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		fmt.Println("open O_RDWR", result(err))
+		return 1
+	}
+	fmt.Println("held")
+	in := bufio.NewReader(os.Stdin)
+	in.ReadString('\n')
+	_, err = unix.Open(fmt.Sprintf("/proc/self/fd/%d", opath), unix.O_RDWR|unix.O_CLOEXEC, 0)
+	fmt.Println("reopen", result(err))
+	fmt.Println("setxattr", result(unix.Fsetxattr(rw, "user.x", []byte("x"), 0)))
+	fmt.Println("fallocate", result(unix.Fallocate(rw, unix.FALLOC_FL_KEEP_SIZE, 4096, 1<<20)))
+	io.Copy(io.Discard, in)
+	return 0
+}
+
+// TestCounterRemovedRevoked: a reader (uid 1000) who holds its counter
+// file when the daemon removes it can neither open it again (through an
+// O_PATH descriptor, which no lease sees) nor set attributes on it; it
+// keeps what its read-write descriptor allows (pages past the end, which
+// trim puts back), and the file is kept until it lets go.
+func TestCounterRemovedRevoked(t *testing.T) {
+	needRoot(t)
+	base, exe := childBase(t)
+	d, err := OpenCounterDir(filepath.Join(base, "counters"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.RemoveAll()
+	c, err := d.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Follow(1000, 1000, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(exe, c.Path())
+	cmd.Env = append(os.Environ(), childEnv+"=removed-holder")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 1000, Gid: 1000, Groups: []uint32{}}}
+	var stderr syncBuffer
+	cmd.Stderr = &stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Wait()
+	defer stdin.Close()
+	out := bufio.NewReader(stdout)
+	if line, _ := out.ReadString('\n'); line != "held\n" {
+		t.Fatalf("child as uid 1000: %q\n%s", line, stderr.String())
+	}
+	var released atomic.Int32
+	if err := c.Remove(func() { released.Add(1) }); err != nil {
+		t.Fatal(err)
+	}
+	io.WriteString(stdin, "go\n")
+	var got []string
+	for range 3 {
+		line, err := out.ReadString('\n')
+		if err != nil {
+			t.Fatalf("child: %q, %v\n%s", got, err, stderr.String())
+		}
+		got = append(got, strings.TrimSpace(line))
+	}
+	if want := []string{"reopen EACCES", "setxattr EACCES", "fallocate ok"}; strings.Join(got, ", ") != strings.Join(want, ", ") {
+		t.Errorf("uid 1000 holding its removed counter: %s; want %s", strings.Join(got, ", "), strings.Join(want, ", "))
+	}
+	d.Sweep()
+	if n := released.Load(); n != 0 {
+		t.Errorf("counter uid 1000 holds: released %d times, want 0", n)
+	}
+	stdin.Close()
+	if err := cmd.Wait(); err != nil {
+		t.Errorf("child: %v\n%s", err, stderr.String())
+	}
+	d.Sweep()
+	if n := released.Load(); n != 1 {
+		t.Errorf("counter uid 1000 let go: released %d times after Sweep, want 1", n)
+	}
 }

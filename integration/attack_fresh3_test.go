@@ -136,6 +136,84 @@ func TestAttackGPUCounterKeepSize(t *testing.T) {
 	}
 }
 
+// removedHeldScript holds the counter file argv[1] by a read-write and an
+// O_PATH descriptor, says "held", and at the next line on stdin (its
+// segment removed) tries through them what a reader of a removed counter
+// could: open it read-write again (/proc/self/fd of the O_PATH one), set
+// a user.* attribute, and reserve every free page of the counters' tmpfs
+// past its end with fallocate(FALLOC_FL_KEEP_SIZE). It prints "reopen" and
+// "setxattr" with ok or the errno, the fallocate's result and errno, the
+// file's links and the tmpfs's free blocks, and holds the file until its
+// stdin closes.
+const removedHeldScript = `
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+fd = os.open(sys.argv[1], os.O_RDWR)
+path_fd = os.open(sys.argv[1], os.O_PATH)
+print("held")
+sys.stdin.readline()
+def attempt(f):
+    try:
+        f()
+        return "ok"
+    except OSError as e:
+        return str(e.errno)
+reopen = attempt(lambda: os.open("/proc/self/fd/%d" % path_fd, os.O_RDWR))
+setx = attempt(lambda: os.setxattr(fd, "user.x", b"x" * 4096))
+free = os.fstatvfs(fd).f_bavail * os.fstatvfs(fd).f_frsize
+r = libc.fallocate(fd, 1, ctypes.c_long(4096), ctypes.c_long(free))
+e = ctypes.get_errno()
+print("reopen", reopen, "setxattr", setx, "fallocate", r, e, "links", os.fstat(fd).st_nlink, "free", os.fstatvfs(fd).f_bavail)
+sys.stdin.read()
+`
+
+// TestAttackGPUCounterRemovedHeld: the daemon removes a GPU segment's
+// counter file with its segment, and a reader who still holds it open
+// keeps it, nameless, beyond what trim reached (the names in the
+// counters' directory): uid 1000 holds the counter of a segment of its
+// own, the segment is removed, and through its descriptor uid 1000 fills
+// the counters' tmpfs (fallocate KEEP_SIZE), so that every new counter,
+// root's included, would be ENOSPC for as long as it keeps the file. The
+// daemon keeps a removed counter that someone holds, takes the readers'
+// access to it away (no reopen through an O_PATH descriptor, no user.*
+// attributes), and puts back what is reserved through it: root's new
+// segment gets its counter.
+func TestAttackGPUCounterRemovedHeld(t *testing.T) {
+	t.Parallel()
+	m := agMount(t)
+	seg := agSegment(t, m, "mine", 4096, userA, userA, 0o600)
+	counter := agCounter(t, seg)
+	holder := startPythonAs(t, userA, "holder", removedHeldScript, counter)
+	holder.expect(t, "held")
+	if err := os.Remove(seg); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "removal of the counter "+counter, func() (bool, string) {
+		_, err := os.Lstat(counter)
+		return os.IsNotExist(err), fmt.Sprintf("lstat: %v", err)
+	})
+	out := holder.do(t, "go")
+	t.Logf("uid %d through its removed counter: %s", userA, out)
+	f := strings.Fields(out)
+	if len(f) != 11 || f[0] != "reopen" || f[2] != "setxattr" || f[4] != "fallocate" {
+		t.Fatalf("holder: %q", out)
+	}
+	if f[5] != "0" || f[10] != "0" {
+		t.Fatalf("uid %d's fallocate through its removed counter did not fill the counters' tmpfs: %s", userA, out)
+	}
+	if denied := fmt.Sprint(int(unix.EACCES)); f[1] != denied || f[3] != denied {
+		t.Errorf("uid %d on its removed counter: reopen through O_PATH %s, setxattr %s; want both EACCES (%s)", userA, f[1], f[3], denied)
+	}
+	root := gtDeviceSegment(t, m.path("roots"))
+	run(t, "truncate", "-s", "4096", root)
+	if v, err := getxattr(root, gtRefCounter); err != nil {
+		t.Errorf("root's segment's %s after uid %d filled the counters through a removed counter it holds: %v", gtRefCounter, userA, err)
+	} else {
+		t.Logf("root's counter: %s", v)
+	}
+	holder.wait(t)
+}
+
 // xattrFillScript sets user.* attributes on the counter file argv[1], as
 // its write permission lets a reader, until the tmpfs refuses one at
 // every size; it prints how many it set and the inodes left free.
