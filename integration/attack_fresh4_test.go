@@ -1,0 +1,164 @@
+package integration
+
+// Attacks of the fourth fresh round (H*), each run as an unprivileged user
+// against a real --gpu sim mount, in both modes.
+
+import (
+	"bufio"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// limboFillScript opens the GPU segment argv[1] once and, holding that
+// handle, grows it to argv[2] bytes and truncates it to 0 again and again,
+// halving the size on each refusal down to one page: every truncate moves
+// the segment to a new block, and the open handle keeps each old one in
+// limbo. It prints how many rounds it made, and holds the handle until
+// its stdin closes.
+const limboFillScript = `
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+size, rounds = int(sys.argv[2]), 0
+while size >= 4096 and rounds < 100000:
+    try:
+        os.ftruncate(fd, size)
+        os.ftruncate(fd, 0)
+        rounds += 1
+    except OSError:
+        size //= 2
+print("rounds", rounds, flush=True)
+sys.stdin.read()
+`
+
+// h4Dirs makes a directory for each of users A and B, owned by them.
+func h4Dirs(t *testing.T, m *mount) {
+	t.Helper()
+	reachable(t, m.dir)
+	for uid, dir := range map[int]string{userA: "a", userB: "b"} {
+		if err := os.Mkdir(m.path(dir), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chown(m.path(dir), uid, uid); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// h4Background starts script as uid with args, returns the first line it
+// prints, and ends it (closing its stdin) at cleanup.
+func h4Background(t *testing.T, uid int, script string, args ...string) string {
+	t.Helper()
+	cmd := asUser(pyCommand(script, args...), uid)
+	stdin, _ := cmd.StdinPipe()
+	stdout, _ := cmd.StdoutPipe()
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		stdin.Close()
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	line, _ := bufio.NewReader(stdout).ReadString('\n')
+	return strings.TrimSpace(line)
+}
+
+// TestAttackGPULimboFill (H1): a GPU segment's spill space counts against
+// --capacity, but the device memory that a truncate replaces waits in
+// limbo while any handle of the segment is open (devSeg.retire), and
+// nothing bounds it: not --capacity, not the reservation, not a per-uid
+// budget. User A, on a 32 MiB mount, holds one handle of its own GPU
+// segment and grows and truncates it until the device is full (the
+// simulated device's 16 GiB; with CUDA, the GPU's memory). User B's
+// write of 1 MiB into its own GPU segment then fails with ENOSPC though
+// df says the mount is empty. One user's limbo must not take the device
+// from others.
+func TestAttackGPULimboFill(t *testing.T) {
+	t.Parallel()
+	forEachMode(t, func(t *testing.T, m *mount) {
+		h4Dirs(t, m)
+		atk := gtDeviceSegment(t, m.path("a/leak"))
+		if err := os.Chown(atk, userA, userA); err != nil {
+			t.Fatal(err)
+		}
+		vic := gtDeviceSegment(t, m.path("b/w"))
+		if err := os.Chown(vic, userB, userB); err != nil {
+			t.Fatal(err)
+		}
+		line := h4Background(t, userA, limboFillScript, atk, "25165824")
+		t.Logf("uid %d: %s; stats limbo %v gpu %v", userA, line, m.stats(t)["limbo"], m.stats(t)["gpu"])
+		if out, err := runAs(t, userB, "/", "dd", "if=/dev/zero", "of="+vic, "bs=1M", "count=1", "conv=notrunc", "status=none"); err != nil {
+			t.Errorf("uid %d's 1 MiB write into its GPU segment while uid %d holds one handle of its own (32 MiB mount): %v\n%s", userB, userA, err, out)
+		}
+		root := gtDeviceSegment(t, m.path("rootgpu"))
+		if err := os.Truncate(root, 1<<20); err != nil {
+			t.Errorf("root's 1 MiB GPU segment while uid %d holds one handle of its own: %v", userA, err)
+		}
+	}, append(gtSim, "--allow-other", "--capacity", "32M")...)
+}
+
+// gpuFdFloodScript makes empty segments in the cuda:0 directory argv[1]
+// until 50 in a row fail (the daemon's descriptors freed meanwhile go to
+// the next) or it has tried argv[2], and prints how many it made and the
+// last error; then it opens the directory up to 64 times (well within
+// its budget of handles) to take the few descriptors left, and holds them
+// until its stdin closes.
+const gpuFdFloodScript = `
+import os, sys
+d, n = sys.argv[1], int(sys.argv[2])
+made, fails, err = 0, 0, "none"
+for i in range(n):
+    try:
+        os.close(os.open("%s/s%d" % (d, i), os.O_CREAT | os.O_WRONLY, 0o600))
+        made += 1
+        fails = 0
+    except OSError as e:
+        err = "errno %d" % e.errno
+        fails += 1
+        if fails == 50:
+            break
+held = []
+try:
+    while len(held) < 64:
+        held.append(os.open(d, os.O_RDONLY | os.O_DIRECTORY))
+except OSError:
+    pass
+print("made", made, err, "then held", len(held), "directory handles", flush=True)
+sys.stdin.read()
+`
+
+// TestAttackGPUSegmentFdFlood (H2): every GPU segment keeps its backing
+// file open in the daemon for as long as it exists (devices.segment
+// opens it for the spill), and no per-uid budget counts those
+// descriptors: only open handles, directories, imports and watches do.
+// User A makes empty segments in a cuda:0 directory of its own (no
+// device memory, no backing space: each is an inode) until the daemon's
+// descriptor table is full; root's and user B's creates then fail with
+// EMFILE, and a remount restores every segment, so the daemon starts
+// full. Per-uid bounds must hold for these descriptors too.
+func TestAttackGPUSegmentFdFlood(t *testing.T) {
+	t.Parallel()
+	forEachMode(t, func(t *testing.T, m *mount) {
+		h4Dirs(t, m)
+		if err := os.Mkdir(m.path("a/gpu"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		gtSetDevice(t, m.path("a/gpu"), "cuda:0")
+		if err := os.Chown(m.path("a/gpu"), userA, userA); err != nil {
+			t.Fatal(err)
+		}
+		_, limit := daemonFDs(t, m.pid)
+		out := h4Background(t, userA, gpuFdFloodScript, m.path("a/gpu"), strconv.Itoa(limit+100))
+		fds, _ := daemonFDs(t, m.pid)
+		t.Logf("uid %d: %s; the daemon holds %d descriptors of %d", userA, strings.TrimSpace(out), fds, limit)
+		if err := os.WriteFile(m.path("rootfile"), []byte("root"), 0o644); err != nil {
+			t.Errorf("root's create after uid %d made empty GPU segments: %v", userA, err)
+		}
+		if out, err := runAs(t, userB, "/", "sh", "-c", "echo b > "+m.path("b/f")+" && cat "+m.path("b/f")); err != nil || out != "b\n" {
+			t.Errorf("uid %d's create after uid %d made empty GPU segments: %q, %v", userB, userA, out, err)
+		}
+	}, append(gtSim, "--allow-other")...)
+}
