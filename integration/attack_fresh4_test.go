@@ -6,6 +6,7 @@ package integration
 import (
 	"bufio"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -161,4 +162,89 @@ func TestAttackGPUSegmentFdFlood(t *testing.T) {
 			t.Errorf("uid %d's create after uid %d made empty GPU segments: %q, %v", userB, userA, out, err)
 		}
 	}, append(gtSim, "--allow-other")...)
+}
+
+// exportSpamScript asks the control socket of the mount argv[2] (the
+// tensorfs package at argv[1]) for a read-only descriptor of the segment
+// argv[3] (relative to the mount) again and again for argv[4] seconds, and
+// prints how many it got.
+const exportSpamScript = `
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import tensorfs
+c = tensorfs.Client(sys.argv[2])
+stop, n = time.time() + float(sys.argv[4]), 0
+while time.time() < stop:
+    try:
+        os.close(c.export(sys.argv[3]))
+        n += 1
+    except OSError:
+        pass
+print("exports", n, flush=True)
+`
+
+// truncateLoopScript, the owner's ordinary work on its GPU segment
+// argv[1] for argv[2] seconds: grow it to 24 MiB, write its last page,
+// read its last byte, shrink it to 8 MiB, and so on. It stops at the first
+// error and prints it.
+const truncateLoopScript = `
+import os, sys, time
+p, stop = sys.argv[1], time.time() + float(sys.argv[2])
+fd, i = os.open(p, os.O_RDWR), 0
+try:
+    while time.time() < stop:
+        size = (8 << 20) if i % 2 else (24 << 20)
+        i += 1
+        os.ftruncate(fd, size)
+        os.pwrite(fd, b"v" * 4096, size - 4096)
+        os.pread(fd, 1, size - 1)
+    print("clean", i)
+except OSError as e:
+    print("error after", i, "truncates:", e)
+`
+
+// TestAttackGPUExportResizeRace (H3): devSeg.resize (a truncate through
+// the mount) changes a GPU segment's block and size without devSeg.mu,
+// while the control socket's export of a KEEPFD GPU segment moves it to a
+// new exportable block of the size it read, under devSeg.mu. User A, who
+// may only read user B's KEEPFD GPU segment, asks for its descriptor again
+// and again while B grows and shrinks it: an export that read 8 MiB
+// installs an 8 MiB block after B's truncate set 24 MiB. B's reads and
+// writes past 8 MiB then fail with EINVAL, and a clean unmount cannot
+// spill the segment ("not spilled; its contents are lost"): after the
+// remount B's bytes are zeros. A reader must not be able to corrupt or
+// empty an owner's segment.
+func TestAttackGPUExportResizeRace(t *testing.T) {
+	t.Parallel()
+	forEachMode(t, func(t *testing.T, m *mount) {
+		h4Dirs(t, m)
+		seg := gtDeviceSegment(t, m.path("b/w"))
+		run(t, "setfattr", "-n", "user.tensorfs.flags", "-v", "KEEPFD", seg)
+		run(t, "truncate", "-s", "1M", seg)
+		if err := os.Chown(seg, userB, userB); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(seg, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		const secs = "20"
+		spam := asUser(pyCommand(exportSpamScript, filepath.Join(repoRoot, "python"), m.dir, "b/w", secs), userA)
+		var spamOut strings.Builder
+		spam.Stdout, spam.Stderr = &spamOut, &spamOut
+		if err := spam.Start(); err != nil {
+			t.Fatal(err)
+		}
+		out := strings.TrimSpace(pythonAs(t, userB, "/", truncateLoopScript, seg, secs))
+		spam.Process.Kill()
+		spam.Wait()
+		t.Logf("uid %d: %s; uid %d: %s", userB, out, userA, strings.TrimSpace(spamOut.String()))
+		if !strings.HasPrefix(out, "clean") {
+			t.Errorf("uid %d's truncates and I/O on its own GPU segment while uid %d (a reader) exports it: %s", userB, userA, out)
+		}
+		m.unmount(t, false)
+		if strings.Contains(m.stderr.String(), "not spilled") {
+			t.Errorf("a clean unmount lost uid %d's GPU segment:\n%s", userB, m.stderr.String())
+		}
+		m.remount(t)
+	}, append(gtSim, "--allow-other", "--capacity", "64M")...)
 }
