@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 )
 
 // limboFillScript opens the GPU segment argv[1] once and, holding that
@@ -247,4 +248,68 @@ func TestAttackGPUExportResizeRace(t *testing.T) {
 		}
 		m.remount(t)
 	}, append(gtSim, "--allow-other", "--capacity", "64M")...)
+}
+
+// leaseScript (the tensorfs package at argv[1], the mount argv[2], the
+// segment argv[3] relative to it): it makes the segment KEEPFD, takes a
+// read lease (F_SETLEASE) on the backing file through the descriptor the
+// control socket's export hands out, asks for the segment to move to
+// cuda:0 on a thread of its own, says so, and holds the lease until its
+// stdin closes (SIGIO, the kernel's notice that the lease is being broken,
+// is ignored).
+const leaseScript = `
+import fcntl, os, signal, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import tensorfs
+signal.signal(signal.SIGIO, signal.SIG_IGN)
+m, rel = sys.argv[2], sys.argv[3]
+p = os.path.join(m, rel)
+os.setxattr(p, "user.tensorfs.flags", b"KEEPFD")
+fd = tensorfs.Client(m).export(rel)
+fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+def move():
+    try:
+        os.setxattr(p, "user.tensorfs.device", b"cuda:0")
+    except OSError:
+        pass
+threading.Thread(target=move, daemon=True).start()
+time.sleep(1)
+print("leased, moving", flush=True)
+sys.stdin.read()
+`
+
+// TestAttackGPULeaseStall (H4): devices.segment opens a segment's backing
+// file for reading and writing while it holds devices.mu, the lock of
+// every GPU segment. The backing file belongs to the segment's owner, who
+// can get a descriptor of it (export of a KEEPFD segment) and take a read
+// lease on it: the daemon's open then waits for the lease to break, up to
+// lease-break-time (45 s by default), with devices.mu held. User A does
+// that to its own segment and moves it to cuda:0; meanwhile user B cannot
+// create (or remove) a GPU segment of its own, and A can start again with
+// another segment. B's create must not wait on A's lease.
+func TestAttackGPULeaseStall(t *testing.T) {
+	t.Parallel()
+	forEachMode(t, func(t *testing.T, m *mount) {
+		h4Dirs(t, m)
+		if err := os.Mkdir(m.path("b/gpu"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		gtSetDevice(t, m.path("b/gpu"), "cuda:0")
+		if err := os.Chown(m.path("b/gpu"), userB, userB); err != nil {
+			t.Fatal(err)
+		}
+		if out, err := runAs(t, userA, "/", "touch", m.path("a/x")); err != nil {
+			t.Fatalf("uid %d touch: %v\n%s", userA, err, out)
+		}
+		gtWaitRefcount0(t, m.path("a/x"))
+		line := h4Background(t, userA, leaseScript, filepath.Join(repoRoot, "python"), m.dir, "a/x")
+		if line != "leased, moving" {
+			t.Fatalf("uid %d: %q", userA, line)
+		}
+		start := time.Now()
+		out, err := runAs(t, userB, "/", "timeout", "-s", "KILL", "10", "touch", m.path("b/gpu/w"))
+		if took := time.Since(start); err != nil || took > 5*time.Second {
+			t.Errorf("uid %d's create of a GPU segment while uid %d holds a lease on its own segment's backing file: %v after %v\n%s", userB, userA, err, took.Round(time.Millisecond), out)
+		}
+	}, append(gtSim, "--allow-other")...)
 }
