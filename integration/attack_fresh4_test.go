@@ -313,3 +313,85 @@ func TestAttackGPULeaseStall(t *testing.T) {
 		}
 	}, append(gtSim, "--allow-other")...)
 }
+
+// leaseTruncScript (the tensorfs package at argv[1], the mount argv[2]):
+// it makes argv[4] empty KEEPFD segments in the directory argv[3] (relative
+// to the mount), takes a read lease on each backing file through export,
+// then truncates every one by path at once, each on a thread of its own:
+// the daemon's open of the backing file for the truncate (resizeFile)
+// waits for the lease to break. It says so, and holds the leases until
+// its stdin closes.
+const leaseTruncScript = `
+import fcntl, os, resource, signal, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+import tensorfs
+signal.signal(signal.SIGIO, signal.SIG_IGN)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+m, d, n = sys.argv[2], sys.argv[3], int(sys.argv[4])
+for i in range(n):
+    p = os.path.join(m, d, "s%d" % i)
+    open(p, "w").close()
+    os.setxattr(p, "user.tensorfs.flags", b"KEEPFD")
+time.sleep(2)
+c, fds = tensorfs.Client(m), []
+for i in range(n):
+    fd = c.export("%s/s%d" % (d, i))
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    fds.append(fd)
+def trunc(p):
+    try:
+        os.truncate(p, 0)
+    except OSError:
+        pass
+threading.stack_size(64 << 10)
+for i in range(n):
+    threading.Thread(target=trunc, args=(os.path.join(m, d, "s%d" % i),), daemon=True).start()
+time.sleep(3)
+print("leased and truncating", n, flush=True)
+sys.stdin.read()
+`
+
+// daemonThreads returns the daemon's thread count.
+func daemonThreads(t *testing.T, pid int) string {
+	t.Helper()
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(l, "Threads:") {
+			return strings.TrimSpace(strings.TrimPrefix(l, "Threads:"))
+		}
+	}
+	return "?"
+}
+
+// TestAttackLeaseHeldRequests (H5): a truncate by path opens the
+// segment's backing file for writing (resizeFile), and while that open
+// waits for a lease to break the request holds two of the daemon's
+// descriptors (the O_PATH reference and the slot of the open) and one of
+// its OS threads, for lease-break-time (45 s), counted by no per-uid
+// budget. User A takes read leases on its own segments' backing files
+// (export of KEEPFD segments) and truncates them all at once: here twice
+// its budget of descriptors; about half the daemon's open-file limit of
+// them fills its descriptor table (root's and others' opens and creates
+// fail with EMFILE, again and again as A renews its leases), and where that
+// limit is above 20000 the threads pass the Go runtime's 10000 and the
+// daemon aborts. Descriptors held for requests must stay within the
+// requester's budget.
+func TestAttackLeaseHeldRequests(t *testing.T) {
+	t.Parallel()
+	forEachMode(t, func(t *testing.T, m *mount) {
+		h4Dirs(t, m)
+		before, limit := daemonFDs(t, m.pid)
+		perUID := max(limit/2-256-1024, 64) / 16
+		n := 2 * perUID
+		line := h4Background(t, userA, leaseTruncScript, filepath.Join(repoRoot, "python"), m.dir, "a", strconv.Itoa(n))
+		fds, _ := daemonFDs(t, m.pid)
+		t.Logf("uid %d: %s; the daemon holds %d descriptors (%d before, per-uid budget %d, limit %d) and %s threads", userA, line, fds, before, perUID, limit, daemonThreads(t, m.pid))
+		if fds-before > perUID+64 {
+			t.Errorf("uid %d's truncates waiting on its own leases hold %d of the daemon's descriptors, past its budget of %d", userA, fds-before, perUID)
+		}
+	}, "--allow-other")
+}
