@@ -314,11 +314,14 @@ func (seg *devSeg) Size() int64 { return seg.size.Load() }
 // resize gives the segment size bytes (truncate), keeping its leading
 // bytes. Growth within the block's capacity zeroes the new bytes; other
 // changes move to a block of exactly size bytes, the old one waiting in
-// limbo while consumers may hold it.
+// limbo while consumers may hold it. It takes mu, as every change of the
+// block and the size does (an export swaps the block under it).
 func (seg *devSeg) resize(size int64) error {
 	if size > alloc.MaxSegmentSize {
 		return fmt.Errorf("%w: %d bytes", alloc.ErrTooBig, size)
 	}
+	seg.mu.Lock()
+	defer seg.mu.Unlock()
 	return seg.withReserve(size, func() error {
 		if size >= seg.size.Load() && size <= seg.block.Size && size > 0 {
 			return seg.growInPlace(size)
