@@ -64,12 +64,24 @@ func (b *budget) take(uid uint32) error {
 	case uid != 0 && b.others >= b.shared:
 		return fmt.Errorf("%w: users other than root hold %d %s, the most they may together (the rest is root's)", syscall.ENFILE, b.others, b.what)
 	}
+	b.countLocked(uid)
+	return nil
+}
+
+// add counts one of uid that the daemon holds already (restored at
+// mount), whatever the bounds.
+func (b *budget) add(uid uint32) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.countLocked(uid)
+}
+
+func (b *budget) countLocked(uid uint32) {
 	b.used[uid]++
 	b.all++
 	if uid != 0 {
 		b.others++
 	}
-	return nil
 }
 
 // give returns one of uid.

@@ -36,6 +36,17 @@ type devices struct {
 	mu   sync.Mutex
 	segs map[uint64]*devSeg
 
+	// store is the backing, whose free space bounds the device bytes
+	// (reserve); handles is the mount's descriptor budget, which each
+	// segment's open backing file counts against (its owner's).
+	store   *alloc.Store
+	handles *budget
+	// growMu serialises the reservations of growing segments with the
+	// free space they check; limboBytes is the device memory waiting in
+	// limbo, which that space must also hold.
+	growMu     sync.Mutex
+	limboBytes atomic.Int64
+
 	// owners bounds the consumer counters the segments of each user hold
 	// (by the segment's owner when its counter was made), removed ones a
 	// consumer still holds open or mapped too (gpu.Counter.Remove).
@@ -63,11 +74,18 @@ type devSeg struct {
 	size atomic.Int64
 	// exportable is true when block came from AllocExportable (export).
 	exportable bool
+	// handedOut is true once block's IPC handle, or a descriptor of it,
+	// left the daemon: only then may a consumer map it, and only then
+	// does a replaced block wait in limbo (replace).
+	handedOut bool
 	// backing is the backing file, open for spilling; nil once removed.
 	backing *os.File
 	// reserved is how many bytes of the backing file's space are set
 	// aside for the spill (reserve).
 	reserved int64
+	// uid owned the backing file when the segment was made; its open
+	// backing file is one of that user's descriptors (handles).
+	uid uint32
 	// opens counts the open handles; atomic, so that the limbo can ask.
 	opens atomic.Int64
 
@@ -93,7 +111,7 @@ type devSeg struct {
 // and restores the segments an earlier mount left, whose backing files
 // recovery found (it takes them over, and closes those it cannot
 // restore).
-func newDevices(dev gpu.Device, store *alloc.Store, mountpoint string, restore []*os.File, log *slog.Logger) (*devices, error) {
+func newDevices(dev gpu.Device, store *alloc.Store, handles *budget, mountpoint string, restore []*os.File, log *slog.Logger) (*devices, error) {
 	if err := alloc.MakeStateDir(); err != nil {
 		return nil, err
 	}
@@ -102,7 +120,7 @@ func newDevices(dev gpu.Device, store *alloc.Store, mountpoint string, restore [
 		return nil, err
 	}
 	counters.SetLog(log)
-	d := &devices{dev: dev, limbo: gpu.NewLimbo(dev), counters: counters, log: log, segs: map[uint64]*devSeg{}, stop: make(chan struct{}),
+	d := &devices{dev: dev, limbo: gpu.NewLimbo(dev), counters: counters, log: log, segs: map[uint64]*devSeg{}, stop: make(chan struct{}), store: store, handles: handles,
 		owners: newBudget("consumer counters", maxCountersPerUID, math.MaxInt)}
 	for _, f := range restore {
 		if err := d.restore(f); err != nil {
@@ -144,7 +162,8 @@ func (d *devices) restore(f *os.File) error {
 	if err := f.Truncate(0); err != nil {
 		return err
 	}
-	seg.backing = f
+	seg.backing, seg.uid = f, st.Uid
+	d.handles.add(st.Uid) // what an earlier mount held, whatever the bound now
 	if err := seg.reserve(ds.Size); err != nil {
 		d.log.Warn("device segment restored without backing space for its next spill: a clean unmount may lose it", "path", f.Name(), "bytes", ds.Size, "err", err)
 	}
@@ -166,11 +185,20 @@ func (d *devices) segment(m *alloc.Ref) (*devSeg, error) {
 	if seg := d.segs[ino]; seg != nil {
 		return seg, nil
 	}
-	fd, err := m.Open(unix.O_RDWR)
-	if err != nil {
+	var st unix.Stat_t // the owner now: a create gives the file to its caller after m was opened
+	if err := unix.Fstat(m.Fd(), &st); err != nil {
 		return nil, err
 	}
-	seg := &devSeg{d: d, ino: ino, backing: os.NewFile(uintptr(fd), "device segment")}
+	uid := st.Uid
+	if err := d.handles.take(uid); err != nil {
+		return nil, err
+	}
+	fd, err := m.Open(unix.O_RDWR)
+	if err != nil {
+		d.handles.give(uid)
+		return nil, err
+	}
+	seg := &devSeg{d: d, ino: ino, backing: os.NewFile(uintptr(fd), "device segment"), uid: uid}
 	d.segs[ino] = seg
 	return seg, nil
 }
@@ -193,6 +221,7 @@ func (d *devices) drop(seg *devSeg) {
 	}
 	seg.backing.Close()
 	seg.backing = nil
+	d.handles.give(seg.uid)
 	seg.cmu.Lock()
 	seg.removed = true
 	seg.cmu.Unlock()
@@ -265,12 +294,14 @@ func (seg *devSeg) retire(b gpu.Block) {
 	seg.cmu.Lock()
 	seg.retired++
 	seg.cmu.Unlock()
+	seg.d.limboBytes.Add(b.Size)
 	seg.d.limbo.Add(b, func() bool {
 		seg.cmu.Lock()
 		defer seg.cmu.Unlock()
 		if seg.opens.Load() > 0 || seg.counter != nil && seg.counter.Value() > 0 {
 			return true
 		}
+		seg.d.limboBytes.Add(-b.Size)
 		seg.retired--
 		seg.removeCounterLocked()
 		return false
@@ -278,15 +309,20 @@ func (seg *devSeg) retire(b gpu.Block) {
 }
 
 // replace makes nb the segment's block; the old one waits in limbo while
-// consumers may hold it. A removed segment's block is in limbo already
-// (drop), so there nb joins it.
+// consumers may hold it, and is freed at once if its IPC handle or a
+// descriptor of it never left the daemon (handedOut): no consumer can
+// map it. A removed segment's block is in limbo already (drop), so there
+// nb joins it.
 func (seg *devSeg) replace(nb gpu.Block) {
-	if seg.removed {
+	switch {
+	case seg.removed:
 		seg.retire(nb)
-	} else {
+	case seg.handedOut:
 		seg.retire(seg.block)
+	case seg.block.Size > 0:
+		seg.d.dev.Free(seg.block)
 	}
-	seg.block = nb
+	seg.block, seg.handedOut = nb, false
 }
 
 // removeCounterLocked removes the counter file of a removed segment once
@@ -364,13 +400,28 @@ func (seg *devSeg) withReserve(size int64, change func() error) error {
 // file's end, which stays 0 while mounted, so the device bytes count
 // against the backing's capacity like host bytes, a full backing answers
 // ENOSPC to the growth, and no user can fill the backing to empty the
-// segment at unmount. A smaller size gives the rest back.
+// segment at unmount. Device memory waiting in limbo counts too: a growth
+// must leave the backing room for it, so that what the device holds, in
+// segments and in limbo, never passes the capacity (limbo blocks hold
+// only until their handles close or their counters drop, and then give
+// their room back). A smaller size gives the rest back.
 func (seg *devSeg) reserve(size int64) error {
 	if seg.backing == nil || size == seg.reserved {
 		return nil
 	}
 	fd := int(seg.backing.Fd())
 	if size > seg.reserved {
+		d := seg.d
+		d.growMu.Lock()
+		defer d.growMu.Unlock()
+		var st unix.Statfs_t
+		if err := d.store.Statfs(&st); err != nil {
+			return err
+		}
+		free, limbo := int64(st.Bavail)*st.Bsize, d.limboBytes.Load()
+		if size-seg.reserved > free-limbo {
+			return fmt.Errorf("%w: %d bytes more do not fit: the backing has %d free, of which device memory waiting in limbo takes %d", alloc.ErrNoSpace, size-seg.reserved, free, limbo)
+		}
 		if err := unix.Fallocate(fd, unix.FALLOC_FL_KEEP_SIZE, seg.reserved, size-seg.reserved); err != nil {
 			if errors.Is(err, unix.ENOSPC) {
 				return fmt.Errorf("%w: no backing space to set aside for the segment's spill: %v", alloc.ErrNoSpace, err)
@@ -558,7 +609,9 @@ func (seg *devSeg) ipc() (gpu.IPCInfo, error) {
 	if seg.block.Size == 0 {
 		return gpu.IPCInfo{}, fmt.Errorf("%w: the segment has no device memory yet", alloc.ErrNoAttr)
 	}
-	return seg.d.dev.IPC(seg.block)
+	info, err := seg.d.dev.IPC(seg.block)
+	seg.handedOut = seg.handedOut || err == nil
+	return info, err
 }
 
 // refCounter returns the path of the segment's consumer counter file,
@@ -650,5 +703,7 @@ func (seg *devSeg) export() (*os.File, error) {
 		seg.replace(nb)
 		seg.exportable = true
 	}
-	return seg.d.dev.Export(seg.block)
+	f, err := seg.d.dev.Export(seg.block)
+	seg.handedOut = seg.handedOut || err == nil
+	return f, err
 }

@@ -101,7 +101,7 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 	fsys.pulled.fsys = fsys
 	fsys.pulled.restore(rec.pulled, opts.Cluster != nil)
 	if opts.GPU != nil && opts.GPU.Backend() != "none" {
-		if fsys.gpu, err = newDevices(opts.GPU, opts.Store, opts.Mountpoint, rec.devices, fsys.log); err != nil {
+		if fsys.gpu, err = newDevices(opts.GPU, opts.Store, fsys.handles, opts.Mountpoint, rec.devices, fsys.log); err != nil {
 			opts.GPU.Close()
 			closeFiles(rec.devices)
 			return nil, fmt.Errorf("GPU segments: %w", err)

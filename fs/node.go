@@ -236,11 +236,18 @@ func setidToDrop(st *unix.Stat_t, gid uint32) uint32 {
 	return kill
 }
 
-// Statfs reports the backing's capacity and use, so df shows them.
+// Statfs reports the backing's capacity and use, so df shows them, with
+// device memory waiting in limbo as used.
 func (n *nodeBase) Statfs(ctx context.Context, out *fuse.StatfsOut) syscall.Errno {
 	var st unix.Statfs_t
 	if err := n.fs.store.Statfs(&st); err != nil {
 		return n.fs.errnoOf("statfs", n, err)
+	}
+	if n.fs.gpu != nil {
+		// Device memory in limbo takes its room too (devSeg.reserve).
+		limbo := (uint64(max(n.fs.gpu.limboBytes.Load(), 0)) + uint64(st.Bsize) - 1) / uint64(st.Bsize)
+		st.Bfree -= min(st.Bfree, limbo)
+		st.Bavail -= min(st.Bavail, limbo)
 	}
 	out.FromStatfsT((*syscall.Statfs_t)(unsafe.Pointer(&st)))
 	return 0

@@ -865,6 +865,7 @@ m.close()
 // gtStartConsumer starts a consumer of the counter of seg.
 func gtStartConsumer(t *testing.T, seg string) *pyChild {
 	t.Helper()
+	gtGetfattr(t, seg, gtIPCHandle) // what it would map
 	rc := string(gtGetfattr(t, seg, gtRefCounter))
 	path, off, ok := strings.Cut(rc, ":")
 	if !ok {
@@ -971,7 +972,8 @@ func TestGPULimboRefCounter(t *testing.T) {
 }
 
 // TestGPULimboOpenHandle: a segment unlinked or shrunk while a handle is
-// open keeps its old memory in limbo until the last handle is released.
+// open keeps its old memory in limbo until the last handle is released,
+// once its IPC handle has left the daemon (before, a shrink frees it).
 func TestGPULimboOpenHandle(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
@@ -987,10 +989,15 @@ func TestGPULimboOpenHandle(t *testing.T) {
 		f2.Close()
 		gtWantLimboEmpty(t, m, "last handle released")
 
-		// Shrink while open, by another process (truncate(1)).
+		// Shrink while open, by another process (truncate(1)). While the
+		// segment's IPC handle never left the daemon, no consumer can map
+		// its memory: the old block is freed at once.
 		seg2 := gtDeviceSegment(t, m.path("shrink"))
-		run(t, "truncate", "-s", "5M", seg2)
+		run(t, "truncate", "-s", "6M", seg2)
 		f3 := gtOpen(t, seg2, os.O_RDWR)
+		run(t, "truncate", "-s", "5M", seg2)
+		gtWantLimboEmpty(t, m, "shrunk while open, its handle never handed out")
+		gtGetfattr(t, seg2, gtIPCHandle)
 		run(t, "truncate", "-s", "1M", seg2)
 		eventually(t, "shrunk while open", gtLimboIs(t, m, 1, 5*gtMiB))
 		if fi, err := f3.Stat(); err != nil || fi.Size() != gtMiB {
