@@ -38,4 +38,8 @@ var (
 	ErrBadStored = errors.New("stored attribute fails validation")
 	// ErrNoAttr is returned when an attribute does not exist (ENODATA).
 	ErrNoAttr = errors.New("no such attribute")
+	// ErrLeased is returned when a lease on a backing file (its owner's,
+	// taken through a descriptor of it) stands in the way of an open: the
+	// daemon never waits for one to break (OpenNoWait; EAGAIN).
+	ErrLeased = errors.New("a lease on the file stands in the way; the daemon does not wait for it to break")
 )

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -188,4 +189,65 @@ func TestWalkDepthBound(t *testing.T) {
 	if levels != MaxDepth+1 || !sawTop {
 		t.Errorf("Walk saw %d levels (want %d: the last unentered) and top %v", levels, MaxDepth+1, sawTop)
 	}
+}
+
+// TestOpenNeverWaitsForLease: a lease on a backing file (its owner's, taken
+// through an exported descriptor) makes a conflicting Open answer
+// ErrLeased (EAGAIN) at once instead of sleeping for lease-break-time; an
+// open the lease allows, and any open once it is gone, succeeds, and no
+// descriptor keeps an O_NONBLOCK its caller did not ask for.
+func TestOpenNeverWaitsForLease(t *testing.T) {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "file")
+	os.WriteFile(p, []byte("x"), 0o600)
+	holder, err := unix.Open(p, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(holder)
+	if _, err := unix.FcntlInt(uintptr(holder), unix.F_SETLEASE, unix.F_RDLCK); err != nil {
+		t.Skipf("no lease on %s: %v", dir, err)
+	}
+	r, err := OpenRef(openDir(t, dir), "file", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	nonblock := func(fd int) bool {
+		fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fl&unix.O_NONBLOCK != 0
+	}
+
+	fd, err := r.Open(unix.O_RDONLY)
+	if err != nil {
+		t.Fatalf("read-only open beside a read lease: %v", err)
+	}
+	if nonblock(fd) {
+		t.Error("read-only open kept O_NONBLOCK")
+	}
+	unix.Close(fd)
+
+	start := time.Now()
+	fd, err = r.Open(unix.O_RDWR)
+	if took := time.Since(start); !errors.Is(err, ErrLeased) || took > 2*time.Second {
+		if err == nil {
+			unix.Close(fd)
+		}
+		t.Fatalf("read-write open against a read lease: %v after %v, want ErrLeased at once", err, took)
+	}
+	unix.FcntlInt(uintptr(holder), unix.F_SETLEASE, unix.F_UNLCK)
+	if fd, err = r.Open(unix.O_RDWR); err != nil {
+		t.Fatalf("read-write open once the lease is gone: %v", err)
+	}
+	if nonblock(fd) {
+		t.Error("read-write open kept O_NONBLOCK")
+	}
+	unix.Close(fd)
+	if fd, err = r.Open(unix.O_RDWR | unix.O_NONBLOCK); err != nil || !nonblock(fd) {
+		t.Errorf("open asking for O_NONBLOCK: %v, O_NONBLOCK kept: %v", err, err == nil && nonblock(fd))
+	}
+	unix.Close(fd)
 }

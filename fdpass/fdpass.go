@@ -140,13 +140,15 @@ func Dup(f *os.File) (int, error) {
 // close-on-exec, through /proc/self/fd: a new open file description, with
 // the access the file's own mode grants, checked to be the same file
 // (ESTALE otherwise). Unlike a dup, it shares no offset, flags or locks
-// with fd.
+// with fd. A regular file is reopened without waiting for a lease on it
+// to break: its owner may hold one, and the open answers an error that
+// wraps EAGAIN at once, as alloc.OpenNoWait does.
 func Reopen(fd, flags int) (int, error) {
 	var st, nst unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
 		return -1, err
 	}
-	nfd, err := unix.Open("/proc/self/fd/"+strconv.Itoa(fd), flags|unix.O_CLOEXEC, 0)
+	nfd, err := reopen(fd, flags, st.Mode&unix.S_IFMT == unix.S_IFREG)
 	if err != nil {
 		return -1, err
 	}
@@ -156,6 +158,39 @@ func Reopen(fd, flags int) (int, error) {
 	}
 	return nfd, nil
 }
+
+// reopen opens /proc/self/fd/fd with flags; a regular file (noWait)
+// with O_NONBLOCK, so that a lease in the way is EAGAIN at once rather
+// than a wait of up to lease-break-time, and the flag is then cleared
+// unless flags ask for it. Other files are opened with flags as given:
+// O_NONBLOCK changes what an open of a FIFO or a device does.
+func reopen(fd, flags int, noWait bool) (int, error) {
+	path := "/proc/self/fd/" + strconv.Itoa(fd)
+	if !noWait {
+		return unix.Open(path, flags|unix.O_CLOEXEC, 0)
+	}
+	nfd, err := unix.Open(path, flags|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	switch {
+	case err == unix.EWOULDBLOCK:
+		return -1, errLeased
+	case err != nil:
+		return -1, err
+	case flags&unix.O_NONBLOCK != 0:
+		return nfd, nil
+	}
+	fl, err := unix.FcntlInt(uintptr(nfd), unix.F_GETFL, 0)
+	if err == nil {
+		_, err = unix.FcntlInt(uintptr(nfd), unix.F_SETFL, fl&^unix.O_NONBLOCK)
+	}
+	if err != nil {
+		unix.Close(nfd)
+		return -1, fmt.Errorf("clear O_NONBLOCK: %w", err)
+	}
+	return nfd, nil
+}
+
+// errLeased is Reopen's answer when a lease on the file stands in the way.
+var errLeased = fmt.Errorf("a lease on the file stands in the way; the daemon does not wait for it to break: %w", syscall.EAGAIN)
 
 // Close closes descriptors, ignoring errors.
 func Close(fds []int) {

@@ -241,3 +241,38 @@ func TestReopen(t *testing.T) {
 		t.Error("a read-only reopen took a write")
 	}
 }
+
+// TestReopenNeverWaitsForLease: Reopen of a regular file that its owner
+// holds a lease on answers EAGAIN at once instead of sleeping for
+// lease-break-time, and a reopen that succeeds has no O_NONBLOCK.
+func TestReopenNeverWaitsForLease(t *testing.T) {
+	fd, err := unix.Open(t.TempDir(), unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	holder, err := Reopen(fd, unix.O_RDONLY)
+	unix.Close(fd) // a read lease needs no writer
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(holder)
+	if _, err := unix.FcntlInt(uintptr(holder), unix.F_SETLEASE, unix.F_RDLCK); err != nil {
+		t.Skipf("no lease: %v", err)
+	}
+	start := time.Now()
+	rw, err := Reopen(holder, unix.O_RDWR)
+	if took := time.Since(start); !errors.Is(err, syscall.EAGAIN) || took > 2*time.Second {
+		if err == nil {
+			unix.Close(rw)
+		}
+		t.Fatalf("read-write reopen against a read lease: %v after %v, want EAGAIN at once", err, took)
+	}
+	unix.FcntlInt(uintptr(holder), unix.F_SETLEASE, unix.F_UNLCK)
+	if rw, err = Reopen(holder, unix.O_RDWR); err != nil {
+		t.Fatalf("read-write reopen once the lease is gone: %v", err)
+	}
+	defer unix.Close(rw)
+	if fl, err := unix.FcntlInt(uintptr(rw), unix.F_GETFL, 0); err != nil || fl&unix.O_NONBLOCK != 0 {
+		t.Errorf("reopen's flags %#o, %v: O_NONBLOCK kept", fl, err)
+	}
+}

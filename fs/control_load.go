@@ -164,7 +164,7 @@ func (l *loader) segment(dirfd int, name string, rel []string, st *unix.Stat_t) 
 		if file != nil {
 			file.Close()
 		}
-		return err
+		return fmt.Errorf("%s: %w", display(rel), err)
 	}
 	l.segs = append(l.segs, seg)
 	l.files = append(l.files, file)

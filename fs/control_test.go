@@ -2,10 +2,13 @@ package fs
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -116,6 +119,58 @@ func TestControlExportPermissions(t *testing.T) {
 	}
 	if _, err := b.Export(ownerPeer, "pub/w", false); !errors.Is(err, alloc.ErrReadOnly) {
 		t.Errorf("export of a segment without KEEPFD: got %v, want ErrReadOnly", err)
+	}
+}
+
+// TestControlLeaseNeverWaits: a lease the owner holds on a segment's
+// backing file (through a descriptor export gave it) makes a conflicting
+// export or load answer EAGAIN at once, naming the segment, instead of
+// waiting for lease-break-time; a descriptor handed out never carries the
+// O_NONBLOCK the daemon opens with.
+func TestControlLeaseNeverWaits(t *testing.T) {
+	b, _ := controlFS(t)
+	nonblock := func(f *os.File) bool {
+		t.Helper()
+		fl, err := unix.FcntlInt(f.Fd(), unix.F_GETFL, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return fl&unix.O_NONBLOCK != 0
+	}
+	held, err := b.Export(ownerPeer, "pub/w", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	if nonblock(held) {
+		t.Error("an exported descriptor has O_NONBLOCK")
+	}
+	if _, err := unix.FcntlInt(held.Fd(), unix.F_SETLEASE, unix.F_RDLCK); err != nil {
+		t.Skipf("no lease: %v", err)
+	}
+	start := time.Now()
+	f, err := b.Export(rootPeer, "pub/w", true)
+	if took := time.Since(start); toErrno(err) != syscall.EAGAIN || !strings.Contains(fmt.Sprint(err), "pub/w") || took > 2*time.Second {
+		t.Errorf("write export of a leased segment: %v after %v, want EAGAIN at once naming pub/w", err, took)
+	}
+	if f != nil {
+		f.Close()
+	}
+	start = time.Now()
+	_, files, _, err := b.Load(rootPeer, "pub", true, "", 10)
+	if took := time.Since(start); toErrno(err) != syscall.EAGAIN || !strings.Contains(fmt.Sprint(err), "w") || took > 2*time.Second {
+		t.Errorf("write load of a directory with a leased segment: %v after %v, want EAGAIN at once", err, took)
+	}
+	for _, f := range files {
+		f.Close()
+	}
+	unix.FcntlInt(held.Fd(), unix.F_SETLEASE, unix.F_UNLCK)
+	if f, err = b.Export(rootPeer, "pub/w", true); err != nil {
+		t.Fatalf("write export once the lease is gone: %v", err)
+	}
+	defer f.Close()
+	if nonblock(f) {
+		t.Error("a writable exported descriptor has O_NONBLOCK")
 	}
 }
 

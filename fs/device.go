@@ -177,12 +177,14 @@ func (d *devices) restore(f *os.File) error {
 }
 
 // segment returns the device segment whose backing file is m, making it
-// when it is new.
+// when it is new. The backing file is opened off devices.mu, which every
+// device segment shares, and never waits for a lease (alloc.ErrLeased).
 func (d *devices) segment(m *alloc.Ref) (*devSeg, error) {
 	ino := m.Stat().Ino
 	d.mu.Lock()
-	defer d.mu.Unlock()
-	if seg := d.segs[ino]; seg != nil {
+	seg := d.segs[ino]
+	d.mu.Unlock()
+	if seg != nil {
 		return seg, nil
 	}
 	var st unix.Stat_t // the owner now: a create gives the file to its caller after m was opened
@@ -198,8 +200,17 @@ func (d *devices) segment(m *alloc.Ref) (*devSeg, error) {
 		d.handles.give(uid)
 		return nil, err
 	}
-	seg := &devSeg{d: d, ino: ino, backing: os.NewFile(uintptr(fd), "device segment"), uid: uid}
-	d.segs[ino] = seg
+	d.mu.Lock()
+	if seg = d.segs[ino]; seg == nil {
+		seg = &devSeg{d: d, ino: ino, backing: os.NewFile(uintptr(fd), "device segment"), uid: uid}
+		d.segs[ino] = seg
+		fd = -1
+	}
+	d.mu.Unlock()
+	if fd >= 0 {
+		unix.Close(fd) // another request made the segment meanwhile
+		d.handles.give(uid)
+	}
 	return seg, nil
 }
 

@@ -29,6 +29,7 @@ var errnos = []struct {
 	{alloc.ErrTooBig, syscall.EFBIG},
 	{alloc.ErrNoSpace, syscall.ENOSPC},
 	{alloc.ErrNoAttr, syscall.ENODATA},
+	{alloc.ErrLeased, syscall.EAGAIN},          // the daemon never waits for a lease to break
 	{gpu.ErrOutOfMemory, syscall.ENOMEM},       // CUDA out of memory
 	{gpu.ErrUnavailable, syscall.EIO},          // the GPU helper died or never started
 	{gpu.ErrNoBlock, syscall.EIO},              // device memory the daemon lost track of

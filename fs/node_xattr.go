@@ -461,7 +461,15 @@ func (n *segmentNode) Listxattr(ctx context.Context, dest []byte) (uint32, sysca
 // segment's handles to close and moves it.
 func (n *segmentNode) Setxattr(ctx context.Context, attr string, data []byte, flags uint32) syscall.Errno {
 	err := n.setxattr(caller(ctx).Uid, attr, data, flags)
-	return n.fs.errno("setxattr "+attr, &n.nodeBase, "", err)
+	errno := n.fs.errno("setxattr "+attr, &n.nodeBase, "", err)
+	if errno == syscall.EAGAIN {
+		// The VFS answers a filesystem's EAGAIN from setxattr with
+		// EOPNOTSUPP (__vfs_setxattr_noperm), as if the attribute were
+		// not supported: a lease in the way of a device change
+		// (alloc.ErrLeased) is EBUSY instead.
+		errno = syscall.EBUSY
+	}
+	return errno
 }
 
 func (n *segmentNode) setxattr(uid uint32, attr string, data []byte, flags uint32) error {

@@ -106,6 +106,11 @@ func (fsys *filesystem) moveDevice(n *segmentNode, m *alloc.Ref) error {
 	case dev != "cpu" && !onDevice:
 		seg, err := fsys.gpu.segment(m)
 		if err != nil {
+			// The segment stays on the CPU (a lease on its backing file
+			// stands in the way, say), and so must its stored device.
+			if rerr := alloc.StoreDevice(p, "cpu"); rerr != nil {
+				return fmt.Errorf("%w; and the stored device is still %s: %v", err, dev, rerr)
+			}
 			return err
 		}
 		n.kind.store(device{seg})

@@ -5,6 +5,7 @@ package integration
 
 import (
 	"bufio"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -277,15 +278,16 @@ func TestAttackGPUExportResizeRace(t *testing.T) {
 	}, append(gtSim, "--allow-other", "--capacity", "64M")...)
 }
 
-// leaseScript (the tensorfs package at argv[1], the mount argv[2], the
-// segment argv[3] relative to it): it makes the segment KEEPFD, takes a
-// read lease (F_SETLEASE) on the backing file through the descriptor the
-// control socket's export hands out, asks for the segment to move to
-// cuda:0 on a thread of its own, says so, and holds the lease until its
-// stdin closes (SIGIO, the kernel's notice that the lease is being broken,
-// is ignored).
+// leaseScript (the tensorfs package at argv[1], the mount argv[2]): it
+// makes the segment argv[3] (relative to the mount) KEEPFD, takes a read
+// lease on its backing file through export, and moves the segment to
+// cuda:0 on a thread of its own, which the lease stands in the way of. It
+// prints what the move answered within a second ("waiting" if it had not)
+// and the device the segment then has, and holds the lease until its
+// stdin closes (SIGIO, the kernel's notice that the lease is being
+// broken, is ignored).
 const leaseScript = `
-import fcntl, os, signal, sys, threading, time
+import errno, fcntl, os, signal, sys, threading
 sys.path.insert(0, sys.argv[1])
 import tensorfs
 signal.signal(signal.SIGIO, signal.SIG_IGN)
@@ -294,26 +296,33 @@ p = os.path.join(m, rel)
 os.setxattr(p, "user.tensorfs.flags", b"KEEPFD")
 fd = tensorfs.Client(m).export(rel)
 fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+answer = ["waiting"]
 def move():
     try:
         os.setxattr(p, "user.tensorfs.device", b"cuda:0")
-    except OSError:
-        pass
-threading.Thread(target=move, daemon=True).start()
-time.sleep(1)
-print("leased, moving", flush=True)
+        answer[0] = "ok"
+    except OSError as e:
+        answer[0] = errno.errorcode[e.errno]
+t = threading.Thread(target=move, daemon=True)
+t.start()
+t.join(1)
+dev = os.getxattr(p, "user.tensorfs.device").decode() if answer[0] != "waiting" else "?"
+print("leased, move:", answer[0], "device:", dev, flush=True)
 sys.stdin.read()
 `
 
-// TestAttackGPULeaseStall (H4): devices.segment opens a segment's backing
-// file for reading and writing while it holds devices.mu, the lock of
+// TestAttackGPULeaseStall (H4): devices.segment opened a segment's backing
+// file for reading and writing while it held devices.mu, the lock of
 // every GPU segment. The backing file belongs to the segment's owner, who
 // can get a descriptor of it (export of a KEEPFD segment) and take a read
-// lease on it: the daemon's open then waits for the lease to break, up to
+// lease on it: the daemon's open then waited for the lease to break, up to
 // lease-break-time (45 s by default), with devices.mu held. User A does
-// that to its own segment and moves it to cuda:0; meanwhile user B cannot
-// create (or remove) a GPU segment of its own, and A can start again with
-// another segment. B's create must not wait on A's lease.
+// that to its own segment and moves it to cuda:0; meanwhile user B could
+// not create (or remove) a GPU segment of its own, and A could start again
+// with another segment. The daemon never waits for a lease: A's move is
+// answered at once (EBUSY: the VFS turns a setxattr's EAGAIN into
+// EOPNOTSUPP), its segment stays on the CPU, and B's create does not wait
+// on A's lease.
 func TestAttackGPULeaseStall(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
@@ -330,8 +339,8 @@ func TestAttackGPULeaseStall(t *testing.T) {
 		}
 		gtWaitRefcount0(t, m.path("a/x"))
 		line := h4Background(t, userA, leaseScript, filepath.Join(repoRoot, "python"), m.dir, "a/x")
-		if line != "leased, moving" {
-			t.Fatalf("uid %d: %q", userA, line)
+		if line != "leased, move: EBUSY device: cpu" {
+			t.Errorf("uid %d's move of its own leased segment: %q, want EBUSY at once and the segment still on the CPU", userA, line)
 		}
 		start := time.Now()
 		out, err := runAs(t, userB, "/", "timeout", "-s", "KILL", "10", "touch", m.path("b/gpu/w"))
@@ -343,13 +352,14 @@ func TestAttackGPULeaseStall(t *testing.T) {
 
 // leaseTruncScript (the tensorfs package at argv[1], the mount argv[2]):
 // it makes argv[4] empty KEEPFD segments in the directory argv[3] (relative
-// to the mount), takes a read lease on each backing file through export,
+// to the mount), takes a read lease on each backing file through export
+// (once the daemon has let go of the descriptor the create wrote through),
 // then truncates every one by path at once, each on a thread of its own:
 // the daemon's open of the backing file for the truncate (resizeFile)
-// waits for the lease to break. It says so, and holds the leases until
-// its stdin closes.
+// conflicts with the lease. It prints how many truncates were answered,
+// and with EAGAIN, within 3 s, and holds the leases until its stdin closes.
 const leaseTruncScript = `
-import fcntl, os, resource, signal, sys, threading, time
+import errno, fcntl, os, resource, signal, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 import tensorfs
 signal.signal(signal.SIGIO, signal.SIG_IGN)
@@ -360,22 +370,33 @@ for i in range(n):
     p = os.path.join(m, d, "s%d" % i)
     open(p, "w").close()
     os.setxattr(p, "user.tensorfs.flags", b"KEEPFD")
-time.sleep(2)
-c, fds = tensorfs.Client(m), []
+c, fds, deadline = tensorfs.Client(m), [], time.time() + 10
 for i in range(n):
     fd = c.export("%s/s%d" % (d, i))
-    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    while True:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+            break
+        except BlockingIOError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.01)
     fds.append(fd)
+answers = []
 def trunc(p):
     try:
         os.truncate(p, 0)
-    except OSError:
-        pass
+        answers.append("ok")
+    except OSError as e:
+        answers.append(errno.errorcode[e.errno])
 threading.stack_size(64 << 10)
-for i in range(n):
-    threading.Thread(target=trunc, args=(os.path.join(m, d, "s%d" % i),), daemon=True).start()
-time.sleep(3)
-print("leased and truncating", n, flush=True)
+threads = [threading.Thread(target=trunc, args=(os.path.join(m, d, "s%d" % i),), daemon=True) for i in range(n)]
+for t in threads:
+    t.start()
+end = time.time() + 3
+for t in threads:
+    t.join(max(end - time.time(), 0))
+print("leased and truncating", n, "answered", len(answers), "EAGAIN", answers.count("EAGAIN"), flush=True)
 sys.stdin.read()
 `
 
@@ -396,17 +417,17 @@ func daemonThreads(t *testing.T, pid int) string {
 
 // TestAttackLeaseHeldRequests (H5): a truncate by path opens the
 // segment's backing file for writing (resizeFile), and while that open
-// waits for a lease to break the request holds two of the daemon's
+// waited for a lease to break the request held two of the daemon's
 // descriptors (the O_PATH reference and the slot of the open) and one of
 // its OS threads, for lease-break-time (45 s), counted by no per-uid
 // budget. User A takes read leases on its own segments' backing files
 // (export of KEEPFD segments) and truncates them all at once: here twice
 // its budget of descriptors; about half the daemon's open-file limit of
-// them fills its descriptor table (root's and others' opens and creates
-// fail with EMFILE, again and again as A renews its leases), and where that
-// limit is above 20000 the threads pass the Go runtime's 10000 and the
-// daemon aborts. Descriptors held for requests must stay within the
-// requester's budget.
+// them filled its descriptor table (root's and others' opens and creates
+// failed with EMFILE, again and again as A renewed its leases), and where
+// that limit is above 20000 the threads passed the Go runtime's 10000 and
+// the daemon aborted. The daemon never waits for a lease: every truncate
+// is answered EAGAIN at once, holds nothing after, and B keeps working.
 func TestAttackLeaseHeldRequests(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
@@ -419,6 +440,12 @@ func TestAttackLeaseHeldRequests(t *testing.T) {
 		t.Logf("uid %d: %s; the daemon holds %d descriptors (%d before, per-uid budget %d, limit %d) and %s threads", userA, line, fds, before, perUID, limit, daemonThreads(t, m.pid))
 		if fds-before > perUID+64 {
 			t.Errorf("uid %d's truncates waiting on its own leases hold %d of the daemon's descriptors, past its budget of %d", userA, fds-before, perUID)
+		}
+		if want := fmt.Sprintf("leased and truncating %d answered %d EAGAIN %d", n, n, n); line != want {
+			t.Errorf("uid %d's truncates of its own leased segments: %q, want %q (EAGAIN at once)", userA, line, want)
+		}
+		if out, err := runAs(t, userB, "/", "timeout", "-s", "KILL", "10", "sh", "-c", "echo x > "+m.path("b/w")+" && truncate -s 0 "+m.path("b/w")); err != nil {
+			t.Errorf("uid %d's create and truncate beside uid %d's leases: %v\n%s", userB, userA, err, out)
 		}
 	}, "--allow-other")
 }
