@@ -141,7 +141,7 @@ func (t *mapTable) fresh(ids []fileID, since time.Time, maxAge time.Duration) {
 
 // scan indexes the mappings of every process but this one on t.devs.
 // Processes whose maps the daemon may not read (another user's, when it
-// is not root) are left out.
+// is not root), or not at once (a lease in the way), are left out.
 func (t *mapTable) scan() {
 	t.start = time.Now()
 	defer func() { t.end = time.Now() }()
@@ -158,7 +158,9 @@ func (t *mapTable) scan() {
 		if err != nil || pid == self {
 			continue
 		}
-		fd, err := unix.Open("/proc/"+name+"/maps", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		// O_NONBLOCK: a process's owner may lease its maps, and the scan
+		// must not wait for the lease to break (procfs.ReadFile).
+		fd, err := unix.Open("/proc/"+name+"/maps", unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 		if err != nil {
 			continue
 		}

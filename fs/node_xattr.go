@@ -19,6 +19,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/ctl"
+	"tensorfs/procfs"
 )
 
 // attrCache caches the stored flags and tensor layout of a directory or
@@ -582,7 +583,7 @@ func (n *segmentNode) holders() string {
 // comm returns a process's command name as the process set it, "?" once
 // it has exited or when the name is empty.
 func comm(pid int) string {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/comm")
+	b, err := procfs.ReadFile("/proc/" + strconv.Itoa(pid) + "/comm")
 	name := strings.TrimSuffix(string(b), "\n")
 	if err != nil || name == "" {
 		return "?"

@@ -449,3 +449,51 @@ func TestAttackLeaseHeldRequests(t *testing.T) {
 		}
 	}, "--allow-other")
 }
+
+// procLeaseScript (the mount argv[1], a segment argv[2] relative to it):
+// it takes write leases on its own /proc/self/maps, status and comm (a
+// process's files there are its owner's, and owning a file is all a lease
+// asks), then opens the segment through the mount from the same thread,
+// whose status the daemon reads to learn the caller's process. It prints
+// how long that open took, and holds the leases until its stdin closes.
+const procLeaseScript = `
+import fcntl, os, signal, sys, time
+signal.signal(signal.SIGIO, signal.SIG_IGN)
+fds = []
+for name in ("maps", "status", "comm"):
+    fd = os.open("/proc/self/" + name, os.O_RDONLY)
+    fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+    fds.append(fd)
+start = time.time()
+os.close(os.open(os.path.join(sys.argv[1], sys.argv[2]), os.O_WRONLY | os.O_CREAT, 0o644))
+print("leased, open took %.0f s" % (time.time() - start), flush=True)
+sys.stdin.read()
+`
+
+// TestAttackProcLeaseStall (found beside H4 and H5): the daemon reads
+// /proc/PID/status of a request's caller (its process and groups) and
+// every process's /proc/PID/maps (holders, refcount, UNLINK), and a user
+// can take a lease on its own processes' files there. A plain open of one
+// then slept for lease-break-time (45 s): the caller's own requests each
+// held a daemon thread and descriptor that long, and a scan of the maps
+// held mapTable.mu, so that every user's holders and refcount waited 45 s
+// per leased file. The daemon never waits on a lease: A's open answers at
+// once, and B's holders does not wait on A's leases.
+func TestAttackProcLeaseStall(t *testing.T) {
+	t.Parallel()
+	forEachMode(t, func(t *testing.T, m *mount) {
+		h4Dirs(t, m)
+		line := h4Background(t, userA, procLeaseScript, m.dir, "a/y")
+		if line != "leased, open took 0 s" {
+			t.Errorf("uid %d's open with leases on its own /proc files: %q, want an answer at once", userA, line)
+		}
+		if out, err := runAs(t, userB, "/", "touch", m.path("b/x")); err != nil {
+			t.Fatalf("uid %d touch: %v\n%s", userB, err, out)
+		}
+		start := time.Now()
+		out, err := runAs(t, userB, "/", "timeout", "-s", "KILL", "10", "getfattr", "-n", "user.tensorfs.holders", m.path("b/x"))
+		if took := time.Since(start); err != nil || took > 5*time.Second {
+			t.Errorf("uid %d's holders while uid %d leases its own /proc/PID/maps: %v after %v\n%s", userB, userA, err, took.Round(time.Millisecond), out)
+		}
+	}, "--allow-other")
+}

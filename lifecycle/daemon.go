@@ -12,6 +12,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/ctl"
+	"tensorfs/procfs"
 )
 
 // serving returns the pid of a live tensorfs daemon serving mp, mounted or
@@ -37,7 +38,7 @@ func serving(mp string) int {
 // isDaemon reports whether pid runs "tensorfs mount", so that a pid file
 // left by a daemon that died, its pid since reused, blocks nothing.
 func isDaemon(pid int) bool {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
+	b, err := procfs.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
 	argv := strings.Split(string(b), "\x00")
 	return err == nil && len(argv) > 1 && argv[1] == "mount" && strings.Contains(filepath.Base(argv[0]), "tensorfs")
 }

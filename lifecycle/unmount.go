@@ -13,6 +13,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/ctl"
+	"tensorfs/procfs"
 )
 
 // ErrNotMounted is returned by Unmount when nothing is mounted at the
@@ -120,7 +121,7 @@ func holdingProcesses(mp string) int {
 				return true
 			}
 		}
-		maps, _ := os.ReadFile(proc + "/maps")
+		maps, _ := procfs.ReadFile(proc + "/maps") // never waits on a lease
 		for _, line := range strings.Split(string(maps), "\n") {
 			// "ADDR PERMS OFFSET DEV INODE    PATH"
 			if f := strings.SplitN(line, " ", 6); len(f) == 6 && under(strings.TrimLeft(f[5], " ")) {

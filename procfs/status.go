@@ -1,5 +1,6 @@
 // Package procfs reads what tensorfs uses of /proc/PID/status: a task's
-// process, credentials and memory use. It is the one parser of that file.
+// process, credentials and memory use. It is the one parser of that file,
+// and ReadFile reads any file of /proc without waiting on a lease.
 package procfs
 
 import (
@@ -8,8 +9,10 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 )
 
 // Status is what tensorfs reads of /proc/PID/status.
@@ -25,10 +28,46 @@ type Status struct {
 	VmRSS, VmHWM int64
 }
 
+// ReadFile reads the file of /proc at path (/proc/PID/status, maps,
+// comm...) without waiting on a lease. A process's files there belong to
+// its owner, who may take a lease on them (fcntl F_SETLEASE), and an open
+// that conflicts sleeps until the owner lets go or lease-break-time (45 s)
+// passes. The open is made with O_NONBLOCK, so the kernel answers
+// EWOULDBLOCK at once: an error wrapping EAGAIN. Reads of /proc files do
+// not look at the flag. A process that has exited is an error wrapping
+// fs.ErrNotExist.
+func ReadFile(path string) ([]byte, error) {
+	fd, err := syscall.Open(path, syscall.O_RDONLY|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		if err == syscall.EWOULDBLOCK {
+			err = errLeased
+		}
+		return nil, &os.PathError{Op: "open", Path: path, Err: err}
+	}
+	defer syscall.Close(fd)
+	var b []byte
+	for {
+		b = slices.Grow(b, 4096)
+		n, err := syscall.Read(fd, b[len(b):cap(b)])
+		switch {
+		case err == syscall.EINTR:
+		case err != nil:
+			return nil, &os.PathError{Op: "read", Path: path, Err: err}
+		case n == 0:
+			return b, nil
+		default:
+			b = b[:len(b)+n]
+		}
+	}
+}
+
+// errLeased is ReadFile's answer when a lease on the file stands in the way.
+var errLeased = fmt.Errorf("a lease on the file stands in the way; the daemon does not wait for it to break: %w", syscall.EAGAIN)
+
 // ReadStatus reads /proc/PID/status of pid, a process or a thread of one.
 // A process that has exited is an error wrapping fs.ErrNotExist.
 func ReadStatus(pid int) (Status, error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	b, err := ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
 	if err != nil {
 		return Status{}, err
 	}

@@ -10,7 +10,9 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -150,4 +152,31 @@ func FuzzParseStatus(f *testing.F) {
 			t.Fatalf("ParseStatus(%q) = %+v; written and read back: %+v, %v", b, s, again, err)
 		}
 	})
+}
+
+// TestReadFileNeverWaitsForLease: a lease a process's owner holds on its
+// own /proc/PID/status makes ReadFile answer EAGAIN at once instead of
+// sleeping for lease-break-time; once the lease is gone, it reads.
+func TestReadFileNeverWaitsForLease(t *testing.T) {
+	fd, err := syscall.Open("/proc/self/status", syscall.O_RDONLY|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(fd)
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_SETLEASE, unix.F_WRLCK); err != nil {
+		t.Skipf("no lease on /proc/self/status: %v", err)
+	}
+	start := time.Now()
+	_, err = ReadFile("/proc/self/status")
+	if took := time.Since(start); !errors.Is(err, syscall.EAGAIN) || took > 2*time.Second {
+		t.Fatalf("ReadFile of a leased /proc file: %v after %v, want EAGAIN at once", err, took)
+	}
+	unix.FcntlInt(uintptr(fd), unix.F_SETLEASE, unix.F_UNLCK)
+	b, err := ReadFile("/proc/self/status")
+	if err != nil {
+		t.Fatalf("ReadFile once the lease is gone: %v", err)
+	}
+	if s, err := ParseStatus(b); err != nil || s.Tgid != os.Getpid() {
+		t.Errorf("status read: Tgid %d, %v; want %d", s.Tgid, err, os.Getpid())
+	}
 }
