@@ -63,11 +63,17 @@ type loader struct {
 var errFull = errors.New("load: reply full")
 
 // dir walks the directory name in parentfd, whose components below the
-// requested directory are rel.
+// requested directory are rel. Each directory open on the way down is one
+// of the requester's descriptors (fs/budget.go) while the walk is in it.
 func (l *loader) dir(parentfd int, name string, rel []string) error {
 	if len(rel) > alloc.MaxDepth {
 		return fmt.Errorf("%w: %s", alloc.ErrTooDeep, display(rel[:8]))
 	}
+	handles := l.b.fsys.handles
+	if err := handles.take(l.who.Uid); err != nil {
+		return err
+	}
+	defer handles.give(l.who.Uid)
 	fd, err := unix.Openat(parentfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err

@@ -253,3 +253,34 @@ func TestImportsShareDescriptorBudget(t *testing.T) {
 		t.Errorf("the budget counts %d for the user, %d for root; want 2 and 1", held.used[ownerPeer.Uid], held.used[0])
 	}
 }
+
+// TestControlLoadCountsDirectories: a load keeps a descriptor open for
+// each directory on its way down, each one of the requester's: a walk
+// deeper than the user's share is EMFILE (root's goes on), and every one
+// is given back when the walk ends.
+func TestControlLoadCountsDirectories(t *testing.T) {
+	b, backing := controlFS(t)
+	b.fsys.handles = newBudget("descriptors", 3, 16)
+	deep := filepath.Join(backing, "pub", "a", "b", "c", "d")
+	if err := os.MkdirAll(deep, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(deep, "w"), []byte("deep"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, _, err := b.Load(ownerPeer, "pub", false, "", 10); !errors.Is(err, syscall.EMFILE) {
+		t.Errorf("a load 5 directories deep with a share of 3 descriptors: %v, want EMFILE", err)
+	}
+	_, files, _, err := b.Load(rootPeer, "pub", false, "", 10)
+	if err != nil || len(files) != 2 {
+		t.Errorf("root's load of the same directory: %d files, %v", len(files), err)
+	}
+	for _, f := range files {
+		if f != nil {
+			f.Close()
+		}
+	}
+	if b.fsys.handles.all != 0 {
+		t.Errorf("after the loads the daemon counts %d descriptors, want 0", b.fsys.handles.all)
+	}
+}
