@@ -163,13 +163,13 @@ func (d *devices) restore(f *os.File) error {
 		return err
 	}
 	seg.backing, seg.uid = f, st.Uid
-	d.handles.add(st.Uid) // what an earlier mount held, whatever the bound now
 	if err := seg.reserve(ds.Size); err != nil {
 		d.log.Warn("device segment restored without backing space for its next spill: a clean unmount may lose it", "path", f.Name(), "bytes", ds.Size, "err", err)
 	}
 	if err := alloc.WriteDeviceState(p, alloc.DeviceState{Size: ds.Size}); err != nil {
 		return err
 	}
+	d.handles.add(st.Uid) // what an earlier mount held, whatever the bound now
 	d.mu.Lock()
 	d.segs[st.Ino] = seg
 	d.mu.Unlock()
