@@ -1,6 +1,10 @@
 package alloc
 
-import "errors"
+import (
+	"errors"
+
+	"tensorfs/fdpass"
+)
 
 // Sentinel errors returned by the store. Callers match them with errors.Is;
 // the front end maps each to one errno.
@@ -40,6 +44,6 @@ var (
 	ErrNoAttr = errors.New("no such attribute")
 	// ErrLeased is returned when a lease on a backing file (its owner's,
 	// taken through a descriptor of it) stands in the way of an open: the
-	// daemon never waits for one to break (OpenNoWait; EAGAIN).
-	ErrLeased = errors.New("a lease on the file stands in the way; the daemon does not wait for it to break")
+	// daemon never waits for one to break (fdpass.OpenNoWait; EAGAIN).
+	ErrLeased = fdpass.ErrLeased
 )

@@ -8,6 +8,8 @@ import (
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/fdpass"
 )
 
 // FdPath returns the /proc path of the object open at fd. It names that
@@ -81,13 +83,13 @@ func (r *Ref) Path() (string, error) {
 // and O_NONBLOCK, O_APPEND...): a new open file description of this very
 // inode, never of a name. Only regular files are opened, so that no
 // special file planted at a name is ever opened by the daemon. Open
-// never waits for a lease to break (OpenNoWait): a lease in the way is
-// ErrLeased.
+// never waits for a lease to break (fdpass.OpenNoWait): a lease in the
+// way is ErrLeased.
 func (r *Ref) Open(flags int) (int, error) {
 	if r.st.Mode&syscall.S_IFMT != syscall.S_IFREG {
 		return -1, fmt.Errorf("not a regular file (mode %#o): %w", r.st.Mode, syscall.EINVAL)
 	}
-	fd, err := OpenNoWait(FdPath(r.fd), flags&^(unix.O_CREAT|unix.O_EXCL|unix.O_TRUNC|unix.O_NOFOLLOW))
+	fd, err := fdpass.OpenNoWait(FdPath(r.fd), flags&^(unix.O_CREAT|unix.O_EXCL|unix.O_TRUNC|unix.O_NOFOLLOW))
 	if err != nil {
 		return -1, err
 	}
@@ -95,40 +97,6 @@ func (r *Ref) Open(flags int) (int, error) {
 	if err := unix.Fstat(fd, &st); err != nil || st.Ino != r.st.Ino || st.Dev != r.st.Dev {
 		unix.Close(fd)
 		return -1, fmt.Errorf("reopen reached another object: %w", syscall.ESTALE)
-	}
-	return fd, nil
-}
-
-// OpenNoWait opens the regular file at path with flags, close-on-exec,
-// without waiting for a lease on it to break. The file's owner can take
-// a lease on it (fcntl F_SETLEASE) through any descriptor of it (a KEEPFD
-// segment's export, an import's own); an open that conflicts would sleep
-// until the holder gives it up or lease-break-time (45 s by default)
-// passes, holding the caller's thread, descriptor slot and locks. The open
-// is made with O_NONBLOCK, so the kernel starts the break and answers
-// EWOULDBLOCK at once: ErrLeased, which is EAGAIN for the requester, who
-// may try again. O_NONBLOCK is then cleared unless flags ask for it, so
-// the descriptor, which may be handed to the kernel (passthrough) or to a
-// peer (export), is exactly what flags say; on a regular file it changes
-// nothing else anyway. Only for regular files: O_NONBLOCK changes what an
-// open of a FIFO or a device does.
-func OpenNoWait(path string, flags int) (int, error) {
-	fd, err := unix.Open(path, flags|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
-	switch {
-	case err == unix.EWOULDBLOCK:
-		return -1, ErrLeased
-	case err != nil:
-		return -1, err
-	case flags&unix.O_NONBLOCK != 0:
-		return fd, nil
-	}
-	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
-	if err == nil {
-		_, err = unix.FcntlInt(uintptr(fd), unix.F_SETFL, fl&^unix.O_NONBLOCK)
-	}
-	if err != nil {
-		unix.Close(fd)
-		return -1, fmt.Errorf("clear O_NONBLOCK: %w", err)
 	}
 	return fd, nil
 }

@@ -142,7 +142,7 @@ func Dup(f *os.File) (int, error) {
 // (ESTALE otherwise). Unlike a dup, it shares no offset, flags or locks
 // with fd. A regular file is reopened without waiting for a lease on it
 // to break: its owner may hold one, and the open answers an error that
-// wraps EAGAIN at once, as alloc.OpenNoWait does.
+// wraps EAGAIN at once (OpenNoWait).
 func Reopen(fd, flags int) (int, error) {
 	var st, nst unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
@@ -159,38 +159,54 @@ func Reopen(fd, flags int) (int, error) {
 	return nfd, nil
 }
 
-// reopen opens /proc/self/fd/fd with flags; a regular file (noWait)
-// with O_NONBLOCK, so that a lease in the way is EAGAIN at once rather
-// than a wait of up to lease-break-time, and the flag is then cleared
-// unless flags ask for it. Other files are opened with flags as given:
-// O_NONBLOCK changes what an open of a FIFO or a device does.
+// reopen opens /proc/self/fd/fd with flags: a regular file (noWait)
+// without waiting for a lease (OpenNoWait), other files with flags as
+// given: O_NONBLOCK changes what an open of a FIFO or a device does.
 func reopen(fd, flags int, noWait bool) (int, error) {
 	path := "/proc/self/fd/" + strconv.Itoa(fd)
 	if !noWait {
 		return unix.Open(path, flags|unix.O_CLOEXEC, 0)
 	}
-	nfd, err := unix.Open(path, flags|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	return OpenNoWait(path, flags)
+}
+
+// OpenNoWait opens the regular file at path with flags, close-on-exec,
+// without waiting for a lease on it to break. The file's owner can take
+// a lease on it (fcntl F_SETLEASE) through any descriptor of it; an open
+// that conflicts would sleep until the holder gives it up or
+// lease-break-time (45 s by default) passes, holding the caller's thread,
+// descriptor slot and locks. The open is made with O_NONBLOCK, so the
+// kernel starts the break and answers EWOULDBLOCK at once: ErrLeased,
+// which wraps EAGAIN, for the requester to try again. O_NONBLOCK is then
+// cleared unless flags ask for it, so the descriptor, which may be handed
+// to the kernel (passthrough) or to a peer (export), is exactly what
+// flags say; on a regular file it changes nothing else anyway. Only for
+// regular files: O_NONBLOCK changes what an open of a FIFO or a device
+// does.
+func OpenNoWait(path string, flags int) (int, error) {
+	fd, err := unix.Open(path, flags|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	switch {
 	case err == unix.EWOULDBLOCK:
-		return -1, errLeased
+		return -1, ErrLeased
 	case err != nil:
 		return -1, err
 	case flags&unix.O_NONBLOCK != 0:
-		return nfd, nil
+		return fd, nil
 	}
-	fl, err := unix.FcntlInt(uintptr(nfd), unix.F_GETFL, 0)
+	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
 	if err == nil {
-		_, err = unix.FcntlInt(uintptr(nfd), unix.F_SETFL, fl&^unix.O_NONBLOCK)
+		_, err = unix.FcntlInt(uintptr(fd), unix.F_SETFL, fl&^unix.O_NONBLOCK)
 	}
 	if err != nil {
-		unix.Close(nfd)
+		unix.Close(fd)
 		return -1, fmt.Errorf("clear O_NONBLOCK: %w", err)
 	}
-	return nfd, nil
+	return fd, nil
 }
 
-// errLeased is Reopen's answer when a lease on the file stands in the way.
-var errLeased = fmt.Errorf("a lease on the file stands in the way; the daemon does not wait for it to break: %w", syscall.EAGAIN)
+// ErrLeased is OpenNoWait's answer when a lease on the file stands in the
+// way; it wraps EAGAIN.
+var ErrLeased = fmt.Errorf("a lease on the file stands in the way; the daemon does not wait for it to break: %w", syscall.EAGAIN)
 
 // Close closes descriptors, ignoring errors.
 func Close(fds []int) {

@@ -39,8 +39,8 @@ print("rounds", rounds, flush=True)
 sys.stdin.read()
 `
 
-// h4Dirs makes a directory for each of users A and B, owned by them.
-func h4Dirs(t *testing.T, m *mount) {
+// userDirs makes a directory for each of users A and B, owned by them.
+func userDirs(t *testing.T, m *mount) {
 	t.Helper()
 	reachable(t, m.dir)
 	for uid, dir := range map[int]string{userA: "a", userB: "b"} {
@@ -87,7 +87,7 @@ func h4Background(t *testing.T, uid int, script string, args ...string) string {
 func TestAttackGPULimboFill(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
-		h4Dirs(t, m)
+		userDirs(t, m)
 		atk := gtDeviceSegment(t, m.path("a/leak"))
 		if err := os.Chown(atk, userA, userA); err != nil {
 			t.Fatal(err)
@@ -165,7 +165,7 @@ sys.stdin.read()
 func TestAttackGPUSegmentFdFlood(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
-		h4Dirs(t, m)
+		userDirs(t, m)
 		if err := os.Mkdir(m.path("a/gpu"), 0o755); err != nil {
 			t.Fatal(err)
 		}
@@ -241,7 +241,7 @@ except OSError as e:
 func TestAttackGPUExportResizeRace(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
-		h4Dirs(t, m)
+		userDirs(t, m)
 		seg := gtDeviceSegment(t, m.path("b/w"))
 		run(t, "setfattr", "-n", "user.tensorfs.flags", "-v", "KEEPFD", seg)
 		run(t, "truncate", "-s", "1M", seg)
@@ -326,7 +326,7 @@ sys.stdin.read()
 func TestAttackGPULeaseStall(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
-		h4Dirs(t, m)
+		userDirs(t, m)
 		if err := os.Mkdir(m.path("b/gpu"), 0o755); err != nil {
 			t.Fatal(err)
 		}
@@ -431,7 +431,7 @@ func daemonThreads(t *testing.T, pid int) string {
 func TestAttackLeaseHeldRequests(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
-		h4Dirs(t, m)
+		userDirs(t, m)
 		before, limit := daemonFDs(t, m.pid)
 		perUID := max(limit/2-256-1024, 64) / 16
 		n := 2 * perUID
@@ -482,7 +482,7 @@ sys.stdin.read()
 func TestAttackProcLeaseStall(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
-		h4Dirs(t, m)
+		userDirs(t, m)
 		line := h4Background(t, userA, procLeaseScript, m.dir, "a/y")
 		if line != "leased, open took 0 s" {
 			t.Errorf("uid %d's open with leases on its own /proc files: %q, want an answer at once", userA, line)

@@ -354,15 +354,7 @@ func TestAttackGPUCounterFollowsChmod(t *testing.T) {
 func TestAttackGPUSpillReserved(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
-		reachable(t, m.dir)
-		for uid, dir := range map[int]string{userA: "a", userB: "b"} {
-			if err := os.Mkdir(m.path(dir), 0o755); err != nil {
-				t.Fatal(err)
-			}
-			if err := os.Chown(m.path(dir), uid, uid); err != nil {
-				t.Fatal(err)
-			}
-		}
+		userDirs(t, m)
 		victim := gtRandom(t, "victim", 8<<20)
 		want := gtSha256(t, victim)
 		seg := gtDeviceSegment(t, m.path("b/w"))
