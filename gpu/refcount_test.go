@@ -225,11 +225,7 @@ func TestEncodeACL(t *testing.T) {
 // segment's group, and grants read and write by ACL to exactly the
 // classes that may read the segment.
 func TestCounterFollow(t *testing.T) {
-	d, err := OpenCounterDir(filepath.Join(t.TempDir(), "counters"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.RemoveAll()
+	d, _ := counterDir(t)
 	c, err := d.New()
 	if err != nil {
 		t.Fatal(err)
@@ -354,13 +350,7 @@ func countMounts(t *testing.T, path string) int {
 // restores a changed mode, and warns once per file.
 func TestCounterValuePutsBack(t *testing.T) {
 	needRoot(t)
-	d, err := OpenCounterDir(filepath.Join(t.TempDir(), "counters"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.RemoveAll()
-	var logs syncBuffer
-	d.SetLog(slog.New(slog.NewTextHandler(&logs, nil)))
+	d, logs := counterDir(t)
 	c, err := d.New()
 	if err != nil {
 		t.Fatal(err)
@@ -454,13 +444,7 @@ func TestCounterNewWhenFull(t *testing.T) {
 		{"xattrs", fillXattrs, 7},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			d, err := OpenCounterDir(filepath.Join(t.TempDir(), "counters"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer d.RemoveAll()
-			var logs syncBuffer
-			d.SetLog(slog.New(slog.NewTextHandler(&logs, nil)))
+			d, logs := counterDir(t)
 			c, err := d.New()
 			if err != nil {
 				t.Fatal(err)
@@ -754,11 +738,7 @@ func fdKeepSizeFill(t *testing.T, fd int) {
 // runs before Remove returns.
 func TestCounterRemoveReleased(t *testing.T) {
 	needRoot(t)
-	d, err := OpenCounterDir(filepath.Join(t.TempDir(), "counters"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.RemoveAll()
+	d, _ := counterDir(t)
 	for _, used := range []bool{false, true} {
 		c, err := d.New()
 		if err != nil {
@@ -801,13 +781,7 @@ func TestCounterRemoveReleased(t *testing.T) {
 // unmapped it.
 func TestCounterRemovedHeld(t *testing.T) {
 	needRoot(t)
-	d, err := OpenCounterDir(filepath.Join(t.TempDir(), "counters"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer d.RemoveAll()
-	var logs syncBuffer
-	d.SetLog(slog.New(slog.NewTextHandler(&logs, nil)))
+	d, logs := counterDir(t)
 
 	// Held by a descriptor.
 	c, err := d.New()
@@ -1006,4 +980,18 @@ func TestCounterRemovedRevoked(t *testing.T) {
 	if n := released.Load(); n != 1 {
 		t.Errorf("counter uid 1000 let go: released %d times after Sweep, want 1", n)
 	}
+}
+
+// counterDir opens a counter directory for the test, removed when it
+// ends, whose warnings go to the buffer it returns.
+func counterDir(t *testing.T) (*CounterDir, *syncBuffer) {
+	t.Helper()
+	d, err := OpenCounterDir(filepath.Join(t.TempDir(), "counters"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.RemoveAll() })
+	logs := &syncBuffer{}
+	d.SetLog(slog.New(slog.NewTextHandler(logs, nil)))
+	return d, logs
 }
