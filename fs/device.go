@@ -425,13 +425,15 @@ func (seg *devSeg) reserve(size int64) error {
 		d := seg.d
 		d.growMu.Lock()
 		defer d.growMu.Unlock()
-		var st unix.Statfs_t
-		if err := d.store.Statfs(&st); err != nil {
-			return err
-		}
-		free, limbo := int64(st.Bavail)*st.Bsize, d.limboBytes.Load()
-		if size-seg.reserved > free-limbo {
-			return fmt.Errorf("%w: %d bytes more do not fit: the backing has %d free, of which device memory waiting in limbo takes %d", alloc.ErrNoSpace, size-seg.reserved, free, limbo)
+		// With nothing in limbo, fallocate alone says whether it fits.
+		if limbo := d.limboBytes.Load(); limbo > 0 {
+			var st unix.Statfs_t
+			if err := d.store.Statfs(&st); err != nil {
+				return err
+			}
+			if free := int64(st.Bavail) * st.Bsize; size-seg.reserved > free-limbo {
+				return fmt.Errorf("%w: %d bytes more do not fit: the backing has %d free, of which device memory waiting in limbo takes %d", alloc.ErrNoSpace, size-seg.reserved, free, limbo)
+			}
 		}
 		if err := unix.Fallocate(fd, unix.FALLOC_FL_KEEP_SIZE, seg.reserved, size-seg.reserved); err != nil {
 			if errors.Is(err, unix.ENOSPC) {
