@@ -94,9 +94,7 @@ func TestLoad(t *testing.T) {
 			// What each load counted is given back once it has replied: the
 			// open connection alone stays counted.
 			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
-				s.quota.mu.Lock()
-				used := s.quota.used[0]
-				s.quota.mu.Unlock()
+				used := s.quota.held(0)
 				if used == (Limits{Conns: 1}) {
 					break
 				}

@@ -9,6 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/fdpass"
+	"tensorfs/ledger"
 )
 
 // Limits bounds what peers may hold in the daemon, per uid or in total.
@@ -96,95 +97,82 @@ func fdBudget() int {
 	return int(min(r.Cur, 1<<30) / 2)
 }
 
-func (l Limits) plus(d Limits) Limits {
-	return Limits{Conns: l.Conns + d.Conns, Parked: l.Parked + d.Parked, FDs: l.FDs + d.FDs}
-}
-
 func (l Limits) minus(d Limits) Limits {
 	return Limits{Conns: l.Conns - d.Conns, Parked: l.Parked - d.Parked, FDs: l.FDs - d.FDs}
 }
 
-// exceeds names the first field of l above max's, and max's value.
-func (l Limits) exceeds(max Limits) (string, int) {
-	switch {
-	case l.Conns > max.Conns:
-		return "connections", max.Conns
-	case l.Parked > max.Parked:
-		return "waiting collective requests", max.Parked
-	case l.FDs > max.FDs:
-		return "descriptors held", max.FDs
-	}
-	return "", 0
-}
-
-// quota counts what each uid holds against the limits. Root is bound by
-// total alone; other uids by perUID each and, together, by total less
-// rootReserve, so that they can never shut root out.
+// quota counts what each uid holds against the limits, as three rows of
+// the daemon's ledger (package ledger): connections, waiting requests and
+// descriptors. Root is bound by total alone; other uids by perUID each
+// and, together, by total less root's eighth, so that they can never shut
+// root out.
 type quota struct {
-	perUID, total Limits
-	shared        Limits // total less rootReserve: for uids other than root
+	conns, parked, fds *ledger.Row
 
 	// closing tracks the goroutines closing received descriptors
 	// (release): a close may block for as long as the file's filesystem
 	// wants, so it never runs under a lock or in a request's goroutine.
 	closing sync.WaitGroup
 
-	mu     sync.Mutex
-	used   map[uint32]Limits
-	sum    Limits
-	others Limits         // the part of sum held by uids other than root
-	owner  map[int]uint32 // received descriptors held: whose FDs they count in
+	mu    sync.Mutex
+	owner map[int]uint32 // received descriptors held: whose FDs they count in
 }
 
-func newQuota(perUID, total Limits) *quota {
-	return &quota{perUID: perUID, total: total, shared: total.minus(rootReserve(total)),
-		used: make(map[uint32]Limits), owner: make(map[int]uint32)}
+func newQuota(l *ledger.Ledger, perUID, total Limits) *quota {
+	row := func(name, unit string, perUID, total int) *ledger.Row {
+		return l.Row(ledger.Spec{Name: name, Unit: unit, PerUID: int64(perUID), Total: int64(total)})
+	}
+	return &quota{
+		conns:  row("connections", "connection", perUID.Conns, total.Conns),
+		parked: row("waiting collective requests", "request", perUID.Parked, total.Parked),
+		fds:    row("socket descriptors", "descriptor", perUID.FDs, total.FDs),
+		owner:  make(map[int]uint32),
+	}
 }
 
-// take counts d more for uid, or refuses with EAGAIN if that exceeds a
-// limit.
+// rows pairs each row with d's count for it.
+func (q *quota) rows(d Limits) [3]struct {
+	row *ledger.Row
+	n   int64
+} {
+	return [3]struct {
+		row *ledger.Row
+		n   int64
+	}{{q.conns, int64(d.Conns)}, {q.parked, int64(d.Parked)}, {q.fds, int64(d.FDs)}}
+}
+
+// take counts d more for uid, or refuses with EAGAIN, changing nothing,
+// if that exceeds a limit.
 func (q *quota) take(uid uint32, d Limits) error {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	u, sum, others := q.used[uid].plus(d), q.sum.plus(d), q.others
-	var what, scope string
-	var limit int
-	if uid != 0 {
-		others = others.plus(d)
-		if what, limit = u.exceeds(q.perUID); what != "" {
-			scope = "per uid"
-		} else if what, limit = others.exceeds(q.shared); what != "" {
-			scope = "for users other than root"
+	rows := q.rows(d)
+	for i, r := range rows {
+		if r.n == 0 {
+			continue
+		}
+		if err := r.row.Take(uid, r.n); err != nil {
+			for _, done := range rows[:i] {
+				if done.n != 0 {
+					done.row.Give(uid, done.n)
+				}
+			}
+			return protoErrorf(syscall.EAGAIN, "%v", err)
 		}
 	}
-	if what == "" {
-		what, limit = sum.exceeds(q.total)
-		scope = "for all users"
-	}
-	if what != "" {
-		return protoErrorf(syscall.EAGAIN, "uid %d reached the limit of %d %s %s", uid, limit, what, scope)
-	}
-	q.used[uid], q.sum, q.others = u, sum, others
 	return nil
 }
 
 // give uncounts d for uid.
 func (q *quota) give(uid uint32, d Limits) {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	q.giveLocked(uid, d)
+	for _, r := range q.rows(d) {
+		if r.n != 0 {
+			r.row.Give(uid, r.n)
+		}
+	}
 }
 
-func (q *quota) giveLocked(uid uint32, d Limits) {
-	if u := q.used[uid].minus(d); u == (Limits{}) {
-		delete(q.used, uid)
-	} else {
-		q.used[uid] = u
-	}
-	q.sum = q.sum.minus(d)
-	if uid != 0 {
-		q.others = q.others.minus(d)
-	}
+// held returns what uid holds.
+func (q *quota) held(uid uint32) Limits {
+	return Limits{Conns: int(q.conns.Held(uid)), Parked: int(q.parked.Held(uid)), FDs: int(q.fds.Held(uid))}
 }
 
 // adopt counts received descriptors against uid's FDs until release

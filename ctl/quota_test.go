@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/fdpass"
+	"tensorfs/ledger"
 )
 
 // wantLimit checks that err is the EAGAIN refusal naming limit.
@@ -28,7 +29,7 @@ func wantLimit(t *testing.T, err error, limit string) {
 }
 
 func TestQuota(t *testing.T) {
-	q := newQuota(Limits{Conns: 2, Parked: 1, FDs: 3}, Limits{Conns: 3, Parked: 5, FDs: 5})
+	q := newQuota(ledger.New(), Limits{Conns: 2, Parked: 1, FDs: 3}, Limits{Conns: 3, Parked: 5, FDs: 5})
 	conn := Limits{Conns: 1}
 	for range 2 {
 		if err := q.take(1000, conn); err != nil {
@@ -62,7 +63,7 @@ func TestQuota(t *testing.T) {
 	if err := q.adopt(1000, fds[:3]); err != nil {
 		t.Fatal(err)
 	}
-	wantLimit(t, q.adopt(1000, fds[3:]), "3 descriptors held per uid")
+	wantLimit(t, q.adopt(1000, fds[3:]), "3 socket descriptors per uid")
 	if _, err := unix.FcntlInt(uintptr(fds[3]), unix.F_GETFD, 0); err != syscall.EBADF {
 		t.Fatalf("a descriptor over the limit is still open: %v", err)
 	}
@@ -70,8 +71,8 @@ func TestQuota(t *testing.T) {
 	q.waitClosing(time.Minute)
 	q.give(1000, Limits{Conns: 1, Parked: 1})
 	q.give(1001, Limits{Conns: 2})
-	if q.sum != (Limits{}) || len(q.used) != 0 || len(q.owner) != 0 {
-		t.Fatalf("%+v counted, %v, %d descriptors", q.sum, q.used, len(q.owner))
+	if q.sum() != (Limits{}) || len(q.owner) != 0 {
+		t.Fatalf("%+v counted, %d descriptors", q.sum(), len(q.owner))
 	}
 }
 
@@ -247,7 +248,7 @@ func TestFDLimit(t *testing.T) {
 	second := dial(t, path)
 	go func() { second.AllGather("p", 1, 3, memfdClosed(t)) }()
 	waitJoined(t, s, "p", 2)
-	wantLimit(t, c.Import("i", memfdClosed(t), "", ""), "descriptors held for all users")
+	wantLimit(t, c.Import("i", memfdClosed(t), "", ""), "socket descriptors for all users")
 	if rep := exchange(t, rawConn(t, path), []byte(`{"v":1,"op":"import","path":"i"}`), 5); syscall.Errno(rep.Errno) != syscall.EAGAIN {
 		t.Fatalf("5 descriptors over the limit: %+v, want EAGAIN", rep)
 	}
@@ -258,9 +259,7 @@ func TestFDLimit(t *testing.T) {
 		t.Fatalf("once a waiting rank left: %v", err)
 	}
 	s.quota.waitClosing(time.Minute)
-	s.quota.mu.Lock()
-	held := s.quota.used[0].FDs
-	s.quota.mu.Unlock()
+	held := s.quota.held(0).FDs
 	if held != 1 {
 		t.Fatalf("%d descriptors counted, want 1 (the waiting rank's)", held)
 	}
@@ -276,7 +275,7 @@ func TestQuotaRootReserve(t *testing.T) {
 	if per != (Limits{Conns: 7, Parked: 7, FDs: 14}) {
 		t.Fatalf("per uid %+v, want an eighth of 7/8 of %+v", per, total)
 	}
-	q := newQuota(per, total)
+	q := newQuota(ledger.New(), per, total)
 	conn := Limits{Conns: 1}
 	for uid := uint32(1000); uid < 1008; uid++ {
 		for range per.Conns {
@@ -306,4 +305,9 @@ func TestQuotaRootReserve(t *testing.T) {
 	if def.Conns < maxWorld || def.Parked < maxWorld-1 || def.FDs < maxWorld+backendFDs {
 		t.Errorf("default per uid %+v: a group of %d ranks does not fit", def, maxWorld)
 	}
+}
+
+// sum returns what all uids hold.
+func (q *quota) sum() Limits {
+	return Limits{Conns: int(q.conns.Used()), Parked: int(q.parked.Used()), FDs: int(q.fds.Used())}
 }

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/fdpass"
+	"tensorfs/ledger"
 )
 
 // Cred is a peer's credentials as the kernel recorded them when it
@@ -118,6 +119,10 @@ type Config struct {
 	// each by PerUID, which Listen lowers to (and whose zero fields take)
 	// an eighth of that: at least eight users fit.
 	PerUID, Total Limits
+	// Ledger is the daemon's account of what requests hold (package
+	// ledger), which gets the socket's rows; nil makes one of the
+	// socket's own.
+	Ledger *ledger.Ledger
 }
 
 // Server is a listening control socket.
@@ -178,7 +183,10 @@ func Listen(cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("ctl: %w", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	q := newQuota(cfg.PerUID, cfg.Total)
+	if cfg.Ledger == nil {
+		cfg.Ledger = ledger.New()
+	}
+	q := newQuota(cfg.Ledger, cfg.PerUID, cfg.Total)
 	s := &Server{
 		cfg:    cfg,
 		ln:     ln,

@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/fdpass"
+	"tensorfs/ledger"
 )
 
 var errBoom = errors.New("boom")
@@ -449,7 +450,7 @@ func TestGroupMembership(t *testing.T) {
 // descriptors, nor it theirs; an open group takes every uid that asks for
 // one. Waiting members count in their uid's Parked.
 func TestGroupKeys(t *testing.T) {
-	q := newQuota(perUIDCap(defaultTotal), defaultTotal)
+	q := newQuota(ledger.New(), perUIDCap(defaultTotal), defaultTotal)
 	gs := newGroups(time.Minute, q)
 	newFD := func(uid uint32) int {
 		f := memfd(t, "x")
@@ -505,8 +506,8 @@ func TestGroupKeys(t *testing.T) {
 	if !waiting(a1) || !waiting(r0) || !waiting(b0) || !waiting(o0) || len(gs.m) != 4 {
 		t.Fatalf("%d groups, want 4 waiting", len(gs.m))
 	}
-	if q.sum.Parked != 4 || q.used[1000].Parked != 2 {
-		t.Fatalf("parked: %+v in all, %+v for uid 1000", q.sum, q.used[1000])
+	if q.sum().Parked != 4 || q.held(1000).Parked != 2 {
+		t.Fatalf("parked: %+v in all, %+v for uid 1000", q.sum(), q.held(1000))
 	}
 	a0 := join(1000, 0, false)
 	got(a0, a1, a0.fd, a1.fd)
@@ -518,8 +519,8 @@ func TestGroupKeys(t *testing.T) {
 		t.Fatal("uid 1001's rank could not leave")
 	}
 	q.waitClosing(time.Minute)
-	if len(gs.m) != 0 || q.sum != (Limits{}) || len(q.owner) != 0 {
-		t.Fatalf("%d groups, %+v counted, %d descriptors left", len(gs.m), q.sum, len(q.owner))
+	if len(gs.m) != 0 || q.sum() != (Limits{}) || len(q.owner) != 0 {
+		t.Fatalf("%d groups, %+v counted, %d descriptors left", len(gs.m), q.sum(), len(q.owner))
 	}
 }
 
@@ -864,8 +865,8 @@ func TestNoFDLeak(t *testing.T) {
 			delete(b.segs, name)
 		}
 		s.Close()
-		if s.quota.sum != (Limits{}) || len(s.quota.used) != 0 || len(s.quota.owner) != 0 {
-			t.Errorf("after Close: %+v counted, %d uids, %d descriptors", s.quota.sum, len(s.quota.used), len(s.quota.owner))
+		if s.quota.sum() != (Limits{}) || len(s.quota.owner) != 0 {
+			t.Errorf("after Close: %+v counted, %d descriptors", s.quota.sum(), len(s.quota.owner))
 		}
 	}()
 	if after := openFDs(t); after != before {

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/fdpass"
+	"tensorfs/ledger"
 )
 
 // blockingClose returns a descriptor whose close(2) blocks until unblock
@@ -96,7 +97,7 @@ func within(t *testing.T, d time.Duration, what string, fn func()) {
 // others (no close under groups.mu) nor Server.Close for more than
 // closingWait; it counts in its owner's descriptors until it is closed.
 func TestBlockingClose(t *testing.T) {
-	q := newQuota(perUIDCap(defaultTotal), defaultTotal)
+	q := newQuota(ledger.New(), perUIDCap(defaultTotal), defaultTotal)
 	gs := newGroups(200*time.Millisecond, q)
 	join := func(uid uint32, name string, rank, world int, fd int) (*group, *member) {
 		t.Helper()
@@ -149,9 +150,7 @@ func TestBlockingClose(t *testing.T) {
 	}
 	other("after-expire")
 
-	q.mu.Lock()
-	held := q.used[1000].FDs
-	q.mu.Unlock()
+	held := q.held(1000).FDs
 	if held != 2 {
 		t.Errorf("uid 1000 holds %d descriptors while their closes block, want 2", held)
 	}
@@ -178,8 +177,8 @@ func TestBlockingClose(t *testing.T) {
 	if !q.waitClosing(10*time.Second) || !s.quota.waitClosing(10*time.Second) {
 		t.Fatal("closes still blocked once their peers let go")
 	}
-	if q.sum != (Limits{}) || len(q.owner) != 0 || len(gs.m) != 0 {
-		t.Fatalf("after the closes: %+v counted, %d descriptors, %d groups", q.sum, len(q.owner), len(gs.m))
+	if q.sum() != (Limits{}) || len(q.owner) != 0 || len(gs.m) != 0 {
+		t.Fatalf("after the closes: %+v counted, %d descriptors, %d groups", q.sum(), len(q.owner), len(gs.m))
 	}
 }
 

@@ -74,21 +74,52 @@ func (l *Ledger) Row(s Spec) *Row {
 // Spec returns what r counts and its bounds.
 func (r *Row) Spec() Spec { return r.spec }
 
-// Take charges n more to uid, or refuses: Over when uid would hold more
-// than its share, Full when all users would hold more than the total or,
-// for a uid other than root, when such users would hold more than all but
-// root's reserve. A refusal changes nothing.
+// Scope says which bound refused a take.
+type Scope string
+
+const (
+	// PerUID is one user's share.
+	PerUID Scope = "per uid"
+	// Others is the total less root's reserve, for users other than root.
+	Others Scope = "for users other than root"
+	// All is the total, for all users.
+	All Scope = "for all users"
+)
+
+// Refusal is Take's error: which bound refused which uid.
+type Refusal struct {
+	Errno syscall.Errno
+	Row   string // the row's name
+	UID   uint32
+	Limit int64 // the bound reached
+	Scope Scope
+}
+
+func (e *Refusal) Error() string {
+	return fmt.Sprintf("uid %d reached the limit of %d %s %s", e.UID, e.Limit, e.Row, e.Scope)
+}
+
+// Unwrap makes errors.Is(err, syscall.EMFILE) and the like work.
+func (e *Refusal) Unwrap() error { return e.Errno }
+
+// Take charges n more to uid, or refuses with a *Refusal: Over when uid
+// would hold more than its share, Full when all users would hold more
+// than the total or, for a uid other than root, when such users would
+// hold more than all but root's reserve. A refusal changes nothing.
 func (r *Row) Take(uid uint32, n int64) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	s := r.spec
+	refuse := func(errno syscall.Errno, limit int64, scope Scope) error {
+		return &Refusal{Errno: errno, Row: s.Name, UID: uid, Limit: limit, Scope: scope}
+	}
 	switch {
-	case r.all+n > s.Total:
-		return fmt.Errorf("%w: the daemon holds %d of at most %d %s (%s)", s.Full, r.all, s.Total, s.Unit+"s", s.Name)
 	case uid != 0 && r.used[uid]+n > s.PerUID:
-		return fmt.Errorf("%w: uid %d holds %d of at most %d %s one user may (%s)", s.Over, uid, r.used[uid], s.PerUID, s.Unit+"s", s.Name)
+		return refuse(s.Over, s.PerUID, PerUID)
 	case uid != 0 && r.others+n > r.shared:
-		return fmt.Errorf("%w: users other than root hold %d of at most %d %s (%s; the rest is root's)", s.Full, r.others, r.shared, s.Unit+"s", s.Name)
+		return refuse(s.Full, r.shared, Others)
+	case r.all+n > s.Total:
+		return refuse(s.Full, s.Total, All)
 	}
 	r.addLocked(uid, n)
 	return nil
@@ -133,6 +164,13 @@ func (r *Row) Held(uid uint32) int64 {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.used[uid]
+}
+
+// Used returns what all users hold.
+func (r *Row) Used() int64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.all
 }
 
 // Usage is a row's state, for the mount's statistics.
