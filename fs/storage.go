@@ -126,12 +126,12 @@ func (fsys *filesystem) classify(m *alloc.Ref) (storage, error) {
 // statOf fills st with what stat(2) on the mount shows of the backing
 // object m at this moment: a fresh fstat of m's descriptor, which the
 // segment's storage s overlays where its bytes or attributes live
-// elsewhere (s is nil for an object that is not a segment). It is the one
-// stat of a backing object that every reply carrying attributes (entry
-// and attr replies), permission check and policy reads: the stat a Ref
-// took when it was opened (alloc.Ref.Stat) is the object's identity, and
-// its owner, mode and size may have changed since (the daemon gives a new
-// object to its caller after it opened it).
+// elsewhere (s is nil for an object that is not a segment). Every reply
+// that carries attributes (entry and attr replies) is filled from it, or
+// from an fstat of a directory's or an open handle's descriptor, never
+// from the stat a Ref took when it was opened (alloc.Ref.Stat): that is
+// the object's identity, and its owner, mode and size may have changed
+// since (the daemon gives a new object to its caller after opening it).
 func statOf(m *alloc.Ref, s storage, st *unix.Stat_t) error {
 	if err := unix.Fstat(m.Fd(), st); err != nil {
 		return err
