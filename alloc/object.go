@@ -60,7 +60,10 @@ func OpenRef(dirfd int, name string, ino uint64) (*Ref, error) {
 // Close releases the descriptor.
 func (r *Ref) Close() error { return unix.Close(r.fd) }
 
-// Stat returns the object's stat as it was when the Ref was opened.
+// Stat returns the object's stat as it was when the Ref was opened: its
+// identity (inode, device, type) holds, but its owner, mode, size and
+// times may have changed since; what a reply shows comes from a fresh
+// fstat of Fd.
 func (r *Ref) Stat() *unix.Stat_t { return &r.st }
 
 // Fd returns the O_PATH descriptor, valid until Close.

@@ -70,7 +70,12 @@ func TestVirtualAttributes(t *testing.T) {
 				t.Errorf("%s flags %q, want SHAREDMEM", k, v)
 			}
 		}
-		if segmentKinds[k] && k != "device" {
+		if k == "unavailable" {
+			if _, st := x.getxattr(k, alloc.AttrHandle); st != fuse.ENOTSUP {
+				t.Errorf("an unavailable segment's handle: %v, want EOPNOTSUPP (no file holds its bytes)", st)
+			}
+		}
+		if segmentKinds[k] && k != "device" && k != "unavailable" {
 			h, st := x.getxattr(k, alloc.AttrHandle)
 			if st != fuse.OK {
 				t.Errorf("%s handle: %v", k, st)
@@ -86,8 +91,8 @@ func TestVirtualAttributes(t *testing.T) {
 		Requests map[string]int64
 	}
 	v, st := x.getxattr("root", alloc.AttrStats)
-	if st != fuse.OK || jsonDecode(v, &stats) != nil || stats.Segments != 5 {
-		t.Errorf("stats %s (%v): want 5 segments", v, st)
+	if st != fuse.OK || jsonDecode(v, &stats) != nil || stats.Segments != 6 {
+		t.Errorf("stats %s (%v): want 6 segments", v, st)
 	}
 	if stats.Requests["CREATE"] == 0 || stats.Requests["GETXATTR"] == 0 {
 		t.Errorf("stats count no CREATE or GETXATTR: %v", stats.Requests)
@@ -157,6 +162,13 @@ func TestSubtreeUsageAsCaller(t *testing.T) {
 // segment), in pages, and refuses write to a FROMFD segment.
 func TestControlLoad(t *testing.T) {
 	x := newOpsFS(t)
+	// A segment this mount cannot serve fails a load with its reason.
+	if _, _, _, err := (controlBackend{x.fsys}).Load(rootPeer, ".", false, "", 100); !errors.Is(err, alloc.ErrNoDevice) {
+		t.Errorf("load of a directory holding an unavailable segment: %v, want ErrNoDevice", err)
+	}
+	if st := x.raw.Unlink(nil, ptr(hdr(1)), "unavailable"); st != fuse.OK {
+		t.Fatal(st)
+	}
 	b := controlBackend{x.fsys}
 	segs, files, more, err := b.Load(rootPeer, ".", false, "", 100)
 	if err != nil || more {

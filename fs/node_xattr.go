@@ -440,13 +440,15 @@ var segmentAttrs = []string{alloc.AttrFlags, alloc.AttrDevice, alloc.AttrRefcoun
 // shows them all.
 func (n *segmentNode) Listxattr(ctx context.Context, dest []byte) (uint32, syscall.Errno) {
 	names := segmentAttrs[:len(segmentAttrs):len(segmentAttrs)]
-	switch d, onDevice := n.storage().(device); {
+	s := n.storage()
+	_, unreachable := s.(unavailable) // no file holds its bytes: no handle
+	switch d, onDevice := s.(device); {
 	case onDevice:
 		names = append(names, alloc.AttrCudaRefCounter)
 		if d.seg.Size() > 0 { // no memory, no handles yet
 			names = append(names, alloc.AttrCudaIPCHandle, alloc.AttrCudaOffset, alloc.AttrCudaEventHandle)
 		}
-	case n.fs.mayHaveHandle(ctx):
+	case !unreachable && n.fs.mayHaveHandle(ctx):
 		names = append(names, alloc.AttrHandle)
 	}
 	l, err := n.tensorLayout(n)
@@ -493,7 +495,7 @@ func (n *segmentNode) setxattr(uid uint32, attr string, data []byte, flags uint3
 	}
 	return n.withMarker(func(m *alloc.Ref) error {
 		var st unix.Stat_t
-		if err := n.storage().stat(m, &st); err != nil {
+		if err := statOf(m, n.storage(), &st); err != nil {
 			return err
 		}
 		if err := mayChangeFlags(uid, attr, &st); err != nil {
