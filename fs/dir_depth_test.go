@@ -62,6 +62,25 @@ func TestDeepChainReopens(t *testing.T) {
 	}
 }
 
+// TestDeepChainLogPath: a node's path in log lines names at most the last
+// logDepth components of a deep chain, after ".../", and a shallow node's
+// whole path.
+func TestDeepChainLogPath(t *testing.T) {
+	fsys := testFS(t)
+	d := &fsys.root.dirNode
+	for range logDepth + 10 {
+		d = mkdir(t, d, "d")
+	}
+	want := ".../" + strings.TrimSuffix(strings.Repeat("d/", logDepth), "/")
+	if got := d.path(); got != want {
+		t.Errorf("log path of a %d-deep directory: %q, want %q", logDepth+10, got, want)
+	}
+	s := mkseg(t, mkdir(t, &fsys.root.dirNode, "a"), "s")
+	if got := s.path(); got != "a/s" {
+		t.Errorf("log path of a/s: %q", got)
+	}
+}
+
 // backingIno returns the inode of rel in fsys's backing, found one level
 // at a time (rel may be longer than a path the kernel takes).
 func backingIno(t *testing.T, fsys *filesystem, rel string) uint64 {
