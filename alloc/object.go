@@ -3,6 +3,7 @@ package alloc
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"strconv"
 	"syscall"
@@ -246,4 +247,105 @@ func (w *walker) walk(dirfd int, rel string, depth int) error {
 		}
 	}
 	return nil
+}
+
+// RemoveTree removes path and, for a directory, everything below it, as
+// os.RemoveAll does but without recursion: a chain of directories is as
+// deep as a user made it, and os.RemoveAll holds a descriptor and a
+// buffer per level on its way down. RemoveTree holds one directory's
+// descriptor at a time; it goes down by name (O_NOFOLLOW, so a symbolic
+// link is removed, never entered) and back up by "..", checked to be the
+// directory it came down from (ESTALE otherwise). A path that does not
+// exist is no error.
+func RemoveTree(path string) error {
+	err := unix.Unlink(path)
+	if err == nil || errors.Is(err, unix.ENOENT) {
+		return nil
+	}
+	if !errors.Is(err, unix.EISDIR) {
+		return err
+	}
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	var above []unix.Stat_t // the directory above each one entered
+	var names []string      // the name of each one entered
+	buf := make([]byte, 8192)
+	for {
+		below, err := removeEntries(fd, buf)
+		if err == nil && below != "" {
+			var st unix.Stat_t
+			var sub int
+			if err = unix.Fstat(fd, &st); err == nil {
+				sub, err = unix.Openat(fd, below, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+			}
+			if err == nil {
+				unix.Close(fd)
+				fd, above, names = sub, append(above, st), append(names, below)
+				continue
+			}
+		}
+		if err != nil || len(names) == 0 {
+			unix.Close(fd)
+			if err != nil {
+				return fmt.Errorf("remove %s: %w", path, err)
+			}
+			return unix.Rmdir(path)
+		}
+		// fd's directory is empty: up to the one above, and remove it.
+		up, err := unix.Openat(fd, "..", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		unix.Close(fd)
+		if err != nil {
+			return fmt.Errorf("remove %s: %w", path, err)
+		}
+		fd = up
+		want := above[len(above)-1]
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil || st.Dev != want.Dev || st.Ino != want.Ino {
+			unix.Close(fd)
+			return fmt.Errorf("remove %s: %w: a directory moved while it was removed", path, syscall.ESTALE)
+		}
+		err = unix.Unlinkat(fd, names[len(names)-1], unix.AT_REMOVEDIR)
+		if err != nil && !errors.Is(err, unix.ENOENT) {
+			unix.Close(fd)
+			return fmt.Errorf("remove %s: %w", path, err)
+		}
+		above, names = above[:len(above)-1], names[:len(names)-1]
+	}
+}
+
+// removeEntries removes what the directory open at fd holds, other than
+// directories, and returns the name of a directory in it, or "" once it
+// is empty: once a pass through it from its start removed nothing (a
+// directory may list an entry late when others go meanwhile). buf is its
+// buffer for getdents.
+func removeEntries(fd int, buf []byte) (string, error) {
+	for removed := true; removed; {
+		removed = false
+		if _, err := unix.Seek(fd, 0, io.SeekStart); err != nil {
+			return "", err
+		}
+		for {
+			n, err := unix.Getdents(fd, buf)
+			if err != nil {
+				return "", err
+			}
+			if n == 0 {
+				break
+			}
+			_, _, names := unix.ParseDirent(buf[:n], -1, nil)
+			for _, name := range names {
+				err := unix.Unlinkat(fd, name, 0)
+				if errors.Is(err, unix.EISDIR) {
+					return name, nil
+				}
+				if err != nil && !errors.Is(err, unix.ENOENT) {
+					return "", fmt.Errorf("%s: %w", name, err)
+				}
+				removed = true
+			}
+		}
+	}
+	return "", nil
 }

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"syscall"
@@ -188,6 +189,74 @@ func TestWalkDepthBound(t *testing.T) {
 	}
 	if levels != MaxDepth+1 || !sawTop {
 		t.Errorf("Walk saw %d levels (want %d: the last unentered) and top %v", levels, MaxDepth+1, sawTop)
+	}
+}
+
+// TestRemoveTreeDeep: RemoveTree removes a chain of directories far
+// deeper than a recursion could go on a small stack, with files, links
+// and other directories on the way, holding no descriptor per level; it
+// removes a symbolic link without entering what it points to.
+func TestRemoveTreeDeep(t *testing.T) {
+	const depth = 5000
+	top := t.TempDir()
+	outside := filepath.Join(top, "outside")
+	os.Mkdir(outside, 0o755)
+	os.WriteFile(filepath.Join(outside, "keep"), []byte("kept"), 0o600)
+	tree := filepath.Join(top, "tree")
+	os.Mkdir(tree, 0o755)
+	fd, err := unix.Open(tree, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range depth {
+		if i%1000 == 0 {
+			unix.Symlinkat(outside, fd, "link")
+			unix.Mkdirat(fd, "side", 0o755)
+			for _, name := range []string{"f", "side/g"} {
+				f, err := unix.Openat(fd, name, unix.O_CREAT|unix.O_WRONLY|unix.O_CLOEXEC, 0o600)
+				if err != nil {
+					t.Fatal(err)
+				}
+				unix.Close(f)
+			}
+		}
+		if err := unix.Mkdirat(fd, "d", 0o755); err != nil {
+			t.Fatal(err)
+		}
+		sub, err := unix.Openat(fd, "d", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		unix.Close(fd)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fd = sub
+	}
+	unix.Close(fd)
+
+	fds := func() int { e, _ := os.ReadDir("/proc/self/fd"); return len(e) }
+	before := fds()
+	old := debug.SetMaxStack(64 << 10)
+	err = RemoveTree(tree)
+	debug.SetMaxStack(old)
+	if err != nil {
+		t.Fatalf("RemoveTree of a %d-deep chain: %v", depth, err)
+	}
+	if _, err := os.Lstat(tree); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the tree is still there: %v", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(outside, "keep")); err != nil || string(b) != "kept" {
+		t.Errorf("a file a removed link pointed to: %q, %v", b, err)
+	}
+	if after := fds(); after != before {
+		t.Errorf("%d descriptors open after RemoveTree, %d before", after, before)
+	}
+	if err := RemoveTree(tree); err != nil {
+		t.Errorf("RemoveTree of what is not there: %v", err)
+	}
+	if err := RemoveTree(filepath.Join(outside, "keep")); err != nil {
+		t.Errorf("RemoveTree of a file: %v", err)
+	}
+	if _, err := os.Lstat(filepath.Join(outside, "keep")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("RemoveTree left the file: %v", err)
 	}
 }
 

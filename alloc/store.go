@@ -242,8 +242,9 @@ func isMountpoint(dir string) bool {
 }
 
 // Purge releases the private backing of mountpoint: the tmpfs is unmounted
-// (root) or the directory removed, with the daemon's reference counter
-// and pid files. SHARED segments on disk are kept.
+// (root) or the directory removed (RemoveTree: however deep its users
+// nested directories), with the daemon's reference counter and pid files.
+// SHARED segments on disk are kept.
 func Purge(mountpoint string) error {
 	dir := PrivateBacking(mountpoint)
 	if isMountpoint(dir) {
@@ -251,7 +252,7 @@ func Purge(mountpoint string) error {
 			return fmt.Errorf("unmount backing %s: %w", dir, err)
 		}
 	}
-	if err := os.RemoveAll(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err := RemoveTree(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
 	// The daemon's state beside the backing goes too; its log stays.
@@ -262,7 +263,7 @@ func Purge(mountpoint string) error {
 				return fmt.Errorf("unmount %s: %w", p, err)
 			}
 		}
-		if err := os.RemoveAll(p); err != nil {
+		if err := RemoveTree(p); err != nil {
 			return err
 		}
 	}

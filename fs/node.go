@@ -3,6 +3,8 @@ package fs
 import (
 	"context"
 	"errors"
+	"slices"
+	"strings"
 	"syscall"
 	"unsafe"
 
@@ -38,8 +40,30 @@ type object interface {
 // self returns the node type that embeds n.
 func (n *nodeBase) self() object { return n.Operations().(object) }
 
-// path names n in logs: its path in the mount.
-func (n *nodeBase) path() string { return n.Path(nil) }
+// logDepth is how many components of a node's path its log lines name.
+// A chain of directories is as deep as a user makes it: naming all of it
+// would cost each refusal time and log bytes in proportion.
+const logDepth = 64
+
+// path names n in logs: its path in the mount, its last logDepth
+// components after ".../" when it is deeper.
+func (n *nodeBase) path() string {
+	var parts []string
+	i := n.EmbeddedInode()
+	for {
+		name, parent := i.Parent()
+		if parent == nil {
+			break
+		}
+		if len(parts) == logDepth {
+			parts = append(parts, "...")
+			break
+		}
+		parts, i = append(parts, name), parent
+	}
+	slices.Reverse(parts)
+	return strings.Join(parts, "/")
+}
 
 // leafRef runs fn with the backing object of a node that is not a
 // directory: its name in its parent's directory, checked to be its inode.

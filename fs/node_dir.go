@@ -56,27 +56,19 @@ func (d *dirNode) withDir(fn func(fd int) error) error {
 	return fn(fd)
 }
 
-// openFd opens the directory's backing relative to its parent's
-// descriptor, making sure the name still leads to this directory.
-func (d *dirNode) openFd() (int, error) {
-	name, parent := d.Parent()
-	if parent == nil {
-		return -1, syscall.ENOENT
+// openBelow opens the directory's backing as name in the directory open
+// at pfd, making sure the name still leads to this directory (ESTALE).
+func (d *dirNode) openBelow(pfd int, name string) (int, error) {
+	fd, err := unix.Openat(pfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, err
 	}
-	var fd int
-	err := dirOf(parent).withDir(func(pfd int) (err error) {
-		fd, err = unix.Openat(pfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return err
-		}
-		var st unix.Stat_t
-		if err := unix.Fstat(fd, &st); err != nil || st.Ino != d.StableAttr().Ino {
-			unix.Close(fd)
-			return syscall.ESTALE
-		}
-		return nil
-	})
-	return fd, err
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Ino != d.StableAttr().Ino {
+		unix.Close(fd)
+		return -1, syscall.ESTALE
+	}
+	return fd, nil
 }
 
 func (d *dirNode) withAttrs(fn func(a *alloc.Ref) error) error {
@@ -129,27 +121,66 @@ func (c *dirFds) pin(d *dirNode, fd int) {
 }
 
 // acquire returns d's descriptor, opening it if it is closed, and counts
-// a user until release.
+// a user until release. A closed descriptor is reopened without
+// recursion, since a chain of directories is as deep as a user makes it:
+// the walk goes up to the nearest ancestor whose descriptor is open, then
+// opens each directory below it relative to its parent's, checked to be
+// its inode. Each one opened joins the cache, so the cache keeps the
+// deepest of them and a request near the bottom of the chain reopens
+// little.
 func (c *dirFds) acquire(d *dirNode) (int, error) {
-	c.mu.Lock()
-	if d.fd >= 0 {
-		d.users++
-		if d.idle != nil {
-			c.idle.Remove(d.idle)
-			d.idle = nil
-		}
-		fd := d.fd
-		c.mu.Unlock()
+	if fd, ok := c.use(d); ok {
 		return fd, nil
 	}
-	c.mu.Unlock()
-	fd, err := d.openFd()
-	if err != nil {
-		return -1, err
+	var closed []*dirNode // d, then its closed ancestors upward
+	var names []string    // the name of each in its parent
+	top := d
+	pfd := -1
+	for pfd < 0 {
+		name, parent := top.Parent()
+		if parent == nil {
+			return -1, syscall.ENOENT
+		}
+		closed, names = append(closed, top), append(names, name)
+		top = dirOf(parent)
+		pfd, _ = c.use(top)
 	}
+	for i := len(closed) - 1; i >= 0; i-- {
+		fd, err := closed[i].openBelow(pfd, names[i])
+		if err == nil {
+			fd = c.install(closed[i], fd)
+		}
+		c.release(top)
+		if err != nil {
+			return -1, err
+		}
+		top, pfd = closed[i], fd
+	}
+	return pfd, nil
+}
+
+// use counts a user of d's descriptor and returns it, if it is open.
+func (c *dirFds) use(d *dirNode) (int, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if d.fd < 0 {
+		return -1, false
+	}
+	d.users++
+	if d.idle != nil {
+		c.idle.Remove(d.idle)
+		d.idle = nil
+	}
+	return d.fd, true
+}
+
+// install gives d the descriptor fd just opened, unless another request
+// opened one meanwhile (fd is closed, and d's returned), and counts a user
+// until release.
+func (c *dirFds) install(d *dirNode, fd int) int {
 	c.mu.Lock()
 	extra := -1
-	if d.fd >= 0 { // opened meanwhile by another request
+	if d.fd >= 0 {
 		extra, fd = fd, d.fd
 		if d.idle != nil {
 			c.idle.Remove(d.idle)
@@ -166,7 +197,7 @@ func (c *dirFds) acquire(d *dirNode) (int, error) {
 		unix.Close(extra)
 	}
 	closeAll(closing)
-	return fd, nil
+	return fd
 }
 
 // release ends a use of d's descriptor: the last user closes it if the
