@@ -63,11 +63,12 @@ type filesystem struct {
 	// fuseDev is the mount's device number, which mappings through it
 	// carry, and oldDevs those of earlier mounts of the backing that
 	// processes still map; maps knows who maps what; watches wait for the
-	// last mapping of UNLINK segments (mappings.go).
+	// last mapping of UNLINK segments (mappings.go), on pidfds they share.
 	fuseDev atomic.Uint64
 	oldDevs []uint64
 	maps    mapTable
 	watches watchSet
+	pidfds  pidfds
 	// reclaims counts the UNLINK reclaims running, so that close waits.
 	reclaims sync.WaitGroup
 }
