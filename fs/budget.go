@@ -12,9 +12,9 @@ import (
 // budget bounds something each user can make the daemon hold, per uid
 // and in total, so that no user can take what serves everyone else: the
 // backing descriptors of open segments and directories (one each), of
-// imports and of watches (the control socket has
-// the other half of the daemon's open-file limit, package ctl), and GPU
-// consumer counters. Root is bound by the total only; an eighth of it is
+// imports, of watches and the pidfds they share (the control socket has
+// the other half of the daemon's open-file limit, package ctl), GPU
+// consumer counters, and threads that may block in the kernel. Root is bound by the total only; an eighth of it is
 // root's alone, so that users other than root, however many, never take
 // all of it.
 type budget struct {
@@ -36,10 +36,10 @@ func newBudget(what string, perUID, total int) *budget {
 }
 
 // newHandleBudget sizes the budget of the descriptors requests make the
-// daemon hold (one per open segment or directory, import or watch) from
-// the daemon's open-file limit: half of it, less a reserve for the
-// directory cache and the daemon's own files; a sixteenth of that for
-// one user.
+// daemon hold (one per open segment or directory, import, watch, or
+// process whose exit watches wait for) from the daemon's open-file
+// limit: half of it, less a reserve for the directory cache and the
+// daemon's own files; a sixteenth of that for one user.
 func newHandleBudget() *budget {
 	limit := 1024
 	var r unix.Rlimit
@@ -47,7 +47,20 @@ func newHandleBudget() *budget {
 		limit = int(min(r.Cur, 1<<30))
 	}
 	total := max(limit/2-256-defaultDirFds, 64)
-	return newBudget("descriptors (open segments and directories, imports, watches)", total/16, total)
+	return newBudget("descriptors (open segments and directories, imports, watches, pidfds)", total/16, total)
+}
+
+// blockedThreads bounds the goroutines the daemon starts that may block
+// in the kernel on a user's behalf (a call a user's FUSE server may leave
+// unanswered), each of which holds an OS thread while it waits: far
+// below Go's limit of 10000 threads, so that no user can make the daemon
+// run out of them.
+const blockedThreads = 2048
+
+// newThreadBudget bounds those goroutines: blockedThreads in all, a
+// sixteenth of it for one user.
+func newThreadBudget() *budget {
+	return newBudget("threads that may block in the kernel for requests", blockedThreads/16, blockedThreads)
 }
 
 // take counts a new one of uid, or refuses it: EMFILE when uid holds its

@@ -46,8 +46,11 @@ type filesystem struct {
 	// imports holds the imported (FROMFD) segments.
 	imports imports
 	// handles bounds the descriptors open segments, imports and watches
-	// keep, per uid.
+	// keep, per uid; pidfds included.
 	handles *budget
+	// threads bounds, per uid, the goroutines that may block in the
+	// kernel on a request's behalf (fsMagic's).
+	threads *budget
 	// sharedPaths serialises the paths SHARED segments' disk files record
 	// (at create) with the renames that change them (with --disk only);
 	// no other lock is taken while it is held.
@@ -63,11 +66,12 @@ type filesystem struct {
 	// fuseDev is the mount's device number, which mappings through it
 	// carry, and oldDevs those of earlier mounts of the backing that
 	// processes still map; maps knows who maps what; watches wait for the
-	// last mapping of UNLINK segments (mappings.go).
+	// last mapping of UNLINK segments (mappings.go), on pidfds they share.
 	fuseDev atomic.Uint64
 	oldDevs []uint64
 	maps    mapTable
 	watches watchSet
+	pidfds  pidfds
 	// reclaims counts the UNLINK reclaims running, so that close waits.
 	reclaims sync.WaitGroup
 }
@@ -85,14 +89,16 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 		started:    time.Now(),
 		tgids:      map[uint32]uint32{},
 		handles:    newHandleBudget(),
+		threads:    newThreadBudget(),
 		dirs:       newDirFds(defaultDirFds),
 	}
 	fsys.imports.held = fsys.handles
 	if fsys.log == nil {
 		fsys.log = slog.New(slog.DiscardHandler)
 	}
-	fsys.log.Info("descriptors held for requests (open segments and directories, imports, watches): limits", "per_uid", fsys.handles.perUID, "total", fsys.handles.total,
-		"root_reserve", fsys.handles.total-fsys.handles.shared)
+	for _, b := range []*budget{fsys.handles, fsys.threads} {
+		fsys.log.Info(b.what+" held for requests: limits", "per_uid", b.perUID, "total", b.total, "root_reserve", b.total-b.shared)
+	}
 	rec := opts.Recovered
 	if rec == nil {
 		rec = &Recovered{}

@@ -14,6 +14,7 @@ package fs
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"os"
 	"slices"
 	"strconv"
@@ -52,6 +53,10 @@ type mapTable struct {
 	devs       map[uint64]bool
 	start, end time.Time // of the last scan; zero: none is valid
 	pids       map[fileID][]uint32
+	// unseen says why the last scan could not read every process's
+	// mappings (nil: it read them all). Its answers are then only what it
+	// saw: no question is answered "unmapped" from it.
+	unseen error
 	// noQuery is set once the kernel turns PROCMAP_QUERY down.
 	noQuery bool
 	buf     []byte // one /proc/PID/maps
@@ -76,11 +81,13 @@ func everyone(ids ...fileID) []mappedFile {
 
 // mappers returns the processes, the daemon excepted, that map any of
 // files (as its uid allows), from a scan that began at or after since and
-// ended at most maxAge ago.
-func (t *mapTable) mappers(files []mappedFile, since time.Time, maxAge time.Duration) map[uint32]bool {
+// ended at most maxAge ago. When the scan could not read every process's
+// mappings it also returns why (an error wrapping EAGAIN): the processes
+// it found map files, and others may.
+func (t *mapTable) mappers(files []mappedFile, since time.Time, maxAge time.Duration) (map[uint32]bool, error) {
 	pids := map[uint32]bool{}
 	if len(files) == 0 {
-		return pids
+		return pids, nil
 	}
 	ids := make([]fileID, len(files))
 	for i, f := range files {
@@ -96,7 +103,7 @@ func (t *mapTable) mappers(files []mappedFile, since time.Time, maxAge time.Dura
 			}
 		}
 	}
-	return pids
+	return pids, t.unseen
 }
 
 // processUID returns the effective uid of process pid (the owner of its
@@ -109,11 +116,15 @@ func processUID(pid uint32) uint32 {
 	return st.Uid
 }
 
-// mapsDev reports whether a process maps a file of device dev.
+// mapsDev reports whether a process maps a file of device dev, or may:
+// true when the scan could not read every process's mappings.
 func (t *mapTable) mapsDev(dev uint64) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.fresh([]fileID{{dev: dev}}, time.Time{}, anyAge)
+	if t.unseen != nil {
+		return true
+	}
 	for id := range t.pids {
 		if id.dev == dev {
 			return true
@@ -140,47 +151,81 @@ func (t *mapTable) fresh(ids []fileID, since time.Time, maxAge time.Duration) {
 }
 
 // scan indexes the mappings of every process but this one on t.devs.
-// Processes whose maps the daemon may not read (another user's, when it
-// is not root), or not at once (a lease in the way), are left out.
+// Processes that exited meanwhile are left out, and so are those whose
+// maps the daemon may not read (leftOut). Any other failure (no
+// descriptor left, a lease in the way, an error of the kernel) sets
+// t.unseen: the scan saw only part of the machine.
 func (t *mapTable) scan() {
 	t.start = time.Now()
 	defer func() { t.end = time.Now() }()
 	t.pids = map[fileID][]uint32{}
+	t.unseen = nil
 	d, err := os.Open("/proc")
+	var names []string
+	if err == nil {
+		names, err = d.Readdirnames(-1)
+		d.Close()
+	}
 	if err != nil {
+		t.unseen = fmt.Errorf("%w: cannot list the processes: %v", syscall.EAGAIN, err)
 		return
 	}
-	names, _ := d.Readdirnames(-1)
-	d.Close()
 	self := os.Getpid()
 	for _, name := range names {
 		pid, err := strconv.Atoi(name)
 		if err != nil || pid == self {
 			continue
 		}
-		// O_NONBLOCK: a process's owner may lease its maps, and the scan
-		// must not wait for the lease to break (procfs.ReadFile).
-		fd, err := unix.Open("/proc/"+name+"/maps", unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
-		if err != nil {
-			continue
+		if err := t.scanProcess(uint32(pid)); err != nil && !leftOut(err) && t.unseen == nil {
+			t.unseen = fmt.Errorf("%w: cannot read the mappings of process %d: %v", syscall.EAGAIN, pid, err)
 		}
-		add := func(id fileID) {
-			if !t.devs[id.dev] {
-				return
-			}
-			// A process's mappings come together: one entry per file.
-			if p := t.pids[id]; len(p) == 0 || p[len(p)-1] != uint32(pid) {
-				t.pids[id] = append(p, uint32(pid))
-			}
-		}
-		if t.noQuery || !queryMappings(fd, add) {
-			t.noQuery = true
-			if t.read(fd) {
-				forEachMapping(t.buf, add)
-			}
-		}
-		unix.Close(fd)
 	}
+}
+
+// leftOut reports whether err, from reading a process's mappings, says
+// that the process has exited, or that the daemon may not read it: one
+// that is not root may not read other users' processes (and serves no
+// other user), and root, with CAP_SYS_PTRACE, may read every process a
+// user can start (dumpable or not, in a user namespace of its own or
+// not), so what it may not read is more privileged than the daemon.
+func leftOut(err error) bool {
+	switch err {
+	case unix.ENOENT, unix.ESRCH, unix.EACCES, unix.EPERM:
+		return true
+	}
+	return false
+}
+
+// scanProcess adds the mappings of process pid on t.devs to t.pids.
+func (t *mapTable) scanProcess(pid uint32) error {
+	// O_NONBLOCK: a process's owner may lease its maps, and the scan must
+	// not wait for the lease to break (procfs.ReadFile).
+	fd, err := unix.Open("/proc/"+strconv.Itoa(int(pid))+"/maps", unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	add := func(id fileID) {
+		if !t.devs[id.dev] {
+			return
+		}
+		// A process's mappings come together: one entry per file.
+		if p := t.pids[id]; len(p) == 0 || p[len(p)-1] != pid {
+			t.pids[id] = append(p, pid)
+		}
+	}
+	if !t.noQuery {
+		err = queryMappings(fd, add)
+		if err != errNoQuery {
+			return err
+		}
+		t.noQuery = true
+	}
+	if err := t.read(fd); err != nil {
+		return err
+	}
+	forEachMapping(t.buf, add)
+	return nil
 }
 
 // procmapQuery is the kernel's struct procmap_query (linux/fs.h).
@@ -196,29 +241,36 @@ const (
 	procmapFileBacked     = 0x20
 )
 
+// errNoQuery is queryMappings' answer where the kernel has no
+// PROCMAP_QUERY.
+var errNoQuery = errors.New("no PROCMAP_QUERY")
+
 // queryMappings calls fn with the file of every file-backed mapping of
 // the process whose /proc/PID/maps is open at fd, asking the kernel one
 // mapping at a time (PROCMAP_QUERY, Linux 6.11): no text to make and
-// parse, anonymous mappings skipped. It is false where the kernel has no
-// such request.
-func queryMappings(fd int, fn func(fileID)) bool {
+// parse, anonymous mappings skipped. It returns errNoQuery where the
+// kernel has no such request, ESRCH once the process exited, and the
+// kernel's error when it could not answer.
+func queryMappings(fd int, fn func(fileID)) error {
 	var q procmapQuery
 	for addr := uint64(0); ; addr = q.end {
 		q = procmapQuery{size: uint64(unsafe.Sizeof(q)), flags: procmapCoveringOrNext | procmapFileBacked, addr: addr}
 		_, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), procmapQueryIoctl, uintptr(unsafe.Pointer(&q)))
-		switch errno {
-		case 0:
+		switch {
+		case errno == 0:
 			fn(fileID{unix.Mkdev(q.major, q.minor), q.inode})
-		case unix.ENOTTY, unix.EINVAL:
-			return addr != 0
-		default: // ENOENT: no mapping past addr; ESRCH: the process exited
-			return true
+		case (errno == unix.ENOTTY || errno == unix.EINVAL) && addr == 0:
+			return errNoQuery
+		case errno == unix.ENOENT: // no mapping past addr
+			return nil
+		default:
+			return errno
 		}
 	}
 }
 
 // read reads the text of the /proc/PID/maps open at fd into t.buf.
-func (t *mapTable) read(fd int) bool {
+func (t *mapTable) read(fd int) error {
 	t.buf = t.buf[:0]
 	for {
 		t.buf = slices.Grow(t.buf, 64<<10)
@@ -226,9 +278,9 @@ func (t *mapTable) read(fd int) bool {
 		switch {
 		case err == unix.EINTR:
 		case err != nil:
-			return false
+			return err
 		case n == 0:
-			return true
+			return nil
 		default:
 			t.buf = t.buf[:len(t.buf)+n]
 		}
@@ -330,24 +382,31 @@ func (n *segmentNode) since() time.Time {
 }
 
 // references returns the references each process holds to n: its open
-// handles, or 1 for a process that holds none but maps n's pages.
-func (n *segmentNode) references() map[uint32]int {
+// handles, or 1 for a process that holds none but maps n's pages. When
+// the daemon could not read every process's mappings it returns why
+// instead (an error wrapping EAGAIN): a count it could not see whole is
+// no answer.
+func (n *segmentNode) references() (map[uint32]int, error) {
 	refs := n.openHandles()
-	for pid := range n.fs.maps.mappers(n.mapped(), n.since(), mapsTTL) {
+	pids, err := n.fs.maps.mappers(n.mapped(), n.since(), mapsTTL)
+	if err != nil {
+		return nil, err
+	}
+	for pid := range pids {
 		if refs[pid] == 0 {
 			refs[pid] = 1
 		}
 	}
-	return refs
+	return refs, nil
 }
 
 // watchMapped reports whether processes still map UNLINK segment n,
-// whose last handle uid released, and if so waits for them in a watch
-// charged to uid. An open meanwhile stops the watch: acquire adds its
-// handle, then unwatches.
+// whose last handle uid released, or may (the daemon could not see them
+// all), and if so waits for them in a watch charged to uid. An open
+// meanwhile stops the watch: acquire adds its handle, then unwatches.
 func (fsys *filesystem) watchMapped(n *segmentNode, uid uint32) bool {
 	ids, since := n.mapped(), n.since()
-	if len(fsys.maps.mappers(ids, since, mapsTTL)) == 0 {
+	if pids, err := fsys.maps.mappers(ids, since, mapsTTL); len(pids) == 0 && err == nil {
 		return false
 	}
 	fsys.watch(n.StableAttr().Ino, ids, since, uid)
@@ -370,10 +429,10 @@ type watchSet struct {
 // watch starts waiting for the last mapping of ids to go (awaitUnmapped),
 // then removes the UNLINK segment whose backing inode is ino; at most one
 // watch per segment. Reopening or unlinking the segment stops it
-// (unwatch). A watch holds descriptors (its epoll instance, a pidfd per
-// mapping process), so it takes one of uid's segment descriptors
-// (filesystem.handles) until it ends; past uid's share the segment stays
-// until it is opened and closed again, or the next mount.
+// (unwatch). A watch holds its epoll instance, so it takes one of uid's
+// descriptors (filesystem.handles) until it ends; past uid's share the
+// segment stays until it is opened and closed again, or the next mount.
+// The pidfds it waits on are the processes' owners' (pidfds).
 func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time, uid uint32) {
 	w := &fsys.watches
 	w.mu.Lock()
@@ -405,7 +464,7 @@ func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time, uid
 	go func() {
 		defer w.wg.Done()
 		defer fsys.handles.give(uid)
-		unmapped := fsys.maps.awaitUnmapped(f, ids, since)
+		unmapped := fsys.awaitUnmapped(f, ids, since)
 		if w.end(ino, f) && unmapped {
 			fsys.removeUnlinked(ino)
 		}
@@ -450,55 +509,30 @@ func (w *watchSet) close() {
 
 // awaitUnmapped waits until no process maps ids and reports true, or
 // until ep, an epoll instance, is closed (false); its first check takes a
-// scan begun at or after since. It waits on pidfds of the mapping
-// processes for their exits, and for munmap checks again after 10 ms,
-// doubling up to 1 s; a check takes any scan begun since the last one,
-// however old, so that the watches of many segments share scans.
-func (t *mapTable) awaitUnmapped(ep *os.File, ids []mappedFile, since time.Time) bool {
+// scan begun at or after since. It waits on the mapping processes'
+// pidfds (fsys.pidfds, shared with every other watch) for their exits,
+// and for munmap, and for the exits of processes whose owners are at
+// their bound of descriptors (polled: no pidfd), checks again after
+// 10 ms, doubling up to 1 s. A check that could not see every process
+// is no answer: it waits and checks again. A check takes any scan begun
+// since the last one, however old, so that the watches of many segments
+// share scans.
+func (fsys *filesystem) awaitUnmapped(ep *os.File, ids []mappedFile, since time.Time) bool {
 	rc, err := ep.SyscallConn()
 	if err != nil {
 		return false
 	}
-	pidfds := map[uint32]int{}
-	defer func() {
-		for _, fd := range pidfds {
-			unix.Close(fd)
-		}
-	}()
-	exited := map[uint32]bool{} // never watched again, should /proc lag
+	w := pidWatch{fsys: fsys, rc: rc, fds: map[uint32]int{}, none: map[uint32]bool{}}
+	defer w.releaseAll()
 	events := make([]unix.EpollEvent, 8)
 	delay := 10 * time.Millisecond
 	for {
-		pids := t.mappers(ids, since, anyAge)
-		if len(pids) == 0 {
+		pids, unseen := fsys.maps.mappers(ids, since, anyAge)
+		if len(pids) == 0 && unseen == nil {
 			return true
 		}
-		for pid, fd := range pidfds {
-			if !pids[pid] { // unmapped, alive
-				unix.Close(fd) // which takes it out of ep
-				delete(pidfds, pid)
-			}
-		}
-		for pid := range pids {
-			if _, ok := pidfds[pid]; ok || exited[pid] {
-				continue
-			}
-			fd, err := unix.PidfdOpen(int(pid), 0)
-			if err != nil {
-				continue // gone already: the next check sees it
-			}
-			var cerr error
-			err = rc.Control(func(e uintptr) {
-				cerr = unix.EpollCtl(int(e), unix.EPOLL_CTL_ADD, fd, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)})
-			})
-			if err != nil || cerr != nil {
-				unix.Close(fd)
-				if err != nil {
-					return false
-				}
-				continue
-			}
-			pidfds[pid] = fd
+		if !w.follow(pids) {
+			return false
 		}
 		since = time.Now()
 		if ep.SetReadDeadline(since.Add(delay)) != nil {
@@ -518,13 +552,7 @@ func (t *mapTable) awaitUnmapped(ep *os.File, ids []mappedFile, since time.Time)
 		}
 		since = time.Now() // processes exited: see them gone
 		for _, ev := range events[:n] {
-			for pid, fd := range pidfds {
-				if fd == int(ev.Fd) {
-					exited[pid] = true
-					unix.Close(fd)
-					delete(pidfds, pid)
-				}
-			}
+			w.exited(int(ev.Fd))
 		}
 	}
 }
@@ -638,7 +666,9 @@ type Recovered struct {
 
 // Recover prepares store's backing for a mount (alloc.Store.Recover),
 // keeping the UNLINK segments that live processes still map, through
-// the backing or an earlier passthrough mount of it.
+// the backing or an earlier passthrough mount of it, and all of them
+// while it cannot read every process's mappings (the mount's watches
+// remove them once they can).
 // The device segments' backing files it found go to the mount, which
 // restores them (or, without a GPU, keeps them unavailable).
 func Recover(store *alloc.Store) (segments, bytes int64, rec *Recovered, err error) {
@@ -650,7 +680,7 @@ func Recover(store *alloc.Store) (segments, bytes int64, rec *Recovered, err err
 		for _, dev := range old {
 			ids = append(ids, mappedFile{fileID{dev, st.Ino}, anyUID})
 		}
-		if len(t.mappers(ids, time.Time{}, anyAge)) == 0 {
+		if pids, err := t.mappers(ids, time.Time{}, anyAge); len(pids) == 0 && err == nil {
 			return false
 		}
 		rec.kept = append(rec.kept, ids)

@@ -2,12 +2,15 @@ package fs
 
 import (
 	"bufio"
+	"errors"
 	"fmt"
 	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -27,22 +30,29 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// mapperMain maps the file at path, closes its descriptor and says
-// "mapped"; then each line on stdin unmaps ("unmapped") until EOF.
-func mapperMain(path string) {
-	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CLOEXEC, 0)
-	if err != nil {
-		panic(err)
+// mapperMain maps the files at paths (a list separated by ':'), closes
+// their descriptors and says "mapped"; then each line on stdin unmaps
+// them ("unmapped") until EOF.
+func mapperMain(paths string) {
+	var maps [][]byte
+	for _, path := range filepath.SplitList(paths) {
+		fd, err := unix.Open(path, unix.O_RDWR|unix.O_CLOEXEC, 0)
+		if err != nil {
+			panic(err)
+		}
+		b, err := unix.Mmap(fd, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+		if err != nil {
+			panic(err)
+		}
+		unix.Close(fd)
+		maps = append(maps, b)
 	}
-	b, err := unix.Mmap(fd, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
-	if err != nil {
-		panic(err)
-	}
-	unix.Close(fd)
 	fmt.Println("mapped")
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
-		unix.Munmap(b)
+		for _, b := range maps {
+			unix.Munmap(b)
+		}
 		fmt.Println("unmapped")
 	}
 }
@@ -54,8 +64,8 @@ type mapper struct {
 	out   *bufio.Scanner
 }
 
-// startMapper starts a child that maps the file at path with its
-// descriptor closed; the cleanup ends it.
+// startMapper starts a child that maps the files at path (several
+// separated by ':') with their descriptors closed; the cleanup ends it.
 func startMapper(t *testing.T, path string) *mapper {
 	t.Helper()
 	cmd := exec.Command(os.Args[0])
@@ -182,17 +192,17 @@ func testMappers(t *testing.T, tab *mapTable) {
 	}
 	defer unix.Munmap(b)
 
-	if got := tab.mappers(everyone(id), time.Now(), mapsTTL); len(got) != 0 {
-		t.Errorf("mappers with only this process mapping = %v, want none", got)
+	if got, err := tab.mappers(everyone(id), time.Now(), mapsTTL); len(got) != 0 || err != nil {
+		t.Errorf("mappers with only this process mapping = %v, %v; want none", got, err)
 	}
 	m := startMapper(t, path)
 	pid := uint32(m.cmd.Process.Pid)
-	if got := tab.mappers(everyone(id, fileID{id.dev, id.ino + 1}), time.Now(), mapsTTL); len(got) != 1 || !got[pid] {
-		t.Errorf("mappers = %v, want the child %d", got, pid)
+	if got, err := tab.mappers(everyone(id, fileID{id.dev, id.ino + 1}), time.Now(), mapsTTL); len(got) != 1 || !got[pid] || err != nil {
+		t.Errorf("mappers = %v, %v; want the child %d", got, err, pid)
 	}
 	m.unmap(t)
-	if got := tab.mappers(everyone(id), time.Now(), mapsTTL); len(got) != 0 {
-		t.Errorf("mappers after munmap = %v, want none", got)
+	if got, err := tab.mappers(everyone(id), time.Now(), mapsTTL); len(got) != 0 || err != nil {
+		t.Errorf("mappers after munmap = %v, %v; want none", got, err)
 	}
 }
 
@@ -200,7 +210,7 @@ func testMappers(t *testing.T, tab *mapTable) {
 // or by SIGKILL, and when its epoll instance is closed (false).
 func TestAwaitUnmapped(t *testing.T) {
 	path, id := mappedTestFile(t)
-	var tab mapTable
+	fsys := testFS(t)
 	await := func() (*os.File, chan bool) {
 		ep, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
 		if err != nil {
@@ -209,7 +219,7 @@ func TestAwaitUnmapped(t *testing.T) {
 		unix.SetNonblock(ep, true)
 		f := os.NewFile(uintptr(ep), "pidfds")
 		done := make(chan bool, 1)
-		go func() { done <- tab.awaitUnmapped(f, everyone(id), time.Now()) }()
+		go func() { done <- fsys.awaitUnmapped(f, everyone(id), time.Now()) }()
 		return f, done
 	}
 	result := func(done chan bool) bool {
@@ -323,4 +333,196 @@ func TestRemoveUnlinkedTogether(t *testing.T) {
 		}
 		t.Errorf("after removing 199 UNLINK segments and one without the flag: %v (%v), want [s0]", names, err)
 	}
+}
+
+// awaitAll starts a wait (awaitUnmapped) for the last mapping of each of
+// files, each with an epoll instance of its own, and returns them and
+// where each reports; the cleanup stops them.
+func awaitAll(t *testing.T, fsys *filesystem, files ...fileID) ([]*os.File, []chan bool) {
+	t.Helper()
+	var eps []*os.File
+	var dones []chan bool
+	for _, id := range files {
+		ep, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+		if err != nil {
+			t.Fatal(err)
+		}
+		unix.SetNonblock(ep, true)
+		f := os.NewFile(uintptr(ep), "pidfds")
+		done := make(chan bool, 1)
+		go func() { done <- fsys.awaitUnmapped(f, everyone(id), time.Now()) }()
+		t.Cleanup(func() { f.Close(); <-done })
+		eps, dones = append(eps, f), append(dones, done)
+	}
+	return eps, dones
+}
+
+// waitFor polls cond for up to 10 seconds.
+func waitFor(cond func() bool) bool {
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if cond() {
+			return true
+		}
+	}
+	return cond()
+}
+
+// pidfdsHeld returns how many pidfds the table holds and the references
+// to each.
+func pidfdsHeld(fsys *filesystem) (n int, refs []int) {
+	fsys.pidfds.mu.Lock()
+	defer fsys.pidfds.mu.Unlock()
+	for _, e := range fsys.pidfds.m {
+		refs = append(refs, e.refs)
+	}
+	return len(fsys.pidfds.m), refs
+}
+
+// TestPidfdsShared: watches of several segments that the same processes
+// map share one pidfd per process, counted once against the processes'
+// owner; the last watch to let go closes it and gives it back (K2: a
+// pidfd per process and segment took the daemon's descriptors).
+func TestPidfdsShared(t *testing.T) {
+	fsys := testFS(t)
+	held := newBudget("descriptors", 100, 1000)
+	fsys.handles = held
+	var ids []fileID
+	var paths []string
+	for range 3 {
+		path, id := mappedTestFile(t)
+		ids, paths = append(ids, id), append(paths, path)
+	}
+	var mappers []*mapper
+	for range 4 { // each maps every file
+		mappers = append(mappers, startMapper(t, strings.Join(paths, ":")))
+	}
+	_, dones := awaitAll(t, fsys, ids[0], ids[1], ids[2])
+	if !waitFor(func() bool { n, _ := pidfdsHeld(fsys); return n == len(mappers) }) {
+		n, refs := pidfdsHeld(fsys)
+		t.Fatalf("%d pidfds (references %v) for %d mapping processes, want one each", n, refs, len(mappers))
+	}
+	held.mu.Lock()
+	used := held.used[uint32(os.Getuid())]
+	held.mu.Unlock()
+	if used != len(mappers) {
+		t.Errorf("the owner of the mapping processes is charged %d descriptors, want %d (one pidfd each)", used, len(mappers))
+	}
+	for _, m := range mappers {
+		m.cmd.Process.Kill()
+	}
+	for i, done := range dones {
+		select {
+		case ok := <-done:
+			if !ok {
+				t.Errorf("watch %d ended without its mappings gone", i)
+			}
+			done <- ok // for the cleanup
+		case <-time.After(30 * time.Second):
+			t.Fatalf("watch %d did not see its mappers exit", i)
+		}
+	}
+	if n, _ := pidfdsHeld(fsys); n != 0 {
+		t.Errorf("%d pidfds still held once every watch ended", n)
+	}
+	held.mu.Lock()
+	used = held.all
+	held.mu.Unlock()
+	if used != 0 {
+		t.Errorf("%d descriptors still charged once every watch ended", used)
+	}
+}
+
+// TestPidfdsOverBound: when the mapping process's owner holds her share
+// of descriptors, a watch polls that process instead of holding a pidfd:
+// it still waits while the process maps, and ends when it exits.
+func TestPidfdsOverBound(t *testing.T) {
+	fsys := testFS(t)
+	fsys.handles = newBudget("descriptors", 0, 0) // nothing for anyone
+	path, id := mappedTestFile(t)
+	m := startMapper(t, path)
+	_, dones := awaitAll(t, fsys, id)
+	select {
+	case ok := <-dones[0]:
+		t.Fatalf("the watch ended (%v) while a process maps the file", ok)
+	case <-time.After(1500 * time.Millisecond):
+	}
+	if n, _ := pidfdsHeld(fsys); n != 0 {
+		t.Errorf("%d pidfds held past the bound, want none", n)
+	}
+	m.cmd.Process.Kill()
+	select {
+	case ok := <-dones[0]:
+		if !ok {
+			t.Error("the polling watch ended without the mapping gone")
+		}
+		dones[0] <- ok
+	case <-time.After(30 * time.Second):
+		t.Fatal("the polling watch did not see its mapper exit")
+	}
+}
+
+// TestScanUnseen: a scan that cannot read /proc (the daemon out of
+// descriptors) answers with an error wrapping EAGAIN, never "unmapped",
+// and a watch keeps waiting, even for a file nobody maps, until a scan
+// sees every process again (K2: EMFILE made every watch remove its
+// segment's name).
+func TestScanUnseen(t *testing.T) {
+	fsys := testFS(t)
+	_, id := mappedTestFile(t)
+	ep, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unix.SetNonblock(ep, true)
+	f := os.NewFile(uintptr(ep), "pidfds")
+	defer f.Close()
+	restore := exhaustDescriptors(t)
+	var tab mapTable
+	_, unseen := tab.mappers(everyone(id), time.Now(), mapsTTL)
+	done := make(chan bool, 1)
+	go func() { done <- fsys.awaitUnmapped(f, everyone(id), time.Now()) }()
+	var early bool
+	select {
+	case early = <-done:
+	case <-time.After(500 * time.Millisecond):
+	}
+	restore()
+	if !errors.Is(unseen, syscall.EAGAIN) {
+		t.Errorf("a scan without descriptors: %v, want an error wrapping EAGAIN", unseen)
+	}
+	if early {
+		t.Fatal("a watch took a scan that could not read /proc for unmapped")
+	}
+	select {
+	case ok := <-done:
+		if !ok {
+			t.Error("the watch ended without seeing the file unmapped")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the watch did not end once scans saw every process again")
+	}
+}
+
+// exhaustDescriptors lowers this process's soft limit on open files to
+// its lowest free descriptor, so that every open fails with EMFILE, and
+// returns what puts the limit back (also the cleanup's).
+func exhaustDescriptors(t *testing.T) func() {
+	t.Helper()
+	var old unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &old); err != nil {
+		t.Fatal(err)
+	}
+	free, err := unix.Dup(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(free)
+	low := unix.Rlimit{Cur: uint64(free), Max: old.Max}
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &low); err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	restore := func() { once.Do(func() { unix.Setrlimit(unix.RLIMIT_NOFILE, &old) }) }
+	t.Cleanup(restore)
+	return restore
 }

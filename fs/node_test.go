@@ -226,8 +226,8 @@ func TestCreateOfExistingName(t *testing.T) {
 	if n, err := unix.Pread(h.fd, buf, 0); err != nil || string(buf[:n]) != "there" {
 		t.Errorf("the handle reads %q, %v", buf[:n], err)
 	}
-	if got := ch.Operations().(*segmentNode).refcount(); got != 1 {
-		t.Errorf("refcount %d, want 1", got)
+	if got, err := ch.Operations().(*segmentNode).refcount(); err != nil || string(got) != "1" {
+		t.Errorf("refcount %s, %v; want 1", got, err)
 	}
 	h.Release(callerCtx(0))
 }

@@ -390,9 +390,9 @@ func (n *segmentNode) Getxattr(ctx context.Context, attr string, dest []byte) (u
 	case attr == alloc.AttrDevice:
 		v, err = deviceAttr(n)
 	case attr == alloc.AttrRefcount:
-		v = []byte(strconv.Itoa(n.refcount()))
+		v, err = n.refcount()
 	case attr == alloc.AttrHolders:
-		v = []byte(n.holders())
+		v, err = n.holders()
 	case attr == alloc.AttrHandle:
 		v, err = n.handleAttr(ctx)
 	case onDevice && strings.HasPrefix(attr, "user.tensorfs.cuda."):
@@ -555,21 +555,30 @@ func (fsys *filesystem) attrErrno(op string, n *nodeBase, err error) syscall.Err
 	return fsys.errno(op, n, "", err)
 }
 
-// refcount is the number of references across all processes: open
-// handles, and mappings of processes without a handle (references).
-func (n *segmentNode) refcount() int {
+// refcount is the number of references across all processes, in
+// decimal: open handles, and mappings of processes without a handle
+// (references); an error when the daemon could not see every mapping.
+func (n *segmentNode) refcount() ([]byte, error) {
+	refs, err := n.references()
+	if err != nil {
+		return nil, err
+	}
 	c := 0
-	for _, h := range n.references() {
+	for _, h := range refs {
 		c += h
 	}
-	return c
+	return []byte(strconv.Itoa(c)), nil
 }
 
-// holders returns one line per process: pid, command name, references.
-// The name is escaped (alloc.Escape), so that every line has exactly three
+// holders returns one line per process: pid, command name, references;
+// an error when the daemon could not see every mapping. The name is
+// escaped (alloc.Escape), so that every line has exactly three
 // space-separated fields whatever a process calls itself.
-func (n *segmentNode) holders() string {
-	open := n.references()
+func (n *segmentNode) holders() ([]byte, error) {
+	open, err := n.references()
+	if err != nil {
+		return nil, err
+	}
 	pids := make([]int, 0, len(open))
 	for pid := range open {
 		pids = append(pids, int(pid))
@@ -579,7 +588,7 @@ func (n *segmentNode) holders() string {
 	for _, pid := range pids {
 		fmt.Fprintf(&b, "%d %s %d\n", pid, alloc.Escape(comm(pid)), open[uint32(pid)])
 	}
-	return b.String()
+	return []byte(b.String()), nil
 }
 
 // comm returns a process's command name as the process set it, "?" once

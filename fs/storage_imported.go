@@ -197,7 +197,7 @@ func (im *imports) drop(in *importedFile) {
 // its own descriptor: a name renamed or replaced meanwhile is never
 // followed, and the sender's file is never written.
 func (fsys *filesystem) importSegment(who ctl.Cred, dirfd int, name string, pf alloc.Flags, f *os.File, dtype, shape string) error {
-	fd, err := importable(f)
+	fd, err := fsys.importable(f, who.Uid)
 	if err == nil {
 		if err = memfdOwnerOnly(fd, who.Uid); err != nil {
 			unix.Close(fd)
@@ -250,27 +250,43 @@ func (fsys *filesystem) importSegment(who ctl.Cred, dirfd int, name string, pf a
 	return nil
 }
 
-// importable duplicates the peer's descriptor f if it may become a
-// segment: shared memory (a memfd, or a file on tmpfs or hugetlbfs, such
-// as /dev/shm: what PyTorch's share_memory_() and multiprocessing make)
-// that this very descriptor can read. An O_PATH or write-only descriptor
-// would give the segment's readers an access its sender does not have; a
-// file of any other filesystem (a library, a file on disk) would let its
-// importer learn, through holders, which processes map it, and a file on
-// a FUSE filesystem could be one of this mount's, which the daemon would
-// have to serve to itself.
+// importable duplicates the peer's descriptor f, which uid sent, if it
+// may become a segment: shared memory (a memfd, or a file on tmpfs or
+// hugetlbfs, such as /dev/shm: what PyTorch's share_memory_() and
+// multiprocessing make) that this very descriptor can read. An O_PATH or
+// write-only descriptor would give the segment's readers an access its
+// sender does not have; a file of any other filesystem (a library, a
+// file on disk) would let its importer learn, through holders, which
+// processes map it, and a file on a FUSE filesystem could be one of this
+// mount's, which the daemon would have to serve to itself.
 //
-// Nothing here asks the file's filesystem before it is known not to be
-// FUSE: the sender's own FUSE server could leave a request unanswered
-// and the daemon's goroutine with it. The type comes from the inode as
-// cached (AT_STATX_DONT_SYNC), the filesystem from the mount table; only
-// a file whose mount this namespace does not list (a memfd's, or another
-// namespace's) is asked with fstatfs, for at most fsTypeWait.
-func importable(f *os.File) (int, error) {
-	fd, err := fdpass.Dup(f)
+// The checks run on f itself, and only a file that passes them is
+// duplicated: the close of a duplicate of a FUSE file waits for its
+// FLUSH, which the sender's own FUSE server may never answer, and f is
+// the control socket's to close (counted against its sender until
+// closed). Nothing here asks the file's filesystem before it is known
+// not to be FUSE: the type comes from the inode as cached
+// (AT_STATX_DONT_SYNC), the filesystem from the mount table; only a file
+// whose mount this namespace does not list (a memfd's, or another
+// namespace's) is asked with fstatfs (fsMagic).
+func (fsys *filesystem) importable(f *os.File, uid uint32) (int, error) {
+	rc, err := f.SyscallConn()
 	if err != nil {
 		return -1, err
 	}
+	var cerr error
+	err = rc.Control(func(fd uintptr) { cerr = fsys.checkImportable(int(fd), uid) })
+	if err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return -1, err
+	}
+	return fdpass.Dup(f)
+}
+
+// checkImportable is importable's checks of the peer's descriptor fd.
+func (fsys *filesystem) checkImportable(fd int, uid uint32) error {
 	var stx unix.Statx_t
 	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
 	if err == nil {
@@ -279,27 +295,24 @@ func importable(f *os.File) (int, error) {
 	var magic int64
 	switch {
 	case err != nil:
+		return err
 	case fl&unix.O_PATH != 0:
-		err = fmt.Errorf("%w: an O_PATH descriptor grants no access to a file's bytes; send one opened for reading", syscall.EBADF)
+		return fmt.Errorf("%w: an O_PATH descriptor grants no access to a file's bytes; send one opened for reading", syscall.EBADF)
 	case fl&unix.O_ACCMODE == unix.O_WRONLY:
-		err = fmt.Errorf("%w: a write-only descriptor cannot be read; send one opened for reading", syscall.EBADF)
+		return fmt.Errorf("%w: a write-only descriptor cannot be read; send one opened for reading", syscall.EBADF)
 	case uint32(stx.Mode)&syscall.S_IFMT != syscall.S_IFREG:
-		err = fmt.Errorf("%w: import takes a regular file or memfd", alloc.ErrInvalid)
-	default:
-		magic, err = fsMagic(fd, stx.Mnt_id)
+		return fmt.Errorf("%w: import takes a regular file or memfd", alloc.ErrInvalid)
 	}
-	switch {
-	case err != nil:
-	case magic == unix.FUSE_SUPER_MAGIC:
-		err = fmt.Errorf("%w: the file is on a FUSE filesystem; a file of a tensorfs mount is shared by its path", alloc.ErrInvalid)
-	case magic != unix.TMPFS_MAGIC && magic != unix.HUGETLBFS_MAGIC:
-		err = fmt.Errorf("%w: import takes shared memory (a memfd, or a file on tmpfs such as /dev/shm); copy other files in", alloc.ErrInvalid)
+	if magic, err = fsys.fsMagic(fd, stx.Mnt_id, uid); err != nil {
+		return err
 	}
-	if err != nil {
-		go unix.Close(fd) // a FUSE file's close waits for its FLUSH, which may never come
-		return -1, err
+	switch magic {
+	case unix.TMPFS_MAGIC, unix.HUGETLBFS_MAGIC:
+		return nil
+	case unix.FUSE_SUPER_MAGIC:
+		return fmt.Errorf("%w: the file is on a FUSE filesystem; a file of a tensorfs mount is shared by its path", alloc.ErrInvalid)
 	}
-	return fd, nil
+	return fmt.Errorf("%w: import takes shared memory (a memfd, or a file on tmpfs such as /dev/shm); copy other files in", alloc.ErrInvalid)
 }
 
 // fsTypeWait bounds how long importable waits for a filesystem whose
@@ -307,11 +320,14 @@ func importable(f *os.File) (int, error) {
 const fsTypeWait = 2 * time.Second
 
 // fsMagic returns the filesystem magic of the file open at fd, on the
-// mount of id mntID: from /proc/self/mountinfo where it lists the mount,
-// asking no filesystem; else from fstatfs, which a FUSE server may leave
-// unanswered, so the wait is fsTypeWait at most (ETIMEDOUT), and the
-// descriptor is the goroutine's to close then.
-func fsMagic(fd int, mntID uint64) (int64, error) {
+// mount of id mntID, for uid's import: from /proc/self/mountinfo where it
+// lists the mount, asking no filesystem; else from fstatfs on a
+// duplicate, which a FUSE server may leave unanswered, and whose close
+// waits for its FLUSH. So that runs on a goroutine of its own, counted
+// against uid in fsys.threads until it returns (past uid's share the
+// import is refused: EMFILE), and the wait for it is fsTypeWait at most
+// (ETIMEDOUT).
+func (fsys *filesystem) fsMagic(fd int, mntID uint64, uid uint32) (int64, error) {
 	mounts, err := mountinfo.GetMounts(func(i *mountinfo.Info) (skip, stop bool) {
 		return uint64(i.ID) != mntID, uint64(i.ID) == mntID
 	})
@@ -326,8 +342,12 @@ func fsMagic(fd int, mntID uint64) (int64, error) {
 		}
 		return 0, nil // another filesystem: not shared memory
 	}
-	own, err := unix.Dup(fd)
+	if err := fsys.threads.take(uid); err != nil {
+		return 0, err
+	}
+	own, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
+		fsys.threads.give(uid)
 		return 0, err
 	}
 	type answer struct {
@@ -336,6 +356,7 @@ func fsMagic(fd int, mntID uint64) (int64, error) {
 	}
 	done := make(chan answer, 1)
 	go func() {
+		defer fsys.threads.give(uid)
 		var sfs unix.Statfs_t
 		err := unix.Fstatfs(own, &sfs)
 		unix.Close(own)

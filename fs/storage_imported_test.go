@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -92,5 +93,33 @@ func TestMemfdOwnerOnlyOthers(t *testing.T) {
 			t.Errorf("uid 1001's memfd %#o after uid %d's import: %#o, want %#o", c.mode, c.importer, st.Mode&0o7777, c.want)
 		}
 		unix.Close(fd)
+	}
+}
+
+// TestImportableThreads: a descriptor whose filesystem the mount table
+// does not give (a memfd) is asked with fstatfs on a goroutine counted
+// against its sender's threads, given back once it returns; a sender at
+// her bound is refused (EMFILE) and holds no duplicate.
+func TestImportableThreads(t *testing.T) {
+	fsys := testFS(t)
+	mfd, err := unix.MemfdCreate("seg", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := os.NewFile(uintptr(mfd), "memfd")
+	defer f.Close()
+	fsys.threads = newBudget("threads", 1, 8)
+	fd, err := fsys.importable(f, 1000)
+	if err != nil {
+		t.Fatalf("a memfd with a thread to spare: %v", err)
+	}
+	unix.Close(fd)
+	if !waitFor(func() bool { fsys.threads.mu.Lock(); defer fsys.threads.mu.Unlock(); return fsys.threads.all == 0 }) {
+		t.Error("the fstatfs goroutine's thread was not given back")
+	}
+	fsys.threads = newBudget("threads", 0, 8)
+	if fd, err := fsys.importable(f, 1000); !errors.Is(err, syscall.EMFILE) {
+		unix.Close(fd)
+		t.Errorf("a memfd from a user at her bound of threads: %v, want EMFILE", err)
 	}
 }
