@@ -70,10 +70,10 @@ func (l *loader) dir(parentfd int, name string, rel []string) error {
 		return fmt.Errorf("%w: %s", alloc.ErrTooDeep, display(rel[:8]))
 	}
 	handles := l.b.fsys.handles
-	if err := handles.take(l.who.Uid); err != nil {
+	if err := handles.Take(l.who.Uid, 1); err != nil {
 		return err
 	}
-	defer handles.give(l.who.Uid)
+	defer handles.Give(l.who.Uid, 1)
 	fd, err := unix.Openat(parentfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err

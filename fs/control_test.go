@@ -249,8 +249,8 @@ func TestImportsShareDescriptorBudget(t *testing.T) {
 	if err := b.Import(rootPeer, "pub/r", memfd(t, "x"), "", ""); err != nil {
 		t.Errorf("root's import once the user holds its share: %v", err)
 	}
-	if held.used[ownerPeer.Uid] != 2 || held.used[0] != 1 {
-		t.Errorf("the budget counts %d for the user, %d for root; want 2 and 1", held.used[ownerPeer.Uid], held.used[0])
+	if held.Held(ownerPeer.Uid) != 2 || held.Held(0) != 1 {
+		t.Errorf("the budget counts %d for the user, %d for root; want 2 and 1", held.Held(ownerPeer.Uid), held.Held(0))
 	}
 }
 
@@ -280,7 +280,7 @@ func TestControlLoadCountsDirectories(t *testing.T) {
 			f.Close()
 		}
 	}
-	if b.fsys.handles.all != 0 {
-		t.Errorf("after the loads the daemon counts %d descriptors, want 0", b.fsys.handles.all)
+	if b.fsys.handles.Used() != 0 {
+		t.Errorf("after the loads the daemon counts %d descriptors, want 0", b.fsys.handles.Used())
 	}
 }

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -15,6 +14,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/gpu"
+	"tensorfs/ledger"
 )
 
 // devices serves the mount's device segments, whose bytes live in GPU
@@ -40,7 +40,7 @@ type devices struct {
 	// (reserve); handles is the mount's descriptor budget, which each
 	// segment's open backing file counts against (its owner's).
 	store   *alloc.Store
-	handles *budget
+	handles *ledger.Row
 	// growMu serialises the reservations of growing segments with the
 	// free space they check; limboBytes is the device memory waiting in
 	// limbo, which that space must also hold.
@@ -50,7 +50,7 @@ type devices struct {
 	// owners bounds the consumer counters the segments of each user hold
 	// (by the segment's owner when its counter was made), removed ones a
 	// consumer still holds open or mapped too (gpu.Counter.Remove).
-	owners *budget
+	owners *ledger.Row
 }
 
 // maxCountersPerUID bounds the consumer counters the segments of one user
@@ -111,7 +111,7 @@ type devSeg struct {
 // and restores the segments an earlier mount left, whose backing files
 // recovery found (it takes them over, and closes those it cannot
 // restore).
-func newDevices(dev gpu.Device, store *alloc.Store, handles *budget, mountpoint string, restore []*os.File, log *slog.Logger) (*devices, error) {
+func newDevices(dev gpu.Device, store *alloc.Store, l *ledger.Ledger, handles *ledger.Row, mountpoint string, restore []*os.File, log *slog.Logger) (*devices, error) {
 	if err := alloc.MakeStateDir(); err != nil {
 		return nil, err
 	}
@@ -121,7 +121,8 @@ func newDevices(dev gpu.Device, store *alloc.Store, handles *budget, mountpoint 
 	}
 	counters.SetLog(log)
 	d := &devices{dev: dev, limbo: gpu.NewLimbo(dev), counters: counters, log: log, segs: map[uint64]*devSeg{}, stop: make(chan struct{}), store: store, handles: handles,
-		owners: newBudget("consumer counters", maxCountersPerUID, math.MaxInt)}
+		owners: l.Row(ledger.Spec{Name: "GPU consumer counters", Unit: "counter",
+			PerUID: maxCountersPerUID, Total: 16 * maxCountersPerUID, Over: syscall.EMFILE, Full: syscall.ENFILE})}
 	for _, f := range restore {
 		if err := d.restore(f); err != nil {
 			log.Warn("device segment not restored", "path", f.Name(), "err", err)
@@ -169,7 +170,7 @@ func (d *devices) restore(f *os.File) error {
 	if err := alloc.WriteDeviceState(p, alloc.DeviceState{Size: ds.Size}); err != nil {
 		return err
 	}
-	d.handles.add(st.Uid) // what an earlier mount held, whatever the bound now
+	d.handles.Add(st.Uid, 1) // what an earlier mount held, whatever the bound now
 	d.mu.Lock()
 	d.segs[st.Ino] = seg
 	d.mu.Unlock()
@@ -192,12 +193,12 @@ func (d *devices) segment(m *alloc.Ref) (*devSeg, error) {
 		return nil, err
 	}
 	uid := st.Uid
-	if err := d.handles.take(uid); err != nil {
+	if err := d.handles.Take(uid, 1); err != nil {
 		return nil, err
 	}
 	fd, err := m.Open(unix.O_RDWR)
 	if err != nil {
-		d.handles.give(uid)
+		d.handles.Give(uid, 1)
 		return nil, err
 	}
 	d.mu.Lock()
@@ -209,7 +210,7 @@ func (d *devices) segment(m *alloc.Ref) (*devSeg, error) {
 	d.mu.Unlock()
 	if fd >= 0 {
 		unix.Close(fd) // another request made the segment meanwhile
-		d.handles.give(uid)
+		d.handles.Give(uid, 1)
 	}
 	return seg, nil
 }
@@ -232,7 +233,7 @@ func (d *devices) drop(seg *devSeg) {
 	}
 	seg.backing.Close()
 	seg.backing = nil
-	d.handles.give(seg.uid)
+	d.handles.Give(seg.uid, 1)
 	seg.cmu.Lock()
 	seg.removed = true
 	seg.cmu.Unlock()
@@ -352,7 +353,7 @@ func (seg *devSeg) removeCounterLocked() {
 // giveCounter returns what gives a counter of uid back to its bound, for
 // gpu.Counter.Remove.
 func (d *devices) giveCounter(uid uint32) func() {
-	return func() { d.owners.give(uid) }
+	return func() { d.owners.Give(uid, 1) }
 }
 
 // Size returns the segment's size in bytes, without waiting for a copy.
@@ -644,12 +645,12 @@ func (seg *devSeg) refCounter() (string, error) {
 	if err := unix.Fstat(int(seg.backing.Fd()), &st); err != nil {
 		return "", err
 	}
-	if err := seg.d.owners.take(st.Uid); err != nil {
+	if err := seg.d.owners.Take(st.Uid, 1); err != nil {
 		return "", err
 	}
 	c, err := seg.d.counters.New()
 	if err != nil {
-		seg.d.owners.give(st.Uid)
+		seg.d.owners.Give(st.Uid, 1)
 		return "", err
 	}
 	seg.counter, seg.counterUID = c, st.Uid

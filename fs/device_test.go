@@ -20,7 +20,7 @@ import (
 // testDevices gives fsys a simulated device, as a mount with --gpu sim.
 func testDevices(t *testing.T, fsys *filesystem) {
 	t.Helper()
-	d, err := newDevices(gpu.NewSim(0, 1<<30), fsys.store, fsys.handles, filepath.Join(t.TempDir(), "mnt"), nil, fsys.log)
+	d, err := newDevices(gpu.NewSim(0, 1<<30), fsys.store, fsys.ledger, fsys.handles, filepath.Join(t.TempDir(), "mnt"), nil, fsys.log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -155,7 +155,7 @@ func (d *stallingDevice) CopyFromFile(b gpu.Block, off int64, fd int, fileOff, n
 func TestDeviceCopyLeavesStatFree(t *testing.T) {
 	fsys := testFS(t)
 	dev := &stallingDevice{Device: gpu.NewSim(0, 1<<30), started: make(chan struct{}), release: make(chan struct{})}
-	d, err := newDevices(dev, fsys.store, fsys.handles, filepath.Join(t.TempDir(), "mnt"), nil, fsys.log)
+	d, err := newDevices(dev, fsys.store, fsys.ledger, fsys.handles, filepath.Join(t.TempDir(), "mnt"), nil, fsys.log)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/ledger"
 	"tensorfs/procfs"
 )
 
@@ -45,12 +46,16 @@ type filesystem struct {
 	started     time.Time
 	// imports holds the imported (FROMFD) segments.
 	imports imports
+	// ledger charges what requests make the daemon hold to their uids
+	// (package ledger): the rows below, the control socket's and the
+	// cluster's.
+	ledger *ledger.Ledger
 	// handles bounds the descriptors open segments, imports and watches
 	// keep, per uid; pidfds included.
-	handles *budget
+	handles *ledger.Row
 	// threads bounds, per uid, the goroutines that may block in the
 	// kernel on a request's behalf (fsMagic's).
-	threads *budget
+	threads *ledger.Row
 	// sharedPaths serialises the paths SHARED segments' disk files record
 	// (at create) with the renames that change them (with --disk only);
 	// no other lock is taken while it is held.
@@ -88,16 +93,18 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 		allowOther: opts.AllowOther,
 		started:    time.Now(),
 		tgids:      map[uint32]uint32{},
-		handles:    newHandleBudget(),
-		threads:    newThreadBudget(),
+		ledger:     ledger.New(),
 		dirs:       newDirFds(defaultDirFds),
 	}
+	fsys.handles = newHandleBudget(fsys.ledger)
+	fsys.threads = newThreadBudget(fsys.ledger)
 	fsys.imports.held = fsys.handles
 	if fsys.log == nil {
 		fsys.log = slog.New(slog.DiscardHandler)
 	}
-	for _, b := range []*budget{fsys.handles, fsys.threads} {
-		fsys.log.Info(b.what+" held for requests: limits", "per_uid", b.perUID, "total", b.total, "root_reserve", b.total-b.shared)
+	for _, b := range []*ledger.Row{fsys.handles, fsys.threads} {
+		s := b.Spec()
+		fsys.log.Info(s.Name+" held for requests: limits", "per_uid", s.PerUID, "total", s.Total, "root_reserve", s.Total/8)
 	}
 	rec := opts.Recovered
 	if rec == nil {
@@ -107,7 +114,7 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 	fsys.pulled.fsys = fsys
 	fsys.pulled.restore(rec.pulled, opts.Cluster != nil)
 	if opts.GPU != nil && opts.GPU.Backend() != "none" {
-		if fsys.gpu, err = newDevices(opts.GPU, opts.Store, fsys.handles, opts.Mountpoint, rec.devices, fsys.log); err != nil {
+		if fsys.gpu, err = newDevices(opts.GPU, opts.Store, fsys.ledger, fsys.handles, opts.Mountpoint, rec.devices, fsys.log); err != nil {
 			opts.GPU.Close()
 			closeFiles(rec.devices)
 			return nil, fmt.Errorf("GPU segments: %w", err)
@@ -334,6 +341,7 @@ func (fsys *filesystem) stats() map[string]any {
 		"requests":  fsys.requests.snapshot(),
 		"dir_fds":   fsys.dirs.stats(),
 		"cluster":   fsys.clusterStats(),
+		"ledger":    fsys.ledger.Usage(),
 		"daemon":    map[string]any{"pid": os.Getpid(), "cpu_seconds": cpuSeconds(&ru), "rss_bytes": rss, "max_rss_bytes": peak, "goroutines": runtime.NumGoroutine()},
 		"uptime_ns": strconv.FormatInt(int64(time.Since(fsys.started)), 10),
 	}

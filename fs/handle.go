@@ -66,7 +66,7 @@ func (h *handle) common() *handle { return h }
 func (h *handle) release() {
 	h.node.release(h)
 	h.open.close()
-	h.node.fs.handles.give(h.uid)
+	h.node.fs.handles.Give(h.uid, 1)
 }
 
 // errno logs a refused handle operation and maps its error.

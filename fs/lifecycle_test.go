@@ -58,22 +58,22 @@ func TestLastNameReleasesKind(t *testing.T) {
 		t.Fatal("the import is not held")
 	}
 	id := x.importID(t)
-	held := x.fsys.handles.used[0] // the import's, and the device segment's backing file
+	held := x.fsys.handles.Held(0) // the import's, and the device segment's backing file
 	if st := x.raw.Unlink(nil, ptr(hdr(1)), "imported"); st != fuse.OK {
 		t.Fatal(st)
 	}
-	if _, ok := x.fsys.imports.get(id); ok || x.fsys.handles.used[0] != held-1 {
-		t.Errorf("after the import's last name went the daemon still holds it (%d descriptors for uid 0, %d before)", x.fsys.handles.used[0], held)
+	if _, ok := x.fsys.imports.get(id); ok || x.fsys.handles.Held(0) != held-1 {
+		t.Errorf("after the import's last name went the daemon still holds it (%d descriptors for uid 0, %d before)", x.fsys.handles.Held(0), held)
 	}
 
 	gdir := x.parents["device"]
 	fh, _ := x.open("device")
-	held = x.fsys.handles.used[0] // the open handle's, and the backing file's
+	held = x.fsys.handles.Held(0) // the open handle's, and the backing file's
 	if st := x.raw.Unlink(nil, ptr(hdr(gdir)), "device"); st != fuse.OK {
 		t.Fatal(st)
 	}
-	if x.fsys.handles.used[0] != held-1 {
-		t.Errorf("after a device segment's last name went the daemon holds %d descriptors for uid 0, want %d: its backing file's given back", x.fsys.handles.used[0], held-1)
+	if x.fsys.handles.Held(0) != held-1 {
+		t.Errorf("after a device segment's last name went the daemon holds %d descriptors for uid 0, want %d: its backing file's given back", x.fsys.handles.Held(0), held-1)
 	}
 	if blocks, _ := x.fsys.gpu.limbo.Stats(); blocks != 1 {
 		t.Errorf("a device segment removed while open: limbo holds %d blocks, want 1", blocks)

@@ -440,7 +440,7 @@ func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time, uid
 	if w.closed || w.m[ino] != nil {
 		return
 	}
-	if err := fsys.handles.take(uid); err != nil {
+	if err := fsys.handles.Take(uid, 1); err != nil {
 		fsys.log.Warn("cannot wait for the mappings of an UNLINK segment; it stays until it is opened and closed again, or the next mount", "ino", ino, "err", err)
 		return
 	}
@@ -451,7 +451,7 @@ func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time, uid
 		}
 	}
 	if err != nil {
-		fsys.handles.give(uid)
+		fsys.handles.Give(uid, 1)
 		fsys.log.Warn("cannot wait for the mappings of an UNLINK segment; it stays until it is opened and closed again, or the next mount", "ino", ino, "err", err)
 		return
 	}
@@ -463,7 +463,7 @@ func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time, uid
 	w.wg.Add(1)
 	go func() {
 		defer w.wg.Done()
-		defer fsys.handles.give(uid)
+		defer fsys.handles.Give(uid, 1)
 		unmapped := fsys.awaitUnmapped(f, ids, since)
 		if w.end(ino, f) && unmapped {
 			fsys.removeUnlinked(ino)

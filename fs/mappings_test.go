@@ -270,18 +270,14 @@ func TestWatchesShareDescriptorBudget(t *testing.T) {
 	if !first || second {
 		t.Errorf("watches of a user whose share is one: first %v, second %v; want true, false", first, second)
 	}
-	held.mu.Lock()
-	used := held.used[1000]
-	held.mu.Unlock()
+	used := held.Held(1000)
 	if used != 1 {
 		t.Errorf("the budget counts %d for the user's watch, want 1", used)
 	}
 	fsys.watches.unwatch(1)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		held.mu.Lock()
-		used = held.used[1000]
-		held.mu.Unlock()
+		used = held.Held(1000)
 		if used == 0 || time.Now().After(deadline) {
 			break
 		}
@@ -401,10 +397,8 @@ func TestPidfdsShared(t *testing.T) {
 		n, refs := pidfdsHeld(fsys)
 		t.Fatalf("%d pidfds (references %v) for %d mapping processes, want one each", n, refs, len(mappers))
 	}
-	held.mu.Lock()
-	used := held.used[uint32(os.Getuid())]
-	held.mu.Unlock()
-	if used != len(mappers) {
+	used := held.Held(uint32(os.Getuid()))
+	if used != int64(len(mappers)) {
 		t.Errorf("the owner of the mapping processes is charged %d descriptors, want %d (one pidfd each)", used, len(mappers))
 	}
 	for _, m := range mappers {
@@ -424,9 +418,7 @@ func TestPidfdsShared(t *testing.T) {
 	if n, _ := pidfdsHeld(fsys); n != 0 {
 		t.Errorf("%d pidfds still held once every watch ended", n)
 	}
-	held.mu.Lock()
-	used = held.all
-	held.mu.Unlock()
+	used = held.Used()
 	if used != 0 {
 		t.Errorf("%d descriptors still charged once every watch ended", used)
 	}

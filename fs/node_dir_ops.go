@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/ledger"
 )
 
 var (
@@ -608,7 +609,7 @@ func (d *dirNode) OpendirHandle(ctx context.Context, flags uint32) (fusefs.FileH
 // counts against uid's budget until it is released.
 type dirHandle struct {
 	ds      fusefs.DirStream
-	handles *budget
+	handles *ledger.Row
 	uid     uint32
 }
 
@@ -637,5 +638,5 @@ func (h *dirHandle) Fsyncdir(ctx context.Context, flags uint32) syscall.Errno {
 // Releasedir closes the listing's descriptor.
 func (h *dirHandle) Releasedir(ctx context.Context, flags uint32) {
 	h.ds.(fusefs.FileReleasedirer).Releasedir(ctx, flags)
-	h.handles.give(h.uid)
+	h.handles.Give(h.uid, 1)
 }

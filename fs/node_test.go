@@ -2,7 +2,6 @@ package fs
 
 import (
 	"context"
-	"errors"
 	"io"
 	"log/slog"
 	"os"
@@ -18,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/ledger"
 )
 
 // testFS makes a filesystem on a temporary backing with its node tree,
@@ -232,36 +232,6 @@ func TestCreateOfExistingName(t *testing.T) {
 	h.Release(callerCtx(0))
 }
 
-// TestHandleBudget: one user's open segments stop at its share with
-// EMFILE, others' and root's go on, and a release frees a place.
-func TestHandleBudget(t *testing.T) {
-	b := newBudget("open segments", 2, 5)
-	for i := 0; i < 2; i++ {
-		if err := b.take(1000); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := b.take(1000); !errors.Is(err, syscall.EMFILE) {
-		t.Errorf("uid 1000's third handle: %v, want EMFILE", err)
-	}
-	if err := b.take(1001); err != nil {
-		t.Errorf("another user's handle: %v", err)
-	}
-	for i := 0; i < 2; i++ {
-		if err := b.take(0); err != nil {
-			t.Errorf("root's handle %d: %v", i, err)
-		}
-	}
-	if err := b.take(0); !errors.Is(err, syscall.ENFILE) {
-		t.Errorf("a handle past the total: %v, want ENFILE", err)
-	}
-	b.give(1000)
-	b.give(0)
-	if err := b.take(1000); err != nil {
-		t.Errorf("uid 1000 after a release: %v", err)
-	}
-}
-
 // TestFlagRules: NOCREATE refuses every way of making a name, EXCLUSIVE
 // every way of replacing a segment's bytes by name, and a segment's flags
 // change only while it is empty.
@@ -312,43 +282,12 @@ func TestFlagRules(t *testing.T) {
 	expect("flags of an empty segment", empty.Setxattr(ctx, alloc.AttrFlags, []byte("UNLINK"), 0), 0)
 }
 
-// TestBudgetRootReserve (A5): users other than root stop an eighth short
-// of the total, however many they are, each at its share; root takes the
-// rest up to the total; the open segments' budget gives one user a
-// sixteenth.
-func TestBudgetRootReserve(t *testing.T) {
-	b := newBudget("open segments", 4, 32)
-	for uid := uint32(1000); uid < 1007; uid++ {
-		for i := 0; i < 4; i++ {
-			if err := b.take(uid); err != nil {
-				t.Fatalf("uid %d's handle %d: %v", uid, i, err)
-			}
-		}
-	}
-	// 28 taken by seven users: the other 4 are root's.
-	if err := b.take(1007); !errors.Is(err, syscall.ENFILE) || !strings.Contains(err.Error(), "users other than root") {
-		t.Errorf("an eighth user past 7/8 of the total: %v, want ENFILE", err)
-	}
-	for i := 0; i < 4; i++ {
-		if err := b.take(0); err != nil {
-			t.Fatalf("root's handle %d: %v", i, err)
-		}
-	}
-	if err := b.take(0); !errors.Is(err, syscall.ENFILE) {
-		t.Errorf("root past the total: %v, want ENFILE", err)
-	}
-	b.give(0)
-	if err := b.take(1007); !errors.Is(err, syscall.ENFILE) {
-		t.Errorf("a user in root's freed place: %v, want ENFILE", err)
-	}
-	b.give(1000)
-	if err := b.take(1007); err != nil {
-		t.Errorf("once a user let one go: %v", err)
-	}
-
-	h := newHandleBudget()
-	if h.perUID != h.total/16 || h.shared != h.total-h.total/8 {
-		t.Errorf("open segments: %d per user, %d for users other than root, of %d", h.perUID, h.shared, h.total)
+// TestHandleBudgetShare: the descriptors' row of the ledger (whose
+// bounds package ledger tests) gives one user a sixteenth of its total.
+func TestHandleBudgetShare(t *testing.T) {
+	s := newHandleBudget(ledger.New()).Spec()
+	if s.PerUID != s.Total/16 || s.Over != syscall.EMFILE || s.Full != syscall.ENFILE {
+		t.Errorf("descriptors: %d per user of %d, refused with %v and %v", s.PerUID, s.Total, s.Over, s.Full)
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"tensorfs/ledger"
 	"tensorfs/procfs"
 )
 
@@ -27,16 +28,16 @@ type pidfds struct {
 // and how many watches hold it.
 type pidfd struct {
 	fd   int
-	held *budget
+	held *ledger.Row
 	uid  uint32
 	refs int
 }
 
 // get returns a pidfd of process pid for one more watch: the one a watch
 // holds already, or a new one charged to the process's owner in held.
-// It fails when the process has exited, and, as held.take does (EMFILE,
+// It fails when the process has exited, and, as held.Take does (EMFILE,
 // ENFILE), when its owner holds her share.
-func (p *pidfds) get(pid uint32, held *budget) (int, error) {
+func (p *pidfds) get(pid uint32, held *ledger.Row) (int, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if e := p.m[pid]; e != nil {
@@ -48,12 +49,12 @@ func (p *pidfds) get(pid uint32, held *budget) (int, error) {
 		return -1, err
 	}
 	uid := st.Uid[0]
-	if err := held.take(uid); err != nil {
+	if err := held.Take(uid, 1); err != nil {
 		return -1, err
 	}
 	fd, err := unix.PidfdOpen(int(pid), 0)
 	if err != nil {
-		held.give(uid)
+		held.Give(uid, 1)
 		return -1, err
 	}
 	if p.m == nil {
@@ -77,7 +78,7 @@ func (p *pidfds) put(pid uint32) {
 	}
 	delete(p.m, pid)
 	unix.Close(e.fd)
-	e.held.give(e.uid)
+	e.held.Give(e.uid, 1)
 }
 
 // pidWatch is what one watch waits on in its epoll instance: the shared

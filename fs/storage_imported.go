@@ -15,6 +15,7 @@ import (
 	"tensorfs/alloc"
 	"tensorfs/ctl"
 	"tensorfs/fdpass"
+	"tensorfs/ledger"
 )
 
 // importedFile is an imported (FROMFD) segment: a descriptor a client
@@ -142,7 +143,7 @@ func (in *importedFile) reopen() (int, error) {
 // one user nor all users but root can take the descriptors FUSE service
 // needs.
 type imports struct {
-	held *budget // the daemon's segment descriptors, per sender
+	held *ledger.Row // the daemon's segment descriptors, per sender
 
 	mu sync.RWMutex // protects m
 	m  map[string]*importedFile
@@ -164,7 +165,7 @@ func (im *imports) add(fd int, uid uint32) (*importedFile, error) {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return nil, err
 	}
-	if err := im.held.take(uid); err != nil {
+	if err := im.held.Take(uid, 1); err != nil {
 		return nil, err
 	}
 	in := &importedFile{table: im, id: alloc.NewID(), uid: uid, ino: st.Ino, dev: st.Dev, fd: fd}
@@ -186,7 +187,7 @@ func (im *imports) drop(in *importedFile) {
 	}
 	im.mu.Unlock()
 	if forgot {
-		im.held.give(in.uid)
+		im.held.Give(in.uid, 1)
 	}
 	in.closeFd()
 }
@@ -342,12 +343,12 @@ func (fsys *filesystem) fsMagic(fd int, mntID uint64, uid uint32) (int64, error)
 		}
 		return 0, nil // another filesystem: not shared memory
 	}
-	if err := fsys.threads.take(uid); err != nil {
+	if err := fsys.threads.Take(uid, 1); err != nil {
 		return 0, err
 	}
 	own, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
-		fsys.threads.give(uid)
+		fsys.threads.Give(uid, 1)
 		return 0, err
 	}
 	type answer struct {
@@ -356,7 +357,7 @@ func (fsys *filesystem) fsMagic(fd int, mntID uint64, uid uint32) (int64, error)
 	}
 	done := make(chan answer, 1)
 	go func() {
-		defer fsys.threads.give(uid)
+		defer fsys.threads.Give(uid, 1)
 		var sfs unix.Statfs_t
 		err := unix.Fstatfs(own, &sfs)
 		unix.Close(own)

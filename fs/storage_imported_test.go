@@ -114,7 +114,7 @@ func TestImportableThreads(t *testing.T) {
 		t.Fatalf("a memfd with a thread to spare: %v", err)
 	}
 	unix.Close(fd)
-	if !waitFor(func() bool { fsys.threads.mu.Lock(); defer fsys.threads.mu.Unlock(); return fsys.threads.all == 0 }) {
+	if !waitFor(func() bool { return fsys.threads.Used() == 0 }) {
 		t.Error("the fstatfs goroutine's thread was not given back")
 	}
 	fsys.threads = newBudget("threads", 0, 8)
