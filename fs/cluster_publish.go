@@ -226,7 +226,7 @@ func (c *clusterFS) segmentEntry(who ctl.Cred, fd int, name, rel string, st *uni
 	if err != nil {
 		return o, err
 	}
-	if err := s.stat(m, st); err != nil {
+	if err := statOf(m, s, st); err != nil {
 		return o, err
 	}
 	switch p, _ := s.(*pulled); {

@@ -75,7 +75,7 @@ func (b controlBackend) segment(who ctl.Cred, m *alloc.Ref, write bool, name str
 		return nil, nil, err
 	}
 	var st unix.Stat_t
-	if err := s.stat(m, &st); err != nil {
+	if err := statOf(m, s, &st); err != nil {
 		return nil, nil, err
 	}
 	want, what := uint32(4), "read"

@@ -69,10 +69,7 @@ func (n *nodeBase) leafRef(fn func(r *alloc.Ref) error) error {
 
 // leafStat is stat for a node whose backing object is what it shows.
 func (n *nodeBase) leafStat(st *unix.Stat_t) error {
-	return n.leafRef(func(r *alloc.Ref) error {
-		*st = *r.Stat()
-		return nil
-	})
+	return n.leafRef(func(r *alloc.Ref) error { return statOf(r, nil, st) })
 }
 
 var (

@@ -85,16 +85,17 @@ func (fsys *filesystem) segmentKind(dirfd int, name string, st *unix.Stat_t) (st
 	defer m.Close()
 	s, err := fsys.classify(m)
 	if err == nil {
-		err = s.stat(m, st)
+		err = statOf(m, s, st)
 	}
 	return s, err
 }
 
 // adopt finishes a new backing object a, made in the directory open at
-// dirfd, whose storage is s (nil for an object that is not a segment): it
-// belongs to the caller (the daemon may be root), inherits the
-// directory's flags and device, and is stat'ed into st. It returns the
-// object's storage, which a device directory changes.
+// dirfd, whose storage is s (nil for an object that is not a segment, and
+// for an O_TMPFILE segment, which stays a host one): it belongs to the
+// caller (the daemon may be root), inherits the directory's flags and
+// device, and st is what stat shows of it now, for the reply. It returns
+// the object's storage, which a device directory changes.
 func (d *dirNode) adopt(ctx context.Context, dirfd int, a *alloc.Ref, pf alloc.Flags, s storage, st *unix.Stat_t) (storage, error) {
 	attrs := func(fn func(*alloc.Ref) error) error { return fn(a) }
 	if s != nil {
@@ -118,10 +119,7 @@ func (d *dirNode) adopt(ctx context.Context, dirfd int, a *alloc.Ref, pf alloc.F
 		}
 	}
 	if err == nil {
-		err = unix.Fstat(a.Fd(), st)
-	}
-	if err == nil && s != nil {
-		err = s.stat(a, st)
+		err = statOf(a, s, st) // now: the caller's, with its flags and device
 	}
 	return s, err
 }
@@ -331,7 +329,18 @@ func (d *dirNode) openExisting(ctx context.Context, dirfd int, name string, pf a
 	seg.opening.RLock()
 	defer seg.opening.RUnlock()
 	h, err := seg.open(ctx, m, flags)
-	return ch, h, err
+	if err != nil {
+		return nil, nil, err
+	}
+	// The open may have truncated it or cleared its set-id bits.
+	var st unix.Stat_t
+	if err := statOf(m, seg.storage(), &st); err != nil {
+		seg.release(h.common()) // takeHandle gives the budget back
+		h.close()
+		return nil, nil, err
+	}
+	out.Attr.FromStat(toSyscallStat(&st))
+	return ch, h, nil
 }
 
 // Tmpfile makes an open segment in no directory (O_TMPFILE); linkat can
@@ -351,14 +360,10 @@ func (d *dirNode) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *f
 				return err
 			}
 			var st unix.Stat_t
-			if uid, gid, ok := d.fs.owner(ctx, dirfd); ok {
-				err = unix.Fchown(fd, uid, gid)
-			}
+			a, err := alloc.OpenRef(fd, "", 0)
 			if err == nil {
-				err = alloc.InheritFlags(pf, alloc.FdPath(fd), false)
-			}
-			if err == nil {
-				err = unix.Fstat(fd, &st)
+				_, err = d.adopt(ctx, dirfd, a, pf, nil, &st)
+				a.Close()
 			}
 			if err != nil {
 				unix.Close(fd)

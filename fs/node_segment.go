@@ -82,7 +82,7 @@ func (n *segmentNode) withAttrs(fn func(a *alloc.Ref) error) error {
 }
 
 func (n *segmentNode) stat(st *unix.Stat_t) error {
-	return n.withMarker(func(m *alloc.Ref) error { return n.storage().stat(m, st) })
+	return n.withMarker(func(m *alloc.Ref) error { return statOf(m, n.storage(), st) })
 }
 
 var (
@@ -223,7 +223,7 @@ func (n *segmentNode) checkTruncate(m *alloc.Ref) error {
 		return err
 	}
 	var st unix.Stat_t
-	if err := n.storage().stat(m, &st); err != nil {
+	if err := statOf(m, n.storage(), &st); err != nil {
 		return err
 	}
 	if st.Size > 0 {

@@ -493,7 +493,7 @@ func (n *segmentNode) setxattr(uid uint32, attr string, data []byte, flags uint3
 	}
 	return n.withMarker(func(m *alloc.Ref) error {
 		var st unix.Stat_t
-		if err := n.storage().stat(m, &st); err != nil {
+		if err := statOf(m, n.storage(), &st); err != nil {
 			return err
 		}
 		if err := mayChangeFlags(uid, attr, &st); err != nil {

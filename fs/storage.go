@@ -30,10 +30,11 @@ type storage interface {
 	// attrs runs fn with the object that holds the segment's owner,
 	// mode, times, flags and attributes.
 	attrs(m *alloc.Ref, fn func(a *alloc.Ref) error) error
-	// stat fills st as stat(2) shows the segment: the marker's identity
-	// (inode, links) with the owner, mode, size and times of where they
-	// live.
-	stat(m *alloc.Ref, st *unix.Stat_t) error
+	// overlay turns st, a fresh fstat of the segment's backing object m
+	// (statOf fills it), into what stat(2) shows of the segment: the
+	// marker's identity (inode, links) with the owner, mode, size and
+	// times of where they live, read now. Only statOf calls it.
+	overlay(m *alloc.Ref, st *unix.Stat_t) error
 	// open opens the segment's bytes for a FUSE open with flags (the
 	// O_ACCMODE of the request; O_TRUNC is done by the caller), as the
 	// handle that serves them.
@@ -122,6 +123,25 @@ func (fsys *filesystem) classify(m *alloc.Ref) (storage, error) {
 	return host{}, nil
 }
 
+// statOf fills st with what stat(2) on the mount shows of the backing
+// object m at this moment: a fresh fstat of m's descriptor, which the
+// segment's storage s overlays where its bytes or attributes live
+// elsewhere (s is nil for an object that is not a segment). It is the one
+// stat of a backing object that every reply carrying attributes (entry
+// and attr replies), permission check and policy reads: the stat a Ref
+// took when it was opened (alloc.Ref.Stat) is the object's identity, and
+// its owner, mode and size may have changed since (the daemon gives a new
+// object to its caller after it opened it).
+func statOf(m *alloc.Ref, s storage, st *unix.Stat_t) error {
+	if err := unix.Fstat(m.Fd(), st); err != nil {
+		return err
+	}
+	if s == nil {
+		return nil
+	}
+	return s.overlay(m, st)
+}
+
 // hostBySize reports whether the regular file st is a host segment
 // without reading its marker: it has bytes, and no segment with bytes but
 // a marker (a pulled one, a device one not restored) is its inode. No
@@ -143,10 +163,7 @@ func (u unavailable) kind() alloc.Kind { return u.k }
 
 func (u unavailable) attrs(m *alloc.Ref, fn func(*alloc.Ref) error) error { return fn(m) }
 
-func (u unavailable) stat(m *alloc.Ref, st *unix.Stat_t) error {
-	*st = *m.Stat()
-	return nil
-}
+func (u unavailable) overlay(*alloc.Ref, *unix.Stat_t) error { return nil }
 
 func (u unavailable) open(*segmentNode, *alloc.Ref, handle, uint32) (segmentHandle, error) {
 	return nil, u.why

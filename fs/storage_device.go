@@ -21,10 +21,9 @@ func (device) kind() alloc.Kind { return alloc.Device }
 
 func (device) attrs(m *alloc.Ref, fn func(*alloc.Ref) error) error { return fn(m) }
 
-// stat is the backing file's, with the size of the device memory (read
-// without waiting for a copy into it).
-func (d device) stat(m *alloc.Ref, st *unix.Stat_t) error {
-	*st = *m.Stat()
+// overlay is the backing file's stat, with the size of the device memory
+// (read without waiting for a copy into it).
+func (d device) overlay(m *alloc.Ref, st *unix.Stat_t) error {
 	st.Size = d.seg.Size()
 	st.Blocks = (st.Size + 511) / 512
 	return nil

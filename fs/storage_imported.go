@@ -42,9 +42,8 @@ func (*importedFile) kind() alloc.Kind { return alloc.Imported }
 
 func (*importedFile) attrs(m *alloc.Ref, fn func(*alloc.Ref) error) error { return fn(m) }
 
-// stat is the marker's, with the size of the sender's file.
-func (in *importedFile) stat(m *alloc.Ref, st *unix.Stat_t) error {
-	*st = *m.Stat()
+// overlay is the marker's stat, with the size of the sender's file.
+func (in *importedFile) overlay(m *alloc.Ref, st *unix.Stat_t) error {
 	return in.with(func(fd int) error {
 		var data unix.Stat_t
 		if err := unix.Fstat(fd, &data); err != nil {

@@ -51,10 +51,9 @@ func (*pulled) kind() alloc.Kind { return alloc.Pulled }
 
 func (*pulled) attrs(m *alloc.Ref, fn func(*alloc.Ref) error) error { return fn(m) }
 
-// stat is the backing file's, with the published size while the bytes
-// are still to come.
-func (p *pulled) stat(m *alloc.Ref, st *unix.Stat_t) error {
-	*st = *m.Stat()
+// overlay is the backing file's stat, with the published size while the
+// bytes are still to come.
+func (p *pulled) overlay(m *alloc.Ref, st *unix.Stat_t) error {
 	if size, complete := p.state(); !complete {
 		st.Size = size
 	}

@@ -31,10 +31,14 @@ func (s shared) attrs(m *alloc.Ref, fn func(*alloc.Ref) error) error {
 	return fn(r)
 }
 
-func (s shared) stat(m *alloc.Ref, st *unix.Stat_t) error {
+// overlay is the disk file's stat, with the marker's inode and links.
+func (s shared) overlay(m *alloc.Ref, st *unix.Stat_t) error {
 	return s.attrs(m, func(r *alloc.Ref) error {
-		*st = *r.Stat()
-		st.Ino, st.Nlink = m.Stat().Ino, m.Stat().Nlink
+		ino, nlink := st.Ino, st.Nlink
+		if err := unix.Fstat(r.Fd(), st); err != nil {
+			return err
+		}
+		st.Ino, st.Nlink = ino, nlink
 		return nil
 	})
 }
