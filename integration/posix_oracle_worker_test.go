@@ -126,7 +126,8 @@ func (w *worker) do(req oracleRequest) oracleReply {
 		r.Errno[i], r.Out[i] = errnoOf(err), out
 	}
 	op := req.Op
-	if op.Op == "open" && r.Errno == [2]int{} && (op.Flags&unix.O_ACCMODE != unix.O_RDONLY || op.Flags&unix.O_TRUNC != 0) {
+	// An O_TRUNC clears them on tmpfs itself (not of a file it creates).
+	if (op.Op == "open" || op.Op == "tmpfile") && r.Errno == [2]int{} && op.Flags&unix.O_ACCMODE != unix.O_RDONLY {
 		r.FixPath, r.FixMode = w.dropSetid(w.fds[op.Slot][0])
 	}
 	return r
