@@ -1,10 +1,11 @@
 # make bench        the benchmarks (as root; about fifteen minutes); writes BENCHMARKS.md
 # make bench-quick  small sizes and 3 rounds; writes bin/BENCHMARKS-quick.md
 # make test         scripts/test.sh: gofmt, go vet, every test
+# make oracle SEED=N OPS=M   the POSIX oracle against tmpfs: one sequence of M operations (as root)
 GO ?= go
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
-.PHONY: bench bench-quick test
+.PHONY: bench bench-quick test oracle
 
 bench:
 	$(GO) build -o bin/bench ./bench
@@ -16,3 +17,9 @@ bench-quick:
 
 test:
 	./scripts/test.sh
+
+SEED ?= 1
+OPS ?= 100000
+oracle:
+	$(SUDO) env "PATH=$$PATH" TENSORFS_STRICT=1 TENSORFS_ORACLE_SEED=$(SEED) TENSORFS_ORACLE_OPS=$(OPS) \
+		$(GO) test -count=1 -timeout 0 -run 'TestPosixOracle$$' -v ./integration/

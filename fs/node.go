@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 	"syscall"
+	"time"
 	"unsafe"
 
 	fusefs "github.com/hanwen/go-fuse/v2/fs"
@@ -164,7 +165,7 @@ func (n *nodeBase) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.Se
 	if _, ok := in.GetSize(); ok {
 		return syscall.EISDIR // only segments have a size to set; the kernel asks for none else
 	}
-	if err := n.setattr(in, nil); err != nil {
+	if err := n.setattr(ctx, in, nil); err != nil {
 		return n.fs.errno("setattr", n, "", err)
 	}
 	return n.Getattr(ctx, f, out)
@@ -173,7 +174,7 @@ func (n *nodeBase) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.Se
 // setattr applies in's owner, mode and times to exactly the node's
 // attribute object; after, if set, runs once owner or mode changed (a
 // device segment's counter follows them).
-func (n *nodeBase) setattr(in *fuse.SetAttrIn, after func()) error {
+func (n *nodeBase) setattr(ctx context.Context, in *fuse.SetAttrIn, after func()) error {
 	mode, mok := in.GetMode()
 	uid, uok := in.GetUID()
 	gid, gok := in.GetGID()
@@ -204,7 +205,7 @@ func (n *nodeBase) setattr(in *fuse.SetAttrIn, after func()) error {
 		if kill && !a.IsSymlink() {
 			// A truncate by a user other than root, or a chown
 			// (HANDLE_KILLPRIV_V2): as on tmpfs.
-			if err := killSetid(a); err != nil {
+			if err := killSetid(a, inGroupOf(ctx)); err != nil {
 				return err
 			}
 		}
@@ -213,10 +214,10 @@ func (n *nodeBase) setattr(in *fuse.SetAttrIn, after func()) error {
 		}
 		ts := []unix.Timespec{{Nsec: unix.UTIME_OMIT}, {Nsec: unix.UTIME_OMIT}}
 		if atok {
-			ts[0] = unix.NsecToTimespec(atime.UnixNano())
+			ts[0] = utimeOf(atime, in.Valid&fuse.FATTR_ATIME_NOW != 0)
 		}
 		if mtok {
-			ts[1] = unix.NsecToTimespec(mtime.UnixNano())
+			ts[1] = utimeOf(mtime, in.Valid&fuse.FATTR_MTIME_NOW != 0)
 		}
 		return a.Utimes(ts)
 	})
@@ -226,10 +227,21 @@ func (n *nodeBase) setattr(in *fuse.SetAttrIn, after func()) error {
 	return err
 }
 
+// utimeOf is utimensat's time t, or UTIME_NOW where the kernel asked for
+// the time now: the backing's clock then sets it together with ctime, as
+// on tmpfs, not a moment the daemon read before (touch would show an
+// mtime after its ctime).
+func utimeOf(t time.Time, now bool) unix.Timespec {
+	if now {
+		return unix.Timespec{Nsec: unix.UTIME_NOW}
+	}
+	return unix.NsecToTimespec(t.UnixNano())
+}
+
 // killSetid clears the set-id bits of the object a, as the kernel asks
 // with FATTR_KILL_SUIDGID: set-user-ID, and set-group-ID if
-// group-executable.
-func killSetid(a *alloc.Ref) error {
+// group-executable or the caller is not of its group (inGroup).
+func killSetid(a *alloc.Ref, inGroup func(uint32) bool) error {
 	var st unix.Stat_t
 	p, err := a.Path()
 	if err == nil {
@@ -238,23 +250,35 @@ func killSetid(a *alloc.Ref) error {
 	if err != nil {
 		return err
 	}
-	if kill := setidToDrop(&st, st.Gid); kill != 0 {
+	if kill := setidToDrop(&st, inGroup); kill != 0 {
 		return a.Chmod(st.Mode &^ kill)
 	}
 	return nil
 }
 
-// setidToDrop returns the set-id bits of st that a write by a process of
-// group gid (not root) clears (should_remove_suid).
-func setidToDrop(st *unix.Stat_t, gid uint32) uint32 {
+// setidToDrop returns the set-id bits of st that a write by a process
+// other than root clears (should_remove_suid): set-user-ID, and
+// set-group-ID if group-executable or the writer is not of the file's
+// group (inGroup, supplementary groups included).
+func setidToDrop(st *unix.Stat_t, inGroup func(uint32) bool) uint32 {
 	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
 		return 0
 	}
 	kill := st.Mode & unix.S_ISUID
-	if st.Mode&unix.S_ISGID != 0 && (st.Mode&unix.S_IXGRP != 0 || st.Gid != gid) {
+	if st.Mode&unix.S_ISGID != 0 && (st.Mode&unix.S_IXGRP != 0 || !inGroup(st.Gid)) {
 		kill |= unix.S_ISGID
 	}
 	return kill
+}
+
+// inGroupOf returns whether the caller of ctx is of a group, as
+// in_group_or_capable: root is of every group; the supplementary groups
+// are read only when the caller's own gid is not the one asked about.
+func inGroupOf(ctx context.Context) func(uint32) bool {
+	c := caller(ctx)
+	return func(gid uint32) bool {
+		return c.Uid == 0 || c.Gid == gid || fuseRequester(ctx).InGroup(gid)
+	}
 }
 
 // Statfs reports the backing's capacity and use, so df shows them, with

@@ -95,9 +95,11 @@ func (fsys *filesystem) segmentKind(dirfd int, name string, st *unix.Stat_t) (st
 // dirfd, whose storage is s (nil for an object that is not a segment, and
 // for an O_TMPFILE segment, which stays a host one): it belongs to the
 // caller (the daemon may be root), inherits the directory's flags and
-// device, and st is what stat shows of it now, for the reply. It returns
-// the object's storage, which a device directory changes.
-func (d *dirNode) adopt(ctx context.Context, dirfd int, a *alloc.Ref, pf alloc.Flags, s storage, st *unix.Stat_t) (storage, error) {
+// device, and st is what stat shows of it now, for the reply. A segment
+// its creator opened for writing (writer) loses the set-id bits a write
+// would clear (writerDrops), as an open for writing of an existing one
+// does. It returns the object's storage, which a device directory changes.
+func (d *dirNode) adopt(ctx context.Context, dirfd int, a *alloc.Ref, pf alloc.Flags, s storage, writer bool, st *unix.Stat_t) (storage, error) {
 	attrs := func(fn func(*alloc.Ref) error) error { return fn(a) }
 	if s != nil {
 		attrs = func(fn func(*alloc.Ref) error) error { return s.attrs(a, fn) }
@@ -110,7 +112,15 @@ func (d *dirNode) adopt(ctx context.Context, dirfd int, a *alloc.Ref, pf alloc.F
 			return nil
 		}
 		p, _ := o.Path()
-		return alloc.InheritFlags(pf, p, o.Stat().Mode&syscall.S_IFMT == syscall.S_IFDIR)
+		if err := alloc.InheritFlags(pf, p, o.Stat().Mode&syscall.S_IFMT == syscall.S_IFDIR); err != nil || !writer {
+			return err
+		}
+		var now unix.Stat_t
+		if err := unix.Fstat(o.Fd(), &now); err != nil {
+			return err
+		}
+		_, err := writerDrops(ctx, o, &now)
+		return err
 	})
 	mode := a.Stat().Mode & syscall.S_IFMT
 	if err == nil && (mode == syscall.S_IFDIR || mode == syscall.S_IFREG && s != nil && s.kind() == alloc.Host) {
@@ -189,7 +199,7 @@ func (d *dirNode) makeNode(ctx context.Context, op, name string, out *fuse.Entry
 		}
 		defer a.Close()
 		var st unix.Stat_t
-		s, err := d.adopt(ctx, fd, a, pf, s, &st)
+		s, err := d.adopt(ctx, fd, a, pf, s, false, &st)
 		if err != nil {
 			undo(fd, name, a)
 			return err
@@ -276,7 +286,7 @@ func (d *dirNode) create(ctx context.Context, dirfd int, name string, flags, mod
 	}
 	var st unix.Stat_t
 	if err == nil {
-		s, err = d.adopt(ctx, dirfd, a, pf, s, &st)
+		s, err = d.adopt(ctx, dirfd, a, pf, s, flags&unix.O_ACCMODE != unix.O_RDONLY, &st)
 	}
 	if err != nil {
 		if fd >= 0 {
@@ -363,7 +373,7 @@ func (d *dirNode) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *f
 			var st unix.Stat_t
 			a, err := alloc.OpenRef(fd, "", 0)
 			if err == nil {
-				_, err = d.adopt(ctx, dirfd, a, pf, nil, &st)
+				_, err = d.adopt(ctx, dirfd, a, pf, nil, true, &st) // O_TMPFILE is for writing
 				a.Close()
 			}
 			if err != nil {

@@ -117,7 +117,7 @@ func (n *segmentNode) Getattr(ctx context.Context, f fusefs.FileHandle, out *fus
 func (n *segmentNode) Setattr(ctx context.Context, f fusefs.FileHandle, in *fuse.SetAttrIn, out *fuse.AttrOut) syscall.Errno {
 	err := attrsFixed(n.storage())
 	if err == nil {
-		err = n.setattr(in, n.followAccess)
+		err = n.setattr(ctx, in, n.followAccess)
 	}
 	if size, ok := in.GetSize(); ok && err == nil {
 		if h, isSeg := f.(segmentHandle); isSeg && h.common().writable {
@@ -179,7 +179,7 @@ func (n *segmentNode) open(ctx context.Context, m *alloc.Ref, flags uint32) (seg
 		err = s.resize(m, 0)
 	}
 	if err == nil && (base.writable || trunc) {
-		err = n.dropSetid(m, c)
+		err = n.dropSetid(ctx, m)
 	}
 	if err != nil {
 		h.close()
@@ -189,25 +189,32 @@ func (n *segmentNode) open(ctx context.Context, m *alloc.Ref, flags uint32) (seg
 	return h, nil
 }
 
-// dropSetid clears the set-id bits that a write by caller would clear on
-// tmpfs (should_remove_suid): set-user-ID, and set-group-ID if
-// group-executable or the caller is not of its group; root keeps them.
-// The daemon never sees a passthrough write, so this is done when the
-// segment is opened for writing, and the kernel's cached mode is dropped.
-func (n *segmentNode) dropSetid(m *alloc.Ref, c *fuse.Caller) error {
-	if c.Uid == 0 {
-		return nil
-	}
+// dropSetid clears the set-id bits that a write by the caller would
+// clear on tmpfs (writerDrops). The daemon never sees a passthrough write,
+// so this is done when the segment is opened for writing, and the
+// kernel's cached mode is dropped.
+func (n *segmentNode) dropSetid(ctx context.Context, m *alloc.Ref) error {
 	return n.storage().attrs(m, func(a *alloc.Ref) error {
-		st := a.Stat() // just opened: what the kernel checked
-		if kill := setidToDrop(st, c.Gid); kill != 0 {
-			if err := a.Chmod(st.Mode &^ kill); err != nil {
-				return err
-			}
+		dropped, err := writerDrops(ctx, a, a.Stat()) // just opened: what the kernel checked
+		if dropped {
 			n.NotifyContent(-1, 0)
 		}
-		return nil
+		return err
 	})
+}
+
+// writerDrops clears on a, whose stat is st, the set-id bits that a write
+// by the caller of ctx would clear on tmpfs (should_remove_suid); root
+// keeps them. It reports whether it cleared any.
+func writerDrops(ctx context.Context, a *alloc.Ref, st *unix.Stat_t) (bool, error) {
+	if caller(ctx).Uid == 0 {
+		return false, nil
+	}
+	kill := setidToDrop(st, inGroupOf(ctx))
+	if kill == 0 {
+		return false, nil
+	}
+	return true, a.Chmod(st.Mode &^ kill)
 }
 
 // checkTruncate refuses O_TRUNC of a segment with bytes in an EXCLUSIVE
