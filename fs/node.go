@@ -182,7 +182,9 @@ func (n *nodeBase) setattr(ctx context.Context, in *fuse.SetAttrIn, after func()
 	atime, atok := in.GetATime()
 	kill := in.Valid&fuse.FATTR_KILL_SUIDGID != 0
 	if !mok && !uok && !gok && !mtok && !atok && !kill {
-		return nil
+		// A change of nothing, such as chown(f, -1, -1): on tmpfs it
+		// moves ctime, and so it does on the backing.
+		return n.self().withAttrs(func(a *alloc.Ref) error { return a.Chown(-1, -1) })
 	}
 	err := n.self().withAttrs(func(a *alloc.Ref) error {
 		if uok || gok {

@@ -160,6 +160,7 @@ var oracleFound = []struct {
 	{1, 167, "a writer of the file's group by a supplementary group lost set-group-ID at open"},
 	{2, 167, "a segment created for writing kept the set-id bits its writer clears (O_CREAT, O_TMPFILE)"},
 	{8, 132, "utimensat(UTIME_NOW) set mtime from the daemon's clock, after the ctime it made"},
+	{13, 300, "chown(f, -1, -1) by another user did not move ctime (a SETATTR of nothing changed nothing)"},
 }
 
 // TestPosixOracleFound replays oracleFound.
