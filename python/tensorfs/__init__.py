@@ -85,9 +85,11 @@ def _load_dtypes():
     """Read dtypes.json, the table the Go daemon embeds too (alloc/dtypes.json)."""
     with _builtins.open(_os.path.join(_os.path.dirname(__file__), "dtypes.json")) as f:
         table = _json.load(f)["dtypes"]
-    dtypes, names = {}, {}
+    dtypes, names, st_names = {}, {}, {}
     for e in table:
         dtypes[e["name"]] = e
+        if e["safetensors"]:
+            st_names[e["safetensors"]] = e["name"]
         for alias in [e["name"]] + e["torch_aliases"]:
             names[alias] = names["torch." + alias] = e["name"]
         for alias in e["numpy_aliases"]:
@@ -95,10 +97,10 @@ def _load_dtypes():
         for code in e["numpy_codes"]:
             for order in ("", "<", "=", "|"):
                 names[order + code] = e["name"]
-    return dtypes, names
+    return dtypes, names, st_names
 
 
-DTYPES, _DTYPE_NAMES = _load_dtypes()
+DTYPES, _DTYPE_NAMES, _ST_DTYPE_NAMES = _load_dtypes()
 
 
 def canonical_dtype(name: _typing.Any) -> str:
@@ -106,13 +108,18 @@ def canonical_dtype(name: _typing.Any) -> str:
 
     name is a string, a torch dtype (torch.float32), a NumPy dtype
     (np.dtype("float32")) or NumPy scalar type (np.float32). The same
-    spellings as the daemon accepts, from the same table: PyTorch names
-    and aliases ("float", "torch.half"), NumPy names and little-endian
-    codes ("single", "<f4"), case-insensitively. TypeError otherwise.
+    spellings as the daemon accepts, from the same table: safetensors'
+    as the format writes them ("F32", "BF16", "I8": upper case, matched
+    first), PyTorch names and aliases ("float", "torch.half"), NumPy names
+    and little-endian codes ("single", "<f4"), case-insensitively.
+    TypeError, quoting name as given, otherwise.
     """
     if (name.__module__ if isinstance(name, type) else type(name).__module__) == "numpy":
         name = _np().dtype(name).str  # np.float32 and np.dtype("f4") alike: "<f4", byte order and all
-    s = str(name).strip().encode("utf-8", "surrogateescape").lower().decode("utf-8", "surrogateescape")
+    given = str(name).strip()
+    if given in _ST_DTYPE_NAMES:
+        return _ST_DTYPE_NAMES[given]
+    s = given.encode("utf-8", "surrogateescape").lower().decode("utf-8", "surrogateescape")
     try:
         return _DTYPE_NAMES[s]
     except KeyError:
