@@ -20,7 +20,7 @@ const usage = `usage:
                                         each mount's mode, capacity and use, segments, limbo, requests, daemon
   tensorfs ls [-l] [-R] PATH...         segments: size, device, flags, refs, dtype, shape (-l: holders, -R: subdirectories)
   tensorfs import FILE|INDEX|DIR DIR    a .safetensors file or sharded checkpoint into DIR (new or empty), one segment per tensor
-  tensorfs export [--max-shard-size SIZE] DIR FILE|DIR
+  tensorfs export [--max-shard-size SIZE] [--tied NAME]... DIR FILE|DIR
                                         the tensors under DIR into a .safetensors file, or shards with an index
   tensorfs set DTYPE SHAPE PATH...      give segments a dtype and a (contiguous) shape
   tensorfs show PATH...                 a segment's dtype, shape, stride and offset (a directory: each segment under it)

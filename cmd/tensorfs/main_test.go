@@ -38,7 +38,7 @@ func TestRunUsage(t *testing.T) {
 		{[]string{"--help"}, 0, "usage:", ""},
 		{[]string{"import", "-h"}, 0, "usage: tensorfs import", ""},
 		{[]string{"import", "a.safetensors"}, 2, "", "tensorfs import: want FILE.safetensors|INDEX.json|CHECKPOINT-DIR DIR"},
-		{[]string{"export", "a", "b", "c"}, 2, "", "tensorfs export: want [--max-shard-size SIZE] DIR FILE.safetensors|OUT-DIR"},
+		{[]string{"export", "a", "b", "c"}, 2, "", "tensorfs export: want [--max-shard-size SIZE] [--tied NAME]... DIR FILE.safetensors|OUT-DIR"},
 		{[]string{"import", "--bogus", "a", "b"}, 2, "", "flag provided but not defined: -bogus"},
 		{[]string{"mount"}, 2, "", "want exactly one MOUNTPOINT"},
 		{[]string{"mount", "--gpu", "opencl", "/nonexistent"}, 2, "", "--gpu opencl"},
