@@ -48,7 +48,7 @@ type statusReport struct {
 	Stats      json.RawMessage `json:"stats,omitempty"`
 	Error      string          `json:"error,omitempty"`
 	stats      mountStats
-	unmounted  bool // the path is no tensorfs mount
+	unmounted  bool // the path is gone, or no tensorfs mount
 }
 
 func runStatus(args []string, stdout, stderr io.Writer) int {
@@ -110,7 +110,7 @@ func readStatus(point string) statusReport {
 			r.Error = fmt.Sprintf("%s is in a tensorfs mount but not its root: name the mount point", point)
 		}
 	case err != nil:
-		r.Error = fmt.Sprintf("%s: %v", point, err)
+		r.Error, r.unmounted = fmt.Sprintf("%s: %v", point, err), errors.Is(err, unix.ENOENT)
 	default:
 		if err := json.Unmarshal(raw, &r.stats); err != nil {
 			r.Error = fmt.Sprintf("%s: %s is not what tensorfs writes: %v", point, alloc.AttrStats, err)
