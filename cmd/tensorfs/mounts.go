@@ -109,8 +109,9 @@ func tensorfsMounts() ([]string, error) {
 }
 
 // mountOf returns the mount that holds path, or, when path does not exist
-// yet, its nearest existing ancestor: the last mount in the table on the
-// same device whose point is a prefix of its real path.
+// yet, its nearest existing ancestor: of the mounts in the table on the
+// same device whose point is a prefix of its real path, the longest (the
+// last, of several at one point).
 func mountOf(path string) (mountEntry, error) {
 	p, err := filepath.Abs(path)
 	if err != nil {
@@ -140,7 +141,8 @@ func mountOf(path string) (mountEntry, error) {
 	}
 	var found *mountEntry
 	for i, m := range mounts {
-		if m.dev == st.Dev && (m.point == "/" || p == m.point || strings.HasPrefix(p, m.point+"/")) {
+		if m.dev == st.Dev && (m.point == "/" || p == m.point || strings.HasPrefix(p, m.point+"/")) &&
+			(found == nil || len(m.point) >= len(found.point)) {
 			found = &mounts[i]
 		}
 	}
