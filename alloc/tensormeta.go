@@ -45,8 +45,9 @@ var DtypesJSON []byte
 // is its safetensors_order.
 var dtypeTable, safetensorsOrder = parseDtypeTable(DtypesJSON)
 
-// dtypeNames maps every accepted lower-case spelling to its canonical Dtype.
-var dtypeNames = buildDtypeNames(dtypeTable)
+// dtypeNames maps every accepted lower-case spelling to its canonical Dtype;
+// safetensorsNames maps the format's spellings, exactly as it writes them.
+var dtypeNames, safetensorsNames = buildDtypeNames(dtypeTable)
 
 // Dtypes returns the dtype table, in the order of dtypes.json.
 func Dtypes() []DtypeInfo { return slices.Clone(dtypeTable) }
@@ -66,13 +67,18 @@ func parseDtypeTable(b []byte) ([]DtypeInfo, []string) {
 	return t.Dtypes, t.Order
 }
 
-// buildDtypeNames lists the accepted spellings, as dtypes.json describes them. NumPy's
-// one-letter type codes are not accepted: matching is case-insensitive, and "b"/"B" or "l"/"L"
-// would then be ambiguous.
-func buildDtypeNames(table []DtypeInfo) map[string]Dtype {
-	names := map[string]Dtype{}
+// buildDtypeNames lists the accepted spellings, as dtypes.json describes them: the
+// case-insensitive ones, and safetensors' own, which match as the format writes them (upper
+// case), since three of them lower-cased are NumPy codes of other types ("I8" is int8, "i8"
+// int64; "U8", "u8"; "F4" float4_e2m1fn, "f4" float32). NumPy's one-letter type codes are not
+// accepted: matching is case-insensitive, and "b"/"B" or "l"/"L" would then be ambiguous.
+func buildDtypeNames(table []DtypeInfo) (names, safetensors map[string]Dtype) {
+	names, safetensors = map[string]Dtype{}, map[string]Dtype{}
 	for _, e := range table {
 		d := Dtype{Name: e.Name, Size: (e.Bits + 7) / 8, Bits: e.Bits}
+		if e.Safetensors != "" {
+			safetensors[e.Safetensors] = d
+		}
 		for _, alias := range append([]string{e.Name}, e.TorchAliases...) {
 			names[alias] = d
 			names["torch."+alias] = d
@@ -86,22 +92,27 @@ func buildDtypeNames(table []DtypeInfo) map[string]Dtype {
 			}
 		}
 	}
-	return names
+	return names, safetensors
 }
 
-// ParseDtype parses a PyTorch or NumPy dtype spelling, such as "torch.float32", "float",
-// "<f4" or "single", case-insensitively and ignoring surrounding whitespace, and returns the
-// canonical Dtype. Big-endian NumPy codes (">f4") and unknown names are errors wrapping
-// ErrInvalid.
+// ParseDtype parses a safetensors, PyTorch or NumPy dtype spelling, such as "F32", "BF16",
+// "torch.float32", "float", "<f4" or "single", ignoring surrounding whitespace, and returns the
+// canonical Dtype. Safetensors' spellings match as the format writes them (upper case, and
+// before the others: "I8" is int8), the others case-insensitively. Big-endian NumPy codes
+// (">f4") and unknown names are errors wrapping ErrInvalid that quote s as given.
 func ParseDtype(s string) (Dtype, error) {
-	s = lowerASCII(strings.TrimSpace(s))
-	if d, ok := dtypeNames[s]; ok {
+	given := strings.TrimSpace(s)
+	if d, ok := safetensorsNames[given]; ok {
 		return d, nil
 	}
-	if strings.HasPrefix(s, ">") || strings.HasPrefix(s, "!") {
-		return Dtype{}, fmt.Errorf("%w: big-endian dtype %q, only little-endian is stored", ErrInvalid, s)
+	lower := lowerASCII(given)
+	if d, ok := dtypeNames[lower]; ok {
+		return d, nil
 	}
-	return Dtype{}, fmt.Errorf("%w: unknown dtype %q", ErrInvalid, s)
+	if strings.HasPrefix(lower, ">") || strings.HasPrefix(lower, "!") {
+		return Dtype{}, fmt.Errorf("%w: big-endian dtype %q, only little-endian is stored", ErrInvalid, given)
+	}
+	return Dtype{}, fmt.Errorf("%w: unknown dtype %q", ErrInvalid, given)
 }
 
 // Limits on shape and stride values.

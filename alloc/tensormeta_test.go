@@ -56,6 +56,16 @@ func TestParseDtype(t *testing.T) {
 		{"<c16", "complex128", 16},
 		{"float8_e4m3fn", "float8_e4m3fn", 1},
 		{"torch.float8_e5m2", "float8_e5m2", 1},
+		// safetensors' spellings, as the format writes them; upper case
+		// comes first where NumPy has the code lower-cased.
+		{"F32", "float32", 4},
+		{" BF16 ", "bfloat16", 2},
+		{"I64", "int64", 8},
+		{"I8", "int8", 1},
+		{"U8", "uint8", 1},
+		{"BOOL", "bool", 1},
+		{"F8_E4M3", "float8_e4m3fn", 1},
+		{"C64", "complex64", 8},
 	}
 	for _, tc := range good {
 		got, err := ParseDtype(tc.in)
@@ -66,12 +76,19 @@ func TestParseDtype(t *testing.T) {
 	bad := []string{
 		"", ">f4", "!f4", ">i2", "float128", "f16", "torch.", "torch.f4", "<float32",
 		"np.float32", "b", "B", "f", "complex32", "int4", "float 32", "<<f4",
-		"float32\x00", "torch.Size", "str", "ſingle", "FLOAT\u0130",
+		"float32\x00", "torch.Size", "str", "ſingle", "FLOAT\u0130", "f32", "Bf16", "F128",
 	}
 	for _, in := range bad {
 		if got, err := ParseDtype(in); !errors.Is(err, ErrInvalid) {
 			t.Errorf("ParseDtype(%q) = %v, %v; want ErrInvalid", in, got, err)
 		}
+	}
+	// Packed ones, and an error that quotes the spelling as given.
+	if d, err := ParseDtype("F4"); err != nil || d.Name != "float4_e2m1fn" {
+		t.Errorf("ParseDtype(F4) = %v, %v; want float4_e2m1fn (safetensors' F4, not NumPy's f4)", d, err)
+	}
+	if _, err := ParseDtype(" Float33 "); err == nil || !strings.Contains(err.Error(), `"Float33"`) {
+		t.Errorf("ParseDtype(Float33): %v, want the spelling quoted as given", err)
 	}
 }
 

@@ -252,6 +252,9 @@ func TestPythonDtypeSpellings(t *testing.T) {
 			spellings = append(spellings, a, "torch."+a, strings.ToUpper(a), " "+a+"\t")
 		}
 		spellings = append(spellings, d.NumPyAliases...)
+		if d.Safetensors != "" {
+			spellings = append(spellings, d.Safetensors, strings.ToLower(d.Safetensors), " "+d.Safetensors)
+		}
 		for _, c := range d.NumPyCodes {
 			for _, order := range []string{"", "<", "=", "|", ">", "!"} {
 				spellings = append(spellings, order+c)

@@ -408,9 +408,16 @@ func TestSafetensorsRefused(t *testing.T) {
 		}
 	})
 	t.Run("mount-full", func(t *testing.T) {
-		// 48 MiB of tensors into a 32 MiB mount: the second one fails.
-		check(t, big, m.path("new/model"), "full")
-		check(t, big, m.path("empty"), "full")
+		// 48 MiB of tensors into a 32 MiB mount: the second one fails,
+		// saying what it needed and what was free, and naming a directory
+		// to look at that the cleanup left in place.
+		for target, hint := range map[string]string{m.path("new/model"): m.dir, m.path("empty"): m.path("empty")} {
+			check(t, big, target, "the import needs 48.0 MiB and the mount had ")
+			check(t, big, target, "free when it began: see df -h "+hint+"; ")
+			if _, err := os.Stat(hint); err != nil {
+				t.Errorf("the hint's directory: %v", err)
+			}
+		}
 		if got := stAttr(t, m.dir, "user.tensorfs.rsegments"); got != "0" {
 			t.Errorf("user.tensorfs.rsegments = %s after failed imports, want 0", got)
 		}

@@ -1,6 +1,6 @@
 package main
 
-// tensorfs set DTYPE SHAPE PATH... and tensorfs show PATH...: a segment's
+// tensorfs set DTYPE SHAPE PATH... and tensorfs show PATH|DIR...: a segment's
 // tensor layout, its user.tensor.* attributes, with the daemon's rules
 // checked here first so that a refusal says why.
 
@@ -9,7 +9,9 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
+	"path/filepath"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -19,7 +21,8 @@ import (
 
 func runSet(args []string, stdout, stderr io.Writer) int {
 	set := flag.NewFlagSet("tensorfs set", flag.ContinueOnError)
-	const synopsis = "DTYPE SHAPE PATH...   (a contiguous layout: stride and storage offset are removed)"
+	const synopsis = "[--allow-outside] DTYPE SHAPE PATH...   (a contiguous layout: stride and storage offset are removed)"
+	outside := allowOutside(set, "set the attributes of")
 	if code, ok := parseFlags(set, args, synopsis, stdout, stderr); !ok {
 		return code
 	}
@@ -38,7 +41,11 @@ func runSet(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	status := 0
-	for _, path := range set.Args()[2:] {
+	paths := checkPaths("tensorfs set", set.Args()[2:], *outside, stderr)
+	if len(paths) < set.NArg()-2 {
+		status = 1
+	}
+	for _, path := range paths {
 		if err := setLayout(path, d, shape); err != nil {
 			fmt.Fprintf(stderr, "tensorfs set: %s\n", alloc.EscapeText(err.Error()))
 			status = 1
@@ -125,7 +132,8 @@ func explainXattr(path string, err error) error {
 
 func runShow(args []string, stdout, stderr io.Writer) int {
 	set := flag.NewFlagSet("tensorfs show", flag.ContinueOnError)
-	if code, ok := parseFlags(set, args, "PATH...", stdout, stderr); !ok {
+	outside := allowOutside(set, "show")
+	if code, ok := parseFlags(set, args, "[--allow-outside] PATH...   (a directory: every segment under it)", stdout, stderr); !ok {
 		return code
 	}
 	if set.NArg() == 0 {
@@ -133,16 +141,51 @@ func runShow(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	status := 0
-	for _, path := range set.Args() {
-		line, err := showLayout(path)
+	paths := checkPaths("tensorfs show", set.Args(), *outside, stderr)
+	if len(paths) < set.NArg() {
+		status = 1
+	}
+	for _, path := range paths {
+		segs, err := segmentsUnder(path)
 		if err != nil {
 			fmt.Fprintf(stderr, "tensorfs show: %s\n", alloc.EscapeText(err.Error()))
 			status = 1
-			continue
 		}
-		fmt.Fprintln(stdout, line)
+		for _, seg := range segs {
+			line, err := showLayout(seg)
+			if err != nil {
+				fmt.Fprintf(stderr, "tensorfs show: %s\n", alloc.EscapeText(err.Error()))
+				status = 1
+				continue
+			}
+			fmt.Fprintln(stdout, line)
+		}
 	}
 	return status
+}
+
+// segmentsUnder returns path itself, or, for a directory, the regular
+// files under it in lexical order (symbolic links not followed). err
+// says what could not be read; the files found are returned anyway.
+func segmentsUnder(path string) ([]string, error) {
+	fi, err := os.Stat(path)
+	if err != nil || !fi.IsDir() {
+		return []string{path}, nil // showLayout says what is wrong
+	}
+	var out []string
+	err = filepath.WalkDir(path, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.Type().IsRegular() {
+			out = append(out, p)
+		}
+		return nil
+	})
+	if err == nil && len(out) == 0 {
+		err = fmt.Errorf("%s holds no segments", path)
+	}
+	return out, err
 }
 
 // showLayout describes a segment's tensor in one line:

@@ -5,8 +5,8 @@ package main
 //
 // Files named on the command line come first, in one table. Each directory
 // then gets a block: a summary line "DIR  <rbytes>  <rsegments> segments"
-// for its whole subtree, and a table of its entries (not recursive;
-// subdirectories show as NAME/ with their subtree's bytes). Hidden names
+// for its whole subtree, and a table of its entries (subdirectories show
+// as NAME/ with their subtree's bytes; -R lists each in a block too). Hidden names
 // are listed too: a segment uses memory whatever its name. An attribute
 // that is absent, or a file outside tensorfs, shows "-".
 //
@@ -31,7 +31,9 @@ import (
 func runLs(args []string, stdout, stderr io.Writer) int {
 	set := flag.NewFlagSet("tensorfs ls", flag.ContinueOnError)
 	long := set.Bool("l", false, "also list the processes holding each segment (HOLDERS: pid:command(handles))")
-	if code, ok := parseFlags(set, args, "[-l] PATH...", stdout, stderr); !ok {
+	recursive := set.Bool("R", false, "list each subdirectory too, in a block of its own, as ls -R does")
+	outside := allowOutside(set, "list")
+	if code, ok := parseFlags(set, args, "[-l] [-R] [--allow-outside] PATH...", stdout, stderr); !ok {
 		return code
 	}
 	paths := set.Args()
@@ -39,8 +41,12 @@ func runLs(args []string, stdout, stderr io.Writer) int {
 		paths = []string{"."}
 	}
 	status := 0
+	checked := checkPaths("tensorfs ls", paths, *outside, stderr)
+	if len(checked) < len(paths) {
+		status = 1
+	}
 	var files, dirs []string
-	for _, p := range paths {
+	for _, p := range checked {
 		fi, err := os.Stat(p)
 		switch {
 		case err != nil:
@@ -52,36 +58,60 @@ func runLs(args []string, stdout, stderr io.Writer) int {
 			files = append(files, p)
 		}
 	}
-	blocks := 0
+	l := lister{w: stdout, stderr: stderr, long: *long, recursive: *recursive}
 	if len(files) > 0 {
 		writeTable(stdout, *long, files, func(p string) string { return p })
-		blocks++
+		l.blocks++
 	}
 	for _, dir := range dirs {
-		names, err := readDirNames(dir)
-		if err != nil {
-			fmt.Fprintf(stderr, "tensorfs ls: %s\n", alloc.EscapeText(err.Error()))
+		if !l.dir(dir) {
 			status = 1
-			continue
 		}
-		slices.Sort(names)
-		if blocks > 0 {
-			fmt.Fprintln(stdout)
-		}
-		blocks++
-		segs := attrOr(dir, alloc.AttrRsegments)
-		plural := "s"
-		if segs == "1" {
-			plural = ""
-		}
-		fmt.Fprintf(stdout, "%s  %s  %s segment%s\n", alloc.Escape(dir), humanAttr(dir, alloc.AttrRbytes), segs, plural)
-		entries := make([]string, len(names))
-		for i, name := range names {
-			entries[i] = filepath.Join(dir, name)
-		}
-		writeTable(stdout, *long, entries, filepath.Base)
 	}
 	return status
+}
+
+// lister prints the blocks of tensorfs ls.
+type lister struct {
+	w, stderr       io.Writer
+	long, recursive bool
+	blocks          int // printed so far
+}
+
+// dir prints dir's block: a summary line "DIR  <rbytes>  <rsegments>
+// segments" and a table of its entries; with -R, then each subdirectory's
+// block. It reports whether every directory could be read.
+func (l *lister) dir(dir string) bool {
+	names, err := readDirNames(dir)
+	if err != nil {
+		fmt.Fprintf(l.stderr, "tensorfs ls: %s\n", alloc.EscapeText(err.Error()))
+		return false
+	}
+	slices.Sort(names)
+	if l.blocks > 0 {
+		fmt.Fprintln(l.w)
+	}
+	l.blocks++
+	segs := attrOr(dir, alloc.AttrRsegments)
+	plural := "s"
+	if segs == "1" {
+		plural = ""
+	}
+	fmt.Fprintf(l.w, "%s  %s  %s segment%s\n", alloc.Escape(dir), humanAttr(dir, alloc.AttrRbytes), segs, plural)
+	entries := make([]string, len(names))
+	for i, name := range names {
+		entries[i] = filepath.Join(dir, name)
+	}
+	writeTable(l.w, l.long, entries, filepath.Base)
+	ok := true
+	if l.recursive {
+		for _, p := range entries {
+			if fi, err := os.Lstat(p); err == nil && fi.IsDir() {
+				ok = l.dir(p) && ok
+			}
+		}
+	}
+	return ok
 }
 
 // writeTable prints one row per path that is a regular file or a

@@ -16,15 +16,19 @@ import (
 const usage = `usage:
   tensorfs mount [flags] MOUNTPOINT     mount; returns once ready (-f: stay in the foreground)
   tensorfs unmount [--purge] MOUNTPOINT unmount; --purge also releases the backing memory
-  tensorfs ls [-l] PATH...              segments: size, device, flags, refs, dtype, shape (-l: holders)
+  tensorfs status [--json] [MOUNTPOINT...]
+                                        each mount's mode, capacity and use, segments, limbo, requests, daemon
+  tensorfs ls [-l] [-R] PATH...         segments: size, device, flags, refs, dtype, shape (-l: holders, -R: subdirectories)
   tensorfs import FILE|INDEX|DIR DIR    a .safetensors file or sharded checkpoint into DIR (new or empty), one segment per tensor
-  tensorfs export [--max-shard-size SIZE] DIR FILE|DIR
+  tensorfs export [--max-shard-size SIZE] [--tied NAME]... DIR FILE|DIR
                                         the tensors under DIR into a .safetensors file, or shards with an index
   tensorfs set DTYPE SHAPE PATH...      give segments a dtype and a (contiguous) shape
-  tensorfs show PATH...                 a segment's dtype, shape, stride and offset
+  tensorfs show PATH...                 a segment's dtype, shape, stride and offset (a directory: each segment under it)
   tensorfs publish DIR                  DIR becomes a new version of itself on every node of the cluster
   tensorfs pull DIR                     fetch what a published DIR holds from the cluster's nodes
-Run "tensorfs mount -h" for the mount flags.
+  tensorfs --version                    the version and commit of this binary
+Run "tensorfs mount -h" for the mount flags. ls, show and set refuse a path outside a
+tensorfs mount unless given --allow-outside.
 `
 
 func main() {
@@ -45,6 +49,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runMount(args[1:], stdout, stderr)
 	case "unmount", "umount":
 		return runUnmount(args[1:], stdout, stderr)
+	case "status":
+		return runStatus(args[1:], stdout, stderr)
 	case "ls":
 		return runLs(args[1:], stdout, stderr)
 	case "import":
@@ -61,6 +67,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runPull(args[1:], stdout, stderr)
 	case "gpu-helper":
 		return gpu.HelperMain(args[1:], stderr, nil)
+	case "--version", "version":
+		return runVersion(stdout, stderr)
 	case "-h", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return 0

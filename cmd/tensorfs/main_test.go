@@ -38,7 +38,7 @@ func TestRunUsage(t *testing.T) {
 		{[]string{"--help"}, 0, "usage:", ""},
 		{[]string{"import", "-h"}, 0, "usage: tensorfs import", ""},
 		{[]string{"import", "a.safetensors"}, 2, "", "tensorfs import: want FILE.safetensors|INDEX.json|CHECKPOINT-DIR DIR"},
-		{[]string{"export", "a", "b", "c"}, 2, "", "tensorfs export: want [--max-shard-size SIZE] DIR FILE.safetensors|OUT-DIR"},
+		{[]string{"export", "a", "b", "c"}, 2, "", "tensorfs export: want [--max-shard-size SIZE] [--tied NAME]... DIR FILE.safetensors|OUT-DIR"},
 		{[]string{"import", "--bogus", "a", "b"}, 2, "", "flag provided but not defined: -bogus"},
 		{[]string{"mount"}, 2, "", "want exactly one MOUNTPOINT"},
 		{[]string{"mount", "--gpu", "opencl", "/nonexistent"}, 2, "", "--gpu opencl"},
@@ -55,8 +55,9 @@ func TestRunUsage(t *testing.T) {
 	}
 }
 
-// TestRunLs: ls of a plain directory lists its entries, "-" for what only
-// a mount has; a missing path fails with one line and exit 1.
+// TestRunLs: ls --allow-outside of a plain directory lists its entries,
+// "-" for what only a mount has; a missing path fails with one line and
+// exit 1.
 func TestRunLs(t *testing.T) {
 	dir := t.TempDir()
 	if err := os.WriteFile(filepath.Join(dir, "weights"), make([]byte, 2048), 0o644); err != nil {
@@ -65,7 +66,7 @@ func TestRunLs(t *testing.T) {
 	if err := os.Mkdir(filepath.Join(dir, "sub"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	code, stdout, stderr := runCLI("ls", dir)
+	code, stdout, stderr := runCLI("ls", "--allow-outside", dir)
 	lines := strings.Split(strings.TrimRight(stdout, "\n"), "\n")
 	if code != 0 || stderr != "" || len(lines) != 4 {
 		t.Fatalf("ls %s = %d, stderr %q, stdout:\n%s", dir, code, stderr, stdout)
@@ -80,7 +81,7 @@ func TestRunLs(t *testing.T) {
 		t.Errorf("ls row for sub: %q", lines[2])
 	}
 
-	code, _, stderr = runCLI("ls", filepath.Join(dir, "missing"))
+	code, _, stderr = runCLI("ls", "--allow-outside", filepath.Join(dir, "missing"))
 	if code != 1 || !strings.HasPrefix(stderr, "tensorfs ls: ") || strings.Count(stderr, "\n") != 1 {
 		t.Errorf("ls of a missing path = %d, stderr %q; want 1 and one line", code, stderr)
 	}

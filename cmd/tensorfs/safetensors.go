@@ -7,6 +7,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -14,6 +15,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -33,7 +35,7 @@ func runImport(args []string, stdout, stderr io.Writer) int {
 }
 
 func runExport(args []string, stdout, stderr io.Writer) int {
-	return runTransfer("export", "[--max-shard-size SIZE] DIR FILE.safetensors|OUT-DIR", "to", transfer.Export, args, stdout, stderr)
+	return runTransfer("export", "[--max-shard-size SIZE] [--tied NAME]... DIR FILE.safetensors|OUT-DIR", "to", transfer.Export, args, stdout, stderr)
 }
 
 // runTransfer runs import or export (op) of its two arguments, from and
@@ -44,8 +46,10 @@ func runTransfer(op, synopsis, into string, do func(ctx context.Context, from, t
 	args []string, stdout, stderr io.Writer) int {
 	set := flag.NewFlagSet("tensorfs "+op, flag.ContinueOnError)
 	var maxShard *string
+	var tied names
 	if op == "export" {
 		maxShard = set.String("max-shard-size", "", "split into shards of at most SIZE (5GB, 500MB, or bytes) with an index, as transformers' save_pretrained")
+		set.Var(&tied, "tied", "leave out NAME, which shares its segment with a name that is written, with no metadata entry, as save_pretrained drops a model's tied weights (repeat it, or NAME,NAME)")
 	}
 	if code, ok := parseFlags(set, args, synopsis, stdout, stderr); !ok {
 		return code
@@ -71,6 +75,7 @@ func runTransfer(op, synopsis, into string, do func(ctx context.Context, from, t
 		Progress:     p.update,
 		Warn:         func(msg string) { fmt.Fprintf(stderr, "tensorfs %s: %s\n", op, msg) },
 		MaxShardSize: maxShardSize,
+		Tied:         tied,
 	})
 	p.finish()
 	if err != nil {
@@ -86,6 +91,22 @@ func runTransfer(op, synopsis, into string, do func(ctx context.Context, from, t
 	}
 	fmt.Fprintf(stdout, "%sed %d tensors (%s%s) from %s %s %s\n", op, sum.Tensors, byteCount(sum.Bytes), extra, from, into, to)
 	return 0
+}
+
+// names is a flag that may be given many times, each a comma-separated
+// list of names.
+type names []string
+
+func (n *names) String() string { return strings.Join(*n, ",") }
+
+func (n *names) Set(v string) error {
+	for _, name := range strings.Split(v, ",") {
+		if name == "" {
+			return errors.New("empty name")
+		}
+		*n = append(*n, name)
+	}
+	return nil
 }
 
 // interruptible returns a context that the first SIGINT or SIGTERM

@@ -53,6 +53,7 @@ __all__ = [
     "broadcast_fd",
     "canonical_dtype",
     "check_shape",
+    "empty_model",
     "export_fd",
     "export_safetensors",
     "find_mount",
@@ -85,9 +86,11 @@ def _load_dtypes():
     """Read dtypes.json, the table the Go daemon embeds too (alloc/dtypes.json)."""
     with _builtins.open(_os.path.join(_os.path.dirname(__file__), "dtypes.json")) as f:
         table = _json.load(f)["dtypes"]
-    dtypes, names = {}, {}
+    dtypes, names, st_names = {}, {}, {}
     for e in table:
         dtypes[e["name"]] = e
+        if e["safetensors"]:
+            st_names[e["safetensors"]] = e["name"]
         for alias in [e["name"]] + e["torch_aliases"]:
             names[alias] = names["torch." + alias] = e["name"]
         for alias in e["numpy_aliases"]:
@@ -95,10 +98,10 @@ def _load_dtypes():
         for code in e["numpy_codes"]:
             for order in ("", "<", "=", "|"):
                 names[order + code] = e["name"]
-    return dtypes, names
+    return dtypes, names, st_names
 
 
-DTYPES, _DTYPE_NAMES = _load_dtypes()
+DTYPES, _DTYPE_NAMES, _ST_DTYPE_NAMES = _load_dtypes()
 
 
 def canonical_dtype(name: _typing.Any) -> str:
@@ -106,13 +109,18 @@ def canonical_dtype(name: _typing.Any) -> str:
 
     name is a string, a torch dtype (torch.float32), a NumPy dtype
     (np.dtype("float32")) or NumPy scalar type (np.float32). The same
-    spellings as the daemon accepts, from the same table: PyTorch names
-    and aliases ("float", "torch.half"), NumPy names and little-endian
-    codes ("single", "<f4"), case-insensitively. TypeError otherwise.
+    spellings as the daemon accepts, from the same table: safetensors'
+    as the format writes them ("F32", "BF16", "I8": upper case, matched
+    first), PyTorch names and aliases ("float", "torch.half"), NumPy names
+    and little-endian codes ("single", "<f4"), case-insensitively.
+    TypeError, quoting name as given, otherwise.
     """
     if (name.__module__ if isinstance(name, type) else type(name).__module__) == "numpy":
         name = _np().dtype(name).str  # np.float32 and np.dtype("f4") alike: "<f4", byte order and all
-    s = str(name).strip().encode("utf-8", "surrogateescape").lower().decode("utf-8", "surrogateescape")
+    given = str(name).strip()
+    if given in _ST_DTYPE_NAMES:
+        return _ST_DTYPE_NAMES[given]
+    s = given.encode("utf-8", "surrogateescape").lower().decode("utf-8", "surrogateescape")
     try:
         return _DTYPE_NAMES[s]
     except KeyError:
@@ -353,7 +361,7 @@ _SAVE_PREFIX = ".save-"  # temporary names of saves in progress; readers skip th
 _ATTR_KEEP = ("user.tensorfs.flags", "user.tensorfs.device")  # set while empty; a save keeps them
 
 
-def save(path: str, x: _typing.Any) -> None:
+def save(path: str, x: _typing.Any, *, allow_outside: bool = False) -> None:
     """Write a NumPy array or torch tensor (a contiguous copy) to path, all or nothing.
 
     The bytes go into a hidden temporary segment beside path
@@ -361,8 +369,11 @@ def save(path: str, x: _typing.Any) -> None:
     and is renamed over path at the end: readers see the old segment or the
     new one, never a part. The segment's flags and device, if path exists,
     carry over. On any error (a full mount included) nothing is left, and
-    the OSError names path, the mount and why.
+    the OSError names path, the mount and why. A path outside a tensorfs
+    mount is refused (OSError ENOENT) unless allow_outside, which writes an
+    ordinary file with the same attributes.
     """
+    _check_inside(path, allow_outside, "tensorfs.save")
     buf, dtype, shape = _as_bytes_source(x)
     tmp = _write_temp(path, buf, dtype, shape, "tensorfs.save")
     try:
@@ -370,6 +381,20 @@ def save(path: str, x: _typing.Any) -> None:
     except OSError as e:
         _unlink_quietly(tmp)
         raise _explain(e, path, "tensorfs.save: %s" % path) from None
+
+
+def _check_inside(path, allow_outside, what):
+    """Refuse path outside a tensorfs mount, unless allow_outside: a write there would go to the disk below."""
+    if allow_outside:
+        return
+    try:
+        find_mount(path)
+    except OSError as e:
+        if e.errno != _errno.ENOENT:
+            raise
+        raise OSError(_errno.ENOENT, "%s: %s is not inside a tensorfs mount, so this would write ordinary files "
+                      "on the filesystem below: name a path in a mount (tensorfs status lists them), or pass "
+                      "allow_outside=True" % (what, path), path) from None
 
 
 def _write_temp(path, buf, dtype, shape, what, tmpdir=None):
@@ -400,7 +425,8 @@ def _write_temp(path, buf, dtype, shape, what, tmpdir=None):
             _os.close(fd)
     except OSError as e:
         _unlink_quietly(tmp)
-        raise _explain(e, path, "%s: %s (%s %s, %s)" % (what, path, dtype, list(shape), _human(len(buf)))) from None
+        raise _explain(e, path, "%s: %s (%s %s, %s)" % (what, path, dtype, list(shape), _human(len(buf))),
+                       need=len(buf)) from None
     except BaseException:
         _unlink_quietly(tmp)
         raise
@@ -428,13 +454,14 @@ def _human(n):
         n /= 1024
 
 
-def _explain(err: OSError, path: str, what: str) -> OSError:
+def _explain(err: OSError, path: str, what: str, need: _typing.Optional[int] = None) -> OSError:
     """Return err as a new OSError of the same errno that says what failed and why.
 
-    what names the operation and tensor. The reason is computed here, from
-    the mount's own attributes: a full mount (with its capacity, as df
-    shows it), a daemon that is gone (ENOTCONN), a FROMFD segment, a
-    NOCREATE or EXCLUSIVE directory, a permission.
+    what names the operation and tensor; need, when known, the bytes it
+    needed. The reason is computed here, from the mount's own attributes:
+    a full mount (what was needed and what is free, as df shows it), a
+    daemon that is gone (ENOTCONN), a FROMFD segment, a NOCREATE or
+    EXCLUSIVE directory, a permission, a value the daemon refused.
     """
     e = err.errno
     why = _os.strerror(e) if e else str(err)
@@ -443,11 +470,21 @@ def _explain(err: OSError, path: str, what: str) -> OSError:
         mount = _mount_or(parent)
         try:
             st = _os.statvfs(mount)
-            size = " (%s of %s free)" % (_human(st.f_bavail * st.f_frsize), _human(st.f_blocks * st.f_frsize))
+            avail = st.f_bavail * st.f_frsize
+            free, size = _human(avail), _human(st.f_blocks * st.f_frsize)
         except OSError:
-            size = ""
-        why = ("the tensorfs mount %s is full%s: see df -h %s; free segments or mount with a larger --capacity"
-               % (mount, size, mount))
+            free = size = None
+        if need is not None and free is not None:
+            needed = _human(need)
+            if needed == free:  # rounded alike: say the bytes
+                needed, free = "%d bytes" % need, "%d bytes" % avail
+            why = "it needs %s and the tensorfs mount %s has %s of %s free" % (needed, mount, free, size)
+        else:
+            why = "the tensorfs mount %s is full%s" % (mount, " (%s of %s free)" % (free, size) if free else "")
+        why += ": see df -h %s; free segments or mount with a larger --capacity" % mount
+    elif e == _errno.EINVAL:
+        why += (" (the daemon refused a value; `tensorfs set DTYPE SHAPE %s` checks a layout first and says why, "
+                "`tensorfs show %s` shows the one it has)" % (path, path))
     elif e == _errno.ENOTCONN:
         why = ("the tensorfs daemon serving %s is gone (ENOTCONN: transport endpoint is not connected): "
                "remount it with tensorfs mount" % path)
@@ -742,6 +779,6 @@ def broadcast_fd(path: str, group: str, rank: int, world: int, root: int, fd: _t
 
 # The torch and state-dict halves import torch, or nothing, only when called.
 from ._torch import open_torch, publish  # noqa: E402
-from .statedict import IncompatibleKeys, load_into, load_state_dict, save_state_dict  # noqa: E402
+from .statedict import IncompatibleKeys, empty_model, load_into, load_state_dict, save_state_dict  # noqa: E402
 from .safetensors import export_safetensors, import_safetensors  # noqa: E402
 from .safeopen import safe_open  # noqa: E402

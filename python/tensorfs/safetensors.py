@@ -19,6 +19,7 @@ from a file keeps that file's order (and, when unchanged, its exact header).
 import json as _json
 import os as _os
 import tempfile as _tempfile
+import typing as _typing
 import warnings as _warnings
 
 import tensorfs as _tfs
@@ -284,25 +285,37 @@ def _segments(path):
     return segs
 
 
-def _untie(segs, recorded):
-    """Keep one name of each segment with several (hard links): the recorded one, else the first.
+def _untie(segs, recorded, tied=()):
+    """Keep one name of each segment with several (hard links): never one in tied; the recorded one, else the first.
 
-    Returns (kept segs, {other name: kept name}), as safetensors'
-    _remove_duplicate_names decides which name to keep.
+    Returns (kept segs, {other name: kept name}) without the names in
+    tied, as safetensors' _remove_duplicate_names decides which name to
+    keep. ValueError for a name in tied that is not one of several names
+    of a segment: leaving it out would lose its tensor.
     """
     groups = {}
     for rel, seg in segs.items():
         groups.setdefault(seg[4], []).append(rel)
+    tied = set(tied)
+    for n in sorted(tied):
+        if n not in segs:
+            raise ValueError("tensorfs.export_safetensors: tied name %r: no segment of that name to leave out" % n)
+        if len(groups[segs[n][4]]) < 2:
+            raise ValueError("tensorfs.export_safetensors: tied name %r shares its segment with no other name: "
+                             "leaving it out would lose its tensor" % n)
     kept, ties = {}, {}
     for names in groups.values():
         names.sort(key=lambda n: n.encode())
-        keep = next((n for n in names if n in recorded), names[0])
+        free = [n for n in names if n not in tied]
+        if not free:
+            raise ValueError("tensorfs.export_safetensors: tied names %r are every name of one segment: keep one" % names)
+        keep = next((n for n in free if n in recorded), free[0])
         kept[keep] = segs[keep]
-        ties.update((n, keep) for n in names if n != keep)
+        ties.update((n, keep) for n in free if n != keep)
     return kept, ties
 
 
-def export_safetensors(path: str, file: str) -> int:
+def export_safetensors(path: str, file: str, *, tied: _typing.Iterable[str] = ()) -> int:
     """Write the segments under the directory path to the safetensors file.
 
     Returns the number of tensors. Names: the path under path (as
@@ -310,7 +323,9 @@ def export_safetensors(path: str, file: str) -> int:
     the reference writer's (dtype descending, then name). Names of one
     segment (ties, hard links) are written once, as safetensors' save_model
     writes shared tensors: the recorded name or else the first, the others
-    as metadata entries "other": "kept". Files without dtype or shape are
+    as metadata entries "other": "kept". A name in tied is left out with
+    no entry, another name of its segment written, as transformers'
+    save_pretrained drops a model's tied weights. Files without dtype or shape are
     skipped with a warning each; a non-contiguous layout or a dtype the
     format lacks is a ValueError. The file is written whole through a
     temporary file renamed into place. (`tensorfs export` does the same,
@@ -321,7 +336,7 @@ def export_safetensors(path: str, file: str) -> int:
     order = _json.loads(recorded) if recorded is not None else []
     if not segs and recorded is None:
         raise ValueError("tensorfs.export_safetensors: no tensors under %s" % path)
-    segs, ties = _untie(segs, set(order))
+    segs, ties = _untie(segs, set(order), tied)
     meta = _tfs.metadata(path)
     for name, keep in ties.items():
         meta.setdefault(name, keep)

@@ -19,6 +19,7 @@ its key order user.safetensors.keys.
 from __future__ import annotations
 
 import collections as _collections
+import collections.abc  # noqa: F401  (_collections.abc)
 import ctypes as _ctypes
 import errno as _errno
 import json as _json
@@ -27,6 +28,7 @@ import os as _os
 import shutil as _shutil
 import typing as _typing
 import warnings as _warnings
+import weakref as _weakref
 
 import tensorfs as _tfs
 
@@ -85,7 +87,8 @@ def _rename2(src, dst, flags):
 
 
 def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
-                    metadata: _typing.Optional[_typing.Mapping[str, str]] = None) -> None:
+                    metadata: _typing.Optional[_typing.Mapping[str, str]] = None, *,
+                    allow_outside: bool = False) -> None:
     """Write every tensor (or NumPy array) of state_dict under the directory path, all or nothing.
 
     The tensor "a.b.c" becomes the segment path/a.b.c, a contiguous copy
@@ -102,8 +105,10 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
     exchanged back if a later step fails): on any error, a full mount
     included, path is left as it was, and the OSError names the tensor,
     the mount and why. A name that is also another's directory ("a" and
-    "a/b") is a ValueError.
+    "a/b") is a ValueError. A path outside a tensorfs mount is refused
+    (OSError ENOENT) unless allow_outside.
     """
+    _tfs._check_inside(path, allow_outside, "tensorfs.save_state_dict")
     names = [_check_name(k) for k in state_dict]
     files = set(names)
     for n in names:
@@ -316,7 +321,8 @@ def _map_all(entries, write, with_mapping):
     return results
 
 
-def load_state_dict(path: str, device: str = "cpu", mode: str = "r") -> "dict[str, torch.Tensor]":
+def load_state_dict(path: str, device: str = "cpu", mode: str = "r", *,
+                    tied: _typing.Any = None) -> "dict[str, torch.Tensor]":
     """Return {name: tensor} for every segment under the directory path, zero-copy.
 
     Each tensor maps its segment's pages: mode "r" copy-on-write (stores
@@ -331,6 +337,15 @@ def load_state_dict(path: str, device: str = "cpu", mode: str = "r") -> "dict[st
     or user.tensor.shape is skipped with a warning. device other than
     "cpu" copies each tensor there (tensor.to(device)). The tensors pickle
     by path through torch.multiprocessing.
+
+    tied names the ties a checkpoint may have dropped (save_pretrained
+    writes one name of each, e.g. no lm_head.weight): a module (its names
+    that are one tensor), a mapping {name: other name} or an iterable of
+    groups of names. For each group, a name the directory lacks is
+    returned as the tensor of a name it has, so that
+    module.load_state_dict(load_state_dict(dir, tied=module)) finds every
+    key. Ties the directory recorded (hard links, as an import makes from
+    the metadata entries safetensors' save_model writes) need no argument.
     """
     from ._torch import tensor_on, torch_dtype
     if mode not in ("r", "r+"):
@@ -361,7 +376,30 @@ def load_state_dict(path: str, device: str = "cpu", mode: str = "r") -> "dict[st
         if device != "cpu":
             t = moved.setdefault(id(t), t.to(device))
         out[e.name] = t
+    for group in _tie_groups(tied):
+        have = [n for n in group if n in out]
+        if have:
+            for n in group:
+                out.setdefault(n, out[have[0]])
     return out
+
+
+def _tie_groups(tied):
+    """The groups of names that tied (a module, a mapping or an iterable of groups) makes one tensor."""
+    if tied is None:
+        return []
+    if hasattr(tied, "state_dict") and hasattr(tied, "named_parameters"):
+        groups = {}
+        for name, t in tied.state_dict(keep_vars=True).items():
+            groups.setdefault(id(t), []).append(name)
+        return [g for g in groups.values() if len(g) > 1]
+    if isinstance(tied, _collections.abc.Mapping):
+        return [(k, v) for k, v in tied.items()]
+    groups = [tuple(g) for g in tied]
+    if any(isinstance(g, str) for g in tied):
+        raise TypeError("tensorfs.load_state_dict: tied= takes a module, a mapping {name: other name} or "
+                        "groups of names, not names alone")
+    return groups
 
 
 IncompatibleKeys = _collections.namedtuple("IncompatibleKeys", "missing_keys unexpected_keys")
@@ -385,12 +423,17 @@ def load_into(module: "torch.nn.Module", path: str, *, strict: bool = True, mode
     Returns IncompatibleKeys(missing_keys, unexpected_keys); with strict
     (the default) either raises RuntimeError as torch's load_state_dict
     does. A shape or dtype that differs from the module's raises
-    RuntimeError naming the tensors (no cast: that would copy), and then
+    RuntimeError naming the tensors (no cast: that would copy), and so
+    does a tensor that would stay on the meta device, where a forward pass
+    fails: a parameter the directory lacks, or a non-persistent buffer
+    (register_buffer(..., persistent=False), which no checkpoint holds;
+    build the module with empty_model() to give those real storage). Then
     nothing of module has changed. Works the same on torch 1.13 and 2.x.
     """
     import torch
     sd = load_state_dict(path, mode=mode)
     own = module.state_dict(keep_vars=True)
+    persistent = set(own)
     problems = []
     for name, old in own.items():
         t = sd.get(name)
@@ -412,14 +455,7 @@ def load_into(module: "torch.nn.Module", path: str, *, strict: bool = True, mode
             if isinstance(old, torch.nn.Parameter):
                 t = new[id(old)] if id(old) in new else torch.nn.Parameter(t, requires_grad=old.requires_grad)
             new.setdefault(id(old), t)
-    missing = []
-    for name, old in own.items():
-        t = new.get(id(old))
-        if t is None:
-            missing.append(name)
-            continue
-        owner, _, attr = name.rpartition(".")
-        setattr(module.get_submodule(owner) if owner else module, attr, t)
+    missing = [n for n, old in own.items() if id(old) not in new]
     unexpected = [k for k in sd if k not in own]
     if strict and (missing or unexpected):
         msgs = []
@@ -428,4 +464,59 @@ def load_into(module: "torch.nn.Module", path: str, *, strict: bool = True, mode
         if unexpected:
             msgs.append("Unexpected key(s) in state_dict: %s." % ", ".join('"%s"' % k for k in unexpected))
         raise RuntimeError("Error(s) in loading state_dict for %s:\n\t%s" % (type(module).__name__, "\n\t".join(msgs)))
+    _refuse_meta(module, path, [n for n in missing if own[n].device.type == "meta"],
+                 [n for n, b in module.named_buffers() if n not in persistent and b.device.type == "meta"])
+    for name, old in own.items():
+        if id(old) in new:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, attr, new[id(old)])
     return IncompatibleKeys(missing, unexpected)
+
+
+def _refuse_meta(module, path, params, buffers):
+    """RuntimeError naming what load_into would leave on the meta device, if anything."""
+    if not params and not buffers:
+        return
+    lines = ["%s: not in %s" % (n, path) for n in params]
+    lines += ["%s: a non-persistent buffer, which no checkpoint holds" % n for n in buffers]
+    hint = []
+    if buffers:
+        hint.append("build the module with tensorfs.empty_model(%s, ...), which puts its parameters on meta and "
+                    "gives its buffers real storage from its own initialisation" % type(module).__name__)
+    if params:
+        hint.append("load a directory that holds every parameter")
+    hint = ", or ".join(hint)
+    raise RuntimeError("tensorfs.load_into: these would stay on the meta device, where a forward pass fails:\n\t%s\n"
+                       "%s%s; nothing of the module has changed" % ("\n\t".join(lines), hint[0].upper(), hint[1:]))
+
+
+def empty_model(cls: _typing.Callable[..., "torch.nn.Module"], *args: _typing.Any, **kwargs: _typing.Any) -> "torch.nn.Module":
+    """Return cls(*args, **kwargs) with every parameter on the meta device and every buffer real.
+
+    The module's own initialisation runs: buffers (a causal mask, position
+    ids, rotary tables), persistent or not, get real storage and values,
+    while each parameter moves to meta as it is registered (its memory
+    freed at once; torch's init functions do nothing on meta), as
+    accelerate's init_empty_weights(include_buffers=False) does. Then
+    load_into(module, dir) puts the parameters on their segments. Ties made
+    in __init__ stay ties. Not thread-safe: it swaps
+    torch.nn.Module.register_parameter while cls runs.
+    """
+    import torch
+    register = torch.nn.Module.register_parameter
+    moved = {}  # id(real parameter) -> its meta one, while it lives: registered twice, it stays one
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            meta = moved.get(id(param))
+            if meta is None:
+                meta = moved[id(param)] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                _weakref.finalize(param, moved.pop, id(param), None)
+            module._parameters[name] = meta
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        return cls(*args, **kwargs)
+    finally:
+        torch.nn.Module.register_parameter = register

@@ -38,7 +38,9 @@ import (
 // recorded, else the first in byte order, each other name becoming a
 // metadata entry "other": "kept" unless metadata has that key already (in
 // the index's metadata for a sharded checkpoint, as huggingface_hub writes
-// it).
+// it). A name in opt.Tied is left out, with no entry, and another name of
+// its segment written, as transformers' save_pretrained drops the names in
+// a model's tied-weights list.
 //
 // Every file goes through a temporary file in its directory, renamed into
 // place once all are complete and synced. Files with only one of dtype and
@@ -54,7 +56,7 @@ func Export(ctx context.Context, dir, out string, opt Options) (Summary, error) 
 		return Summary{}, fmt.Errorf("%s is not a directory", dir)
 	}
 	e := &exportJob{dir: dir}
-	if err := e.read(opt.Warn); err != nil {
+	if err := e.read(opt.Warn, opt.Tied); err != nil {
 		return Summary{}, err
 	}
 	var files []*outFile
@@ -72,7 +74,7 @@ func Export(ctx context.Context, dir, out string, opt Options) (Summary, error) 
 	if err := e.write(ctx, files, opt.Progress); err != nil {
 		return Summary{}, err
 	}
-	sum := Summary{Links: len(e.ties)}
+	sum := Summary{Links: len(e.ties) + len(opt.Tied)}
 	for _, f := range files {
 		if f.h != nil {
 			sum.Files++
@@ -105,8 +107,9 @@ type outFile struct {
 	raw    []byte
 }
 
-// read scans dir and reads what imports and save_state_dict recorded.
-func (e *exportJob) read(warn func(string)) error {
+// read scans dir and reads what imports and save_state_dict recorded;
+// the names in tied are left out.
+func (e *exportJob) read(warn func(string), tied []string) error {
 	segs, err := scanSegments(e.dir, warn)
 	if err != nil {
 		return err
@@ -135,8 +138,8 @@ func (e *exportJob) read(warn func(string)) error {
 	if e.meta, err = readMetadata(e.dir); err != nil {
 		return err
 	}
-	e.segs, e.ties = untie(segs, e.recorded())
-	return nil
+	e.segs, e.ties, err = untie(segs, e.recorded(), tied)
+	return err
 }
 
 // recorded returns the names an import read from its files.
@@ -156,29 +159,47 @@ func (e *exportJob) recorded() map[string]bool {
 }
 
 // untie keeps one name of each segment that has several (hard links):
-// the one recorded, else the first in byte order, as safetensors'
-// _remove_duplicate_names keeps the first. It returns the names kept and
-// the others, each with the name kept for it.
-func untie(segs map[string]*segment, recorded map[string]bool) (map[string]*segment, map[string]string) {
+// never one in drop; else the one recorded, else the first in byte order,
+// as safetensors' _remove_duplicate_names keeps the first. It returns the
+// names kept and the others but those in drop, each with the name kept
+// for it. A name in drop that is not one of several names of a segment
+// is an error: leaving it out would lose its tensor.
+func untie(segs map[string]*segment, recorded map[string]bool, drop []string) (map[string]*segment, map[string]string, error) {
 	groups := map[fileID][]string{}
 	for name, s := range segs {
 		groups[s.id] = append(groups[s.id], name)
 	}
+	dropped := map[string]bool{}
+	for _, n := range drop {
+		s, ok := segs[n]
+		switch {
+		case !ok:
+			return nil, nil, fmt.Errorf("tied name %q: no segment of that name to leave out", n)
+		case len(groups[s.id]) < 2:
+			return nil, nil, fmt.Errorf("tied name %q shares its segment with no other name: leaving it out would lose its tensor", n)
+		}
+		dropped[n] = true
+	}
 	kept, ties := map[string]*segment{}, map[string]string{}
 	for _, names := range groups {
 		slices.Sort(names)
-		keep := names[0]
-		if i := slices.IndexFunc(names, func(n string) bool { return recorded[n] }); i >= 0 {
-			keep = names[i]
+		keep := ""
+		for _, n := range names {
+			if !dropped[n] && (keep == "" || recorded[n] && !recorded[keep]) {
+				keep = n
+			}
+		}
+		if keep == "" {
+			return nil, nil, fmt.Errorf("tied names %q are every name of one segment: keep one of them", names)
 		}
 		kept[keep] = segs[keep]
 		for _, n := range names {
-			if n != keep {
+			if n != keep && !dropped[n] {
 				ties[n] = keep
 			}
 		}
 	}
-	return kept, ties
+	return kept, ties, nil
 }
 
 // withTies returns meta plus an entry for every tie whose name it does

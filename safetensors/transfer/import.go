@@ -99,6 +99,7 @@ type importJob struct {
 	attrs   map[string][]byte // what to set on dir
 	summary Summary
 
+	room    room     // what the mount had free when the import began
 	created string   // topmost directory the import created, "" if none
 	tmp     string   // the .import-XXXX directory, "" once removed
 	moved   []string // entries renamed from tmp into dir
@@ -423,6 +424,7 @@ func (j *importJob) prepareDir() error {
 		if len(ents) > 0 {
 			return fmt.Errorf("%s is not empty (it holds %q): import into a new or empty directory", j.dir, ents[0])
 		}
+		j.room = measureRoom(j.dir, j.summary.Bytes)
 		return nil
 	case !errors.Is(err, fs.ErrNotExist):
 		return err
@@ -436,6 +438,7 @@ func (j *importJob) prepareDir() error {
 			if err := checkTensorfs(parent); err != nil {
 				return err
 			}
+			j.room = measureRoom(parent, j.summary.Bytes)
 			break
 		}
 		top = parent
@@ -541,13 +544,13 @@ func (j *importJob) startTensor(c *copier, ref tensorRef) error {
 	if err != nil {
 		return err
 	}
-	if err := prepareSegment(f, ref, j.dir); err != nil {
+	if err := prepareSegment(f, ref, j.room); err != nil {
 		f.Close()
 		return err
 	}
 	c.add(f, 0, ref.src.f, ref.src.dataAt+t.Begin, t.Size(), func(err error) error {
 		if errors.Is(err, unix.ENOSPC) {
-			err = full(j.dir)
+			err = j.room.full()
 		}
 		if cerr := f.Close(); err == nil {
 			err = cerr
@@ -562,7 +565,7 @@ func (j *importJob) startTensor(c *copier, ref tensorRef) error {
 
 // prepareSegment sets a tensor's dtype and shape on its new segment f,
 // and sizes a device segment.
-func prepareSegment(f *os.File, ref tensorRef, dir string) error {
+func prepareSegment(f *os.File, ref tensorRef, r room) error {
 	// A host segment gets its pages as its bytes are written, as a full
 	// mount says with ENOSPC; reserving them first would clear every
 	// page once more. A device segment is sized at once, so that its
@@ -570,7 +573,7 @@ func prepareSegment(f *os.File, ref tensorRef, dir string) error {
 	if n := ref.t.Size(); n > 0 && onDevice(f) {
 		if err := f.Truncate(n); err != nil {
 			if errors.Is(err, unix.ENOSPC) {
-				return fmt.Errorf("reserving %d bytes: %w", n, full(dir))
+				return fmt.Errorf("reserving %d bytes: %w", n, r.full())
 			}
 			return err
 		}

@@ -38,6 +38,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+
+	"golang.org/x/sys/unix"
 )
 
 const (
@@ -63,9 +65,38 @@ var (
 	errFull = errors.New("the tensorfs mount is full")
 )
 
-// full is errFull for an import into dir, saying where to look.
-func full(dir string) error {
-	return fmt.Errorf("%w: df -h %s shows it; free segments or mount with a larger --capacity", errFull, dir)
+// room is what a mount had free when an import began, and where to
+// look: a directory the import's cleanup leaves in place.
+type room struct {
+	dir            string
+	free, capacity int64
+	need           int64 // bytes the import writes
+}
+
+// measureRoom reads the free space of the mount holding dir, which exists.
+func measureRoom(dir string, need int64) room {
+	r := room{dir: dir, free: -1, need: need}
+	var st unix.Statfs_t
+	if unix.Statfs(dir, &st) == nil {
+		r.free, r.capacity = int64(st.Bavail)*st.Bsize, int64(st.Blocks)*st.Bsize
+	}
+	return r
+}
+
+// full is errFull for an import: what it needed, what was free, and where
+// to look.
+func (r room) full() error {
+	had := ""
+	if r.free >= 0 {
+		had = fmt.Sprintf(" and the mount had %s of %s free when it began", mib(r.free), mib(r.capacity))
+	}
+	return fmt.Errorf("%w: the import needs %s%s: see df -h %s; free segments or mount with a larger --capacity",
+		errFull, mib(r.need), had, r.dir)
+}
+
+// mib prints a byte count in MiB, with one decimal.
+func mib(n int64) string {
+	return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
 }
 
 // Options are what Import and Export may report as they go.
@@ -78,6 +109,10 @@ type Options struct {
 	// MaxShardSize, when not 0, makes Export split the tensors afresh
 	// into shards of at most this many bytes (safetensors.Split).
 	MaxShardSize int64
+	// Tied names tensors Export leaves out, without a metadata entry,
+	// because each shares its segment with a name that is written (a
+	// model's tied weights, which save_pretrained drops so).
+	Tied []string
 }
 
 // Summary says what an import or an export moved.

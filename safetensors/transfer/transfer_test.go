@@ -406,3 +406,32 @@ func TestExportOrderAsReferenceWriter(t *testing.T) {
 		t.Errorf("export order %v, want %v (recorded first, then the reference writer's)", got, want)
 	}
 }
+
+// TestUntieTied: a name listed as tied is left out, with no entry, and
+// another name of its segment kept, recorded or not; a listed name that
+// is no tie, is missing, or is every name of its segment is refused.
+func TestUntieTied(t *testing.T) {
+	wte, other := &segment{id: fileID{1, 1}}, &segment{id: fileID{1, 2}}
+	segs := map[string]*segment{"lm_head.weight": wte, "transformer.wte.weight": wte, "transformer.h.0.w": other}
+	kept, ties, err := untie(segs, nil, nil)
+	if err != nil || kept["lm_head.weight"] != wte || ties["transformer.wte.weight"] != "lm_head.weight" {
+		t.Errorf("untie without tied = %v, %v, %v; want lm_head.weight kept (first in byte order)", kept, ties, err)
+	}
+	recorded := map[string]bool{"lm_head.weight": true}
+	kept, ties, err = untie(segs, recorded, []string{"lm_head.weight"})
+	if err != nil || len(kept) != 2 || kept["transformer.wte.weight"] != wte || len(ties) != 0 {
+		t.Errorf("untie with tied lm_head.weight = %v, %v, %v; want transformer.wte.weight kept and no entry", kept, ties, err)
+	}
+	for _, c := range []struct {
+		tied []string
+		want string
+	}{
+		{[]string{"transformer.h.0.w"}, "shares its segment with no other name"},
+		{[]string{"nope"}, "no segment of that name"},
+		{[]string{"lm_head.weight", "transformer.wte.weight"}, "every name of one segment"},
+	} {
+		if _, _, err := untie(segs, nil, c.tied); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("untie with tied %q: %v, want an error saying %q", c.tied, err, c.want)
+		}
+	}
+}
