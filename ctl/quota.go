@@ -37,6 +37,9 @@ const (
 	// backendFDs is what a Backend call may hold at once, beyond the
 	// descriptor it was given, counted against the peer's FDs.
 	backendFDs = 4
+	// maxClosers bounds the closers of a socket whose daemon gave it no
+	// threads row (Config.Threads).
+	maxClosers = 2048
 	// maxTurningAway bounds the connections being answered a refusal
 	// (Server.turnAway); more are closed without a reply.
 	maxTurningAway = 64
@@ -108,25 +111,37 @@ func (l Limits) minus(d Limits) Limits {
 // root out.
 type quota struct {
 	conns, parked, fds *ledger.Row
+	// threads counts the closers (closeAs): goroutines that may block in
+	// the kernel, per uid.
+	threads *ledger.Row
 
-	// closing tracks the goroutines closing received descriptors
-	// (release): a close may block for as long as the file's filesystem
-	// wants, so it never runs under a lock or in a request's goroutine.
+	// closing tracks the closes of received descriptors (release): a
+	// close may block for as long as the file's filesystem wants, so it
+	// never runs under a lock or in a request's goroutine.
 	closing sync.WaitGroup
 
-	mu    sync.Mutex
-	owner map[int]uint32 // received descriptors held: whose FDs they count in
+	mu     sync.Mutex
+	owner  map[int]uint32      // received descriptors held: whose FDs they count in
+	queued map[uint32][]func() // closes waiting for one of their uid's closers
 }
 
-func newQuota(l *ledger.Ledger, perUID, total Limits) *quota {
+// newQuota makes the socket's rows in l; threads is the daemon's row of
+// goroutines that may block for a user, or nil for one of the socket's
+// own.
+func newQuota(l *ledger.Ledger, threads *ledger.Row, perUID, total Limits) *quota {
 	row := func(name, unit string, perUID, total int) *ledger.Row {
 		return l.Row(ledger.Spec{Name: name, Unit: unit, PerUID: int64(perUID), Total: int64(total)})
 	}
+	if threads == nil {
+		threads = row("threads that may block in the kernel for requests", "thread", maxClosers/16, maxClosers)
+	}
 	return &quota{
-		conns:  row("connections", "connection", perUID.Conns, total.Conns),
-		parked: row("waiting collective requests", "request", perUID.Parked, total.Parked),
-		fds:    row("socket descriptors", "descriptor", perUID.FDs, total.FDs),
-		owner:  make(map[int]uint32),
+		conns:   row("connections", "connection", perUID.Conns, total.Conns),
+		parked:  row("waiting collective requests", "request", perUID.Parked, total.Parked),
+		fds:     row("socket descriptors", "descriptor", perUID.FDs, total.FDs),
+		threads: threads,
+		owner:   make(map[int]uint32),
+		queued:  make(map[uint32][]func()),
 	}
 }
 
@@ -176,13 +191,15 @@ func (q *quota) held(uid uint32) Limits {
 }
 
 // adopt counts received descriptors against uid's FDs until release
-// closes them. If they exceed a limit it closes them and refuses.
+// closes them. If they exceed a limit it refuses, once one of uid's
+// closers has closed them: the caller, a connection's reader, reads
+// nothing more from that peer meanwhile.
 func (q *quota) adopt(uid uint32, fds []int) error {
 	if len(fds) == 0 {
 		return nil
 	}
 	if err := q.take(uid, Limits{FDs: len(fds)}); err != nil {
-		fdpass.Close(fds)
+		<-q.closeAs(uid, func() { fdpass.Close(fds) })
 		return err
 	}
 	q.mu.Lock()
@@ -193,12 +210,12 @@ func (q *quota) adopt(uid uint32, fds []int) error {
 	return nil
 }
 
-// release closes adopted descriptors (negative ones are skipped), each
-// on a goroutine of its own that q.closing tracks, and uncounts them once
-// closed: the close of a descriptor a peer sent may block (a file on a
-// FUSE mount of the peer's whose FLUSH never answers), so no lock is held
-// and no caller waits for it. Until it returns, the descriptor counts in
-// its owner's FDs, which bounds the closes a uid can leave hanging.
+// release closes adopted descriptors (negative ones are skipped) on
+// their owner's closers (closeAs), and uncounts each once closed: the
+// close of a descriptor a peer sent may block (a file on a FUSE mount of
+// the peer's whose FLUSH never answers), so no lock is held and no caller
+// waits for it. Until it returns, the descriptor counts in its owner's
+// FDs, which bounds the closes a uid can leave waiting.
 func (q *quota) release(fds ...int) {
 	for _, fd := range fds {
 		if fd >= 0 {
@@ -213,21 +230,63 @@ func (q *quota) releaseFile(fd int, f *os.File) {
 	q.closeLater(fd, func() { f.Close() })
 }
 
-// closeLater forgets fd as an adopted number, then runs close on a
-// tracked goroutine and uncounts fd from its owner once close returns.
+// closeLater forgets fd as an adopted number, then closes it on one of
+// its owner's closers and uncounts it from its owner once closed.
 func (q *quota) closeLater(fd int, closeFD func()) {
 	q.mu.Lock()
 	uid, owned := q.owner[fd]
 	delete(q.owner, fd) // the number is free once close starts
-	q.closing.Add(1)
 	q.mu.Unlock()
-	go func() {
-		defer q.closing.Done()
+	q.closeAs(uid, func() {
 		closeFD()
 		if owned {
 			q.give(uid, Limits{FDs: 1})
 		}
-	}()
+	})
+}
+
+// closeAs runs closeFD on a closer of uid's: a goroutine charged to uid
+// in the threads row, since a close that blocks holds an OS thread. When
+// uid holds all the threads it may, closeFD waits in uid's queue for the
+// closers it already has. The channel is closed once closeFD returned.
+func (q *quota) closeAs(uid uint32, closeFD func()) <-chan struct{} {
+	done := make(chan struct{})
+	q.closing.Add(1)
+	job := func() {
+		defer q.closing.Done()
+		defer close(done)
+		closeFD()
+	}
+	q.mu.Lock()
+	if q.threads.Take(uid, 1) != nil {
+		q.queued[uid] = append(q.queued[uid], job)
+		q.mu.Unlock()
+		return done
+	}
+	q.mu.Unlock()
+	go q.closer(uid, job)
+	return done
+}
+
+// closer runs job, then uid's queued closes, then gives its thread back.
+func (q *quota) closer(uid uint32, job func()) {
+	for job != nil {
+		job()
+		q.mu.Lock()
+		job = nil
+		if jobs := q.queued[uid]; len(jobs) > 0 {
+			job = jobs[0]
+			if len(jobs) == 1 {
+				delete(q.queued, uid)
+			} else {
+				q.queued[uid] = jobs[1:]
+			}
+		}
+		if job == nil {
+			q.threads.Give(uid, 1) // under mu: a close queued after this finds the thread free
+		}
+		q.mu.Unlock()
+	}
 }
 
 // waitClosing waits for the closes that release started, at most d; it

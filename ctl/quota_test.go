@@ -29,7 +29,7 @@ func wantLimit(t *testing.T, err error, limit string) {
 }
 
 func TestQuota(t *testing.T) {
-	q := newQuota(ledger.New(), Limits{Conns: 2, Parked: 1, FDs: 3}, Limits{Conns: 3, Parked: 5, FDs: 5})
+	q := newQuota(ledger.New(), nil, Limits{Conns: 2, Parked: 1, FDs: 3}, Limits{Conns: 3, Parked: 5, FDs: 5})
 	conn := Limits{Conns: 1}
 	for range 2 {
 		if err := q.take(1000, conn); err != nil {
@@ -275,7 +275,7 @@ func TestQuotaRootReserve(t *testing.T) {
 	if per != (Limits{Conns: 7, Parked: 7, FDs: 14}) {
 		t.Fatalf("per uid %+v, want an eighth of 7/8 of %+v", per, total)
 	}
-	q := newQuota(ledger.New(), per, total)
+	q := newQuota(ledger.New(), nil, per, total)
 	conn := Limits{Conns: 1}
 	for uid := uint32(1000); uid < 1008; uid++ {
 		for range per.Conns {

@@ -123,6 +123,10 @@ type Config struct {
 	// ledger), which gets the socket's rows; nil makes one of the
 	// socket's own.
 	Ledger *ledger.Ledger
+	// Threads is the ledger's row of goroutines that may block in the
+	// kernel for a user, which the closes of peers' descriptors take
+	// from; nil makes one of the socket's own.
+	Threads *ledger.Row
 }
 
 // Server is a listening control socket.
@@ -186,7 +190,7 @@ func Listen(cfg Config) (*Server, error) {
 	if cfg.Ledger == nil {
 		cfg.Ledger = ledger.New()
 	}
-	q := newQuota(cfg.Ledger, cfg.PerUID, cfg.Total)
+	q := newQuota(cfg.Ledger, cfg.Threads, cfg.PerUID, cfg.Total)
 	s := &Server{
 		cfg:    cfg,
 		ln:     ln,

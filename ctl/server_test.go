@@ -450,7 +450,7 @@ func TestGroupMembership(t *testing.T) {
 // descriptors, nor it theirs; an open group takes every uid that asks for
 // one. Waiting members count in their uid's Parked.
 func TestGroupKeys(t *testing.T) {
-	q := newQuota(ledger.New(), perUIDCap(defaultTotal), defaultTotal)
+	q := newQuota(ledger.New(), nil, perUIDCap(defaultTotal), defaultTotal)
 	gs := newGroups(time.Minute, q)
 	newFD := func(uid uint32) int {
 		f := memfd(t, "x")

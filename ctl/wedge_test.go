@@ -97,7 +97,7 @@ func within(t *testing.T, d time.Duration, what string, fn func()) {
 // others (no close under groups.mu) nor Server.Close for more than
 // closingWait; it counts in its owner's descriptors until it is closed.
 func TestBlockingClose(t *testing.T) {
-	q := newQuota(ledger.New(), perUIDCap(defaultTotal), defaultTotal)
+	q := newQuota(ledger.New(), nil, perUIDCap(defaultTotal), defaultTotal)
 	gs := newGroups(200*time.Millisecond, q)
 	join := func(uid uint32, name string, rank, world int, fd int) (*group, *member) {
 		t.Helper()
@@ -278,4 +278,56 @@ func (l *lockedLog) String() string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.buf.String()
+}
+
+// TestClosersBounded (K6): the closes of one uid's descriptors that
+// block take at most its share of the threads row; the rest wait in its
+// queue, still counted in its descriptors, and run once a close returns.
+// Another uid's closes are not held up behind them.
+func TestClosersBounded(t *testing.T) {
+	l := ledger.New()
+	threads := l.Row(ledger.Spec{Name: "threads", Unit: "thread", PerUID: 2, Total: 64})
+	q := newQuota(l, threads, perUIDCap(defaultTotal), defaultTotal)
+	var unblocks []func()
+	for range 5 {
+		fd, unblock := blockingClose(t)
+		unblocks = append(unblocks, unblock)
+		if err := q.adopt(1000, []int{fd}); err != nil {
+			t.Fatal(err)
+		}
+		q.release(fd)
+	}
+	if n := threads.Held(1000); n != 2 {
+		t.Errorf("uid 1000 holds %d closer threads, want its share of 2", n)
+	}
+	if n := q.held(1000).FDs; n != 5 {
+		t.Errorf("uid 1000 is charged %d descriptors while their closes wait, want 5", n)
+	}
+	other, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := q.adopt(1001, []int{other}); err != nil {
+		t.Fatal(err)
+	}
+	q.release(other)
+	for deadline := time.Now().Add(5 * time.Second); q.held(1001).FDs != 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("another uid's close waited behind uid 1000's")
+		}
+	}
+	for _, unblock := range unblocks {
+		unblock()
+	}
+	if !q.waitClosing(10 * time.Second) {
+		t.Fatal("queued closes did not run once the blocked ones returned")
+	}
+	for deadline := time.Now().Add(5 * time.Second); threads.Used() != 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d closer threads still counted once every close returned", threads.Used())
+		}
+	}
+	if q.sum() != (Limits{}) {
+		t.Fatalf("after the closes: %+v counted", q.sum())
+	}
 }

@@ -170,7 +170,7 @@ func Mount(opts Options) (_ *Server, err error) {
 	fsys.afterMount(opts.Mountpoint, opts.Recovered)
 	s := &Server{Server: srv, fs: fsys}
 	if opts.Socket != "" {
-		s.ctl, err = ctl.Listen(ctl.Config{Path: opts.Socket, Backend: controlBackend{fsys}, Errno: toErrno, Log: opts.Log, Private: !opts.AllowOther, Owner: uint32(os.Geteuid()), Purge: opts.Purge, Ledger: fsys.ledger})
+		s.ctl, err = ctl.Listen(ctl.Config{Path: opts.Socket, Backend: controlBackend{fsys}, Errno: toErrno, Log: opts.Log, Private: !opts.AllowOther, Owner: uint32(os.Geteuid()), Purge: opts.Purge, Ledger: fsys.ledger, Threads: fsys.threads})
 		if err != nil {
 			srv.Unmount()
 			return nil, fmt.Errorf("control socket: %w", err)
