@@ -28,6 +28,9 @@ type Config struct {
 	Backing string
 	// Capacity sizes the private tmpfs in bytes; 0 keeps the kernel default.
 	Capacity int64
+	// Inodes is the private tmpfs's inodes (nr_inodes); 0 keeps the
+	// kernel default.
+	Inodes int64
 	// Disk is where SHARED segments live; empty disables SHARED.
 	Disk string
 }
@@ -64,7 +67,7 @@ func Open(cfg Config, log *slog.Logger) (*Store, error) {
 			return nil, fmt.Errorf("create backing %s: %w", s.Dir, err)
 		}
 		if os.Geteuid() == 0 {
-			if err := mountTmpfs(s.Dir, cfg.Capacity); err != nil {
+			if err := mountTmpfs(s.Dir, cfg.Capacity, cfg.Inodes); err != nil {
 				return nil, err
 			}
 			s.Private = true
@@ -211,21 +214,21 @@ func StatePath(mountpoint, ext string) string {
 // mountTmpfs mounts a tmpfs of the given size at dir, or resizes the one
 // already there (left by an earlier daemon). Either way it is nosuid and
 // nodev.
-func mountTmpfs(dir string, capacity int64) error {
-	size := ""
+func mountTmpfs(dir string, capacity, inodes int64) error {
+	var sized []string
 	if capacity > 0 {
-		size = "size=" + strconv.FormatInt(capacity, 10)
+		sized = append(sized, "size="+strconv.FormatInt(capacity, 10))
+	}
+	if inodes > 0 {
+		sized = append(sized, "nr_inodes="+strconv.FormatInt(inodes, 10))
 	}
 	if isMountpoint(dir) {
-		if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV, size); err != nil {
+		if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV, strings.Join(sized, ",")); err != nil {
 			return fmt.Errorf("remount backing tmpfs %s: %w", dir, err)
 		}
 		return nil
 	}
-	opts := "mode=0755"
-	if size != "" {
-		opts += "," + size
-	}
+	opts := strings.Join(append([]string{"mode=0755"}, sized...), ",")
 	if err := unix.Mount("tensorfs-backing", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
 		return fmt.Errorf("mount backing tmpfs at %s: %w", dir, err)
 	}

@@ -26,7 +26,7 @@ func smallTmpfs(t *testing.T, size int64) string {
 		t.Skip("needs root to mount a tmpfs")
 	}
 	dir := t.TempDir()
-	if err := mountTmpfs(dir, size); err != nil {
+	if err := mountTmpfs(dir, size, 0); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })

@@ -53,6 +53,8 @@ type filesystem struct {
 	// handles bounds the descriptors open segments, imports and watches
 	// keep, per uid; pidfds included.
 	handles *ledger.Row
+	// inodes charges the backing's objects to their owners.
+	inodes *inodes
 	// threads bounds, per uid, the goroutines that may block in the
 	// kernel on a request's behalf (fsMagic's).
 	threads *ledger.Row
@@ -98,13 +100,17 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 	}
 	fsys.handles = newHandleBudget(fsys.ledger)
 	fsys.threads = newThreadBudget(fsys.ledger)
+	fsys.inodes = newInodes(fsys.ledger, opts.Store.RootFd)
 	fsys.imports.held = fsys.handles
 	if fsys.log == nil {
 		fsys.log = slog.New(slog.DiscardHandler)
 	}
-	for _, b := range []*ledger.Row{fsys.handles, fsys.threads} {
+	for _, b := range []*ledger.Row{fsys.handles, fsys.threads, fsys.inodes.row} {
 		s := b.Spec()
 		fsys.log.Info(s.Name+" held for requests: limits", "per_uid", s.PerUID, "total", s.Total, "root_reserve", s.Total/8)
+	}
+	if err := fsys.inodes.countBacking(opts.Store.RootFd); err != nil {
+		fsys.log.Warn("the backing's objects are charged to their owners as far as the walk reached", "err", err)
 	}
 	rec := opts.Recovered
 	if rec == nil {

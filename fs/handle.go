@@ -87,6 +87,9 @@ type fileHandle struct {
 	// attrsHere is true when fd's file holds the segment's attributes
 	// too (host and SHARED segments; not an imported one's).
 	attrsHere bool
+	// unnamed is true for an O_TMPFILE segment's handle: at close, a
+	// segment no name was given is gone, and so is its inode's charge.
+	unnamed bool
 }
 
 var (
@@ -111,7 +114,13 @@ func (h *fileHandle) Release(ctx context.Context) syscall.Errno {
 	return 0
 }
 
-func (h *fileHandle) close() { unix.Close(h.fd) }
+func (h *fileHandle) close() {
+	var st unix.Stat_t
+	if h.unnamed && unix.Fstat(h.fd, &st) == nil && st.Nlink == 0 {
+		h.node.fs.inodes.gone(st.Ino)
+	}
+	unix.Close(h.fd)
+}
 
 // fuseFlags: close() needs no FLUSH (writes never wait in the daemon and
 // the kernel keeps locks itself). Without passthrough the page cache is

@@ -613,10 +613,11 @@ func (fsys *filesystem) removeUnlinkedNames(inos map[uint64]bool) {
 		if ferr != nil || f&alloc.Unlink == 0 {
 			return nil
 		}
-		last, _, err := fsys.lastLink(dirfd, name)
+		last, ino, err := fsys.lastLink(dirfd, name)
 		if err != nil || unix.Unlinkat(dirfd, name, 0) != nil {
 			return nil
 		}
+		fsys.inodes.gone(ino)
 		if last != nil {
 			last.release()
 		}

@@ -195,7 +195,15 @@ func (n *nodeBase) setattr(ctx context.Context, in *fuse.SetAttrIn, after func()
 			if gok {
 				sgid = int(gid)
 			}
+			undoCharge := func() {}
+			if uok {
+				var err error
+				if undoCharge, err = n.fs.inodes.chown(a.Stat().Ino, uid); err != nil {
+					return err
+				}
+			}
 			if err := a.Chown(suid, sgid); err != nil {
+				undoCharge()
 				return err
 			}
 		}

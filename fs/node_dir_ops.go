@@ -190,11 +190,17 @@ func (d *dirNode) makeNode(ctx context.Context, op, name string, out *fuse.Entry
 		if err != nil {
 			return err
 		}
+		uid := caller(ctx).Uid
+		if err := d.fs.inodes.reserve(uid); err != nil {
+			return err
+		}
 		if err := make(fd); err != nil {
+			d.fs.inodes.unreserve(uid)
 			return err
 		}
 		a, err := made(fd, name)
 		if err != nil {
+			d.fs.inodes.unreserve(uid)
 			return err
 		}
 		defer a.Close()
@@ -202,8 +208,10 @@ func (d *dirNode) makeNode(ctx context.Context, op, name string, out *fuse.Entry
 		s, err := d.adopt(ctx, fd, a, pf, s, false, &st)
 		if err != nil {
 			undo(fd, name, a)
+			d.fs.inodes.unreserve(uid)
 			return err
 		}
+		d.fs.inodes.made(st.Ino, uid)
 		out.Attr.FromStat(toSyscallStat(&st))
 		ch = d.NewInode(ctx, node(s), fusefs.StableAttr{Mode: st.Mode & syscall.S_IFMT, Ino: st.Ino})
 		return nil
@@ -263,7 +271,14 @@ func (d *dirNode) create(ctx context.Context, dirfd int, name string, flags, mod
 		return nil, nil, err
 	}
 	bflags, pt := d.fs.backingFlags(flags)
+	uid := caller(ctx).Uid
+	if err := d.fs.inodes.reserve(uid); err != nil {
+		return nil, nil, err
+	}
 	fd, err := unix.Openat(dirfd, name, bflags|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW, mode)
+	if err != nil {
+		d.fs.inodes.unreserve(uid)
+	}
 	if errors.Is(err, unix.EEXIST) {
 		return d.openExisting(ctx, dirfd, name, pf, flags, out)
 	}
@@ -274,6 +289,7 @@ func (d *dirNode) create(ctx context.Context, dirfd int, name string, flags, mod
 	if err != nil {
 		unix.Close(fd)
 		unix.Unlinkat(dirfd, name, 0)
+		d.fs.inodes.unreserve(uid)
 		return nil, nil, err
 	}
 	defer a.Close()
@@ -293,11 +309,13 @@ func (d *dirNode) create(ctx context.Context, dirfd int, name string, flags, mod
 			unix.Close(fd)
 		}
 		undo(dirfd, name, a)
+		d.fs.inodes.unreserve(uid)
 		if s != nil {
 			s.release()
 		}
 		return nil, nil, err
 	}
+	d.fs.inodes.made(st.Ino, uid)
 	seg := d.fs.newSegment(s)
 	out.Attr.FromStat(toSyscallStat(&st))
 	ch := d.NewInode(ctx, seg, fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: st.Ino})
@@ -366,8 +384,13 @@ func (d *dirNode) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *f
 				return err
 			}
 			bflags, pt := d.fs.backingFlags(flags)
+			c := caller(ctx)
+			if err := d.fs.inodes.reserve(c.Uid); err != nil {
+				return err
+			}
 			fd, err := unix.Openat(dirfd, ".", bflags|unix.O_TMPFILE, mode)
 			if err != nil {
+				d.fs.inodes.unreserve(c.Uid)
 				return err
 			}
 			var st unix.Stat_t
@@ -378,14 +401,15 @@ func (d *dirNode) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *f
 			}
 			if err != nil {
 				unix.Close(fd)
+				d.fs.inodes.unreserve(c.Uid)
 				return err
 			}
+			d.fs.inodes.made(st.Ino, c.Uid)
 			out.Attr.FromStat(toSyscallStat(&st))
 			seg := d.fs.newSegment(host{})
 			ch = d.NewInode(ctx, seg, fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: st.Ino})
-			c := caller(ctx)
 			h = &fileHandle{handle: handle{node: seg, pid: d.fs.processOf(c.Pid), uid: c.Uid, writable: flags&unix.O_ACCMODE != unix.O_RDONLY},
-				fd: fd, passthrough: pt, attrsHere: true}
+				fd: fd, passthrough: pt, attrsHere: true, unnamed: true}
 			seg.track(&h.handle, h)
 			return nil
 		})
@@ -433,16 +457,24 @@ func (d *dirNode) Link(ctx context.Context, target fusefs.InodeEmbedder, name st
 	return ch, d.fs.errno("link", &d.nodeBase, name, err)
 }
 
-// lastLink returns the storage of the segment name in dirfd when name is
-// its last link and its kind holds something to free once the name goes,
-// and the inode a watch may wait on; nil and 0 otherwise.
+// lastLink returns, when name in dirfd is the last name of its object
+// (a directory's only one), the object's inode, which goes with the name
+// (its charge, a watch that may wait on it), and, for a segment whose kind
+// holds something to free once the name goes, its storage; nil and 0
+// otherwise.
 func (fsys *filesystem) lastLink(dirfd int, name string) (storage, uint64, error) {
 	var st unix.Stat_t
 	if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 		return nil, 0, nil // the removal itself says why
 	}
-	if st.Mode&syscall.S_IFMT != syscall.S_IFREG || st.Nlink != 1 {
+	if st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
+		return nil, st.Ino, nil
+	}
+	if st.Nlink != 1 {
 		return nil, 0, nil
+	}
+	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+		return nil, st.Ino, nil
 	}
 	if fsys.hostBySize(&st) {
 		return nil, st.Ino, nil // a host segment: nothing to free
@@ -463,6 +495,7 @@ func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
 			return err
 		}
 		d.fs.watches.unwatch(ino)
+		d.fs.inodes.gone(ino)
 		if s != nil {
 			return s.release()
 		}
@@ -473,7 +506,14 @@ func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
 
 // Rmdir removes an empty directory.
 func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
-	err := d.withDir(func(fd int) error { return unix.Unlinkat(fd, name, unix.AT_REMOVEDIR) })
+	err := d.withDir(func(fd int) error {
+		_, ino, _ := d.fs.lastLink(fd, name)
+		if err := unix.Unlinkat(fd, name, unix.AT_REMOVEDIR); err != nil {
+			return err
+		}
+		d.fs.inodes.gone(ino)
+		return nil
+	})
 	return d.fs.errno("rmdir", &d.nodeBase, name, err)
 }
 
@@ -523,6 +563,7 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 				return err
 			}
 			d.fs.watches.unwatch(watched)
+			d.fs.inodes.gone(watched)
 			if replaced != nil {
 				err = replaced.release()
 			}

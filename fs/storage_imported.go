@@ -212,8 +212,13 @@ func (fsys *filesystem) importSegment(who ctl.Cred, dirfd int, name string, pf a
 		unix.Close(fd)
 		return err
 	}
+	if err := fsys.inodes.reserve(who.Uid); err != nil {
+		fsys.imports.drop(in)
+		return err
+	}
 	marker, err := unix.Openat(dirfd, name, unix.O_CREAT|unix.O_EXCL|unix.O_WRONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 	if err != nil {
+		fsys.inodes.unreserve(who.Uid)
 		fsys.imports.drop(in)
 		return err
 	}
@@ -243,11 +248,17 @@ func (fsys *filesystem) importSegment(who ctl.Cred, dirfd int, name string, pf a
 	if err == nil {
 		err = unix.Fchmod(marker, 0o444) // last: the daemon may not be root
 	}
+	var st unix.Stat_t
+	if err == nil {
+		err = unix.Fstat(marker, &st)
+	}
 	if err != nil {
 		unlinkIfSame(dirfd, name, marker)
+		fsys.inodes.unreserve(who.Uid)
 		fsys.imports.drop(in)
 		return err
 	}
+	fsys.inodes.made(st.Ino, who.Uid)
 	return nil
 }
 

@@ -29,6 +29,8 @@ type Config struct {
 	Backing string
 	// Capacity sizes the private tmpfs in bytes; 0 for the default.
 	Capacity int64
+	// Inodes is the private tmpfs's inodes; 0 for the default.
+	Inodes int64
 	// Disk is where SHARED segments live; "" for none.
 	Disk string
 	// GPU is the device backend: "none", "sim" or "cuda".
@@ -97,7 +99,7 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	// The GPU helper starts before the mount, so it inherits nothing of it.
 	// fs.Mount owns it from the call on; failures before close it here.
 	dev := startGPU(cfg.GPU, log)
-	store, err := alloc.Open(alloc.Config{Mountpoint: mp, Backing: cfg.Backing, Capacity: cfg.Capacity, Disk: cfg.Disk}, log)
+	store, err := alloc.Open(alloc.Config{Mountpoint: mp, Backing: cfg.Backing, Capacity: cfg.Capacity, Inodes: cfg.Inodes, Disk: cfg.Disk}, log)
 	if err != nil {
 		closeGPU(dev)
 		return err

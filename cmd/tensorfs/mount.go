@@ -21,6 +21,7 @@ type mountFlags struct {
 	foreground    bool
 	backing       string
 	capacity      string
+	inodes        int64
 	disk          string
 	gpu           string
 	allowOther    bool
@@ -35,6 +36,7 @@ func (m *mountFlags) register(set *flag.FlagSet) {
 	set.BoolVar(&m.foreground, "f", false, "stay in the foreground")
 	set.StringVar(&m.backing, "backing", "", "backing directory (default: a private tmpfs chosen from MOUNTPOINT)")
 	set.StringVar(&m.capacity, "capacity", "", "size of the private tmpfs, e.g. 8G")
+	set.Int64Var(&m.inodes, "inodes", 0, "inodes of the private tmpfs (default: the kernel's); one user may make a sixteenth")
 	set.StringVar(&m.disk, "disk", "", "directory where SHARED segments live")
 	set.StringVar(&m.gpu, "gpu", "none", "GPU backend: none | sim | cuda")
 	set.BoolVar(&m.allowOther, "allow-other", false, "let other users in (permissions are always checked by the kernel)")
@@ -97,6 +99,7 @@ func runMount(args []string, stdout, stderr io.Writer) int {
 		Mountpoint:    mp,
 		Backing:       m.backing,
 		Capacity:      capacity,
+		Inodes:        m.inodes,
 		Disk:          m.disk,
 		GPU:           m.gpu,
 		AllowOther:    m.allowOther,
@@ -124,6 +127,9 @@ func checkMountFlags(m *mountFlags) (int64, error) {
 	}
 	if m.capacity != "" && m.backing != "" {
 		return 0, errors.New("--capacity sizes the private tmpfs and cannot be used with --backing")
+	}
+	if m.inodes < 0 || m.inodes > 0 && m.backing != "" {
+		return 0, errors.New("--inodes: want a positive count of the private tmpfs's inodes (not with --backing)")
 	}
 	if err := checkClusterFlags(m); err != nil {
 		return 0, err

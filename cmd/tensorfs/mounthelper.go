@@ -49,7 +49,7 @@ func mountOptions(list string) ([]string, error) {
 		key, val, hasVal := strings.Cut(opt, "=")
 		switch {
 		case opt == "" || generic(key):
-		case key == "capacity" || key == "backing" || key == "disk" || key == "gpu" || key == "node" ||
+		case key == "capacity" || key == "inodes" || key == "backing" || key == "disk" || key == "gpu" || key == "node" ||
 			key == "cluster_ca" || key == "cluster_cert" || key == "cluster_key" || key == "cluster_listen":
 			if !hasVal {
 				return nil, fmt.Errorf("option %s needs a value, as in %s=...", key, key)
