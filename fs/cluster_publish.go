@@ -26,6 +26,8 @@ type published struct {
 	// frozen is true for a host segment this publish made read-only.
 	frozen bool
 	node   *segmentNode // its node in the kernel's tree, if any
+	// ino is a directory's inode, marked as the cluster's once published.
+	ino uint64
 }
 
 // publish publishes the directory dir (relative to the root) for who:
@@ -118,12 +120,40 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 	if err := alloc.MarkPublished(alloc.FdPath(top), rec); err != nil {
 		c.fsys.log.Warn("cluster: the published directory's version is not recorded here", "dir", alloc.EscapeText(dir), "err", err)
 	}
+	c.markDirs(top, dir, objs)
 	c.mu.Lock()
 	maps.Copy(c.known, v.Contents)
 	c.made[dir] = v
 	c.mu.Unlock()
 	c.fsys.log.Info("published", "dir", alloc.EscapeText(dir), "version", info.Version, "entries", len(v.Entries), "bytes", v.Bytes(), "uid", who.Uid)
 	return info.Version, nil
+}
+
+// markDirs marks the directories below the published directory dir (open
+// at top) that objs published as the cluster's, each only if it is still
+// the directory published (its inode), reached without following a
+// symbolic link: the versions made here from then on may use them.
+func (c *clusterFS) markDirs(top int, dir string, objs []published) {
+	how := unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC, Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS}
+	for _, o := range objs {
+		if o.ino == 0 {
+			continue
+		}
+		fd, err := unix.Openat2(top, o.entry.Path, &how)
+		if err == nil {
+			var st unix.Stat_t
+			if err = unix.Fstat(fd, &st); err == nil && st.Ino != o.ino {
+				err = fmt.Errorf("%w: replaced since it was published", unix.ESTALE)
+			}
+			if err == nil {
+				err = alloc.MarkMade(alloc.FdPath(fd), dir)
+			}
+			unix.Close(fd)
+		}
+		if err != nil {
+			c.fsys.log.Warn("cluster: a published directory is not marked as the cluster's here; its versions leave it alone", "path", alloc.EscapeText(dir+"/"+o.entry.Path), "err", err)
+		}
+	}
 }
 
 // entryOrder orders paths of a published directory as package cluster
@@ -163,7 +193,7 @@ func (c *clusterFS) collect(who ctl.Cred, top int, dir string, st *unix.Stat_t) 
 				e, err = dirEntry(p, rel, st)
 				return err
 			})
-			objs = append(objs, published{entry: cluster.LocalEntry{Entry: e}})
+			objs = append(objs, published{entry: cluster.LocalEntry{Entry: e}, ino: st.Ino})
 			return err
 		case syscall.S_IFREG:
 			o, err := c.segmentEntry(who, fd, name, rel, st)
