@@ -381,7 +381,7 @@ func (c *clusterFS) dirAt(parent int, name, rel, dir string, mayMake bool, mode 
 		case !errors.Is(err, unix.ENOENT):
 			return -1, false, fmt.Errorf("%s: %w", alloc.EscapeText(rel), err)
 		case !mayMake:
-					return -1, false, conflictAt(path.Dir(rel), nil, "a local directory, in which no published name is made,")
+			return -1, false, conflictAt(path.Dir(rel), nil, "a local directory, in which no published name is made,")
 		}
 		fd, err = c.newDir(parent, name, rel, dir, mode)
 		if !errors.Is(err, unix.EEXIST) {
