@@ -277,14 +277,14 @@ func cmpErr(first, err error) error {
 type conflict struct{ path, what string }
 
 func (e *conflict) Error() string {
-	return fmt.Sprintf("%s: %s holds a published name here; it is left alone", alloc.EscapeText(e.path), e.what)
+	return fmt.Sprintf("%s: %s here; it is left alone", alloc.EscapeText(e.path), e.what)
 }
 
 // conflictAt is the conflict of the object at rel whose stat is st, or,
 // without one, what is said.
 func conflictAt(rel string, st *unix.Stat_t, what string) error {
 	if st != nil {
-		what = fmt.Sprintf("%s of uid %d, mode %04o", fileType(st.Mode), st.Uid, st.Mode&07777)
+		what = fmt.Sprintf("%s of uid %d, mode %04o, holds a published name", fileType(st.Mode), st.Uid, st.Mode&07777)
 	}
 	return &conflict{rel, what}
 }
@@ -381,7 +381,7 @@ func (c *clusterFS) dirAt(parent int, name, rel, dir string, mayMake bool, mode 
 		case !errors.Is(err, unix.ENOENT):
 			return -1, false, fmt.Errorf("%s: %w", alloc.EscapeText(rel), err)
 		case !mayMake:
-			return -1, false, conflictAt(path.Dir(rel), nil, "a local directory, in which no published name is made,")
+			return -1, false, conflictAt(path.Dir(rel), nil, "a local directory is on a published path: no name is made in it")
 		}
 		fd, err = c.newDir(parent, name, rel, dir, mode)
 		if !errors.Is(err, unix.EEXIST) {

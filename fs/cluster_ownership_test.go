@@ -1,0 +1,217 @@
+package fs
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"slices"
+	"syscall"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/ctl"
+)
+
+// The cluster never takes what it did not publish (issue 24, K3): a
+// published version materialises on a node only at names that are free
+// or the cluster's own.
+
+var (
+	alice = ctl.Cred{Pid: int32(os.Getpid()), Uid: 1000, Gid: 1000}
+	bob   = ctl.Cred{Pid: int32(os.Getpid()), Uid: 1001, Gid: 1001}
+)
+
+// localDir makes the directory rel in fsys's backing, as its owner would
+// through the mount: owned by who, with mode and the attribute
+// user.mine, and returns its backing path.
+func localDir(t *testing.T, fsys *filesystem, rel string, who ctl.Cred, mode os.FileMode) string {
+	t.Helper()
+	p := filepath.Join(fsys.store.Dir, rel)
+	if err := os.MkdirAll(p, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(p, int(who.Uid), int(who.Gid)); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(p, mode); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Setxattr(p, "user.mine", []byte(rel), 0); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// localFile writes a segment of who at rel in fsys's backing.
+func localFile(t *testing.T, fsys *filesystem, rel string, who ctl.Cred, data []byte) {
+	t.Helper()
+	p := filepath.Join(fsys.store.Dir, rel)
+	if err := os.WriteFile(p, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(p, int(who.Uid), int(who.Gid)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// snapshot is what a local object is: owner, mode, attribute, and the
+// names in it (a directory) or its bytes (a file).
+type snapshot struct {
+	uid, mode uint32
+	attr      string
+	names     []string
+	data      string
+}
+
+func snap(t *testing.T, p string) snapshot {
+	t.Helper()
+	var st unix.Stat_t
+	if err := unix.Lstat(p, &st); err != nil {
+		t.Fatal(err)
+	}
+	s := snapshot{uid: st.Uid, mode: st.Mode}
+	if v, ok, err := alloc.GetXattr(p, "user.mine"); err == nil && ok {
+		s.attr = string(v)
+	}
+	if st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
+		ents, err := os.ReadDir(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range ents {
+			s.names = append(s.names, e.Name())
+		}
+	} else {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.data = string(b)
+	}
+	return s
+}
+
+// conflictsFor reads user.tensorfs.cluster of dir on fsys as who and
+// returns its conflicts.
+func conflictsFor(t *testing.T, fsys *filesystem, dir string, who ctl.Cred) []string {
+	t.Helper()
+	d := lookupPath(t, fsys, dir).Operations().(*dirNode)
+	v, err := fsys.clusterAttr(who, d)
+	if err != nil {
+		t.Fatalf("user.tensorfs.cluster of %s: %v", dir, err)
+	}
+	var out struct{ Conflicts []string }
+	if err := json.Unmarshal(v, &out); err != nil {
+		t.Fatal(err)
+	}
+	return out.Conflicts
+}
+
+// TestClusterLeavesLocalObjects reproduces K3 on two nodes: on node-a
+// alice publishes directories whose paths, on node-b, hold bob's private
+// directories (the published directory itself, and an intermediate one
+// of its path), root's directory, and, in a version of a directory
+// node-b made, bob's local segment and subdirectory. node-b changes
+// none of them (owner, mode, attributes, names, bytes), logs each, and
+// lists each in user.tensorfs.cluster's conflicts, to those who may see
+// it; the names that are free are made as published.
+func TestClusterLeavesLocalObjects(t *testing.T) {
+	tc := newTestCluster(t)
+	a, b := tc.node("node-a", nil), tc.node("node-b", nil)
+	publish := func(dir string) string {
+		t.Helper()
+		v, err := controlBackend{a}.Publish(alice, dir)
+		if err != nil {
+			t.Fatalf("publish %s: %v", dir, err)
+		}
+		return v
+	}
+	made := func(fsys *filesystem, dir, v string) {
+		t.Helper()
+		eventually(t, dir+" "+v+" made on node-b", func() bool {
+			fsys.cl.mu.Lock()
+			defer fsys.cl.mu.Unlock()
+			m := fsys.cl.made[dir]
+			return m != nil && m.ID == v || fsys.cl.conflicts[dir].Version == v
+		})
+	}
+
+	// The leaf: scratch/work is alice's, 0777, on node-a; bob's, 0700, on
+	// node-b. An intermediate: priv is bob's 0700 directory on node-b.
+	// Root's own: rootdir.
+	localDir(t, a, "scratch", ctl.Cred{}, 0o755)
+	localDir(t, b, "scratch", ctl.Cred{}, 0o755)
+	localDir(t, a, "scratch/work", alice, 0o777)
+	localFile(t, a, "scratch/work/w", alice, []byte("alice's weights"))
+	bobWork := localDir(t, b, "scratch/work", bob, 0o700)
+	localFile(t, b, "scratch/work/w", bob, []byte("bob's weights"))
+	localDir(t, a, "priv/x", alice, 0o777)
+	localFile(t, a, "priv/x/w", alice, []byte("alice's"))
+	bobPriv := localDir(t, b, "priv", bob, 0o700)
+	localDir(t, a, "rootdir", alice, 0o777)
+	rootDir := localDir(t, b, "rootdir", ctl.Cred{}, 0o755)
+	before := map[string]snapshot{}
+	for _, p := range []string{bobWork, bobWork + "/w", bobPriv, rootDir} {
+		before[p] = snap(t, p)
+	}
+	for _, dir := range []string{"scratch/work", "priv/x", "rootdir"} {
+		made(b, dir, publish(dir))
+	}
+	for _, want := range []struct{ dir, conflict string }{{"scratch/work", "scratch/work"}, {"priv/x", "priv"}, {"rootdir", "rootdir"}} {
+		b.cl.mu.Lock()
+		got := b.cl.conflicts[want.dir].paths
+		b.cl.mu.Unlock()
+		if !slices.Equal(got, []string{want.conflict}) {
+			t.Errorf("%s on node-b: conflicts %q, want %q", want.dir, got, want.conflict)
+		}
+	}
+	if got := conflictsFor(t, b, "scratch/work", bob); !slices.Equal(got, []string{"scratch/work"}) {
+		t.Errorf("user.tensorfs.cluster of bob's scratch/work, for bob: conflicts %q", got)
+	}
+
+	// A directory node-b makes, 0777: bob makes a segment and a private
+	// directory in it there; the next version has both names.
+	localDir(t, a, "shared", alice, 0o777)
+	localFile(t, a, "shared/f", alice, []byte("v1"))
+	made(b, "shared", publish("shared"))
+	if c := conflictsFor(t, b, "shared", alice); c != nil {
+		t.Errorf("a version made at free names: conflicts %q", c)
+	}
+	if got := snap(t, filepath.Join(b.store.Dir, "shared")); got.uid != alice.Uid || got.mode&07777 != 0o777 {
+		t.Errorf("shared made on node-b: uid %d mode %o, want alice's 0777", got.uid, got.mode&07777)
+	}
+	localFile(t, b, "shared/w", bob, []byte("bob's"))
+	bobSub := localDir(t, b, "shared/sub", bob, 0o700)
+	before[bobSub] = snap(t, bobSub)
+	before[filepath.Join(b.store.Dir, "shared/w")] = snap(t, filepath.Join(b.store.Dir, "shared/w"))
+	localFile(t, a, "shared/w", alice, []byte("alice's w"))
+	localDir(t, a, "shared/sub", alice, 0o777)
+	localFile(t, a, "shared/sub/g", alice, []byte("alice's g"))
+	made(b, "shared", publish("shared"))
+	want := []string{"shared/sub", "shared/w"}
+	if got := conflictsFor(t, b, "shared", ctl.Cred{}); !slices.Equal(got, want) {
+		t.Errorf("shared on node-b, for root: conflicts %q, want %q", got, want)
+	}
+	if got := conflictsFor(t, b, "shared", alice); !slices.Equal(got, want) {
+		t.Errorf("shared on node-b, for alice (who may search shared): conflicts %q, want %q", got, want)
+	}
+
+	for p, s := range before {
+		if got := snap(t, p); !equalSnap(got, s) {
+			t.Errorf("%s on node-b changed: %+v, was %+v", p, got, s)
+		}
+	}
+	if !tc.logs.contains("a published name is left alone") {
+		t.Error("no log line for the names left alone")
+	}
+	// The published directory's own names are made where they are free.
+	if _, err := os.Stat(filepath.Join(b.store.Dir, "shared/f")); err != nil {
+		t.Errorf("shared/f on node-b: %v", err)
+	}
+}
+
+func equalSnap(a, b snapshot) bool {
+	return a.uid == b.uid && a.mode == b.mode && a.attr == b.attr && a.data == b.data && slices.Equal(a.names, b.names)
+}
