@@ -2,12 +2,15 @@ package fs
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
 	"syscall"
+	"strings"
 	"testing"
 
+	fusefs "github.com/hanwen/go-fuse/v2/fs"
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
@@ -214,4 +217,62 @@ func TestClusterLeavesLocalObjects(t *testing.T) {
 
 func equalSnap(a, b snapshot) bool {
 	return a.uid == b.uid && a.mode == b.mode && a.attr == b.attr && a.data == b.data && slices.Equal(a.names, b.names)
+}
+
+// TestClusterFreezeRefusesWriters reproduces K4's first half: a process
+// that maps a segment's bytes writable after closing its descriptor, and
+// a descriptor export handed out for writing, keep a publish of it from
+// freezing it (EBUSY, naming the process that maps it); once unmapped and
+// closed, the publish freezes it and nothing may write it again.
+func TestClusterFreezeRefusesWriters(t *testing.T) {
+	tc := newTestCluster(t)
+	a := tc.node("node-a", nil)
+	d := mkdir(t, &a.root.dirNode, "k4")
+	seg := mkseg(t, d, "w")
+	if errno := seg.Setxattr(callerCtx(0), alloc.AttrFlags, []byte("KEEPFD"), 0); errno != 0 {
+		t.Fatal(errno)
+	}
+	backing := filepath.Join(a.store.Dir, "k4/w")
+	if err := os.WriteFile(backing, randomBytes(t, 4096), 0o666); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(backing, 0o666); err != nil {
+		t.Fatal(err)
+	}
+	publish := func() error {
+		_, err := controlBackend{a}.Publish(rootPeer, "k4")
+		return err
+	}
+
+	m := startMapper(t, backing)
+	err := publish()
+	if toErrno(err) != syscall.EBUSY || !strings.Contains(err.Error(), fmt.Sprintf("pid %d (", m.cmd.Process.Pid)) || !strings.Contains(err.Error(), "maps it writable") {
+		t.Fatalf("publish of a segment a process maps writable: %v, want EBUSY naming pid %d", err, m.cmd.Process.Pid)
+	}
+	m.unmap(t)
+
+	f, err := controlBackend{a}.Export(ownerPeer, "k4/w", true)
+	if err != nil {
+		t.Fatalf("export for writing: %v", err)
+	}
+	if err := publish(); toErrno(err) != syscall.EBUSY {
+		t.Fatalf("publish of a segment export handed out for writing: %v, want EBUSY", err)
+	}
+	// Refused, the segment is a host one again: writable.
+	if fh, _, errno := seg.Open(callerCtx(0), unix.O_RDWR); errno != 0 {
+		t.Errorf("after a refused publish, open for writing: %v", errno)
+	} else {
+		fh.(fusefs.FileReleaser).Release(callerCtx(0))
+	}
+	f.Close()
+
+	if err := publish(); err != nil {
+		t.Fatalf("publish once unmapped and closed: %v", err)
+	}
+	if _, err := (controlBackend{a}).Export(ownerPeer, "k4/w", true); toErrno(err) != syscall.EPERM {
+		t.Errorf("export for writing of a published segment: %v, want EPERM", err)
+	}
+	if _, _, errno := lookupPath(t, a, "k4/w").Operations().(*segmentNode).Open(callerCtx(0), unix.O_RDWR); errno != syscall.EPERM {
+		t.Errorf("open for writing of a published segment: %v, want EPERM", errno)
+	}
 }

@@ -5,6 +5,7 @@ package fs
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"os"
@@ -335,13 +336,70 @@ func (c *clusterFS) freeze(objs []published, dir string) error {
 		}
 		// Bytes written before the freeze are what is hashed: the size
 		// is read again once no writer is left.
-		if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		err := c.noWriter(f, dir+"/"+o.entry.Path)
+		if err == nil {
+			err = unix.Fstat(int(f.Fd()), &st)
+		}
+		if err != nil {
 			c.thaw(objs, dir)
 			return err
 		}
 		o.entry.Size = st.Size
 	}
 	return nil
+}
+
+// noWriter returns nil if nothing can write the frozen segment at rel,
+// whose backing file is open read-only at f, any more: no open file
+// description of that file anywhere has write access (a descriptor in any
+// process or in flight, one that export or load handed out, a writable
+// mapping that outlived its close, the kernel's passthrough file), which
+// the kernel tells by granting a read lease (taken and given back at
+// once). Otherwise EBUSY, naming the writers /proc shows; where no lease
+// can be asked (leases off), EBUSY too: a check that cannot see never
+// concludes there is no writer. A writer that comes after the freeze is
+// refused by its open (frozen).
+func (c *clusterFS) noWriter(f *os.File, rel string) error {
+	fd := int(f.Fd())
+	_, err := unix.FcntlInt(uintptr(fd), unix.F_SETLEASE, unix.F_RDLCK)
+	if err == nil {
+		_, err = unix.FcntlInt(uintptr(fd), unix.F_SETLEASE, unix.F_UNLCK)
+		return err
+	}
+	where := alloc.EscapeText(rel)
+	if !errors.Is(err, unix.EAGAIN) {
+		return fmt.Errorf("%w: %s: whether anything may still write it cannot be told (a read lease: %v; publishing needs file leases, fs.leases-enable=1)", syscall.EBUSY, where, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	who := writers(c.fsys.segmentFiles(&st), fd)
+	if len(who) == 0 {
+		who = []string{"a descriptor export or load handed out, or, in passthrough mode, a process that has it open or mapped (the kernel's file of it is read-write), or a lease on it"}
+	}
+	return fmt.Errorf("%w: %s may still be written: %s; close or unmap it, then publish", syscall.EBUSY, where, strings.Join(who, "; "))
+}
+
+// frozen refuses a writable open or descriptor of the segment of backing
+// inode ino, just opened, if a publish froze it meanwhile (noWriter saw
+// the open, or the open sees the freeze).
+func (fsys *filesystem) frozen(ino uint64) error {
+	if fsys.pulled.has(ino) {
+		return errPublished
+	}
+	return nil
+}
+
+// segmentFiles returns the files whose mappings map the segment whose
+// backing file's stat is st: through this mount, earlier ones, and the
+// backing file itself.
+func (fsys *filesystem) segmentFiles(st *unix.Stat_t) []mappedFile {
+	files := everyone(fileID{fsys.fuseDev.Load(), st.Ino}, fileID{st.Dev, st.Ino})
+	for _, dev := range fsys.oldDevs {
+		files = append(files, mappedFile{fileID{dev, st.Ino}, anyUID})
+	}
+	return files
 }
 
 // thaw undoes freeze: the segments it froze are host segments again.
