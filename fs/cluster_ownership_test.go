@@ -6,8 +6,8 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"syscall"
 	"strings"
+	"syscall"
 	"testing"
 
 	fusefs "github.com/hanwen/go-fuse/v2/fs"
