@@ -1,6 +1,7 @@
 package fs
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -14,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/cluster"
 	"tensorfs/ctl"
 )
 
@@ -274,5 +276,84 @@ func TestClusterFreezeRefusesWriters(t *testing.T) {
 	}
 	if _, _, errno := lookupPath(t, a, "k4/w").Operations().(*segmentNode).Open(callerCtx(0), unix.O_RDWR); errno != syscall.EPERM {
 		t.Errorf("open for writing of a published segment: %v, want EPERM", errno)
+	}
+}
+
+// corrupt writes MALLORY-WAS-HERE into each piece of the backing file p,
+// as root may through the backing.
+func corrupt(t *testing.T, p string, size int) {
+	t.Helper()
+	f, err := os.OpenFile(p, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	for off := 100; off < size; off += 64 << 10 {
+		if _, err := f.WriteAt([]byte("MALLORY-WAS-HERE"), int64(off)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestClusterLocalCorruptionNotServed reproduces K4's second half: bytes
+// of a published segment changed under a node (root writing its backing
+// file) are found by their hashes. The publisher serves none of them;
+// a puller gets the published bytes from the other holder; and a node
+// whose complete copy was changed does not copy it into another segment
+// of that content, but pulls it from its peers.
+func TestClusterLocalCorruptionNotServed(t *testing.T) {
+	tc := newTestCluster(t)
+	both := func(cfg *cluster.Config) { cfg.Parallel, cfg.PerPeer = 2, 1 } // every holder asked from the start
+	a, b, c := tc.node("node-a", nil), tc.node("node-b", both), tc.node("node-c", nil)
+	data := randomBytes(t, 300<<10)
+	writeSeg(t, a, mkdir(t, &a.root.dirNode, "k4"), "k4/w", data)
+	v, err := controlBackend{a}.Publish(rootPeer, "k4")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []*filesystem{b, c} {
+		eventually(t, "k4 made", func() bool {
+			rec, err := alloc.ReadPublished(filepath.Join(n.store.Dir, "k4"))
+			return err == nil && strings.Contains(string(rec), v)
+		})
+	}
+	if _, err := (controlBackend{c}).Pull(rootPeer, "k4"); err != nil {
+		t.Fatal(err)
+	}
+	cid := c.pulled.get(inode(t, filepath.Join(c.store.Dir, "k4/w"))).content()
+	waitHolders(t, tc, cid, "node-a", "node-c")
+
+	served := a.clusterStats()["pieces_served"].(int64)
+	corrupt(t, filepath.Join(a.store.Dir, "k4/w"), len(data))
+	if _, err := (controlBackend{b}).Pull(rootPeer, "k4"); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := os.ReadFile(filepath.Join(b.store.Dir, "k4/w")); !bytes.Equal(got, data) {
+		t.Fatal("node-b's pulled segment does not hold the published bytes")
+	}
+	if st := b.clusterStats(); st["bad_pieces"].(int64) != 0 {
+		t.Errorf("node-b received bad pieces: %v", st)
+	}
+	if st := a.clusterStats(); st["bad_pieces"].(int64) == 0 || st["pieces_served"].(int64) != served {
+		t.Errorf("node-a's stats %v: want the pieces asked of it found bad, none served", st)
+	}
+
+	// node-c's complete copy is changed; a segment of the same content
+	// published elsewhere is pulled from node-b, not copied from it.
+	corrupt(t, filepath.Join(c.store.Dir, "k4/w"), len(data))
+	writeSeg(t, b, mkdir(t, &b.root.dirNode, "dup"), "dup/w", data)
+	v2, err := controlBackend{b}.Publish(rootPeer, "dup")
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "dup made on node-c", func() bool {
+		rec, err := alloc.ReadPublished(filepath.Join(c.store.Dir, "dup"))
+		return err == nil && strings.Contains(string(rec), v2)
+	})
+	if got := readAll(t, lookupPath(t, c, "dup/w").Operations().(*segmentNode)); !bytes.Equal(got, data) {
+		t.Fatal("node-c's copy of a content it held does not hold the published bytes")
+	}
+	if !tc.logs.contains("a copy held here fails verification") {
+		t.Error("node-c did not log the copy that failed verification")
 	}
 }
