@@ -178,7 +178,7 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 	c.mu.Unlock()
 	var left []*conflict
 	defer func() { c.leftAlone(info, left) }()
-	top, err := c.openPath(info.Dir)
+	top, err := c.openPath(info.Dir, ownerOf(v))
 	if cf := (*conflict)(nil); errors.As(err, &cf) {
 		left = append(left, cf)
 		return nil
@@ -313,14 +313,33 @@ func clusterDir(fd int) (bool, error) {
 	return rec != nil, err
 }
 
+// ownerOf returns the owner of version v's directory, whose credentials
+// decide where on the way to it a name may be made in a local directory.
+// Root's count as nobody's: whoever may write a directory of root's may
+// publish it, and gains no root rights on other nodes by it.
+func ownerOf(v *cluster.Version) ctl.Cred {
+	for _, e := range v.Entries {
+		if e.Path == "." && e.UID != 0 {
+			return ctl.Cred{Uid: e.UID, Gid: e.GID}
+		}
+	}
+	return ctl.Cred{Uid: nobody, Gid: nobody}
+}
+
+// nobody is the unprivileged user that the owner of a version's
+// directory counts as where it is root.
+const nobody = 65534
+
 // openPath opens the backing directory of the published directory dir
 // below the root, one component at a time without following a symbolic
 // link, and returns its O_PATH descriptor. A missing component is made
-// (root's, 0755, marked as the cluster's), but only in the root or in a
-// directory that is the cluster's; the published directory, where it
-// exists, must be the cluster's. Otherwise a conflict names the path:
-// nothing is made in, or taken from, a local directory.
-func (c *clusterFS) openPath(dir string) (int, error) {
+// (root's, 0755, marked as the cluster's) in the root, in a directory
+// that is the cluster's, or in a local one that owner (the published
+// directory's) may write and search, as owner could on tmpfs; the
+// published directory, where it exists, must be the cluster's. Otherwise
+// a conflict names the path: nothing is taken from a local directory, or
+// made in one its owner's rules keep owner out of.
+func (c *clusterFS) openPath(dir string, owner ctl.Cred) (int, error) {
 	fd, err := unix.FcntlInt(uintptr(c.fsys.store.RootFd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return -1, err
@@ -333,12 +352,13 @@ func (c *clusterFS) openPath(dir string) (int, error) {
 			return -1, fmt.Errorf("%w: %q is not a clean relative path", alloc.ErrInvalid, dir)
 		}
 		done = path.Join(done, part)
-		next, made, err := c.dirAt(fd, part, done, dir, own, 0o755)
+		next, made, err := c.dirAt(fd, part, done, dir, own || mayWrite(fd, &owner), 0o755)
 		unix.Close(fd)
 		if err != nil {
 			return -1, err
 		}
 		fd = next
+		own = made
 		if !made {
 			own, err = clusterDir(fd)
 		}
@@ -351,6 +371,13 @@ func (c *clusterFS) openPath(dir string) (int, error) {
 		}
 	}
 	return fd, nil
+}
+
+// mayWrite reports whether who may make a name in the directory open at
+// fd (write and search permission).
+func mayWrite(fd int, who *ctl.Cred) bool {
+	var st unix.Stat_t
+	return unix.Fstat(fd, &st) == nil && permitted(who, &st, 2|1)
 }
 
 // conflictStat is conflictAt for the object open at fd.
@@ -381,7 +408,7 @@ func (c *clusterFS) dirAt(parent int, name, rel, dir string, mayMake bool, mode 
 		case !errors.Is(err, unix.ENOENT):
 			return -1, false, fmt.Errorf("%s: %w", alloc.EscapeText(rel), err)
 		case !mayMake:
-			return -1, false, conflictAt(path.Dir(rel), nil, "a local directory is on a published path: no name is made in it")
+			return -1, false, conflictAt(path.Dir(rel), nil, "a local directory the published directory's owner may not write is on its path: no name is made in it")
 		}
 		fd, err = c.newDir(parent, name, rel, dir, mode)
 		if !errors.Is(err, unix.EEXIST) {

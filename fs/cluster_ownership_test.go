@@ -3,6 +3,7 @@ package fs
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -121,7 +122,8 @@ func conflictsFor(t *testing.T, fsys *filesystem, dir string, who ctl.Cred) []st
 // node-b made, bob's local segment and subdirectory. node-b changes
 // none of them (owner, mode, attributes, names, bytes), logs each, and
 // lists each in user.tensorfs.cluster's conflicts, to those who may see
-// it; the names that are free are made as published.
+// it; the names that are free are made as published, in a local
+// directory only if the published directory's owner may write it.
 func TestClusterLeavesLocalObjects(t *testing.T) {
 	tc := newTestCluster(t)
 	a, b := tc.node("node-a", nil), tc.node("node-b", nil)
@@ -174,6 +176,22 @@ func TestClusterLeavesLocalObjects(t *testing.T) {
 	}
 	if got := conflictsFor(t, b, "scratch/work", bob); !slices.Equal(got, []string{"scratch/work"}) {
 		t.Errorf("user.tensorfs.cluster of bob's scratch/work, for bob: conflicts %q", got)
+	}
+
+	// A local directory that alice may write, as /tmp: her published
+	// directory is made in it, hers; one in root's 0755 directory is not.
+	localDir(t, a, "tmp/a/work", alice, 0o777)
+	localFile(t, a, "tmp/a/work/w", alice, []byte("alice's"))
+	localDir(t, b, "tmp", ctl.Cred{}, 0o777|os.ModeSticky)
+	made(b, "tmp/a/work", publish("tmp/a/work"))
+	if got := snap(t, filepath.Join(b.store.Dir, "tmp/a/work")); got.uid != alice.Uid || got.mode&07777 != 0o777 {
+		t.Errorf("tmp/a/work on node-b: uid %d mode %o, want alice's 0777", got.uid, got.mode&07777)
+	}
+	localDir(t, a, "root755/work", alice, 0o777)
+	localDir(t, b, "root755", ctl.Cred{}, 0o755)
+	made(b, "root755/work", publish("root755/work"))
+	if _, err := os.Lstat(filepath.Join(b.store.Dir, "root755/work")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a published directory made in root's 0755 local directory: %v", err)
 	}
 
 	// A directory node-b makes, 0777: bob makes a segment and a private
