@@ -322,16 +322,20 @@ func (c *clusterFS) freeze(objs []published, dir string) error {
 		if n := c.fsys.segmentAt(dir + "/" + o.entry.Path); n != nil && n.StableAttr().Ino == st.Ino {
 			n.opening.Lock()
 			n.mu.Lock()
-			writer := slices.ContainsFunc(n.handles, func(h *handle) bool { return h.writable })
+			i := slices.IndexFunc(n.handles, func(h *handle) bool { return h.writable })
+			var pid int
+			if i >= 0 {
+				pid = int(n.handles[i].pid)
+			}
 			n.mu.Unlock()
-			if !writer {
+			if i < 0 {
 				n.kind.store(o.seg)
 				o.node = n
 			}
 			n.opening.Unlock()
-			if writer {
+			if i >= 0 {
 				c.thaw(objs, dir)
-				return fmt.Errorf("%w: %s is open for writing; close it, then publish", syscall.EBUSY, alloc.EscapeText(dir+"/"+o.entry.Path))
+				return fmt.Errorf("%w: %s is open for writing by pid %d (%s); close it, then publish", syscall.EBUSY, alloc.EscapeText(dir+"/"+o.entry.Path), pid, alloc.Escape(comm(pid)))
 			}
 		}
 		// Bytes written before the freeze are what is hashed: the size
