@@ -296,6 +296,8 @@ func fileType(mode uint32) string {
 		return "a directory"
 	case syscall.S_IFREG:
 		return "a local segment"
+	case syscall.S_IFLNK:
+		return "a symbolic link"
 	}
 	return "another object"
 }
