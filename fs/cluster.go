@@ -111,6 +111,9 @@ func (c *clusterFS) watch() {
 	for ev := range c.node.Watch(c.ctx) {
 		if ev.Deleted {
 			c.fsys.log.Info("cluster: directory unpublished; its names stay as they are", "dir", alloc.EscapeText(ev.Dir))
+			c.mu.Lock()
+			delete(c.conflicts, ev.Dir)
+			c.mu.Unlock()
 			continue
 		}
 		for c.ctx.Err() == nil {

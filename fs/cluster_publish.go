@@ -379,11 +379,17 @@ func (c *clusterFS) noWriter(f *os.File, rel string) error {
 		return err
 	}
 	who := writers(c.fsys.segmentFiles(&st), fd)
+	if len(who) > maxNamed {
+		who = append(who[:maxNamed], fmt.Sprintf("%d more", len(who)-maxNamed))
+	}
 	if len(who) == 0 {
 		who = []string{"a descriptor export or load handed out, or, in passthrough mode, a process that has it open or mapped (the kernel's file of it is read-write), or a lease on it"}
 	}
 	return fmt.Errorf("%w: %s may still be written: %s; close or unmap it, then publish", syscall.EBUSY, where, strings.Join(who, "; "))
 }
+
+// maxNamed bounds the writers a refused publish names.
+const maxNamed = 8
 
 // frozen refuses a writable open or descriptor of the segment of backing
 // inode ino, just opened, if a publish froze it meanwhile (noWriter saw
