@@ -36,6 +36,7 @@ var (
 	attrImport    = internalAttr("import")
 	attrPulled    = internalAttr("pulled")
 	attrPublished = internalAttr("published")
+	attrMade      = internalAttr("made")
 )
 
 // internalAttr returns the stored name of the daemon's attribute name.
@@ -50,7 +51,7 @@ func internalAttr(name string) string {
 // clients neither see nor set.
 func InternalAttr(name string) bool {
 	switch name {
-	case attrDisk, attrPath, attrImport, attrDevSize, attrSpilled, attrPulled, attrPublished, attrFlags, attrDevice:
+	case attrDisk, attrPath, attrImport, attrDevSize, attrSpilled, attrPulled, attrPublished, attrMade, attrFlags, attrDevice:
 		return true
 	}
 	return false
@@ -251,6 +252,20 @@ func ReadPublished(path string) ([]byte, error) {
 // there, as the caller encodes it.
 func MarkPublished(path string, v []byte) error {
 	return unix.Setxattr(path, attrPublished, v, 0)
+}
+
+// MarkMade records on the directory at path that the daemon made it for
+// the published directory dir (a cluster's; DESIGN.md §10). No user can
+// set it, so a directory without it is a local one.
+func MarkMade(path, dir string) error {
+	return unix.Setxattr(path, attrMade, []byte(dir), 0)
+}
+
+// ReadMade returns the published directory the directory at path was
+// made for (MarkMade), "" if the daemon did not make it for one.
+func ReadMade(path string) (string, error) {
+	v, _, err := GetXattr(path, attrMade)
+	return string(v), err
 }
 
 // MarkImport makes the empty file at path the marker of imported segment id.

@@ -259,6 +259,26 @@ func TestPublishRefuses(t *testing.T) {
 	}
 }
 
+// lyingSource holds good bytes, which a piece's first read (the server's
+// verification) gets, and bad ones, which the next (the read it streams)
+// gets: a holder whose bytes change under it, or that lies.
+type lyingSource struct {
+	good, bad []byte
+	mu        sync.Mutex
+	reads     map[int64]int
+}
+
+func (s *lyingSource) ReadAt(b []byte, off int64) (int, error) {
+	s.mu.Lock()
+	s.reads[off]++
+	src := s.good
+	if s.reads[off]%2 == 0 {
+		src = s.bad
+	}
+	s.mu.Unlock()
+	return bytes.NewReader(src).ReadAt(b, off)
+}
+
 // TestCorruptPieceRefetched makes one holder serve corrupted bytes: the
 // puller refetches those pieces from the other holder, logs it, ends with
 // the published bytes, and stops asking the bad holder.
@@ -283,7 +303,7 @@ func TestCorruptPieceRefetched(t *testing.T) {
 	for i := range bad {
 		bad[i] ^= 0x5a
 	}
-	if err := b.Offer(content.ID(), bytes.NewReader(bad), int64(len(bad))); err != nil {
+	if err := b.Offer(content.ID(), &lyingSource{good: data, bad: bad, reads: map[int64]int{}}, int64(len(bad))); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, 5*time.Second, "node-b announces its copy", func() bool {
@@ -692,5 +712,61 @@ func TestManifest(t *testing.T) {
 	}
 	if got := pieceSizeFor(int64(MaxPieces)*DefaultPieceSize+1, DefaultPieceSize); got != 2*DefaultPieceSize {
 		t.Fatalf("piece size for a content over MaxPieces pieces: %d", got)
+	}
+}
+
+// TestCorruptHeldPieceNotServed: a holder whose bytes were changed under
+// it (its file written after it was offered) verifies each piece as it
+// is asked for, serves none that fails, logs it and stops announcing it;
+// the puller fetches every piece from the other holder.
+func TestCorruptHeldPieceNotServed(t *testing.T) {
+	tc := newTestCluster(t)
+	a, b := tc.join(tc.config("node-a")), tc.join(tc.config("node-b"))
+	cfg := tc.config("node-c")
+	cfg.Parallel, cfg.PerPeer = 2, 1
+	c := tc.join(cfg)
+	ctx := context.Background()
+	data := randomBytes(t, 1<<20)
+	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", data)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := c.Version(ctx, info.Version)
+	if err != nil {
+		t.Fatal(err)
+	}
+	content := v.Contents[v.Entries[1].Content]
+	held := bytes.Clone(data)
+	if err := b.Offer(content.ID(), bytes.NewReader(held), int64(len(held))); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 5*time.Second, "node-b announces its copy", func() bool {
+		resp, err := a.etcd.Get(ctx, a.keys.holder(content.ID(), "node-b"))
+		return err == nil && len(resp.Kvs) == 1
+	})
+	for off := 100; off < len(held); off += int(content.PieceSize) {
+		copy(held[off:], "MALLORY-WAS-HERE") // each piece, changed under node-b
+	}
+	p, files := pullAll(t, c, v)
+	if err := p.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(contents(t, files["w"]), data) {
+		t.Fatal("pulled bytes differ from the published ones")
+	}
+	if st := c.Stats(); st.BadPieces != 0 {
+		t.Errorf("the puller got %d bad pieces: a holder served bytes that fail verification", st.BadPieces)
+	}
+	if st := b.Stats(); st.BadPieces == 0 || st.PiecesServed != 0 || !tc.logs.contains("a piece held here fails verification; it is not served") {
+		t.Errorf("node-b's stats %+v: want the pieces asked of it found bad and logged, none served", st)
+	}
+	if by := p.Progress().ByPeer; by["node-a"] != int64(len(data)) {
+		t.Errorf("verified bytes by peer %v: want all from node-a", by)
+	}
+	b.mu.Lock()
+	left := b.held[content.ID()].bits.count()
+	b.mu.Unlock()
+	if want := content.Pieces() - int(b.Stats().BadPieces); left != want {
+		t.Errorf("node-b holds %d pieces, want %d: those that failed verification are no longer held", left, want)
 	}
 }

@@ -16,6 +16,10 @@ var (
 	// ErrCorrupt is returned when what etcd holds does not match its
 	// content address, or a version is incomplete.
 	ErrCorrupt = errors.New("corrupt manifest")
+	// ErrBadCopy is returned when bytes this node holds no longer match
+	// their published hashes (its file was changed under it): they are
+	// not served or copied, and are fetched from peers when pulled again.
+	ErrBadCopy = errors.New("bytes held here do not match their published hashes")
 	// ErrNameInUse is returned while another live daemon holds this
 	// node's name.
 	ErrNameInUse = errors.New("node name in use")

@@ -25,6 +25,7 @@ func newBitmap(pieces int) bitmap { return make(bitmap, (pieces+7)/8) }
 
 func (b bitmap) has(i int) bool { return i >= 0 && i/8 < len(b) && b[i/8]&(1<<(i%8)) != 0 }
 func (b bitmap) set(i int)      { b[i/8] |= 1 << (i % 8) }
+func (b bitmap) clear(i int)    { b[i/8] &^= 1 << (i % 8) }
 
 // count returns the number of pieces in b.
 func (b bitmap) count() int {
@@ -55,21 +56,46 @@ type held struct {
 }
 
 // Piece implements transport.Source: only pieces of published contents
-// that this node holds and has verified are served.
+// that this node holds are served, each verified against its published
+// hash as it is asked for. A piece whose bytes here no longer match (its
+// file was changed under the node) is not served, logged, and no longer
+// announced.
 func (n *Node) Piece(p transport.Piece) (io.ReaderAt, int64, int64, error) {
 	n.mu.Lock()
-	defer n.mu.Unlock()
 	h := n.held[p.Content]
 	switch {
 	case h == nil || h.dropped || h.content == nil:
+		n.mu.Unlock()
 		return nil, 0, 0, fmt.Errorf("content %.12s: %w (not held here)", p.Content, transport.ErrNotServed)
 	case !h.bits.has(p.Index) || p.Index >= h.content.Pieces():
+		n.mu.Unlock()
 		return nil, 0, 0, fmt.Errorf("piece %d of %.12s: %w (not held, or not verified yet)", p.Index, p.Content, transport.ErrNotServed)
 	}
-	off, size := h.content.PieceRange(p.Index)
+	c, src := h.content, h.src
+	n.mu.Unlock()
+	if err := c.verifyPiece(src, p.Index, make([]byte, verifyBuf)); err != nil {
+		n.distrust(p.Content, src, p.Index, err)
+		return nil, 0, 0, fmt.Errorf("piece %d of %.12s: %w (it fails verification here)", p.Index, p.Content, transport.ErrNotServed)
+	}
+	off, size := c.PieceRange(p.Index)
 	n.stats.piecesServed.Add(1)
 	n.stats.bytesServed.Add(size)
-	return h.src, off, size, nil
+	return src, off, size, nil
+}
+
+// distrust stops serving piece i of content id from src, whose bytes
+// failed verification (err): it is logged, and the node's holder key
+// announces it no longer.
+func (n *Node) distrust(id string, src io.ReaderAt, i int, err error) {
+	n.log.Warn("cluster: a piece held here fails verification; it is not served", "content", id, "piece", i, "err", err)
+	n.stats.badPieces.Add(1)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if h := n.held[id]; h != nil && h.src == src && h.bits.has(i) {
+		h.bits.clear(i)
+		h.gen = n.nextGen()
+		n.kick()
+	}
 }
 
 // Offer serves a complete content this node holds, reading it from src

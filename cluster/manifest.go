@@ -61,6 +61,36 @@ func (c *Content) PieceRange(i int) (off, n int64) {
 // pieceHash returns the published SHA-256 of piece i.
 func (c *Content) pieceHash(i int) []byte { return c.Hashes[i*sha256.Size : (i+1)*sha256.Size] }
 
+// verifyBuf is the size of the buffer pieces are read through to be
+// verified.
+const verifyBuf = 256 << 10
+
+// verifyPiece reads piece i from r (through buf) and checks it against
+// its published hash: ErrBadCopy if it differs.
+func (c *Content) verifyPiece(r io.ReaderAt, i int, buf []byte) error {
+	off, n := c.PieceRange(i)
+	h := sha256.New()
+	if k, err := io.CopyBuffer(h, io.NewSectionReader(r, off, n), buf); k < n {
+		return fmt.Errorf("reading piece %d of %.12s: %d bytes of %d: %v", i, c.id, k, n, err)
+	}
+	if !bytes.Equal(h.Sum(nil), c.pieceHash(i)) {
+		return fmt.Errorf("%w: piece %d of %.12s", ErrBadCopy, i, c.id)
+	}
+	return nil
+}
+
+// Verify reads the whole content from r and checks every piece against
+// its published hash: ErrBadCopy naming the first that differs.
+func (c *Content) Verify(r io.ReaderAt) error {
+	buf := make([]byte, verifyBuf)
+	for i := range c.Pieces() {
+		if err := c.verifyPiece(r, i, buf); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // encode returns the canonical encoding, whose hash is the ID.
 func (c *Content) encode() []byte {
 	b, err := json.Marshal(c)

@@ -102,7 +102,7 @@ type Node struct {
 type Stats struct {
 	PiecesServed, BytesServed   int64 // handed to peers' fetches
 	PiecesFetched, BytesFetched int64 // fetched, verified and held
-	BadPieces                   int64 // fetched pieces that failed verification
+	BadPieces                   int64 // pieces that failed verification: fetched, or held here
 	FailedFetches               int64 // fetches that failed (peer unreachable, dead, refusing)
 }
 

@@ -277,8 +277,19 @@ func (p *Pull) run() {
 	close(p.done)
 }
 
-// copyLocal fills g's destinations from the complete copy this node has.
+// copyLocal fills g's destinations from the complete copy this node has,
+// verifying it first: a copy that fails is no longer served (distrust),
+// and the pull fails with ErrBadCopy; pulled again, the content is
+// fetched from peers.
 func (p *Pull) copyLocal(g *group) {
+	buf := make([]byte, verifyBuf)
+	for i := range g.c.Pieces() {
+		if err := g.c.verifyPiece(g.local, i, buf); err != nil {
+			p.n.distrust(g.c.ID(), g.local, i, err)
+			p.fail(fmt.Errorf("cluster: pull: the copy of content %.12s held here: %w", g.c.ID(), err))
+			return
+		}
+	}
 	for _, dst := range g.dsts {
 		if _, err := io.Copy(io.NewOffsetWriter(dst, 0), io.NewSectionReader(g.local, 0, g.c.Size)); err != nil {
 			p.fail(fmt.Errorf("cluster: pull: copying content %.12s held here: %w", g.c.ID(), err))

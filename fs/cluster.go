@@ -18,6 +18,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/cluster"
+	"tensorfs/ctl"
 )
 
 // The mount's side of a cluster (DESIGN.md §10): package cluster moves
@@ -54,6 +55,15 @@ type clusterFS struct {
 	pulls map[string]*cluster.Pull
 	// made is the version of each published directory last made here.
 	made map[string]*cluster.Version
+	// conflicts are, by published directory, the names of its version
+	// last made here that this node left alone.
+	conflicts map[string]conflicts
+}
+
+// conflicts are the names of a published version left alone here.
+type conflicts struct {
+	dirRecord
+	paths []string // relative to the root
 }
 
 // joinCluster makes the mount a node of the cluster cfg names (the
@@ -66,7 +76,7 @@ func (fsys *filesystem) joinCluster(cfg cluster.Config) error {
 	if err != nil {
 		return err
 	}
-	c := &clusterFS{fsys: fsys, node: node, known: map[string]*cluster.Content{}, busy: map[string]*leader{}, pulls: map[string]*cluster.Pull{}, made: map[string]*cluster.Version{}}
+	c := &clusterFS{fsys: fsys, node: node, known: map[string]*cluster.Content{}, busy: map[string]*leader{}, pulls: map[string]*cluster.Pull{}, made: map[string]*cluster.Version{}, conflicts: map[string]conflicts{}}
 	c.ctx, c.stop = context.WithCancel(context.Background())
 	fsys.cl = c
 	return nil
@@ -101,6 +111,9 @@ func (c *clusterFS) watch() {
 	for ev := range c.node.Watch(c.ctx) {
 		if ev.Deleted {
 			c.fsys.log.Info("cluster: directory unpublished; its names stay as they are", "dir", alloc.EscapeText(ev.Dir))
+			c.mu.Lock()
+			delete(c.conflicts, ev.Dir)
+			c.mu.Unlock()
 			continue
 		}
 		for c.ctx.Err() == nil {
@@ -166,7 +179,13 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 	maps.Copy(c.known, v.Contents)
 	prev := c.made[info.Dir]
 	c.mu.Unlock()
-	top, err := c.openPath(info.Dir, true)
+	var left []*conflict
+	defer func() { c.leftAlone(info, left) }()
+	top, err := c.openPath(info.Dir, ownerOf(v))
+	if cf := (*conflict)(nil); errors.As(err, &cf) {
+		left = append(left, cf)
+		return nil
+	}
 	if err != nil {
 		return err
 	}
@@ -189,16 +208,20 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 			continue // its directory could not be made
 		}
 		rel := info.Dir + "/" + e.Path
+		var err error
 		if e.IsDir() {
-			fd, err := c.makeDir(pfd, path.Base(e.Path), rel)
-			if err != nil {
-				failed = cmpErr(failed, err)
-				continue
+			var fd int
+			if fd, err = c.makeDir(pfd, path.Base(e.Path), rel, info.Dir); err == nil {
+				dirs[e.Path] = fd
 			}
-			dirs[e.Path] = fd
-			continue
+		} else {
+			err = c.makeFile(pfd, path.Base(e.Path), rel, e)
 		}
-		if err := c.makeFile(pfd, path.Base(e.Path), rel, e); err != nil {
+		var cf *conflict
+		switch {
+		case errors.As(err, &cf):
+			left = append(left, cf)
+		case err != nil:
 			failed = cmpErr(failed, err)
 		}
 	}
@@ -226,6 +249,23 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 	return failed
 }
 
+// leftAlone logs each published name of info.Dir that this node left
+// alone (a conflict) and keeps their paths for user.tensorfs.cluster.
+func (c *clusterFS) leftAlone(info cluster.DirInfo, left []*conflict) {
+	var paths []string
+	for _, cf := range left {
+		c.fsys.log.Warn("cluster: a published name is left alone", "dir", alloc.EscapeText(info.Dir), "version", info.Version, "why", cf)
+		paths = append(paths, cf.path)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(paths) == 0 {
+		delete(c.conflicts, info.Dir)
+		return
+	}
+	c.conflicts[info.Dir] = conflicts{dirRecord{Version: info.Version, Publisher: info.Publisher, Time: info.Time}, paths}
+}
+
 // cmpErr keeps the first error.
 func cmpErr(first, err error) error {
 	if first != nil {
@@ -234,52 +274,199 @@ func cmpErr(first, err error) error {
 	return err
 }
 
-// openPath opens the backing directory at rel (a clean relative path)
+// conflict refuses to make a published name where this node holds a
+// local object (any user's, root's included), which is left alone: its
+// path (relative to the root) and what it is.
+type conflict struct{ path, what string }
+
+func (e *conflict) Error() string {
+	return fmt.Sprintf("%s: %s here; it is left alone", alloc.EscapeText(e.path), e.what)
+}
+
+// conflictAt is the conflict of the object at rel whose stat is st, or,
+// without one, what is said.
+func conflictAt(rel string, st *unix.Stat_t, what string) error {
+	if st != nil {
+		what = fmt.Sprintf("%s of uid %d, mode %04o, holds a published name", fileType(st.Mode), st.Uid, st.Mode&07777)
+	}
+	return &conflict{rel, what}
+}
+
+// fileType names the type of object mode says.
+func fileType(mode uint32) string {
+	switch mode & syscall.S_IFMT {
+	case syscall.S_IFDIR:
+		return "a directory"
+	case syscall.S_IFREG:
+		return "a local segment"
+	case syscall.S_IFLNK:
+		return "a symbolic link"
+	}
+	return "another object"
+}
+
+// clusterDir reports whether the directory open at fd is the cluster's:
+// one the daemon made for a published directory (alloc.MarkMade) or one
+// published. Only the daemon sets either mark; any other is local.
+func clusterDir(fd int) (bool, error) {
+	p := alloc.FdPath(fd)
+	made, err := alloc.ReadMade(p)
+	if err != nil || made != "" {
+		return made != "", err
+	}
+	rec, err := alloc.ReadPublished(p)
+	return rec != nil, err
+}
+
+// ownerOf returns the owner of version v's directory, whose credentials
+// decide where on the way to it a name may be made in a local directory.
+// Root's count as nobody's: whoever may write a directory of root's may
+// publish it, and gains no root rights on other nodes by it.
+func ownerOf(v *cluster.Version) ctl.Cred {
+	for _, e := range v.Entries {
+		if e.Path == "." && e.UID != 0 {
+			return ctl.Cred{Uid: e.UID, Gid: e.GID}
+		}
+	}
+	return ctl.Cred{Uid: nobody, Gid: nobody}
+}
+
+// nobody is the unprivileged user that the owner of a version's
+// directory counts as where it is root.
+const nobody = 65534
+
+// openPath opens the backing directory of the published directory dir
 // below the root, one component at a time without following a symbolic
-// link, making missing ones (root's, mode 0755) if create is set. It
-// returns an O_PATH descriptor.
-func (c *clusterFS) openPath(rel string, create bool) (int, error) {
+// link, and returns its O_PATH descriptor. A missing component is made
+// (root's, 0755, marked as the cluster's) in the root, in a directory
+// that is the cluster's, or in a local one that owner (the published
+// directory's) may write and search, as owner could on tmpfs; the
+// published directory, where it exists, must be the cluster's. Otherwise
+// a conflict names the path: nothing is taken from a local directory, or
+// made in one its owner's rules keep owner out of.
+func (c *clusterFS) openPath(dir string, owner ctl.Cred) (int, error) {
 	fd, err := unix.FcntlInt(uintptr(c.fsys.store.RootFd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return -1, err
 	}
-	done := ""
-	for _, part := range strings.Split(rel, "/") {
+	own, done := true, ""
+	parts := strings.Split(dir, "/")
+	for i, part := range parts {
 		if part == "" || part == "." || part == ".." {
 			unix.Close(fd)
-			return -1, fmt.Errorf("%w: %q is not a clean relative path", alloc.ErrInvalid, rel)
+			return -1, fmt.Errorf("%w: %q is not a clean relative path", alloc.ErrInvalid, dir)
 		}
 		done = path.Join(done, part)
-		if create {
-			if err := unix.Mkdirat(fd, part, 0o755); err == nil {
-				c.fsys.notifyNewName(done)
-			} else if !errors.Is(err, unix.EEXIST) {
-				unix.Close(fd)
-				return -1, fmt.Errorf("%s: %w", alloc.EscapeText(done), err)
-			}
-		}
-		next, err := unix.Openat(fd, part, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		next, made, err := c.dirAt(fd, part, done, dir, own || mayWrite(fd, &owner), 0o755)
 		unix.Close(fd)
 		if err != nil {
-			return -1, fmt.Errorf("%s is not a directory of the backing: %w", alloc.EscapeText(done), err)
+			return -1, err
 		}
 		fd = next
+		own = made
+		if !made {
+			own, err = clusterDir(fd)
+		}
+		if err == nil && !own && i == len(parts)-1 {
+			err = conflictStat(fd, done)
+		}
+		if err != nil {
+			unix.Close(fd)
+			return -1, err
+		}
 	}
 	return fd, nil
 }
 
-// makeDir makes (or finds) the directory name in dirfd, rel in the
-// mount, and returns its O_PATH descriptor.
-func (c *clusterFS) makeDir(dirfd int, name, rel string) (int, error) {
-	err := unix.Mkdirat(dirfd, name, 0o700) // its mode comes with its attributes
-	if err == nil {
-		c.fsys.notifyNewName(rel)
-	} else if !errors.Is(err, unix.EEXIST) {
+// mayWrite reports whether who may make a name in the directory open at
+// fd (write and search permission).
+func mayWrite(fd int, who *ctl.Cred) bool {
+	var st unix.Stat_t
+	return unix.Fstat(fd, &st) == nil && permitted(who, &st, 2|1)
+}
+
+// conflictStat is conflictAt for the object open at fd.
+func conflictStat(fd int, rel string) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	return conflictAt(rel, &st, "")
+}
+
+// dirAt opens the directory name in parent (rel in the mount), or, if it
+// is missing and mayMake is set, makes it (mode, marked as made for the
+// published directory dir) and reports made. Another object at name, or
+// a missing one that may not be made, is a conflict.
+func (c *clusterFS) dirAt(parent int, name, rel, dir string, mayMake bool, mode uint32) (fd int, made bool, err error) {
+	for range 2 { // a name made meanwhile by another is opened again
+		fd, err := unix.Openat(parent, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		switch {
+		case err == nil:
+			return fd, false, nil
+		case errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP):
+			var st unix.Stat_t
+			if err := unix.Fstatat(parent, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+				return -1, false, err
+			}
+			return -1, false, conflictAt(rel, &st, "")
+		case !errors.Is(err, unix.ENOENT):
+			return -1, false, fmt.Errorf("%s: %w", alloc.EscapeText(rel), err)
+		case !mayMake:
+			return -1, false, conflictAt(path.Dir(rel), nil, "a local directory the published directory's owner may not write is on its path: no name is made in it")
+		}
+		fd, err = c.newDir(parent, name, rel, dir, mode)
+		if !errors.Is(err, unix.EEXIST) {
+			return fd, err == nil, err
+		}
+	}
+	return -1, false, fmt.Errorf("%s: %w", alloc.EscapeText(rel), unix.EEXIST)
+}
+
+// newDir makes the directory name in parent, marked as made for the
+// published directory dir before it has its name (made under a temporary
+// one, then renamed without replacing anything), and returns its O_PATH
+// descriptor; EEXIST if name exists by then.
+func (c *clusterFS) newDir(parent int, name, rel, dir string, mode uint32) (int, error) {
+	tmp := ".tensorfs-made-" + alloc.NewID()
+	if err := unix.Mkdirat(parent, tmp, mode); err != nil {
 		return -1, fmt.Errorf("%s: %w", alloc.EscapeText(rel), err)
 	}
-	fd, err := unix.Openat(dirfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	fd, err := unix.Openat(parent, tmp, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err == nil {
+		if err = alloc.MarkMade(alloc.FdPath(fd), dir); err == nil {
+			err = unix.Renameat2(parent, tmp, parent, name, unix.RENAME_NOREPLACE)
+		}
+		if err != nil {
+			unix.Close(fd)
+		}
+	}
 	if err != nil {
-		return -1, fmt.Errorf("%s: a published directory, here another object: %w", alloc.EscapeText(rel), err)
+		unix.Unlinkat(parent, tmp, unix.AT_REMOVEDIR)
+		if errors.Is(err, unix.EEXIST) {
+			return -1, err
+		}
+		return -1, fmt.Errorf("%s: %w", alloc.EscapeText(rel), err)
+	}
+	c.fsys.notifyNewName(rel)
+	return fd, nil
+}
+
+// makeDir makes (or finds, if it is the cluster's) the directory name in
+// dirfd, rel in the mount, of the published directory dir, and returns
+// its O_PATH descriptor.
+func (c *clusterFS) makeDir(dirfd int, name, rel, dir string) (int, error) {
+	fd, made, err := c.dirAt(dirfd, name, rel, dir, true, 0o700) // its mode comes with its attributes
+	if err != nil || made {
+		return fd, err
+	}
+	own, err := clusterDir(fd)
+	if err == nil && !own {
+		err = conflictStat(fd, rel)
+	}
+	if err != nil {
+		unix.Close(fd)
+		return -1, err
 	}
 	return fd, nil
 }
@@ -295,8 +482,7 @@ func (c *clusterFS) makeFile(dirfd int, name, rel string, e *cluster.Entry) erro
 	case err != nil:
 		return err
 	case st.Mode&syscall.S_IFMT != syscall.S_IFREG:
-		c.fsys.log.Warn("cluster: a published file's name holds another object here; left alone", "path", alloc.EscapeText(rel))
-		return nil
+		return conflictAt(rel, &st, "")
 	default:
 		if old, err = alloc.OpenRef(dirfd, name, st.Ino); err != nil {
 			return err
@@ -308,8 +494,7 @@ func (c *clusterFS) makeFile(dirfd int, name, rel string, e *cluster.Entry) erro
 			return err
 		}
 		if mk.Kind != alloc.Pulled {
-			c.fsys.log.Warn("cluster: a local segment has a published file's name here; it is left alone", "path", alloc.EscapeText(rel))
-			return nil
+			return conflictAt(rel, &st, "")
 		}
 		if mk.Content == e.Content {
 			c.fsys.pulled.classify(old.Stat(), mk)
@@ -468,10 +653,35 @@ func (c *clusterFS) removeStale(top int, dir string, want map[string]bool, prev 
 	})
 	slices.Sort(gone)
 	for i := len(gone) - 1; i >= 0; i-- { // deepest first
-		if unix.Unlinkat(top, gone[i], unix.AT_REMOVEDIR) == nil {
+		if removeClusterDir(top, gone[i]) == nil {
 			c.fsys.forgetName(dir + "/" + gone[i])
 		}
 	}
+}
+
+// removeClusterDir removes the directory rel below the directory open at
+// top if it is empty and the cluster's (clusterDir), reaching it without
+// following a symbolic link.
+func removeClusterDir(top int, rel string) error {
+	how := unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS}
+	parent, err := unix.Openat2(top, path.Dir(rel), &how)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(parent)
+	fd, err := unix.Openat(parent, path.Base(rel), unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	own, err := clusterDir(fd)
+	unix.Close(fd)
+	if err == nil && !own {
+		err = fmt.Errorf("%w: %s is a local directory", syscall.EPERM, alloc.EscapeText(rel))
+	}
+	if err != nil {
+		return err
+	}
+	return unix.Unlinkat(parent, path.Base(rel), unix.AT_REMOVEDIR)
 }
 
 // forgetName tells the kernel, and go-fuse's tree, that the name at rel
@@ -494,17 +704,28 @@ func (fsys *filesystem) forgetName(rel string) {
 	dir.NotifyEntry(name)
 }
 
-// clusterAttr is user.tensorfs.cluster of a published directory: its
-// version, publisher and time, how many of its segments and bytes are
-// complete here, and the progress of a "tensorfs pull" of it.
-func (fsys *filesystem) clusterAttr(d *dirNode) ([]byte, error) {
+// clusterAttr is user.tensorfs.cluster of a published directory, for
+// who: its version, publisher and time, how many of its segments and
+// bytes are complete here, the progress of a "tensorfs pull" of it, and
+// the names this node left alone (those who may see). A local directory
+// at a published directory's path that was left alone shows its version
+// and that conflict.
+func (fsys *filesystem) clusterAttr(who ctl.Cred, d *dirNode) ([]byte, error) {
 	var out struct {
 		dirRecord
-		Segments int64             `json:"segments"`
-		Complete int64             `json:"complete"`
-		Bytes    int64             `json:"bytes"`
-		Local    int64             `json:"local_bytes"`
-		Pull     *cluster.Progress `json:"pull,omitempty"`
+		Segments  int64             `json:"segments"`
+		Complete  int64             `json:"complete"`
+		Bytes     int64             `json:"bytes"`
+		Local     int64             `json:"local_bytes"`
+		Pull      *cluster.Progress `json:"pull,omitempty"`
+		Conflicts []string          `json:"conflicts,omitempty"`
+	}
+	left := fsys.conflictsAt(d.Path(nil))
+	out.dirRecord = left.dirRecord
+	for _, p := range left.paths {
+		if (controlBackend{fsys}).visible(who, p) {
+			out.Conflicts = append(out.Conflicts, p)
+		}
 	}
 	err := d.withDir(func(fd int) error {
 		rec, err := alloc.ReadPublished(alloc.FdPath(fd))
@@ -512,6 +733,9 @@ func (fsys *filesystem) clusterAttr(d *dirNode) ([]byte, error) {
 			return err
 		}
 		if rec == nil {
+			if left.paths != nil {
+				return nil
+			}
 			return alloc.ErrNoAttr
 		}
 		if err := json.Unmarshal(rec, &out.dirRecord); err != nil {
@@ -550,11 +774,37 @@ func (fsys *filesystem) clusterAttr(d *dirNode) ([]byte, error) {
 	return json.Marshal(out)
 }
 
-// clusterAttrs lists user.tensorfs.cluster for a published directory;
-// a mount with no cluster and no pulled segment has none to look for.
+// conflictsAt returns the names of the published directory dir that
+// this node left alone, if any.
+func (fsys *filesystem) conflictsAt(dir string) conflicts {
+	c := fsys.cl
+	if c == nil {
+		return conflicts{}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.conflicts[dir]
+}
+
+// visible reports whether who may look the object at rel up (search
+// permission on every directory on the way), as on tmpfs: a conflict
+// is shown only to those who could see the object left alone.
+func (b controlBackend) visible(who ctl.Cred, rel string) bool {
+	return b.walk(who, rel, func(dirfd int, name string) error {
+		var st unix.Stat_t
+		return unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
+	}) == nil
+}
+
+// clusterAttrs lists user.tensorfs.cluster for a published directory,
+// and for a local one at a published path that was left alone; a mount
+// with no cluster and no pulled segment has none to look for.
 func (fsys *filesystem) clusterAttrs(d *dirNode) []string {
 	if fsys.cl == nil && fsys.pulled.n.Load() == 0 {
 		return nil
+	}
+	if fsys.conflictsAt(d.Path(nil)).paths != nil {
+		return []string{alloc.AttrCluster}
 	}
 	var names []string
 	d.withDir(func(fd int) error {

@@ -5,6 +5,7 @@ package fs
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"os"
@@ -26,6 +27,8 @@ type published struct {
 	// frozen is true for a host segment this publish made read-only.
 	frozen bool
 	node   *segmentNode // its node in the kernel's tree, if any
+	// ino is a directory's inode, marked as the cluster's once published.
+	ino uint64
 }
 
 // publish publishes the directory dir (relative to the root) for who:
@@ -118,12 +121,40 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 	if err := alloc.MarkPublished(alloc.FdPath(top), rec); err != nil {
 		c.fsys.log.Warn("cluster: the published directory's version is not recorded here", "dir", alloc.EscapeText(dir), "err", err)
 	}
+	c.markDirs(top, dir, objs)
 	c.mu.Lock()
 	maps.Copy(c.known, v.Contents)
 	c.made[dir] = v
 	c.mu.Unlock()
 	c.fsys.log.Info("published", "dir", alloc.EscapeText(dir), "version", info.Version, "entries", len(v.Entries), "bytes", v.Bytes(), "uid", who.Uid)
 	return info.Version, nil
+}
+
+// markDirs marks the directories below the published directory dir (open
+// at top) that objs published as the cluster's, each only if it is still
+// the directory published (its inode), reached without following a
+// symbolic link: the versions made here from then on may use them.
+func (c *clusterFS) markDirs(top int, dir string, objs []published) {
+	how := unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC, Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS}
+	for _, o := range objs {
+		if o.ino == 0 {
+			continue
+		}
+		fd, err := unix.Openat2(top, o.entry.Path, &how)
+		if err == nil {
+			var st unix.Stat_t
+			if err = unix.Fstat(fd, &st); err == nil && st.Ino != o.ino {
+				err = fmt.Errorf("%w: replaced since it was published", unix.ESTALE)
+			}
+			if err == nil {
+				err = alloc.MarkMade(alloc.FdPath(fd), dir)
+			}
+			unix.Close(fd)
+		}
+		if err != nil {
+			c.fsys.log.Warn("cluster: a published directory is not marked as the cluster's here; its versions leave it alone", "path", alloc.EscapeText(dir+"/"+o.entry.Path), "err", err)
+		}
+	}
 }
 
 // entryOrder orders paths of a published directory as package cluster
@@ -163,7 +194,7 @@ func (c *clusterFS) collect(who ctl.Cred, top int, dir string, st *unix.Stat_t) 
 				e, err = dirEntry(p, rel, st)
 				return err
 			})
-			objs = append(objs, published{entry: cluster.LocalEntry{Entry: e}})
+			objs = append(objs, published{entry: cluster.LocalEntry{Entry: e}, ino: st.Ino})
 			return err
 		case syscall.S_IFREG:
 			o, err := c.segmentEntry(who, fd, name, rel, st)
@@ -291,27 +322,94 @@ func (c *clusterFS) freeze(objs []published, dir string) error {
 		if n := c.fsys.segmentAt(dir + "/" + o.entry.Path); n != nil && n.StableAttr().Ino == st.Ino {
 			n.opening.Lock()
 			n.mu.Lock()
-			writer := slices.ContainsFunc(n.handles, func(h *handle) bool { return h.writable })
+			i := slices.IndexFunc(n.handles, func(h *handle) bool { return h.writable })
+			var pid int
+			if i >= 0 {
+				pid = int(n.handles[i].pid)
+			}
 			n.mu.Unlock()
-			if !writer {
+			if i < 0 {
 				n.kind.store(o.seg)
 				o.node = n
 			}
 			n.opening.Unlock()
-			if writer {
+			if i >= 0 {
 				c.thaw(objs, dir)
-				return fmt.Errorf("%w: %s is open for writing; close it, then publish", syscall.EBUSY, alloc.EscapeText(dir+"/"+o.entry.Path))
+				return fmt.Errorf("%w: %s is open for writing by pid %d (%s); close it, then publish", syscall.EBUSY, alloc.EscapeText(dir+"/"+o.entry.Path), pid, alloc.Escape(comm(pid)))
 			}
 		}
 		// Bytes written before the freeze are what is hashed: the size
 		// is read again once no writer is left.
-		if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		err := c.noWriter(f, dir+"/"+o.entry.Path)
+		if err == nil {
+			err = unix.Fstat(int(f.Fd()), &st)
+		}
+		if err != nil {
 			c.thaw(objs, dir)
 			return err
 		}
 		o.entry.Size = st.Size
 	}
 	return nil
+}
+
+// noWriter returns nil if nothing can write the frozen segment at rel,
+// whose backing file is open read-only at f, any more: no open file
+// description of that file anywhere has write access (a descriptor in any
+// process or in flight, one that export or load handed out, a writable
+// mapping that outlived its close, the kernel's passthrough file), which
+// the kernel tells by granting a read lease (taken and given back at
+// once). Otherwise EBUSY, naming the writers /proc shows; where no lease
+// can be asked (leases off), EBUSY too: a check that cannot see never
+// concludes there is no writer. A writer that comes after the freeze is
+// refused by its open (frozen).
+func (c *clusterFS) noWriter(f *os.File, rel string) error {
+	fd := int(f.Fd())
+	_, err := unix.FcntlInt(uintptr(fd), unix.F_SETLEASE, unix.F_RDLCK)
+	if err == nil {
+		_, err = unix.FcntlInt(uintptr(fd), unix.F_SETLEASE, unix.F_UNLCK)
+		return err
+	}
+	where := alloc.EscapeText(rel)
+	if !errors.Is(err, unix.EAGAIN) {
+		return fmt.Errorf("%w: %s: whether anything may still write it cannot be told (a read lease: %v; publishing needs file leases, fs.leases-enable=1)", syscall.EBUSY, where, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	who := writers(c.fsys.segmentFiles(&st), fd)
+	if len(who) > maxNamed {
+		who = append(who[:maxNamed], fmt.Sprintf("%d more", len(who)-maxNamed))
+	}
+	if len(who) == 0 {
+		who = []string{"a descriptor export or load handed out, or, in passthrough mode, a process that has it open or mapped (the kernel's file of it is read-write), or a lease on it"}
+	}
+	return fmt.Errorf("%w: %s may still be written: %s; close or unmap it, then publish", syscall.EBUSY, where, strings.Join(who, "; "))
+}
+
+// maxNamed bounds the writers a refused publish names.
+const maxNamed = 8
+
+// frozen refuses a writable open or descriptor of the segment of backing
+// inode ino, just opened, if a publish froze it meanwhile (noWriter saw
+// the open, or the open sees the freeze).
+func (fsys *filesystem) frozen(ino uint64) error {
+	if fsys.pulled.has(ino) {
+		return errPublished
+	}
+	return nil
+}
+
+// segmentFiles returns the files whose mappings map the segment whose
+// backing file's stat is st: through this mount, earlier ones, and the
+// backing file itself.
+func (fsys *filesystem) segmentFiles(st *unix.Stat_t) []mappedFile {
+	files := everyone(fileID{fsys.fuseDev.Load(), st.Ino}, fileID{st.Dev, st.Ino})
+	for _, dev := range fsys.oldDevs {
+		files = append(files, mappedFile{fileID{dev, st.Ino}, anyUID})
+	}
+	return files
 }
 
 // thaw undoes freeze: the segments it froze are host segments again.

@@ -4,6 +4,7 @@ package fs
 // straight into their backing files (DESIGN.md §10).
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -64,7 +65,19 @@ func (c *clusterFS) fetch(items []pullItem) ([]*fill, *cluster.Pull) {
 	}
 	c.mu.Unlock()
 	for _, it := range copies {
-		c.finish(it, c.copyLocal(it, c.fsys.pulled.servedFile(it.cid)))
+		err := c.copyLocal(it, c.fsys.pulled.servedFile(it.cid))
+		if !errors.Is(err, errNoLocal) {
+			c.finish(it, err)
+			continue
+		}
+		c.mu.Lock() // pulled from peers instead
+		if l := c.busy[it.cid]; l != nil {
+			l.followers = append(l.followers, it)
+		} else {
+			c.busy[it.cid] = &leader{}
+			jobs = append(jobs, it)
+		}
+		c.mu.Unlock()
 	}
 	if len(jobs) == 0 {
 		return fills, nil
@@ -219,9 +232,23 @@ func markDone(it pullItem, err error) {
 	}
 }
 
+// errNoLocal says that this node holds no good copy of a content: it is
+// pulled from peers.
+var errNoLocal = errors.New("no verified copy of the content here")
+
 // copyLocal fills it from src, a complete copy of its content on this
-// node, and marks it complete.
+// node (nil: none is left), verifies what it copied against the published
+// hashes and marks it complete. A copy that fails verification is
+// logged, emptied, and no longer served or copied from (its bytes were
+// changed under the node): errNoLocal.
 func (c *clusterFS) copyLocal(it pullItem, src *os.File) error {
+	if src == nil {
+		return errNoLocal
+	}
+	cont, err := c.contentOf(it.cid)
+	if err != nil {
+		return err
+	}
 	if err := reserve(it.f, it.size); err != nil {
 		return err
 	}
@@ -236,6 +263,12 @@ func (c *clusterFS) copyLocal(it pullItem, src *os.File) error {
 			return fmt.Errorf("%w: the local copy of %.12s ends at byte %d", io.ErrUnexpectedEOF, it.cid, off)
 		}
 		off += int64(n)
+	}
+	if err := cont.Verify(it.f); err != nil {
+		c.fsys.log.Warn("cluster: a copy held here fails verification; it is no longer served, and the content is pulled from peers", "content", it.cid, "err", err)
+		c.fsys.pulled.distrust(it.cid, src)
+		it.f.Truncate(0)
+		return errNoLocal
 	}
 	return c.complete(it)
 }

@@ -55,6 +55,12 @@ func (b controlBackend) Export(cred ctl.Cred, path string, write bool) (*os.File
 		if f, err = s.descriptor(m, write); err == nil && f == nil {
 			err = fmt.Errorf("%w: a %s segment has no descriptor to hand out; open it through the mount", syscall.EOPNOTSUPP, s.kind())
 		}
+		if err == nil && write {
+			if err = b.fsys.frozen(m.Stat().Ino); err != nil {
+				f.Close()
+				f = nil
+			}
+		}
 		return err
 	})
 	if err != nil {

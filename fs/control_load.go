@@ -163,6 +163,9 @@ func (l *loader) segment(dirfd int, name string, rel []string, st *unix.Stat_t) 
 	}
 	seg := ctl.Segment{Name: path.Join(rel...), Size: st.Size}
 	file, err := s.descriptor(m, l.write)
+	if err == nil && file != nil && l.write {
+		err = l.b.fsys.frozen(m.Stat().Ino)
+	}
 	if err == nil {
 		err = s.attrs(m, func(a *alloc.Ref) error { return l.b.fsys.readAttrs(&seg, a) })
 	}

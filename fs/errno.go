@@ -41,6 +41,7 @@ var errnos = []struct {
 	{cluster.ErrNotPublished, syscall.ENOENT},   // no such published directory or content
 	{cluster.ErrInvalid, syscall.EINVAL},        // a name or entry a publish refuses
 	{cluster.ErrCorrupt, syscall.EBADMSG},       // what etcd holds does not match its address
+	{cluster.ErrBadCopy, syscall.EIO},           // bytes held here fail their published hashes
 	{cluster.ErrNameInUse, syscall.EADDRINUSE},  // another live daemon has this node's name
 	{cluster.ErrNoHolder, syscall.EHOSTUNREACH}, // no live node holds a piece still needed
 	{cluster.ErrBusy, syscall.EBUSY},            // the content is being pulled already

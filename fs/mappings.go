@@ -28,6 +28,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/procfs"
 )
 
 // mapsTTL is how long after a scan of every process's mappings ends it
@@ -327,7 +328,7 @@ func parseMapsLine(line []byte) (id fileID, ok bool) {
 	return fileID{unix.Mkdev(uint32(ma), uint32(mi)), in}, true
 }
 
-// parseUint parses lower-case digits of base 10 or 16 into a value no
+// parseUint parses lower-case digits of base 8, 10 or 16 into a value no
 // greater than limit.
 func parseUint(b []byte, base, limit uint64) (uint64, bool) {
 	if len(b) == 0 {
@@ -337,7 +338,7 @@ func parseUint(b []byte, base, limit uint64) (uint64, bool) {
 	for _, c := range b {
 		var d uint64
 		switch {
-		case '0' <= c && c <= '9':
+		case '0' <= c && c <= '9' && uint64(c-'0') < base:
 			d = uint64(c - '0')
 		case base == 16 && 'a' <= c && c <= 'f':
 			d = uint64(c-'a') + 10
@@ -752,4 +753,78 @@ func (fsys *filesystem) afterMount(mountpoint string, rec *Recovered) {
 	for _, ids := range rec.kept {
 		fsys.watch(ids[0].id.ino, ids, now, 0) // the daemon's own: no user released these
 	}
+}
+
+// writers names the processes, the daemon excepted, that may write the
+// segment whose files are files (as mapped returns them) and whose
+// backing file is open at fd: those that map it shared and writable, and
+// those that hold a descriptor of the backing file open for writing
+// (fdinfo's mount and inode). It reads /proc now, without waiting on a
+// lease; a process it cannot read is left out, so it only names writers
+// that a read lease (noWriter) has said exist.
+func writers(files []mappedFile, fd int) []string {
+	var self unix.Statx_t
+	if err := unix.Statx(fd, "", unix.AT_EMPTY_PATH, unix.STATX_INO|unix.STATX_MNT_ID, &self); err != nil {
+		return nil
+	}
+	want := map[fileID]bool{}
+	for _, f := range files {
+		want[f.id] = true
+	}
+	names, _ := os.ReadDir("/proc")
+	var found []string
+	for _, e := range names {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid == os.Getpid() {
+			continue
+		}
+		dir := "/proc/" + e.Name()
+		if b, err := procfs.ReadFile(dir + "/maps"); err == nil && mapsWritable(b, want) {
+			found = append(found, fmt.Sprintf("pid %d (%s) maps it writable", pid, alloc.Escape(comm(pid))))
+		}
+		fds, _ := os.ReadDir(dir + "/fd")
+		for _, fde := range fds {
+			b, err := procfs.ReadFile(dir + "/fdinfo/" + fde.Name())
+			if err == nil && fdinfoWrites(b, self.Mnt_id, self.Ino) {
+				found = append(found, fmt.Sprintf("pid %d (%s) holds descriptor %s of it open for writing", pid, alloc.Escape(comm(pid)), fde.Name()))
+				break
+			}
+		}
+	}
+	return found
+}
+
+// mapsWritable reports whether a /proc/PID/maps text maps one of want
+// shared and writable (permissions "rw-s" or "-w-s").
+func mapsWritable(b []byte, want map[fileID]bool) bool {
+	for line := range bytes.Lines(b) {
+		_, rest, _ := bytes.Cut(line, []byte{' '})
+		if len(rest) < 4 || rest[1] != 'w' || rest[3] != 's' {
+			continue
+		}
+		if id, ok := parseMapsLine(bytes.TrimSuffix(line, []byte{'\n'})); ok && want[id] {
+			return true
+		}
+	}
+	return false
+}
+
+// fdinfoWrites reports whether a /proc/PID/fdinfo/N text is of a
+// descriptor of inode ino on mount mnt open for writing.
+func fdinfoWrites(b []byte, mnt, ino uint64) bool {
+	var flags, gotMnt, gotIno uint64
+	var ok [3]bool
+	for line := range bytes.Lines(b) {
+		k, v, _ := bytes.Cut(bytes.TrimSpace(line), []byte{':'})
+		v = bytes.TrimSpace(v)
+		switch string(k) {
+		case "flags":
+			flags, ok[0] = parseUint(v, 8, 1<<32-1)
+		case "mnt_id":
+			gotMnt, ok[1] = parseUint(v, 10, 1<<64-1)
+		case "ino":
+			gotIno, ok[2] = parseUint(v, 10, 1<<64-1)
+		}
+	}
+	return ok == [3]bool{true, true, true} && gotMnt == mnt && gotIno == ino && flags&unix.O_ACCMODE != unix.O_RDONLY
 }

@@ -147,6 +147,37 @@ func TestParseMapsLine(t *testing.T) {
 	}
 }
 
+// TestWriterLines: a maps text names a writer only for a shared writable
+// mapping of a file asked for; an fdinfo text only for a descriptor open
+// for writing of that mount and inode (octal flags).
+func TestWriterLines(t *testing.T) {
+	want := map[fileID]bool{{unix.Mkdev(0, 0x1a), 7}: true}
+	for maps, writes := range map[string]bool{
+		"a rw-s 0 00:1a 7 /seg\n":                        true,
+		"a -w-s 0 00:1a 7 /seg":                          true,
+		"a r--s 0 00:1a 7 /seg\na rw-p 0 00:1a 7 /seg\n": false,
+		"a rw-s 0 00:1a 8 /other\na rw-s 0 00:1b 7 /x":   false,
+		"": false,
+	} {
+		if got := mapsWritable([]byte(maps), want); got != writes {
+			t.Errorf("mapsWritable(%q) = %v, want %v", maps, got, writes)
+		}
+	}
+	for info, writes := range map[string]bool{
+		"pos:\t0\nflags:\t0100002\nmnt_id:\t42\nino:\t7\n": true,
+		"pos:\t0\nflags:\t0100001\nmnt_id:\t42\nino:\t7\n": true,
+		"pos:\t0\nflags:\t0100000\nmnt_id:\t42\nino:\t7\n": false,
+		"pos:\t0\nflags:\t0100002\nmnt_id:\t43\nino:\t7\n": false,
+		"pos:\t0\nflags:\t0100002\nmnt_id:\t42\nino:\t8\n": false,
+		"pos:\t0\nflags:\t0100002\nmnt_id:\t42\n":          false,
+		"flags:\t0100089\nmnt_id:\t42\nino:\t7\n":          false,
+	} {
+		if got := fdinfoWrites([]byte(info), 42, 7); got != writes {
+			t.Errorf("fdinfoWrites(%q) = %v, want %v", info, got, writes)
+		}
+	}
+}
+
 // FuzzParseMapsLine: any line parses without panic, and a line in the
 // kernel's format gives back the device and inode written into it.
 func FuzzParseMapsLine(f *testing.F) {

@@ -276,7 +276,7 @@ func (d *dirNode) Getxattr(ctx context.Context, attr string, dest []byte) (uint3
 	case attr == alloc.AttrRbytes || attr == alloc.AttrRsegments:
 		v, err = d.usageAttr(ctx, attr)
 	case attr == alloc.AttrCluster:
-		v, err = d.fs.clusterAttr(d)
+		v, err = d.fs.clusterAttr(fuseRequester(ctx), d)
 	default:
 		var sz int
 		sz, err = storedAttr(d, attr, dest)

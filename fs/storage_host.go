@@ -24,6 +24,12 @@ func (host) open(n *segmentNode, m *alloc.Ref, h handle, flags uint32) (segmentH
 	if err != nil {
 		return nil, err
 	}
+	if h.writable {
+		if err := n.fs.frozen(m.Stat().Ino); err != nil {
+			unix.Close(fd)
+			return nil, err
+		}
+	}
 	return &fileHandle{handle: h, fd: fd, passthrough: pt, attrsHere: true}, nil
 }
 

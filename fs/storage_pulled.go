@@ -3,6 +3,7 @@ package fs
 import (
 	"fmt"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -305,6 +306,26 @@ func (s *pulledSet) dropIfUnusedLocked(cid string) {
 		cl.node.Drop(cid)
 	}
 	closeFiles(c.files)
+}
+
+// distrust stops serving and copying content cid from f, whose bytes
+// failed verification: f is closed, and the cluster serves cid no more
+// (its pieces are verified as they are served, and this node may hold no
+// good copy).
+func (s *pulledSet) distrust(cid string, f *os.File) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c := s.contents[cid]
+	if c == nil {
+		return
+	}
+	if i := slices.Index(c.files, f); i >= 0 {
+		c.files = slices.Delete(c.files, i, i+1)
+		f.Close()
+	}
+	if cl := s.fsys.cl; cl != nil {
+		cl.node.Drop(cid)
+	}
 }
 
 // servedFiles returns, for each content the cluster may serve, a file
