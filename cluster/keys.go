@@ -15,7 +15,8 @@ func (k keys) nodes() string                  { return k.prefix + "nodes/" }
 func (k keys) node(name string) string        { return k.nodes() + name }
 func (k keys) dirs() string                   { return k.prefix + "dirs/" }
 func (k keys) dir(dir string) string          { return k.dirs() + dir }
-func (k keys) version(vid string) string      { return k.prefix + "versions/" + vid }
+func (k keys) versions() string               { return k.prefix + "versions/" }
+func (k keys) version(vid string) string      { return k.versions() + vid }
 func (k keys) entries(vid string) string      { return k.prefix + "entries/" + vid + "/" }
 func (k keys) entry(vid, p string) string     { return k.entries(vid) + p }
 func (k keys) content(cid string) string      { return k.prefix + "contents/" + cid }

@@ -42,6 +42,8 @@ type testCluster struct {
 	etcd *etcdtest.Server
 	ca   *testcerts.CA
 	logs *logLines
+	// bounds are the cluster bounds of the nodes it starts from now on.
+	bounds ClusterBounds
 }
 
 // newTestCluster starts etcd with a fresh CA; it stops at the end of t,
@@ -95,7 +97,7 @@ func (tc *testCluster) node(name string, edit func(*cluster.Config)) *filesystem
 	if edit != nil {
 		edit(&cfg)
 	}
-	if err := fsys.joinCluster(cfg); err != nil {
+	if err := fsys.joinCluster(cfg, tc.bounds); err != nil {
 		tc.t.Fatal(err)
 	}
 	tc.t.Cleanup(fsys.cl.close)
@@ -868,7 +870,7 @@ func (tc *testCluster) openNode(name, backing string) restartable {
 		t.Fatal(err)
 	}
 	fusefs.NewNodeFS(fsys.root, &fusefs.Options{})
-	if err := fsys.joinCluster(cfg); err != nil {
+	if err := fsys.joinCluster(cfg, tc.bounds); err != nil {
 		fsys.close()
 		store.Close()
 		t.Fatal(err)

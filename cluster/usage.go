@@ -1,0 +1,191 @@
+package cluster
+
+// What publishers hold in etcd, read from the namespace itself (no count
+// is kept anywhere else), and the collection of versions no directory
+// keeps any longer.
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"strings"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+)
+
+// DefaultKeep is how many versions of a directory stay in etcd, the
+// current one included (PublishOptions.Keep).
+const DefaultKeep = 2
+
+// dirKeyBytes is what a dirs/ key and its value take in etcd, at most:
+// its value lists up to Keep version IDs, and the directory name can be
+// long. Charged as the directory's own manifest bytes.
+const dirKeyBytes = 256 + maxPath
+
+// Usage is what published directories hold in etcd.
+type Usage struct {
+	Dirs     int64 // published directories
+	Versions int64 // versions kept, the current ones included
+	Entries  int64 // entries (files and directories) of those versions
+	Bytes    int64 // bytes of their keys and values in etcd
+}
+
+// DirUsage is what one published directory holds, charged to the uid
+// that published its current version.
+type DirUsage struct {
+	UID uint32
+	Usage
+}
+
+// PublishOptions says who publishes and what bounds them.
+type PublishOptions struct {
+	// UID is the publisher's uid, recorded with the directory: what it
+	// holds in etcd is charged to it.
+	UID uint32
+	// Keep is how many versions of the directory stay in etcd, the new
+	// one included (DefaultKeep if 0); older ones are deleted with the
+	// swap to the new one.
+	Keep int
+	// Admit, if set, decides whether the publish may go on: all is what
+	// every uid's directories hold (the directory's current version
+	// included), was what the directory holds now (zero if it is not
+	// published) and now what it will hold. It is asked before anything
+	// is written and again, at the revision it swaps at, before the
+	// swap: an error refuses the publish.
+	Admit func(all map[uint32]Usage, was, now DirUsage) error
+}
+
+// namespace is the published directories and the headers of the
+// versions in etcd, read at one revision.
+type namespace struct {
+	rev     int64
+	dirs    map[string]DirInfo
+	headers map[string]versionHeader
+}
+
+// readNamespace reads the published directories and version headers.
+func (n *Node) readNamespace(ctx context.Context) (*namespace, error) {
+	tctx, cancel := n.timeout(ctx)
+	defer cancel()
+	resp, err := n.etcd.Txn(tctx).Then(
+		clientv3.OpGet(n.keys.dirs(), clientv3.WithPrefix()),
+		clientv3.OpGet(n.keys.versions(), clientv3.WithPrefix()),
+	).Commit()
+	if err != nil {
+		return nil, n.etcdErr("read the published directories", err)
+	}
+	ns := &namespace{rev: resp.Header.Revision, dirs: map[string]DirInfo{}, headers: map[string]versionHeader{}}
+	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
+		dir := strings.TrimPrefix(string(kv.Key), n.keys.dirs())
+		info, err := decodeDir(dir, kv.Value)
+		if err != nil {
+			return nil, err // a directory not counted would be free: refuse
+		}
+		ns.dirs[dir] = info
+	}
+	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
+		var h versionHeader
+		if err := json.Unmarshal(kv.Value, &h); err != nil {
+			return nil, fmt.Errorf("%w: version header %s: %q", ErrCorrupt, kv.Key, kv.Value)
+		}
+		ns.headers[strings.TrimPrefix(string(kv.Key), n.keys.versions())] = h
+	}
+	return ns, nil
+}
+
+// usage returns what the directory info holds: its versions' entries
+// and manifest bytes, and its own key.
+func (ns *namespace) usage(info DirInfo) DirUsage {
+	u := DirUsage{UID: info.UID}
+	if info.Version == "" {
+		return u
+	}
+	u.Dirs, u.Bytes = 1, dirKeyBytes
+	for _, vid := range info.versions() {
+		h := ns.headers[vid]
+		u.Versions++
+		u.Entries += int64(h.Entries)
+		u.Bytes += h.Manifest
+	}
+	return u
+}
+
+// usages returns what each uid's directories hold.
+func (ns *namespace) usages() map[uint32]Usage {
+	all := map[uint32]Usage{}
+	for _, info := range ns.dirs {
+		d := ns.usage(info)
+		u := all[d.UID]
+		u.Dirs += d.Dirs
+		u.Versions += d.Versions
+		u.Entries += d.Entries
+		u.Bytes += d.Bytes
+		all[d.UID] = u
+	}
+	return all
+}
+
+// kept reports whether a directory other than dir keeps version vid.
+func (ns *namespace) kept(vid, dir string) bool {
+	for d, info := range ns.dirs {
+		if d != dir && slices.Contains(info.versions(), vid) {
+			return true
+		}
+	}
+	return false
+}
+
+// versions returns the versions the directory keeps, newest first.
+func (info DirInfo) versions() []string {
+	if info.Version == "" {
+		return nil
+	}
+	return append([]string{info.Version}, info.Kept...)
+}
+
+// successor returns the record that makes vid the current version of
+// the directory cur is, keeping keep versions, and the versions it no
+// longer keeps.
+func successor(cur DirInfo, vid string, keep int) (DirInfo, []string) {
+	next := DirInfo{Dir: cur.Dir, Version: vid, Prev: cur.Version}
+	var dropped []string
+	for _, v := range cur.versions() {
+		switch {
+		case v == vid:
+		case len(next.Kept)+1 < keep:
+			next.Kept = append(next.Kept, v)
+		default:
+			dropped = append(dropped, v)
+		}
+	}
+	return next, dropped
+}
+
+// collectOps returns the operations that delete the versions dropped
+// (of dir) that no other directory keeps: their entries and headers.
+func (n *Node) collectOps(ns *namespace, dir string, dropped []string) []clientv3.Op {
+	var ops []clientv3.Op
+	for _, vid := range dropped {
+		if !validID(vid) || ns.kept(vid, dir) {
+			continue
+		}
+		ops = append(ops, clientv3.OpDelete(n.keys.entries(vid), clientv3.WithPrefix()), clientv3.OpDelete(n.keys.version(vid)))
+	}
+	return ops
+}
+
+// unchanged is the condition of a swap made on what ns read: no
+// published directory changed since (one removed only frees).
+func (n *Node) unchanged(ns *namespace) clientv3.Cmp {
+	return clientv3.Compare(clientv3.ModRevision(n.keys.dirs()), "<", ns.rev+1).WithPrefix()
+}
+
+// Usage returns what each uid's published directories hold in etcd.
+func (n *Node) Usage(ctx context.Context) (map[uint32]Usage, error) {
+	ns, err := n.readNamespace(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return ns.usages(), nil
+}
