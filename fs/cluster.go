@@ -72,6 +72,7 @@ func (fsys *filesystem) joinCluster(cfg cluster.Config, b ClusterBounds) error {
 	if err != nil {
 		return err
 	}
+	bnd.log(fsys.log)
 	node, err := cluster.Join(cfg)
 	if err != nil {
 		return err

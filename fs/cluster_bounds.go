@@ -9,6 +9,7 @@ import (
 	"cmp"
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"math"
 	"syscall"
 
@@ -101,6 +102,17 @@ func newBounds(b ClusterBounds, rootFd int) (*bounds, error) {
 		inodes: newQuota("inodes of published versions made on this node (--cluster-node-inodes)", cmp.Or(b.NodeInodes, share(inodes)), inodes),
 		bytes:  newQuota("bytes of published versions made on this node (--cluster-node-bytes)", cmp.Or(b.NodeBytes, share(capacity)), capacity),
 	}, nil
+}
+
+// log says which bounds are in force.
+func (b *bounds) log(log *slog.Logger) {
+	for _, e := range b.etcd {
+		log.Info("cluster: publishers' bound in etcd", "what", e.what, "per_uid", e.perUID, "total", e.total)
+	}
+	for _, q := range []*budget{b.inodes, b.bytes} {
+		log.Info("cluster: publishers' bound on this node", "what", q.what, "per_uid", q.perUID, "total", q.total)
+	}
+	log.Info("cluster: versions kept per published directory", "keep", b.keep)
 }
 
 // admit decides whether a publish may make a directory that held was
