@@ -166,7 +166,7 @@ func (n *Node) admit(ns *namespace, dir, vid string, h versionHeader, opts Publi
 	cur := ns.dirs[dir]
 	cur.Dir = dir
 	next, dropped := successor(cur, vid, cmp.Or(opts.Keep, DefaultKeep))
-	next.UID = opts.UID
+	next.UID, next.Publisher, next.Time = opts.UID, n.cfg.Node, time.Now().UTC()
 	if opts.Admit == nil {
 		return next, dropped, nil
 	}
@@ -202,7 +202,6 @@ func (n *Node) publish(ctx context.Context, dir, vid string, h versionHeader, op
 			n.discard(ctx, vid)
 			return DirInfo{}, err
 		}
-		info.Publisher, info.Time = n.cfg.Node, time.Now().UTC()
 		value, _ := json.Marshal(info)
 		swap := append([]clientv3.Op{clientv3.OpPut(n.keys.dir(dir), string(value))}, n.collectOps(ns, dir, dropped)...)
 		tctx, cancel := n.timeout(ctx)

@@ -18,11 +18,6 @@ import (
 // current one included (PublishOptions.Keep).
 const DefaultKeep = 2
 
-// dirKeyBytes is what a dirs/ key and its value take in etcd, at most:
-// its value lists up to Keep version IDs, and the directory name can be
-// long. Charged as the directory's own manifest bytes.
-const dirKeyBytes = 256 + maxPath
-
 // Usage is what published directories hold in etcd.
 type Usage struct {
 	Dirs     int64 // published directories
@@ -59,6 +54,7 @@ type PublishOptions struct {
 // namespace is the published directories and the headers of the
 // versions in etcd, read at one revision.
 type namespace struct {
+	keys    keys
 	rev     int64
 	dirs    map[string]DirInfo
 	headers map[string]versionHeader
@@ -75,7 +71,7 @@ func (n *Node) readNamespace(ctx context.Context) (*namespace, error) {
 	if err != nil {
 		return nil, n.etcdErr("read the published directories", err)
 	}
-	ns := &namespace{rev: resp.Header.Revision, dirs: map[string]DirInfo{}, headers: map[string]versionHeader{}}
+	ns := &namespace{keys: n.keys, rev: resp.Header.Revision, dirs: map[string]DirInfo{}, headers: map[string]versionHeader{}}
 	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
 		dir := strings.TrimPrefix(string(kv.Key), n.keys.dirs())
 		info, err := decodeDir(dir, kv.Value)
@@ -101,7 +97,8 @@ func (ns *namespace) usage(info DirInfo) DirUsage {
 	if info.Version == "" {
 		return u
 	}
-	u.Dirs, u.Bytes = 1, dirKeyBytes
+	value, _ := json.Marshal(info)
+	u.Dirs, u.Bytes = 1, int64(len(ns.keys.dir(info.Dir))+len(value))
 	for _, vid := range info.versions() {
 		h := ns.headers[vid]
 		u.Versions++
@@ -179,13 +176,4 @@ func (n *Node) collectOps(ns *namespace, dir string, dropped []string) []clientv
 // published directory changed since (one removed only frees).
 func (n *Node) unchanged(ns *namespace) clientv3.Cmp {
 	return clientv3.Compare(clientv3.ModRevision(n.keys.dirs()), "<", ns.rev+1).WithPrefix()
-}
-
-// Usage returns what each uid's published directories hold in etcd.
-func (n *Node) Usage(ctx context.Context) (map[uint32]Usage, error) {
-	ns, err := n.readNamespace(ctx)
-	if err != nil {
-		return nil, err
-	}
-	return ns.usages(), nil
 }
