@@ -7,7 +7,6 @@ package cluster
 import (
 	"context"
 	"encoding/json"
-	"fmt"
 	"slices"
 	"strings"
 
@@ -76,14 +75,17 @@ func (n *Node) readNamespace(ctx context.Context) (*namespace, error) {
 		dir := strings.TrimPrefix(string(kv.Key), n.keys.dirs())
 		info, err := decodeDir(dir, kv.Value)
 		if err != nil {
-			return nil, err // a directory not counted would be free: refuse
+			// No node makes it, and it names no publisher to charge.
+			n.log.Warn("cluster: skipping a corrupt directory key", "err", err)
+			continue
 		}
 		ns.dirs[dir] = info
 	}
 	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
 		var h versionHeader
 		if err := json.Unmarshal(kv.Value, &h); err != nil {
-			return nil, fmt.Errorf("%w: version header %s: %q", ErrCorrupt, kv.Key, kv.Value)
+			n.log.Warn("cluster: skipping a corrupt version header", "key", string(kv.Key))
+			continue
 		}
 		ns.headers[strings.TrimPrefix(string(kv.Key), n.keys.versions())] = h
 	}
