@@ -20,6 +20,8 @@ func (k keys) version(vid string) string      { return k.versions() + vid }
 func (k keys) entries(vid string) string      { return k.prefix + "entries/" + vid + "/" }
 func (k keys) entry(vid, p string) string     { return k.entries(vid) + p }
 func (k keys) content(cid string) string      { return k.prefix + "contents/" + cid }
+func (k keys) refs(cid string) string         { return k.prefix + "refs/" + cid + "/" }
+func (k keys) ref(cid, vid string) string     { return k.refs(cid) + vid }
 func (k keys) holders(cid string) string      { return k.prefix + "holders/" + cid + "/" }
 func (k keys) holder(cid, node string) string { return k.holders(cid) + node }
 

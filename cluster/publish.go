@@ -135,9 +135,11 @@ func (n *Node) Publish(ctx context.Context, dir string, local []LocalEntry, opts
 	return info, nil
 }
 
-// versionOps returns the writes of version vid's keys but its header
-// (its contents', then its entries'), and that header, which records
-// the bytes they take in etcd.
+// versionOps returns the writes of version vid's keys: its header first
+// (the collection of contents leaves the references of a version whose
+// header exists: see collectContents), then, for each of its contents,
+// its reference and the content, then its entries; and the header, which
+// records the bytes they take in etcd.
 func (n *Node) versionOps(vid string, entries []Entry, encoded [][]byte, contents []*Content) ([]clientv3.Op, versionHeader) {
 	var ops []clientv3.Op
 	h := versionHeader{Entries: len(entries), Manifest: int64(len(n.keys.version(vid)) + manifestSlack)}
@@ -147,7 +149,7 @@ func (n *Node) versionOps(vid string, entries []Entry, encoded [][]byte, content
 			continue
 		}
 		seen[c.ID()] = true
-		ops = append(ops, clientv3.OpPut(n.keys.content(c.ID()), string(c.encode())))
+		ops = append(ops, clientv3.OpPut(n.keys.ref(c.ID(), vid), ""), clientv3.OpPut(n.keys.content(c.ID()), string(c.encode())))
 	}
 	for i := range entries {
 		ops = append(ops, clientv3.OpPut(n.keys.entry(vid, entries[i].Path), string(encoded[i])))
@@ -156,7 +158,8 @@ func (n *Node) versionOps(vid string, entries []Entry, encoded [][]byte, content
 	for _, op := range ops {
 		h.Manifest += int64(len(op.KeyBytes()) + len(op.ValueBytes()))
 	}
-	return ops, h
+	header, _ := json.Marshal(h)
+	return append([]clientv3.Op{clientv3.OpPut(n.keys.version(vid), string(header))}, ops...), h
 }
 
 // admit asks opts.Admit whether dir may become version vid (whose header
@@ -174,19 +177,16 @@ func (n *Node) admit(ns *namespace, dir, vid string, h versionHeader, opts Publi
 	return next, dropped, opts.Admit(ns.usages(), ns.usage(cur), ns.usage(next))
 }
 
-// publish writes a version's keys (ops, then the publisher's holder keys
-// and the version key) and swaps dir to it, deleting the versions it no
-// longer keeps in the same transaction; a publish refused at the swap
-// deletes the keys it wrote.
+// publish writes a version's keys (ops), then the publisher's holder
+// keys, and swaps dir to it, deleting the versions it no longer keeps in
+// the same transaction; a publish refused at the swap deletes the keys
+// it wrote. Keys deleted meanwhile by a swap that dropped the same
+// version are written again.
 func (n *Node) publish(ctx context.Context, dir, vid string, h versionHeader, ops []clientv3.Op, opts PublishOptions) (DirInfo, error) {
 	if err := n.putAll(ctx, ops); err != nil {
 		return DirInfo{}, err
 	}
 	if err := n.flush(); err != nil {
-		return DirInfo{}, err
-	}
-	header, _ := json.Marshal(h)
-	if err := n.putAll(ctx, []clientv3.Op{clientv3.OpPut(n.keys.version(vid), string(header))}); err != nil {
 		return DirInfo{}, err
 	}
 	for {
@@ -197,23 +197,24 @@ func (n *Node) publish(ctx context.Context, dir, vid string, h versionHeader, op
 		if cur := ns.dirs[dir]; cur.Version == vid {
 			return cur, nil
 		}
+		if _, ok := ns.headers[vid]; !ok {
+			if err := n.putAll(ctx, ops); err != nil {
+				return DirInfo{}, err
+			}
+			continue
+		}
 		info, dropped, err := n.admit(ns, dir, vid, h, opts)
 		if err != nil {
 			n.discard(ctx, vid)
 			return DirInfo{}, err
 		}
 		value, _ := json.Marshal(info)
-		swap := append([]clientv3.Op{clientv3.OpPut(n.keys.dir(dir), string(value))}, n.collectOps(ns, dir, dropped)...)
-		tctx, cancel := n.timeout(ctx)
-		resp, err := n.etcd.Txn(tctx).If(n.unchanged(ns)).Then(swap...).Commit()
-		cancel()
+		ok, err := n.swap(ctx, ns, dir, []clientv3.Op{clientv3.OpPut(n.keys.dir(dir), string(value))}, dropped,
+			clientv3.Compare(clientv3.CreateRevision(n.keys.version(vid)), ">", 0))
 		if err != nil {
-			return DirInfo{}, n.etcdErr("publish "+dir, err)
+			return DirInfo{}, err
 		}
-		if resp.Succeeded {
-			if len(swap) > 1 {
-				n.log.Info("cluster: versions no directory keeps deleted", "dir", dir, "versions", (len(swap)-1)/2)
-			}
+		if ok {
 			return info, nil
 		}
 	}
@@ -224,18 +225,15 @@ func (n *Node) publish(ctx context.Context, dir, vid string, h versionHeader, op
 func (n *Node) discard(ctx context.Context, vid string) {
 	for {
 		ns, err := n.readNamespace(ctx)
+		var ok bool
+		if err == nil {
+			ok, err = n.swap(ctx, ns, "", nil, []string{vid})
+		}
 		if err != nil {
 			n.log.Warn("cluster: a refused version's keys stay in etcd", "version", vid, "err", err)
 			return
 		}
-		tctx, cancel := n.timeout(ctx)
-		resp, err := n.etcd.Txn(tctx).If(n.unchanged(ns)).Then(n.collectOps(ns, "", []string{vid})...).Commit()
-		cancel()
-		if err != nil {
-			n.log.Warn("cluster: a refused version's keys stay in etcd", "version", vid, "err", err)
-			return
-		}
-		if resp.Succeeded {
+		if ok {
 			return
 		}
 	}
@@ -372,14 +370,11 @@ func (n *Node) Unpublish(ctx context.Context, dir string) error {
 		if !ok {
 			return fmt.Errorf("cluster: %s: %w", dir, ErrNotPublished)
 		}
-		ops := append([]clientv3.Op{clientv3.OpDelete(n.keys.dir(dir))}, n.collectOps(ns, dir, cur.versions())...)
-		tctx, cancel := n.timeout(ctx)
-		resp, err := n.etcd.Txn(tctx).If(n.unchanged(ns)).Then(ops...).Commit()
-		cancel()
+		ok, err = n.swap(ctx, ns, dir, []clientv3.Op{clientv3.OpDelete(n.keys.dir(dir))}, cur.versions())
 		if err != nil {
-			return n.etcdErr("unpublish "+dir, err)
+			return err
 		}
-		if resp.Succeeded {
+		if ok {
 			n.log.Info("cluster: unpublished", "dir", dir)
 			return nil
 		}

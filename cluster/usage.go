@@ -161,17 +161,93 @@ func successor(cur DirInfo, vid string, keep int) (DirInfo, []string) {
 	return next, dropped
 }
 
-// collectOps returns the operations that delete the versions dropped
-// (of dir) that no other directory keeps: their entries and headers.
-func (n *Node) collectOps(ns *namespace, dir string, dropped []string) []clientv3.Op {
-	var ops []clientv3.Op
+// swap commits ops (a change of dir's key) if no published directory
+// changed since ns was read and cmps hold, deleting in the same
+// transaction the versions dropped that no other directory keeps (their
+// entries and headers), then the contents only they used. It reports
+// whether it committed.
+func (n *Node) swap(ctx context.Context, ns *namespace, dir string, ops []clientv3.Op, dropped []string, cmps ...clientv3.Cmp) (bool, error) {
+	gone := map[string][]string{}
 	for _, vid := range dropped {
 		if !validID(vid) || ns.kept(vid, dir) {
 			continue
 		}
+		cids, err := n.versionContents(ctx, vid)
+		if err != nil {
+			return false, err
+		}
+		gone[vid] = cids
 		ops = append(ops, clientv3.OpDelete(n.keys.entries(vid), clientv3.WithPrefix()), clientv3.OpDelete(n.keys.version(vid)))
 	}
-	return ops
+	tctx, cancel := n.timeout(ctx)
+	resp, err := n.etcd.Txn(tctx).If(append(cmps, n.unchanged(ns))...).Then(ops...).Commit()
+	cancel()
+	if err != nil {
+		return false, n.etcdErr("change "+dir, err)
+	}
+	if !resp.Succeeded {
+		return false, nil
+	}
+	for vid, cids := range gone {
+		n.collectContents(ctx, vid, cids)
+	}
+	if len(gone) > 0 {
+		n.log.Info("cluster: versions no directory keeps deleted", "dir", dir, "versions", len(gone))
+	}
+	return true, nil
+}
+
+// versionContents returns the IDs of the contents version vid's entries
+// name, each once.
+func (n *Node) versionContents(ctx context.Context, vid string) ([]string, error) {
+	tctx, cancel := n.timeout(ctx)
+	defer cancel()
+	resp, err := n.etcd.Get(tctx, n.keys.entries(vid), clientv3.WithPrefix())
+	if err != nil {
+		return nil, n.etcdErr("read version "+vid, err)
+	}
+	var ids []string
+	for _, kv := range resp.Kvs {
+		var e Entry
+		if json.Unmarshal(kv.Value, &e) == nil && validID(e.Content) {
+			ids = append(ids, e.Content)
+		}
+	}
+	slices.Sort(ids)
+	return slices.Compact(ids), nil
+}
+
+// collectContents deletes the references of version vid, whose keys a
+// swap deleted, to the contents cids, unless vid was written again since
+// (a publish writes a version's header before its references), and then
+// each of those contents no version refers to (a publish writes a
+// reference before its content). What a daemon that dies on the way
+// leaves stays.
+func (n *Node) collectContents(ctx context.Context, vid string, cids []string) {
+	for len(cids) > 0 {
+		batch := cids[:min(len(cids), maxTxnOps)]
+		cids = cids[len(batch):]
+		refs := make([]clientv3.Op, len(batch))
+		ifFree := make([]clientv3.Op, len(batch))
+		for i, cid := range batch {
+			refs[i] = clientv3.OpDelete(n.keys.ref(cid, vid))
+			ifFree[i] = clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.CreateRevision(n.keys.refs(cid)), "=", 0).WithPrefix()},
+				[]clientv3.Op{clientv3.OpDelete(n.keys.content(cid))}, nil)
+		}
+		tctx, cancel := n.timeout(ctx)
+		resp, err := n.etcd.Txn(tctx).If(clientv3.Compare(clientv3.CreateRevision(n.keys.version(vid)), "=", 0)).Then(refs...).Commit()
+		if err == nil && resp.Succeeded {
+			_, err = n.etcd.Txn(tctx).Then(ifFree...).Commit()
+		}
+		cancel()
+		if err != nil {
+			n.log.Warn("cluster: contents of a deleted version stay in etcd", "version", vid, "err", n.etcdErr("delete contents", err))
+			return
+		}
+		if !resp.Succeeded {
+			return // published again: its references stand
+		}
+	}
 }
 
 // unchanged is the condition of a swap made on what ns read: no

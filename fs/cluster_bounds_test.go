@@ -186,8 +186,9 @@ func TestClusterBoundsEtcdBytes(t *testing.T) {
 
 // TestClusterRepublishCollects: republishing a directory keeps the
 // versions it is told to keep and deletes the older ones' keys with the
-// swap, so etcd holds as much after the tenth republish as after the
-// second; an unpublish deletes the rest.
+// swap, and the contents no version refers to after, so etcd holds as
+// much after the tenth republish as after the second; an unpublish
+// deletes the rest.
 func TestClusterRepublishCollects(t *testing.T) {
 	tc := newTestCluster(t)
 	a := tc.node("node-a", nil)
@@ -197,31 +198,44 @@ func TestClusterRepublishCollects(t *testing.T) {
 	ownedTree(t, a, "m", ownerPeer, n, 0)
 	d := lookupPath(t, a, "m").Operations().(*dirNode)
 	var sizes []int64
+	var keys []int
 	for i := range 10 {
-		if i > 0 { // a new version: one more segment
-			writeSeg(t, a, d, fmt.Sprintf("m/new%d", i), []byte("x"))
-			os.Lchown(filepath.Join(a.store.Dir, fmt.Sprintf("m/new%d", i)), int(ownerPeer.Uid), int(ownerPeer.Gid))
+		if i > 0 { // a new version: one segment replaced by one of other bytes
+			if i > 1 {
+				if errno := d.Unlink(callerCtx(0), fmt.Sprint("new", i-1)); errno != 0 {
+					t.Fatal(errno)
+				}
+				d.RmChild(fmt.Sprint("new", i-1))
+			}
+			rel := fmt.Sprint("m/new", i)
+			writeSeg(t, a, d, rel, []byte(rel))
+			os.Lchown(filepath.Join(a.store.Dir, rel), int(ownerPeer.Uid), int(ownerPeer.Gid))
 		}
-		if _, err := ab.Publish(ownerPeer, "m"); err != nil {
+		v, err := ab.Publish(ownerPeer, "m")
+		if err != nil {
 			t.Fatal(err)
 		}
+		// The watch makes it here too; the next change waits for it.
+		eventually(t, "version "+v+" made on node-a", func() bool {
+			return tc.logs.contains(`msg="cluster: version made here" fs=node-a dir=m version=` + v)
+		})
 		st := readEtcd(t, cli)
 		if want := min(i+1, cluster.DefaultKeep); st.versions != want {
 			t.Errorf("after publish %d: %d versions in etcd, want %d", i+1, st.versions, want)
 		}
-		sizes = append(sizes, st.bytes)
+		sizes, keys = append(sizes, st.bytes), append(keys, st.keys)
 	}
-	t.Logf("bytes in etcd after each publish of %d entries: %v", n+1, sizes)
-	// Each version has one entry more than the one before; what two
-	// versions hold grows by two entries' keys and values a publish.
-	if grew := sizes[9] - sizes[1]; grew > 8*2*512 {
-		t.Errorf("etcd grew %d bytes from the second publish to the tenth: old versions are kept", grew)
+	t.Logf("keys and bytes in etcd after each publish of %d entries: %v, %v", n+1, keys, sizes)
+	for i := 3; i < 10; i++ {
+		if keys[i] != keys[2] || sizes[i] > sizes[2]+64 {
+			t.Errorf("publish %d: %d keys, %d bytes in etcd; the third left %d, %d: old versions or contents are kept", i+1, keys[i], sizes[i], keys[2], sizes[2])
+		}
 	}
 	if err := a.cl.node.Unpublish(context.Background(), "m"); err != nil {
 		t.Fatal(err)
 	}
-	if st := readEtcd(t, cli); st.versions != 0 || st.keys > 2 {
-		t.Errorf("after unpublish etcd holds %+v, want no version (contents stay)", st)
+	if st := readEtcd(t, cli); st != (etcdState{}) {
+		t.Errorf("after unpublish etcd holds %+v, want nothing", st)
 	}
 }
 
