@@ -159,7 +159,11 @@ func (c *clusterFS) chargeLocked(dir string, next charge) error {
 		b.bytes.add(prev.uid, prev.bytes)
 		return err
 	}
-	c.charges[dir] = next
+	if next == (charge{}) {
+		delete(c.charges, dir)
+	} else {
+		c.charges[dir] = next
+	}
 	return nil
 }
 
