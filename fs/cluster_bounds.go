@@ -92,6 +92,12 @@ func newBounds(b ClusterBounds, rootFd int) (*bounds, error) {
 		inodes = math.MaxInt64 / 2
 	}
 	total := cmp.Or(b.EtcdQuota, DefaultEtcdQuota) / 2
+	// Bytes come when a segment is pulled, and a pull past the backing's
+	// capacity is ENOSPC: root's versions are made whatever their size
+	// (a node may show a model larger than itself and hold part of it),
+	// users' together up to the capacity less root's eighth.
+	bytes := newQuota("bytes of published versions made on this node (--cluster-node-bytes)", cmp.Or(b.NodeBytes, share(capacity)), math.MaxInt64/2)
+	bytes.shared = capacity - capacity/8
 	return &bounds{
 		keep: cmp.Or(b.Keep, cluster.DefaultKeep),
 		etcd: []etcdBound{
@@ -100,7 +106,7 @@ func newBounds(b ClusterBounds, rootFd int) (*bounds, error) {
 			{"bytes of published manifests in etcd (--cluster-user-bytes)", cmp.Or(b.Bytes, share(total)), total, func(u cluster.Usage) int64 { return u.Bytes }},
 		},
 		inodes: newQuota("inodes of published versions made on this node (--cluster-node-inodes)", cmp.Or(b.NodeInodes, share(inodes)), inodes),
-		bytes:  newQuota("bytes of published versions made on this node (--cluster-node-bytes)", cmp.Or(b.NodeBytes, share(capacity)), capacity),
+		bytes:  bytes,
 	}, nil
 }
 

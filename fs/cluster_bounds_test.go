@@ -325,3 +325,31 @@ func usedBy(b *budget, uid uint32) int64 {
 	defer b.mu.Unlock()
 	return b.used[uid]
 }
+
+// TestClusterBoundsNodeBytes: a version whose bytes pass its publisher's
+// share on a node is not made there; root's is, whatever its size (its
+// pulls are bounded by the backing's capacity).
+func TestClusterBoundsNodeBytes(t *testing.T) {
+	tc := newTestCluster(t)
+	a := tc.node("node-a", nil)
+	tc.bounds = ClusterBounds{NodeBytes: 100}
+	b := tc.node("node-b", nil)
+	ab := controlBackend{a}
+	ownedTree(t, a, "u1", ownerPeer, 2, 60)
+	if _, err := ab.Publish(ownerPeer, "u1"); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "u1 refused on node-b", func() bool {
+		rec, _ := alloc.ReadPublished(filepath.Join(b.store.Dir, "u1"))
+		return strings.Contains(string(rec), "refused") && strings.Contains(string(rec), "--cluster-node-bytes")
+	})
+	ownedTree(t, a, "r1", rootPeer, 2, 60)
+	v, err := ab.Publish(rootPeer, "r1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	awaitDir(t, b, "r1", v)
+	if names, _ := os.ReadDir(filepath.Join(b.store.Dir, "u1")); len(names) != 0 {
+		t.Errorf("the refused version made %d names on node-b", len(names))
+	}
+}
