@@ -68,7 +68,7 @@ func (fsys *filesystem) joinCluster(cfg cluster.Config, b ClusterBounds) error {
 	if cfg.Log == nil {
 		cfg.Log = fsys.log
 	}
-	bnd, err := newBounds(b, fsys.store.RootFd)
+	bnd, err := newBounds(b, fsys.store.RootFd, fsys.ledger)
 	if err != nil {
 		return err
 	}
@@ -181,7 +181,7 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 		c.fsys.log.Info("cluster: a version already replaced is not made", "dir", alloc.EscapeText(info.Dir), "version", v.ID, "current", cur.Version)
 		return nil
 	}
-	if err := c.chargeLocked(info.Dir, charge{info.UID, int64(len(v.Entries)), v.Bytes()}); err != nil {
+	if err := c.chargeLocked(info.Dir, newCharge(info.UID, int64(len(v.Entries)), v.Bytes())); err != nil {
 		c.refuse(info, err)
 		return err
 	}

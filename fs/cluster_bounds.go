@@ -17,6 +17,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/cluster"
+	"tensorfs/ledger"
 )
 
 // DefaultEtcdQuota is etcd's default space quota, which sizes the
@@ -53,27 +54,24 @@ type ClusterBounds struct {
 // bounds are a mount's cluster bounds, filled in: per user and in total.
 type bounds struct {
 	keep int
-	// etcd: the budgets a publish is checked against, each with how it
-	// reads a usage.
+	// etcd are the bounds a publish is checked against, each with how
+	// it reads a usage.
 	etcd []etcdBound
 	// inodes and bytes are what publications make on this node, by
-	// publisher.
-	inodes, bytes *budget
+	// publisher: rows of the mount's ledger.
+	inodes, bytes *ledger.Row
 }
 
 // etcdBound is one bound on what publishers hold in etcd.
 type etcdBound struct {
-	what          string
-	perUID, total int64
-	of            func(cluster.Usage) int64
+	spec ledger.Spec
+	of   func(cluster.Usage) int64
 }
 
-// newQuota is a budget whose refusals are EDQUOT (past a user's share)
-// and ENOSPC (past a total).
-func newQuota(what string, perUID, total int64) *budget {
-	b := newBudget(what, perUID, total)
-	b.overUser, b.overAll = syscall.EDQUOT, syscall.ENOSPC
-	return b
+// quota is a row whose refusals are EDQUOT (past a user's share) and
+// ENOSPC (past a total).
+func quota(name, unit string, perUID, total int64) ledger.Spec {
+	return ledger.Spec{Name: name, Unit: unit, PerUID: perUID, Total: total, Over: syscall.EDQUOT, Full: syscall.ENOSPC}
 }
 
 // share is one user's default share of total: an eighth of what root's
@@ -81,8 +79,8 @@ func newQuota(what string, perUID, total int64) *budget {
 func share(total int64) int64 { return (total - total/8) / 8 }
 
 // newBounds fills in b: the etcd bounds from its quota, the node's from
-// the backing open at rootFd (its inodes and capacity).
-func newBounds(b ClusterBounds, rootFd int) (*bounds, error) {
+// the backing open at rootFd (its inodes and capacity), rows of l.
+func newBounds(b ClusterBounds, rootFd int, l *ledger.Ledger) (*bounds, error) {
 	var sf unix.Statfs_t
 	if err := unix.Fstatfs(rootFd, &sf); err != nil {
 		return nil, fmt.Errorf("cluster bounds: statfs of the backing: %w", err)
@@ -92,52 +90,52 @@ func newBounds(b ClusterBounds, rootFd int) (*bounds, error) {
 		inodes = math.MaxInt64 / 2
 	}
 	total := cmp.Or(b.EtcdQuota, DefaultEtcdQuota) / 2
-	// Bytes come when a segment is pulled, and a pull past the backing's
-	// capacity is ENOSPC: root's versions are made whatever their size
-	// (a node may show a model larger than itself and hold part of it),
-	// users' together up to the capacity less root's eighth.
-	bytes := newQuota("bytes of published versions made on this node (--cluster-node-bytes)", cmp.Or(b.NodeBytes, share(capacity)), math.MaxInt64/2)
-	bytes.shared = capacity - capacity/8
 	return &bounds{
 		keep: cmp.Or(b.Keep, cluster.DefaultKeep),
 		etcd: []etcdBound{
-			{"published directories (--cluster-user-dirs)", cmp.Or(b.Dirs, share(total>>16)), total >> 16, func(u cluster.Usage) int64 { return u.Dirs }},
-			{"published entries, of every version kept (--cluster-user-entries)", cmp.Or(b.Entries, share(total>>8)), total >> 8, func(u cluster.Usage) int64 { return u.Entries }},
-			{"bytes of published manifests in etcd (--cluster-user-bytes)", cmp.Or(b.Bytes, share(total)), total, func(u cluster.Usage) int64 { return u.Bytes }},
+			{quota("published directories (--cluster-user-dirs)", "directory", cmp.Or(b.Dirs, share(total>>16)), total>>16),
+				func(u cluster.Usage) int64 { return u.Dirs }},
+			{quota("published entries, of every version kept (--cluster-user-entries)", "entry", cmp.Or(b.Entries, share(total>>8)), total>>8),
+				func(u cluster.Usage) int64 { return u.Entries }},
+			{quota("bytes of published manifests in etcd (--cluster-user-bytes)", "byte", cmp.Or(b.Bytes, share(total)), total),
+				func(u cluster.Usage) int64 { return u.Bytes }},
 		},
-		inodes: newQuota("inodes of published versions made on this node (--cluster-node-inodes)", cmp.Or(b.NodeInodes, share(inodes)), inodes),
-		bytes:  bytes,
+		inodes: l.Row(quota("inodes of published versions made on this node (--cluster-node-inodes)", "inode", cmp.Or(b.NodeInodes, share(inodes)), inodes)),
+		bytes:  l.Row(quota("bytes of published versions made on this node (--cluster-node-bytes)", "byte", cmp.Or(b.NodeBytes, share(capacity)), capacity)),
 	}, nil
 }
 
 // log says which bounds are in force.
 func (b *bounds) log(log *slog.Logger) {
 	for _, e := range b.etcd {
-		log.Info("cluster: publishers' bound in etcd", "what", e.what, "per_uid", e.perUID, "total", e.total)
-	}
-	for _, q := range []*budget{b.inodes, b.bytes} {
-		log.Info("cluster: publishers' bound on this node", "what", q.what, "per_uid", q.perUID, "total", q.total)
+		log.Info("cluster: publishers' bound in etcd", "what", e.spec.Name, "per_uid", e.spec.PerUID, "total", e.spec.Total)
 	}
 	log.Info("cluster: versions kept per published directory", "keep", b.keep)
 }
 
 // admit decides whether a publish may make a directory that held was
-// hold now, when every uid's directories hold all: each bound is a
-// budget filled from all, the directory's share given back, its new
-// one taken. Refused: EDQUOT past the publisher's share, ENOSPC past a
-// total.
+// hold now, when every uid's directories hold all: each bound is a row
+// filled from all, the directory's share given back, its new one taken.
+// Refused: EDQUOT past the publisher's share, ENOSPC past a total.
 func (b *bounds) admit(all map[uint32]cluster.Usage, was, now cluster.DirUsage) error {
+	l := ledger.New()
 	for _, e := range b.etcd {
-		q := newQuota(e.what, e.perUID, e.total)
+		r := l.Row(e.spec)
 		for uid, u := range all {
-			q.add(uid, e.of(u))
+			r.Add(uid, e.of(u))
 		}
-		q.give(was.UID, e.of(was.Usage))
-		if err := q.take(now.UID, e.of(now.Usage)); err != nil {
-			return err
+		r.Give(was.UID, e.of(was.Usage))
+		if err := r.Take(now.UID, e.of(now.Usage)); err != nil {
+			return refusal(err, r, now.UID, e.of(now.Usage))
 		}
 	}
 	return nil
+}
+
+// refusal says, of a refusal by r of n more to uid, what uid and all
+// users held.
+func refusal(err error, r *ledger.Row, uid uint32, n int64) error {
+	return fmt.Errorf("%w: it holds %d and needs %d more (all users hold %d)", err, r.Held(uid), n, r.Used())
 }
 
 // charge is what one published directory's version made here is
@@ -147,22 +145,34 @@ type charge struct {
 	inodes, bytes int64
 }
 
+// newCharge is the charge of a version of inodes and bytes to uid.
+// Root's bytes are not charged: root's versions are made whatever their
+// size (a node may show a model larger than itself and hold part of
+// it), since a pull past the backing's capacity is ENOSPC.
+func newCharge(uid uint32, inodes, bytes int64) charge {
+	if uid == 0 {
+		bytes = 0
+	}
+	return charge{uid, inodes, bytes}
+}
+
 // chargeLocked charges dir's version made here to next.uid in place of
 // what dir was charged, or refuses it past next.uid's bounds on this
 // node, changing nothing. nsMu is held.
 func (c *clusterFS) chargeLocked(dir string, next charge) error {
 	b, prev := c.bounds, c.charges[dir]
-	b.inodes.give(prev.uid, prev.inodes)
-	b.bytes.give(prev.uid, prev.bytes)
-	err := b.inodes.take(next.uid, next.inodes)
-	if err == nil {
-		if err = b.bytes.take(next.uid, next.bytes); err != nil {
-			b.inodes.give(next.uid, next.inodes)
-		}
+	b.inodes.Give(prev.uid, prev.inodes)
+	b.bytes.Give(prev.uid, prev.bytes)
+	err := b.inodes.Take(next.uid, next.inodes)
+	if err != nil {
+		err = refusal(err, b.inodes, next.uid, next.inodes)
+	} else if err = b.bytes.Take(next.uid, next.bytes); err != nil {
+		err = refusal(err, b.bytes, next.uid, next.bytes)
+		b.inodes.Give(next.uid, next.inodes)
 	}
 	if err != nil {
-		b.inodes.add(prev.uid, prev.inodes)
-		b.bytes.add(prev.uid, prev.bytes)
+		b.inodes.Add(prev.uid, prev.inodes)
+		b.bytes.Add(prev.uid, prev.bytes)
 		return err
 	}
 	if next == (charge{}) {
@@ -219,8 +229,8 @@ func (c *clusterFS) recount() {
 		if b, err := alloc.ReadPublished(alloc.FdPath(dfd)); err == nil && b != nil && json.Unmarshal(b, &rec) == nil && rec.Version != "" {
 			ch := c.count(dfd, rec.UID)
 			c.charges[rel] = ch
-			c.bounds.inodes.add(ch.uid, ch.inodes)
-			c.bounds.bytes.add(ch.uid, ch.bytes)
+			c.bounds.inodes.Add(ch.uid, ch.inodes)
+			c.bounds.bytes.Add(ch.uid, ch.bytes)
 		}
 		return nil
 	})
@@ -231,7 +241,7 @@ func (c *clusterFS) recount() {
 // (charged on their own), and the published sizes of its pulled
 // segments.
 func (c *clusterFS) count(top int, uid uint32) charge {
-	ch := charge{uid: uid, inodes: 1}
+	inodes, bytes := int64(1), int64(0)
 	alloc.Walk(top, func(fd int, name, _ string, st *unix.Stat_t) error {
 		if st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
 			var rec []byte
@@ -243,12 +253,12 @@ func (c *clusterFS) count(top int, uid uint32) charge {
 				return alloc.ErrSkipDir
 			}
 		}
-		ch.inodes++
+		inodes++
 		if p := c.fsys.pulled.get(st.Ino); p != nil && st.Mode&syscall.S_IFMT == syscall.S_IFREG {
 			size, _ := p.state()
-			ch.bytes += size
+			bytes += size
 		}
 		return nil
 	})
-	return ch
+	return newCharge(uid, inodes, bytes)
 }

@@ -111,7 +111,7 @@ func TestClusterBoundsEtcd(t *testing.T) {
 	before := readEtcd(t, cli)
 	ownedTree(t, a, "u2", ownerPeer, 5, 10)
 	_, err := ab.Publish(ownerPeer, "u2")
-	refused(t, "a publish past the user's entries", err, syscall.EDQUOT, "uid 1000", "--cluster-user-entries", "6 published entries", ", 10")
+	refused(t, "a publish past the user's entries", err, syscall.EDQUOT, "uid 1000", "--cluster-user-entries", "limit of 10", "holds 6 and needs 6 more")
 	if after := readEtcd(t, cli); after != before {
 		t.Errorf("a refused publish changed etcd: %+v, before %+v", after, before)
 	}
@@ -152,7 +152,7 @@ func TestClusterBoundsEtcd(t *testing.T) {
 		}
 	}
 	_, err = ab.Publish(ownerPeer, "e3")
-	refused(t, "a publish past the user's directories", err, syscall.EDQUOT, "uid 1000", "--cluster-user-dirs", "3 published directories")
+	refused(t, "a publish past the user's directories", err, syscall.EDQUOT, "uid 1000", "limit of 3 published directories (--cluster-user-dirs)", "holds 3 and needs 1 more")
 }
 
 // TestClusterBoundsEtcdBytes: the bytes a user's manifests hold in etcd
@@ -167,14 +167,14 @@ func TestClusterBoundsEtcdBytes(t *testing.T) {
 		t.Fatal(err)
 	}
 	before := readEtcd(t, cli)
-	bound := &a.cl.bounds.etcd[2]
-	if !strings.Contains(bound.what, "--cluster-user-bytes") {
-		t.Fatalf("the third etcd bound is %q", bound.what)
+	bound := &a.cl.bounds.etcd[2].spec
+	if !strings.Contains(bound.Name, "--cluster-user-bytes") {
+		t.Fatalf("the third etcd bound is %q", bound.Name)
 	}
-	bound.perUID = before.bytes * 3 / 2 // room for half of u1 again
+	bound.PerUID = before.bytes * 3 / 2 // room for half of u1 again
 	ownedTree(t, a, "u2", ownerPeer, 5, 10)
 	_, err := ab.Publish(ownerPeer, "u2")
-	refused(t, "a publish past the user's bytes in etcd", err, syscall.EDQUOT, "uid 1000", "--cluster-user-bytes", fmt.Sprint(bound.perUID))
+	refused(t, "a publish past the user's bytes in etcd", err, syscall.EDQUOT, "uid 1000", "--cluster-user-bytes", fmt.Sprint("limit of ", bound.PerUID))
 	if after := readEtcd(t, cli); after != before {
 		t.Errorf("a refused publish changed etcd: %+v, before %+v", after, before)
 	}
@@ -289,7 +289,8 @@ func TestClusterBoundsNode(t *testing.T) {
 		t.Fatalf("user.tensorfs.cluster of the refused directory: %q, %v", v, errno)
 	}
 	if st.Version != "" || st.Refused.Version != v2 || st.Refused.UID != ownerPeer.Uid ||
-		!strings.Contains(st.Refused.Reason, "uid 1000 holds 6 inodes") || !strings.Contains(st.Refused.Reason, "--cluster-node-inodes") {
+		!strings.Contains(st.Refused.Reason, "uid 1000 reached the limit of 10 inodes") || !strings.Contains(st.Refused.Reason, "--cluster-node-inodes") ||
+		!strings.Contains(st.Refused.Reason, "holds 6 and needs 6 more") {
 		t.Errorf("user.tensorfs.cluster of the refused directory: %+v", st)
 	}
 	names, _ := os.ReadDir(filepath.Join(b.fsys.store.Dir, "u2"))
@@ -314,16 +315,9 @@ func TestClusterBoundsNode(t *testing.T) {
 		awaitDir(t, b.fsys, p.dir, v)
 	}
 	awaitDir(t, b.fsys, "z1", v1)
-	if got := usedBy(b.fsys.cl.bounds.inodes, ownerPeer.Uid); got != 6 {
+	if got := b.fsys.cl.bounds.inodes.Held(ownerPeer.Uid); got != 6 {
 		t.Errorf("node-b charges uid 1000 %d inodes, want 6", got)
 	}
-}
-
-// usedBy is what b counts of uid.
-func usedBy(b *budget, uid uint32) int64 {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.used[uid]
 }
 
 // TestClusterBoundsNodeBytes: a version whose bytes pass its publisher's

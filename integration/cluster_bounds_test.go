@@ -63,7 +63,7 @@ func TestClusterBounds(t *testing.T) {
 			before := tb.etcdKeys()
 			userTree(t, dir(n1, "u2"), heavy, 7)
 			out, err = publish(heavy, "u2")
-			refusedPublish(t, out, err, heavy, "--cluster-user-entries", "12")
+			refusedPublish(t, out, err, heavy, "limit of 12 published entries", "--cluster-user-entries", "holds 6 and needs 8 more")
 			if after := tb.etcdKeys(); after != before {
 				t.Errorf("a refused publish changed etcd: %+v, before %+v", after, before)
 			}
@@ -114,8 +114,8 @@ func TestClusterBounds(t *testing.T) {
 				return err == nil && st.Refused != nil, fmt.Sprintf("%s %v", raw, err)
 			})
 			if st.Refused.Version != v3 || st.Refused.UID != heavy || st.Version != "" ||
-				!strings.Contains(st.Refused.Reason, fmt.Sprintf("uid %d holds 6 inodes", heavy)) ||
-				!strings.Contains(st.Refused.Reason, "--cluster-node-inodes") || !strings.Contains(st.Refused.Reason, ", 8") {
+				!strings.Contains(st.Refused.Reason, fmt.Sprintf("uid %d reached the limit of 8 inodes", heavy)) ||
+				!strings.Contains(st.Refused.Reason, "--cluster-node-inodes") || !strings.Contains(st.Refused.Reason, "holds 6 and needs 3 more") {
 				t.Errorf("user.tensorfs.cluster of the refused version on node2: %+v", st)
 			}
 			if names, _ := os.ReadDir(dir(n2, "u3")); len(names) != 0 {
@@ -132,7 +132,7 @@ func TestClusterBounds(t *testing.T) {
 				t.Fatalf("a third directory: %v\n%s", err, out)
 			}
 			out, err = publish(heavy, "u5")
-			refusedPublish(t, out, err, heavy, "--cluster-user-dirs", "3 published directories")
+			refusedPublish(t, out, err, heavy, "limit of 3 published directories (--cluster-user-dirs)", "holds 3 and needs 1 more")
 
 			// Republishing keeps etcd's size: root's r1 gets one more
 			// segment a version, and etcd holds two versions of it.
