@@ -110,6 +110,9 @@ func (b *bounds) log(log *slog.Logger) {
 	for _, e := range b.etcd {
 		log.Info("cluster: publishers' bound in etcd", "what", e.spec.Name, "per_uid", e.spec.PerUID, "total", e.spec.Total)
 	}
+	for _, r := range []*ledger.Row{b.inodes, b.bytes} {
+		log.Info("cluster: publishers' bound on this node", "what", r.Spec().Name, "per_uid", r.Spec().PerUID, "total", r.Spec().Total)
+	}
 	log.Info("cluster: versions kept per published directory", "keep", b.keep)
 }
 
