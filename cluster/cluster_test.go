@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -58,7 +59,7 @@ func TestPublishPull(t *testing.T) {
 	events := b.Watch(wctx)
 
 	entries, data := model(t)
-	info, err := a.Publish(ctx, "models/tiny", entries)
+	info, err := a.Publish(ctx, "models/tiny", entries, PublishOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -148,7 +149,7 @@ func TestRepublish(t *testing.T) {
 	a, b := tc.join(tc.config("node-a")), tc.join(tc.config("node-b"))
 	ctx := context.Background()
 	same, changed := randomBytes(t, 200<<10), randomBytes(t, 100<<10)
-	v1info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("same", same), fileEntry("w", randomBytes(t, 100<<10))})
+	v1info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("same", same), fileEntry("w", randomBytes(t, 100<<10))}, PublishOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -161,21 +162,21 @@ func TestRepublish(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The same content again changes nothing.
-	again, err := a.Publish(ctx, "m", []LocalEntry{fileEntry("w", randomBytes(t, 0)), dirEntry(".")})
+	again, err := a.Publish(ctx, "m", []LocalEntry{fileEntry("w", randomBytes(t, 0)), dirEntry(".")}, PublishOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if again.Prev != v1info.Version {
 		t.Fatalf("second version records prev %q, want %q", again.Prev, v1info.Version)
 	}
-	v2info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("same", same), fileEntry("w", changed)})
+	v2info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("same", same), fileEntry("w", changed)}, PublishOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if v2info.Prev != again.Version {
 		t.Fatalf("third version records prev %q, want %q", v2info.Prev, again.Version)
 	}
-	if same, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("same", same), fileEntry("w", changed)}); err != nil || same != v2info {
+	if same, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("same", same), fileEntry("w", changed)}, PublishOptions{}); err != nil || !reflect.DeepEqual(same, v2info) {
 		t.Fatalf("publishing the current version again: %+v, %v; want %+v", same, err, v2info)
 	}
 	v2, err := b.Version(ctx, v2info.Version)
@@ -185,8 +186,16 @@ func TestRepublish(t *testing.T) {
 	if v1.Entries[1].Content != v2.Entries[1].Content || v1.Entries[2].Content == v2.Entries[2].Content {
 		t.Fatalf("contents: v1 %+v, v2 %+v", v1.Entries, v2.Entries)
 	}
-	if _, err := b.Version(ctx, v1info.Version); err != nil {
-		t.Fatalf("the first version is gone: %v", err)
+	// Two versions are kept: the second stays for its readers, the
+	// first went with the swap to the third.
+	if _, err := b.Version(ctx, again.Version); err != nil {
+		t.Fatalf("the second version is gone: %v", err)
+	}
+	if _, err := b.Version(ctx, v1info.Version); !errors.Is(err, ErrNotPublished) {
+		t.Fatalf("the first version, no longer kept: %v, want ErrNotPublished", err)
+	}
+	if !slices.Equal(v2info.Kept, []string{again.Version}) {
+		t.Fatalf("third version keeps %q, want the second", v2info.Kept)
 	}
 	p2, files := pullAll(t, b, v2)
 	if err := p2.Wait(); err != nil {
@@ -204,8 +213,10 @@ func TestRepublish(t *testing.T) {
 	if _, err := a.Lookup(ctx, "m"); !errors.Is(err, ErrNotPublished) {
 		t.Fatalf("lookup after unpublish: %v", err)
 	}
-	if _, err := a.Version(ctx, v2info.Version); err != nil {
-		t.Fatalf("a version is gone after unpublish: %v", err)
+	for _, v := range []string{v2info.Version, again.Version} {
+		if _, err := a.Version(ctx, v); !errors.Is(err, ErrNotPublished) {
+			t.Fatalf("version %s after unpublish: %v, want ErrNotPublished", v, err)
+		}
 	}
 }
 
@@ -248,7 +259,7 @@ func TestPublishRefuses(t *testing.T) {
 		}()}},
 	}
 	for name, c := range cases {
-		if _, err := a.Publish(ctx, c.dir, c.entries); err == nil {
+		if _, err := a.Publish(ctx, c.dir, c.entries, PublishOptions{}); err == nil {
 			t.Errorf("%s: published", name)
 		} else if name != "short data" && !errors.Is(err, ErrInvalid) {
 			t.Errorf("%s: %v, want ErrInvalid", name, err)
@@ -290,7 +301,7 @@ func TestCorruptPieceRefetched(t *testing.T) {
 	c := tc.join(cfg)
 	ctx := context.Background()
 	data := randomBytes(t, 2<<20)
-	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", data)})
+	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", data)}, PublishOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -335,7 +346,7 @@ func TestHolderKilledMidPull(t *testing.T) {
 	ctx := context.Background()
 	data := randomBytes(t, 4<<20)
 	slow := newSlowReader(data)
-	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), {Entry: fileEntry("w", data).Entry, Data: slow}})
+	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), {Entry: fileEntry("w", data).Entry, Data: slow}}, PublishOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -378,7 +389,7 @@ func TestEtcdOutage(t *testing.T) {
 	ctx := context.Background()
 	data := randomBytes(t, 2<<20)
 	slow := newSlowReader(data)
-	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), {Entry: fileEntry("w", data).Entry, Data: slow}})
+	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), {Entry: fileEntry("w", data).Entry, Data: slow}}, PublishOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -410,7 +421,7 @@ func TestEtcdOutage(t *testing.T) {
 	calls := map[string]func() error{
 		"lookup":  func() error { _, err := c.Lookup(ctx, "m"); return err },
 		"version": func() error { _, err := c.Version(ctx, info.Version); return err },
-		"publish": func() error { _, err := a.Publish(ctx, "n", []LocalEntry{dirEntry(".")}); return err },
+		"publish": func() error { _, err := a.Publish(ctx, "n", []LocalEntry{dirEntry(".")}, PublishOptions{}); return err },
 		"pull": func() error {
 			_, err := c.Pull(ctx, []Job{{Content: v.Contents[v.Entries[1].Content], Dst: dst(t, int64(len(data)))}})
 			return err
@@ -463,7 +474,7 @@ func TestEtcdOutage(t *testing.T) {
 	if !bytes.Equal(contents(t, filesC["w"]), data) || pc.Progress().ByPeer["node-b"] != int64(len(data)) {
 		t.Fatalf("node-c's pull after the outage: %+v", pc.Progress())
 	}
-	if _, err := b.Publish(ctx, "n", []LocalEntry{dirEntry(".")}); err != nil {
+	if _, err := b.Publish(ctx, "n", []LocalEntry{dirEntry(".")}, PublishOptions{}); err != nil {
 		t.Fatalf("publish after the outage: %v", err)
 	}
 }
@@ -474,7 +485,7 @@ func TestLeaseLost(t *testing.T) {
 	tc := newTestCluster(t)
 	a := tc.join(tc.config("node-a"))
 	ctx := context.Background()
-	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", randomBytes(t, 100<<10))})
+	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", randomBytes(t, 100<<10))}, PublishOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -510,7 +521,7 @@ func TestNameInUse(t *testing.T) {
 	}
 	defer second.Close()
 	ctx := context.Background()
-	if _, err := second.Publish(ctx, "m", []LocalEntry{dirEntry(".")}); !errors.Is(err, ErrNameInUse) {
+	if _, err := second.Publish(ctx, "m", []LocalEntry{dirEntry(".")}, PublishOptions{}); !errors.Is(err, ErrNameInUse) {
 		t.Fatalf("publish from a second node-a: %v, want ErrNameInUse", err)
 	}
 	first.Close()
@@ -527,7 +538,7 @@ func TestRestartOffer(t *testing.T) {
 	a, b := tc.join(tc.config("node-a")), tc.join(tc.config("node-b"))
 	ctx := context.Background()
 	data := randomBytes(t, 500<<10)
-	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", data)})
+	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", data)}, PublishOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -572,7 +583,7 @@ func TestServeOnlyVerified(t *testing.T) {
 	ctx := context.Background()
 	data := randomBytes(t, 256<<10)
 	slow := newSlowReader(data)
-	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), {Entry: fileEntry("w", data).Entry, Data: slow}})
+	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), {Entry: fileEntry("w", data).Entry, Data: slow}}, PublishOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -616,7 +627,7 @@ func TestPullDiskFull(t *testing.T) {
 	a, b := tc.join(tc.config("node-a")), tc.join(tc.config("node-b"))
 	ctx := context.Background()
 	data := randomBytes(t, 1<<20)
-	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", data)})
+	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", data)}, PublishOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -727,7 +738,7 @@ func TestCorruptHeldPieceNotServed(t *testing.T) {
 	c := tc.join(cfg)
 	ctx := context.Background()
 	data := randomBytes(t, 1<<20)
-	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", data)})
+	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", data)}, PublishOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}

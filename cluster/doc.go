@@ -17,12 +17,17 @@
 //	                      daemon's lease; created only if absent (a transaction
 //	                      on CreateRevision == 0), so two live daemons cannot
 //	                      share a name.
-//	P dirs/DIR            {"version":VID,"publisher":NODE,"time":...,"prev":VID}:
-//	                      the current version of a published directory. Replaced
-//	                      by a transaction on its ModRevision (compare-and-swap),
-//	                      so concurrent publishers are ordered and none is lost.
-//	P versions/VID        {"entries":N,"bytes":B}: written after all of VID's
-//	                      entries, so a version whose key exists is complete.
+//	P dirs/DIR            {"version":VID,"publisher":NODE,"uid":UID,"time":...,
+//	                      "prev":VID,"kept":[VID...]}: the current version of a
+//	                      published directory, who published it, and the earlier
+//	                      versions it keeps. Replaced by a transaction that
+//	                      commits only if no dirs/ key changed since the
+//	                      publisher read them (compare-and-swap), so concurrent
+//	                      publishers are ordered, none is lost, and the bounds
+//	                      checked on what it read hold (PublishOptions.Admit).
+//	P versions/VID        {"entries":N,"bytes":B,"manifest":M}: M is the bytes of
+//	                      VID's keys. Written before VID's other keys; a version
+//	                      is complete once a dirs/ key names it.
 //	P entries/VID/PATH    Entry (JSON): one file or directory of version VID; "."
 //	                      is the directory itself. VID is the SHA-256 over the
 //	                      entries' encodings in path order ("." first), each
@@ -30,17 +35,24 @@
 //	P contents/CID        Content (JSON): size, piece size, SHA-256 of each piece.
 //	                      CID is the SHA-256 of this value: equal bytes have one
 //	                      CID across paths and versions.
+//	P refs/CID/VID        "": version VID uses content CID. Written after VID's
+//	                      header and before the content.
 //	P holders/CID/NODE    bitmap (bit i of byte i/8 set: NODE holds piece i,
 //	                      verified). Tied to NODE's lease, so a dead node's
 //	                      entries vanish with it; written only in a transaction
 //	                      that checks NODE's key still carries that lease.
 //
 // Versions, entries and contents are immutable and content-addressed:
-// rewriting one writes the same bytes. Publishing writes contents, entries,
-// the publisher's holder keys and the version key, then swaps dirs/DIR;
-// a publish that dies part way leaves unreferenced immutable keys and no
-// visible change. Readers of an older version are not disturbed: its keys
-// stay, and so do the holders of its contents.
+// rewriting one writes the same bytes. Publishing writes the version key,
+// references, contents and entries, then the publisher's holder keys, then
+// swaps dirs/DIR; a publish that dies part way leaves unreferenced
+// immutable keys and no visible change. The swap deletes, in the same
+// transaction, the entries and version keys of the versions no directory
+// keeps any longer (a directory keeps PublishOptions.Keep); then their
+// references go, unless the version was written again meanwhile, and each
+// content whose references are all gone. A publish whose version such a
+// swap deleted writes it again before its own swap, which requires its
+// version key. Readers of a kept version are not disturbed.
 //
 // Holder lists differ from Mooncake's P2P Store, which keeps one JSON
 // replica list per object and updates it by compare-and-swap on its

@@ -15,10 +15,13 @@ func (k keys) nodes() string                  { return k.prefix + "nodes/" }
 func (k keys) node(name string) string        { return k.nodes() + name }
 func (k keys) dirs() string                   { return k.prefix + "dirs/" }
 func (k keys) dir(dir string) string          { return k.dirs() + dir }
-func (k keys) version(vid string) string      { return k.prefix + "versions/" + vid }
+func (k keys) versions() string               { return k.prefix + "versions/" }
+func (k keys) version(vid string) string      { return k.versions() + vid }
 func (k keys) entries(vid string) string      { return k.prefix + "entries/" + vid + "/" }
 func (k keys) entry(vid, p string) string     { return k.entries(vid) + p }
 func (k keys) content(cid string) string      { return k.prefix + "contents/" + cid }
+func (k keys) refs(cid string) string         { return k.prefix + "refs/" + cid + "/" }
+func (k keys) ref(cid, vid string) string     { return k.refs(cid) + vid }
 func (k keys) holders(cid string) string      { return k.prefix + "holders/" + cid + "/" }
 func (k keys) holder(cid, node string) string { return k.holders(cid) + node }
 

@@ -355,8 +355,9 @@ func (v *Version) Bytes() int64 {
 // versionHeader is the value of a version's key: what a reader checks the
 // entries it reads against.
 type versionHeader struct {
-	Entries int   `json:"entries"`
-	Bytes   int64 `json:"bytes"`
+	Entries  int   `json:"entries"`
+	Bytes    int64 `json:"bytes"`
+	Manifest int64 `json:"manifest"` // bytes of the version's keys and values in etcd
 }
 
 // versionID hashes the encoded entries, in path order.

@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -31,8 +32,10 @@ type DirInfo struct {
 	Dir       string    `json:"-"`
 	Version   string    `json:"version"`
 	Publisher string    `json:"publisher"`
+	UID       uint32    `json:"uid"` // the publisher's uid: what the directory holds is charged to it
 	Time      time.Time `json:"time"`
 	Prev      string    `json:"prev,omitempty"` // the version it replaced
+	Kept      []string  `json:"kept,omitempty"` // earlier versions still in etcd, newest first
 }
 
 // DirEvent is a change to the published directories.
@@ -41,14 +44,21 @@ type DirEvent struct {
 	Deleted bool // the directory was unpublished
 }
 
+// manifestSlack is what a version's header and the number in it add to
+// the bytes of its keys, at most.
+const manifestSlack = 128
+
 // Publish makes entries (a whole tree: "." and every parent of every path)
-// the current version of dir, cluster-wide, and serves its files' pieces
-// from their Data. Files are hashed here (Entry.Content is ignored);
-// set-id bits (and a file's sticky bit) are not published. Publishing what
-// is already current changes nothing. Concurrent publishers of one dir are
-// ordered; each version records the one it replaced. Fails with ErrInvalid
-// for a bad name or entry, ErrUnavailable when etcd does not answer.
-func (n *Node) Publish(ctx context.Context, dir string, local []LocalEntry) (DirInfo, error) {
+// the current version of dir, cluster-wide, for opts.UID, and serves its
+// files' pieces from their Data. Files are hashed here (Entry.Content is
+// ignored); set-id bits (and a file's sticky bit) are not published.
+// Publishing what is already current changes nothing. Concurrent
+// publishers of one dir are ordered; each version records the one it
+// replaced, and versions past opts.Keep are deleted with the swap.
+// Fails with ErrInvalid for a bad name or entry, ErrUnavailable when
+// etcd does not answer, and with opts.Admit's error, having written
+// nothing, when it refuses.
+func (n *Node) Publish(ctx context.Context, dir string, local []LocalEntry, opts PublishOptions) (DirInfo, error) {
 	if err := CheckDir(dir); err != nil {
 		return DirInfo{}, err
 	}
@@ -88,77 +98,143 @@ func (n *Node) Publish(ctx context.Context, dir string, local []LocalEntry) (Dir
 		encoded[i] = encodeEntry(&entries[i])
 	}
 	vid := versionID(encoded)
+	ops, header := n.versionOps(vid, entries, encoded, contents)
 
 	if _, err := n.lease(ctx); err != nil {
 		return DirInfo{}, fmt.Errorf("cluster: publish %s: %w", dir, err)
 	}
+	ns, err := n.readNamespace(ctx)
+	if err == nil && ns.dirs[dir].Version != vid {
+		_, _, err = n.admit(ns, dir, vid, header, opts)
+	}
+	if err != nil {
+		return DirInfo{}, fmt.Errorf("cluster: publish %s: %w", dir, err)
+	}
 	// Serve the pieces before any key names them.
 	var added []string
-	var ops []clientv3.Op
 	seen := map[string]bool{}
 	for i, c := range contents {
 		if c == nil || seen[c.ID()] {
 			continue
 		}
 		seen[c.ID()] = true
-		ops = append(ops, clientv3.OpPut(n.keys.content(c.ID()), string(c.encode())))
 		bits := newBitmap(c.Pieces())
 		bits.fill(c.Pieces())
 		if n.hold(c, local[i].Data, bits, false) == nil {
 			added = append(added, c.ID())
 		}
 	}
-	info, err := n.publish(ctx, dir, vid, entries, encoded, ops)
+	info, err := n.publish(ctx, dir, vid, header, ops, opts)
 	if err != nil {
 		for _, id := range added {
 			n.Drop(id)
 		}
 		return DirInfo{}, fmt.Errorf("cluster: publish %s: %w", dir, err)
 	}
-	n.log.Info("cluster: published", "dir", dir, "version", vid, "entries", len(entries), "prev", info.Prev)
+	n.log.Info("cluster: published", "dir", dir, "version", vid, "entries", len(entries), "prev", info.Prev, "uid", info.UID)
 	return info, nil
 }
 
-// publish writes a version's keys (contents in ops, then entries, the
-// publisher's holder keys and the version key) and swaps dir to it.
-func (n *Node) publish(ctx context.Context, dir, vid string, entries []Entry, encoded [][]byte, ops []clientv3.Op) (DirInfo, error) {
-	var total int64
+// versionOps returns the writes of version vid's keys: its header first
+// (the collection of contents leaves the references of a version whose
+// header exists: see collectContents), then, for each of its contents,
+// its reference and the content, then its entries; and the header, which
+// records the bytes they take in etcd.
+func (n *Node) versionOps(vid string, entries []Entry, encoded [][]byte, contents []*Content) ([]clientv3.Op, versionHeader) {
+	var ops []clientv3.Op
+	h := versionHeader{Entries: len(entries), Manifest: int64(len(n.keys.version(vid)) + manifestSlack)}
+	seen := map[string]bool{}
+	for _, c := range contents {
+		if c == nil || seen[c.ID()] {
+			continue
+		}
+		seen[c.ID()] = true
+		ops = append(ops, clientv3.OpPut(n.keys.ref(c.ID(), vid), ""), clientv3.OpPut(n.keys.content(c.ID()), string(c.encode())))
+	}
 	for i := range entries {
 		ops = append(ops, clientv3.OpPut(n.keys.entry(vid, entries[i].Path), string(encoded[i])))
-		total += entries[i].Size
+		h.Bytes += entries[i].Size
 	}
+	for _, op := range ops {
+		h.Manifest += int64(len(op.KeyBytes()) + len(op.ValueBytes()))
+	}
+	header, _ := json.Marshal(h)
+	return append([]clientv3.Op{clientv3.OpPut(n.keys.version(vid), string(header))}, ops...), h
+}
+
+// admit asks opts.Admit whether dir may become version vid (whose header
+// is h) on what ns read, and returns the record that makes it so and the
+// versions that record no longer keeps.
+func (n *Node) admit(ns *namespace, dir, vid string, h versionHeader, opts PublishOptions) (DirInfo, []string, error) {
+	cur := ns.dirs[dir]
+	cur.Dir = dir
+	next, dropped := successor(cur, vid, cmp.Or(opts.Keep, DefaultKeep))
+	next.UID, next.Publisher, next.Time = opts.UID, n.cfg.Node, time.Now().UTC()
+	if opts.Admit == nil {
+		return next, dropped, nil
+	}
+	ns.headers[vid] = h
+	return next, dropped, opts.Admit(ns.usages(), ns.usage(cur), ns.usage(next))
+}
+
+// publish writes a version's keys (ops), then the publisher's holder
+// keys, and swaps dir to it, deleting the versions it no longer keeps in
+// the same transaction; a publish refused at the swap deletes the keys
+// it wrote. Keys deleted meanwhile by a swap that dropped the same
+// version are written again.
+func (n *Node) publish(ctx context.Context, dir, vid string, h versionHeader, ops []clientv3.Op, opts PublishOptions) (DirInfo, error) {
 	if err := n.putAll(ctx, ops); err != nil {
 		return DirInfo{}, err
 	}
 	if err := n.flush(); err != nil {
 		return DirInfo{}, err
 	}
-	header, _ := json.Marshal(versionHeader{Entries: len(entries), Bytes: total})
-	if err := n.putAll(ctx, []clientv3.Op{clientv3.OpPut(n.keys.version(vid), string(header))}); err != nil {
-		return DirInfo{}, err
-	}
-	key := n.keys.dir(dir)
 	for {
-		cur, rev, err := n.getDir(ctx, dir)
+		ns, err := n.readNamespace(ctx)
 		if err != nil {
 			return DirInfo{}, err
 		}
-		if cur.Version == vid {
+		if cur := ns.dirs[dir]; cur.Version == vid {
 			return cur, nil
 		}
-		info := DirInfo{Dir: dir, Version: vid, Publisher: n.cfg.Node, Time: time.Now().UTC(), Prev: cur.Version}
-		value, _ := json.Marshal(info)
-		tctx, cancel := n.timeout(ctx)
-		resp, err := n.etcd.Txn(tctx).
-			If(clientv3.Compare(clientv3.ModRevision(key), "=", rev)).
-			Then(clientv3.OpPut(key, string(value))).
-			Commit()
-		cancel()
-		if err != nil {
-			return DirInfo{}, n.etcdErr("publish "+dir, err)
+		if _, ok := ns.headers[vid]; !ok {
+			if err := n.putAll(ctx, ops); err != nil {
+				return DirInfo{}, err
+			}
+			continue
 		}
-		if resp.Succeeded {
+		info, dropped, err := n.admit(ns, dir, vid, h, opts)
+		if err != nil {
+			n.discard(ctx, vid)
+			return DirInfo{}, err
+		}
+		value, _ := json.Marshal(info)
+		ok, err := n.swap(ctx, ns, dir, []clientv3.Op{clientv3.OpPut(n.keys.dir(dir), string(value))}, dropped,
+			clientv3.Compare(clientv3.CreateRevision(n.keys.version(vid)), ">", 0))
+		if err != nil {
+			return DirInfo{}, err
+		}
+		if ok {
 			return info, nil
+		}
+	}
+}
+
+// discard deletes the keys of version vid, written by a publish that
+// was then refused, unless a directory keeps it.
+func (n *Node) discard(ctx context.Context, vid string) {
+	for {
+		ns, err := n.readNamespace(ctx)
+		var ok bool
+		if err == nil {
+			ok, err = n.swap(ctx, ns, "", nil, []string{vid})
+		}
+		if err != nil {
+			n.log.Warn("cluster: a refused version's keys stay in etcd", "version", vid, "err", err)
+			return
+		}
+		if ok {
+			return
 		}
 	}
 }
@@ -234,11 +310,14 @@ func decodeDir(dir string, b []byte) (DirInfo, error) {
 	if err := CheckDir(dir); err != nil {
 		return info, fmt.Errorf("%w: directory %q: %v", ErrCorrupt, dir, err)
 	}
-	if err := json.Unmarshal(b, &info); err != nil || !validID(info.Version) {
+	if err := json.Unmarshal(b, &info); err != nil || !validID(info.Version) || slices.ContainsFunc(info.Kept, invalidID) {
 		return info, fmt.Errorf("%w: directory %s: %q", ErrCorrupt, dir, b)
 	}
 	return info, nil
 }
+
+// invalidID reports whether s is not a valid ID.
+func invalidID(s string) bool { return !validID(s) }
 
 // Lookup returns the current version of a published directory, or
 // ErrNotPublished.
@@ -275,24 +354,31 @@ func (n *Node) Dirs(ctx context.Context) ([]DirInfo, int64, error) {
 	return out, resp.Header.Revision, nil
 }
 
-// Unpublish removes a directory from the cluster's namespace. Its versions
-// stay for the readers that have them, and every node keeps serving what
-// it holds until it drops it.
+// Unpublish removes a directory from the cluster's namespace, and its
+// versions with it unless another directory keeps them. Every node keeps
+// serving what it holds until it drops it.
 func (n *Node) Unpublish(ctx context.Context, dir string) error {
 	if err := CheckDir(dir); err != nil {
 		return err
 	}
-	tctx, cancel := n.timeout(ctx)
-	defer cancel()
-	resp, err := n.etcd.Delete(tctx, n.keys.dir(dir))
-	if err != nil {
-		return n.etcdErr("unpublish "+dir, err)
+	for {
+		ns, err := n.readNamespace(ctx)
+		if err != nil {
+			return err
+		}
+		cur, ok := ns.dirs[dir]
+		if !ok {
+			return fmt.Errorf("cluster: %s: %w", dir, ErrNotPublished)
+		}
+		ok, err = n.swap(ctx, ns, dir, []clientv3.Op{clientv3.OpDelete(n.keys.dir(dir))}, cur.versions())
+		if err != nil {
+			return err
+		}
+		if ok {
+			n.log.Info("cluster: unpublished", "dir", dir)
+			return nil
+		}
 	}
-	if resp.Deleted == 0 {
-		return fmt.Errorf("cluster: %s: %w", dir, ErrNotPublished)
-	}
-	n.log.Info("cluster: unpublished", "dir", dir)
-	return nil
 }
 
 // Version reads a published version: its entries, checked against its ID,

@@ -58,6 +58,11 @@ type clusterFS struct {
 	// conflicts are, by published directory, the names of its version
 	// last made here that this node left alone.
 	conflicts map[string]conflicts
+
+	// bounds are what one user's publications may take; charges what
+	// each published directory's version made here is charged (nsMu).
+	bounds  *bounds
+	charges map[string]charge
 }
 
 // conflicts are the names of a published version left alone here.
@@ -66,25 +71,35 @@ type conflicts struct {
 	paths []string // relative to the root
 }
 
-// joinCluster makes the mount a node of the cluster cfg names (the
-// piece server listens from now on; etcd is reached in the background).
-func (fsys *filesystem) joinCluster(cfg cluster.Config) error {
+// joinCluster makes the mount a node of the cluster cfg names, its
+// users' publications bounded by b (the piece server listens from now
+// on; etcd is reached in the background).
+func (fsys *filesystem) joinCluster(cfg cluster.Config, b ClusterBounds) error {
 	if cfg.Log == nil {
 		cfg.Log = fsys.log
 	}
+	bnd, err := newBounds(b, fsys.store.RootFd, fsys.ledger)
+	if err != nil {
+		return err
+	}
+	bnd.log(fsys.log)
 	node, err := cluster.Join(cfg)
 	if err != nil {
 		return err
 	}
-	c := &clusterFS{fsys: fsys, node: node, known: map[string]*cluster.Content{}, busy: map[string]*leader{}, pulls: map[string]*cluster.Pull{}, made: map[string]*cluster.Version{}, conflicts: map[string]conflicts{}}
+	c := &clusterFS{fsys: fsys, node: node, known: map[string]*cluster.Content{}, busy: map[string]*leader{}, pulls: map[string]*cluster.Pull{},
+		made: map[string]*cluster.Version{}, conflicts: map[string]conflicts{}, bounds: bnd, charges: map[string]charge{}}
 	c.ctx, c.stop = context.WithCancel(context.Background())
 	fsys.cl = c
 	return nil
 }
 
-// start serves the complete pulled segments recovery found and makes the
-// published directories as they are and as they change, until close.
+// start charges the published directories in the backing to their
+// publishers, serves the complete pulled segments recovery found and
+// makes the published directories as they are and as they change, until
+// close.
 func (c *clusterFS) start() {
+	c.recount()
 	for cid, f := range c.fsys.pulled.servedFiles() {
 		var st unix.Stat_t
 		if err := unix.Fstat(int(f.Fd()), &st); err == nil {
@@ -141,7 +156,11 @@ func (c *clusterFS) watch() {
 type dirRecord struct {
 	Version   string    `json:"version"`
 	Publisher string    `json:"publisher"`
+	UID       uint32    `json:"uid"` // the publisher's uid, charged with what the version made here
 	Time      time.Time `json:"time"`
+	// Refused is the last version not made here, past its publisher's
+	// bounds on this node, and why.
+	Refused *refusedVersion `json:"refused,omitempty"`
 }
 
 // materialize makes version v of the published directory info.Dir in the
@@ -174,6 +193,10 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 	case cur.Version != v.ID:
 		c.fsys.log.Info("cluster: a version already replaced is not made", "dir", alloc.EscapeText(info.Dir), "version", v.ID, "current", cur.Version)
 		return nil
+	}
+	if err := c.chargeLocked(info.Dir, newCharge(info.UID, int64(len(v.Entries)), v.Bytes())); err != nil {
+		c.refuse(info, ownerOf(v), err)
+		return err
 	}
 	c.mu.Lock()
 	maps.Copy(c.known, v.Contents)
@@ -236,7 +259,7 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 			}
 		}
 	}
-	rec, _ := json.Marshal(dirRecord{Version: v.ID, Publisher: info.Publisher, Time: info.Time})
+	rec, _ := json.Marshal(dirRecord{Version: v.ID, Publisher: info.Publisher, UID: info.UID, Time: info.Time})
 	if err := alloc.MarkPublished(alloc.FdPath(top), rec); err != nil {
 		failed = cmpErr(failed, err)
 	}

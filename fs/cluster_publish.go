@@ -78,15 +78,23 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 		return "", err
 	}
 	local := make([]cluster.LocalEntry, len(objs))
+	var size int64
 	for i, o := range objs {
 		local[i] = o.entry
+		size += o.entry.Size
 	}
-	info, err := c.node.Publish(c.ctx, dir, local)
+	prev := c.charges[dir]
+	if err := c.chargeLocked(dir, newCharge(who.Uid, int64(len(objs)), size)); err != nil {
+		c.thaw(objs, dir)
+		return "", err
+	}
+	info, err := c.node.Publish(c.ctx, dir, local, cluster.PublishOptions{UID: who.Uid, Keep: c.bounds.keep, Admit: c.bounds.admit})
 	var v *cluster.Version
 	if err == nil {
 		v, err = c.node.Version(c.ctx, info.Version)
 	}
 	if err != nil {
+		c.chargeLocked(dir, prev) // what it gave back is free still: nsMu is held
 		c.thaw(objs, dir)
 		return "", err
 	}
@@ -117,7 +125,7 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 			o.entry.Data = nil
 		}
 	}
-	rec, _ := json.Marshal(dirRecord{Version: info.Version, Publisher: info.Publisher, Time: info.Time})
+	rec, _ := json.Marshal(dirRecord{Version: info.Version, Publisher: info.Publisher, UID: info.UID, Time: info.Time})
 	if err := alloc.MarkPublished(alloc.FdPath(top), rec); err != nil {
 		c.fsys.log.Warn("cluster: the published directory's version is not recorded here", "dir", alloc.EscapeText(dir), "err", err)
 	}

@@ -42,6 +42,8 @@ type testCluster struct {
 	etcd *etcdtest.Server
 	ca   *testcerts.CA
 	logs *logLines
+	// bounds are the cluster bounds of the nodes it starts from now on.
+	bounds ClusterBounds
 }
 
 // newTestCluster starts etcd with a fresh CA; it stops at the end of t,
@@ -95,7 +97,7 @@ func (tc *testCluster) node(name string, edit func(*cluster.Config)) *filesystem
 	if edit != nil {
 		edit(&cfg)
 	}
-	if err := fsys.joinCluster(cfg); err != nil {
+	if err := fsys.joinCluster(cfg, tc.bounds); err != nil {
 		tc.t.Fatal(err)
 	}
 	tc.t.Cleanup(fsys.cl.close)
@@ -591,16 +593,23 @@ func TestClusterRepublish(t *testing.T) {
 	}
 }
 
+// client is an etcd client of the cluster, closed at the end of the test.
+func (tc *testCluster) client() *clientv3.Client {
+	tc.t.Helper()
+	cfg := tc.config("observer")
+	cli, err := clientv3.New(clientv3.Config{Endpoints: cfg.Endpoints, DialTimeout: 2 * time.Second, TLS: cfg.Credentials.ClientConfig(""), Logger: zap.NewNop()})
+	if err != nil {
+		tc.t.Fatal(err)
+	}
+	tc.t.Cleanup(func() { cli.Close() })
+	return cli
+}
+
 // waitHolders waits until etcd names every one of nodes as a holder of
 // content cid.
 func waitHolders(t *testing.T, tc *testCluster, cid string, nodes ...string) {
 	t.Helper()
-	cfg := tc.config("observer")
-	cli, err := clientv3.New(clientv3.Config{Endpoints: cfg.Endpoints, DialTimeout: 2 * time.Second, TLS: cfg.Credentials.ClientConfig(""), Logger: zap.NewNop()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cli.Close()
+	cli := tc.client()
 	eventually(t, "holders "+strings.Join(nodes, ", "), func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		defer cancel()
@@ -872,7 +881,7 @@ func (tc *testCluster) openNode(name, backing string) restartable {
 		t.Fatal(err)
 	}
 	fusefs.NewNodeFS(fsys.root, &fusefs.Options{})
-	if err := fsys.joinCluster(cfg); err != nil {
+	if err := fsys.joinCluster(cfg, tc.bounds); err != nil {
 		fsys.close()
 		store.Close()
 		t.Fatal(err)

@@ -45,6 +45,9 @@ type Options struct {
 	// Cluster, if set, makes the mount a node of that cluster (its Log
 	// defaults to Log); nil joins none, and nothing of it runs.
 	Cluster *cluster.Config
+	// ClusterBounds bound what one user's publications take (with
+	// Cluster).
+	ClusterBounds ClusterBounds
 }
 
 // Server is a mounted tensorfs.
@@ -92,7 +95,7 @@ func Mount(opts Options) (_ *Server, err error) {
 		}
 	}()
 	if opts.Cluster != nil {
-		if err := fsys.joinCluster(*opts.Cluster); err != nil {
+		if err := fsys.joinCluster(*opts.Cluster, opts.ClusterBounds); err != nil {
 			return nil, fmt.Errorf("join the cluster: %w", err)
 		}
 	}

@@ -54,6 +54,8 @@ type ClusterConfig struct {
 	// Listen is where the piece server listens (host:port); "" for port
 	// 7070 on the address etcd is reached from.
 	Listen string
+	// Bounds bound what one user's publications take.
+	Bounds fs.ClusterBounds
 }
 
 // Serve mounts cfg.Mountpoint, calls ready with the mode data is served
@@ -89,7 +91,9 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	debug.SetGCPercent(50)
 
 	var clusterCfg *cluster.Config
+	var bounds fs.ClusterBounds
 	if c := cfg.Cluster; c != nil {
+		bounds = c.Bounds
 		creds, err := transport.LoadCredentials(c.CA, c.Cert, c.Key)
 		if err != nil {
 			return err
@@ -122,6 +126,7 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		Recovered:     recovered,
 		Purge:         func() error { purge.Store(true); return nil },
 		Cluster:       clusterCfg,
+		ClusterBounds: bounds,
 	})
 	if err != nil {
 		return err

@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"tensorfs/fs"
 	"tensorfs/lifecycle"
 )
 
@@ -30,6 +31,12 @@ type mountFlags struct {
 	// cluster: etcd endpoints (comma-separated), node name, the cluster
 	// CA, this node's certificate and key, the piece server's address.
 	cluster, node, clusterCA, clusterCert, clusterKey, clusterListen string
+	// what one user's publications may take (fs.ClusterBounds): sizes,
+	// counts, and the bounds they make.
+	etcdQuota, userBytes, nodeBytes   string
+	userEntries, userDirs, nodeInodes int64
+	keep                              int
+	bounds                            fs.ClusterBounds
 }
 
 func (m *mountFlags) register(set *flag.FlagSet) {
@@ -48,6 +55,13 @@ func (m *mountFlags) register(set *flag.FlagSet) {
 	set.StringVar(&m.clusterCert, "cluster-cert", "", "this node's certificate, issued by the cluster CA (PEM)")
 	set.StringVar(&m.clusterKey, "cluster-key", "", "this node's private key (PEM)")
 	set.StringVar(&m.clusterListen, "cluster-listen", "", "where the piece server listens, HOST:PORT (default: port 7070 on the address etcd is reached from)")
+	set.StringVar(&m.etcdQuota, "etcd-quota", "", "etcd's space quota, which sizes the defaults of the --cluster-user-* bounds (default 2G)")
+	set.StringVar(&m.userBytes, "cluster-user-bytes", "", "bytes of etcd keys one user's published directories may hold (default: a share of half the etcd quota)")
+	set.Int64Var(&m.userEntries, "cluster-user-entries", 0, "entries (segments and directories) of the versions one user's published directories keep (default: a share of the etcd quota)")
+	set.Int64Var(&m.userDirs, "cluster-user-dirs", 0, "directories one user may publish (default: a share of the etcd quota)")
+	set.IntVar(&m.keep, "cluster-keep", 0, "versions of a published directory kept in etcd, the current one included (default 2)")
+	set.Int64Var(&m.nodeInodes, "cluster-node-inodes", 0, "inodes one user's publications may make on this node (default: a share of the backing's inodes)")
+	set.StringVar(&m.nodeBytes, "cluster-node-bytes", "", "bytes one user's publications may make on this node (default: a share of the backing's capacity)")
 }
 
 func runMount(args []string, stdout, stderr io.Writer) int {
@@ -139,7 +153,11 @@ func checkMountFlags(m *mountFlags) (int64, error) {
 		return 0, fmt.Errorf("--capacity needs root: it sizes a private tmpfs, which only root may mount; "+
 			"as uid %d segments live in /dev/shm and share its limit (df -h /dev/shm). Drop --capacity, or mount as root", os.Geteuid())
 	}
-	return parseSize(m.capacity)
+	capacity, err := parseSize(m.capacity)
+	if err != nil {
+		return 0, fmt.Errorf("--capacity %w", err)
+	}
+	return capacity, nil
 }
 
 // checkClusterFlags checks the cluster flags: all of them or none.
@@ -147,6 +165,9 @@ func checkClusterFlags(m *mountFlags) error {
 	if m.cluster == "" {
 		if m.node != "" || m.clusterCA != "" || m.clusterCert != "" || m.clusterKey != "" || m.clusterListen != "" {
 			return errors.New("--node, --cluster-ca, --cluster-cert, --cluster-key and --cluster-listen go with --cluster ENDPOINTS")
+		}
+		if m.etcdQuota != "" || m.userBytes != "" || m.nodeBytes != "" || m.userEntries != 0 || m.userDirs != 0 || m.nodeInodes != 0 || m.keep != 0 {
+			return errors.New("--etcd-quota, --cluster-user-*, --cluster-node-* and --cluster-keep go with --cluster ENDPOINTS")
 		}
 		return nil
 	}
@@ -156,6 +177,26 @@ func checkClusterFlags(m *mountFlags) error {
 	if os.Geteuid() != 0 {
 		return errors.New("--cluster needs root: segments pulled from a cluster take their published owners")
 	}
+	return m.parseBounds()
+}
+
+// parseBounds reads the cluster bounds' flags into m.bounds.
+func (m *mountFlags) parseBounds() error {
+	b := &m.bounds
+	for _, f := range []struct {
+		name, v string
+		to      *int64
+	}{{"--etcd-quota", m.etcdQuota, &b.EtcdQuota}, {"--cluster-user-bytes", m.userBytes, &b.Bytes}, {"--cluster-node-bytes", m.nodeBytes, &b.NodeBytes}} {
+		n, err := parseSize(f.v)
+		if err != nil {
+			return fmt.Errorf("%s %w", f.name, err)
+		}
+		*f.to = n
+	}
+	if m.userEntries < 0 || m.userDirs < 0 || m.nodeInodes < 0 || m.keep < 0 {
+		return errors.New("--cluster-user-entries, --cluster-user-dirs, --cluster-node-inodes and --cluster-keep take positive numbers")
+	}
+	b.Entries, b.Dirs, b.NodeInodes, b.Keep = m.userEntries, m.userDirs, m.nodeInodes, m.keep
 	return nil
 }
 
@@ -165,7 +206,7 @@ func clusterConfig(m *mountFlags) *lifecycle.ClusterConfig {
 		return nil
 	}
 	return &lifecycle.ClusterConfig{Endpoints: strings.Split(m.cluster, ","), Node: m.node,
-		CA: m.clusterCA, Cert: m.clusterCert, Key: m.clusterKey, Listen: m.clusterListen}
+		CA: m.clusterCA, Cert: m.clusterCert, Key: m.clusterKey, Listen: m.clusterListen, Bounds: m.bounds}
 }
 
 // parseSize reads sizes such as 512M, 8G, 1T or plain bytes; "" is 0.
@@ -181,7 +222,7 @@ func parseSize(s string) (int64, error) {
 	}
 	v, err := strconv.ParseInt(num, 10, 64)
 	if err != nil || v <= 0 || v > (1<<62)/mult {
-		return 0, fmt.Errorf("--capacity %q: want a positive size such as 512M or 8G", s)
+		return 0, fmt.Errorf("%q: want a positive size such as 512M or 8G", s)
 	}
 	return v * mult, nil
 }

@@ -50,7 +50,9 @@ func mountOptions(list string) ([]string, error) {
 		switch {
 		case opt == "" || generic(key):
 		case key == "capacity" || key == "inodes" || key == "backing" || key == "disk" || key == "gpu" || key == "node" ||
-			key == "cluster_ca" || key == "cluster_cert" || key == "cluster_key" || key == "cluster_listen":
+			key == "cluster_ca" || key == "cluster_cert" || key == "cluster_key" || key == "cluster_listen" ||
+			key == "etcd_quota" || key == "cluster_user_bytes" || key == "cluster_user_entries" || key == "cluster_user_dirs" ||
+			key == "cluster_keep" || key == "cluster_node_inodes" || key == "cluster_node_bytes":
 			if !hasVal {
 				return nil, fmt.Errorf("option %s needs a value, as in %s=...", key, key)
 			}
@@ -65,7 +67,8 @@ func mountOptions(list string) ([]string, error) {
 			flags = append(flags, "--"+strings.ReplaceAll(key, "_", "-"))
 		default:
 			return nil, fmt.Errorf("unknown option %q (tensorfs takes capacity, backing, disk, gpu, allow_other, no_passthrough, debug, "+
-				"cluster, node, cluster_ca, cluster_cert, cluster_key, cluster_listen)", opt)
+				"cluster, node, cluster_ca, cluster_cert, cluster_key, cluster_listen, etcd_quota, cluster_user_bytes, cluster_user_entries, "+
+				"cluster_user_dirs, cluster_keep, cluster_node_inodes, cluster_node_bytes)", opt)
 		}
 	}
 	if len(endpoints) > 0 {

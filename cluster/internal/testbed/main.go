@@ -4,12 +4,14 @@
 //
 //	tensorfs-testbed etcd -dir DIR -listen HOST:PORT -ca F -cert F -key F
 //	tensorfs-testbed put -etcd URL -ca F -cert F -key F KEY VALUE...
+//	tensorfs-testbed keys -etcd URL -ca F -cert F -key F PREFIX
 //	tensorfs-testbed fetch -peer NAME@HOST:PORT -ca F -cert F -key F CONTENT INDEX
 //
 // put writes raw keys into etcd, as any holder of a certificate of the
 // cluster may (what a forged manifest looks like to the daemons). fetch
 // asks a node's piece server for one piece and prints how many bytes came,
-// or fails with the peer's refusal.
+// or fails with the peer's refusal. keys prints the keys under PREFIX, one
+// a line, each after the bytes it and its value take.
 package main
 
 import (
@@ -44,10 +46,12 @@ func main() {
 		err = runEtcd(os.Args[2:])
 	case "put":
 		err = runPut(os.Args[2:])
+	case "keys":
+		err = runKeys(os.Args[2:])
 	case "fetch":
 		err = runFetch(os.Args[2:])
 	default:
-		err = fmt.Errorf("unknown command %q: want etcd, put or fetch", os.Args[1])
+		err = fmt.Errorf("unknown command %q: want etcd, put, keys or fetch", os.Args[1])
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "tensorfs-testbed:", err)
@@ -95,25 +99,55 @@ func credentials(fl *flag.FlagSet) func() (*transport.Credentials, error) {
 	return func() (*transport.Credentials, error) { return transport.LoadCredentials(*ca, *cert, *key) }
 }
 
-// runPut writes KEY VALUE pairs into etcd in one transaction.
-func runPut(args []string) error {
-	fl := flag.NewFlagSet("put", flag.ExitOnError)
+// etcdClient parses the flags of a command that reaches etcd (-etcd and
+// credentials) and connects.
+func etcdClient(name string, args []string) (*clientv3.Client, *flag.FlagSet, error) {
+	fl := flag.NewFlagSet(name, flag.ExitOnError)
 	endpoint := fl.String("etcd", "", "etcd client URL")
 	creds := credentials(fl)
 	fl.Parse(args)
-	if fl.NArg() == 0 || fl.NArg()%2 != 0 {
-		return fmt.Errorf("put: want KEY VALUE pairs")
-	}
 	c, err := creds()
 	if err != nil {
-		return err
+		return nil, nil, err
 	}
 	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{*endpoint}, DialTimeout: 3 * time.Second,
 		TLS: c.ClientConfig(""), Logger: zap.NewNop()})
+	return cli, fl, err
+}
+
+// runKeys prints the keys under a prefix, each after its and its value's
+// bytes.
+func runKeys(args []string) error {
+	cli, fl, err := etcdClient("keys", args)
 	if err != nil {
 		return err
 	}
 	defer cli.Close()
+	if fl.NArg() != 1 {
+		return fmt.Errorf("keys: want a PREFIX")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	resp, err := cli.Get(ctx, fl.Arg(0), clientv3.WithPrefix())
+	if err != nil {
+		return err
+	}
+	for _, kv := range resp.Kvs {
+		fmt.Printf("%d %s\n", len(kv.Key)+len(kv.Value), kv.Key)
+	}
+	return nil
+}
+
+// runPut writes KEY VALUE pairs into etcd in one transaction.
+func runPut(args []string) error {
+	cli, fl, err := etcdClient("put", args)
+	if err != nil {
+		return err
+	}
+	defer cli.Close()
+	if fl.NArg() == 0 || fl.NArg()%2 != 0 {
+		return fmt.Errorf("put: want KEY VALUE pairs")
+	}
 	var ops []clientv3.Op
 	for i := 0; i < fl.NArg(); i += 2 {
 		ops = append(ops, clientv3.OpPut(fl.Arg(i), fl.Arg(i+1)))
