@@ -327,8 +327,8 @@ func (fsys *filesystem) notifyNewName(path string) {
 	dir.NotifyEntry(parts[len(parts)-1])
 }
 
-// stats is the root's user.tensorfs.stats.
-func (fsys *filesystem) stats() map[string]any {
+// stats is the root's user.tensorfs.stats as uid reads it.
+func (fsys *filesystem) stats(uid uint32) map[string]any {
 	var sfs unix.Statfs_t
 	fsys.store.Statfs(&sfs)
 	segs, bytes, _ := fsys.subtreeUsage(fsys.store.RootFd, nil) // too deep: what the walk reached
@@ -347,7 +347,7 @@ func (fsys *filesystem) stats() map[string]any {
 		"requests":  fsys.requests.snapshot(),
 		"dir_fds":   fsys.dirs.stats(),
 		"cluster":   fsys.clusterStats(),
-		"ledger":    fsys.ledger.Usage(),
+		"ledger":    ledgerFor(fsys.ledger.Usage(), uid),
 		"daemon":    map[string]any{"pid": os.Getpid(), "cpu_seconds": cpuSeconds(&ru), "rss_bytes": rss, "max_rss_bytes": peak, "goroutines": runtime.NumGoroutine()},
 		"uptime_ns": strconv.FormatInt(int64(time.Since(fsys.started)), 10),
 	}
@@ -380,4 +380,20 @@ func memoryUse() (rss, peak int64) {
 
 func cpuSeconds(ru *unix.Rusage) float64 {
 	return float64(ru.Utime.Sec+ru.Stime.Sec) + float64(ru.Utime.Usec+ru.Stime.Usec)/1e6
+}
+
+// ledgerFor is the ledger's rows as uid may see them: root sees what each
+// uid holds; any other user what it holds itself, as "by_uid" with its
+// uid alone, and the totals, which name no one.
+func ledgerFor(rows []ledger.Usage, uid uint32) []ledger.Usage {
+	if uid == 0 {
+		return rows
+	}
+	for i, r := range rows {
+		rows[i].ByUID = nil
+		if n := r.ByUID[uid]; n != 0 {
+			rows[i].ByUID = map[uint32]int64{uid: n}
+		}
+	}
+	return rows
 }

@@ -338,7 +338,7 @@ func (d *dirNode) Removexattr(ctx context.Context, attr string) syscall.Errno {
 func (r *rootNode) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, syscall.Errno) {
 	switch {
 	case attr == alloc.AttrStats:
-		b, err := json.Marshal(r.fs.stats())
+		b, err := json.Marshal(r.fs.stats(caller(ctx).Uid))
 		if err != nil {
 			return 0, r.fs.errnoOf("getxattr "+attr, &r.nodeBase, err)
 		}

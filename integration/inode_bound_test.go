@@ -55,6 +55,16 @@ func TestInodesPerUser(t *testing.T) {
 		if got := ledgerHeld(t, m, "inodes", userA); got != share {
 			t.Errorf("the ledger charges user A %d inodes, want %d", got, share)
 		}
+		// A user sees what it holds itself, and no other uid.
+		seen := pythonAs(t, userA, "/", `
+import json, os, sys
+for r in json.loads(os.getxattr(sys.argv[1], "user.tensorfs.stats"))["ledger"]:
+    print(" ".join(sorted((r.get("by_uid") or {}).keys())))`, m.dir)
+		for _, line := range strings.Split(strings.TrimSpace(seen), "\n") {
+			if line != "" && line != fmt.Sprint(userA) {
+				t.Errorf("user A's user.tensorfs.stats names uids %q, want only its own", line)
+			}
+		}
 		wantLog(t, m, "refused", fmt.Sprintf("uid %d reached the limit of %d inodes", userA, share))
 	}, "--allow-other", "--inodes", "512")
 }
