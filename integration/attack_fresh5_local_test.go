@@ -47,3 +47,40 @@ func TestL1XattrsTakeEveryInode(t *testing.T) {
 		}
 	}, "--allow-other", "--inodes", "512")
 }
+
+// linkFillScript makes one segment argv[1]/f and hard links to it in
+// argv[1] until a link is refused, and prints how many it made and the
+// refusal's errno name.
+const linkFillScript = `
+import errno, os, sys
+d, n = sys.argv[1], 0
+os.close(os.open(d + "/f", os.O_CREAT | os.O_WRONLY, 0o644))
+try:
+    while n < 100000:
+        os.link(d + "/f", "%s/l%d" % (d, n))
+        n += 1
+    print(n, "none")
+except OSError as e:
+    print(n, errno.errorcode[e.errno])
+`
+
+// TestL2LinksTakeEveryInode (ledger row "inodes"): tmpfs takes an inode
+// of its nr_inodes for every hard link past a file's first name
+// (shmem_link: tmpfs dentries pin memory until unlinked), but LINK
+// charges nobody in the ledger. One user who owns one segment links it
+// until the backing has no inode left: root and every other user get
+// ENOSPC from every create and mkdir.
+func TestL2LinksTakeEveryInode(t *testing.T) {
+	t.Parallel()
+	forEachMode(t, func(t *testing.T, m *mount) {
+		userDirs(t, m)
+		out := strings.Fields(pythonAs(t, userA, "/", linkFillScript, m.path("a")))
+		t.Logf("user A made %v hard links to one segment", out)
+		if out, err := runAs(t, userB, "/", "mkdir", m.path("b/mine")); err != nil {
+			t.Errorf("user B cannot make a directory once A linked one segment over and over: %v\n%s", err, out)
+		}
+		if err := os.Mkdir(m.path("roots"), 0o755); err != nil {
+			t.Errorf("root cannot make a directory once A linked one segment over and over: %v", err)
+		}
+	}, "--allow-other", "--inodes", "512")
+}
