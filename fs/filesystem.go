@@ -271,6 +271,14 @@ func readTgid(tid uint32) uint32 {
 // that released the handle, since it notifies the kernel; other segments
 // cost only a cached flag check.
 func (fsys *filesystem) reclaimLater(n *segmentNode, uid uint32) {
+	if n.orphan.Load() {
+		fsys.reclaims.Add(1)
+		go func() {
+			defer fsys.reclaims.Done()
+			fsys.orphaned(n, uid)
+		}()
+		return
+	}
 	if f, err := n.flags(n); err == nil && f&alloc.Unlink != 0 {
 		fsys.reclaims.Add(1)
 		go func() {
@@ -280,11 +288,26 @@ func (fsys *filesystem) reclaimLater(n *segmentNode, uid uint32) {
 	}
 }
 
+// orphaned gives back the inode of segment n, whose last name went, once
+// nothing the daemon knows of holds it: no handle, and no process maps it
+// (a watch charged to uid waits for the last mapping). Until then tmpfs
+// keeps the inode, and so does its charge. A descriptor that export or
+// load handed out holds it unseen: its holder's open-file limit bounds
+// those, as on tmpfs.
+func (fsys *filesystem) orphaned(n *segmentNode, uid uint32) {
+	ino := n.StableAttr().Ino
+	if len(n.openHandles()) > 0 || fsys.watchMapped(n, uid, func() { fsys.inodes.gone(ino) }) {
+		return
+	}
+	fsys.inodes.gone(ino)
+}
+
 // reclaim removes n's names if it is an UNLINK segment without holders;
 // while processes still map it, a watch charged to uid waits for the last
 // mapping.
 func (fsys *filesystem) reclaim(n *segmentNode, uid uint32) {
-	if len(n.openHandles()) > 0 || fsys.watchMapped(n, uid) {
+	ino := n.StableAttr().Ino
+	if len(n.openHandles()) > 0 || fsys.watchMapped(n, uid, func() { fsys.removeUnlinked(ino) }) {
 		return
 	}
 	for {

@@ -17,7 +17,7 @@ import (
 // moves it; a walk of the backing at mount counts what the requests did.
 func TestInodesCharged(t *testing.T) {
 	fsys := testFS(t)
-	fsys.inodes = &inodes{uid: map[uint64]uint32{}, row: ledger.New().Row(ledger.Spec{Name: "inodes", Unit: "inode",
+	fsys.inodes = &inodes{of: map[uint64]*inodeCharge{}, row: ledger.New().Row(ledger.Spec{Name: "inodes", Unit: "inode",
 		PerUID: 4, Total: 64, Over: syscall.EDQUOT, Full: syscall.ENOSPC})}
 	root := &fsys.root.dirNode
 	user, other := callerCtx(1000), callerCtx(1001)
@@ -98,7 +98,7 @@ func TestInodesCharged(t *testing.T) {
 	}
 
 	// The walk at mount counts the same.
-	recount := &inodes{uid: map[uint64]uint32{}, row: ledger.New().Row(ledger.Spec{Name: "inodes", Unit: "inode", PerUID: 4, Total: 64})}
+	recount := &inodes{of: map[uint64]*inodeCharge{}, row: ledger.New().Row(ledger.Spec{Name: "inodes", Unit: "inode", PerUID: 4, Total: 64})}
 	if err := recount.countBacking(fsys.store.RootFd); err != nil {
 		t.Fatal(err)
 	}
@@ -106,5 +106,62 @@ func TestInodesCharged(t *testing.T) {
 		if got, want := recount.row.Held(uid), held(uid); got != want {
 			t.Errorf("uid %d: the walk counts %d, the requests %d", uid, got, want)
 		}
+	}
+}
+
+// TestInodesNamesAttrsOrphans: as tmpfs counts its pool, a further name
+// costs one, a KiB of attributes one, and a segment whose last name went
+// while it is open keeps its charge until its last handle goes.
+func TestInodesNamesAttrsOrphans(t *testing.T) {
+	fsys := testFS(t)
+	fsys.inodes = &inodes{of: map[uint64]*inodeCharge{}, row: ledger.New().Row(ledger.Spec{Name: "inodes", Unit: "inode",
+		PerUID: 8, Total: 64, Over: syscall.EDQUOT, Full: syscall.ENOSPC})}
+	root := &fsys.root.dirNode
+	user := callerCtx(1000)
+	held := func() int64 { return fsys.inodes.row.Held(1000) }
+	var out fuse.EntryOut
+
+	ch, fh, _, errno := root.Create(user, "f", unix.O_RDWR, 0o644, &out)
+	if errno != 0 {
+		t.Fatal(errno)
+	}
+	root.AddChild("f", ch, false)
+	seg := ch.Operations().(*segmentNode)
+	if _, errno := root.Link(user, seg, "g", &out); errno != 0 {
+		t.Fatal(errno)
+	}
+	if n := held(); n != 2 {
+		t.Errorf("a segment and a further name: charged %d, want 2", n)
+	}
+	if errno := seg.Setxattr(user, "user.big", make([]byte, 4000), 0); errno != 0 {
+		t.Fatal(errno)
+	}
+	if n := held(); n != 6 {
+		t.Errorf("with 4000 bytes of attribute: charged %d, want 6 (4 KiB of attributes)", n)
+	}
+	if errno := seg.Setxattr(user, "user.more", make([]byte, 4000), 0); errno != syscall.EDQUOT {
+		t.Errorf("an attribute past the share: %v, want EDQUOT", errno)
+	}
+	if errno := seg.Removexattr(user, "user.big"); errno != 0 {
+		t.Fatal(errno)
+	}
+	if errno := root.Unlink(user, "g"); errno != 0 {
+		t.Fatal(errno)
+	}
+	if n := held(); n != 1 {
+		t.Errorf("after removing the attribute and the further name: charged %d, want 1", n)
+	}
+	// The last name goes while f is open: tmpfs keeps the inode, and so
+	// does the charge, until the handle goes.
+	if errno := root.Unlink(user, "f"); errno != 0 {
+		t.Fatal(errno)
+	}
+	if n := held(); n != 1 {
+		t.Errorf("unlinked while open: charged %d, want 1", n)
+	}
+	fh.(fusefs.FileReleaser).Release(user)
+	fsys.reclaims.Wait()
+	if n := held(); n != 0 {
+		t.Errorf("once its last handle went: charged %d, want 0", n)
 	}
 }

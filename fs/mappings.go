@@ -401,16 +401,16 @@ func (n *segmentNode) references() (map[uint32]int, error) {
 	return refs, nil
 }
 
-// watchMapped reports whether processes still map UNLINK segment n,
-// whose last handle uid released, or may (the daemon could not see them
-// all), and if so waits for them in a watch charged to uid. An open
+// watchMapped reports whether processes still map segment n, whose last
+// handle uid released, or may (the daemon could not see them all), and if
+// so waits for them in a watch charged to uid, which calls done after. An open
 // meanwhile stops the watch: acquire adds its handle, then unwatches.
-func (fsys *filesystem) watchMapped(n *segmentNode, uid uint32) bool {
+func (fsys *filesystem) watchMapped(n *segmentNode, uid uint32, done func()) bool {
 	ids, since := n.mapped(), n.since()
 	if pids, err := fsys.maps.mappers(ids, since, mapsTTL); len(pids) == 0 && err == nil {
 		return false
 	}
-	fsys.watch(n.StableAttr().Ino, ids, since, uid)
+	fsys.watch(n.StableAttr().Ino, ids, since, uid, done)
 	if len(n.openHandles()) > 0 {
 		fsys.watches.unwatch(n.StableAttr().Ino)
 	}
@@ -428,13 +428,14 @@ type watchSet struct {
 }
 
 // watch starts waiting for the last mapping of ids to go (awaitUnmapped),
-// then removes the UNLINK segment whose backing inode is ino; at most one
-// watch per segment. Reopening or unlinking the segment stops it
+// then calls done (which removes the UNLINK segment whose backing inode is
+// ino, or gives back the inode of a segment whose names are gone); at
+// most one watch per segment. Reopening or unlinking the segment stops it
 // (unwatch). A watch holds its epoll instance, so it takes one of uid's
 // descriptors (filesystem.handles) until it ends; past uid's share the
 // segment stays until it is opened and closed again, or the next mount.
 // The pidfds it waits on are the processes' owners' (pidfds).
-func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time, uid uint32) {
+func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time, uid uint32, done func()) {
 	w := &fsys.watches
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -467,7 +468,7 @@ func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time, uid
 		defer fsys.handles.Give(uid, 1)
 		unmapped := fsys.awaitUnmapped(f, ids, since)
 		if w.end(ino, f) && unmapped {
-			fsys.removeUnlinked(ino)
+			done()
 		}
 	}()
 }
@@ -614,13 +615,17 @@ func (fsys *filesystem) removeUnlinkedNames(inos map[uint64]bool) {
 		if ferr != nil || f&alloc.Unlink == 0 {
 			return nil
 		}
-		last, ino, err := fsys.lastLink(dirfd, name)
+		s, ino, last, err := fsys.lastLink(dirfd, name)
 		if err != nil || unix.Unlinkat(dirfd, name, 0) != nil {
 			return nil
 		}
-		fsys.inodes.gone(ino)
-		if last != nil {
-			last.release()
+		if last {
+			fsys.inodes.gone(ino) // unmapped, and no handle: its watch ended
+		} else {
+			fsys.inodes.unlinked(ino, st.Uid)
+		}
+		if s != nil {
+			s.release()
 		}
 		fsys.notifyGone(rel, st.Ino)
 		fsys.log.Info("removed UNLINK segment after its last mapping", "name", rel)
@@ -751,7 +756,8 @@ func (fsys *filesystem) afterMount(mountpoint string, rec *Recovered) {
 	}
 	now := time.Now()
 	for _, ids := range rec.kept {
-		fsys.watch(ids[0].id.ino, ids, now, 0) // the daemon's own: no user released these
+		ino := ids[0].id.ino
+		fsys.watch(ino, ids, now, 0, func() { fsys.removeUnlinked(ino) }) // the daemon's own: no user released these
 	}
 }
 

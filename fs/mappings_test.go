@@ -293,8 +293,8 @@ func TestWatchesShareDescriptorBudget(t *testing.T) {
 	path, id := mappedTestFile(t)
 	startMapper(t, path)
 	ids := everyone(id)
-	fsys.watch(1, ids, time.Now(), 1000)
-	fsys.watch(2, ids, time.Now(), 1000)
+	fsys.watch(1, ids, time.Now(), 1000, func() {})
+	fsys.watch(2, ids, time.Now(), 1000, func() {})
 	fsys.watches.mu.Lock()
 	first, second := fsys.watches.m[1] != nil, fsys.watches.m[2] != nil
 	fsys.watches.mu.Unlock()

@@ -198,7 +198,7 @@ func (n *nodeBase) setattr(ctx context.Context, in *fuse.SetAttrIn, after func()
 			undoCharge := func() {}
 			if uok {
 				var err error
-				if undoCharge, err = n.fs.inodes.chown(a.Stat().Ino, uid); err != nil {
+				if undoCharge, err = n.fs.inodes.chown(n.StableAttr().Ino, uid); err != nil {
 					return err
 				}
 			}

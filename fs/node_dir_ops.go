@@ -425,8 +425,12 @@ func (d *dirNode) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *f
 // marker is not their bytes.
 func (d *dirNode) Link(ctx context.Context, target fusefs.InodeEmbedder, name string, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
 	var ch *fusefs.Inode
+	uid := caller(ctx).Uid
 	err := d.withDir(func(fd int) error {
 		if _, err := d.creatable(); err != nil {
+			return err
+		}
+		if err := d.fs.inodes.reserve(uid); err != nil { // tmpfs takes an inode for every name
 			return err
 		}
 		link := func(r *alloc.Ref) error {
@@ -438,7 +442,8 @@ func (d *dirNode) Link(ctx context.Context, target fusefs.InodeEmbedder, name st
 		switch t := target.(type) {
 		case *segmentNode:
 			if k := t.storage().kind(); k != alloc.Host {
-				return fmt.Errorf("%w: %s segments have one name", syscall.EXDEV, k)
+				err = fmt.Errorf("%w: %s segments have one name", syscall.EXDEV, k)
+				break
 			}
 			err = t.withMarker(link)
 		case *symlinkNode:
@@ -446,56 +451,69 @@ func (d *dirNode) Link(ctx context.Context, target fusefs.InodeEmbedder, name st
 		case *specialNode:
 			err = t.leafRef(link)
 		default:
-			return syscall.EPERM // directories have one name
+			err = syscall.EPERM // directories have one name
 		}
 		if err != nil {
+			d.fs.inodes.unreserve(uid)
 			return err
 		}
+		d.fs.inodes.linked(target.EmbeddedInode().StableAttr().Ino, uid)
 		ch, err = d.child(ctx, fd, name, out)
 		return err
 	})
 	return ch, d.fs.errno("link", &d.nodeBase, name, err)
 }
 
-// lastLink returns, when name in dirfd is the last name of its object
-// (a directory's only one), the object's inode, which goes with the name
-// (its charge, a watch that may wait on it), and, for a segment whose kind
-// holds something to free once the name goes, its storage; nil and 0
-// otherwise.
-func (fsys *filesystem) lastLink(dirfd int, name string) (storage, uint64, error) {
+// lastLink returns the inode of the object name in dirfd, whether name is
+// its last name (a directory's only one), and, for the last name of a
+// segment whose kind holds something to free once the name goes, its
+// storage; 0 when name is not there.
+func (fsys *filesystem) lastLink(dirfd int, name string) (s storage, ino uint64, last bool, err error) {
 	var st unix.Stat_t
 	if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
-		return nil, 0, nil // the removal itself says why
+		return nil, 0, false, nil // the removal itself says why
 	}
-	if st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
-		return nil, st.Ino, nil
+	last = st.Mode&syscall.S_IFMT == syscall.S_IFDIR || st.Nlink == 1
+	if !last || st.Mode&syscall.S_IFMT != syscall.S_IFREG || fsys.hostBySize(&st) {
+		return nil, st.Ino, last, nil // a host segment: nothing to free
 	}
-	if st.Nlink != 1 {
-		return nil, 0, nil
+	s, err = fsys.segmentKind(dirfd, name, &st)
+	return s, st.Ino, last, err
+}
+
+// nameGone settles the charge of the object ino whose name in d uid just
+// removed: a further name gives back one; the last gives back the object,
+// at once or, for a segment still open or mapped, once let go.
+func (d *dirNode) nameGone(name string, ino uint64, last bool, uid uint32) {
+	switch {
+	case ino == 0:
+	case !last:
+		d.fs.inodes.unlinked(ino, uid)
+	default:
+		d.fs.watches.unwatch(ino)
+		if ch := d.GetChild(name); ch != nil {
+			if seg, ok := ch.Operations().(*segmentNode); ok && ch.StableAttr().Ino == ino {
+				seg.orphan.Store(true)
+				d.fs.orphaned(seg, uid)
+				return
+			}
+		}
+		d.fs.inodes.gone(ino)
 	}
-	if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
-		return nil, st.Ino, nil
-	}
-	if fsys.hostBySize(&st) {
-		return nil, st.Ino, nil // a host segment: nothing to free
-	}
-	s, err := fsys.segmentKind(dirfd, name, &st)
-	return s, st.Ino, err
 }
 
 // Unlink removes a name; the last name of a segment frees what its kind
 // holds (a disk file, an import, device memory).
 func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
 	err := d.withDir(func(fd int) error {
-		s, ino, err := d.fs.lastLink(fd, name)
+		s, ino, last, err := d.fs.lastLink(fd, name)
 		if err != nil {
 			return err
 		}
 		if err := unix.Unlinkat(fd, name, 0); err != nil {
 			return err
 		}
-		d.fs.watches.unwatch(ino)
-		d.fs.inodes.gone(ino)
+		d.nameGone(name, ino, last, caller(ctx).Uid)
 		if s != nil {
 			return s.release()
 		}
@@ -507,7 +525,7 @@ func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
 // Rmdir removes an empty directory.
 func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
 	err := d.withDir(func(fd int) error {
-		_, ino, _ := d.fs.lastLink(fd, name)
+		_, ino, _, _ := d.fs.lastLink(fd, name)
 		if err := unix.Unlinkat(fd, name, unix.AT_REMOVEDIR); err != nil {
 			return err
 		}
@@ -549,9 +567,10 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 				flags |= unix.RENAME_NOREPLACE
 			}
 			var replaced storage
-			var watched uint64
+			var ino uint64
+			var last bool
 			if !exchange {
-				if replaced, watched, err = d.fs.lastLink(dfd, newName); err != nil {
+				if replaced, ino, last, err = d.fs.lastLink(dfd, newName); err != nil {
 					return err
 				}
 			}
@@ -562,8 +581,7 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 			if err != nil {
 				return err
 			}
-			d.fs.watches.unwatch(watched)
-			d.fs.inodes.gone(watched)
+			dst.nameGone(newName, ino, last, caller(ctx).Uid)
 			if replaced != nil {
 				err = replaced.release()
 			}

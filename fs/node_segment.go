@@ -40,6 +40,9 @@ type segmentNode struct {
 	idle chan struct{}
 	// released is when a handle was last released, since epoch.
 	released atomic.Int64
+	// orphan is set once the segment's last name went: its inode's charge
+	// goes when its last handle and mapping do (filesystem.orphaned).
+	orphan atomic.Bool
 }
 
 // newSegment makes the node of a segment whose storage is s.

@@ -215,9 +215,34 @@ func (fsys *filesystem) setAttr(o object, c *attrCache, dir bool, size int64, at
 		if err != nil {
 			return err
 		}
+		undo, err := fsys.chargeAttr(o, p, attr, len(data))
+		if err != nil {
+			return err
+		}
 		obj := alloc.Object{Path: p, Dir: dir, Size: size, HasDisk: fsys.store.Disk != "", GPU: fsys.gpuName()}
-		return alloc.Setxattr(obj, attr, data, int(flags))
+		if err := alloc.Setxattr(obj, attr, data, int(flags)); err != nil {
+			undo()
+			return err
+		}
+		return nil
 	})
+}
+
+// chargeAttr charges o's owner for attr stored on the file at p with a
+// value of size bytes, less what its value there costs now (its inodes,
+// as tmpfs counts attributes): EDQUOT past the owner's share. undo gives
+// the change back.
+func (fsys *filesystem) chargeAttr(o object, p, attr string, size int) (undo func(), err error) {
+	old, err := unix.Getxattr(p, alloc.StoredName(attr), nil)
+	if err != nil {
+		old = -1
+	}
+	ino := o.EmbeddedInode().StableAttr().Ino
+	delta := attrUnits(attr, size) - attrUnits(attr, old)
+	if err := fsys.inodes.attrs(ino, delta); err != nil {
+		return nil, err
+	}
+	return func() { fsys.inodes.attrs(ino, -delta) }, nil
 }
 
 // mayChangeFlags refuses (EPERM) a change of flags by anyone but the
@@ -233,7 +258,7 @@ func mayChangeFlags(uid uint32, attr string, st *unix.Stat_t) error {
 }
 
 // removeAttr removes a stored attribute of o.
-func removeAttr(uid uint32, o object, c *attrCache, attr string) error {
+func (fsys *filesystem) removeAttr(uid uint32, o object, c *attrCache, attr string) error {
 	if !userAttr(attr) {
 		return alloc.ErrNoAttr
 	}
@@ -245,10 +270,18 @@ func removeAttr(uid uint32, o object, c *attrCache, attr string) error {
 			return err
 		}
 		p, err := a.Path()
-		if err == nil {
-			err = alloc.Removexattr(p, attr)
+		if err != nil {
+			return err
 		}
-		return err
+		undo, err := fsys.chargeAttr(o, p, attr, -1)
+		if err != nil {
+			return err
+		}
+		if err := alloc.Removexattr(p, attr); err != nil {
+			undo()
+			return err
+		}
+		return nil
 	})
 }
 
@@ -331,7 +364,7 @@ func (d *dirNode) Setxattr(ctx context.Context, attr string, data []byte, flags 
 
 // Removexattr removes a stored attribute of a directory.
 func (d *dirNode) Removexattr(ctx context.Context, attr string) syscall.Errno {
-	return d.fs.attrErrno("removexattr "+attr, &d.nodeBase, removeAttr(caller(ctx).Uid, d, &d.attrCache, attr))
+	return d.fs.attrErrno("removexattr "+attr, &d.nodeBase, d.fs.removeAttr(caller(ctx).Uid, d, &d.attrCache, attr))
 }
 
 // Getxattr adds the mount's statistics and its control socket's path.
@@ -541,7 +574,7 @@ func (n *segmentNode) Removexattr(ctx context.Context, attr string) syscall.Errn
 	}
 	err := attrsFixed(n.storage())
 	if err == nil {
-		err = removeAttr(caller(ctx).Uid, n, &n.attrCache, attr)
+		err = n.fs.removeAttr(caller(ctx).Uid, n, &n.attrCache, attr)
 	}
 	return n.fs.attrErrno("removexattr "+attr, &n.nodeBase, err)
 }
