@@ -3,8 +3,9 @@
 #
 # Installs what the tests need when it is missing, checks formatting and
 # go vet, runs every Go test with the race detector (the integration tests
-# mount the real binary, so this needs root and /dev/fuse), then the Python
-# client tests when python/tests exists. Exits non-zero on any failure.
+# mount the real binary, so this needs root and /dev/fuse) and, beside
+# them, the Python client tests when python/tests exists. Exits non-zero on
+# any failure.
 # Extra arguments go to `go test` (e.g. -run TestMountSmoke -v).
 set -euo pipefail
 
