@@ -1,5 +1,10 @@
 package integration
 
+// Attacks on GPU segments' reference counter files (DESIGN.md §9): a
+// reader may write its segment's counter, and neither the counter file,
+// its fallocate(KEEP_SIZE) or user.* attributes, nor a removed counter it
+// still holds, take the counters' tmpfs from other users.
+
 import (
 	"fmt"
 	"os"
@@ -112,5 +117,162 @@ func TestAttackGPUCounterFile(t *testing.T) {
 	}
 	if _, err := os.Stat(dir); !os.IsNotExist(err) {
 		t.Errorf("counter directory after unmount: %v", err)
+	}
+}
+
+// keepSizeFillScript fills the tmpfs of the counter file argv[1] with
+// fallocate(FALLOC_FL_KEEP_SIZE): its size stays 8 bytes, its blocks take
+// every free page; it prints the file's size and 512-byte blocks.
+const keepSizeFillScript = `
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+p = sys.argv[1]
+fd = os.open(p, os.O_RDWR)
+free = os.statvfs(p).f_bavail * os.statvfs(p).f_frsize
+r = libc.fallocate(fd, 1, ctypes.c_long(4096), ctypes.c_long(free))
+st = os.fstat(fd)
+print(r, ctypes.get_errno(), st.st_size, st.st_blocks)
+`
+
+// TestAttackGPUCounterKeepSize (G2): a reader of a GPU segment (here its
+// owner) may write its counter file, and fallocate(FALLOC_FL_KEEP_SIZE)
+// on it takes every page of the counters' 64 MiB tmpfs while the file
+// stays 8 bytes long. The daemon cuts back only counters longer than 8
+// bytes (CounterDir.trim), so it finds nothing to cut: every other
+// segment's counter, root's included, is then ENOSPC. One user must not
+// take the counters of others: root's new segment gets its counter.
+func TestAttackGPUCounterKeepSize(t *testing.T) {
+	t.Parallel()
+	m := agMount(t)
+	seg := agSegment(t, m, "mine", 4096, userA, userA, 0o600)
+	counter := agCounter(t, seg)
+	out := strings.Fields(pythonAs(t, userA, "/", keepSizeFillScript, counter))
+	t.Logf("uid %d's fallocate(KEEP_SIZE) of its counter: rc errno size blocks = %v", userA, out)
+	var fs unix.Statfs_t
+	if err := unix.Statfs(filepath.Dir(counter), &fs); err == nil {
+		t.Logf("counters' tmpfs: %d of %d blocks free", fs.Bfree, fs.Blocks)
+	}
+	root := gtDeviceSegment(t, m.path("roots"))
+	run(t, "truncate", "-s", "4096", root)
+	if v, err := getxattr(root, gtRefCounter); err != nil {
+		t.Errorf("root's segment's %s after uid %d filled the counters with its own: %v", gtRefCounter, userA, err)
+	} else {
+		t.Logf("root's counter: %s", v)
+	}
+}
+
+// removedHeldScript holds the counter file argv[1] by a read-write and an
+// O_PATH descriptor, says "held", and at the next line on stdin (its
+// segment removed) tries through them what a reader of a removed counter
+// could: open it read-write again (/proc/self/fd of the O_PATH one), set
+// a user.* attribute, and reserve every free page of the counters' tmpfs
+// past its end with fallocate(FALLOC_FL_KEEP_SIZE). It prints "reopen" and
+// "setxattr" with ok or the errno, the fallocate's result and errno, the
+// file's links and the tmpfs's free blocks, and holds the file until its
+// stdin closes.
+const removedHeldScript = `
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+fd = os.open(sys.argv[1], os.O_RDWR)
+path_fd = os.open(sys.argv[1], os.O_PATH)
+print("held")
+sys.stdin.readline()
+def attempt(f):
+    try:
+        f()
+        return "ok"
+    except OSError as e:
+        return str(e.errno)
+reopen = attempt(lambda: os.open("/proc/self/fd/%d" % path_fd, os.O_RDWR))
+setx = attempt(lambda: os.setxattr(fd, "user.x", b"x" * 4096))
+free = os.fstatvfs(fd).f_bavail * os.fstatvfs(fd).f_frsize
+r = libc.fallocate(fd, 1, ctypes.c_long(4096), ctypes.c_long(free))
+e = ctypes.get_errno()
+print("reopen", reopen, "setxattr", setx, "fallocate", r, e, "links", os.fstat(fd).st_nlink, "free", os.fstatvfs(fd).f_bavail)
+sys.stdin.read()
+`
+
+// TestAttackGPUCounterRemovedHeld: the daemon removes a GPU segment's
+// counter file with its segment, and a reader who still holds it open
+// keeps it, nameless, beyond what trim reached (the names in the
+// counters' directory): uid 1000 holds the counter of a segment of its
+// own, the segment is removed, and through its descriptor uid 1000 fills
+// the counters' tmpfs (fallocate KEEP_SIZE), so that every new counter,
+// root's included, would be ENOSPC for as long as it keeps the file. The
+// daemon keeps a removed counter that someone holds, takes the readers'
+// access to it away (no reopen through an O_PATH descriptor, no user.*
+// attributes), and puts back what is reserved through it: root's new
+// segment gets its counter.
+func TestAttackGPUCounterRemovedHeld(t *testing.T) {
+	t.Parallel()
+	m := agMount(t)
+	seg := agSegment(t, m, "mine", 4096, userA, userA, 0o600)
+	counter := agCounter(t, seg)
+	holder := startPythonAs(t, userA, "holder", removedHeldScript, counter)
+	holder.expect(t, "held")
+	if err := os.Remove(seg); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "removal of the counter "+counter, func() (bool, string) {
+		_, err := os.Lstat(counter)
+		return os.IsNotExist(err), fmt.Sprintf("lstat: %v", err)
+	})
+	out := holder.do(t, "go")
+	t.Logf("uid %d through its removed counter: %s", userA, out)
+	f := strings.Fields(out)
+	if len(f) != 11 || f[0] != "reopen" || f[2] != "setxattr" || f[4] != "fallocate" {
+		t.Fatalf("holder: %q", out)
+	}
+	if f[5] != "0" || f[10] != "0" {
+		t.Fatalf("uid %d's fallocate through its removed counter did not fill the counters' tmpfs: %s", userA, out)
+	}
+	if denied := fmt.Sprint(int(unix.EACCES)); f[1] != denied || f[3] != denied {
+		t.Errorf("uid %d on its removed counter: reopen through O_PATH %s, setxattr %s; want both EACCES (%s)", userA, f[1], f[3], denied)
+	}
+	root := gtDeviceSegment(t, m.path("roots"))
+	run(t, "truncate", "-s", "4096", root)
+	if v, err := getxattr(root, gtRefCounter); err != nil {
+		t.Errorf("root's segment's %s after uid %d filled the counters through a removed counter it holds: %v", gtRefCounter, userA, err)
+	} else {
+		t.Logf("root's counter: %s", v)
+	}
+	holder.wait(t)
+}
+
+// xattrFillScript sets user.* attributes on the counter file argv[1], as
+// its write permission lets a reader, until the tmpfs refuses one at
+// every size; it prints how many it set and the inodes left free.
+const xattrFillScript = `
+import os, sys
+p, n = sys.argv[1], 0
+for size in (65536, 4096, 256, 16, 0):
+    try:
+        while True:
+            os.setxattr(p, "user.x%d" % n, b"x" * size)
+            n += 1
+    except OSError:
+        pass
+print(n, os.statvfs(p).f_ffree)
+`
+
+// TestAttackGPUCounterXattrs (G2): tmpfs charges user.* attributes to
+// the room its inodes share (nr_inodes), and a reader of a GPU segment
+// may set them on its counter file (write permission is all it takes):
+// enough of them leave no room for another counter file, so every new
+// counter, root's included, is ENOSPC. One user must not take the
+// counters of others: root's new segment gets its counter.
+func TestAttackGPUCounterXattrs(t *testing.T) {
+	t.Parallel()
+	m := agMount(t)
+	seg := agSegment(t, m, "mine", 4096, userA, userA, 0o600)
+	counter := agCounter(t, seg)
+	out := strings.Fields(pythonAs(t, userA, "/", xattrFillScript, counter))
+	t.Logf("uid %d's user.* attributes on its counter: set, inodes free = %v", userA, out)
+	root := gtDeviceSegment(t, m.path("roots"))
+	run(t, "truncate", "-s", "4096", root)
+	if v, err := getxattr(root, gtRefCounter); err != nil {
+		t.Errorf("root's segment's %s after uid %d filled the counters' inodes with attributes: %v", gtRefCounter, userA, err)
+	} else {
+		t.Logf("root's counter: %s", v)
 	}
 }

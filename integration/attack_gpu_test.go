@@ -3,8 +3,10 @@ package integration
 // Attacks on GPU segments by unprivileged users (DESIGN.md §9) on a
 // --gpu sim --allow-other mount: consumer reference counters that only a
 // segment's readers can change, one file per segment, following chmod and
-// chown and removed with the segment; and IPC handles that reach their own
-// segment's memory alone.
+// chown and removed with the segment; IPC handles that reach their own
+// segment's memory alone; device memory in limbo counted against
+// --capacity; GPU segments' descriptors in their owner's budget; and a
+// reader's export racing the owner's truncate.
 
 import (
 	"bytes"
@@ -17,6 +19,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // agCounterAdd is a consumer of a counter file: it maps argv[1] and
@@ -390,4 +394,232 @@ func TestAttackGPUSpillReserved(t *testing.T) {
 		}
 		gtWantDevice(t, m2.path("b/w"), "cuda:0")
 	}, append(gtSim, "--allow-other", "--capacity", "32M")...)
+}
+
+// limboFillScript opens the GPU segment argv[1] once and, holding that
+// handle, grows it to argv[2] bytes, reads its IPC handle (as a consumer
+// would before mapping it) and truncates it to 0 again and again, halving
+// the size on each refusal down to one page: every truncate moves the
+// segment to a new block, and the open handle keeps each old one, whose
+// IPC handle left the daemon, in limbo. It prints how many rounds it
+// made, and holds the handle until its stdin closes.
+const limboFillScript = `
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+size, rounds = int(sys.argv[2]), 0
+while size >= 4096 and rounds < 100000:
+    try:
+        os.ftruncate(fd, size)
+        os.getxattr(sys.argv[1], "user.tensorfs.cuda.ipc_handle")
+        os.ftruncate(fd, 0)
+        rounds += 1
+    except OSError:
+        size //= 2
+print("rounds", rounds, flush=True)
+sys.stdin.read()
+`
+
+// TestAttackGPULimboFill (H1): the device memory that a truncate replaces
+// waits in limbo while any handle of the segment is open (devSeg.retire).
+// User A, on a 32 MiB mount, holds one handle of its own GPU segment and
+// grows and truncates it again and again: before, limbo took the whole
+// device (the simulated device's 16 GiB; with CUDA, the GPU's memory)
+// while df said the mount was empty. Device memory in limbo now counts
+// against --capacity like the segments' own (a growth must leave the
+// backing room for it), and df counts it as used: A stops at the
+// capacity, as with host bytes, and once A lets its handle go the room
+// comes back: user B's write into its own GPU segment and root's new one
+// work.
+func TestAttackGPULimboFill(t *testing.T) {
+	t.Parallel()
+	forEachMode(t, func(t *testing.T, m *mount) {
+		userDirs(t, m)
+		atk := gtDeviceSegment(t, m.path("a/leak"))
+		if err := os.Chown(atk, userA, userA); err != nil {
+			t.Fatal(err)
+		}
+		vic := gtDeviceSegment(t, m.path("b/w"))
+		if err := os.Chown(vic, userB, userB); err != nil {
+			t.Fatal(err)
+		}
+		a := startPythonAs(t, userA, "limbo filler", limboFillScript, atk, "25165824")
+		line := a.next(t)
+		_, limbo := gtLimbo(t, m)
+		t.Logf("uid %d: %s; limbo %d bytes", userA, line, limbo)
+		if limbo > 32<<20 {
+			t.Errorf("uid %d's one handle keeps %d bytes of device memory in limbo on a 32 MiB mount", userA, limbo)
+		}
+		var st unix.Statfs_t
+		if err := unix.Statfs(m.dir, &st); err != nil {
+			t.Fatal(err)
+		}
+		if used := int64(st.Blocks-st.Bfree) * st.Bsize; used < limbo {
+			t.Errorf("df says %d bytes used while %d wait in limbo", used, limbo)
+		}
+		a.stdin.Close()
+		a.wait(t)
+		gtWantLimboEmpty(t, m, "uid "+strconv.Itoa(userA)+" let its handle go")
+		if out, err := runAs(t, userB, "/", "dd", "if=/dev/zero", "of="+vic, "bs=1M", "count=1", "conv=notrunc", "status=none"); err != nil {
+			t.Errorf("uid %d's 1 MiB write into its GPU segment after uid %d's limbo went: %v\n%s", userB, userA, err, out)
+		}
+		root := gtDeviceSegment(t, m.path("rootgpu"))
+		if err := os.Truncate(root, 1<<20); err != nil {
+			t.Errorf("root's 1 MiB GPU segment after uid %d's limbo went: %v", userA, err)
+		}
+	}, append(gtSim, "--allow-other", "--capacity", "32M")...)
+}
+
+// gpuFdFloodScript makes empty segments in the cuda:0 directory argv[1]
+// until 50 in a row fail (the daemon's descriptors freed meanwhile go to
+// the next) or it has tried argv[2], and prints how many it made and the
+// last error; then it opens the directory up to 64 times (well within
+// its budget of handles) to take the few descriptors left, and holds them
+// until its stdin closes.
+const gpuFdFloodScript = `
+import os, sys
+d, n = sys.argv[1], int(sys.argv[2])
+made, fails, err = 0, 0, "none"
+for i in range(n):
+    try:
+        os.close(os.open("%s/s%d" % (d, i), os.O_CREAT | os.O_WRONLY, 0o600))
+        made += 1
+        fails = 0
+    except OSError as e:
+        err = "errno %d" % e.errno
+        fails += 1
+        if fails == 50:
+            break
+held = []
+try:
+    while len(held) < 64:
+        held.append(os.open(d, os.O_RDONLY | os.O_DIRECTORY))
+except OSError:
+    pass
+print("made", made, err, "then held", len(held), "directory handles", flush=True)
+sys.stdin.read()
+`
+
+// TestAttackGPUSegmentFdFlood (H2): every GPU segment keeps its backing
+// file open in the daemon for as long as it exists (devices.segment
+// opens it for the spill), and no per-uid budget counts those
+// descriptors: only open handles, directories, imports and watches do.
+// User A makes empty segments in a cuda:0 directory of its own (no
+// device memory, no backing space: each is an inode) until the daemon's
+// descriptor table is full; root's and user B's creates then fail with
+// EMFILE, and a remount restores every segment, so the daemon starts
+// full. Per-uid bounds must hold for these descriptors too.
+func TestAttackGPUSegmentFdFlood(t *testing.T) {
+	t.Parallel()
+	forEachMode(t, func(t *testing.T, m *mount) {
+		userDirs(t, m)
+		if err := os.Mkdir(m.path("a/gpu"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		gtSetDevice(t, m.path("a/gpu"), "cuda:0")
+		if err := os.Chown(m.path("a/gpu"), userA, userA); err != nil {
+			t.Fatal(err)
+		}
+		_, limit := daemonFDs(t, m.pid)
+		out := h4Background(t, userA, gpuFdFloodScript, m.path("a/gpu"), strconv.Itoa(limit+100))
+		fds, _ := daemonFDs(t, m.pid)
+		t.Logf("uid %d: %s; the daemon holds %d descriptors of %d", userA, strings.TrimSpace(out), fds, limit)
+		if err := os.WriteFile(m.path("rootfile"), []byte("root"), 0o644); err != nil {
+			t.Errorf("root's create after uid %d made empty GPU segments: %v", userA, err)
+		}
+		if out, err := runAs(t, userB, "/", "sh", "-c", "echo b > "+m.path("b/f")+" && cat "+m.path("b/f")); err != nil || out != "b\n" {
+			t.Errorf("uid %d's create after uid %d made empty GPU segments: %q, %v", userB, userA, out, err)
+		}
+	}, append(gtSim, "--allow-other")...)
+}
+
+// exportSpamScript asks the control socket of the mount argv[2] (the
+// tensorfs package at argv[1]) for a read-only descriptor of the segment
+// argv[3] (relative to the mount) again and again for argv[4] seconds, and
+// prints how many it got.
+const exportSpamScript = `
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import tensorfs
+c = tensorfs.Client(sys.argv[2])
+stop, n = time.time() + float(sys.argv[4]), 0
+while time.time() < stop:
+    try:
+        os.close(c.export(sys.argv[3]))
+        n += 1
+    except OSError:
+        pass
+print("exports", n, flush=True)
+`
+
+// truncateLoopScript, the owner's ordinary work on its GPU segment
+// argv[1] for argv[2] seconds: grow it to 24 MiB, write its last page,
+// read its last byte, shrink it to 8 MiB, and so on. It stops at the first
+// error and prints it.
+const truncateLoopScript = `
+import os, sys, time
+p, stop = sys.argv[1], time.time() + float(sys.argv[2])
+fd, i = os.open(p, os.O_RDWR), 0
+try:
+    while time.time() < stop:
+        size = (8 << 20) if i % 2 else (24 << 20)
+        i += 1
+        os.ftruncate(fd, size)
+        os.pwrite(fd, b"v" * 4096, size - 4096)
+        os.pread(fd, 1, size - 1)
+    print("clean", i)
+except OSError as e:
+    print("error after", i, "truncates:", e)
+`
+
+// TestAttackGPUExportResizeRace (H3): devSeg.resize (a truncate through
+// the mount) changes a GPU segment's block and size without devSeg.mu,
+// while the control socket's export of a KEEPFD GPU segment moves it to a
+// new exportable block of the size it read, under devSeg.mu. User A, who
+// may only read user B's KEEPFD GPU segment, asks for its descriptor again
+// and again while B grows and shrinks it: an export that read 8 MiB
+// installs an 8 MiB block after B's truncate set 24 MiB. B's reads and
+// writes past 8 MiB then fail with EINVAL, and a clean unmount cannot
+// spill the segment ("not spilled; its contents are lost"): after the
+// remount B's bytes are zeros. A reader must not be able to corrupt or
+// empty an owner's segment. (The blocks the exports handed out wait in
+// limbo while B's handle is open, against --capacity: B's loop may end
+// with ENOSPC, never with another error.)
+func TestAttackGPUExportResizeRace(t *testing.T) {
+	t.Parallel()
+	forEachMode(t, func(t *testing.T, m *mount) {
+		userDirs(t, m)
+		seg := gtDeviceSegment(t, m.path("b/w"))
+		run(t, "setfattr", "-n", "user.tensorfs.flags", "-v", "KEEPFD", seg)
+		run(t, "truncate", "-s", "1M", seg)
+		if err := os.Chown(seg, userB, userB); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(seg, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		const secs = "8"
+		spam := asUser(pyCommand(exportSpamScript, filepath.Join(repoRoot, "python"), m.dir, "b/w", secs), userA)
+		var spamOut strings.Builder
+		spam.Stdout, spam.Stderr = &spamOut, &spamOut
+		if err := spam.Start(); err != nil {
+			t.Fatal(err)
+		}
+		out := strings.TrimSpace(pythonAs(t, userB, "/", truncateLoopScript, seg, secs))
+		spam.Process.Kill()
+		spam.Wait()
+		t.Logf("uid %d: %s; uid %d: %s", userB, out, userA, strings.TrimSpace(spamOut.String()))
+		if !strings.HasPrefix(out, "clean") && !strings.Contains(out, "No space left on device") {
+			t.Errorf("uid %d's truncates and I/O on its own GPU segment while uid %d (a reader) exports it: %s", userB, userA, out)
+		}
+		m.unmount(t, false)
+		if strings.Contains(m.stderr.String(), "not spilled") {
+			t.Errorf("a clean unmount lost uid %d's GPU segment:\n%s", userB, m.stderr.String())
+		}
+		m2 := m.remount(t)
+		size := gtSize(t, m2.path("b/w"))
+		tail := run(t, "dd", "if="+m2.path("b/w"), "bs=4096", "skip="+strconv.FormatInt(size/4096-1, 10), "count=1", "status=none")
+		if tail != strings.Repeat("v", 4096) {
+			t.Errorf("uid %d's GPU segment after the remount: its last page (of %d bytes) is not what it wrote last", userB, size)
+		}
+	}, append(gtSim, "--allow-other", "--capacity", "64M")...)
 }

@@ -306,9 +306,12 @@ func expectErrno(t *testing.T, what string, errno syscall.Errno, err error) {
 // the first; a holder killed mid-pull; a node restarted and serving what
 // it pulled; a corrupted holder; etcd stopped and started again; an
 // outsider without the cluster's certificate; a pull too big for its node.
-// Serial: it needs the CPUs to itself for its timings (pieces are hashed,
-// links are shaped).
+// Parallel: its one bound on time (a publish with etcd down fails within
+// 10 s, at the nodes' 3 s etcd timeout) holds among the other tests, and a
+// slower pull only makes the kill of a holder mid-pull likelier; serial,
+// its minute of shaped links and waits on timeouts kept the CPUs idle.
 func TestCluster(t *testing.T) {
+	t.Parallel()
 	tb := upCluster(t, 3)
 	n1, n2, n3 := tb.node(1), tb.node(2), tb.node(3)
 	model := []modelFile{

@@ -88,7 +88,7 @@ m.flush()
 m.close()
 os.close(fd)
 `
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		out := t.TempDir()
 		dst := m.path("big.bin")
 		run(t, "dd", "if="+src, "of="+dst, "bs=1M", "conv=fsync", "status=none")
@@ -339,7 +339,7 @@ func TestDataFioVerify(t *testing.T) {
 	if _, err := exec.LookPath("fio"); err != nil {
 		skipOrFail(t, "fio not installed: %v", err)
 	}
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		seg := m.path("fio.seg")
 		out := run(t, "fio", "--name=v", "--filename="+seg, "--size=32M", "--rw=randrw", "--bs=4k",
 			"--verify=crc32c", "--do_verify=1", "--ioengine=psync", "--randseed=1234", "--verify_state_save=0")

@@ -17,11 +17,9 @@ import (
 // copy's deadline (10 s for a small copy), the helper is killed, one error
 // line says which call and that GPU segments are off; later GPU requests
 // fail with EIO at once, and host segments are served as before.
-//
-// Not parallel: the stall reaches the daemon through the environment.
 func TestGPUStalledHelper(t *testing.T) {
-	t.Setenv(gpu.SimStallEnv, "copy")
-	m := mountFS(t, "passthrough", gtSim...)
+	t.Parallel()
+	m := mountFSEnv(t, "passthrough", []string{gpu.SimStallEnv + "=copy"}, gtSim...)
 	helpers := gtHelperPIDs(m)
 	if len(helpers) != 1 {
 		t.Fatalf("the daemon has %d device helper processes (%v), want 1", len(helpers), helpers)

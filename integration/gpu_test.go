@@ -523,7 +523,7 @@ func TestGPUReadWrite(t *testing.T) {
 // the writer is gone nothing stays in limbo.
 func TestGPUWriteGrowth(t *testing.T) {
 	t.Parallel()
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		const size = 64 * gtMiB
 		src := gtRandom(t, "src", size)
 		seg := gtDeviceSegment(t, m.path("grow"))
@@ -691,7 +691,7 @@ func TestGPUTruncate(t *testing.T) {
 // process does the copy): COPY_FILE_RANGE requests, no WRITE requests.
 func TestGPUCopyFileRange(t *testing.T) {
 	t.Parallel()
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		src := gtRandom(t, "src", 9*gtMiB+4097)
 		host := m.path("host")
 		run(t, "cp", src, host)
@@ -902,7 +902,7 @@ func gtReleasing(t *testing.T, m *mount, what string, release func()) {
 // and periodic collections, until the consumer drops to zero.
 func TestGPULimboRefCounter(t *testing.T) {
 	t.Parallel()
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		other := gtDeviceSegment(t, m.path("other"))
 		run(t, "truncate", "-s", "4096", other)
 		gtWantLimboEmpty(t, m, "at start")
@@ -1036,7 +1036,7 @@ sys.stdin.readline()
 // (600 MiB of device bytes, which set aside as much backing space).
 func TestGPULimboStats(t *testing.T) {
 	t.Parallel()
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		const n, size = 200, 3 * gtMiB
 		dir := m.path("many")
 		run(t, "mkdir", dir)
@@ -1138,7 +1138,7 @@ var gtDeviceRels = []string{"big", "small", "grown", "empty", "dir/inner"}
 // (backing files empty again) with their attributes.
 func TestGPUSpillRestore(t *testing.T) {
 	t.Parallel()
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		shas, sizes := gtPopulate(t, m)
 		backing := map[string]string{}
 		for rel := range shas {
@@ -1207,7 +1207,7 @@ func TestGPUSpillRestore(t *testing.T) {
 // with the daemon.
 func TestGPUCrash(t *testing.T) {
 	t.Parallel()
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		shas, sizes := gtPopulate(t, m)
 		helpers := gtHelperPIDs(m)
 		if len(helpers) != 1 {

@@ -15,7 +15,10 @@
 // umask, the environment, the count of all tensorfs processes) or needs
 // the CPUs to itself. Serial tests run first, alone; the parallel ones run
 // together, up to -parallel at a time (scripts/test.sh sets it: most of
-// their time is spent waiting on daemons and python children).
+// their time is spent waiting on daemons and python children). Long tests
+// run their two modes in parallel too (forEachModeParallel), and a daemon
+// that needs a variable in its environment gets it alone (mountFSEnv), so
+// that its test need not be serial.
 //
 // Without root or /dev/fuse, or when the binary cannot be built or mounted,
 // the tests skip with the reason; under CI=true (or TENSORFS_STRICT=1, which
@@ -246,6 +249,7 @@ type mount struct {
 	stderr *lockedBuffer
 
 	args     []string      // extra arguments, for remount
+	env      []string      // KEY=VALUE added to the daemon's environment, for remount
 	stdout   *lineWatcher  // everything the daemon printed on stdout
 	exited   chan struct{} // closed once the daemon has exited
 	exitErr  error         // cmd.Wait's result, valid after exited
@@ -259,11 +263,20 @@ type mount struct {
 // unmount-and-check cleanup. extraArgs go before the mountpoint.
 func mountFS(t *testing.T, mode string, extraArgs ...string) *mount {
 	t.Helper()
+	return mountFSEnv(t, mode, nil, extraArgs...)
+}
+
+// mountFSEnv is mountFS with env (KEY=VALUE) added to the daemon's
+// environment alone, so that a test which needs the daemon (or its GPU
+// helper) to see a variable need not change the test process's with
+// t.Setenv, and can run in parallel.
+func mountFSEnv(t *testing.T, mode string, env []string, extraArgs ...string) *mount {
+	t.Helper()
 	dir := filepath.Join(t.TempDir(), "mnt")
 	if err := os.Mkdir(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	return startMount(t, dir, mode, extraArgs, false)
+	return startMountEnv(t, dir, mode, extraArgs, env, false)
 }
 
 // remount starts a new daemon on the same mountpoint with the same mode and
@@ -272,15 +285,35 @@ func mountFS(t *testing.T, mode string, extraArgs ...string) *mount {
 // environment was good enough for the first mount.
 func (m *mount) remount(t *testing.T) *mount {
 	t.Helper()
-	return startMount(t, m.dir, m.mode, m.args, true)
+	return startMountEnv(t, m.dir, m.mode, m.args, m.env, true)
 }
 
-// forEachMode runs fn as subtests "passthrough" and "classic", each on its
-// own fresh mount made with extraArgs.
+// forEachMode runs fn as subtests "passthrough" and "classic", one after
+// the other, each on its own fresh mount made with extraArgs.
 func forEachMode(t *testing.T, fn func(t *testing.T, m *mount), extraArgs ...string) {
+	t.Helper()
+	eachMode(t, false, fn, extraArgs)
+}
+
+// forEachModeParallel is forEachMode with the two subtests run in parallel,
+// with each other and with the other parallel tests: for long tests, so
+// that their modes do not run end to end. It returns before the subtests
+// run, so fn must share nothing mutable between the modes and the caller
+// must do nothing after it that depends on them.
+func forEachModeParallel(t *testing.T, fn func(t *testing.T, m *mount), extraArgs ...string) {
+	t.Helper()
+	eachMode(t, true, fn, extraArgs)
+}
+
+// eachMode runs fn as subtests "passthrough" and "classic", in parallel
+// if told to, each on its own fresh mount made with extraArgs.
+func eachMode(t *testing.T, parallel bool, fn func(t *testing.T, m *mount), extraArgs []string) {
 	t.Helper()
 	for _, mode := range []string{"passthrough", "classic"} {
 		t.Run(mode, func(t *testing.T) {
+			if parallel {
+				t.Parallel()
+			}
 			fn(t, mountFS(t, mode, extraArgs...))
 		})
 	}
@@ -302,6 +335,13 @@ func requireEnvironment(t *testing.T) {
 // startMount starts a daemon on dir; one that does not get ready skips the
 // test (fails it under strict(), or when mustStart).
 func startMount(t *testing.T, dir, mode string, extraArgs []string, mustStart bool) *mount {
+	t.Helper()
+	return startMountEnv(t, dir, mode, extraArgs, nil, mustStart)
+}
+
+// startMountEnv is startMount with env (KEY=VALUE) added to the daemon's
+// environment.
+func startMountEnv(t *testing.T, dir, mode string, extraArgs, env []string, mustStart bool) *mount {
 	t.Helper()
 	requireEnvironment(t)
 	notStarted := func(format string, args ...any) {
@@ -329,6 +369,7 @@ func startMount(t *testing.T, dir, mode string, extraArgs []string, mustStart bo
 		dir:    dir,
 		mode:   mode,
 		args:   slices.Clone(extraArgs),
+		env:    slices.Clone(env),
 		stderr: &lockedBuffer{},
 		stdout: &lineWatcher{ready: make(chan string, 1)},
 		exited: make(chan struct{}),
@@ -336,6 +377,9 @@ func startMount(t *testing.T, dir, mode string, extraArgs []string, mustStart bo
 	before := mountSet()
 
 	m.cmd = exec.Command(tensorfs, args...)
+	if len(env) > 0 {
+		m.cmd.Env = append(os.Environ(), env...)
+	}
 	m.cmd.Stdout = m.stdout
 	m.cmd.Stderr = m.stderr
 	m.cmd.WaitDelay = 5 * time.Second // a helper holding our pipes cannot hang Wait

@@ -248,7 +248,7 @@ func libcMapped(t *testing.T, m *mount) (*mapChild, *mapPair, string) {
 // descriptor, checks one reference of the child, ends the mappings with
 // end and checks that the segments are free.
 func testMapping(t *testing.T, setup func(t *testing.T, path string), mapIt, end string) {
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		c := startMapChild(t)
 		p := newMapPair(t, m, c, 4)
 		for _, path := range p.both() {

@@ -138,7 +138,7 @@ print(save_pretrained(sd, sys.argv[2], 120000), logits(m), json.dumps(sorted(sd)
 		t.Fatalf("the fixture has %d files, want 6 shards and an index", len(files))
 	}
 
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		dir := m.path("gpt")
 		if got := stOK(t, "import", filepath.Join(src, "model.safetensors.index.json"), dir); !strings.Contains(got, fmt.Sprintf("imported %d tensors", len(names))) || !strings.Contains(got, "6 files") {
 			t.Errorf("import said %q", got)

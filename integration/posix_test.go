@@ -44,7 +44,7 @@ func TestPosixSuite(t *testing.T) {
 	if len(names) == 0 {
 		t.Fatal("posixtest.All is empty")
 	}
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		var skipped []string
 		for _, name := range names {
 			dir := m.path("posix-" + name)

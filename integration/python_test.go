@@ -158,7 +158,7 @@ import numpy as np
 a = np.fromfile(sys.argv[1], dtype=np.float32)
 print("read", len(a), a[7], a[-1], a[1000], a[1999], a[2000])
 `
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		p := m.path("tensor.f32")
 		if out := strings.TrimSpace(python(t, writer, p, fmt.Sprint(n))); out != "wrote" {
 			t.Fatalf("writer said %q", out)
@@ -210,7 +210,7 @@ else:
     print("stored")
 sys.stdin.readline()
 `
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		p := m.path("concurrent.f32")
 		if err := os.WriteFile(p, make([]byte, n*4), 0o644); err != nil {
 			t.Fatal(err)

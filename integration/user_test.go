@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"bufio"
 	"context"
 	"os"
 	"os/exec"
@@ -73,4 +74,52 @@ func reachable(t *testing.T, path string) {
 // pyCommand returns a command running /usr/bin/python3 -c script args.
 func pyCommand(script string, args ...string) *exec.Cmd {
 	return exec.Command(systemPython, append([]string{"-c", script}, args...)...)
+}
+
+// runInGroups runs a command as uid with the supplementary groups given
+// and returns its combined output and error.
+func runInGroups(t *testing.T, uid int, groups []uint32, name string, args ...string) (string, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), commandTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(uid), Gid: uint32(uid), Groups: groups}}
+	cmd.Dir = "/"
+	cmd.WaitDelay = 5 * time.Second
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+// userDirs makes a directory for each of users A and B, owned by them.
+func userDirs(t *testing.T, m *mount) {
+	t.Helper()
+	reachable(t, m.dir)
+	for uid, dir := range map[int]string{userA: "a", userB: "b"} {
+		if err := os.Mkdir(m.path(dir), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chown(m.path(dir), uid, uid); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// h4Background starts script as uid with args, returns the first line it
+// prints, and ends it (closing its stdin) at cleanup.
+func h4Background(t *testing.T, uid int, script string, args ...string) string {
+	t.Helper()
+	cmd := asUser(pyCommand(script, args...), uid)
+	stdin, _ := cmd.StdinPipe()
+	stdout, _ := cmd.StdoutPipe()
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		stdin.Close()
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	line, _ := bufio.NewReader(stdout).ReadString('\n')
+	return strings.TrimSpace(line)
 }

@@ -3,8 +3,9 @@
 #
 # Installs what the tests need when it is missing, checks formatting and
 # go vet, runs every Go test with the race detector (the integration tests
-# mount the real binary, so this needs root and /dev/fuse), then the Python
-# client tests when python/tests exists. Exits non-zero on any failure.
+# mount the real binary, so this needs root and /dev/fuse) and, beside
+# them, the Python client tests when python/tests exists. Exits non-zero on
+# any failure.
 # Extra arguments go to `go test` (e.g. -run TestMountSmoke -v).
 set -euo pipefail
 
@@ -33,10 +34,54 @@ if ! command -v go >/dev/null 2>&1; then
 	exit 1
 fi
 
+# The phases that wait on the network (apt, the CUDA SDK's download) run in
+# the background from the start while the CPU-bound ones (gofmt, vet, the
+# race build) run, and the Python tests run beside go test. A background
+# phase's output goes to its log, printed when it is waited for; a failure
+# in any phase fails the script, after every phase has ended (none is
+# killed: apt is never stopped halfway).
+work=$(mktemp -d "${TMPDIR:-/tmp}/tensorfs-test.XXXXXX")
+declare -A pids=()
+failed=()
+trap 'finish_all; rm -rf "$work"' EXIT
+
+# start NAME CMD...: runs CMD in the background, its output into NAME's log.
+start() {
+	local name=$1
+	shift
+	"$@" >"$work/$name.log" 2>&1 &
+	pids[$name]=$!
+}
+
+# finish NAME: waits for the background phase NAME and prints its output;
+# a failure is recorded and returned.
+finish() {
+	local name=$1 rc=0
+	wait "${pids[$name]}" || rc=$?
+	unset "pids[$name]"
+	echo "== $name (background)"
+	cat "$work/$name.log"
+	if [ "$rc" -ne 0 ]; then
+		echo "test.sh: FAIL: $name (exit $rc)" >&2
+		failed+=("$name")
+	fi
+	return "$rc"
+}
+
+# finish_all finishes every background phase still running.
+finish_all() {
+	local name
+	for name in "${!pids[@]}"; do
+		finish "$name" || true
+	done
+}
+
 # Debian packages the tests use, installed only when one is missing.
 # python3-venv: the Python tests pip-install the client into a venv; acl:
-# the GPU counter tests compare ACLs with getfacl.
-packages=(fuse3 attr acl fio python3-numpy python3-torch python3-venv)
+# the GPU counter tests compare ACLs with getfacl; iproute2, openssl and
+# iperf3: the cluster test bed (scripts/cluster.sh, which would otherwise
+# install them in the middle of TestCluster).
+packages=(fuse3 attr acl fio python3-numpy python3-torch python3-venv iproute2 openssl iperf3)
 command -v gcc >/dev/null 2>&1 || packages+=(gcc libc6-dev) # go test -race needs cgo
 missing=()
 for p in "${packages[@]}"; do
@@ -44,17 +89,66 @@ for p in "${packages[@]}"; do
 		missing+=("$p")
 	fi
 done
-if [ "${#missing[@]}" -gt 0 ]; then
+
+# apt_install installs the packages (all of them, so that none is left at an
+# old version beside a new dependency).
+apt_install() {
 	echo "test.sh: installing ${missing[*]}"
 	apt-get update -q
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${packages[@]}"
-fi
+}
 
 # Integration tests fail instead of skipping when they cannot mount.
 export TENSORFS_STRICT="${TENSORFS_STRICT:-1}"
 # Race-built test binaries and daemons report races without sleeping a
 # second at every exit.
 export GORACE="${GORACE:+$GORACE }atexit_sleep_ms=0"
+
+# The cuda backend (gpu/cuda, -tags cuda) cannot run here, but it must vet
+# and build: scripts/cuda-sdk.sh fetches CUDA's headers and libcuda stub from
+# Debian once (about 800 MB, a minute or two) into its cache
+# ($TENSORFS_CUDA_SDK, else $HOME/.cache/tensorfs/cuda-sdk) and reuses it
+# after. The step is required: without the SDK it fails, unless
+# TENSORFS_STRICT=0 outside CI, which skips it with a warning. A subshell,
+# so that its CGO flags do not reach the other steps.
+cuda_build() (
+	if ! sdk_env=$(scripts/cuda-sdk.sh); then
+		echo "test.sh: scripts/cuda-sdk.sh could not provide the CUDA SDK (headers and libcuda.so stub)," >&2
+		echo "  which it downloads from this machine's Debian archive (non-free nvidia-cuda-dev) into" >&2
+		echo "  ${TENSORFS_CUDA_SDK:-\$HOME/.cache/tensorfs/cuda-sdk}; see its messages above." >&2
+		echo "  Without network access to the Debian mirrors, fill that cache on a machine that has it." >&2
+		if [ "${CI:-}" = "true" ] || [ "$TENSORFS_STRICT" = "1" ]; then
+			echo "test.sh: FAIL: the -tags cuda vet and build are required (CI=${CI:-} TENSORFS_STRICT=$TENSORFS_STRICT)" >&2
+			exit 1
+		fi
+		echo "test.sh: WARNING: skipping the -tags cuda vet and build (TENSORFS_STRICT=0, not CI)" >&2
+		exit 0
+	fi
+	eval "$sdk_env"
+	go vet -tags cuda ./gpu/...
+	go build -tags cuda -o /dev/null ./gpu/cmd/tensorfs-gpu
+	go test -c -tags cuda -o /dev/null ./gpu/cuda/
+)
+
+# python_tests runs the Python client's tests with the system python3.
+python_tests() (
+	cd python
+	rc=0
+	PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" /usr/bin/python3 -m unittest discover -s tests -v || rc=$?
+	if [ "$rc" -eq 5 ]; then
+		rc=0 # Python >= 3.12: no tests found
+	fi
+	exit "$rc"
+)
+
+if [ "${#missing[@]}" -gt 0 ]; then
+	if command -v gcc >/dev/null 2>&1; then
+		start apt apt_install
+	else
+		apt_install # the Go steps below need gcc (cgo)
+	fi
+fi
+start cuda cuda_build # go vet/build -tags cuda
 
 echo "== gofmt"
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
@@ -84,46 +178,28 @@ for tags in "" cuda; do
 	fi
 done
 
-# The cuda backend (gpu/cuda, -tags cuda) cannot run here, but it must vet
-# and build: scripts/cuda-sdk.sh fetches CUDA's headers and libcuda stub from
-# Debian once (about 800 MB, a minute or two) into its cache
-# ($TENSORFS_CUDA_SDK, else $HOME/.cache/tensorfs/cuda-sdk) and reuses it
-# after. The step is required: without the SDK it fails, unless
-# TENSORFS_STRICT=0 outside CI, which skips it with a warning. A subshell,
-# so that its CGO flags do not reach the other steps.
-echo "== go vet/build -tags cuda"
-(
-	if ! sdk_env=$(scripts/cuda-sdk.sh); then
-		echo "test.sh: scripts/cuda-sdk.sh could not provide the CUDA SDK (headers and libcuda.so stub)," >&2
-		echo "  which it downloads from this machine's Debian archive (non-free nvidia-cuda-dev) into" >&2
-		echo "  ${TENSORFS_CUDA_SDK:-\$HOME/.cache/tensorfs/cuda-sdk}; see its messages above." >&2
-		echo "  Without network access to the Debian mirrors, fill that cache on a machine that has it." >&2
-		if [ "${CI:-}" = "true" ] || [ "$TENSORFS_STRICT" = "1" ]; then
-			echo "test.sh: FAIL: the -tags cuda vet and build are required (CI=${CI:-} TENSORFS_STRICT=$TENSORFS_STRICT)" >&2
-			exit 1
-		fi
-		echo "test.sh: WARNING: skipping the -tags cuda vet and build (TENSORFS_STRICT=0, not CI)" >&2
-		exit 0
-	fi
-	eval "$sdk_env"
-	go vet -tags cuda ./gpu/...
-	go build -tags cuda -o /dev/null ./gpu/cmd/tensorfs-gpu
-	go test -c -tags cuda -o /dev/null ./gpu/cuda/
-)
+# Compiled now, while apt may still be downloading: go test below then
+# only compiles the tests themselves and links.
+echo "== go build -race"
+go build -race ./...
+
+if [ -n "${pids[apt]:-}" ]; then
+	finish apt || exit 1 # every test below needs what it installs
+fi
+
+if [ -d python/tests ]; then
+	start python python_tests
+fi
 
 echo "== go test"
 # -parallel 4 (the default is one per CPU): the integration tests mostly
 # wait on daemons, python children and polls; on two CPUs, 4 ran them
 # faster than 2 or 8.
-go test -race -count=1 -timeout 30m -parallel 4 "$@" ./...
+go test -race -count=1 -timeout 30m -parallel 4 "$@" ./... || failed+=("go test")
 
-if [ -d python/tests ]; then
-	echo "== python tests"
-	rc=0
-	(cd python && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" /usr/bin/python3 -m unittest discover -s tests -v) || rc=$?
-	if [ "$rc" -eq 5 ]; then
-		rc=0 # Python >= 3.12: no tests found
-	fi
-	[ "$rc" -eq 0 ] || exit "$rc"
+finish_all
+if [ "${#failed[@]}" -gt 0 ]; then
+	echo "test.sh: FAIL: ${failed[*]}" >&2
+	exit 1
 fi
 echo "== all tests passed"

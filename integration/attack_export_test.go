@@ -1,12 +1,13 @@
 package integration
 
-// The fresh review's descriptor attacks (A4, A8): the control socket's
-// export and load hand a peer a new open file description with exactly
-// the access asked for and permitted. A read-only descriptor of a memfd,
+// Attacks on the descriptors the control socket's export and load hand
+// out (A4, A8, F1): each is a new open file description with exactly the
+// access asked for and permitted. A read-only descriptor of a memfd,
 // an imported one or the simulated GPU's device memory, cannot be opened
 // again for writing through /proc/self/fd by another user; a writable
 // export of device memory is a description of the peer's own, not the
-// daemon's (or its GPU helper's), and cannot change the memory's size.
+// daemon's (or its GPU helper's), and cannot change the memory's size;
+// another user's export of an imported segment is read-only.
 
 import (
 	"encoding/json"
@@ -260,6 +261,95 @@ func TestAttackDeviceExportWritable(t *testing.T) {
 		}
 		if b, err := os.ReadFile(host); err != nil || string(b) != "still serving" {
 			t.Errorf("host segment after the attack reads %q %v", b, err)
+		}
+	})
+}
+
+// exportScript (argv: socket, path, write) asks export and prints the
+// descriptor's access mode, whether a write through it worked, and the
+// first bytes.
+const exportScript = `
+import array, json, os, socket, sys
+sock, path, write = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sock)
+s.send(json.dumps({"v": 1, "op": "export", "path": path, "write": write}).encode())
+fds = array.array("i")
+msg, anc, _, _ = s.recvmsg(65536, socket.CMSG_SPACE(4 * fds.itemsize))
+for level, kind, data in anc:
+    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+reply = json.loads(msg)
+if not fds:
+    print(json.dumps({"ok": False, "errno": reply.get("errno")}))
+    sys.exit()
+fd = fds[0]
+acc = os.O_ACCMODE & __import__("fcntl").fcntl(fd, __import__("fcntl").F_GETFL)
+try:
+    os.pwrite(fd, b"HACKED", 0)
+    wrote = True
+except OSError:
+    wrote = False
+print(json.dumps({"ok": True, "rdonly": acc == os.O_RDONLY, "wrote": wrote, "head": os.pread(fd, 8, 0).decode()}))
+`
+
+// keepFDDir makes rel, a KEEPFD directory of uid's that everyone may
+// search and list, as uid, and returns its path.
+func keepFDDir(t *testing.T, m *mount, uid int, rel string) string {
+	t.Helper()
+	p := m.path(rel)
+	if out, err := runAs(t, uid, "/", "sh", "-c", "mkdir "+p+" && chmod 755 "+p+" && setfattr -n user.tensorfs.flags -v KEEPFD "+p); err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	return p
+}
+
+// TestAttackExportImported (F1): another user's export of a KEEPFD
+// segment that its publisher imported (0444) is a new read-only open of
+// the publisher's memfd: no write through it reaches the publisher's
+// tensor, and asking for write is refused.
+func TestAttackExportImported(t *testing.T) {
+	t.Parallel()
+	forEachModeOnce(t, func(t *testing.T, mode string) {
+		m := attackMount(t, mode, true)
+		sock := controlSocket(t, m)
+		keepFDDir(t, m, userB, "shared/pub")
+		// userB publishes a memfd and keeps it, to check its bytes later.
+		b := startPythonAs(t, userB, "publisher", `
+import array, json, os, socket, sys
+fd = os.memfd_create("weights")
+os.write(fd, b"WEIGHTS!" * 4)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sys.argv[1])
+s.sendmsg([json.dumps({"v": 1, "op": "import", "path": "shared/pub/w"}).encode()],
+          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+print(s.recv(65536).decode(), flush=True)
+sys.stdin.readline()
+print(os.pread(fd, 8, 0).decode(), flush=True)
+`, sock)
+		if r := b.next(t); !strings.Contains(r, `"ok": true`) && !strings.Contains(r, `"ok":true`) {
+			t.Fatalf("publish: %s", r)
+		}
+		var got struct {
+			OK     bool
+			Errno  int
+			Rdonly bool
+			Wrote  bool
+			Head   string
+		}
+		out := pythonAs(t, userA, "/", exportScript, sock, "shared/pub/w", "0")
+		if err := json.Unmarshal([]byte(out), &got); err != nil || !got.OK {
+			t.Fatalf("read-only export by uid %d: %q (%v)", userA, out, err)
+		}
+		if !got.Rdonly || got.Wrote || got.Head != "WEIGHTS!" {
+			t.Errorf("export of another user's import: %+v; want a read-only descriptor that reads WEIGHTS! and takes no write", got)
+		}
+		out = pythonAs(t, userA, "/", exportScript, sock, "shared/pub/w", "1")
+		if json.Unmarshal([]byte(out), &got) != nil || got.OK || got.Errno != int(syscall.EACCES) && got.Errno != int(syscall.EPERM) {
+			t.Errorf("export with write of a 0444 import: %s, want EACCES or EPERM", out)
+		}
+		b.send(t, "")
+		if head := b.next(t); head != "WEIGHTS!" {
+			t.Errorf("the publisher's memfd reads %q after the exports, want WEIGHTS!", head)
 		}
 	})
 }

@@ -1,6 +1,6 @@
 package integration
 
-// Fresh attacks on the control socket by unprivileged users (DESIGN.md
+// Attacks that stall the control socket, by unprivileged users (DESIGN.md
 // §9): wedging every collective with a descriptor whose close blocks (A2),
 // and filling the socket's totals so that root is refused (A5).
 

@@ -1,12 +1,14 @@
 package integration
 
-// The fresh review's finding A11: the control socket's export and load
-// hand a peer a descriptor of the backing file itself, on which the
-// kernel lets every writer set user.* attributes directly. The daemon's
-// own state (flags, device) is out of their reach, and the tensor
-// attributes a writer may forge there are checked whenever the daemon
-// reads them: a restart on the same backing keeps the owner's segment,
-// its flags and device, and serves no value the mount would refuse.
+// Attacks on a segment's flags and tensor attributes. A user who may
+// write another's segment may not set its flags (A10). The control
+// socket's export and load hand a peer a descriptor of the backing file
+// itself, on which the kernel lets every writer set user.* attributes
+// directly (A11). The daemon's own state (flags, device) is out of their
+// reach, and the tensor attributes a writer may forge there are checked
+// whenever the daemon reads them: a restart on the same backing keeps the
+// owner's segment, its flags and device, and serves no value the mount
+// would refuse.
 
 import (
 	"encoding/json"
@@ -200,6 +202,41 @@ func TestAttackForgedDtype(t *testing.T) {
 		}
 		if log := m.stderr.String(); !strings.Contains(log, "user.tensor.dtype") {
 			t.Errorf("the daemon logged nothing about the forged dtype:\n%s", tail(log))
+		}
+	})
+}
+
+// TestAttackFlagsByWriter (A10): a user who may write another user's 0666
+// segment in the sticky shared directory may not set or remove its flags:
+// UNLINK would have the daemon remove, as root, a name the user may not.
+func TestAttackFlagsByWriter(t *testing.T) {
+	t.Parallel()
+	forEachModeOnce(t, func(t *testing.T, mode string) {
+		m := attackMount(t, mode, true)
+		victim := m.path("shared/vict")
+		if out, err := runAs(t, userB, "/", "sh", "-c", "touch "+victim+" && chmod 666 "+victim); err != nil {
+			t.Fatalf("%v\n%s", err, out)
+		}
+		script := "setfattr -n user.tensorfs.flags -v UNLINK " + victim + "; echo $?; " +
+			"setfattr -x user.tensorfs.flags " + victim + "; echo $?; " +
+			"cat " + victim + "; rm -f " + victim + "; echo $?"
+		out, _ := runAs(t, userA, "/", "sh", "-c", script)
+		if codes := strings.Fields(out); len(codes) < 3 || codes[0] == "0" || codes[1] == "0" {
+			t.Errorf("uid %d set or removed the flags of uid %d's segment: %q (want both refused)", userA, userB, out)
+		}
+		fi, err := os.Stat(victim)
+		if err != nil {
+			t.Fatalf("the victim's segment is gone: %v", err)
+		}
+		if st := fi.Sys().(*syscall.Stat_t); st.Uid != userB {
+			t.Errorf("%s is uid %d's now, want uid %d's", victim, st.Uid, userB)
+		}
+		if v, _ := getxattr(victim, "user.tensorfs.flags"); strings.Contains(string(v), "UNLINK") {
+			t.Errorf("the victim's flags: %q", v)
+		}
+		// Its owner still may.
+		if out, err := runAs(t, userB, "/", "setfattr", "-n", "user.tensorfs.flags", "-v", "UNLINK", victim); err != nil {
+			t.Errorf("the owner sets UNLINK on its own segment: %v\n%s", err, out)
 		}
 	})
 }
