@@ -17,6 +17,9 @@ var (
 	// directory another uid published: only that uid, or root, may
 	// change it.
 	ErrNotPublisher = errors.New("published by another uid")
+	// ErrTooLarge is returned for an entry whose encoding would exceed
+	// what one etcd value of a manifest may take (its attributes).
+	ErrTooLarge = errors.New("entry too large to publish")
 	// ErrCorrupt is returned when what etcd holds does not match its
 	// content address, or a version is incomplete.
 	ErrCorrupt = errors.New("corrupt manifest")

@@ -79,7 +79,7 @@ func (n *Node) Publish(ctx context.Context, dir string, local []LocalEntry, opts
 			return DirInfo{}, fmt.Errorf("%w: %s: file %q has no data", ErrInvalid, dir, e.Path)
 		}
 		if err := e.check(); err != nil {
-			return DirInfo{}, fmt.Errorf("%w: %s: %v", ErrInvalid, dir, err)
+			return DirInfo{}, fmt.Errorf("%w: %s: %w", ErrInvalid, dir, err)
 		}
 		entries[i] = *e
 	}
@@ -193,10 +193,16 @@ func mayChange(cur DirInfo, published bool, uid uint32) error {
 
 // publish writes a version's keys (ops), then the publisher's holder
 // keys, and swaps dir to it, deleting the versions it no longer keeps in
-// the same transaction; a publish refused at the swap deletes the keys
-// it wrote. Keys deleted meanwhile by a swap that dropped the same
-// version are written again.
-func (n *Node) publish(ctx context.Context, dir, vid string, h versionHeader, ops []clientv3.Op, opts PublishOptions) (DirInfo, error) {
+// the same transaction; a publish that fails after its first write
+// (refused at the swap, or etcd failing part way) deletes the keys it
+// wrote, unless a directory names the version. Keys deleted meanwhile by
+// a swap that dropped the same version are written again.
+func (n *Node) publish(ctx context.Context, dir, vid string, h versionHeader, ops []clientv3.Op, opts PublishOptions) (_ DirInfo, err error) {
+	defer func() {
+		if err != nil {
+			n.discard(n.ctx, vid) // even when ctx has ended
+		}
+	}()
 	if err := n.putAll(ctx, ops); err != nil {
 		return DirInfo{}, err
 	}
@@ -219,7 +225,6 @@ func (n *Node) publish(ctx context.Context, dir, vid string, h versionHeader, op
 		}
 		info, dropped, err := n.admit(ns, dir, vid, h, opts)
 		if err != nil {
-			n.discard(ctx, vid)
 			return DirInfo{}, err
 		}
 		value, _ := json.Marshal(info)
@@ -235,7 +240,7 @@ func (n *Node) publish(ctx context.Context, dir, vid string, h versionHeader, op
 }
 
 // discard deletes the keys of version vid, written by a publish that
-// was then refused, unless a directory keeps it.
+// then failed, unless a directory keeps it.
 func (n *Node) discard(ctx context.Context, vid string) {
 	for {
 		ns, err := n.readNamespace(ctx)

@@ -73,3 +73,30 @@ func TestPublishOthersDir(t *testing.T) {
 		t.Fatalf("root's unpublish: %v", err)
 	}
 }
+
+// TestPublishEntryTooLarge: an entry whose attributes would make an etcd
+// value larger than a manifest takes is refused (ErrTooLarge, naming the
+// file and its attribute bytes) before anything is written.
+func TestPublishEntryTooLarge(t *testing.T) {
+	tc := newTestCluster(t)
+	a := tc.join(tc.config("node-a"))
+	ctx := context.Background()
+	keys, bytes := manifestKeys(t, a)
+	small, big := fileEntry("a", []byte("a")), fileEntry("z", []byte("z"))
+	big.Xattrs = map[string][]byte{}
+	for i := range 3 {
+		big.Xattrs[fmt.Sprintf("user.x%d", i)] = randomBytes(t, maxXattrValue)
+	}
+	_, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), small, big}, PublishOptions{UID: 1000})
+	if !errors.Is(err, ErrTooLarge) || !strings.Contains(err.Error(), `"z"`) || !strings.Contains(err.Error(), fmt.Sprint(3*(maxXattrValue+len("user.x0")))) {
+		t.Fatalf("publish of an entry with %d bytes of attributes: %v, want ErrTooLarge naming it and its bytes", 3*maxXattrValue, err)
+	}
+	if k, b := manifestKeys(t, a); k != keys || b != bytes {
+		t.Errorf("the refused publish left %d keys of %d bytes in etcd, were %d of %d", k, b, keys, bytes)
+	}
+	// At the bound, it is published.
+	big.Xattrs = map[string][]byte{"user.x": randomBytes(t, maxXattrValue), "user.y": randomBytes(t, maxXattrBytes-maxXattrValue-2*len("user.x"))}
+	if _, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), small, big}, PublishOptions{UID: 1000}); err != nil {
+		t.Fatalf("publish of an entry of %d bytes of attributes: %v", maxXattrBytes, err)
+	}
+}
