@@ -207,7 +207,7 @@ func TestRepublish(t *testing.T) {
 	if pr := p2.Progress(); pr.ByPeer["node-a"] != int64(len(changed)) || pr.Bytes != pr.Total {
 		t.Fatalf("second pull %+v: want only the changed file fetched", pr)
 	}
-	if err := b.Unpublish(ctx, "m"); err != nil {
+	if err := b.Unpublish(ctx, "m", 0); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := a.Lookup(ctx, "m"); !errors.Is(err, ErrNotPublished) {

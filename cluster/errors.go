@@ -13,6 +13,13 @@ var (
 	ErrNotPublished = errors.New("not published")
 	// ErrInvalid is returned for a bad name or a bad entry to publish.
 	ErrInvalid = errors.New("invalid")
+	// ErrNotPublisher is returned for a publish or unpublish of a
+	// directory another uid published: only that uid, or root, may
+	// change it.
+	ErrNotPublisher = errors.New("published by another uid")
+	// ErrTooLarge is returned for an entry whose encoding would exceed
+	// what one etcd value of a manifest may take (its attributes).
+	ErrTooLarge = errors.New("entry too large to publish")
 	// ErrCorrupt is returned when what etcd holds does not match its
 	// content address, or a version is incomplete.
 	ErrCorrupt = errors.New("corrupt manifest")

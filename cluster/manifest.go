@@ -26,11 +26,15 @@ const (
 	MaxPieces        = 16384
 )
 
-// Limits on what a manifest may carry (those of Linux xattrs and paths).
+// Limits on what a manifest may carry (those of Linux xattrs and paths,
+// and, for all of one entry's attributes together, maxXattrBytes: an
+// entry is one etcd value, base64 makes them a third larger, and etcd
+// refuses requests over 1.5 MiB).
 const (
 	maxXattrName  = 255
 	maxXattrValue = 64 << 10
 	maxXattrs     = 256
+	maxXattrBytes = 128 << 10
 	maxPath       = 4096
 )
 
@@ -262,7 +266,9 @@ func (e *Entry) check() error {
 	if len(e.Xattrs) > maxXattrs {
 		return fmt.Errorf("%q: %d xattrs, more than %d", e.Path, len(e.Xattrs), maxXattrs)
 	}
+	total := 0
 	for name, v := range e.Xattrs {
+		total += len(name) + len(v)
 		if !strings.HasPrefix(name, "user.") || len(name) > maxXattrName || strings.HasPrefix(name, "user.tensorfs.") ||
 			alloc.TensorAttr(name) || strings.IndexByte(name, 0) >= 0 {
 			return fmt.Errorf("%q: xattr %q is not a user.* name a manifest carries", e.Path, name)
@@ -270,6 +276,9 @@ func (e *Entry) check() error {
 		if len(v) > maxXattrValue {
 			return fmt.Errorf("%q: xattr %q: %d bytes, more than %d", e.Path, name, len(v), maxXattrValue)
 		}
+	}
+	if total > maxXattrBytes {
+		return fmt.Errorf("%w: %q: %d xattrs of %d bytes (names and values), more than the %d one published entry carries", ErrTooLarge, e.Path, len(e.Xattrs), total, maxXattrBytes)
 	}
 	return nil
 }

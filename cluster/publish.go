@@ -79,7 +79,7 @@ func (n *Node) Publish(ctx context.Context, dir string, local []LocalEntry, opts
 			return DirInfo{}, fmt.Errorf("%w: %s: file %q has no data", ErrInvalid, dir, e.Path)
 		}
 		if err := e.check(); err != nil {
-			return DirInfo{}, fmt.Errorf("%w: %s: %v", ErrInvalid, dir, err)
+			return DirInfo{}, fmt.Errorf("%w: %s: %w", ErrInvalid, dir, err)
 		}
 		entries[i] = *e
 	}
@@ -162,12 +162,16 @@ func (n *Node) versionOps(vid string, entries []Entry, encoded [][]byte, content
 	return append([]clientv3.Op{clientv3.OpPut(n.keys.version(vid), string(header))}, ops...), h
 }
 
-// admit asks opts.Admit whether dir may become version vid (whose header
-// is h) on what ns read, and returns the record that makes it so and the
+// admit checks that opts.UID may change dir (mayChange) and asks
+// opts.Admit whether dir may become version vid (whose header is h) on
+// what ns read, and returns the record that makes it so and the
 // versions that record no longer keeps.
 func (n *Node) admit(ns *namespace, dir, vid string, h versionHeader, opts PublishOptions) (DirInfo, []string, error) {
-	cur := ns.dirs[dir]
+	cur, published := ns.dirs[dir]
 	cur.Dir = dir
+	if err := mayChange(cur, published, opts.UID); err != nil {
+		return DirInfo{}, nil, err
+	}
 	next, dropped := successor(cur, vid, cmp.Or(opts.Keep, DefaultKeep))
 	next.UID, next.Publisher, next.Time = opts.UID, n.cfg.Node, time.Now().UTC()
 	if opts.Admit == nil {
@@ -177,12 +181,28 @@ func (n *Node) admit(ns *namespace, dir, vid string, h versionHeader, opts Publi
 	return next, dropped, opts.Admit(ns.usages(), ns.usage(cur), ns.usage(next))
 }
 
+// mayChange refuses a change of the directory cur by uid unless it is not
+// published, uid published it, or uid is root: ErrNotPublisher, naming
+// the publisher.
+func mayChange(cur DirInfo, published bool, uid uint32) error {
+	if !published || uid == 0 || uid == cur.UID {
+		return nil
+	}
+	return fmt.Errorf("%w: %s is published by uid %d: only that uid, or root, may publish a new version of it or unpublish it (uid %d asked)", ErrNotPublisher, cur.Dir, cur.UID, uid)
+}
+
 // publish writes a version's keys (ops), then the publisher's holder
 // keys, and swaps dir to it, deleting the versions it no longer keeps in
-// the same transaction; a publish refused at the swap deletes the keys
-// it wrote. Keys deleted meanwhile by a swap that dropped the same
-// version are written again.
-func (n *Node) publish(ctx context.Context, dir, vid string, h versionHeader, ops []clientv3.Op, opts PublishOptions) (DirInfo, error) {
+// the same transaction; a publish that fails after its first write
+// (refused at the swap, or etcd failing part way) deletes the keys it
+// wrote, unless a directory names the version. Keys deleted meanwhile by
+// a swap that dropped the same version are written again.
+func (n *Node) publish(ctx context.Context, dir, vid string, h versionHeader, ops []clientv3.Op, opts PublishOptions) (_ DirInfo, err error) {
+	defer func() {
+		if err != nil {
+			n.discard(n.ctx, vid) // even when ctx has ended
+		}
+	}()
 	if err := n.putAll(ctx, ops); err != nil {
 		return DirInfo{}, err
 	}
@@ -205,7 +225,6 @@ func (n *Node) publish(ctx context.Context, dir, vid string, h versionHeader, op
 		}
 		info, dropped, err := n.admit(ns, dir, vid, h, opts)
 		if err != nil {
-			n.discard(ctx, vid)
 			return DirInfo{}, err
 		}
 		value, _ := json.Marshal(info)
@@ -221,7 +240,7 @@ func (n *Node) publish(ctx context.Context, dir, vid string, h versionHeader, op
 }
 
 // discard deletes the keys of version vid, written by a publish that
-// was then refused, unless a directory keeps it.
+// then failed, unless a directory keeps it.
 func (n *Node) discard(ctx context.Context, vid string) {
 	for {
 		ns, err := n.readNamespace(ctx)
@@ -354,10 +373,11 @@ func (n *Node) Dirs(ctx context.Context) ([]DirInfo, int64, error) {
 	return out, resp.Header.Revision, nil
 }
 
-// Unpublish removes a directory from the cluster's namespace, and its
-// versions with it unless another directory keeps them. Every node keeps
-// serving what it holds until it drops it.
-func (n *Node) Unpublish(ctx context.Context, dir string) error {
+// Unpublish removes a directory from the cluster's namespace for uid, and
+// its versions with it unless another directory keeps them: only its
+// publisher or root may (ErrNotPublisher). Every node keeps serving what
+// it holds until it drops it.
+func (n *Node) Unpublish(ctx context.Context, dir string, uid uint32) error {
 	if err := CheckDir(dir); err != nil {
 		return err
 	}
@@ -369,6 +389,9 @@ func (n *Node) Unpublish(ctx context.Context, dir string) error {
 		cur, ok := ns.dirs[dir]
 		if !ok {
 			return fmt.Errorf("cluster: %s: %w", dir, ErrNotPublished)
+		}
+		if err := mayChange(cur, true, uid); err != nil {
+			return err
 		}
 		ok, err = n.swap(ctx, ns, dir, []clientv3.Op{clientv3.OpDelete(n.keys.dir(dir))}, cur.versions())
 		if err != nil {

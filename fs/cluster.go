@@ -212,12 +212,9 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 	if err != nil {
 		return err
 	}
-	dirs := map[string]int{".": top}
-	defer func() {
-		for _, fd := range dirs {
-			unix.Close(fd)
-		}
-	}()
+	defer unix.Close(top)
+	dirs := newDirCache(top)
+	defer dirs.close()
 	want := map[string]bool{}
 	var failed error
 	for i := range v.Entries {
@@ -226,18 +223,18 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 		if e.Path == "." {
 			continue
 		}
-		pfd, ok := dirs[path.Dir(e.Path)]
-		if !ok {
-			continue // its directory could not be made
-		}
 		rel := info.Dir + "/" + e.Path
-		var err error
-		if e.IsDir() {
+		pfd, err := dirs.get(path.Dir(e.Path))
+		switch {
+		case errors.Is(err, errNotMade):
+			continue // its directory could not be made
+		case err != nil:
+		case e.IsDir():
 			var fd int
 			if fd, err = c.makeDir(pfd, path.Base(e.Path), rel, info.Dir); err == nil {
-				dirs[e.Path] = fd
+				err = dirs.put(e.Path, fd)
 			}
-		} else {
+		default:
 			err = c.makeFile(pfd, path.Base(e.Path), rel, e)
 		}
 		var cf *conflict
@@ -253,10 +250,15 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 	// while their names are made.
 	for i := len(v.Entries) - 1; i >= 0; i-- {
 		e := &v.Entries[i]
-		if fd, ok := dirs[e.Path]; ok && e.IsDir() {
-			if err := applyEntry(alloc.FdPath(fd), e); err != nil {
-				failed = cmpErr(failed, fmt.Errorf("%s: %w", alloc.EscapeText(info.Dir+"/"+e.Path), err))
-			}
+		if !e.IsDir() {
+			continue
+		}
+		fd, err := dirs.get(e.Path)
+		if err == nil {
+			err = applyEntry(alloc.FdPath(fd), e)
+		}
+		if err != nil && !errors.Is(err, errNotMade) {
+			failed = cmpErr(failed, fmt.Errorf("%s: %w", alloc.EscapeText(info.Dir+"/"+e.Path), err))
 		}
 	}
 	rec, _ := json.Marshal(dirRecord{Version: v.ID, Publisher: info.Publisher, UID: info.UID, Time: info.Time})
@@ -851,4 +853,103 @@ func (fsys *filesystem) clusterStats() map[string]any {
 	return map[string]any{"node": n.Name(), "addr": n.Addr(), "pulled_segments": fsys.pulled.n.Load(),
 		"pieces_served": st.PiecesServed, "bytes_served": st.BytesServed, "pieces_fetched": st.PiecesFetched,
 		"bytes_fetched": st.BytesFetched, "bad_pieces": st.BadPieces, "failed_fetches": st.FailedFetches}
+}
+
+// maxOpenDirs bounds the directories a version being made keeps open.
+const maxOpenDirs = 64
+
+// errNotMade is dirCache.get's answer for a directory of the version that
+// was not made (a conflict, or a failure already reported).
+var errNotMade = errors.New("directory not made")
+
+// dirCache is the directories of a version being made (materialize): the
+// inode of each made or found, by path in the published directory, and
+// at most maxOpenDirs of them open (O_PATH), the most recently used; the
+// others are reopened below the published directory when needed, without
+// following a symbolic link, and must still be the inode made.
+type dirCache struct {
+	top  int               // the published directory, "."; its caller's
+	inos map[string]uint64 // every directory made or found
+	open map[string]int    // the open ones
+	lru  []string          // the open ones' paths, least recently used first
+}
+
+// newDirCache returns the cache of the published directory open at top.
+func newDirCache(top int) *dirCache {
+	return &dirCache{top: top, inos: map[string]uint64{}, open: map[string]int{}}
+}
+
+// put records the directory rel, open at fd (which the cache now owns).
+func (d *dirCache) put(rel string, fd int) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return err
+	}
+	d.inos[rel] = st.Ino
+	d.keep(rel, fd)
+	return nil
+}
+
+// keep adds fd, open at rel, to the open ones, closing the least recently
+// used past maxOpenDirs.
+func (d *dirCache) keep(rel string, fd int) {
+	d.open[rel] = fd
+	d.lru = append(d.lru, rel)
+	if len(d.lru) > maxOpenDirs {
+		unix.Close(d.open[d.lru[0]])
+		delete(d.open, d.lru[0])
+		d.lru = d.lru[1:]
+	}
+}
+
+// get returns a descriptor of the directory rel, valid until the next
+// get or put: errNotMade if it was not made, ESTALE if another object is
+// at its path now.
+func (d *dirCache) get(rel string) (int, error) {
+	if rel == "." {
+		return d.top, nil
+	}
+	if fd, ok := d.open[rel]; ok {
+		i := slices.Index(d.lru, rel)
+		d.lru = append(slices.Delete(d.lru, i, i+1), rel)
+		return fd, nil
+	}
+	ino, ok := d.inos[rel]
+	if !ok {
+		return -1, errNotMade
+	}
+	fd, err := reopenDir(d.top, rel, ino)
+	if err != nil {
+		return -1, err
+	}
+	d.keep(rel, fd)
+	return fd, nil
+}
+
+// close closes the open directories.
+func (d *dirCache) close() {
+	for _, fd := range d.open {
+		unix.Close(fd)
+	}
+}
+
+// reopenDir opens (O_PATH) the directory rel below the directory open at
+// top, without following a symbolic link or leaving top, if it is still
+// the inode ino: ESTALE if another object is there now.
+func reopenDir(top int, rel string, ino uint64) (int, error) {
+	how := unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC, Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS}
+	fd, err := unix.Openat2(top, rel, &how)
+	if err != nil {
+		return -1, err
+	}
+	var st unix.Stat_t
+	if err = unix.Fstat(fd, &st); err == nil && st.Ino != ino {
+		err = fmt.Errorf("%w: replaced since it was made", unix.ESTALE)
+	}
+	if err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	return fd, nil
 }

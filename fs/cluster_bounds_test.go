@@ -231,7 +231,7 @@ func TestClusterRepublishCollects(t *testing.T) {
 			t.Errorf("publish %d: %d keys, %d bytes in etcd; the third left %d, %d: old versions or contents are kept", i+1, keys[i], sizes[i], keys[2], sizes[2])
 		}
 	}
-	if err := a.cl.node.Unpublish(context.Background(), "m"); err != nil {
+	if err := a.cl.node.Unpublish(context.Background(), "m", 0); err != nil {
 		t.Fatal(err)
 	}
 	if st := readEtcd(t, cli); st != (etcdState{}) {

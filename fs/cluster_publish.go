@@ -143,20 +143,13 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 // the directory published (its inode), reached without following a
 // symbolic link: the versions made here from then on may use them.
 func (c *clusterFS) markDirs(top int, dir string, objs []published) {
-	how := unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC, Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS}
 	for _, o := range objs {
 		if o.ino == 0 {
 			continue
 		}
-		fd, err := unix.Openat2(top, o.entry.Path, &how)
+		fd, err := reopenDir(top, o.entry.Path, o.ino)
 		if err == nil {
-			var st unix.Stat_t
-			if err = unix.Fstat(fd, &st); err == nil && st.Ino != o.ino {
-				err = fmt.Errorf("%w: replaced since it was published", unix.ESTALE)
-			}
-			if err == nil {
-				err = alloc.MarkMade(alloc.FdPath(fd), dir)
-			}
+			err = alloc.MarkMade(alloc.FdPath(fd), dir)
 			unix.Close(fd)
 		}
 		if err != nil {

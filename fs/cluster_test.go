@@ -821,7 +821,7 @@ func TestClusterRefusals(t *testing.T) {
 	expect("pull of a missing directory", err, syscall.ENOENT)
 
 	// Unpublished, the names stay.
-	if err := a.cl.node.Unpublish(context.Background(), "models/m"); err != nil {
+	if err := a.cl.node.Unpublish(context.Background(), "models/m", 0); err != nil {
 		t.Fatal(err)
 	}
 	eventually(t, "the unpublish seen", func() bool { return tc.logs.contains("directory unpublished") })

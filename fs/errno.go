@@ -39,6 +39,8 @@ var errnos = []struct {
 	{io.ErrUnexpectedEOF, syscall.EIO},
 	{cluster.ErrUnavailable, syscall.ETIMEDOUT}, // etcd did not answer in time
 	{cluster.ErrNotPublished, syscall.ENOENT},   // no such published directory or content
+	{cluster.ErrNotPublisher, syscall.EPERM},    // the directory is another uid's publish
+	{cluster.ErrTooLarge, syscall.E2BIG},        // an entry's attributes exceed what etcd takes
 	{cluster.ErrInvalid, syscall.EINVAL},        // a name or entry a publish refuses
 	{cluster.ErrCorrupt, syscall.EBADMSG},       // what etcd holds does not match its address
 	{cluster.ErrBadCopy, syscall.EIO},           // bytes held here fail their published hashes
