@@ -137,7 +137,7 @@ func newDevices(dev gpu.Device, store *alloc.Store, l *ledger.Ledger, handles *l
 		owners: l.Row(ledger.Spec{Name: "GPU consumer counters", Unit: "counter",
 			PerUID: maxCountersPerUID, Total: 16 * maxCountersPerUID, Over: syscall.EMFILE, Full: syscall.ENFILE}),
 		limboShare: l.Row(ledger.Spec{Name: "GPU device memory in limbo", Unit: "byte",
-			PerUID: capacity / 16, Total: capacity, Over: syscall.EDQUOT, Full: syscall.ENOSPC})}
+			PerUID: capacity / 16, Total: capacity, Over: syscall.ENOSPC, Full: syscall.ENOSPC})}
 	for _, f := range restore {
 		if err := d.restore(f); err != nil {
 			log.Warn("device segment not restored", "path", f.Name(), "err", err)

@@ -204,7 +204,7 @@ func TestDeviceCopyLeavesStatFree(t *testing.T) {
 // TestDeviceLimboCountsAllocation: a block in limbo and a live block's
 // backing reservation count what the device allocated for them (its
 // granularity), not the bytes asked; and a user's blocks in limbo stop at
-// her share of it: a truncate that would put one more there is EDQUOT
+// her share of it: a truncate that would put one more there is ENOSPC
 // and changes nothing.
 func TestDeviceLimboCountsAllocation(t *testing.T) {
 	if os.Geteuid() != 0 {
@@ -214,7 +214,7 @@ func TestDeviceLimboCountsAllocation(t *testing.T) {
 	testDevices(t, fsys)
 	g := fsys.gpu.dev.Granularity()
 	fsys.gpu.limboShare = ledger.New().Row(ledger.Spec{Name: "limbo", Unit: "byte", PerUID: 2 * g, Total: math.MaxInt64,
-		Over: syscall.EDQUOT, Full: syscall.ENOSPC})
+		Over: syscall.ENOSPC, Full: syscall.ENOSPC})
 	dir := mkdir(t, &fsys.root.dirNode, "g")
 	if errno := dir.Setxattr(callerCtx(0), alloc.AttrDevice, []byte("cuda:0"), 0); errno != 0 {
 		t.Fatalf("set the directory's device: %v", errno)
@@ -251,8 +251,8 @@ func TestDeviceLimboCountsAllocation(t *testing.T) {
 			t.Errorf("after %d rounds limbo counts %d bytes, want %d (%d allocations)", i, n, i*g, i)
 		}
 	}
-	if err := round(); !errors.Is(err, syscall.EDQUOT) {
-		t.Errorf("a third page into uid 1000's full share of limbo: %v, want EDQUOT", err)
+	if err := round(); !errors.Is(err, syscall.ENOSPC) {
+		t.Errorf("a third page into uid 1000's full share of limbo: %v, want ENOSPC", err)
 	}
 	if n := fsys.gpu.limboBytes.Load(); n != 2*g || seg.Size() != 4096 {
 		t.Errorf("after the refusal limbo counts %d bytes and the segment has %d, want %d and 4096", n, seg.Size(), 2*g)
