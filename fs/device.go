@@ -43,9 +43,14 @@ type devices struct {
 	handles *ledger.Row
 	// growMu serialises the reservations of growing segments with the
 	// free space they check; limboBytes is the device memory waiting in
-	// limbo, which that space must also hold.
+	// limbo, which that space must also hold. Both count what the device
+	// allocated (gpu.DeviceBytes), not what the blocks asked for.
 	growMu     sync.Mutex
 	limboBytes atomic.Int64
+	// limboShare bounds the device memory in limbo of each user (by the
+	// segment's owner when its block went there), so that no user's
+	// limbo takes the whole capacity.
+	limboShare *ledger.Row
 
 	// owners bounds the consumer counters the segments of each user hold
 	// (by the segment's owner when its counter was made), removed ones a
@@ -81,11 +86,14 @@ type devSeg struct {
 	// backing is the backing file, open for spilling; nil once removed.
 	backing *os.File
 	// reserved is how many bytes of the backing file's space are set
-	// aside for the spill (reserve).
+	// aside for the spill (reserve): the device memory block takes.
 	reserved int64
 	// uid owned the backing file when the segment was made; its open
 	// backing file is one of that user's descriptors (handles).
 	uid uint32
+	// limboUID owns the blocks the segment puts in limbo: its owner when
+	// it last grew or shrank to a new block, or was removed (limboShare).
+	limboUID uint32
 	// opens counts the open handles; atomic, so that the limbo can ask.
 	opens atomic.Int64
 
@@ -120,9 +128,16 @@ func newDevices(dev gpu.Device, store *alloc.Store, l *ledger.Ledger, handles *l
 		return nil, err
 	}
 	counters.SetLog(log)
+	var st unix.Statfs_t
+	if err := store.Statfs(&st); err != nil {
+		return nil, err
+	}
+	capacity := int64(st.Blocks) * st.Bsize
 	d := &devices{dev: dev, limbo: gpu.NewLimbo(dev), counters: counters, log: log, segs: map[uint64]*devSeg{}, stop: make(chan struct{}), store: store, handles: handles,
 		owners: l.Row(ledger.Spec{Name: "GPU consumer counters", Unit: "counter",
-			PerUID: maxCountersPerUID, Total: 16 * maxCountersPerUID, Over: syscall.EMFILE, Full: syscall.ENFILE})}
+			PerUID: maxCountersPerUID, Total: 16 * maxCountersPerUID, Over: syscall.EMFILE, Full: syscall.ENFILE}),
+		limboShare: l.Row(ledger.Spec{Name: "GPU device memory in limbo", Unit: "byte",
+			PerUID: capacity / 16, Total: capacity, Over: syscall.ENOSPC, Full: syscall.ENOSPC})}
 	for _, f := range restore {
 		if err := d.restore(f); err != nil {
 			log.Warn("device segment not restored", "path", f.Name(), "err", err)
@@ -164,7 +179,7 @@ func (d *devices) restore(f *os.File) error {
 		return err
 	}
 	seg.backing, seg.uid = f, st.Uid
-	if err := seg.reserve(ds.Size); err != nil {
+	if err := seg.reserve(gpu.DeviceBytes(d.dev, seg.block.Size)); err != nil {
 		d.log.Warn("device segment restored without backing space for its next spill: a clean unmount may lose it", "path", f.Name(), "bytes", ds.Size, "err", err)
 	}
 	if err := alloc.WriteDeviceState(p, alloc.DeviceState{Size: ds.Size}); err != nil {
@@ -228,18 +243,22 @@ func (d *devices) drop(seg *devSeg) {
 	d.mu.Unlock()
 	seg.mu.Lock()
 	defer seg.mu.Unlock()
+	seg.cmu.Lock()
+	seg.removed = true
+	seg.cmu.Unlock()
+	if uid, err := seg.owner(); err == nil {
+		seg.limboUID = uid
+	}
+	// Open handles keep using the block; limbo frees it only once none
+	// is open and no consumer counter refers to it. Limbo counts it before
+	// its reservation is given back, so that no growth finds its room free.
+	seg.retire(seg.block)
 	if err := seg.reserve(0); err != nil {
 		d.log.Warn("backing space set aside for a device segment not given back", "file", seg.backing.Name(), "err", err)
 	}
 	seg.backing.Close()
 	seg.backing = nil
 	d.handles.Give(seg.uid, 1)
-	seg.cmu.Lock()
-	seg.removed = true
-	seg.cmu.Unlock()
-	// Open handles keep using the block; limbo frees it only once none
-	// is open and no consumer counter refers to it.
-	seg.retire(seg.block)
 	seg.cmu.Lock()
 	seg.removeCounterLocked()
 	seg.cmu.Unlock()
@@ -298,7 +317,9 @@ func (seg *devSeg) spillLocked() error {
 }
 
 // retire puts a block that left its segment in limbo: it is freed once
-// the segment has no open handle and its consumer counter is zero.
+// the segment has no open handle and its consumer counter is zero. Limbo
+// counts the device memory the block takes, not its size, against
+// limboUID's share, whatever the bound (withReserve checks it first).
 func (seg *devSeg) retire(b gpu.Block) {
 	if b.Size == 0 {
 		return
@@ -306,14 +327,17 @@ func (seg *devSeg) retire(b gpu.Block) {
 	seg.cmu.Lock()
 	seg.retired++
 	seg.cmu.Unlock()
-	seg.d.limboBytes.Add(b.Size)
+	n, uid := gpu.DeviceBytes(seg.d.dev, b.Size), seg.limboUID
+	seg.d.limboBytes.Add(n)
+	seg.d.limboShare.Add(uid, n)
 	seg.d.limbo.Add(b, func() bool {
 		seg.cmu.Lock()
 		defer seg.cmu.Unlock()
 		if seg.opens.Load() > 0 || seg.counter != nil && seg.counter.Value() > 0 {
 			return true
 		}
-		seg.d.limboBytes.Add(-b.Size)
+		seg.d.limboBytes.Add(-n)
+		seg.d.limboShare.Give(uid, n)
 		seg.retired--
 		seg.removeCounterLocked()
 		return false
@@ -370,12 +394,10 @@ func (seg *devSeg) resize(size int64) error {
 	}
 	seg.mu.Lock()
 	defer seg.mu.Unlock()
-	return seg.withReserve(size, func() error {
-		if size >= seg.size.Load() && size <= seg.block.Size && size > 0 {
-			return seg.growInPlace(size)
-		}
-		return seg.realloc(size, size)
-	})
+	if size >= seg.size.Load() && size <= seg.block.Size && size > 0 {
+		return seg.growInPlace(size)
+	}
+	return seg.withReserve(size, func() error { return seg.realloc(size, size) })
 }
 
 // extend grows the segment to end for a write past its end. Capacity at
@@ -384,27 +406,59 @@ func (seg *devSeg) extend(end int64) error {
 	if end > alloc.MaxSegmentSize {
 		return fmt.Errorf("%w: %d bytes", alloc.ErrTooBig, end)
 	}
-	return seg.withReserve(end, func() error {
-		if end <= seg.block.Size {
-			return seg.growInPlace(end)
-		}
-		return seg.realloc(min(max(end, 2*seg.block.Size), alloc.MaxSegmentSize), end)
-	})
+	if end <= seg.block.Size {
+		return seg.growInPlace(end)
+	}
+	capacity := min(max(end, 2*seg.block.Size), alloc.MaxSegmentSize)
+	return seg.withReserve(capacity, func() error { return seg.realloc(capacity, end) })
 }
 
-// withReserve runs change, which sets the segment's size to size, with
-// the backing space for its spill set aside first when it grows, and
-// given back after when it shrinks or when change fails.
-func (seg *devSeg) withReserve(size int64, change func() error) error {
+// withReserve runs change, which moves the segment to a block of capacity
+// bytes (0: none), with room set aside first for the device memory the
+// new block takes: in the backing file (reserve), beside the old block's
+// when that is to wait in limbo (handedOut), since limbo takes its room
+// over; in limbo itself when the segment is removed. A block bound for
+// limbo is first charged to its owner's share of it (chargeLimbo), which
+// retire then charges again for as long as the block stays. After, the
+// reservation is what the segment's block takes; a failed change gives
+// back what it set aside.
+func (seg *devSeg) withReserve(capacity int64, change func() error) error {
+	d := seg.d
+	need := gpu.DeviceBytes(d.dev, capacity)
+	if seg.removed {
+		if need == 0 {
+			return change()
+		}
+		uncharge, err := d.chargeLimbo(seg.limboUID, need, true)
+		if err != nil {
+			return err
+		}
+		defer uncharge()
+		return change()
+	}
 	old := seg.reserved
-	if err := seg.reserve(max(size, old)); err != nil {
+	if seg.handedOut && seg.block.Size > 0 {
+		uid, err := seg.owner()
+		if err != nil {
+			return err
+		}
+		held := gpu.DeviceBytes(d.dev, seg.block.Size)
+		uncharge, err := d.chargeLimbo(uid, held, false)
+		if err != nil {
+			return err
+		}
+		defer uncharge()
+		seg.limboUID = uid
+		need += held
+	}
+	if err := seg.reserve(max(need, old)); err != nil {
 		return err
 	}
 	if err := change(); err != nil {
 		seg.reserve(old)
 		return err
 	}
-	return seg.reserve(size)
+	return seg.reserve(gpu.DeviceBytes(d.dev, seg.block.Size))
 }
 
 // reserve sets aside size bytes of the backing file's space for the
@@ -427,13 +481,9 @@ func (seg *devSeg) reserve(size int64) error {
 		d.growMu.Lock()
 		defer d.growMu.Unlock()
 		// With nothing in limbo, fallocate alone says whether it fits.
-		if limbo := d.limboBytes.Load(); limbo > 0 {
-			var st unix.Statfs_t
-			if err := d.store.Statfs(&st); err != nil {
+		if d.limboBytes.Load() > 0 {
+			if err := d.fitsLocked(size - seg.reserved); err != nil {
 				return err
-			}
-			if free := int64(st.Bavail) * st.Bsize; size-seg.reserved > free-limbo {
-				return fmt.Errorf("%w: %d bytes more do not fit: the backing has %d free, of which device memory waiting in limbo takes %d", alloc.ErrNoSpace, size-seg.reserved, free, limbo)
 			}
 		}
 		if err := unix.Fallocate(fd, unix.FALLOC_FL_KEEP_SIZE, seg.reserved, size-seg.reserved); err != nil {
@@ -453,6 +503,55 @@ func (seg *devSeg) reserve(size int64) error {
 	}
 	seg.reserved = size
 	return nil
+}
+
+// fitsLocked checks that n more bytes of device memory fit in the
+// backing's free space beside what limbo holds; growMu is held.
+func (d *devices) fitsLocked(n int64) error {
+	var st unix.Statfs_t
+	if err := d.store.Statfs(&st); err != nil {
+		return err
+	}
+	limbo := d.limboBytes.Load()
+	if free := int64(st.Bavail) * st.Bsize; n > free-limbo {
+		return fmt.Errorf("%w: %d bytes more do not fit: the backing has %d free, of which device memory waiting in limbo takes %d", alloc.ErrNoSpace, n, free, limbo)
+	}
+	return nil
+}
+
+// chargeLimbo charges n bytes of device memory bound for limbo to uid's
+// share of it and, when fit, counts them in limbo if they fit in the
+// backing beside it (a removed segment's new block, which has no backing
+// file to reserve in). The returned func takes the charge back.
+func (d *devices) chargeLimbo(uid uint32, n int64, fit bool) (uncharge func(), err error) {
+	d.growMu.Lock()
+	defer d.growMu.Unlock()
+	if fit {
+		if err := d.fitsLocked(n); err != nil {
+			return nil, err
+		}
+	}
+	if err := d.limboShare.Take(uid, n); err != nil {
+		return nil, fmt.Errorf("%d bytes of device memory bound for limbo: %w", n, err)
+	}
+	if fit {
+		d.limboBytes.Add(n)
+	}
+	return func() {
+		if fit {
+			d.limboBytes.Add(-n)
+		}
+		d.limboShare.Give(uid, n)
+	}, nil
+}
+
+// owner returns the uid that owns the segment's backing file now.
+func (seg *devSeg) owner() (uint32, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(seg.backing.Fd()), &st); err != nil {
+		return 0, err
+	}
+	return st.Uid, nil
 }
 
 // growInPlace grows the segment to size within its block, zeroing the
@@ -706,18 +805,27 @@ func (seg *devSeg) export() (*os.File, error) {
 		return nil, fmt.Errorf("%w: the segment has no device memory yet", alloc.ErrInvalid)
 	}
 	if !seg.exportable {
-		nb, err := seg.d.dev.AllocExportable(seg.size.Load())
-		if err != nil {
+		if err := seg.withReserve(seg.size.Load(), seg.moveExportable); err != nil {
 			return nil, err
 		}
-		if err := seg.copyPrefix(nb, seg.size.Load()); err != nil {
-			seg.d.dev.Free(nb)
-			return nil, err
-		}
-		seg.replace(nb)
-		seg.exportable = true
 	}
 	f, err := seg.d.dev.Export(seg.block)
 	seg.handedOut = seg.handedOut || err == nil
 	return f, err
+}
+
+// moveExportable moves the segment's bytes to an exportable block of its
+// size; the old block goes to limbo (replace).
+func (seg *devSeg) moveExportable() error {
+	nb, err := seg.d.dev.AllocExportable(seg.size.Load())
+	if err != nil {
+		return err
+	}
+	if err := seg.copyPrefix(nb, seg.size.Load()); err != nil {
+		seg.d.dev.Free(nb)
+		return err
+	}
+	seg.replace(nb)
+	seg.exportable = true
+	return nil
 }

@@ -15,6 +15,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/gpu"
+	"tensorfs/ledger"
 )
 
 // testDevices gives fsys a simulated device, as a mount with --gpu sim.
@@ -197,5 +198,63 @@ func TestDeviceCopyLeavesStatFree(t *testing.T) {
 	}
 	if err := <-done; err != nil {
 		t.Fatalf("the copy: %v", err)
+	}
+}
+
+// TestDeviceLimboCountsAllocation: a block in limbo and a live block's
+// backing reservation count what the device allocated for them (its
+// granularity), not the bytes asked; and a user's blocks in limbo stop at
+// her share of it: a truncate that would put one more there is ENOSPC
+// and changes nothing.
+func TestDeviceLimboCountsAllocation(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root: a segment of another user")
+	}
+	fsys := testFS(t)
+	testDevices(t, fsys)
+	g := fsys.gpu.dev.Granularity()
+	fsys.gpu.limboShare = ledger.New().Row(ledger.Spec{Name: "limbo", Unit: "byte", PerUID: 2 * g, Total: math.MaxInt64,
+		Over: syscall.ENOSPC, Full: syscall.ENOSPC})
+	dir := mkdir(t, &fsys.root.dirNode, "g")
+	if errno := dir.Setxattr(callerCtx(0), alloc.AttrDevice, []byte("cuda:0"), 0); errno != 0 {
+		t.Fatalf("set the directory's device: %v", errno)
+	}
+	var out fuse.EntryOut
+	ch, fh, _, errno := dir.Create(callerCtx(0), "s", unix.O_RDWR, 0o644, &out)
+	if errno != 0 {
+		t.Fatalf("create: %v", errno)
+	}
+	dir.AddChild("s", ch, false)
+	h := fh.(*deviceHandle)
+	defer h.Release(callerCtx(0)) // the open handle keeps limbo's blocks
+	seg := h.seg
+	if err := unix.Fchown(int(seg.backing.Fd()), 1000, 1000); err != nil {
+		t.Fatal(err)
+	}
+	round := func() error {
+		if err := seg.resize(4096); err != nil {
+			t.Fatalf("truncate to a page: %v", err)
+		}
+		if seg.reserved != gpu.DeviceBytes(fsys.gpu.dev, seg.block.Size) || seg.reserved < g {
+			t.Errorf("a page's backing reservation is %d bytes, want its allocation's %d", seg.reserved, gpu.DeviceBytes(fsys.gpu.dev, seg.block.Size))
+		}
+		if _, err := seg.ipc(); err != nil {
+			t.Fatal(err)
+		}
+		return seg.resize(0)
+	}
+	for i := int64(1); i <= 2; i++ {
+		if err := round(); err != nil {
+			t.Fatalf("round %d: %v", i, err)
+		}
+		if n := fsys.gpu.limboBytes.Load(); n != i*g {
+			t.Errorf("after %d rounds limbo counts %d bytes, want %d (%d allocations)", i, n, i*g, i)
+		}
+	}
+	if err := round(); !errors.Is(err, syscall.ENOSPC) {
+		t.Errorf("a third page into uid 1000's full share of limbo: %v, want ENOSPC", err)
+	}
+	if n := fsys.gpu.limboBytes.Load(); n != 2*g || seg.Size() != 4096 {
+		t.Errorf("after the refusal limbo counts %d bytes and the segment has %d, want %d and 4096", n, seg.Size(), 2*g)
 	}
 }

@@ -125,6 +125,7 @@ type remote struct {
 	exited        chan struct{}    // closed once the helper has exited and its output is read
 	state         *os.ProcessState // the helper's exit, set before exited is closed
 	name, backend string
+	granularity   int64      // the helper's device's, from its hello
 	slots         chan int64 // offsets of the free staging slots
 	timeouts      timeouts   // set at start; tests shorten them
 
@@ -208,8 +209,8 @@ func start(exe string, args []string, log *slog.Logger) (_ Device, err error) {
 }
 
 // hello makes and maps the staging area, a sealed memfd that the helper
-// maps too, sends it to the helper and waits for the helper's name and
-// backend.
+// maps too, sends it to the helper and waits for the helper's name,
+// backend and granularity.
 func (r *remote) hello() error {
 	size := int64(stagingSlot * stagingSlots)
 	fd, err := sealedMemfd("tensorfs-gpu-staging", size)
@@ -240,10 +241,10 @@ func (r *remote) hello() error {
 		return fmt.Errorf("%w: gpu helper: %v", ErrUnavailable, m.err())
 	}
 	name, backend, ok := strings.Cut(string(m.data), "\x00")
-	if !ok {
-		return fmt.Errorf("%w: %w: hello reply %q", ErrUnavailable, errProtocol, m.data)
+	if !ok || m.want(1) != nil || m.args[0] <= 0 || m.args[0]&(m.args[0]-1) != 0 {
+		return fmt.Errorf("%w: %w: hello reply %v %q", ErrUnavailable, errProtocol, m.args, m.data)
 	}
-	r.name, r.backend = name, backend
+	r.name, r.backend, r.granularity = name, backend, m.args[0]
 	return nil
 }
 
@@ -434,6 +435,9 @@ func (r *remote) callBlock(op uint8, b Block, args ...int64) (*message, error) {
 
 func (r *remote) Name() string    { return r.name }
 func (r *remote) Backend() string { return r.backend }
+
+// Granularity returns the helper's device's, as its hello said.
+func (r *remote) Granularity() int64 { return r.granularity }
 
 func (r *remote) Alloc(size int64) (Block, error) { return r.alloc(opAlloc, size) }
 

@@ -1,6 +1,10 @@
 package gpu
 
-import "os"
+import (
+	"os"
+
+	"tensorfs/gpu/internal/devmem"
+)
 
 // Device is one GPU, or its simulation. Methods are safe for concurrent use.
 //
@@ -15,6 +19,10 @@ type Device interface {
 	Name() string
 	// Backend is "cuda", "sim" or "none".
 	Backend() string
+	// Granularity is what every device allocation is rounded up to (a
+	// power of two; 2 MiB on current GPUs and for sim): a block of n bytes
+	// takes DeviceBytes(n) of device memory, not n.
+	Granularity() int64
 
 	// Alloc returns a zeroed block of size bytes (size > 0) in a device
 	// allocation of its own, never shared with another block: the IPC
@@ -72,6 +80,12 @@ type Device interface {
 	// Close frees every block and releases the device; a helper process
 	// exits. Later calls fail with ErrUnavailable.
 	Close() error
+}
+
+// DeviceBytes returns the device memory a block of size bytes takes on
+// dev: size rounded up to dev's granularity, 0 for no block.
+func DeviceBytes(dev Device, size int64) int64 {
+	return devmem.RoundUp(size, dev.Granularity())
 }
 
 // Block is a range of device memory handed out by a Device. It is a value:

@@ -164,6 +164,28 @@ func TestAllocFree(t *testing.T) {
 	})
 }
 
+// TestDeviceBytes: DeviceBytes says what a block really takes of the
+// device, the helper's granularity included: the growth of Stats'
+// DeviceBytes when the block is allocated, not the size asked.
+func TestDeviceBytes(t *testing.T) {
+	forEachDevice(t, func(t *testing.T, d Device) {
+		if g := d.Granularity(); g != simGranularity {
+			t.Errorf("Granularity = %d, want %d", g, simGranularity)
+		}
+		if n := DeviceBytes(d, 0); n != 0 {
+			t.Errorf("DeviceBytes(0) = %d, want 0", n)
+		}
+		for _, size := range []int64{1, 4096, simGranularity, simGranularity + 1, 5*simGranularity - 7} {
+			before := d.Stats().DeviceBytes
+			b := alloc(t, d, size)
+			if got, want := DeviceBytes(d, size), d.Stats().DeviceBytes-before; got != want || got < size {
+				t.Errorf("DeviceBytes(%d) = %d; the device allocated %d", size, got, want)
+			}
+			free(t, d, b)
+		}
+	})
+}
+
 // simAllocation opens the allocation that the sim IPC handle h names, as a
 // consumer would map it, and returns its bytes.
 func simAllocation(t *testing.T, h [64]byte) []byte {

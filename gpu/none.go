@@ -7,7 +7,7 @@ import (
 )
 
 // Unavailable returns a Device that serves nothing: its Name and Backend
-// are "none", Stats is zero, Close does nothing, and every other call fails
+// are "none", its Granularity 1, Stats is zero, Close does nothing, and every other call fails
 // with an error that wraps ErrUnavailable and says reason. It is what
 // `--gpu none` gets from Start, and what a daemon keeps when Start fails
 // (Unavailable(err)), so that GPU segments fail with one clear error while
@@ -23,6 +23,7 @@ type none struct{ err error }
 
 func (n none) Name() string                                       { return "none" }
 func (n none) Backend() string                                    { return "none" }
+func (n none) Granularity() int64                                 { return 1 }
 func (n none) Alloc(int64) (Block, error)                         { return Block{}, n.err }
 func (n none) AllocExportable(int64) (Block, error)               { return Block{}, n.err }
 func (n none) Free(Block) error                                   { return n.err }

@@ -28,10 +28,10 @@ import (
 // which CopyIn and CopyOut move their bytes (the socket carries only
 // offsets). CopyFromFile and CopyToFile carry the caller's file descriptor
 // and the reply to Export carries the exported one, as SCM_RIGHTS.
-const protoVersion = 2
+const protoVersion = 3
 
 const (
-	opHello           = 1 + iota // args: staging size; fd: staging memfd. reply data: name NUL backend
+	opHello           = 1 + iota // args: staging size; fd: staging memfd. reply args: granularity; data: name NUL backend
 	opAlloc                      // args: size. reply args: block id, size
 	opAllocExportable            // args: size. reply args: block id, size
 	opFree                       // args: block id, size

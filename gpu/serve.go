@@ -172,6 +172,7 @@ func serve(conn *net.UnixConn, dev Device, stall map[uint8]time.Duration) error 
 	if err != nil {
 		reply.setError(err)
 	} else {
+		reply.args = []int64{dev.Granularity()}
 		reply.data = []byte(dev.Name() + "\x00" + dev.Backend())
 	}
 	if serr := send(conn, reply, -1); err == nil {

@@ -77,7 +77,7 @@ func NewSim(index int, capacity int64) *Sim {
 // newMem makes a sealed memfd (sealedMemfd) of size bytes rounded up to
 // simGranularity; a new memfd reads as zeros.
 func (s *Sim) newMem(size int64, _ bool) (*simMem, int64, error) {
-	size = (size + simGranularity - 1) / simGranularity * simGranularity
+	size = devmem.RoundUp(size, simGranularity)
 	if size > s.capacity-s.used {
 		return nil, 0, fmt.Errorf("%w: %d bytes asked, %d of %d free", ErrOutOfMemory, size, s.capacity-s.used, s.capacity)
 	}
@@ -108,6 +108,9 @@ func (s *Sim) Name() string { return s.name }
 
 // Backend returns "sim".
 func (s *Sim) Backend() string { return "sim" }
+
+// Granularity returns 2 MiB, what sim allocations round up to.
+func (s *Sim) Granularity() int64 { return simGranularity }
 
 // Alloc implements Device.
 func (s *Sim) Alloc(size int64) (Block, error) {

@@ -270,7 +270,7 @@ func (d *cudaDevice) newMem(size int64, exportable bool) (*cudaMem, int64, error
 	if exportable {
 		g = d.granularity
 	}
-	m.size = (size + g - 1) / g * g
+	m.size = devmem.RoundUp(size, g)
 	err := d.run(func() error {
 		if exportable {
 			var ptr C.CUdeviceptr
@@ -362,6 +362,11 @@ func (d *cudaDevice) Name() string { return d.name }
 
 // Backend returns "cuda".
 func (d *cudaDevice) Backend() string { return "cuda" }
+
+// Granularity returns what allocations round up to: 2 MiB
+// (ipcGranularity), or the exportable memory's granularity if larger (both
+// are powers of two), so that DeviceBytes counts no block short.
+func (d *cudaDevice) Granularity() int64 { return max(ipcGranularity, d.granularity) }
 
 func (d *cudaDevice) Alloc(size int64) (gpu.Block, error) {
 	b, err := d.table.Alloc(size, false)

@@ -22,6 +22,11 @@ var (
 	ErrInvalid = errors.New("invalid argument")
 )
 
+// RoundUp returns size rounded up to a multiple of granularity (> 0).
+func RoundUp(size, granularity int64) int64 {
+	return (size + granularity - 1) / granularity * granularity
+}
+
 // Block is a block handed out by a Table: gpu.Block's fields.
 type Block struct {
 	ID   uint64
