@@ -266,9 +266,22 @@ func processMaps(pid uint32, read func(path string) error) error {
 	if err := read(dir + "/maps"); err != errNoMemory {
 		return err
 	}
+	// The kernel counts 2 links of /proc/PID/task and one per thread: 3
+	// is the leader alone (a kernel thread, or a process that exited), at
+	// the cost of a stat, not a listing.
+	var st unix.Stat_t
+	if err := unix.Stat(dir+"/task", &st); err != nil {
+		return err
+	}
+	if st.Nlink == 3 {
+		return unix.ESRCH
+	}
 	tids, err := threads(dir)
 	if err != nil {
 		return err
+	}
+	if len(tids) < 2 { // the leader alone, which starts no thread
+		return unix.ESRCH
 	}
 	for tid := range tids {
 		if tid == name {
