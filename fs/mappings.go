@@ -152,7 +152,7 @@ func (t *mapTable) fresh(ids []fileID, since time.Time, maxAge time.Duration) {
 }
 
 // scan indexes the mappings of every process but this one on t.devs.
-// Processes that exited meanwhile are left out, and so are those whose
+// Processes that exited meanwhile (every thread: processMaps) are left out, and so are those whose
 // maps the daemon may not read (leftOut). Any other failure (no
 // descriptor left, a lease in the way, an error of the kernel) sets
 // t.unseen: the scan saw only part of the machine.
@@ -199,9 +199,16 @@ func leftOut(err error) bool {
 
 // scanProcess adds the mappings of process pid on t.devs to t.pids.
 func (t *mapTable) scanProcess(pid uint32) error {
+	return processMaps(pid, func(path string) error { return t.scanMaps(pid, path) })
+}
+
+// scanMaps adds the mappings on t.devs that the maps file at path, of
+// process pid or one of its threads, shows to t.pids; errNoMemory when
+// the thread has no address space.
+func (t *mapTable) scanMaps(pid uint32, path string) error {
 	// O_NONBLOCK: a process's owner may lease its maps, and the scan must
 	// not wait for the lease to break (procfs.ReadFile).
-	fd, err := unix.Open("/proc/"+strconv.Itoa(int(pid))+"/maps", unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return err
 	}
@@ -216,17 +223,104 @@ func (t *mapTable) scanProcess(pid uint32) error {
 		}
 	}
 	if !t.noQuery {
-		err = queryMappings(fd, add)
-		if err != errNoQuery {
+		switch err = queryMappings(fd, add); err {
+		case errNoQuery:
+			t.noQuery = true
+		case unix.ESRCH:
+			return errNoMemory
+		default:
 			return err
 		}
-		t.noQuery = true
 	}
 	if err := t.read(fd); err != nil {
 		return err
 	}
+	if len(t.buf) == 0 {
+		return errNoMemory
+	}
 	forEachMapping(t.buf, add)
 	return nil
+}
+
+// errNoMemory is what a reader of a thread's maps (processMaps) answers
+// when the thread has no address space: it exited or is exiting (it let
+// go of its address space), or is the kernel's.
+var errNoMemory = errors.New("the thread has no address space")
+
+// errNewThreads is processMaps' answer when threads started in a process
+// whose leader exited while the daemon read its other threads.
+var errNewThreads = errors.New("its leader thread exited, and threads started while the daemon read the others")
+
+// processMaps calls read with the path of the maps of process pid: its
+// leader thread's, and while read answers errNoMemory (the leader exited
+// alone, a zombie whose maps are empty, and the address space is its
+// other threads'), each other thread's. It returns read's first other
+// answer; ESRCH when no thread had an address space (the process exited
+// or is exiting, or is the kernel's: a thread that lost its address space
+// never gets another), unless threads started meanwhile (a thread that
+// has one may start them): then errNewThreads, a process not seen.
+// The leader's pidfd, too, is readable only once every thread exited.
+func processMaps(pid uint32, read func(path string) error) error {
+	name := strconv.Itoa(int(pid))
+	dir := "/proc/" + name
+	if err := read(dir + "/maps"); err != errNoMemory {
+		return err
+	}
+	// The kernel counts 2 links of /proc/PID/task and one per thread: 3
+	// is the leader alone (a kernel thread, or a process that exited), at
+	// the cost of a stat, not a listing.
+	var st unix.Stat_t
+	if err := unix.Stat(dir+"/task", &st); err != nil {
+		return err
+	}
+	if st.Nlink == 3 {
+		return unix.ESRCH
+	}
+	tids, err := threads(dir)
+	if err != nil {
+		return err
+	}
+	if len(tids) < 2 { // the leader alone, which starts no thread
+		return unix.ESRCH
+	}
+	for tid := range tids {
+		if tid == name {
+			continue
+		}
+		err := read(dir + "/task/" + tid + "/maps")
+		if err != errNoMemory && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.ESRCH) {
+			return err
+		}
+	}
+	now, err := threads(dir)
+	if err != nil {
+		return err
+	}
+	for tid := range now {
+		if !tids[tid] {
+			return errNewThreads
+		}
+	}
+	return unix.ESRCH
+}
+
+// threads returns the thread ids of the process whose /proc directory is
+// dir.
+func threads(dir string) (map[string]bool, error) {
+	d, err := os.Open(dir + "/task")
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	names, err := d.Readdirnames(-1)
+	if err != nil {
+		return nil, err
+	}
+	tids := make(map[string]bool, len(names))
+	for _, n := range names {
+		tids[n] = true
+	}
+	return tids, nil
 }
 
 // procmapQuery is the kernel's struct procmap_query (linux/fs.h).
@@ -785,7 +879,16 @@ func writers(files []mappedFile, fd int) []string {
 			continue
 		}
 		dir := "/proc/" + e.Name()
-		if b, err := procfs.ReadFile(dir + "/maps"); err == nil && mapsWritable(b, want) {
+		writable := false
+		processMaps(uint32(pid), func(path string) error {
+			b, err := procfs.ReadFile(path)
+			if err == nil && len(b) == 0 {
+				return errNoMemory
+			}
+			writable = err == nil && mapsWritable(b, want)
+			return err
+		})
+		if writable {
 			found = append(found, fmt.Sprintf("pid %d (%s) maps it writable", pid, alloc.Escape(comm(pid))))
 		}
 		fds, _ := os.ReadDir(dir + "/fd")

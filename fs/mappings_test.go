@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"syscall"
@@ -22,6 +23,18 @@ import (
 // mapperEnv makes the test binary a mapper child (mapperMain) instead.
 const mapperEnv = "TENSORFS_TEST_MAPPER"
 
+// leaderExitsEnv makes a mapper child end its leader thread alone once it
+// has mapped its files: its other threads keep the mappings.
+const leaderExitsEnv = "TENSORFS_TEST_MAPPER_LEADER_EXITS"
+
+// init keeps the main goroutine of a mapper child whose leader exits on
+// the leader thread, so that the thread it ends is the leader.
+func init() {
+	if os.Getenv(leaderExitsEnv) != "" {
+		runtime.LockOSThread()
+	}
+}
+
 func TestMain(m *testing.M) {
 	if path := os.Getenv(mapperEnv); path != "" {
 		mapperMain(path)
@@ -31,8 +44,9 @@ func TestMain(m *testing.M) {
 }
 
 // mapperMain maps the files at paths (a list separated by ':'), closes
-// their descriptors and says "mapped"; then each line on stdin unmaps
-// them ("unmapped") until EOF.
+// their descriptors and says "mapped" (with leaderExitsEnv, once its
+// leader thread is a zombie); then each line on stdin unmaps them
+// ("unmapped") until EOF.
 func mapperMain(paths string) {
 	var maps [][]byte
 	for _, path := range filepath.SplitList(paths) {
@@ -47,6 +61,23 @@ func mapperMain(paths string) {
 		unix.Close(fd)
 		maps = append(maps, b)
 	}
+	if os.Getenv(leaderExitsEnv) == "" {
+		serveMapper(maps)
+		return
+	}
+	go func() {
+		for !strings.Contains(readProc("/proc/self/stat"), ") Z ") {
+			time.Sleep(time.Millisecond)
+		}
+		serveMapper(maps)
+		os.Exit(0)
+	}()
+	syscall.Syscall(unix.SYS_EXIT, 0, 0, 0) // this thread only: the leader (init)
+}
+
+// serveMapper says "mapped", then unmaps maps at each line on stdin
+// ("unmapped") until EOF.
+func serveMapper(maps [][]byte) {
 	fmt.Println("mapped")
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
@@ -57,6 +88,12 @@ func mapperMain(paths string) {
 	}
 }
 
+// readProc returns the text of a file of /proc ("" when unreadable).
+func readProc(path string) string {
+	b, _ := os.ReadFile(path)
+	return string(b)
+}
+
 // mapper is a child process that maps a file.
 type mapper struct {
 	cmd   *exec.Cmd
@@ -65,11 +102,12 @@ type mapper struct {
 }
 
 // startMapper starts a child that maps the files at path (several
-// separated by ':') with their descriptors closed; the cleanup ends it.
-func startMapper(t *testing.T, path string) *mapper {
+// separated by ':') with their descriptors closed, with env added to its
+// environment; the cleanup ends it.
+func startMapper(t *testing.T, path string, env ...string) *mapper {
 	t.Helper()
 	cmd := exec.Command(os.Args[0])
-	cmd.Env = append(os.Environ(), mapperEnv+"="+path)
+	cmd.Env = append(append(os.Environ(), mapperEnv+"="+path), env...)
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -548,4 +586,70 @@ func exhaustDescriptors(t *testing.T) func() {
 	restore := func() { once.Do(func() { unix.Setrlimit(unix.RLIMIT_NOFILE, &old) }) }
 	t.Cleanup(restore)
 	return restore
+}
+
+// TestZombieLeaderMaps: a process whose leader thread exited alone (a
+// zombie, whose /proc/PID/maps is empty) maps through its other threads.
+// The scan sees it, by PROCMAP_QUERY and by the text; writers names it; a
+// watch waits for it, its leader's pidfd not readable meanwhile, and ends
+// at munmap. Once every thread has exited, the zombie left is neither a
+// mapper nor a process the scan could not see (fresh attack L6: the scan
+// took such a process for one that maps nothing).
+func TestZombieLeaderMaps(t *testing.T) {
+	path, id := mappedTestFile(t)
+	m := startMapper(t, path, leaderExitsEnv+"=1")
+	pid := uint32(m.cmd.Process.Pid)
+	dir := fmt.Sprintf("/proc/%d", pid)
+	if tasks, _ := os.ReadDir(dir + "/task"); len(tasks) < 2 || readProc(dir+"/maps") != "" {
+		t.Fatalf("the mapper's leader did not exit alone: %d threads, maps %q", len(tasks), readProc(dir+"/maps"))
+	}
+	for _, text := range []bool{false, true} {
+		tab := &mapTable{noQuery: text}
+		if got, err := tab.mappers(everyone(id), time.Now(), mapsTTL); len(got) != 1 || !got[pid] || err != nil {
+			t.Errorf("mappers (text %v) = %v, %v; want the child %d", text, got, err, pid)
+		}
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if w := writers(everyone(id), int(f.Fd())); len(w) != 1 || !strings.HasPrefix(w[0], fmt.Sprintf("pid %d ", pid)) {
+		t.Errorf("writers = %q, want the child %d", w, pid)
+	}
+
+	pidfd, err := unix.PidfdOpen(int(pid), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(pidfd)
+	_, dones := awaitAll(t, testFS(t), id)
+	select {
+	case ok := <-dones[0]:
+		dones[0] <- ok // for the cleanup
+		t.Fatalf("the watch ended (%v) while the child's threads map the file", ok)
+	case <-time.After(300 * time.Millisecond):
+	}
+	if n, _ := unix.Poll([]unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}, 0); n != 0 {
+		t.Error("the pidfd of a leader whose other threads live is readable")
+	}
+	m.unmap(t)
+	select {
+	case ok := <-dones[0]:
+		if !ok {
+			t.Error("awaitUnmapped = false after munmap, want true")
+		}
+		dones[0] <- ok
+	case <-time.After(30 * time.Second):
+		t.Fatal("the watch did not end at munmap")
+	}
+
+	m.stdin.Close() // the child's last thread exits: a zombie, not reaped
+	if n, err := unix.Poll([]unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}, 30000); n != 1 {
+		t.Fatalf("the child's pidfd did not become readable: %v", err)
+	}
+	var tab mapTable
+	if got, err := tab.mappers(everyone(id), time.Now(), mapsTTL); len(got) != 0 || err != nil {
+		t.Errorf("mappers with the child a zombie = %v, %v; want none", got, err)
+	}
 }

@@ -34,8 +34,10 @@ import (
 //	drop                drop every tensor and memmap (their mappings go)
 //	fork                fork a child that keeps the mappings; answers its pid
 //	reap                the last forked child exits
+//	leaderexit          the main thread exits alone (SYS_exit); another
+//	                    thread serves the commands that follow
 const mapChildScript = `
-import ctypes, gc, mmap, os, sys
+import ctypes, gc, mmap, os, platform, sys, threading
 sys.path.insert(0, sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
@@ -47,64 +49,70 @@ def check(r, what):
     if r == ctypes.c_void_p(-1).value or r == -1:
         e = ctypes.get_errno()
         raise OSError(e, what + ": " + os.strerror(e))
-for line in sys.stdin:
-    a = line.split()
-    try:
-        op, out = a[0], ""
-        if op == "create":
-            fd = os.open(a[1], os.O_RDWR | os.O_CREAT, 0o644)
-            os.ftruncate(fd, int(a[2]) * PAGE)
-            fds.append(fd)
-        elif op == "close":
-            for fd in fds:
+def serve():
+    for line in sys.stdin:
+        a = line.split()
+        try:
+            op, out = a[0], ""
+            if op == "create":
+                fd = os.open(a[1], os.O_RDWR | os.O_CREAT, 0o644)
+                os.ftruncate(fd, int(a[2]) * PAGE)
+                fds.append(fd)
+            elif op == "close":
+                for fd in fds:
+                    os.close(fd)
+                fds.clear()
+            elif op == "libc":
+                size = int(a[2]) * PAGE
+                fd = os.open(a[1], os.O_RDWR)
+                addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
                 os.close(fd)
-            fds.clear()
-        elif op == "libc":
-            size = int(a[2]) * PAGE
-            fd = os.open(a[1], os.O_RDWR)
-            addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-            os.close(fd)
-            check(addr, "mmap")
-            ctypes.memmove(addr, b"mapped", 6)
-            maps.append((addr, size))
-        elif op == "munmap":
-            addr, _ = maps[int(a[1])]
-            check(libc.munmap(addr + int(a[2]) * PAGE, int(a[3]) * PAGE), "munmap")
-        elif op == "unmapall":
-            for addr, size in maps:
-                check(libc.munmap(addr, size), "munmap")
-            maps.clear()
-        elif op == "torch":
-            import torch
-            held.append(torch.from_file(a[1], shared=True, size=os.path.getsize(a[1]), dtype=torch.uint8))
-        elif op == "open_torch":
-            import tensorfs
-            held.append(tensorfs.open_torch(a[1], mode="r+"))
-        elif op == "memmap":
-            import numpy
-            held.append(numpy.memmap(a[1], dtype=numpy.uint8, mode="r+"))
-        elif op == "drop":
-            held.clear()
-            gc.collect()
-        elif op == "fork":
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:
+                check(addr, "mmap")
+                ctypes.memmove(addr, b"mapped", 6)
+                maps.append((addr, size))
+            elif op == "munmap":
+                addr, _ = maps[int(a[1])]
+                check(libc.munmap(addr + int(a[2]) * PAGE, int(a[3]) * PAGE), "munmap")
+            elif op == "unmapall":
+                for addr, size in maps:
+                    check(libc.munmap(addr, size), "munmap")
+                maps.clear()
+            elif op == "torch":
+                import torch
+                held.append(torch.from_file(a[1], shared=True, size=os.path.getsize(a[1]), dtype=torch.uint8))
+            elif op == "open_torch":
+                import tensorfs
+                held.append(tensorfs.open_torch(a[1], mode="r+"))
+            elif op == "memmap":
+                import numpy
+                held.append(numpy.memmap(a[1], dtype=numpy.uint8, mode="r+"))
+            elif op == "drop":
+                held.clear()
+                gc.collect()
+            elif op == "fork":
+                r, w = os.pipe()
+                pid = os.fork()
+                if pid == 0:
+                    os.close(w)
+                    os.read(r, 1)
+                    os._exit(0)
+                os.close(r)
+                kids.append((pid, w))
+                out = " %d" % pid
+            elif op == "reap":
+                pid, w = kids.pop()
                 os.close(w)
-                os.read(r, 1)
-                os._exit(0)
-            os.close(r)
-            kids.append((pid, w))
-            out = " %d" % pid
-        elif op == "reap":
-            pid, w = kids.pop()
-            os.close(w)
-            os.waitpid(pid, 0)
-        else:
-            raise ValueError("unknown command " + op)
-        print("ok" + out, flush=True)
-    except Exception as e:
-        print("err %r" % (e,), flush=True)
+                os.waitpid(pid, 0)
+            elif op == "leaderexit":
+                threading.Thread(target=serve).start()
+                print("ok", flush=True)
+                libc.syscall({"x86_64": 60, "aarch64": 93}[platform.machine()], 0)
+            else:
+                raise ValueError("unknown command " + op)
+            print("ok" + out, flush=True)
+        except Exception as e:
+            print("err %r" % (e,), flush=True)
+serve()
 `
 
 // mapChild is a python process that maps segments on command.
