@@ -13,6 +13,7 @@ package fs
 
 import (
 	"bytes"
+	"cmp"
 	"errors"
 	"fmt"
 	"os"
@@ -58,6 +59,10 @@ type mapTable struct {
 	// mappings (nil: it read them all). Its answers are then only what it
 	// saw: no question is answered "unmapped" from it.
 	unseen error
+	// leased says why the last scan left out a process whose maps its
+	// owner leases: a removal waits on it as on unseen, but a count of
+	// holders leaves it out, as its owner chose (mappers, holdersOf).
+	leased error
 	// noQuery is set once the kernel turns PROCMAP_QUERY down.
 	noQuery bool
 	buf     []byte // one /proc/PID/maps
@@ -86,9 +91,23 @@ func everyone(ids ...fileID) []mappedFile {
 // mappings it also returns why (an error wrapping EAGAIN): the processes
 // it found map files, and others may.
 func (t *mapTable) mappers(files []mappedFile, since time.Time, maxAge time.Duration) (map[uint32]bool, error) {
-	pids := map[uint32]bool{}
+	pids, unseen, leased := t.find(files, since, maxAge)
+	return pids, cmp.Or(unseen, leased)
+}
+
+// holdersOf is mappers for a count of holders: a process whose owner
+// leases its maps is left out (that owner hides only its own processes),
+// and only what the scan could not see otherwise makes it no answer.
+func (t *mapTable) holdersOf(files []mappedFile, since time.Time, maxAge time.Duration) (map[uint32]bool, error) {
+	pids, unseen, _ := t.find(files, since, maxAge)
+	return pids, unseen
+}
+
+// find is mappers, with the scan's unseen and leased apart.
+func (t *mapTable) find(files []mappedFile, since time.Time, maxAge time.Duration) (pids map[uint32]bool, unseen, leased error) {
+	pids = map[uint32]bool{}
 	if len(files) == 0 {
-		return pids, nil
+		return pids, nil, nil
 	}
 	ids := make([]fileID, len(files))
 	for i, f := range files {
@@ -104,7 +123,7 @@ func (t *mapTable) mappers(files []mappedFile, since time.Time, maxAge time.Dura
 			}
 		}
 	}
-	return pids, t.unseen
+	return pids, t.unseen, t.leased
 }
 
 // processUID returns the effective uid of process pid (the owner of its
@@ -123,7 +142,7 @@ func (t *mapTable) mapsDev(dev uint64) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.fresh([]fileID{{dev: dev}}, time.Time{}, anyAge)
-	if t.unseen != nil {
+	if t.unseen != nil || t.leased != nil {
 		return true
 	}
 	for id := range t.pids {
@@ -160,7 +179,7 @@ func (t *mapTable) scan() {
 	t.start = time.Now()
 	defer func() { t.end = time.Now() }()
 	t.pids = map[fileID][]uint32{}
-	t.unseen = nil
+	t.unseen, t.leased = nil, nil
 	d, err := os.Open("/proc")
 	var names []string
 	if err == nil {
@@ -177,7 +196,14 @@ func (t *mapTable) scan() {
 		if err != nil || pid == self {
 			continue
 		}
-		if err := t.scanProcess(uint32(pid)); err != nil && !leftOut(err) && t.unseen == nil {
+		err = t.scanProcess(uint32(pid))
+		switch {
+		case err == nil || leftOut(err):
+		case errors.Is(err, unix.EAGAIN): // a lease in the way (O_NONBLOCK)
+			if t.leased == nil {
+				t.leased = fmt.Errorf("%w: the owner of process %d leases its mappings", syscall.EAGAIN, pid)
+			}
+		case t.unseen == nil:
 			t.unseen = fmt.Errorf("%w: cannot read the mappings of process %d: %v", syscall.EAGAIN, pid, err)
 		}
 	}
@@ -483,7 +509,7 @@ func (n *segmentNode) since() time.Time {
 // no answer.
 func (n *segmentNode) references() (map[uint32]int, error) {
 	refs := n.openHandles()
-	pids, err := n.fs.maps.mappers(n.mapped(), n.since(), mapsTTL)
+	pids, err := n.fs.maps.holdersOf(n.mapped(), n.since(), mapsTTL)
 	if err != nil {
 		return nil, err
 	}
