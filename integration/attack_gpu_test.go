@@ -623,3 +623,30 @@ func TestAttackGPUExportResizeRace(t *testing.T) {
 		}
 	}, append(gtSim, "--allow-other", "--capacity", "64M")...)
 }
+
+// TestAttackGPULimboAllocated (GPU limbo against --capacity): a
+// device allocation is rounded up to the device's granularity (2 MiB for
+// the simulated device, as cuMemAlloc's), but a block in limbo is counted
+// against the capacity by the bytes its segment asked for. User A holds
+// one handle of her GPU segment and grows it to one page, reads its IPC
+// handle and empties it, again and again: each round leaves 2 MiB of
+// device memory in limbo and is charged 4 KiB, so a 64 MiB mount lets her
+// take 32 GiB of device memory: the whole device. Root's new GPU segment
+// then cannot get a page.
+func TestAttackGPULimboAllocated(t *testing.T) {
+	t.Parallel()
+	forEachMode(t, func(t *testing.T, m *mount) {
+		userDirs(t, m)
+		atk := gtDeviceSegment(t, m.path("a/leak"))
+		if err := os.Chown(atk, userA, userA); err != nil {
+			t.Fatal(err)
+		}
+		line := h4Background(t, userA, limboFillScript, atk, "4096")
+		_, limbo := gtLimbo(t, m)
+		t.Logf("uid %d: %s; limbo %d bytes as counted", userA, line, limbo)
+		root := gtDeviceSegment(t, m.path("rootgpu"))
+		if err := os.Truncate(root, 4096); err != nil {
+			t.Errorf("root's one-page GPU segment while uid %d holds %d bytes (as counted) in limbo on a 64 MiB mount: %v", userA, limbo, err)
+		}
+	}, append(gtSim, "--allow-other", "--capacity", "64M")...)
+}
