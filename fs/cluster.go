@@ -649,15 +649,8 @@ func (c *clusterFS) removeStale(top int, dir string, want map[string]bool, prev 
 		}
 	}
 	alloc.Walk(top, func(fd int, name, rel string, st *unix.Stat_t) error {
-		if st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
-			var rec []byte
-			alloc.At(fd, name, st.Ino, func(p string) (err error) {
-				rec, err = alloc.ReadPublished(p)
-				return err
-			})
-			if rec != nil {
-				return alloc.ErrSkipDir
-			}
+		if isPublishedDir(fd, name, st) {
+			return alloc.ErrSkipDir
 		}
 		if want[rel] {
 			return nil

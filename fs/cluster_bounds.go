@@ -248,15 +248,8 @@ func (c *clusterFS) recount() {
 func (c *clusterFS) count(top int, uid uint32) charge {
 	inodes, bytes := int64(1), int64(0)
 	alloc.Walk(top, func(fd int, name, _ string, st *unix.Stat_t) error {
-		if st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
-			var rec []byte
-			alloc.At(fd, name, st.Ino, func(p string) (err error) {
-				rec, err = alloc.ReadPublished(p)
-				return err
-			})
-			if rec != nil {
-				return alloc.ErrSkipDir
-			}
+		if isPublishedDir(fd, name, st) {
+			return alloc.ErrSkipDir
 		}
 		inodes++
 		if p := c.fsys.pulled.get(st.Ino); p != nil && st.Mode&syscall.S_IFMT == syscall.S_IFREG {
@@ -266,4 +259,19 @@ func (c *clusterFS) count(top int, uid uint32) charge {
 		return nil
 	})
 	return newCharge(uid, inodes, bytes)
+}
+
+// isPublishedDir reports whether name in fd, of stat st, is a directory
+// that holds a published version's record: a walk of one published
+// directory leaves those below it to their own.
+func isPublishedDir(fd int, name string, st *unix.Stat_t) bool {
+	if st.Mode&syscall.S_IFMT != syscall.S_IFDIR {
+		return false
+	}
+	var rec []byte
+	alloc.At(fd, name, st.Ino, func(p string) (err error) {
+		rec, err = alloc.ReadPublished(p)
+		return err
+	})
+	return rec != nil
 }
