@@ -50,7 +50,7 @@ func TestClusterServedByPath(t *testing.T) {
 	var v string
 	fdsDuring(n1, "a publish", func() { v = versionOf(t, tb.must("publish", dir(n1))) })
 	waitVersion(t, dir(n2), v)
-	fdsDuring(n2, "a pull", func() { tb.must("pull", dir(n2)) })
+	fdsDuring(n2, "a pull", func() { t.Logf("node2, from node1: %s", tb.must("pull", dir(n2))) })
 	sameFiles(t, dir(n2, "many"), wantMany)
 	sameFiles(t, dir(n2, "one"), wantOne)
 
@@ -63,7 +63,7 @@ func TestClusterServedByPath(t *testing.T) {
 	}
 	tb.must("unmount", n1)
 	waitVersion(t, dir(n3), v)
-	tb.must("pull", dir(n3, "many"))
+	t.Logf("node3, from node2 restarted: %s", tb.must("pull", dir(n3, "many")))
 	sameFiles(t, dir(n3, "many"), wantMany)
 	if last := lastLine(tb.log(3), "cluster: pull complete"); !strings.Contains(last, "from=map[node2:") {
 		t.Errorf("node3 pulled from someone else than node2: %s", last)
