@@ -18,8 +18,8 @@ type Recovery struct {
 	// and named by their path, for the mount to restore
 	// into device memory (or close, without a GPU).
 	Devices []*os.File
-	// Pulled are the Pulled segments: complete ones with their backing
-	// file open read-only (to serve to peers), incomplete ones emptied.
+	// Pulled are the Pulled segments: complete ones with their path (to
+	// serve to peers), incomplete ones emptied.
 	Pulled []PulledFile
 }
 
@@ -28,9 +28,9 @@ type PulledFile struct {
 	// Ino is the backing file's inode; Marker its marker.
 	Ino    uint64
 	Marker Marker
-	// File is the backing file, open read-only and named by its path,
-	// when the segment is complete; nil otherwise.
-	File *os.File
+	// Path is the backing file's path relative to the backing's root
+	// when the segment is complete; "" otherwise.
+	Path string
 }
 
 // Recover prepares a backing left by an earlier daemon for a new mount.
@@ -86,7 +86,7 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool) (*Recovery, error) {
 			if pf, ok := s.recoverPulled(ref, rel, m); ok {
 				rec.Pulled = append(rec.Pulled, pf)
 				rec.Segments++
-				if pf.File != nil {
+				if pf.Path != "" {
 					rec.Bytes += st.Size
 				}
 				return nil
@@ -118,11 +118,6 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool) (*Recovery, error) {
 		for _, f := range rec.Devices {
 			f.Close()
 		}
-		for _, pf := range rec.Pulled {
-			if pf.File != nil {
-				pf.File.Close()
-			}
-		}
 		return nil, err
 	}
 	return rec, nil
@@ -144,8 +139,8 @@ func spilled(path string) bool {
 
 // recoverPulled recovers the Pulled segment at ref (rel in the backing)
 // whose marker is m; ok is false when it is a Host segment again (a
-// publish that never finished). A complete segment whose file cannot be
-// opened is kept without one (logged): served here, not to peers.
+// publish that never finished). A complete one keeps its path, where the
+// cluster opens it to serve it to peers.
 func (s *Store) recoverPulled(ref *Ref, rel string, m Marker) (PulledFile, bool) {
 	p, _ := ref.Path()
 	pf := PulledFile{Ino: ref.Stat().Ino, Marker: m}
@@ -168,11 +163,6 @@ func (s *Store) recoverPulled(ref *Ref, rel string, m Marker) (PulledFile, bool)
 		}
 		return pf, true
 	}
-	fd, err := ref.Open(unix.O_RDONLY)
-	if err != nil {
-		s.log.Warn("recover: a complete pulled segment could not be opened; it is not served to peers", "path", rel, "err", err)
-		return pf, true
-	}
-	pf.File = os.NewFile(uintptr(fd), filepath.Join(s.Dir, rel))
+	pf.Path = rel
 	return pf, true
 }

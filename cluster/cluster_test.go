@@ -781,3 +781,44 @@ func TestCorruptHeldPieceNotServed(t *testing.T) {
 		t.Errorf("node-b holds %d pieces, want %d: those that failed verification are no longer held", left, want)
 	}
 }
+
+// TestServeSwapsSource: once Serve names another reader of a content, the
+// node serves from it and no longer reads the one it was handed (which
+// its caller may then close or reuse); Serve of a content the node does
+// not hold serves nothing.
+func TestServeSwapsSource(t *testing.T) {
+	tc := newTestCluster(t)
+	a, b := tc.join(tc.config("node-a")), tc.join(tc.config("node-b"))
+	ctx := context.Background()
+	data := randomBytes(t, 1<<20)
+	handed := bytes.Clone(data)
+	e := fileEntry("w", handed)
+	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), e}, PublishOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := b.Version(ctx, info.Version)
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := v.Entries[1].Content
+	a.Serve(id, bytes.NewReader(data))
+	for i := range handed {
+		handed[i] = 0 // the reader Publish was handed is reused
+	}
+	stranger := hashID([]byte("never held"))
+	a.Serve(stranger, bytes.NewReader(data))
+	if _, _, _, err := a.Piece(transport.Piece{Content: stranger}); !errors.Is(err, transport.ErrNotServed) {
+		t.Fatalf("a content served without being held: %v", err)
+	}
+	p, files := pullAll(t, b, v)
+	if err := p.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(contents(t, files["w"]), data) {
+		t.Fatal("pulled bytes differ from the published ones")
+	}
+	if st := a.Stats(); st.BadPieces != 0 || st.PiecesServed == 0 {
+		t.Errorf("node-a's stats %+v: want every piece served from the reader Serve named, none bad", st)
+	}
+}

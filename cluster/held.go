@@ -134,6 +134,18 @@ func (n *Node) Drop(id string) {
 	}
 }
 
+// Serve reads content id, which this node holds, from src from now on:
+// where the caller keeps it once a pull or publish that handed the node
+// another reader is done with that one. A content not held is left
+// alone.
+func (n *Node) Serve(id string, src io.ReaderAt) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if h := n.held[id]; h != nil && !h.dropped {
+		h.src = src
+	}
+}
+
 // hold registers a content this node serves from src, with the pieces in
 // bits held; pulling marks a content a Pull is filling.
 func (n *Node) hold(c *Content, src io.ReaderAt, bits bitmap, pulling bool) error {

@@ -23,7 +23,8 @@ const maxTxnBytes = 1 << 20
 type LocalEntry struct {
 	Entry
 	// Data holds a file's Entry.Size bytes; nil for a directory. The node
-	// serves the published pieces from it until Drop: it must not change.
+	// serves the published pieces from it until Drop or Serve: it must not
+	// change.
 	Data io.ReaderAt
 }
 

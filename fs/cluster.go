@@ -100,11 +100,8 @@ func (fsys *filesystem) joinCluster(cfg cluster.Config, b ClusterBounds) error {
 // close.
 func (c *clusterFS) start() {
 	c.recount()
-	for cid, f := range c.fsys.pulled.servedFiles() {
-		var st unix.Stat_t
-		if err := unix.Fstat(int(f.Fd()), &st); err == nil {
-			c.node.Offer(cid, f, st.Size)
-		}
+	for cid, size := range c.fsys.pulled.served() {
+		c.node.Offer(cid, c.fsys.pulled.source(cid), size)
 	}
 	c.wg.Add(1)
 	go func() {
@@ -118,7 +115,7 @@ func (c *clusterFS) close() {
 	c.stop()
 	c.node.Close()
 	c.wg.Wait()
-	c.fsys.pulled.closeAll()
+	c.fsys.pulled.fds.closeIdle()
 }
 
 // watch makes each published directory's versions as they arrive.
@@ -681,8 +678,7 @@ func (c *clusterFS) removeStale(top int, dir string, want map[string]bool, prev 
 // top if it is empty and the cluster's (clusterDir), reaching it without
 // following a symbolic link.
 func removeClusterDir(top int, rel string) error {
-	how := unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_CLOEXEC, Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS}
-	parent, err := unix.Openat2(top, path.Dir(rel), &how)
+	parent, err := openBeneath(top, path.Dir(rel))
 	if err != nil {
 		return err
 	}

@@ -24,6 +24,9 @@ import (
 type published struct {
 	entry cluster.LocalEntry
 	seg   *pulled // its pulled segment (nil for a directory)
+	// at is a segment's backing file: its bytes are read from there, one
+	// file at a time, never held open for the whole publish.
+	at loc
 	// frozen is true for a host segment this publish made read-only.
 	frozen bool
 	node   *segmentNode // its node in the kernel's tree, if any
@@ -64,13 +67,6 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 		return "", fmt.Errorf("%w: publishing a directory needs its ownership or write permission on it", syscall.EACCES)
 	}
 	objs, err := c.collect(who, top, dir, &st)
-	defer func() {
-		for _, o := range objs {
-			if f, ok := o.entry.Data.(*os.File); ok && f != nil {
-				f.Close()
-			}
-		}
-	}()
 	if err == nil {
 		err = c.freeze(objs, dir)
 	}
@@ -102,8 +98,8 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 	for _, e := range v.Entries {
 		cids[e.Path] = e.Content
 	}
-	// The cluster reads each content from the first file of its (in the
-	// order of their paths, as Publish takes them): those are kept.
+	// The cluster serves each content from the first segment of it (in
+	// the order of their paths, as Publish takes them).
 	slices.SortFunc(objs, func(a, b published) int { return entryOrder(a.entry.Path, b.entry.Path) })
 	seen := map[string]bool{}
 	for i := range objs {
@@ -113,16 +109,15 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 		}
 		cid := cids[o.entry.Path]
 		if o.frozen {
-			p := alloc.FdPath(int(o.entry.Data.(*os.File).Fd()))
-			if err := alloc.MarkPulled(p, alloc.Marker{Kind: alloc.Pulled, Content: cid, Size: o.entry.Size, Complete: true}); err != nil {
+			mk := alloc.Marker{Kind: alloc.Pulled, Content: cid, Size: o.entry.Size, Complete: true}
+			if err := c.fsys.pathAt(o.at, func(p string) error { return alloc.MarkPulled(p, mk) }); err != nil {
 				c.fsys.log.Error("cluster: a published segment's marker was not written; a restart makes it writable again", "path", alloc.EscapeText(dir+"/"+o.entry.Path), "err", err)
 			}
 			c.fsys.pulled.identify(o.seg, cid, o.entry.Size)
 		}
 		if !seen[cid] {
 			seen[cid] = true
-			c.fsys.pulled.serveFrom(cid, o.entry.Data.(*os.File))
-			o.entry.Data = nil
+			c.fsys.pulled.serveFrom(cid, o.at, o.entry.Size)
 		}
 	}
 	rec, _ := json.Marshal(dirRecord{Version: info.Version, Publisher: info.Publisher, UID: info.UID, Time: info.Time})
@@ -198,7 +193,7 @@ func (c *clusterFS) collect(who ctl.Cred, top int, dir string, st *unix.Stat_t) 
 			objs = append(objs, published{entry: cluster.LocalEntry{Entry: e}, ino: st.Ino})
 			return err
 		case syscall.S_IFREG:
-			o, err := c.segmentEntry(who, fd, name, rel, st)
+			o, err := c.segmentEntry(who, fd, name, dir, rel, st)
 			if err != nil {
 				return fmt.Errorf("%s: %w", where, err)
 			}
@@ -246,8 +241,8 @@ func userXattrs(p string) (map[string][]byte, error) {
 }
 
 // segmentEntry describes the segment name in fd (rel in the published
-// directory) for a publish by who, with its bytes open read-only.
-func (c *clusterFS) segmentEntry(who ctl.Cred, fd int, name, rel string, st *unix.Stat_t) (published, error) {
+// directory dir) for a publish by who, with where its bytes are.
+func (c *clusterFS) segmentEntry(who ctl.Cred, fd int, name, dir, rel string, st *unix.Stat_t) (published, error) {
 	var o published
 	m, err := alloc.OpenRef(fd, name, st.Ino)
 	if err != nil {
@@ -289,11 +284,8 @@ func (c *clusterFS) segmentEntry(who ctl.Cred, fd int, name, rel string, st *uni
 	if e.Xattrs, err = userXattrs(path); err != nil {
 		return o, err
 	}
-	rfd, err := m.Open(unix.O_RDONLY)
-	if err != nil {
-		return o, err
-	}
-	o.entry = cluster.LocalEntry{Entry: e, Data: os.NewFile(uintptr(rfd), rel)}
+	o.at = loc{dir + "/" + rel, st.Ino}
+	o.entry = cluster.LocalEntry{Entry: e, Data: locReader{&c.fsys.pulled.fds, o.at}}
 	return o, nil
 }
 
@@ -301,56 +293,66 @@ func (c *clusterFS) segmentEntry(who ctl.Cred, fd int, name, rel string, st *uni
 // they are hashed: each gets a pulled marker without a content ID, joins
 // the pulled set, and its node (if the kernel has one) gets the pulled
 // storage once no handle has it open for writing. A segment open for
-// writing undoes it all.
+// writing, or one no longer where collect found it, undoes it all.
 func (c *clusterFS) freeze(objs []published, dir string) error {
 	for i := range objs {
 		o := &objs[i]
 		if o.seg != nil || o.entry.IsDir() {
 			continue
 		}
-		f := o.entry.Data.(*os.File)
-		var st unix.Stat_t
-		if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-			c.thaw(objs, dir)
-			return err
-		}
-		mk := alloc.Marker{Kind: alloc.Pulled, Size: st.Size, Complete: true}
-		if err := alloc.MarkPulled(alloc.FdPath(int(f.Fd())), mk); err != nil {
-			c.thaw(objs, dir)
-			return err
-		}
-		o.seg, o.frozen = c.fsys.pulled.add(st.Ino, mk), true
-		if n := c.fsys.segmentAt(dir + "/" + o.entry.Path); n != nil && n.StableAttr().Ino == st.Ino {
-			n.opening.Lock()
-			n.mu.Lock()
-			i := slices.IndexFunc(n.handles, func(h *handle) bool { return h.writable })
-			var pid int
-			if i >= 0 {
-				pid = int(n.handles[i].pid)
-			}
-			n.mu.Unlock()
-			if i < 0 {
-				n.kind.store(o.seg)
-				o.node = n
-			}
-			n.opening.Unlock()
-			if i >= 0 {
-				c.thaw(objs, dir)
-				return fmt.Errorf("%w: %s is open for writing by pid %d (%s); close it, then publish", syscall.EBUSY, alloc.EscapeText(dir+"/"+o.entry.Path), pid, alloc.Escape(comm(pid)))
-			}
-		}
-		// Bytes written before the freeze are what is hashed: the size
-		// is read again once no writer is left.
-		err := c.noWriter(f, dir+"/"+o.entry.Path)
+		f, err := openLoc(c.fsys.store.RootFd, o.at)
 		if err == nil {
-			err = unix.Fstat(int(f.Fd()), &st)
+			err = c.freezeOne(o, f, dir)
+			f.Close()
 		}
 		if err != nil {
 			c.thaw(objs, dir)
 			return err
 		}
-		o.entry.Size = st.Size
 	}
+	return nil
+}
+
+// freezeOne freezes the host segment of o, whose backing file is open
+// read-only at f.
+func (c *clusterFS) freezeOne(o *published, f *os.File, dir string) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return err
+	}
+	mk := alloc.Marker{Kind: alloc.Pulled, Size: st.Size, Complete: true}
+	if err := alloc.MarkPulled(alloc.FdPath(int(f.Fd())), mk); err != nil {
+		return err
+	}
+	o.seg, o.frozen = c.fsys.pulled.add(st.Ino, mk), true
+	if n := c.fsys.segmentAt(dir + "/" + o.entry.Path); n != nil && n.StableAttr().Ino == st.Ino {
+		n.opening.Lock()
+		n.mu.Lock()
+		i := slices.IndexFunc(n.handles, func(h *handle) bool { return h.writable })
+		var pid int
+		if i >= 0 {
+			pid = int(n.handles[i].pid)
+		}
+		n.mu.Unlock()
+		if i < 0 {
+			n.kind.store(o.seg)
+			o.node = n
+		}
+		n.opening.Unlock()
+		if i >= 0 {
+			return fmt.Errorf("%w: %s is open for writing by pid %d (%s); close it, then publish", syscall.EBUSY, alloc.EscapeText(dir+"/"+o.entry.Path), pid, alloc.Escape(comm(pid)))
+		}
+	}
+	// Bytes written before the freeze are what is hashed: the size is
+	// read again once no writer is left.
+	err := c.noWriter(f, dir+"/"+o.entry.Path)
+	if err == nil {
+		err = unix.Fstat(int(f.Fd()), &st)
+	}
+	if err != nil {
+		return err
+	}
+	o.entry.Size = st.Size
 	return nil
 }
 
@@ -420,7 +422,7 @@ func (c *clusterFS) thaw(objs []published, dir string) {
 		if !o.frozen {
 			continue
 		}
-		if err := alloc.Unmark(alloc.FdPath(int(o.entry.Data.(*os.File).Fd()))); err != nil {
+		if err := c.fsys.pathAt(o.at, alloc.Unmark); err != nil {
 			c.fsys.log.Error("cluster: a segment frozen for a failed publish keeps its marker; a restart makes it writable again", "path", alloc.EscapeText(dir+"/"+o.entry.Path), "err", err)
 		}
 		c.fsys.pulled.forget(o.seg)

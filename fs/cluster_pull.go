@@ -56,7 +56,7 @@ func (c *clusterFS) fetch(items []pullItem) ([]*fill, *cluster.Pull) {
 		switch l := c.busy[it.cid]; {
 		case l != nil:
 			l.followers = append(l.followers, it)
-		case c.fsys.pulled.servedFile(it.cid) != nil:
+		case c.fsys.pulled.located(it.cid):
 			copies = append(copies, it)
 		default:
 			c.busy[it.cid] = &leader{}
@@ -65,7 +65,7 @@ func (c *clusterFS) fetch(items []pullItem) ([]*fill, *cluster.Pull) {
 	}
 	c.mu.Unlock()
 	for _, it := range copies {
-		err := c.copyLocal(it, c.fsys.pulled.servedFile(it.cid))
+		err := c.copyLocal(it)
 		if !errors.Is(err, errNoLocal) {
 			c.finish(it, err)
 			continue
@@ -164,7 +164,7 @@ func (c *clusterFS) pull(jobs []pullItem) *cluster.Pull {
 				}
 			}
 			if err == nil {
-				c.fsys.pulled.serveFrom(it.cid, it.f) // the cluster serves it from this file
+				c.serveFilled(it)
 			}
 			c.lead(it, err)
 			c.fsys.pulled.pulling(it.cid, -1)
@@ -173,25 +173,33 @@ func (c *clusterFS) pull(jobs []pullItem) *cluster.Pull {
 	return pl
 }
 
+// serveFilled has the cluster serve the content it filled from where its
+// segment lies (not from the file the pull wrote), and copy it from there.
+func (c *clusterFS) serveFilled(it pullItem) {
+	rel, err := c.fsys.store.RelPath(int(it.f.Fd()))
+	if err != nil {
+		c.fsys.log.Warn("cluster: a pulled segment is not served to peers: where it lies is not known", "content", it.cid, "err", err)
+		c.node.Drop(it.cid)
+		return
+	}
+	c.fsys.pulled.serveFrom(it.cid, loc{rel, it.seg.ino}, it.size)
+}
+
 // lead finishes the leader it of its content with err, then its
-// followers: copied from it, or failed with err.
+// followers: copied from a copy this mount holds, or failed with err.
 func (c *clusterFS) lead(it pullItem, err error) {
 	c.mu.Lock()
 	l := c.busy[it.cid]
 	delete(c.busy, it.cid)
 	c.mu.Unlock()
-	if err == nil {
-		markDone(it, nil)
-	} else {
-		c.finish(it, err)
-	}
+	c.finish(it, err)
 	if l == nil {
 		return
 	}
 	for _, f := range l.followers {
 		ferr := err
 		if ferr == nil {
-			ferr = c.copyLocal(f, it.f)
+			ferr = c.copyLocal(f)
 		}
 		c.finish(f, ferr)
 	}
@@ -236,15 +244,18 @@ func markDone(it pullItem, err error) {
 // pulled from peers.
 var errNoLocal = errors.New("no verified copy of the content here")
 
-// copyLocal fills it from src, a complete copy of its content on this
-// node (nil: none is left), verifies what it copied against the published
-// hashes and marks it complete. A copy that fails verification is
-// logged, emptied, and no longer served or copied from (its bytes were
+// copyLocal fills it from a complete copy of its content on this node
+// (errNoLocal if none is left), verifies what it copied against the
+// published hashes and marks it complete. A copy that fails verification
+// is logged, emptied, and no longer served or copied from (its bytes were
 // changed under the node): errNoLocal.
-func (c *clusterFS) copyLocal(it pullItem, src *os.File) error {
-	if src == nil {
-		return errNoLocal
+func (c *clusterFS) copyLocal(it pullItem) error {
+	e, err := c.fsys.pulled.open(it.cid)
+	if err != nil {
+		return err
 	}
+	defer c.fsys.pulled.fds.release(e)
+	src := e.f
 	cont, err := c.contentOf(it.cid)
 	if err != nil {
 		return err
@@ -266,7 +277,7 @@ func (c *clusterFS) copyLocal(it pullItem, src *os.File) error {
 	}
 	if err := cont.Verify(it.f); err != nil {
 		c.fsys.log.Warn("cluster: a copy held here fails verification; it is no longer served, and the content is pulled from peers", "content", it.cid, "err", err)
-		c.fsys.pulled.distrust(it.cid, src)
+		c.fsys.pulled.distrust(it.cid, e.l)
 		it.f.Truncate(0)
 		return errNoLocal
 	}

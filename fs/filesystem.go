@@ -117,7 +117,7 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 		rec = &Recovered{}
 	}
 	fsys.oldDevs = rec.devs
-	fsys.pulled.fsys = fsys
+	fsys.pulled.fsys, fsys.pulled.fds.root = fsys, opts.Store.RootFd
 	fsys.pulled.restore(rec.pulled, opts.Cluster != nil)
 	if opts.GPU != nil && opts.GPU.Backend() != "none" {
 		if fsys.gpu, err = newDevices(opts.GPU, opts.Store, fsys.ledger, fsys.handles, opts.Mountpoint, rec.devices, fsys.log); err != nil {

@@ -160,8 +160,9 @@ func attrsFixed(s storage) error {
 // unless its inode is here. It is filled at recovery and whenever a
 // segment is published or made from the namespace, and emptied by the
 // segments' releases. It also counts, per content, the segments that
-// have it and the files the cluster serves it from, which are closed
-// (and the content dropped from the cluster) once none has it.
+// have it, and keeps where the complete ones lie for the cluster to serve
+// it from (by path and inode: no descriptor is held per segment); the
+// content is dropped from the cluster once none of its files is left.
 type pulledSet struct {
 	fsys *filesystem
 	n    atomic.Int64 // len(segs), read without the lock
@@ -169,14 +170,17 @@ type pulledSet struct {
 	segs map[uint64]*pulled
 	// contents are the contents of the segments, by ID.
 	contents map[string]*content
+	// fds are the files the cluster reads now.
+	fds servedFds
 }
 
 // content is what the mount keeps of one content ID.
 type content struct {
 	segs int // pulled segments with it
-	// files are the backing files handed to the cluster to serve it from
-	// (published, pulled into, offered): kept open while it may read them.
-	files []*os.File
+	// locs are where complete copies lie that the cluster may serve it
+	// from (published, pulled into, recovered), first first.
+	locs []loc
+	size int64 // its size
 	// pulling counts the pulls in flight that fill it.
 	pulling int
 }
@@ -245,8 +249,13 @@ func (s *pulledSet) forgetLocked(p *pulled) {
 	delete(s.segs, p.ino)
 	s.n.Store(int64(len(s.segs)))
 	if cid := p.content(); cid != "" {
-		s.contents[cid].segs--
-		s.dropIfUnusedLocked(cid)
+		c := s.contents[cid]
+		c.segs--
+		s.unlocateLocked(cid, func(l loc) bool { return l.ino == p.ino })
+		if c.segs == 0 && c.pulling == 0 {
+			s.unlocateLocked(cid, func(loc) bool { return true })
+			delete(s.contents, cid)
+		}
 	}
 }
 
@@ -273,110 +282,159 @@ func (s *pulledSet) contentLocked(cid string) *content {
 	return c
 }
 
-// serveFrom records that the cluster may read content cid from f, which
-// stays open until no segment has the content.
-func (s *pulledSet) serveFrom(cid string, f *os.File) {
+// serveFrom records that a complete copy of content cid (size bytes)
+// lies at l, and has the cluster, if it holds the content, read it from
+// the mount's copies from then on (not from a file a pull or publish
+// handed it). A content no segment has any more is dropped instead.
+func (s *pulledSet) serveFrom(cid string, l loc, size int64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	c := s.contentLocked(cid)
-	c.files = append(c.files, f)
-	s.dropIfUnusedLocked(cid)
+	cl := s.fsys.cl
+	c := s.contents[cid]
+	if c == nil || c.segs == 0 {
+		if cl != nil {
+			cl.node.Drop(cid)
+		}
+		return
+	}
+	if !slices.Contains(c.locs, l) {
+		c.locs = append(c.locs, l)
+	}
+	c.size = size
+	if cl != nil {
+		cl.node.Serve(cid, s.source(cid))
+	}
 }
 
 // pulling counts a pull of content cid in (delta 1) or out (-1).
 func (s *pulledSet) pulling(cid string, delta int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.contentLocked(cid).pulling += delta
-	s.dropIfUnusedLocked(cid)
+	c := s.contentLocked(cid)
+	if c.pulling += delta; c.segs == 0 && c.pulling == 0 {
+		s.unlocateLocked(cid, func(loc) bool { return true })
+		delete(s.contents, cid)
+	}
 }
 
-// dropIfUnusedLocked drops content cid from the cluster and closes its
-// files once no segment has it and no pull fills it.
-func (s *pulledSet) dropIfUnusedLocked(cid string) {
+// unlocateLocked forgets the locations of content cid that match, and
+// closes their files; once none is left (and no pull fills it), the
+// cluster serves the content no more.
+func (s *pulledSet) unlocateLocked(cid string, match func(loc) bool) {
 	c := s.contents[cid]
-	if c == nil || c.segs > 0 || c.pulling > 0 {
-		return
-	}
-	delete(s.contents, cid)
-	if len(c.files) == 0 {
-		return
-	}
-	if cl := s.fsys.cl; cl != nil {
-		cl.node.Drop(cid)
-	}
-	closeFiles(c.files)
-}
-
-// distrust stops serving and copying content cid from f, whose bytes
-// failed verification: f is closed, and the cluster serves cid no more
-// (its pieces are verified as they are served, and this node may hold no
-// good copy).
-func (s *pulledSet) distrust(cid string, f *os.File) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	c := s.contents[cid]
-	if c == nil {
-		return
-	}
-	if i := slices.Index(c.files, f); i >= 0 {
-		c.files = slices.Delete(c.files, i, i+1)
-		f.Close()
-	}
-	if cl := s.fsys.cl; cl != nil {
-		cl.node.Drop(cid)
-	}
-}
-
-// servedFiles returns, for each content the cluster may serve, a file
-// that holds it.
-func (s *pulledSet) servedFiles() map[string]*os.File {
-	s.mu.RLock()
-	defer s.mu.RUnlock()
-	files := map[string]*os.File{}
-	for cid, c := range s.contents {
-		if len(c.files) > 0 {
-			files[cid] = c.files[0]
+	had := len(c.locs)
+	c.locs = slices.DeleteFunc(c.locs, func(l loc) bool {
+		if match(l) {
+			s.fds.forget(l)
+			return true
+		}
+		return false
+	})
+	if had > 0 && len(c.locs) == 0 && c.pulling == 0 {
+		if cl := s.fsys.cl; cl != nil {
+			cl.node.Drop(cid)
 		}
 	}
-	return files
 }
 
-// servedFile returns a file the cluster serves content cid from, if the
-// mount has one: a complete copy to copy locally.
-func (s *pulledSet) servedFile(cid string) *os.File {
-	s.mu.RLock()
-	defer s.mu.RUnlock()
-	if c := s.contents[cid]; c != nil && len(c.files) > 0 {
-		return c.files[0]
+// source returns what the cluster reads content cid from.
+func (s *pulledSet) source(cid string) contentSource {
+	return contentSource{s: s, cid: cid}
+}
+
+// contentSource reads a content from a complete copy of it on this
+// mount: the first of its locations that opens.
+type contentSource struct {
+	s   *pulledSet
+	cid string
+}
+
+func (r contentSource) ReadAt(b []byte, off int64) (int, error) {
+	e, err := r.s.open(r.cid)
+	if err != nil {
+		return 0, err
 	}
-	return nil
+	defer r.s.fds.release(e)
+	return e.f.ReadAt(b, off)
 }
 
-// closeAll closes every file the cluster was handed, at unmount once the
-// cluster node is closed.
-func (s *pulledSet) closeAll() {
+// open returns a file holding content cid, open read-only, from the
+// cache: the first of its locations that opens, checked to be the inode
+// recorded. A location the segment left (removed, renamed, replaced) is
+// forgotten and logged: its copy is served no more. errNoLocal when no
+// location is left.
+func (s *pulledSet) open(cid string) (*servedFd, error) {
+	for {
+		s.mu.RLock()
+		var l loc
+		c := s.contents[cid]
+		ok := c != nil && len(c.locs) > 0
+		if ok {
+			l = c.locs[0]
+		}
+		s.mu.RUnlock()
+		if !ok {
+			return nil, errNoLocal
+		}
+		e, err := s.fds.acquire(l)
+		if !moved(err) {
+			return e, err
+		}
+		s.fsys.log.Info("cluster: a segment left the path it was published or pulled at; its copy is served no more", "path", alloc.EscapeText(l.rel), "content", cid, "err", err)
+		s.unlocate(cid, l)
+	}
+}
+
+// unlocate forgets location l of content cid.
+func (s *pulledSet) unlocate(cid string, l loc) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, c := range s.contents {
-		closeFiles(c.files)
-		c.files = nil
+	if s.contents[cid] != nil {
+		s.unlocateLocked(cid, func(x loc) bool { return x == l })
 	}
 }
 
-// restore adds the pulled segments recovery found; the files of complete
-// ones are kept for the cluster to serve from if serve is set (the mount
-// joins one), else closed.
+// located reports whether the mount has a copy of content cid to copy
+// locally.
+func (s *pulledSet) located(cid string) bool {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	c := s.contents[cid]
+	return c != nil && len(c.locs) > 0
+}
+
+// distrust stops serving and copying content cid from l, whose bytes
+// failed verification: l is forgotten, and the cluster serves cid no more
+// (its pieces are verified as they are served, and this node may hold no
+// good copy).
+func (s *pulledSet) distrust(cid string, l loc) {
+	s.unlocate(cid, l)
+	if cl := s.fsys.cl; cl != nil {
+		cl.node.Drop(cid)
+	}
+}
+
+// served returns the size of each content the cluster may serve.
+func (s *pulledSet) served() map[string]int64 {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	sizes := map[string]int64{}
+	for cid, c := range s.contents {
+		if len(c.locs) > 0 {
+			sizes[cid] = c.size
+		}
+	}
+	return sizes
+}
+
+// restore adds the pulled segments recovery found, and, if serve is set
+// (the mount joins a cluster), the locations of complete ones for the
+// cluster to serve from.
 func (s *pulledSet) restore(found []alloc.PulledFile, serve bool) {
 	for _, pf := range found {
 		s.add(pf.Ino, pf.Marker)
-		if pf.File == nil {
-			continue
-		}
-		if serve && pf.Marker.Content != "" {
-			s.serveFrom(pf.Marker.Content, pf.File)
-		} else {
-			pf.File.Close()
+		if serve && pf.Path != "" && pf.Marker.Content != "" {
+			s.serveFrom(pf.Marker.Content, loc{pf.Path, pf.Ino}, pf.Marker.Size)
 		}
 	}
 }

@@ -136,18 +136,25 @@ func (tb *testbed) mount(k int, flags ...string) {
 // kill SIGKILLs node k's daemon and waits for it, as a crash.
 func (tb *testbed) kill(k int) {
 	tb.t.Helper()
+	pid := daemonPid(tb.t, tb.node(k))
+	syscall.Kill(pid, syscall.SIGKILL)
+	for syscall.Kill(pid, 0) == nil {
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// daemonPid returns the pid of the daemon serving the mount at mnt.
+func daemonPid(t *testing.T, mnt string) int {
+	t.Helper()
 	var st struct{ Daemon struct{ Pid int } }
-	raw, err := getxattr(tb.node(k), statsXattr)
+	raw, err := getxattr(mnt, statsXattr)
 	if err == nil {
 		err = json.Unmarshal(raw, &st)
 	}
 	if err != nil || st.Daemon.Pid == 0 {
-		tb.t.Fatalf("node%d's daemon: %v %s", k, err, raw)
+		t.Fatalf("%s's daemon: %v %s", mnt, err, raw)
 	}
-	syscall.Kill(st.Daemon.Pid, syscall.SIGKILL)
-	for syscall.Kill(st.Daemon.Pid, 0) == nil {
-		time.Sleep(10 * time.Millisecond)
-	}
+	return st.Daemon.Pid
 }
 
 // etcd stops or starts etcd.
