@@ -557,8 +557,10 @@ func TestRestartOffer(t *testing.T) {
 	if err := a2.Offer(id, bytes.NewReader(data[1:]), int64(len(data)-1)); err != nil {
 		t.Fatal(err)
 	}
+	// Both refusals, the short copy's last: the right copy's offer below
+	// would find the short one still being checked.
 	waitFor(t, 5*time.Second, "refusals logged", func() bool {
-		return tc.logs.contains("not serving an offered content")
+		return tc.logs.contains("content="+stranger) && tc.logs.contains("content="+id)
 	})
 	if err := a2.Offer(id, bytes.NewReader(data), int64(len(data))); err != nil {
 		t.Fatal(err)
