@@ -594,6 +594,7 @@ func (m *mount) finish(t *testing.T, purge bool) {
 	if leaked := fdsUnder(m.dir); len(leaked) > 0 {
 		t.Errorf("test still holds fds on %s at unmount: %s", m.dir, strings.Join(leaked, ", "))
 	}
+	m.checkLedger(t)
 
 	args := []string{"unmount"}
 	if purge {
@@ -641,6 +642,32 @@ func (m *mount) finishCrashed(t *testing.T) {
 		lazyUnmount(m.dir)
 	}
 	m.checkAddedGone(t)
+}
+
+// checkLedger fails for every row of the daemon's ledger that was given
+// back more than it held (drift: a charge given back twice), the one
+// invariant every test checks of the ledger. A mount whose statistics
+// cannot be read (the test broke it) is not checked.
+func (m *mount) checkLedger(t *testing.T) {
+	t.Helper()
+	raw, err := getxattr(m.dir, statsXattr)
+	if err != nil {
+		return
+	}
+	var stats struct {
+		Ledger []struct {
+			Name  string `json:"name"`
+			Drift int64  `json:"drift"`
+		} `json:"ledger"`
+	}
+	if json.Unmarshal(raw, &stats) != nil {
+		return
+	}
+	for _, r := range stats.Ledger {
+		if r.Drift != 0 {
+			t.Errorf("the ledger's row %q was given back %d more than it held", r.Name, r.Drift)
+		}
+	}
 }
 
 // checkOutput fails on panics and data races in what the daemon printed.

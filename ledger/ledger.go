@@ -51,6 +51,7 @@ type Row struct {
 	all    int64
 	others int64 // the part of all held by users other than root
 	peak   int64
+	drift  int64 // given back beyond what was held: a caller's bug
 }
 
 // Row adds a row to l. Each name is added once.
@@ -143,12 +144,14 @@ func (r *Row) addLocked(uid uint32, n int64) {
 }
 
 // Give returns n of uid's. Giving more than uid holds is a bug of the
-// caller's: it panics rather than let a row drift.
+// caller's: the row gives back what uid holds and counts the rest as
+// drift, which the statistics show, rather than take the daemon down.
 func (r *Row) Give(uid uint32, n int64) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if n > r.used[uid] {
-		panic(fmt.Sprintf("ledger: %s: uid %d gives %d but holds %d", r.spec.Name, uid, n, r.used[uid]))
+		r.drift += n - r.used[uid]
+		n = r.used[uid]
 	}
 	if r.used[uid] -= n; r.used[uid] == 0 {
 		delete(r.used, uid)
@@ -182,6 +185,7 @@ type Usage struct {
 	Root   int64            `json:"root_reserve"`
 	Used   int64            `json:"used"`
 	Peak   int64            `json:"peak"`
+	Drift  int64            `json:"drift,omitempty"`
 	ByUID  map[uint32]int64 `json:"by_uid,omitempty"`
 }
 
@@ -194,7 +198,7 @@ func (l *Ledger) Usage() []Usage {
 	for _, r := range rows {
 		r.mu.Lock()
 		u := Usage{Name: r.spec.Name, Unit: r.spec.Unit, PerUID: r.spec.PerUID, Total: r.spec.Total,
-			Root: r.spec.Total - r.shared, Used: r.all, Peak: r.peak}
+			Root: r.spec.Total - r.shared, Used: r.all, Peak: r.peak, Drift: r.drift}
 		if len(r.used) > 0 {
 			u.ByUID = make(map[uint32]int64, len(r.used))
 			for uid, n := range r.used {
