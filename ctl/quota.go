@@ -120,9 +120,10 @@ type quota struct {
 	// never runs under a lock or in a request's goroutine.
 	closing sync.WaitGroup
 
-	mu     sync.Mutex
-	owner  map[int]uint32      // received descriptors held: whose FDs they count in
-	queued map[uint32][]func() // closes waiting for one of their uid's closers
+	mu      sync.Mutex
+	owner   map[int]uint32      // received descriptors held: whose FDs they count in
+	queued  map[uint32][]func() // closes waiting for one of their uid's closers
+	closers map[uint32]int      // each uid's closers running
 }
 
 // newQuota makes the socket's rows in l; threads is the daemon's row of
@@ -142,6 +143,7 @@ func newQuota(l *ledger.Ledger, threads *ledger.Row, perUID, total Limits) *quot
 		threads: threads,
 		owner:   make(map[int]uint32),
 		queued:  make(map[uint32][]func()),
+		closers: make(map[uint32]int),
 	}
 }
 
@@ -183,11 +185,6 @@ func (q *quota) give(uid uint32, d Limits) {
 			r.row.Give(uid, r.n)
 		}
 	}
-}
-
-// held returns what uid holds.
-func (q *quota) held(uid uint32) Limits {
-	return Limits{Conns: int(q.conns.Held(uid)), Parked: int(q.parked.Held(uid)), FDs: int(q.fds.Held(uid))}
 }
 
 // adopt counts received descriptors against uid's FDs until release
@@ -247,8 +244,11 @@ func (q *quota) closeLater(fd int, closeFD func()) {
 
 // closeAs runs closeFD on a closer of uid's: a goroutine charged to uid
 // in the threads row, since a close that blocks holds an OS thread. When
-// uid holds all the threads it may, closeFD waits in uid's queue for the
-// closers it already has. The channel is closed once closeFD returned.
+// the row refuses uid one more and uid has closers running, closeFD waits
+// in uid's queue for them; a uid with none gets one all the same (Add:
+// the row is shared with the mount, whose threads may hold uid's share),
+// so that no close waits for a closer that will never come. The channel
+// is closed once closeFD returned.
 func (q *quota) closeAs(uid uint32, closeFD func()) <-chan struct{} {
 	done := make(chan struct{})
 	q.closing.Add(1)
@@ -258,11 +258,15 @@ func (q *quota) closeAs(uid uint32, closeFD func()) <-chan struct{} {
 		closeFD()
 	}
 	q.mu.Lock()
-	if q.threads.Take(uid, 1) != nil {
-		q.queued[uid] = append(q.queued[uid], job)
-		q.mu.Unlock()
-		return done
+	if err := q.threads.Take(uid, 1); err != nil {
+		if q.closers[uid] > 0 {
+			q.queued[uid] = append(q.queued[uid], job)
+			q.mu.Unlock()
+			return done
+		}
+		q.threads.Add(uid, 1)
 	}
+	q.closers[uid]++
 	q.mu.Unlock()
 	go q.closer(uid, job)
 	return done
@@ -282,8 +286,11 @@ func (q *quota) closer(uid uint32, job func()) {
 				q.queued[uid] = jobs[1:]
 			}
 		}
-		if job == nil {
-			q.threads.Give(uid, 1) // under mu: a close queued after this finds the thread free
+		if job == nil { // under mu: a close queued after this finds the thread free
+			q.threads.Give(uid, 1)
+			if q.closers[uid]--; q.closers[uid] == 0 {
+				delete(q.closers, uid)
+			}
 		}
 		q.mu.Unlock()
 	}

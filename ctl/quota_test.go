@@ -311,3 +311,8 @@ func TestQuotaRootReserve(t *testing.T) {
 func (q *quota) sum() Limits {
 	return Limits{Conns: int(q.conns.Used()), Parked: int(q.parked.Used()), FDs: int(q.fds.Used())}
 }
+
+// held returns what uid holds.
+func (q *quota) held(uid uint32) Limits {
+	return Limits{Conns: int(q.conns.Held(uid)), Parked: int(q.parked.Held(uid)), FDs: int(q.fds.Held(uid))}
+}

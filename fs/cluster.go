@@ -927,8 +927,7 @@ func (d *dirCache) close() {
 // top, without following a symbolic link or leaving top, if it is still
 // the inode ino: ESTALE if another object is there now.
 func reopenDir(top int, rel string, ino uint64) (int, error) {
-	how := unix.OpenHow{Flags: unix.O_PATH | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC, Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS}
-	fd, err := unix.Openat2(top, rel, &how)
+	fd, err := openBeneath(top, rel)
 	if err != nil {
 		return -1, err
 	}

@@ -296,10 +296,13 @@ func (fsys *filesystem) reclaimLater(n *segmentNode, uid uint32) {
 // those, as on tmpfs.
 func (fsys *filesystem) orphaned(n *segmentNode, uid uint32) {
 	ino := n.StableAttr().Ino
-	if len(n.openHandles()) > 0 || fsys.watchMapped(n, uid, func() { fsys.inodes.gone(ino) }) {
+	if len(n.openHandles()) > 0 {
 		return
 	}
-	fsys.inodes.gone(ino)
+	if mapped, watching := fsys.watchMapped(n, uid, func() { fsys.inodes.gone(ino) }); mapped && watching {
+		return
+	}
+	fsys.inodes.gone(ino) // unmapped, or unwatched: counted too little rather than for ever
 }
 
 // reclaim removes n's names if it is an UNLINK segment without holders;
@@ -307,8 +310,11 @@ func (fsys *filesystem) orphaned(n *segmentNode, uid uint32) {
 // mapping.
 func (fsys *filesystem) reclaim(n *segmentNode, uid uint32) {
 	ino := n.StableAttr().Ino
-	if len(n.openHandles()) > 0 || fsys.watchMapped(n, uid, func() { fsys.removeUnlinked(ino) }) {
+	if len(n.openHandles()) > 0 {
 		return
+	}
+	if mapped, _ := fsys.watchMapped(n, uid, func() { fsys.removeUnlinked(ino) }); mapped {
+		return // kept while mapped, even unwatched: fail safe
 	}
 	for {
 		name, parent := n.Parent()

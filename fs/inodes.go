@@ -136,24 +136,25 @@ func (c *inodes) goneLocked(ino uint64) {
 }
 
 // attrs charges ino's owner delta more units of attributes (less, for a
-// negative delta), or refuses (EDQUOT) past the owner's share.
-func (c *inodes) attrs(ino uint64, delta int64) error {
+// negative delta, down to none), or refuses (EDQUOT) past the owner's
+// share; it returns the change it made, which undoes it negated.
+func (c *inodes) attrs(ino uint64, delta int64) (int64, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	ch := c.of[ino]
 	switch {
 	case ch == nil || delta == 0:
-		return nil
+		return 0, nil
 	case delta > 0:
 		if err := c.row.Take(ch.owner, delta); err != nil {
-			return err
+			return 0, err
 		}
 	default:
 		delta = max(delta, -ch.attrs)
 		c.row.Give(ch.owner, -delta)
 	}
 	ch.attrs += delta
-	return nil
+	return delta, nil
 }
 
 // chown moves ino's object and attributes to uid, or refuses (EDQUOT)

@@ -523,18 +523,19 @@ func (n *segmentNode) references() (map[uint32]int, error) {
 
 // watchMapped reports whether processes still map segment n, whose last
 // handle uid released, or may (the daemon could not see them all), and if
-// so waits for them in a watch charged to uid, which calls done after. An open
+// so waits for them in a watch charged to uid, which calls done after
+// (watching: whether that watch could start). An open
 // meanwhile stops the watch: acquire adds its handle, then unwatches.
-func (fsys *filesystem) watchMapped(n *segmentNode, uid uint32, done func()) bool {
+func (fsys *filesystem) watchMapped(n *segmentNode, uid uint32, done func()) (mapped, watching bool) {
 	ids, since := n.mapped(), n.since()
 	if pids, err := fsys.maps.mappers(ids, since, mapsTTL); len(pids) == 0 && err == nil {
-		return false
+		return false, false
 	}
-	fsys.watch(n.StableAttr().Ino, ids, since, uid, done)
+	watching = fsys.watch(n.StableAttr().Ino, ids, since, uid, done)
 	if len(n.openHandles()) > 0 {
 		fsys.watches.unwatch(n.StableAttr().Ino)
 	}
-	return true
+	return true, watching
 }
 
 // watchSet holds the watches: one goroutine per UNLINK segment that no
@@ -554,17 +555,21 @@ type watchSet struct {
 // (unwatch). A watch holds its epoll instance, so it takes one of uid's
 // descriptors (filesystem.handles) until it ends; past uid's share the
 // segment stays until it is opened and closed again, or the next mount.
-// The pidfds it waits on are the processes' owners' (pidfds).
-func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time, uid uint32, done func()) {
+// The pidfds it waits on are the processes' owners' (pidfds). It reports
+// whether a watch waits now.
+func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time, uid uint32, done func()) bool {
 	w := &fsys.watches
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.closed || w.m[ino] != nil {
-		return
+	if w.closed {
+		return false
+	}
+	if w.m[ino] != nil {
+		return true // one watch waits already
 	}
 	if err := fsys.handles.Take(uid, 1); err != nil {
-		fsys.log.Warn("cannot wait for the mappings of an UNLINK segment; it stays until it is opened and closed again, or the next mount", "ino", ino, "err", err)
-		return
+		fsys.log.Warn("cannot wait for the mappings of a segment; an UNLINK one stays until it is opened and closed again, or the next mount", "ino", ino, "err", err)
+		return false
 	}
 	ep, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
 	if err == nil {
@@ -574,8 +579,8 @@ func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time, uid
 	}
 	if err != nil {
 		fsys.handles.Give(uid, 1)
-		fsys.log.Warn("cannot wait for the mappings of an UNLINK segment; it stays until it is opened and closed again, or the next mount", "ino", ino, "err", err)
-		return
+		fsys.log.Warn("cannot wait for the mappings of a segment; an UNLINK one stays until it is opened and closed again, or the next mount", "ino", ino, "err", err)
+		return false
 	}
 	f := os.NewFile(uintptr(ep), "pidfds")
 	if w.m == nil {
@@ -591,6 +596,7 @@ func (fsys *filesystem) watch(ino uint64, ids []mappedFile, since time.Time, uid
 			done()
 		}
 	}()
+	return true
 }
 
 // unwatch stops the watch of the segment whose inode is ino, if any.

@@ -433,7 +433,10 @@ func (d *dirNode) Link(ctx context.Context, target fusefs.InodeEmbedder, name st
 		if err := d.fs.inodes.reserve(uid); err != nil { // tmpfs takes an inode for every name
 			return err
 		}
+		first := false // an O_TMPFILE segment's first name: charged as the object
 		link := func(r *alloc.Ref) error {
+			var st unix.Stat_t
+			first = unix.Fstat(r.Fd(), &st) == nil && st.Nlink == 0
 			// The /proc link of exactly r's object (an O_TMPFILE
 			// segment's too), which the kernel follows to that inode.
 			return unix.Linkat(unix.AT_FDCWD, alloc.FdPath(r.Fd()), fd, name, unix.AT_SYMLINK_FOLLOW)
@@ -457,7 +460,11 @@ func (d *dirNode) Link(ctx context.Context, target fusefs.InodeEmbedder, name st
 			d.fs.inodes.unreserve(uid)
 			return err
 		}
-		d.fs.inodes.linked(target.EmbeddedInode().StableAttr().Ino, uid)
+		if first {
+			d.fs.inodes.unreserve(uid)
+		} else {
+			d.fs.inodes.linked(target.EmbeddedInode().StableAttr().Ino, uid)
+		}
 		ch, err = d.child(ctx, fd, name, out)
 		return err
 	})
@@ -494,7 +501,7 @@ func (d *dirNode) nameGone(name string, ino uint64, last bool, uid uint32) {
 		if ch := d.GetChild(name); ch != nil {
 			if seg, ok := ch.Operations().(*segmentNode); ok && ch.StableAttr().Ino == ino {
 				seg.orphan.Store(true)
-				d.fs.orphaned(seg, uid)
+				d.fs.reclaimLater(seg, uid) // off the request: it may scan /proc
 				return
 			}
 		}

@@ -238,11 +238,11 @@ func (fsys *filesystem) chargeAttr(o object, p, attr string, size int) (undo fun
 		old = -1
 	}
 	ino := o.EmbeddedInode().StableAttr().Ino
-	delta := attrUnits(attr, size) - attrUnits(attr, old)
-	if err := fsys.inodes.attrs(ino, delta); err != nil {
+	done, err := fsys.inodes.attrs(ino, attrUnits(attr, size)-attrUnits(attr, old))
+	if err != nil {
 		return nil, err
 	}
-	return func() { fsys.inodes.attrs(ino, -delta) }, nil
+	return func() { fsys.inodes.attrs(ino, -done) }, nil
 }
 
 // mayChangeFlags refuses (EPERM) a change of flags by anyone but the
