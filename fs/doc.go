@@ -42,9 +42,12 @@
 //  4. devSeg.mu, then devSeg.cmu (a device segment's memory, then its
 //     consumer counter; the limbo's predicates take cmu alone)
 //  5. segmentNode.mu, importedFile.mu, imports.mu, devices.mu,
-//     budget.mu, mapTable.mu, watchSet.mu (leaves: nothing is taken
-//     while one is held); and clusterFS.mu, then pulledSet.mu (which
-//     calls cluster.Node.Drop), then pulled.mu
+//     devices.growMu, mapTable.mu, watchSet.mu, pidfds.mu, inodes.mu,
+//     servedFds.mu (leaves: only the ledger's locks are taken while one
+//     is held); and clusterFS.mu, then pulledSet.mu (which calls
+//     cluster.Node.Drop), then pulled.mu
+//  6. ledger.Row.mu (the innermost: a charge is taken or given under the
+//     lock of what it counts)
 //
 // A helper that expects a lock held says so in its name (…Locked).
 //
