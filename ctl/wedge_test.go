@@ -283,7 +283,7 @@ func (l *lockedLog) String() string {
 // TestClosersBounded (K6): the closes of one uid's descriptors that
 // block take at most its share of the threads row; the rest wait in its
 // queue, still counted in its descriptors, and run once a close returns.
-// Another uid's closes are not held up behind them.
+// Another uid's closes, and root's, are not held up behind them.
 func TestClosersBounded(t *testing.T) {
 	l := ledger.New()
 	threads := l.Row(ledger.Spec{Name: "threads", Unit: "thread", PerUID: 2, Total: 64})
@@ -304,17 +304,19 @@ func TestClosersBounded(t *testing.T) {
 	if n := q.held(1000).FDs; n < 3 {
 		t.Errorf("uid 1000 is charged %d descriptors while their closes wait, want at least 3", n)
 	}
-	other, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := q.adopt(1001, []int{other}); err != nil {
-		t.Fatal(err)
-	}
-	q.release(other)
-	for deadline := time.Now().Add(5 * time.Second); q.held(1001).FDs != 0; time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("another uid's close waited behind uid 1000's")
+	for _, uid := range []uint32{1001, 0} { // another user, and root
+		other, err := unix.Open("/dev/null", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := q.adopt(uid, []int{other}); err != nil {
+			t.Fatal(err)
+		}
+		q.release(other)
+		for deadline := time.Now().Add(5 * time.Second); q.held(uid).FDs != 0; time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("uid %d's close waited behind uid 1000's", uid)
+			}
 		}
 	}
 	for _, unblock := range unblocks {
