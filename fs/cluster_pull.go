@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -321,11 +322,11 @@ func (c *clusterFS) contentOf(cid string) (*cluster.Content, error) {
 }
 
 // pullDir pulls, for who, every pulled segment below the directory dir
-// that is not complete here, and returns the bytes pulled. who must be
-// able to search every directory on the way, read every directory below
-// and read every segment pulled.
+// that is not complete here, maxPullOpen at a time, and returns the bytes
+// pulled. who must be able to search every directory on the way, read
+// every directory below and read every segment pulled.
 func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
-	var items []pullItem
+	var targets []pullTarget
 	var found bool
 	err := controlBackend{c.fsys}.walk(who, dir, func(parent int, name string) error {
 		top, err := unix.Openat(parent, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
@@ -370,11 +371,7 @@ func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
 				if !permitted(&who, m.Stat(), 4) {
 					return fmt.Errorf("%w: %s: no read permission", syscall.EACCES, alloc.EscapeText(rel))
 				}
-				rw, err := m.Open(unix.O_RDWR)
-				if err != nil {
-					return err
-				}
-				items = append(items, pullItem{seg: p, f: os.NewFile(uintptr(rw), rel)})
+				targets = append(targets, pullTarget{p, loc{path.Join(dir, rel), st.Ino}})
 			}
 			return nil
 		})
@@ -382,11 +379,51 @@ func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
 	if err == nil && !found {
 		err = fmt.Errorf("%w: %s has no published segment", cluster.ErrNotPublished, alloc.EscapeText(dir))
 	}
-	if err != nil {
-		for _, it := range items {
-			it.f.Close()
+	var bytes, segments int64
+	for len(targets) > 0 && err == nil {
+		batch := targets[:min(len(targets), maxPullOpen)]
+		targets = targets[len(batch):]
+		var n int64
+		n, err = c.pullBatch(dir, batch)
+		bytes, segments = bytes+n, segments+int64(len(batch))
+	}
+	if err == nil {
+		c.fsys.log.Info("pulled", "dir", alloc.EscapeText(dir), "segments", segments, "bytes", bytes, "uid", who.Uid)
+	}
+	return bytes, err
+}
+
+// maxPullOpen bounds the backing files one pull holds open at once (one
+// per segment being filled): a directory of more segments is pulled that
+// many at a time, so that no pull takes the daemon's descriptors.
+const maxPullOpen = 256
+
+// pullTarget is a segment a pull is to fill, and where it lies.
+type pullTarget struct {
+	seg *pulled
+	at  loc
+}
+
+// pullBatch fills the segments of batch, of the published directory
+// dir, from the cluster: each one's backing file is opened read-write,
+// found again where the walk saw it (one moved meanwhile is left out), and
+// owned by the pull until its fill ends. It returns the bytes filled.
+func (c *clusterFS) pullBatch(dir string, batch []pullTarget) (int64, error) {
+	items := make([]pullItem, 0, len(batch))
+	for _, t := range batch {
+		err := refAt(c.fsys.store.RootFd, t.at, func(r *alloc.Ref) error {
+			rw, err := r.Open(unix.O_RDWR)
+			if err == nil {
+				items = append(items, pullItem{seg: t.seg, f: os.NewFile(uintptr(rw), t.at.rel)})
+			}
+			return err
+		})
+		if err != nil && !moved(err) {
+			for _, it := range items {
+				it.f.Close()
+			}
+			return 0, err
 		}
-		return 0, err
 	}
 	fills, pl := c.fetch(items)
 	if pl != nil {
@@ -402,6 +439,7 @@ func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
 		}()
 	}
 	var bytes int64
+	var err error
 	for i, f := range fills {
 		<-f.done
 		if f.err != nil {
@@ -410,9 +448,6 @@ func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
 		}
 		size, _ := items[i].seg.state()
 		bytes += size
-	}
-	if err == nil {
-		c.fsys.log.Info("pulled", "dir", alloc.EscapeText(dir), "segments", len(items), "bytes", bytes, "uid", who.Uid)
 	}
 	return bytes, err
 }

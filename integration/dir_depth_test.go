@@ -10,7 +10,7 @@ import (
 // chainDepth is how deep the test's chain of directories goes: deep
 // enough that reopening it is thousands of descriptors, cheap enough to
 // build in a few seconds.
-const chainDepth = 5000
+const chainDepth = 2000
 
 // deepChainScript, run as a user with a top directory, a directory for
 // other names, and a depth, builds a chain of that many directories "d"

@@ -109,8 +109,9 @@ var oracleTree = []struct {
 	{"t/h/a", 'p', 0o660, 1002, 3001, "", "", ""},
 }
 
-// TestPosixOracle runs random sequences on a tmpfs and on tensorfs, in
-// both modes, mounted with --allow-other, and fails on the first step
+// TestPosixOracle replays oracleFound, then runs random sequences on a
+// tmpfs and on tensorfs, in both modes at once, mounted with
+// --allow-other, until its budget is spent, and fails on the first step
 // where they differ, with the sequence shrunk.
 func TestPosixOracle(t *testing.T) {
 	t.Parallel()
@@ -133,9 +134,16 @@ func TestPosixOracle(t *testing.T) {
 		day, _ := strconv.ParseInt(time.Now().UTC().Format("20060102"), 10, 64)
 		seed = day * 1000
 	}
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		o := newOracle(t, m)
 		deadline := time.Now().Add(oracleBudget)
+		if !one {
+			for _, f := range oracleFound {
+				if d := o.replay(genOracleOps(f.seed, f.ops)); d != nil {
+					t.Errorf("seed %d (%s) differs again after step %d: %s: %s", f.seed, f.what, d.step, d.kind, d.text)
+				}
+			}
+		}
 		n := 0
 		for s := seed; n == 0 || !one && time.Now().Before(deadline); s++ {
 			seq := genOracleOps(s, ops)
@@ -151,7 +159,8 @@ func TestPosixOracle(t *testing.T) {
 }
 
 // oracleFound are sequences that found a difference the oracle no longer
-// shows, with what it was: each runs in both modes on every test run.
+// shows, with what it was: TestPosixOracle replays each first, in both
+// modes, on every run.
 var oracleFound = []struct {
 	seed int64
 	ops  int
@@ -161,19 +170,6 @@ var oracleFound = []struct {
 	{2, 167, "a segment created for writing kept the set-id bits its writer clears (O_CREAT, O_TMPFILE)"},
 	{8, 132, "utimensat(UTIME_NOW) set mtime from the daemon's clock, after the ctime it made"},
 	{13, 300, "chown(f, -1, -1) by another user did not move ctime (a SETATTR of nothing changed nothing)"},
-}
-
-// TestPosixOracleFound replays oracleFound.
-func TestPosixOracleFound(t *testing.T) {
-	t.Parallel()
-	forEachMode(t, func(t *testing.T, m *mount) {
-		o := newOracle(t, m)
-		for _, f := range oracleFound {
-			if d := o.replay(genOracleOps(f.seed, f.ops)); d != nil {
-				t.Errorf("seed %d (%s) differs again after step %d: %s: %s", f.seed, f.what, d.step, d.kind, d.text)
-			}
-		}
-	}, "--allow-other")
 }
 
 // oracle holds a tmpfs and a tensorfs mount and the callers' workers.
