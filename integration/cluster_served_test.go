@@ -61,7 +61,7 @@ func TestClusterServedByPath(t *testing.T) {
 	if err := os.Rename(dir(n2, "one/x"), filepath.Join(n2, "moved-x")); err != nil {
 		t.Fatal(err)
 	}
-	tb.must("unmount", n1)
+	tb.must("unmount", "--purge", n1) // gone for good: its backing too (the test bed takes down mounted nodes only)
 	waitVersion(t, dir(n3), v)
 	t.Logf("node3, from node2 restarted: %s", tb.must("pull", dir(n3, "many")))
 	sameFiles(t, dir(n3, "many"), wantMany)

@@ -146,6 +146,16 @@ func testMain(m *testing.M) int {
 			code = 1
 		}
 	}
+	// So is a private backing tmpfs left mounted: its name carries the
+	// mountpoint's path, and so the number of tmpRoot.
+	tag := "-" + strings.TrimPrefix(filepath.Base(tmpRoot), "tensorfs-integration-") + "-"
+	for _, e := range readMountinfo() {
+		if e.fsType == "tmpfs" && strings.HasPrefix(e.mountPoint, "/run/tensorfs/backing/") && strings.Contains(e.mountPoint, tag) {
+			fmt.Fprintf(os.Stderr, "integration: leaked backing %s\n", e.mountPoint)
+			lazyUnmount(e.mountPoint)
+			code = 1
+		}
+	}
 	if err := os.RemoveAll(tmpRoot); err != nil {
 		fmt.Fprintln(os.Stderr, "integration:", err)
 	}
