@@ -27,7 +27,7 @@ type Limits struct {
 }
 
 // defaultTotal is the limits for all users together. Of each, root keeps
-// an eighth (rootReserve) and one uid other than root may hold an eighth
+// an eighth (ledger.Row.Reserve) and one uid other than root may hold an eighth
 // of the rest (perUIDCap): with these defaults 448 connections, 280
 // waiting requests and 896 descriptors, so that a group of 253 ranks (the
 // largest) fits one uid's connections and waiting requests (252 wait).
@@ -77,17 +77,12 @@ func fitTotal(total Limits, budget int) Limits {
 	return total
 }
 
-// rootReserve is the part of total that only root may take: an eighth.
-func rootReserve(total Limits) Limits {
-	return Limits{Conns: total.Conns / 8, Parked: total.Parked / 8, FDs: total.FDs / 8}
-}
-
 // perUIDCap is the most one uid other than root may hold: an eighth of
 // what total leaves once root's reserve is set aside, so that at least
 // eight users fit; never below one, nor below what one export needs.
 func perUIDCap(total Limits) Limits {
-	shared := total.minus(rootReserve(total))
-	return Limits{Conns: max(1, shared.Conns/8), Parked: max(1, shared.Parked/8), FDs: max(backendFDs+1, shared.FDs/8)}
+	share := func(n int) int { return int(ledger.Share(int64(n))) }
+	return Limits{Conns: max(1, share(total.Conns)), Parked: max(1, share(total.Parked)), FDs: max(backendFDs+1, share(total.FDs))}
 }
 
 // fdBudget is half the process's limit on open descriptors: the other
@@ -98,10 +93,6 @@ func fdBudget() int {
 		return 1024 / 2
 	}
 	return int(min(r.Cur, 1<<30) / 2)
-}
-
-func (l Limits) minus(d Limits) Limits {
-	return Limits{Conns: l.Conns - d.Conns, Parked: l.Parked - d.Parked, FDs: l.FDs - d.FDs}
 }
 
 // quota counts what each uid holds against the limits, as three rows of

@@ -202,11 +202,10 @@ func Listen(cfg Config) (*Server, error) {
 		cancel: cancel,
 		conns:  make(map[*net.UnixConn]struct{}),
 	}
-	reserve := rootReserve(cfg.Total)
 	cfg.Log.Info("ctl: listening", "path", cfg.Path, "private", cfg.Private,
 		"conns_per_uid", cfg.PerUID.Conns, "parked_per_uid", cfg.PerUID.Parked, "fds_per_uid", cfg.PerUID.FDs,
 		"conns", cfg.Total.Conns, "parked", cfg.Total.Parked, "fds", cfg.Total.FDs,
-		"conns_root_reserve", reserve.Conns, "parked_root_reserve", reserve.Parked, "fds_root_reserve", reserve.FDs)
+		"conns_root_reserve", q.conns.Reserve(), "parked_root_reserve", q.parked.Reserve(), "fds_root_reserve", q.fds.Reserve())
 	s.wg.Add(1)
 	go s.accept()
 	return s, nil

@@ -75,10 +75,6 @@ func quota(name, unit string, perUID, total int64) ledger.Spec {
 	return ledger.Spec{Name: name, Unit: unit, PerUID: perUID, Total: total, Over: syscall.EDQUOT, Full: syscall.ENOSPC}
 }
 
-// share is one user's default share of total: an eighth of what root's
-// eighth leaves.
-func share(total int64) int64 { return (total - total/8) / 8 }
-
 // newBounds fills in b: the etcd bounds from its quota, the node's from
 // the backing open at rootFd (its inodes and capacity), rows of l.
 func newBounds(b ClusterBounds, rootFd int, l *ledger.Ledger) (*bounds, error) {
@@ -94,15 +90,15 @@ func newBounds(b ClusterBounds, rootFd int, l *ledger.Ledger) (*bounds, error) {
 	return &bounds{
 		keep: cmp.Or(b.Keep, cluster.DefaultKeep),
 		etcd: []etcdBound{
-			{quota("published directories (--cluster-user-dirs)", "directory", cmp.Or(b.Dirs, share(total>>16)), total>>16),
+			{quota("published directories (--cluster-user-dirs)", "directory", cmp.Or(b.Dirs, ledger.Share(total>>16)), total>>16),
 				func(u cluster.Usage) int64 { return u.Dirs }},
-			{quota("published entries, of every version kept (--cluster-user-entries)", "entry", cmp.Or(b.Entries, share(total>>8)), total>>8),
+			{quota("published entries, of every version kept (--cluster-user-entries)", "entry", cmp.Or(b.Entries, ledger.Share(total>>8)), total>>8),
 				func(u cluster.Usage) int64 { return u.Entries }},
-			{quota("bytes of published manifests in etcd (--cluster-user-bytes)", "byte", cmp.Or(b.Bytes, share(total)), total),
+			{quota("bytes of published manifests in etcd (--cluster-user-bytes)", "byte", cmp.Or(b.Bytes, ledger.Share(total)), total),
 				func(u cluster.Usage) int64 { return u.Bytes }},
 		},
-		inodes: l.Row(quota("inodes of published versions made on this node (--cluster-node-inodes)", "inode", cmp.Or(b.NodeInodes, share(inodes)), inodes)),
-		bytes:  l.Row(quota("bytes of published versions made on this node (--cluster-node-bytes)", "byte", cmp.Or(b.NodeBytes, share(capacity)), capacity)),
+		inodes: l.Row(quota("inodes of published versions made on this node (--cluster-node-inodes)", "inode", cmp.Or(b.NodeInodes, ledger.Share(inodes)), inodes)),
+		bytes:  l.Row(quota("bytes of published versions made on this node (--cluster-node-bytes)", "byte", cmp.Or(b.NodeBytes, ledger.Share(capacity)), capacity)),
 	}, nil
 }
 

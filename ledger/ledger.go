@@ -54,6 +54,10 @@ type Row struct {
 	drift  int64 // given back beyond what was held: a caller's bug
 }
 
+// Share is the bound per uid that the daemon's rows default to: an eighth
+// of what root's reserve leaves of total, so that at least eight users fit.
+func Share(total int64) int64 { return (total - total/8) / 8 }
+
 // Row adds a row to l. Each name is added once.
 func (l *Ledger) Row(s Spec) *Row {
 	if s.Over == 0 {
@@ -74,6 +78,9 @@ func (l *Ledger) Row(s Spec) *Row {
 
 // Spec returns what r counts and its bounds.
 func (r *Row) Spec() Spec { return r.spec }
+
+// Reserve returns the part of the total that is root's alone.
+func (r *Row) Reserve() int64 { return r.spec.Total - r.shared }
 
 // Scope says which bound refused a take.
 type Scope string
@@ -198,7 +205,7 @@ func (l *Ledger) Usage() []Usage {
 	for _, r := range rows {
 		r.mu.Lock()
 		u := Usage{Name: r.spec.Name, Unit: r.spec.Unit, PerUID: r.spec.PerUID, Total: r.spec.Total,
-			Root: r.spec.Total - r.shared, Used: r.all, Peak: r.peak, Drift: r.drift}
+			Root: r.Reserve(), Used: r.all, Peak: r.peak, Drift: r.drift}
 		if len(r.used) > 0 {
 			u.ByUID = make(map[uint32]int64, len(r.used))
 			for uid, n := range r.used {

@@ -5,16 +5,15 @@ package main
 // (--allow-outside lets them), and tensorfs status finds every mount.
 
 import (
-	"bufio"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"os"
 	"path/filepath"
-	"strconv"
 	"strings"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
@@ -24,7 +23,7 @@ import (
 // (FUSE's "fuse." and the name fs.Mount gives).
 const fsType = "fuse.tensorfs"
 
-// mountEntry is one line of /proc/self/mountinfo.
+// mountEntry is what the CLI uses of a line of /proc/self/mountinfo.
 type mountEntry struct {
 	dev    uint64 // st_dev of the files on it
 	point  string // where it is mounted
@@ -34,60 +33,15 @@ type mountEntry struct {
 // readMounts returns the mount table of this process, in its order
 // (a later mount over the same point hides an earlier one).
 func readMounts() ([]mountEntry, error) {
-	f, err := os.Open("/proc/self/mountinfo")
+	infos, err := mountinfo.GetMounts(nil)
 	if err != nil {
 		return nil, err
 	}
-	defer f.Close()
-	var out []mountEntry
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		if m, ok := parseMountinfo(sc.Text()); ok {
-			out = append(out, m)
-		}
+	out := make([]mountEntry, len(infos))
+	for i, m := range infos {
+		out[i] = mountEntry{dev: unix.Mkdev(uint32(m.Major), uint32(m.Minor)), point: m.Mountpoint, fsType: m.FSType}
 	}
-	return out, sc.Err()
-}
-
-// parseMountinfo parses one mountinfo line: "ID PARENT MAJOR:MINOR ROOT
-// POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPEROPTIONS".
-func parseMountinfo(line string) (mountEntry, bool) {
-	f := strings.Fields(line)
-	sep := -1
-	for i := 6; i < len(f); i++ {
-		if f[i] == "-" {
-			sep = i
-			break
-		}
-	}
-	if len(f) < 5 || sep < 0 || sep+1 >= len(f) {
-		return mountEntry{}, false
-	}
-	major, minor, ok := strings.Cut(f[2], ":")
-	maj, err1 := strconv.ParseUint(major, 10, 32)
-	min, err2 := strconv.ParseUint(minor, 10, 32)
-	if !ok || err1 != nil || err2 != nil {
-		return mountEntry{}, false
-	}
-	return mountEntry{dev: unix.Mkdev(uint32(maj), uint32(min)), point: unescapeMountinfo(f[4]), fsType: f[sep+1]}, true
-}
-
-// unescapeMountinfo undoes the kernel's octal escapes (\040 for a space)
-// in a mountinfo path.
-func unescapeMountinfo(s string) string {
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+4 <= len(s) {
-			if n, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(n))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
+	return out, nil
 }
 
 // tensorfsMounts returns the mount points of every tensorfs mount in the

@@ -3,21 +3,7 @@ package main
 import (
 	"strings"
 	"testing"
-
-	"golang.org/x/sys/unix"
 )
-
-// TestParseMountinfo: a mount point's octal escapes are undone, the type
-// follows the "-" after the optional fields, and a short line is skipped.
-func TestParseMountinfo(t *testing.T) {
-	m, ok := parseMountinfo(`55 27 0:46 / /tmp/my\040mnt rw,nosuid shared:1 master:2 - fuse.tensorfs tensorfs rw,user_id=0`)
-	if !ok || m.point != "/tmp/my mnt" || m.fsType != fsType || m.dev != unix.Mkdev(0, 46) {
-		t.Errorf("parseMountinfo = %+v, %v", m, ok)
-	}
-	if _, ok := parseMountinfo("55 27 0:46 / /x rw"); ok {
-		t.Error("a line without the separator parsed")
-	}
-}
 
 // TestVersion: --version prints the module version, what it knows of the
 // commit and the Go release on one line.
