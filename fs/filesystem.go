@@ -107,7 +107,7 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 	}
 	for _, b := range []*ledger.Row{fsys.handles, fsys.threads, fsys.inodes.row} {
 		s := b.Spec()
-		fsys.log.Info(s.Name+" held for requests: limits", "per_uid", s.PerUID, "total", s.Total, "root_reserve", s.Total/8)
+		fsys.log.Info(s.Name+" held for requests: limits", "per_uid", s.PerUID, "total", s.Total, "root_reserve", b.Reserve())
 	}
 	if err := fsys.inodes.countBacking(opts.Store.RootFd); err != nil {
 		fsys.log.Warn("the backing's objects are charged to their owners as far as the walk reached", "err", err)
@@ -272,11 +272,7 @@ func readTgid(tid uint32) uint32 {
 // cost only a cached flag check.
 func (fsys *filesystem) reclaimLater(n *segmentNode, uid uint32) {
 	if n.orphan.Load() {
-		fsys.reclaims.Add(1)
-		go func() {
-			defer fsys.reclaims.Done()
-			fsys.orphaned(n, uid)
-		}()
+		fsys.orphaned(n)
 		return
 	}
 	if f, err := n.flags(n); err == nil && f&alloc.Unlink != 0 {
@@ -289,20 +285,15 @@ func (fsys *filesystem) reclaimLater(n *segmentNode, uid uint32) {
 }
 
 // orphaned gives back the inode of segment n, whose last name went, once
-// nothing the daemon knows of holds it: no handle, and no process maps it
-// (a watch charged to uid waits for the last mapping). Until then tmpfs
-// keeps the inode, and so does its charge. A descriptor that export or
-// load handed out holds it unseen: its holder's open-file limit bounds
-// those, as on tmpfs.
-func (fsys *filesystem) orphaned(n *segmentNode, uid uint32) {
-	ino := n.StableAttr().Ino
-	if len(n.openHandles()) > 0 {
-		return
+// no handle holds it: until then tmpfs keeps the inode, and so does its
+// charge. No scan of the processes' mappings runs here (an unlink is a
+// hot path): a mapping that outlives its close, or a descriptor that
+// export or load handed out, holds the inode unseen, bounded by its
+// holder's mappings and open-file limit, as on tmpfs.
+func (fsys *filesystem) orphaned(n *segmentNode) {
+	if len(n.openHandles()) == 0 {
+		fsys.inodes.gone(n.StableAttr().Ino)
 	}
-	if mapped, watching := fsys.watchMapped(n, uid, func() { fsys.inodes.gone(ino) }); mapped && watching {
-		return
-	}
-	fsys.inodes.gone(ino) // unmapped, or unwatched: counted too little rather than for ever
 }
 
 // reclaim removes n's names if it is an UNLINK segment without holders;

@@ -24,7 +24,7 @@ import (
 // the user who made it. Giving back a number charged to no one (an object
 // the cluster made) is nothing, so the row never counts an object twice
 // nor one that is gone. An object's charge goes when its last name goes,
-// or, for a segment still open or mapped then, when it is let go.
+// or, for a segment still open then, when its last handle goes.
 type inodes struct {
 	row *ledger.Row
 
