@@ -106,12 +106,13 @@ type quota struct {
 	// the kernel, per uid.
 	threads *ledger.Row
 
-	// closing tracks the closes of received descriptors (release): a
-	// close may block for as long as the file's filesystem wants, so it
-	// never runs under a lock or in a request's goroutine.
-	closing sync.WaitGroup
-
 	mu      sync.Mutex
+	// closing counts the closes of received descriptors (release) not
+	// yet returned, and drained is closed whenever it is zero: a close
+	// may block for as long as the file's filesystem wants, so it never
+	// runs under a lock or in a request's goroutine.
+	closing int
+	drained chan struct{}
 	owner   map[int]uint32      // received descriptors held: whose FDs they count in
 	queued  map[uint32][]func() // closes waiting for one of their uid's closers
 	closers map[uint32]int      // each uid's closers running
@@ -135,7 +136,14 @@ func newQuota(l *ledger.Ledger, threads *ledger.Row, perUID, total Limits) *quot
 		owner:   make(map[int]uint32),
 		queued:  make(map[uint32][]func()),
 		closers: make(map[uint32]int),
+		drained: closedChan(),
 	}
+}
+
+func closedChan() chan struct{} {
+	c := make(chan struct{})
+	close(c)
+	return c
 }
 
 // rows pairs each row with d's count for it.
@@ -242,13 +250,15 @@ func (q *quota) closeLater(fd int, closeFD func()) {
 // is closed once closeFD returned.
 func (q *quota) closeAs(uid uint32, closeFD func()) <-chan struct{} {
 	done := make(chan struct{})
-	q.closing.Add(1)
 	job := func() {
-		defer q.closing.Done()
+		defer q.closed()
 		defer close(done)
 		closeFD()
 	}
 	q.mu.Lock()
+	if q.closing++; q.closing == 1 {
+		q.drained = make(chan struct{})
+	}
 	if err := q.threads.Take(uid, 1); err != nil {
 		if q.closers[uid] > 0 {
 			q.queued[uid] = append(q.queued[uid], job)
@@ -287,16 +297,23 @@ func (q *quota) closer(uid uint32, job func()) {
 	}
 }
 
+// closed counts one close of closeAs's as returned.
+func (q *quota) closed() {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.closing--; q.closing == 0 {
+		close(q.drained)
+	}
+}
+
 // waitClosing waits for the closes that release started, at most d; it
 // reports whether they all returned.
 func (q *quota) waitClosing(d time.Duration) bool {
-	done := make(chan struct{})
-	go func() {
-		q.closing.Wait()
-		close(done)
-	}()
+	q.mu.Lock()
+	drained := q.drained
+	q.mu.Unlock()
 	select {
-	case <-done:
+	case <-drained:
 		return true
 	case <-time.After(d):
 		return false
