@@ -106,7 +106,7 @@ type quota struct {
 	// the kernel, per uid.
 	threads *ledger.Row
 
-	mu      sync.Mutex
+	mu sync.Mutex
 	// closing counts the closes of received descriptors (release) not
 	// yet returned, and drained is closed whenever it is zero: a close
 	// may block for as long as the file's filesystem wants, so it never
