@@ -216,9 +216,10 @@ func (t *mapTable) scan() {
 // user can start (dumpable or not, in a user namespace of its own or
 // not), so what it may not read is more privileged than the daemon.
 func leftOut(err error) bool {
-	switch err {
-	case unix.ENOENT, unix.ESRCH, unix.EACCES, unix.EPERM:
-		return true
+	for _, e := range []error{unix.ENOENT, unix.ESRCH, unix.EACCES, unix.EPERM} {
+		if errors.Is(err, e) { // os wraps them (readdirent /proc/PID/task: ...)
+			return true
+		}
 	}
 	return false
 }

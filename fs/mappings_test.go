@@ -653,3 +653,17 @@ func TestZombieLeaderMaps(t *testing.T) {
 		t.Errorf("mappers with the child a zombie = %v, %v; want none", got, err)
 	}
 }
+
+// TestLeftOutUnwraps: a process that exits while the scan lists its
+// threads is gone, however os wraps the ENOENT (CI: "readdirent
+// /proc/PID/task: no such file or directory" made a refcount EAGAIN);
+// any other failure is a process not seen.
+func TestLeftOutUnwraps(t *testing.T) {
+	gone := &os.PathError{Op: "readdirent", Path: "/proc/1/task", Err: syscall.ENOENT}
+	if !leftOut(gone) || !leftOut(os.NewSyscallError("open", syscall.ESRCH)) {
+		t.Error("a process that exited during the scan counts as not seen")
+	}
+	if leftOut(&os.PathError{Op: "open", Path: "/proc/1/maps", Err: syscall.EMFILE}) || leftOut(errNewThreads) {
+		t.Error("a failed read counts as a process that exited")
+	}
+}
