@@ -6,6 +6,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -256,5 +257,55 @@ func TestDeviceLimboCountsAllocation(t *testing.T) {
 	}
 	if n := fsys.gpu.limboBytes.Load(); n != 2*g || seg.Size() != 4096 {
 		t.Errorf("after the refusal limbo counts %d bytes and the segment has %d, want %d and 4096", n, seg.Size(), 2*g)
+	}
+}
+
+// countingDevice is a simulated device that counts its allocations.
+type countingDevice struct {
+	gpu.Device
+	allocs atomic.Int64
+}
+
+func (d *countingDevice) Alloc(size int64) (gpu.Block, error) {
+	d.allocs.Add(1)
+	return d.Device.Alloc(size)
+}
+
+// TestDeviceWriteGrowthGeometric: a device segment written in cp's
+// 128 KiB chunks to 32 MiB is moved to a larger block O(log n) times, not
+// once per write (a copy quadratic in the size); its bytes are the
+// writes'.
+func TestDeviceWriteGrowthGeometric(t *testing.T) {
+	fsys := testFS(t)
+	dev := &countingDevice{Device: gpu.NewSim(0, 1<<30)}
+	d, err := newDevices(dev, fsys.store, fsys.ledger, fsys.handles, filepath.Join(t.TempDir(), "mnt"), nil, fsys.log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fsys.gpu = d
+	g := mkdir(t, &fsys.root.dirNode, "g")
+	if errno := g.Setxattr(callerCtx(0), alloc.AttrDevice, []byte("cuda:0"), 0); errno != 0 {
+		t.Fatal(errno)
+	}
+	seg := mkseg(t, g, "w").storage().(device).seg
+	const chunk, size = 128 << 10, 32 << 20
+	data := make([]byte, chunk)
+	for off := 0; off < size; off += chunk {
+		data[0] = byte(off / chunk)
+		if err := seg.write(data, int64(off)); err != nil {
+			t.Fatalf("write at %d: %v", off, err)
+		}
+	}
+	if n := dev.allocs.Load(); n > 12 { // log2(32 MiB / 128 KiB) = 8, and room
+		t.Errorf("%d writes of 128 KiB made %d allocations, want O(log n)", size/chunk, n)
+	}
+	if seg.Size() != size {
+		t.Errorf("size %d, want %d", seg.Size(), size)
+	}
+	buf := make([]byte, 1)
+	for _, i := range []int{0, 1, size/chunk - 1} {
+		if _, err := seg.read(buf, int64(i*chunk)); err != nil || buf[0] != byte(i) {
+			t.Errorf("chunk %d reads %d (%v), want %d", i, buf[0], err, byte(i))
+		}
 	}
 }

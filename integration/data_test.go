@@ -341,7 +341,7 @@ func TestDataFioVerify(t *testing.T) {
 	}
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		seg := m.path("fio.seg")
-		out := run(t, "fio", "--name=v", "--filename="+seg, "--size=32M", "--rw=randrw", "--bs=4k",
+		out := run(t, "fio", "--name=v", "--filename="+seg, "--size=8M", "--rw=randrw", "--bs=4k",
 			"--verify=crc32c", "--do_verify=1", "--ioengine=psync", "--randseed=1234", "--verify_state_save=0")
 		if !strings.Contains(out, "err= 0") {
 			t.Errorf("fio output has no \"err= 0\":\n%s", out)
@@ -349,11 +349,11 @@ func TestDataFioVerify(t *testing.T) {
 		if strings.Contains(out, "verify:") && strings.Contains(out, "bad") {
 			t.Errorf("fio reports verification errors:\n%s", out)
 		}
-		if fi, err := os.Stat(seg); err != nil || fi.Size() != 32<<20 {
-			t.Errorf("fio segment: %v %v, want 32 MiB", fi, err)
+		if fi, err := os.Stat(seg); err != nil || fi.Size() != 8<<20 {
+			t.Errorf("fio segment: %v %v, want 8 MiB", fi, err)
 		}
 		// A second pass in a mapping (mmap engine), verified as well.
-		run(t, "fio", "--name=m", "--filename="+seg, "--size=32M", "--rw=randwrite", "--bs=4k",
+		run(t, "fio", "--name=m", "--filename="+seg, "--size=8M", "--rw=randwrite", "--bs=4k",
 			"--verify=crc32c", "--do_verify=1", "--ioengine=mmap", "--randseed=99", "--verify_state_save=0")
 		dtCheckRequests(t, m, "fio", true, true)
 	})

@@ -52,8 +52,10 @@ meta = {"format": "pt"}
 if layout == "big":
     tensors = {"a": ("U8", np.full(24 << 20, 1, np.uint8)), "b": ("U8", np.full(24 << 20, 2, np.uint8))}
 if layout == "many":
-    tensors = {"block.%04d.attention.query_key_value.weight" % i: ("U8", np.array([i % 256], np.uint8))
-               for i in range(3000)}
+    # Long names, as sharded checkpoints have: 800 of them pass one
+    # attribute's 64 KiB in the tensor list as well as in the header.
+    tensors = {"model.layers.%04d.self_attention.query_key_value.weight.tensor_parallel_shard_of_eight" % i:
+               ("U8", np.array([i % 256], np.uint8)) for i in range(800)}
     layout = "pretty"
 if layout == "pretty":
     meta["note"] = "<written by hand>"
