@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"debug/buildinfo"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -60,7 +61,7 @@ func TestCLIStatus(t *testing.T) {
 		}
 		r := reports[0]
 		if r.Mountpoint != m.dir || r.Stats.Mode != m.mode || r.Stats.Segments != 1 || r.Stats.Bytes != 2<<20 ||
-			r.Stats.Daemon.Pid != m.pid || !strings.HasPrefix(r.Version, "(devel)") {
+			r.Stats.Daemon.Pid != m.pid || !strings.HasPrefix(r.Version, binaryVersion(t)) {
 			t.Errorf("status --json: %+v", r)
 		}
 
@@ -73,7 +74,7 @@ func TestCLIStatus(t *testing.T) {
 	}, "--allow-other")
 
 	out := stOK(t, "--version")
-	if !strings.HasPrefix(out, "tensorfs (devel), commit ") || strings.Count(out, "\n") != 1 {
+	if !strings.HasPrefix(out, "tensorfs "+binaryVersion(t)+", commit ") || strings.Count(out, "\n") != 1 {
 		t.Errorf("--version: %q", out)
 	}
 }
@@ -144,4 +145,16 @@ func TestCLILsRecursiveShowDir(t *testing.T) {
 			t.Errorf("set f32: exit %d, stdout %q, stderr %q; want 2 and the spelling quoted as given", code, stdout, stderr)
 		}
 	})
+}
+
+// binaryVersion is the module version go build stamped into the binary
+// under test: "(devel)", or a pseudo-version from the commit it was built
+// at.
+func binaryVersion(t *testing.T) string {
+	t.Helper()
+	bi, err := buildinfo.ReadFile(tensorfs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return bi.Main.Version
 }

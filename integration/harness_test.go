@@ -612,6 +612,14 @@ func (m *mount) finish(t *testing.T, purge bool) {
 	}
 	args = append(args, m.dir)
 	wait := exitTimeout
+	var st syscall.Stat_t
+	syscall.Stat(m.dir, &st) // the connection's device, for holdersOn
+	fuseID := 0
+	for _, e := range m.added {
+		if isFuse(e) {
+			fuseID = e.id
+		}
+	}
 	if out, err := runTimeout(exitTimeout, tensorfs, args...); err != nil {
 		t.Errorf("tensorfs %s: %v\n%s", strings.Join(args, " "), err, out)
 		m.cmd.Process.Signal(syscall.SIGTERM)
@@ -620,9 +628,15 @@ func (m *mount) finish(t *testing.T, purge bool) {
 	select {
 	case <-m.exited:
 	case <-time.After(wait):
-		t.Errorf("daemon %d still running %v after unmount; killing it", m.pid, wait)
-		m.cmd.Process.Kill()
-		<-m.exited
+		t.Errorf("daemon %d still running %v after unmount; files on the mount held by: %s; its goroutines follow (SIGQUIT)",
+			m.pid, wait, strings.Join(holdersOn(fuseID, st.Dev), ", "))
+		m.cmd.Process.Signal(syscall.SIGQUIT)
+		select {
+		case <-m.exited:
+		case <-time.After(5 * time.Second):
+			m.cmd.Process.Kill()
+			<-m.exited
+		}
 	}
 	if m.exitErr != nil {
 		t.Errorf("daemon exited with %v, want exit 0", m.exitErr)
@@ -883,6 +897,38 @@ func fdsUnder(dir string) []string {
 		}
 	}
 	slices.Sort(out)
+	return out
+}
+
+// holdersOn lists the processes with files open or mapped on the mount
+// whose id is mnt and device dev, as "PID COMM fd N" or "PID COMM maps"
+// (a detached mount's files no longer show its path; fdinfo and maps are
+// read without a request to any FUSE daemon, which may hang).
+func holdersOn(mnt int, dev uint64) []string {
+	var out []string
+	mntLine := fmt.Sprintf("mnt_id:\t%d\n", mnt)
+	devField := fmt.Sprintf(" %02x:%02x ", unix.Major(dev), unix.Minor(dev))
+	procs, _ := os.ReadDir("/proc")
+	for _, p := range procs {
+		if _, err := strconv.Atoi(p.Name()); err != nil {
+			continue
+		}
+		dir := "/proc/" + p.Name()
+		comm, _ := os.ReadFile(dir + "/comm")
+		who := p.Name() + " " + strings.TrimSpace(string(comm))
+		fds, _ := os.ReadDir(dir + "/fdinfo")
+		for _, fd := range fds {
+			if b, _ := os.ReadFile(dir + "/fdinfo/" + fd.Name()); strings.Contains(string(b), mntLine) {
+				out = append(out, who+" fd "+fd.Name())
+			}
+		}
+		if b, _ := os.ReadFile(dir + "/maps"); strings.Contains(string(b), devField) {
+			out = append(out, who+" maps")
+		}
+	}
+	if len(out) == 0 {
+		return []string{"none"}
+	}
 	return out
 }
 

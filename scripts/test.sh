@@ -189,6 +189,7 @@ done
 
 # The daemon the integration and Python tests mount, built once.
 mkdir -p "$work/bin"
+chmod 755 "$work" # other users run it (the non-root tests)
 go build -o "$work/bin/tensorfs" ./cmd/tensorfs
 export TENSORFS_BIN="$work/bin/tensorfs"
 
