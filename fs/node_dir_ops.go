@@ -533,10 +533,14 @@ func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
 func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
 	err := d.withDir(func(fd int) error {
 		_, ino, _, _ := d.fs.lastLink(fd, name)
+		rec := d.fs.publishedAt(fd, name)
 		if err := unix.Unlinkat(fd, name, unix.AT_REMOVEDIR); err != nil {
 			return err
 		}
 		d.fs.inodes.gone(ino)
+		if rec != nil {
+			d.fs.cl.removedHere(path.Join(d.Path(nil), name), rec)
+		}
 		return nil
 	})
 	return d.fs.errno("rmdir", &d.nodeBase, name, err)
