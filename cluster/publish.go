@@ -533,7 +533,7 @@ func (n *Node) Watch(ctx context.Context, known []string) <-chan DirEvent {
 		defer close(ch)
 		defer stop()
 		defer cancel()
-		n.watchPrefix(ctx, n.keys.dirs(), seed, func(ev *clientv3.Event) bool {
+		n.watchPrefix(ctx, n.keys.dirs(), seed, 0, func(ev *clientv3.Event) bool {
 			dir := strings.TrimPrefix(string(ev.Kv.Key), n.keys.dirs())
 			de := DirEvent{DirInfo: DirInfo{Dir: dir}, Deleted: ev.Type == clientv3.EventTypeDelete}
 			if !de.Deleted {

@@ -605,7 +605,7 @@ func (p *Pull) load() error {
 	for _, kv := range resp.Kvs {
 		p.setPeerLocked(string(kv.Key), kv.Value)
 	}
-	go n.watchPrefix(p.ctx, n.keys.nodes(), revisions(resp.Kvs), p.onNode)
+	go n.watchPrefix(p.ctx, n.keys.nodes(), revisions(resp.Kvs), resp.Header.Revision+1, p.onNode)
 	var pending []*group
 	for _, g := range p.groups {
 		if g.local == nil {
@@ -629,7 +629,7 @@ func (p *Pull) load() error {
 				g.holders[strings.TrimPrefix(string(kv.Key), n.keys.holders(g.c.ID()))] = bitmap(kv.Value)
 			}
 			p.holdersChangedLocked(g)
-			go n.watchPrefix(p.ctx, n.keys.holders(g.c.ID()), revisions(kvs), func(ev *clientv3.Event) bool { return p.onHolder(g, ev) })
+			go n.watchPrefix(p.ctx, n.keys.holders(g.c.ID()), revisions(kvs), resp.Header.Revision+1, func(ev *clientv3.Event) bool { return p.onHolder(g, ev) })
 		}
 	}
 	return nil

@@ -32,9 +32,10 @@ func Backoff(try int) time.Duration {
 // new or changed, a delete for each key gone, so that nothing deleted
 // meanwhile is missed. known seeds what the caller holds already, by key,
 // with the ModRevision applied (0: unknown, applied again); a key of it
-// the first snapshot lacks is applied as a delete. Reads that fail are
-// retried after Backoff.
-func (n *Node) watchPrefix(ctx context.Context, prefix string, known map[string]int64, apply func(*clientv3.Event) bool) {
+// the first snapshot lacks is applied as a delete. With rev > 0, known is
+// what the caller read at revision rev-1, and the watch starts from rev
+// without reading first. Reads that fail are retried after Backoff.
+func (n *Node) watchPrefix(ctx context.Context, prefix string, known map[string]int64, rev int64, apply func(*clientv3.Event) bool) {
 	if known == nil {
 		known = map[string]int64{}
 	}
@@ -45,6 +46,9 @@ func (n *Node) watchPrefix(ctx context.Context, prefix string, known map[string]
 			known[string(ev.Kv.Key)] = ev.Kv.ModRevision
 		}
 		return apply(ev)
+	}
+	if rev > 0 && !n.watchFrom(ctx, prefix, rev, do) {
+		return
 	}
 	for try := 0; ctx.Err() == nil; {
 		tctx, cancel := n.timeout(ctx)

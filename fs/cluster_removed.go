@@ -188,11 +188,16 @@ func (c *clusterFS) withdraw(dir string) {
 			c.fsys.forgetName(dir + "/" + dirs[i])
 		}
 	}
-	if err := alloc.UnmarkPublished(alloc.FdPath(top)); err != nil {
-		c.fsys.log.Warn("cluster: an unpublished directory keeps its version record", "dir", alloc.EscapeText(dir), "err", err)
+	if err := removeClusterDir(c.fsys.store.RootFd, dir); err != nil {
+		c.fsys.log.Info("cluster: an unpublished directory holds local names; they stay, in a directory no longer published", "dir", alloc.EscapeText(dir), "err", err)
+		if err := alloc.UnmarkPublished(alloc.FdPath(top)); err != nil {
+			c.fsys.log.Warn("cluster: an unpublished directory keeps its version record", "dir", alloc.EscapeText(dir), "err", err)
+		}
+		return
 	}
-	for p := dir; p != "."; p = path.Dir(p) {
-		if p != dir && !c.madeFor(p, dir) || removeClusterDir(c.fsys.store.RootFd, p) != nil {
+	c.fsys.forgetName(dir)
+	for p := path.Dir(dir); p != "." && c.madeFor(p, dir); p = path.Dir(p) {
+		if removeClusterDir(c.fsys.store.RootFd, p) != nil {
 			break
 		}
 		c.fsys.forgetName(p)
