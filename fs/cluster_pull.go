@@ -349,12 +349,18 @@ func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
 }
 
 // catchUp makes the current version of the published directory dir
-// here now, unless this node made it already (or it was removed here):
-// the watch may not have reported it yet.
+// here now, unless this node made it already: the watch may not have
+// reported it yet. A version removed here is ENOENT, saying so.
 func (c *clusterFS) catchUp(dir string) error {
 	info, err := c.node.Lookup(c.ctx, dir)
 	if err != nil {
 		return err
+	}
+	c.nsMu.Lock()
+	removed := c.removed[dir].Version == info.Version
+	c.nsMu.Unlock()
+	if removed {
+		return fmt.Errorf("%w: %s was removed on this node (rm -r); a new version of it is made here again", unix.ENOENT, alloc.EscapeText(dir))
 	}
 	c.mu.Lock()
 	made := c.made[dir]

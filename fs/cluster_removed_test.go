@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	"tensorfs/alloc"
@@ -104,6 +105,12 @@ func TestClusterRemovedHere(t *testing.T) {
 	}
 	if rm, ch := removedHereOf(b.fsys); rm["models/m"].Version != v1 || ch != newCharge(0, 1, 0) {
 		t.Errorf("after a restart: records %+v, charge %+v", rm, ch)
+	}
+	if _, err := (controlBackend{b.fsys}).Pull(rootPeer, "models/m"); !errors.Is(err, syscall.ENOENT) || !strings.Contains(err.Error(), "removed on this node") {
+		t.Errorf("pull of a directory removed here: %v, want ENOENT saying why", err)
+	}
+	if exists(b.fsys) {
+		t.Fatal("a pull made a directory removed here again")
 	}
 
 	m := lookupPath(t, a.fsys, "models/m").Operations().(*dirNode)

@@ -975,3 +975,21 @@ func TestClusterStaleVersionEvent(t *testing.T) {
 		t.Errorf("v2's file pulled by a peer: %d bytes, want its %d", len(got), len(extra))
 	}
 }
+
+// TestClusterPullRightAfterPublish: a pull on another node right after a
+// publish, before that node's watch may have made the version, makes it
+// and pulls it instead of failing with ENOENT.
+func TestClusterPullRightAfterPublish(t *testing.T) {
+	tc := newTestCluster(t)
+	a, b := tc.node("node-a", nil), tc.node("node-b", nil)
+	files := makeModel(t, a)
+	publishModel(t, a)
+	if got, err := (controlBackend{b}).Pull(rootPeer, "models/m"); err != nil || got != files.bytes() {
+		t.Fatalf("pull right after the publish: %d bytes, %v; want %d", got, err, files.bytes())
+	}
+	for p, data := range files {
+		if got, err := os.ReadFile(modelPath(b, p)); err != nil || !bytes.Equal(got, data) {
+			t.Errorf("%s: %d bytes, %v", p, len(got), err)
+		}
+	}
+}
