@@ -123,6 +123,29 @@ func TestClusterLifecycle(t *testing.T) {
 			}
 		}
 	})
+
+	t.Run("pull whose daemon dies", func(t *testing.T) {
+		writeModel(t, filepath.Join(n1, "big"), 0, modelFile{"w", 32 << 20, 30})
+		v := versionOf(t, tb.must("publish", filepath.Join(n1, "big")))
+		dir := filepath.Join(n3, "big")
+		waitVersion(t, dir, v)
+		cmd := exec.Command(tb.env["TESTBED_TENSORFS"], "pull", dir)
+		var out strings.Builder
+		cmd.Stdout, cmd.Stderr = &out, &out
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "node3's pull under way", func() (bool, string) {
+			a, err := readClusterAttr(dir)
+			return err == nil && a.Pull != nil, fmt.Sprintf("%+v %v", a, err)
+		})
+		tb.kill(3)
+		err := cmd.Wait()
+		tb.mount(3)
+		if err == nil || !strings.Contains(out.String(), "the daemon of "+n3+" is gone") || !strings.Contains(out.String(), "tensorfs mount") {
+			t.Errorf("pull whose daemon died: %v %q; want it to say the daemon of %s is gone and to mount it again", err, out.String(), n3)
+		}
+	})
 }
 
 // usedBytes returns the bytes in use in the backing of the mount at mnt.
