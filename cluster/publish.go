@@ -43,6 +43,10 @@ type DirInfo struct {
 type DirEvent struct {
 	DirInfo
 	Deleted bool // the directory was unpublished
+	// Missed is set on a deletion found by reading the directories again
+	// (at the start, or after the watch broke), not seen as it happened:
+	// the directory was unpublished, or etcd lost it.
+	Missed bool
 }
 
 // manifestSlack is what a version's header and the number in it add to
@@ -517,7 +521,8 @@ func (n *Node) Content(ctx context.Context, id string) (*Content, error) {
 
 // Watch sends the published directories as they are, then every change,
 // until ctx ends (then it closes the channel). known are the directories
-// the caller holds already: each one not published is sent as deleted.
+// the caller holds already: each one not published is sent as deleted
+// (Missed).
 // While etcd is unreachable it waits; when etcd returns it goes on where
 // it left off, or, if that history is gone (compacted), sends what
 // changed meanwhile, deletions included (watchPrefix).
@@ -536,6 +541,7 @@ func (n *Node) Watch(ctx context.Context, known []string) <-chan DirEvent {
 		n.watchPrefix(ctx, n.keys.dirs(), seed, 0, func(ev *clientv3.Event) bool {
 			dir := strings.TrimPrefix(string(ev.Kv.Key), n.keys.dirs())
 			de := DirEvent{DirInfo: DirInfo{Dir: dir}, Deleted: ev.Type == clientv3.EventTypeDelete}
+			de.Missed = de.Deleted && ev.Kv.ModRevision == 0
 			if !de.Deleted {
 				info, err := decodeDir(dir, ev.Kv.Value)
 				if err != nil {

@@ -32,7 +32,8 @@ func Backoff(try int) time.Duration {
 // new or changed, a delete for each key gone, so that nothing deleted
 // meanwhile is missed. known seeds what the caller holds already, by key,
 // with the ModRevision applied (0: unknown, applied again); a key of it
-// the first snapshot lacks is applied as a delete. With rev > 0, known is
+// the first snapshot lacks is applied as a delete. A delete found by a
+// read, not watched, has no ModRevision. With rev > 0, known is
 // what the caller read at revision rev-1, and the watch starts from rev
 // without reading first. Reads that fail are retried after Backoff.
 func (n *Node) watchPrefix(ctx context.Context, prefix string, known map[string]int64, rev int64, apply func(*clientv3.Event) bool) {

@@ -126,7 +126,7 @@ func (c *clusterFS) close() {
 func (c *clusterFS) watch() {
 	for ev := range c.node.Watch(c.ctx, c.knownDirs()) {
 		if ev.Deleted {
-			c.withdraw(ev.Dir)
+			c.withdraw(ev.Dir, ev.Missed)
 			continue
 		}
 		for try := 0; c.ctx.Err() == nil; try++ {

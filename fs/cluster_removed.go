@@ -163,10 +163,16 @@ func (c *clusterFS) forgetRemovedLocked(dir string) {
 // local object below (a user's, made at a name the cluster did not
 // take) is left alone, with the directories that hold it, which are no
 // longer published. What dir was charged, and any removed-here record,
-// are given back.
-func (c *clusterFS) withdraw(dir string) {
+// are given back. A directory published from this node whose deletion
+// was missed (found missing in etcd, not seen unpublished) stays as it
+// is, logged: etcd may have lost it, and it may be the only copy.
+func (c *clusterFS) withdraw(dir string, missed bool) {
 	c.nsMu.Lock()
 	defer c.nsMu.Unlock()
+	if missed && c.publishedHere(dir) {
+		c.fsys.log.Warn("cluster: a directory published from this node is missing from the cluster's namespace; it stays here as it is (remove it, or publish it again)", "dir", alloc.EscapeText(dir))
+		return
+	}
 	c.forgetRemovedLocked(dir)
 	c.chargeLocked(dir, charge{})
 	c.forgetMadeLocked(dir)
@@ -205,6 +211,23 @@ func (c *clusterFS) withdraw(dir string) {
 	c.fsys.log.Info("cluster: unpublished directory removed here", "dir", alloc.EscapeText(dir))
 }
 
+// publishedHere reports whether dir may be a directory published from
+// this node: one with a version record that the cluster did not make, or
+// one whose marks cannot be read.
+func (c *clusterFS) publishedHere(dir string) bool {
+	fd, err := openBeneath(c.fsys.store.RootFd, dir)
+	if err != nil {
+		return !errors.Is(err, unix.ENOENT)
+	}
+	defer unix.Close(fd)
+	made, err := alloc.ReadMade(alloc.FdPath(fd))
+	if err != nil || made != "" {
+		return err != nil
+	}
+	rec, err := alloc.ReadPublished(alloc.FdPath(fd))
+	return err != nil || rec != nil
+}
+
 // madeFor reports whether the directory rel was made for the published
 // directory dir, on its path (alloc.MarkMade), and is not published.
 func (c *clusterFS) madeFor(rel, dir string) bool {
@@ -229,7 +252,7 @@ func (c *clusterFS) unpublish(who ctl.Cred, dir string) error {
 	if err := c.node.Unpublish(c.ctx, dir, who.Uid); err != nil {
 		return err
 	}
-	c.withdraw(dir)
+	c.withdraw(dir, false)
 	return nil
 }
 

@@ -197,3 +197,33 @@ func TestClusterUnpublish(t *testing.T) {
 		t.Errorf("the node that was down still charges %+v", ch)
 	}
 }
+
+// TestClusterUnpublishMissedByPublisher: a publisher that was down when
+// its directory was unpublished finds it missing from etcd when it
+// joins again, and keeps it, logged (etcd may have lost it, and it may
+// be the only copy); a node that pulled it removes it.
+func TestClusterUnpublishMissedByPublisher(t *testing.T) {
+	tc := newTestCluster(t)
+	top := t.TempDir()
+	aDir, bDir := mkBacking(t, top, "a"), mkBacking(t, top, "b")
+	a, b := tc.openNode("node-a", aDir), tc.openNode("node-b", bDir)
+	files := makeModel(t, a.fsys)
+	v := publishModel(t, a.fsys)
+	awaitVersion(t, b.fsys, v)
+	a.stop()
+	b.stop()
+	c := tc.node("node-c", nil)
+	if err := (controlBackend{c}).Unpublish(rootPeer, "models/m"); err != nil {
+		t.Fatal(err)
+	}
+	a, b = tc.openNode("node-a", aDir), tc.openNode("node-b", bDir)
+	eventually(t, "the puller removes it", func() bool { return !exists(b.fsys) })
+	eventually(t, "the publisher says why it keeps it", func() bool {
+		return tc.logs.contains("a directory published from this node is missing from the cluster's namespace")
+	})
+	for p, data := range files {
+		if got, err := os.ReadFile(modelPath(a.fsys, p)); err != nil || string(got) != string(data) {
+			t.Errorf("the publisher's %s: %d bytes, %v", p, len(got), err)
+		}
+	}
+}
