@@ -37,7 +37,9 @@ func removedKey(dir string) string {
 }
 
 // loadRemoved reads the removed-here records of the backing and charges
-// each to its publisher, whatever the bounds (as recount does).
+// each to its publisher, whatever the bounds (as recount does); one of a
+// directory the backing holds a version of again is stale, and goes.
+// recount has run.
 func (c *clusterFS) loadRemoved() {
 	recs, err := alloc.ReadRemoved(alloc.FdPath(c.fsys.store.RootFd))
 	if err != nil {
@@ -48,6 +50,10 @@ func (c *clusterFS) loadRemoved() {
 		var r removedRecord
 		if json.Unmarshal(b, &r) != nil || cluster.CheckDir(r.Dir) != nil || removedKey(r.Dir) != key {
 			c.fsys.log.Warn("cluster: dropping a corrupt record of a directory removed here", "key", key)
+			alloc.UnmarkRemoved(alloc.FdPath(c.fsys.store.RootFd), key)
+			continue
+		}
+		if _, ok := c.charges[r.Dir]; ok {
 			alloc.UnmarkRemoved(alloc.FdPath(c.fsys.store.RootFd), key)
 			continue
 		}
