@@ -78,6 +78,7 @@ func TestClusterLifecycle(t *testing.T) {
 			held, used := deletedSegments(t, pid, "/rmd/"), usedBytes(t, n1)
 			return len(held) == 0 && used <= was-3<<20, fmt.Sprintf("descriptors of removed segments %q; backing use %d, was %d", held, used, was)
 		})
+		t.Logf("node1's backing: %d KiB in use before rm -r, %d KiB after", was>>10, usedBytes(t, n1)>>10)
 		sameFiles(t, filepath.Join(n2, "rmd"), want)
 		t.Logf("node3: %s", tb.must("pull", filepath.Join(n3, "rmd")))
 		sameFiles(t, filepath.Join(n3, "rmd"), want)
@@ -98,9 +99,9 @@ func TestClusterLifecycle(t *testing.T) {
 		want, _ := publishAs("unp", 10)
 		tb.must("pull", filepath.Join(n2, "unp"))
 		sameFiles(t, filepath.Join(n3, "unp"), want)
-		pids := map[string]int{}
+		pids, used := map[string]int{}, map[string]int64{}
 		for _, n := range nodes {
-			pids[n] = daemonPid(t, n)
+			pids[n], used[n] = daemonPid(t, n), usedBytes(t, n)
 		}
 		out, err := tb.tensorfs(userB, "unpublish", filepath.Join(n3, "unp"))
 		if err == nil || !strings.Contains(out, "operation not permitted") || !strings.Contains(out, fmt.Sprintf("uid %d", userA)) {
@@ -112,8 +113,9 @@ func TestClusterLifecycle(t *testing.T) {
 		for _, n := range nodes {
 			eventually(t, n+" removes the unpublished directory", func() (bool, string) {
 				_, err := os.Lstat(filepath.Join(n, "unp"))
-				held := deletedSegments(t, pids[n], "/unp/")
-				return os.IsNotExist(err) && len(held) == 0, fmt.Sprintf("%v; descriptors of removed segments %q", err, held)
+				held, now := deletedSegments(t, pids[n], "/unp/"), usedBytes(t, n)
+				return os.IsNotExist(err) && len(held) == 0 && now <= used[n]-3<<20,
+					fmt.Sprintf("%v; descriptors of removed segments %q; backing use %d, was %d", err, held, now, used[n])
 			})
 		}
 		restartAll(2)
