@@ -106,3 +106,44 @@ func TestBackoff(t *testing.T) {
 		t.Fatalf("Backoff(1000) = %v, want within [%v, %v]", d, retryMax/2, retryMax)
 	}
 }
+
+// TestWatchKnownDirs: a watch told of directories its caller holds sends
+// each one not published as a missed deletion, and the published ones as
+// they are; a deletion it sees happen is not missed.
+func TestWatchKnownDirs(t *testing.T) {
+	tc := newTestCluster(t)
+	a := tc.join(tc.config("node-a"))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if _, err := a.Publish(ctx, "kept", []LocalEntry{dirEntry(".")}, PublishOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	events := a.Watch(ctx, []string{"kept", "gone"})
+	next := func() DirEvent {
+		t.Helper()
+		select {
+		case ev := <-events:
+			return ev
+		case <-time.After(10 * time.Second):
+			t.Fatal("no watch event")
+		}
+		return DirEvent{}
+	}
+	got := map[string]DirEvent{}
+	for range 2 {
+		ev := next()
+		got[ev.Dir] = ev
+	}
+	if ev := got["kept"]; ev.Deleted || ev.Version == "" {
+		t.Errorf("the published directory: %+v", ev)
+	}
+	if ev := got["gone"]; !ev.Deleted || !ev.Missed {
+		t.Errorf("a known directory not published: %+v, want a missed deletion", ev)
+	}
+	if err := a.Unpublish(ctx, "kept", 0); err != nil {
+		t.Fatal(err)
+	}
+	if ev := next(); ev.Dir != "kept" || !ev.Deleted || ev.Missed {
+		t.Errorf("an unpublish seen: %+v, want a deletion not missed", ev)
+	}
+}
