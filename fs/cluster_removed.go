@@ -99,7 +99,7 @@ func (fsys *filesystem) publishedAt(fd int, name string) *dirRecord {
 // removedHere records, off the request that removed it, that the
 // published directory dir (whose version record was rec) was removed on
 // this node: its version is not made here again, and what it was charged
-// is given back.
+// is given back. One made again meanwhile (by a pull) is not removed.
 func (c *clusterFS) removedHere(dir string, rec *dirRecord) {
 	if c.ctx.Err() != nil {
 		return
@@ -109,6 +109,10 @@ func (c *clusterFS) removedHere(dir string, rec *dirRecord) {
 		defer c.wg.Done()
 		c.nsMu.Lock()
 		defer c.nsMu.Unlock()
+		if fd, err := openBeneath(c.fsys.store.RootFd, dir); err == nil {
+			unix.Close(fd)
+			return
+		}
 		c.forgetMadeLocked(dir)
 		r := removedRecord{Dir: dir, Version: rec.Version, UID: rec.UID}
 		err := c.chargeLocked(dir, newCharge(r.UID, 1, 0))
