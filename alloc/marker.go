@@ -37,6 +37,9 @@ var (
 	attrPulled    = internalAttr("pulled")
 	attrPublished = internalAttr("published")
 	attrMade      = internalAttr("made")
+	// attrRemoved+KEY, on the backing's root, records a published
+	// directory removed on this node (MarkRemoved).
+	attrRemoved = internalAttr("removed.")
 )
 
 // internalAttr returns the stored name of the daemon's attribute name.
@@ -50,6 +53,9 @@ func internalAttr(name string) string {
 // InternalAttr reports whether name is tensorfs's own bookkeeping, which
 // clients neither see nor set.
 func InternalAttr(name string) bool {
+	if strings.HasPrefix(name, attrRemoved) {
+		return true
+	}
 	switch name {
 	case attrDisk, attrPath, attrImport, attrDevSize, attrSpilled, attrPulled, attrPublished, attrMade, attrFlags, attrDevice:
 		return true
@@ -266,6 +272,55 @@ func MarkMade(path, dir string) error {
 func ReadMade(path string) (string, error) {
 	v, _, err := GetXattr(path, attrMade)
 	return string(v), err
+}
+
+// MarkRemoved records on the directory at path (the backing's root),
+// under key (a hex digest the caller derives), v: a published directory
+// removed here, as the caller encodes it.
+func MarkRemoved(path, key string, v []byte) error {
+	return unix.Setxattr(path, attrRemoved+key, v, 0)
+}
+
+// UnmarkRemoved forgets the record key of MarkRemoved; one that is not
+// there is no error.
+func UnmarkRemoved(path, key string) error {
+	err := unix.Removexattr(path, attrRemoved+key)
+	if errors.Is(err, unix.ENODATA) {
+		return nil
+	}
+	return err
+}
+
+// ReadRemoved returns every record MarkRemoved left on the directory at
+// path, by key.
+func ReadRemoved(path string) (map[string][]byte, error) {
+	names, err := listNames(path)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string][]byte{}
+	for _, name := range names {
+		if key, ok := strings.CutPrefix(name, attrRemoved); ok {
+			v, found, err := GetXattr(path, name)
+			if err != nil {
+				return nil, err
+			}
+			if found {
+				out[key] = v
+			}
+		}
+	}
+	return out, nil
+}
+
+// UnmarkPublished removes the version record MarkPublished left on the
+// directory at path; none there is no error.
+func UnmarkPublished(path string) error {
+	err := unix.Removexattr(path, attrPublished)
+	if errors.Is(err, unix.ENODATA) {
+		return nil
+	}
+	return err
 }
 
 // MarkImport makes the empty file at path the marker of imported segment id.

@@ -56,7 +56,7 @@ func TestPublishPull(t *testing.T) {
 
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	events := b.Watch(wctx)
+	events := b.Watch(wctx, nil)
 
 	entries, data := model(t)
 	info, err := a.Publish(ctx, "models/tiny", entries, PublishOptions{})

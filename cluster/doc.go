@@ -25,6 +25,7 @@
 //	                      publisher read them (compare-and-swap), so concurrent
 //	                      publishers are ordered, none is lost, and the bounds
 //	                      checked on what it read hold (PublishOptions.Admit).
+//	                      Deleted, with the versions it keeps, by Unpublish.
 //	P versions/VID        {"entries":N,"bytes":B,"manifest":M}: M is the bytes of
 //	                      VID's keys. Written before VID's other keys; a version
 //	                      is complete once a dirs/ key names it.
@@ -64,7 +65,11 @@
 // # Failures
 //
 // Every call that needs etcd gives up after Config.Timeout with
-// ErrUnavailable; the data path (fetching from holders already known)
+// ErrUnavailable, and every retry waits Backoff (exponential, with
+// jitter). Watches (watchPrefix) read a snapshot, watch from its
+// revision, and when the watch breaks (history compacted, etcd gone)
+// read the keys again and apply the difference, deletions included. The
+// data path (fetching from holders already known)
 // does not need etcd, and announcements wait for it to return. When the
 // lease is lost (etcd unreachable for longer than its TTL), the node joins
 // again with a new lease and announces everything it holds.

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"math/bits"
-	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/client/v3/concurrency"
@@ -231,23 +230,27 @@ func (n *Node) rewriteAll() {
 
 // announce writes what this node holds to etcd whenever it changes,
 // coalescing the changes made while a write is in flight. On failure it
-// retries every second; a new lease rewrites everything.
+// retries after Backoff; a new lease rewrites everything.
 func (n *Node) announce() {
 	defer n.wg.Done()
-	for {
+	for try := 0; ; {
 		select {
 		case <-n.wake:
 		case <-n.ctx.Done():
 			return
 		}
-		if err := n.flush(); err != nil {
-			if n.ctx.Err() != nil {
-				return
-			}
-			n.log.Warn("cluster: announcing held pieces failed; retrying", "node", n.cfg.Node, "err", err)
-			sleep(n.ctx, time.Second)
-			n.kick()
+		err := n.flush()
+		if err == nil {
+			try = 0
+			continue
 		}
+		if n.ctx.Err() != nil {
+			return
+		}
+		n.log.Warn("cluster: announcing held pieces failed; retrying", "node", n.cfg.Node, "err", err)
+		sleep(n.ctx, Backoff(try))
+		try++
+		n.kick()
 	}
 }
 

@@ -271,7 +271,7 @@ func (n *Node) run() {
 	defer n.wg.Done()
 	var prev clientv3.LeaseID // the last lease, which may outlive its session
 	var lastErr string
-	for n.ctx.Err() == nil {
+	for try := 0; n.ctx.Err() == nil; {
 		s, err := n.join(prev)
 		if err != nil {
 			n.setSession(nil, err)
@@ -279,10 +279,11 @@ func (n *Node) run() {
 				n.log.Warn("cluster: cannot join; retrying", "node", n.cfg.Node, "err", err)
 				lastErr = err.Error()
 			}
-			sleep(n.ctx, time.Second)
+			sleep(n.ctx, Backoff(try))
+			try++
 			continue
 		}
-		prev, lastErr = s.Lease(), ""
+		prev, lastErr, try = s.Lease(), "", 0
 		n.log.Info("cluster: joined", "node", n.cfg.Node, "addr", n.addr, "lease", fmt.Sprintf("%x", int64(s.Lease())))
 		n.setSession(s, nil)
 		n.rewriteAll()

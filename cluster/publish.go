@@ -43,6 +43,10 @@ type DirInfo struct {
 type DirEvent struct {
 	DirInfo
 	Deleted bool // the directory was unpublished
+	// Missed is set on a deletion found by reading the directories again
+	// (at the start, or after the watch broke), not seen as it happened:
+	// the directory was unpublished, or etcd lost it.
+	Missed bool
 }
 
 // manifestSlack is what a version's header and the number in it add to
@@ -516,79 +520,43 @@ func (n *Node) Content(ctx context.Context, id string) (*Content, error) {
 }
 
 // Watch sends the published directories as they are, then every change,
-// until ctx ends (then it closes the channel). While etcd is unreachable
-// it waits; when etcd returns it goes on where it left off, or, if that
-// history is gone (compacted), sends the whole state again, with
-// deletions for what vanished meanwhile.
-func (n *Node) Watch(ctx context.Context) <-chan DirEvent {
+// until ctx ends (then it closes the channel). known are the directories
+// the caller holds already: each one not published is sent as deleted
+// (Missed).
+// While etcd is unreachable it waits; when etcd returns it goes on where
+// it left off, or, if that history is gone (compacted), sends what
+// changed meanwhile, deletions included (watchPrefix).
+func (n *Node) Watch(ctx context.Context, known []string) <-chan DirEvent {
 	ch := make(chan DirEvent, 16)
 	ctx, cancel := context.WithCancel(ctx)
 	stop := context.AfterFunc(n.ctx, cancel) // end with the node too
+	seed := map[string]int64{}
+	for _, dir := range known {
+		seed[n.keys.dir(dir)] = 0
+	}
 	go func() {
 		defer close(ch)
 		defer stop()
 		defer cancel()
-		known := map[string]bool{}
-		send := func(ev DirEvent) bool {
-			select {
-			case ch <- ev:
-				known[ev.Dir] = !ev.Deleted
-				return true
-			case <-ctx.Done():
-				return false
-			}
-		}
-		for ctx.Err() == nil {
-			dirs, rev, err := n.Dirs(ctx)
-			if err != nil {
-				sleep(ctx, time.Second)
-				continue
-			}
-			now := map[string]bool{}
-			for _, d := range dirs {
-				now[d.Dir] = true
-				if !send(DirEvent{DirInfo: d}) {
-					return
-				}
-			}
-			for dir, live := range known {
-				if live && !now[dir] && !send(DirEvent{DirInfo: DirInfo{Dir: dir}, Deleted: true}) {
-					return
-				}
-			}
-			if !n.watchDirs(ctx, rev+1, send) {
-				return
-			}
-		}
-	}()
-	return ch
-}
-
-// watchDirs sends the changes to dirs/ from revision rev until ctx ends
-// (false) or the watch fails and the state must be read again (true).
-func (n *Node) watchDirs(ctx context.Context, rev int64, send func(DirEvent) bool) bool {
-	wctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	for resp := range n.etcd.Watch(wctx, n.keys.dirs(), clientv3.WithPrefix(), clientv3.WithRev(rev)) {
-		if err := resp.Err(); err != nil {
-			n.log.Info("cluster: watch of published directories ended; reading them again", "err", err)
-			return ctx.Err() == nil
-		}
-		for _, ev := range resp.Events {
+		n.watchPrefix(ctx, n.keys.dirs(), seed, 0, func(ev *clientv3.Event) bool {
 			dir := strings.TrimPrefix(string(ev.Kv.Key), n.keys.dirs())
 			de := DirEvent{DirInfo: DirInfo{Dir: dir}, Deleted: ev.Type == clientv3.EventTypeDelete}
+			de.Missed = de.Deleted && ev.Kv.ModRevision == 0
 			if !de.Deleted {
 				info, err := decodeDir(dir, ev.Kv.Value)
 				if err != nil {
 					n.log.Warn("cluster: skipping a corrupt directory key", "err", err)
-					continue
+					return true
 				}
 				de.DirInfo = info
 			}
-			if !send(de) {
+			select {
+			case ch <- de:
+				return true
+			case <-ctx.Done():
 				return false
 			}
-		}
-	}
-	return ctx.Err() == nil
+		})
+	}()
+	return ch
 }

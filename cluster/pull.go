@@ -17,6 +17,7 @@ import (
 	"sync"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"tensorfs/cluster/transport"
@@ -592,7 +593,7 @@ func (w *pieceWriter) Write(b []byte) (int, error) {
 }
 
 // load reads the live nodes and the holders of every group, and watches
-// both from then on.
+// both from then on (watchPrefix, from what was read).
 func (p *Pull) load() error {
 	n := p.n
 	ctx, cancel := n.timeout(p.ctx)
@@ -604,7 +605,7 @@ func (p *Pull) load() error {
 	for _, kv := range resp.Kvs {
 		p.setPeerLocked(string(kv.Key), kv.Value)
 	}
-	go p.watch(n.keys.nodes(), resp.Header.Revision+1, p.onNode)
+	go n.watchPrefix(p.ctx, n.keys.nodes(), revisions(resp.Kvs), resp.Header.Revision+1, p.onNode)
 	var pending []*group
 	for _, g := range p.groups {
 		if g.local == nil {
@@ -623,48 +624,29 @@ func (p *Pull) load() error {
 			return n.etcdErr("list holders", err)
 		}
 		for i, g := range batch {
-			for _, kv := range resp.Responses[i].GetResponseRange().Kvs {
+			kvs := resp.Responses[i].GetResponseRange().Kvs
+			for _, kv := range kvs {
 				g.holders[strings.TrimPrefix(string(kv.Key), n.keys.holders(g.c.ID()))] = bitmap(kv.Value)
 			}
 			p.holdersChangedLocked(g)
-			go p.watch(n.keys.holders(g.c.ID()), resp.Header.Revision+1, func(ev *clientv3.Event) { p.onHolder(g, ev) })
+			go n.watchPrefix(p.ctx, n.keys.holders(g.c.ID()), revisions(kvs), resp.Header.Revision+1, func(ev *clientv3.Event) bool { return p.onHolder(g, ev) })
 		}
 	}
 	return nil
 }
 
-// watch applies the changes under prefix from revision rev until the pull
-// ends. When the history is gone (compacted) it reads the prefix again.
-func (p *Pull) watch(prefix string, rev int64, apply func(*clientv3.Event)) {
-	for p.ctx.Err() == nil {
-		for resp := range p.n.etcd.Watch(p.ctx, prefix, clientv3.WithPrefix(), clientv3.WithRev(rev)) {
-			if resp.Err() != nil {
-				break
-			}
-			for _, ev := range resp.Events {
-				apply(ev)
-			}
-			rev = resp.Header.Revision + 1
-		}
-		if p.ctx.Err() != nil {
-			return
-		}
-		ctx, cancel := p.n.timeout(p.ctx)
-		resp, err := p.n.etcd.Get(ctx, prefix, clientv3.WithPrefix())
-		cancel()
-		if err != nil {
-			sleep(p.ctx, time.Second)
-			continue
-		}
-		for _, kv := range resp.Kvs {
-			apply(&clientv3.Event{Type: clientv3.EventTypePut, Kv: kv})
-		}
-		rev = resp.Header.Revision + 1
+// revisions returns the ModRevision of each of kvs, by key: what
+// watchPrefix is told the caller knows.
+func revisions(kvs []*mvccpb.KeyValue) map[string]int64 {
+	known := make(map[string]int64, len(kvs))
+	for _, kv := range kvs {
+		known[string(kv.Key)] = kv.ModRevision
 	}
+	return known
 }
 
-// onNode applies a change to the live nodes.
-func (p *Pull) onNode(ev *clientv3.Event) {
+// onNode applies a change to the live nodes; true while the pull runs.
+func (p *Pull) onNode(ev *clientv3.Event) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if ev.Type == clientv3.EventTypeDelete {
@@ -674,6 +656,7 @@ func (p *Pull) onNode(ev *clientv3.Event) {
 	}
 	p.lastStep = time.Now()
 	p.signalLocked()
+	return p.ctx.Err() == nil
 }
 
 // setPeerLocked records a node's address from its key and value.
@@ -686,8 +669,9 @@ func (p *Pull) setPeerLocked(key string, value []byte) {
 	p.peers[name] = info.Addr
 }
 
-// onHolder applies a change to the holders of g.
-func (p *Pull) onHolder(g *group, ev *clientv3.Event) {
+// onHolder applies a change to the holders of g; true while the pull
+// runs.
+func (p *Pull) onHolder(g *group, ev *clientv3.Event) bool {
 	node := strings.TrimPrefix(string(ev.Kv.Key), p.n.keys.holders(g.c.ID()))
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -699,4 +683,5 @@ func (p *Pull) onHolder(g *group, ev *clientv3.Event) {
 	p.holdersChangedLocked(g)
 	p.lastStep = time.Now()
 	p.signalLocked()
+	return p.ctx.Err() == nil
 }

@@ -91,6 +91,17 @@ func (c *Client) Pull(path string) (int64, error) {
 	return rep.Bytes, err
 }
 
+// ErrDaemonGone is returned when the daemon closed the connection
+// without a reply: it exited, or was killed, while the request ran.
+var ErrDaemonGone = errors.New("connection closed by the daemon")
+
+// Unpublish withdraws the published directory path (relative to the
+// mount root) from the cluster: every node removes it.
+func (c *Client) Unpublish(path string) error {
+	_, _, err := c.roundTrip(&request{Op: opUnpublish, Path: path}, nil, 0)
+	return err
+}
+
 // Peer returns the credentials of the daemon at the other end, as the
 // kernel recorded them when it made the socket.
 func (c *Client) Peer() (Cred, error) {
@@ -157,7 +168,7 @@ func (c *Client) roundTrip(r *request, f *os.File, want int) (reply, []*os.File,
 	}
 	m, err := recvMsg(c.conn, maxWorld)
 	if errors.Is(err, io.EOF) {
-		err = errors.New("connection closed by the daemon")
+		err = ErrDaemonGone
 	}
 	if err != nil {
 		return reply{}, nil, fmt.Errorf("ctl %s: %w", r.Op, err)

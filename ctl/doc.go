@@ -36,7 +36,7 @@
 //
 //	"v"   integer, required, must be 1 (the protocol version)
 //	"op"  string, required: "export", "import", "load", "all_gather", "broadcast",
-//	      "purge", "publish" or "pull"
+//	      "purge", "publish", "pull" or "unpublish"
 //
 // and, by op (fds is the number of descriptors attached):
 //
@@ -52,6 +52,7 @@
 //	purge       none                                            0
 //	publish     "path" (required)                               0
 //	pull        "path" (required)                               0
+//	unpublish   "path" (required)                               0
 //
 // Member names are case-sensitive and may appear once. A member that is
 // not listed for the op, a missing required member, a value of the wrong
@@ -65,7 +66,7 @@
 //     before the backend sees the path ("a//./b/" is "a/b").
 //   - path (load): a directory, as above, except that "." (or "./") names
 //     the mount root.
-//   - path (publish, pull): a directory, as for export (not the root).
+//   - path (publish, pull, unpublish): a directory, as for export (not the root).
 //   - write (export, load): true asks for read-write descriptors; default
 //     false (read-only).
 //   - after (load): resume the listing after the segment of this name (the
@@ -138,7 +139,10 @@
 // "bytes": the bytes fetched. The peer must be able to search every
 // directory on the way, read and search every directory below and read
 // every segment it fetches. While it runs, user.tensorfs.cluster on the
-// directory shows its progress. Both ops block their connection for as
+// directory shows its progress. An unpublish reply (no members) comes
+// once the directory is gone from the namespace and from this node (every
+// other node removes it as its watch reports it); only the directory's
+// publisher's uid or root may ask (EPERM, naming that uid). These ops block their connection for as
 // long as they take (a pull, as long as the transfer); on a daemon that
 // joined no cluster they fail with EOPNOTSUPP. Cluster failures have
 // their own errnos: ETIMEDOUT (etcd did not answer within its timeout:

@@ -34,6 +34,7 @@ const (
 	opPurge     = "purge"
 	opPublish   = "publish"
 	opPull      = "pull"
+	opUnpublish = "unpublish"
 )
 
 // A request is a decoded, validated request message.
@@ -67,6 +68,7 @@ var opMembers = map[string][]memberSpec{
 	opPurge:     {},
 	opPublish:   {{"path", true}},
 	opPull:      {{"path", true}},
+	opUnpublish: {{"path", true}},
 }
 
 // wantFDs is the number of descriptors a valid request carries.
@@ -164,7 +166,7 @@ func parseRequest(b []byte, nfds int) (request, error) {
 		}
 	}
 	switch r.Op {
-	case opExport, opImport, opPublish, opPull:
+	case opExport, opImport, opPublish, opPull, opUnpublish:
 		if r.Path, err = cleanPath(r.Path); err != nil {
 			return r, err
 		}
@@ -301,7 +303,7 @@ func (r *request) marshal() ([]byte, error) {
 		if r.Write {
 			m["write"] = true
 		}
-	case opPublish, opPull:
+	case opPublish, opPull, opUnpublish:
 		m["path"] = r.Path
 	case opImport:
 		m["path"] = r.Path

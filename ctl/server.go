@@ -73,7 +73,7 @@ type Loader interface {
 	Load(cred Cred, path string, write bool, after string, max int) ([]Segment, []*os.File, bool, error)
 }
 
-// A Publisher is a Backend that also serves publish and pull: a daemon
+// A Publisher is a Backend that also serves publish, pull and unpublish: a daemon
 // that may join a cluster (DESIGN.md §10).
 type Publisher interface {
 	// Publish makes the directory path a new version of itself
@@ -83,6 +83,9 @@ type Publisher interface {
 	// complete on this node, checked for cred, and returns once all are
 	// (or one failed) with the bytes fetched.
 	Pull(cred Cred, path string) (int64, error)
+	// Unpublish withdraws the published directory path from the
+	// cluster, checked for cred (its publisher's uid or root).
+	Unpublish(cred Cred, path string) error
 }
 
 // Config configures a Server.
@@ -454,7 +457,7 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 		s.refuse(c, cred, req.Op, err)
 		return
 	}
-	if req.Op == opExport || req.Op == opImport || req.Op == opPublish || req.Op == opPull {
+	if req.Op == opExport || req.Op == opImport || req.Op == opPublish || req.Op == opPull || req.Op == opUnpublish {
 		err := s.quota.take(cred.Uid, Limits{FDs: backendFDs})
 		if err != nil {
 			s.quota.release(m.FDs...)
@@ -493,12 +496,12 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 		s.load(c, cred, &req)
 	case opPurge:
 		s.purge(c, cred)
-	case opPublish, opPull:
+	case opPublish, opPull, opUnpublish:
 		s.cluster(c, cred, &req)
 	}
 }
 
-// cluster answers a publish or pull request.
+// cluster answers a publish, pull or unpublish request.
 func (s *Server) cluster(c *net.UnixConn, cred Cred, req *request) {
 	p, ok := s.cfg.Backend.(Publisher)
 	if !ok {
@@ -507,10 +510,13 @@ func (s *Server) cluster(c *net.UnixConn, cred Cred, req *request) {
 	}
 	r := reply{V: version, OK: true}
 	var err error
-	if req.Op == opPublish {
+	switch req.Op {
+	case opPublish:
 		r.Version, err = p.Publish(cred, req.Path)
-	} else {
+	case opPull:
 		r.Bytes, err = p.Pull(cred, req.Path)
+	default:
+		err = p.Unpublish(cred, req.Path)
 	}
 	if err != nil {
 		s.refuse(c, cred, req.Op, err)

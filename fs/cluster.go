@@ -63,6 +63,9 @@ type clusterFS struct {
 	// each published directory's version made here is charged (nsMu).
 	bounds  *bounds
 	charges map[string]charge
+	// removed are the published directories removed here, whose
+	// versions are not made here again (nsMu; cluster_removed.go).
+	removed map[string]removedRecord
 }
 
 // conflicts are the names of a published version left alone here.
@@ -88,7 +91,7 @@ func (fsys *filesystem) joinCluster(cfg cluster.Config, b ClusterBounds) error {
 		return err
 	}
 	c := &clusterFS{fsys: fsys, node: node, known: map[string]*cluster.Content{}, busy: map[string]*leader{}, pulls: map[string]*cluster.Pull{},
-		made: map[string]*cluster.Version{}, conflicts: map[string]conflicts{}, bounds: bnd, charges: map[string]charge{}}
+		made: map[string]*cluster.Version{}, conflicts: map[string]conflicts{}, bounds: bnd, charges: map[string]charge{}, removed: map[string]removedRecord{}}
 	c.ctx, c.stop = context.WithCancel(context.Background())
 	fsys.cl = c
 	return nil
@@ -100,6 +103,7 @@ func (fsys *filesystem) joinCluster(cfg cluster.Config, b ClusterBounds) error {
 // close.
 func (c *clusterFS) start() {
 	c.recount()
+	c.loadRemoved()
 	for cid, size := range c.fsys.pulled.served() {
 		c.node.Offer(cid, c.fsys.pulled.source(cid), size)
 	}
@@ -120,15 +124,12 @@ func (c *clusterFS) close() {
 
 // watch makes each published directory's versions as they arrive.
 func (c *clusterFS) watch() {
-	for ev := range c.node.Watch(c.ctx) {
+	for ev := range c.node.Watch(c.ctx, c.knownDirs()) {
 		if ev.Deleted {
-			c.fsys.log.Info("cluster: directory unpublished; its names stay as they are", "dir", alloc.EscapeText(ev.Dir))
-			c.mu.Lock()
-			delete(c.conflicts, ev.Dir)
-			c.mu.Unlock()
+			c.withdraw(ev.Dir, ev.Missed)
 			continue
 		}
-		for c.ctx.Err() == nil {
+		for try := 0; c.ctx.Err() == nil; try++ {
 			v, err := c.node.Version(c.ctx, ev.Version)
 			if err == nil {
 				err = c.materialize(ev.DirInfo, v)
@@ -141,7 +142,7 @@ func (c *clusterFS) watch() {
 				break // a version refused is not asked for again
 			}
 			select {
-			case <-time.After(time.Second):
+			case <-time.After(cluster.Backoff(try)):
 			case <-c.ctx.Done():
 			}
 		}
@@ -189,6 +190,10 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 		return err
 	case cur.Version != v.ID:
 		c.fsys.log.Info("cluster: a version already replaced is not made", "dir", alloc.EscapeText(info.Dir), "version", v.ID, "current", cur.Version)
+		return nil
+	}
+	if c.skipRemovedLocked(info.Dir, v.ID) {
+		c.fsys.log.Info("cluster: a version removed here is not made again", "dir", alloc.EscapeText(info.Dir), "version", v.ID)
 		return nil
 	}
 	if err := c.chargeLocked(info.Dir, newCharge(info.UID, int64(len(v.Entries)), v.Bytes())); err != nil {
@@ -645,17 +650,31 @@ func (c *clusterFS) removeStale(top int, dir string, want map[string]bool, prev 
 			}
 		}
 	}
+	c.removePulled(top, dir, want)
+	slices.Sort(gone)
+	for i := len(gone) - 1; i >= 0; i-- { // deepest first
+		if removeClusterDir(top, gone[i]) == nil {
+			c.fsys.forgetName(dir + "/" + gone[i])
+		}
+	}
+}
+
+// removePulled removes, below the published directory open at top (dir
+// in the mount), the pulled segments whose paths want has not, and
+// returns the paths of the directories it found there; a directory below
+// that is published on its own is its own version's.
+func (c *clusterFS) removePulled(top int, dir string, want map[string]bool) []string {
+	var dirs []string
 	alloc.Walk(top, func(fd int, name, rel string, st *unix.Stat_t) error {
 		if isPublishedDir(fd, name, st) {
 			return alloc.ErrSkipDir
 		}
-		if want[rel] {
-			return nil
-		}
 		switch st.Mode & syscall.S_IFMT {
+		case syscall.S_IFDIR:
+			dirs = append(dirs, rel)
 		case syscall.S_IFREG:
 			p := c.fsys.pulled.get(st.Ino)
-			if p == nil {
+			if p == nil || want[rel] {
 				return nil
 			}
 			if err := unix.Unlinkat(fd, name, 0); err != nil {
@@ -666,12 +685,7 @@ func (c *clusterFS) removeStale(top int, dir string, want map[string]bool, prev 
 		}
 		return nil
 	})
-	slices.Sort(gone)
-	for i := len(gone) - 1; i >= 0; i-- { // deepest first
-		if removeClusterDir(top, gone[i]) == nil {
-			c.fsys.forgetName(dir + "/" + gone[i])
-		}
-	}
+	return dirs
 }
 
 // removeClusterDir removes the directory rel below the directory open at

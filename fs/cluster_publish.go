@@ -94,6 +94,7 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 		c.thaw(objs, dir)
 		return "", err
 	}
+	c.forgetRemovedLocked(dir) // its charge was replaced
 	cids := map[string]string{}
 	for _, e := range v.Entries {
 		cids[e.Path] = e.Content

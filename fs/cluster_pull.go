@@ -324,8 +324,60 @@ func (c *clusterFS) contentOf(cid string) (*cluster.Content, error) {
 // pullDir pulls, for who, every pulled segment below the directory dir
 // that is not complete here, maxPullOpen at a time, and returns the bytes
 // pulled. who must be able to search every directory on the way, read
-// every directory below and read every segment pulled.
+// every directory below and read every segment pulled. A directory
+// published that the watch has not made here yet (a pull right after a
+// publish elsewhere) is made first.
 func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
+	targets, err := c.pullTargets(who, dir)
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, cluster.ErrNotPublished) {
+		if err = c.catchUp(dir); err == nil {
+			targets, err = c.pullTargets(who, dir)
+		}
+	}
+	var bytes, segments int64
+	for len(targets) > 0 && err == nil {
+		batch := targets[:min(len(targets), maxPullOpen)]
+		targets = targets[len(batch):]
+		var n int64
+		n, err = c.pullBatch(dir, batch)
+		bytes, segments = bytes+n, segments+int64(len(batch))
+	}
+	if err == nil {
+		c.fsys.log.Info("pulled", "dir", alloc.EscapeText(dir), "segments", segments, "bytes", bytes, "uid", who.Uid)
+	}
+	return bytes, err
+}
+
+// catchUp makes the current version of the published directory dir
+// here now, unless this node made it already: the watch may not have
+// reported it yet. A version removed here is ENOENT, saying so.
+func (c *clusterFS) catchUp(dir string) error {
+	info, err := c.node.Lookup(c.ctx, dir)
+	if err != nil {
+		return err
+	}
+	c.nsMu.Lock()
+	removed := c.removed[dir].Version == info.Version
+	c.nsMu.Unlock()
+	if removed {
+		return fmt.Errorf("%w: %s was removed on this node (rm -r); a new version of it is made here again", unix.ENOENT, alloc.EscapeText(dir))
+	}
+	c.mu.Lock()
+	made := c.made[dir]
+	c.mu.Unlock()
+	if made != nil && made.ID == info.Version {
+		return nil
+	}
+	v, err := c.node.Version(c.ctx, info.Version)
+	if err == nil {
+		err = c.materialize(info, v)
+	}
+	return err
+}
+
+// pullTargets returns, for who, the pulled segments below dir that are
+// not complete here; ErrNotPublished if dir holds none.
+func (c *clusterFS) pullTargets(who ctl.Cred, dir string) ([]pullTarget, error) {
 	var targets []pullTarget
 	var found bool
 	err := controlBackend{c.fsys}.walk(who, dir, func(parent int, name string) error {
@@ -379,18 +431,7 @@ func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
 	if err == nil && !found {
 		err = fmt.Errorf("%w: %s has no published segment", cluster.ErrNotPublished, alloc.EscapeText(dir))
 	}
-	var bytes, segments int64
-	for len(targets) > 0 && err == nil {
-		batch := targets[:min(len(targets), maxPullOpen)]
-		targets = targets[len(batch):]
-		var n int64
-		n, err = c.pullBatch(dir, batch)
-		bytes, segments = bytes+n, segments+int64(len(batch))
-	}
-	if err == nil {
-		c.fsys.log.Info("pulled", "dir", alloc.EscapeText(dir), "segments", segments, "bytes", bytes, "uid", who.Uid)
-	}
-	return bytes, err
+	return targets, err
 }
 
 // maxPullOpen bounds the backing files one pull holds open at once (one

@@ -529,14 +529,19 @@ func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
 	return d.fs.errno("unlink", &d.nodeBase, name, err)
 }
 
-// Rmdir removes an empty directory.
+// Rmdir removes an empty directory; a published one's removal is
+// recorded, so that its version is not made here again (removedHere).
 func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
 	err := d.withDir(func(fd int) error {
 		_, ino, _, _ := d.fs.lastLink(fd, name)
+		rec := d.fs.publishedAt(fd, name)
 		if err := unix.Unlinkat(fd, name, unix.AT_REMOVEDIR); err != nil {
 			return err
 		}
 		d.fs.inodes.gone(ino)
+		if rec != nil {
+			d.fs.cl.removedHere(path.Join(d.Path(nil), name), rec)
+		}
 		return nil
 	})
 	return d.fs.errno("rmdir", &d.nodeBase, name, err)

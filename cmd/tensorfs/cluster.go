@@ -1,7 +1,8 @@
 package main
 
-// tensorfs publish DIR and tensorfs pull DIR: a directory of a mount
-// published to the cluster the daemon joined, and pulled from its peers,
+// tensorfs publish DIR, tensorfs pull DIR and tensorfs unpublish DIR: a
+// directory of a mount published to the cluster the daemon joined, pulled
+// from its peers and withdrawn,
 // through the mount's control socket (the daemon is the one in the
 // cluster), with a progress line on a terminal.
 
@@ -13,6 +14,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"syscall"
 	"time"
 
 	"tensorfs/alloc"
@@ -20,25 +22,56 @@ import (
 )
 
 func runPublish(args []string, stdout, stderr io.Writer) int {
-	set := flag.NewFlagSet("tensorfs publish", flag.ContinueOnError)
-	if code, ok := parseFlags(set, args, "DIR   (a directory inside a tensorfs mount that joined a cluster)", stdout, stderr); !ok {
+	return runDirOp("publish", "DIR   (a directory inside a tensorfs mount that joined a cluster)", args, stdout, stderr,
+		func(c *ctl.Client, dir, rel string) (string, error) {
+			v, err := c.Publish(rel)
+			return fmt.Sprintf("published %s: version %s", dir, v), err
+		})
+}
+
+func runUnpublish(args []string, stdout, stderr io.Writer) int {
+	return runDirOp("unpublish", "DIR   (a published directory inside a tensorfs mount that joined a cluster)", args, stdout, stderr,
+		func(c *ctl.Client, dir, rel string) (string, error) {
+			return fmt.Sprintf("unpublished %s: every node removes it", dir), c.Unpublish(rel)
+		})
+}
+
+// runDirOp runs "tensorfs NAME DIR": op on DIR through its mount's control
+// socket, printing what op returns on success.
+func runDirOp(name, argsHelp string, args []string, stdout, stderr io.Writer, op func(c *ctl.Client, dir, rel string) (string, error)) int {
+	set := flag.NewFlagSet("tensorfs "+name, flag.ContinueOnError)
+	if code, ok := parseFlags(set, args, argsHelp, stdout, stderr); !ok {
 		return code
 	}
 	if set.NArg() != 1 {
-		fmt.Fprintln(stderr, "tensorfs publish: want exactly one DIR")
+		fmt.Fprintf(stderr, "tensorfs %s: want exactly one DIR\n", name)
 		return 2
 	}
-	c, rel, err := dialFor(set.Arg(0))
+	c, mount, rel, err := dialFor(set.Arg(0))
 	if err == nil {
 		defer c.Close()
-		var v string
-		if v, err = c.Publish(rel); err == nil {
-			fmt.Fprintf(stdout, "published %s: version %s\n", set.Arg(0), v)
+		var out string
+		if out, err = op(c, set.Arg(0), rel); err == nil {
+			fmt.Fprintln(stdout, out)
 			return 0
 		}
 	}
-	fmt.Fprintf(stderr, "tensorfs publish: %s\n", alloc.EscapeText(err.Error()))
+	fmt.Fprintf(stderr, "tensorfs %s: %s\n", name, alloc.EscapeText(daemonGone(mount, set.Arg(0), err).Error()))
 	return 1
+}
+
+// daemonGone says what to do when err shows that the daemon of the
+// mount (at mount, "" if unknown) holding dir is gone; other errors are
+// returned as they are.
+func daemonGone(mount, dir string, err error) error {
+	if !errors.Is(err, ctl.ErrDaemonGone) && !errors.Is(err, syscall.ECONNREFUSED) && !errors.Is(err, syscall.ENOTCONN) &&
+		!errors.Is(err, syscall.ECONNRESET) && !errors.Is(err, syscall.EPIPE) {
+		return err
+	}
+	if mount == "" {
+		mount = "the mount holding " + dir
+	}
+	return fmt.Errorf("the daemon of %s is gone (%w): unmount it and mount it again with `tensorfs mount` (README: \"Mounting\")", mount, err)
 }
 
 func runPull(args []string, stdout, stderr io.Writer) int {
@@ -51,9 +84,9 @@ func runPull(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	dir := set.Arg(0)
-	c, rel, err := dialFor(dir)
+	c, mount, rel, err := dialFor(dir)
 	if err != nil {
-		fmt.Fprintf(stderr, "tensorfs pull: %s\n", alloc.EscapeText(err.Error()))
+		fmt.Fprintf(stderr, "tensorfs pull: %s\n", alloc.EscapeText(daemonGone(mount, dir, err).Error()))
 		return 1
 	}
 	defer c.Close()
@@ -70,7 +103,7 @@ func runPull(args []string, stdout, stderr io.Writer) int {
 	close(stop)
 	<-drawn
 	if err != nil {
-		fmt.Fprintf(stderr, "tensorfs pull: %s\n", alloc.EscapeText(err.Error()))
+		fmt.Fprintf(stderr, "tensorfs pull: %s\n", alloc.EscapeText(daemonGone(mount, dir, err).Error()))
 		return 1
 	}
 	secs := time.Since(start).Seconds()
@@ -83,31 +116,34 @@ func runPull(args []string, stdout, stderr io.Writer) int {
 }
 
 // dialFor connects to the control socket of the mount that holds dir and
-// returns dir's path relative to that mount's root.
-func dialFor(dir string) (*ctl.Client, string, error) {
+// returns that mount's root (once found) and dir's path relative to it.
+// A dir that does not exist (yet) is looked for from its parent: the
+// daemon says whether it is published (a pull right after a publish
+// elsewhere may come before this node made it).
+func dialFor(dir string) (c *ctl.Client, mount, rel string, err error) {
 	abs, err := filepath.Abs(dir)
 	if err != nil {
-		return nil, "", err
+		return nil, "", "", err
 	}
 	fi, err := os.Stat(abs)
-	if err != nil {
-		return nil, "", err
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, "", "", err
 	}
-	if !fi.IsDir() {
-		return nil, "", fmt.Errorf("%s is not a directory", dir)
+	if err == nil && !fi.IsDir() {
+		return nil, "", "", fmt.Errorf("%s is not a directory", dir)
 	}
 	for root := abs; ; root = filepath.Dir(root) {
 		sock, ok, _ := alloc.GetXattr(root, alloc.AttrSocket)
 		if ok {
 			rel, err := filepath.Rel(root, abs)
 			if err != nil || rel == "." {
-				return nil, "", fmt.Errorf("%s is a mount's root; name a directory inside it", dir)
+				return nil, root, "", fmt.Errorf("%s is a mount's root; name a directory inside it", dir)
 			}
 			c, err := ctl.Dial(string(sock))
-			return c, rel, err
+			return c, root, rel, err
 		}
 		if root == "/" {
-			return nil, "", errors.New(dir + " is not inside a tensorfs mount")
+			return nil, "", "", errors.New(dir + " is not inside a tensorfs mount")
 		}
 	}
 }

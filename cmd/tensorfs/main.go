@@ -26,6 +26,7 @@ const usage = `usage:
   tensorfs show PATH...                 a segment's dtype, shape, stride and offset (a directory: each segment under it)
   tensorfs publish DIR                  DIR becomes a new version of itself on every node of the cluster
   tensorfs pull DIR                     fetch what a published DIR holds from the cluster's nodes
+  tensorfs unpublish DIR                withdraw a published DIR: every node removes it (its publisher's uid or root)
   tensorfs --version                    the version and commit of this binary
 Run "tensorfs mount -h" for the mount flags. ls, show and set refuse a path outside a
 tensorfs mount unless given --allow-outside.
@@ -65,6 +66,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return runPublish(args[1:], stdout, stderr)
 	case "pull":
 		return runPull(args[1:], stdout, stderr)
+	case "unpublish":
+		return runUnpublish(args[1:], stdout, stderr)
 	case "gpu-helper":
 		return gpu.HelperMain(args[1:], stderr, nil)
 	case "--version", "version":
