@@ -7,7 +7,9 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 )
 
 // statusRow returns the fields of the row of tensorfs status's table for
@@ -24,8 +26,8 @@ func statusRow(out, dir string) []string {
 // TestCLIStatus: tensorfs status shows a mount's mode, use, segments and
 // daemon to root and to another user (who sees no daemon version: its
 // binary is root's to read), as a table and as JSON; with no argument it
-// lists every tensorfs mount, this one included; --version names this
-// binary's version.
+// lists every tensorfs mount, this one included; a hung daemon does not
+// hang it; --version names this binary's version.
 func TestCLIStatus(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
@@ -39,8 +41,10 @@ func TestCLIStatus(t *testing.T) {
 		if len(row) < 11 || row[1] != m.mode || row[3] != "256.0M" || row[4] != "1" || row[7] != strconv.Itoa(m.pid) || row[len(row)-1] != "-" {
 			t.Errorf("status row for %s: %q (mode %s, daemon %d)\n%s", m.dir, row, m.mode, m.pid, out)
 		}
-		if all := stOK(t, "status"); statusRow(all, m.dir) == nil {
-			t.Errorf("status without a mount point does not list %s:\n%s", m.dir, all)
+		// Every mount on the machine: another test's may be crashing or
+		// hung meanwhile, which makes the status 1, never this row go.
+		if all, errs, code := stTensorfs(t, "status"); code < 0 || code > 1 || statusRow(all, m.dir) == nil {
+			t.Errorf("status without a mount point (exit %d) does not list %s:\n%s\n%s", code, m.dir, all, errs)
 		}
 
 		var reports []struct {
@@ -73,7 +77,21 @@ func TestCLIStatus(t *testing.T) {
 		}
 	}, "--allow-other")
 
-	out := stOK(t, "--version")
+	// A hung daemon (stopped here) is reported within statusWait (5 s),
+	// and the other mounts are shown all the same.
+	live, hung := mountFS(t, "passthrough"), mountFS(t, "passthrough")
+	if err := syscall.Kill(hung.pid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	out, errs, code := stTensorfs(t, "status", live.dir, hung.dir)
+	took := time.Since(start)
+	syscall.Kill(hung.pid, syscall.SIGCONT)
+	if code != 1 || statusRow(out, live.dir) == nil || !strings.Contains(errs, hung.dir+": its daemon did not answer within 5s") || took > 30*time.Second {
+		t.Errorf("status of a live mount and a hung one: exit %d after %v\n%s\n%s", code, took, out, errs)
+	}
+
+	out = stOK(t, "--version")
 	if !strings.HasPrefix(out, "tensorfs "+binaryVersion(t)+", commit ") || strings.Count(out, "\n") != 1 {
 		t.Errorf("--version: %q", out)
 	}

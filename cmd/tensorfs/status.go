@@ -15,6 +15,7 @@ import (
 	"strconv"
 	"strings"
 	"text/tabwriter"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -67,8 +68,7 @@ func runStatus(args []string, stdout, stderr io.Writer) int {
 	}
 	status := 0
 	reports := make([]statusReport, 0, len(points))
-	for _, p := range points {
-		r := readStatus(p)
+	for _, r := range readStatuses(points, statusWait) {
 		if r.unmounted && set.NArg() == 0 {
 			continue // unmounted since the table was read
 		}
@@ -95,6 +95,43 @@ func runStatus(args []string, stdout, stderr io.Writer) int {
 	}
 	return status
 }
+
+// statusWait bounds how long status waits for the daemons' answers: one
+// that hangs must not hang the report on every other mount.
+const statusWait = 5 * time.Second
+
+// readStatuses reads every mount's statistics at once; a mount whose
+// daemon has not answered within wait is reported as not answering (its
+// read is left behind).
+func readStatuses(points []string, wait time.Duration) []statusReport {
+	answers := make([]chan statusReport, len(points))
+	for i, p := range points {
+		answers[i] = make(chan statusReport, 1)
+		go func() { answers[i] <- readStatus(p) }()
+	}
+	deadline := time.After(wait)
+	reports := make([]statusReport, len(points))
+	for i, p := range points {
+		select {
+		case reports[i] = <-answers[i]:
+		case <-deadline:
+			deadline = closedTimer // the others had as long
+			select {
+			case reports[i] = <-answers[i]:
+			default:
+				reports[i] = statusReport{Mountpoint: p, Error: fmt.Sprintf("%s: its daemon did not answer within %v (busy or hung; see its log, or unmount it)", p, wait)}
+			}
+		}
+	}
+	return reports
+}
+
+// closedTimer is a timer channel that has fired.
+var closedTimer = func() <-chan time.Time {
+	c := make(chan time.Time)
+	close(c)
+	return c
+}()
 
 // readStatus reads the statistics of the mount at point.
 func readStatus(point string) statusReport {
