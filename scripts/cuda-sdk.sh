@@ -10,7 +10,8 @@
 #
 # Downloads Debian's non-free nvidia-cuda-dev package (about 800 MB) with a
 # private apt configuration (the system's sources are left alone), unpacks
-# it with dpkg-deb -x into the cache directory and prints the CGO_CFLAGS and
+# cuda.h and the libcuda.so stub from it into the cache directory (1 MB)
+# and prints the CGO_CFLAGS and
 # CGO_LDFLAGS exports on stdout; progress goes to stderr. A cache that is
 # already complete is reused without touching the network.
 #
@@ -63,8 +64,10 @@ if [ ! -e "$root/.complete" ]; then
 	(cd "$apt/download" && apt-get "${aptopts[@]}" download nvidia-cuda-dev >&2)
 	deb=$(find "$apt/download" -name 'nvidia-cuda-dev_*.deb' | head -n 1)
 	[ -n "$deb" ] || { log "apt-get download left no nvidia-cuda-dev .deb"; exit 1; }
-	log "dpkg-deb -x $(basename "$deb") $root"
-	dpkg-deb -x "$deb" "$root"
+	# The build needs cuda.h and the stub alone: the other 2.7 GB of the
+	# package are not written (decompressing it is most of the time).
+	log "cuda.h and stubs/libcuda.so from $(basename "$deb") into $root"
+	dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$root" --wildcards './usr/include/cuda.h' './usr/lib/*/stubs/libcuda.so'
 	rm -rf "$apt" # the .deb and lists; the unpacked tree is the cache
 	touch "$root/.complete"
 fi
