@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -54,7 +55,11 @@ func upCluster(t *testing.T, n int) *testbed {
 	}
 	tb := &testbed{t: t, dir: filepath.Join(t.TempDir(), "tb"), script: filepath.Join(repoRoot, "scripts", "cluster.sh"), env: map[string]string{}}
 	cmd := exec.Command(tb.script, "up", strconv.Itoa(n), tb.dir, "--rate", clusterRate, "--capacity", "512M")
-	cmd.Env = append(os.Environ(), "TENSORFS_BIN="+tensorfs)
+	testbedBin, err := testbedBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Env = append(os.Environ(), "TENSORFS_BIN="+tensorfs, "TENSORFS_TESTBED_BIN="+testbedBin)
 	out, err := cmd.CombinedOutput()
 	t.Cleanup(func() { tb.down() })
 	if err != nil {
@@ -72,6 +77,22 @@ func upCluster(t *testing.T, n int) *testbed {
 	reachable(t, tb.env["TESTBED_TENSORFS"])
 	return tb
 }
+
+// testbedBinary builds the test bed's helper (cluster/internal/testbed)
+// once for every test bed of this process: a link of its own per test
+// bed cost seconds of CPU each.
+var testbedBinary = sync.OnceValues(func() (string, error) {
+	out := filepath.Join(tmpRoot, "tensorfs-testbed")
+	cmd := exec.Command("go", "build", "-o", out, "./cluster/internal/testbed")
+	if raceEnabled() {
+		cmd.Args = slices.Insert(cmd.Args, 2, "-race")
+	}
+	cmd.Dir = repoRoot
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("%v: %v\n%s", cmd.Args, err, b)
+	}
+	return out, nil // cluster.sh copies it into the test bed
+})
 
 // down takes the test bed down and checks the daemons' logs.
 func (tb *testbed) down() {

@@ -25,7 +25,7 @@
 # DIR receives: certs/ (a cluster CA made with openssl and a certificate
 # per node and for etcd, each naming its node and address), etcd/ (data),
 # etcd.log, bin/tensorfs (built from this checkout, or $TENSORFS_BIN if
-# set), bin/tensorfs-testbed (etcd's embedded server, and small clients the
+# set), bin/tensorfs-testbed ($TENSORFS_TESTBED_BIN if set: etcd's embedded server, and small clients the
 # tests use), nodeK/ (where node K's tensorfs is mounted) and testbed.env,
 # the variables that describe it (sourced by tests).
 #
@@ -182,7 +182,11 @@ up() {
 	local go=go
 	command -v go >/dev/null 2>&1 || go=/usr/local/go/bin/go
 	mkdir -p "$dir/bin" "$dir/certs"
-	(cd "$repo" && "$go" build -o "$dir/bin/tensorfs-testbed" ./cluster/internal/testbed)
+	if [ -n "${TENSORFS_TESTBED_BIN:-}" ]; then
+		cp "$TENSORFS_TESTBED_BIN" "$dir/bin/tensorfs-testbed"
+	else
+		(cd "$repo" && "$go" build -o "$dir/bin/tensorfs-testbed" ./cluster/internal/testbed)
+	fi
 	if [ -n "${TENSORFS_BIN:-}" ]; then
 		cp "$TENSORFS_BIN" "$dir/bin/tensorfs"
 	else
