@@ -104,28 +104,37 @@ func (l *loader) dir(parentfd int, name string, rel []string, node *fusefs.Inode
 		if l.before(crel) {
 			continue
 		}
-		var cst unix.Stat_t
-		if err := unix.Fstatat(fd, child, &cst, unix.AT_SYMLINK_NOFOLLOW); err != nil {
-			if errors.Is(err, unix.ENOENT) {
-				continue // removed meanwhile
-			}
-			return err
-		}
-		var cnode *fusefs.Inode
-		if node != nil {
-			cnode = node.GetChild(child)
-		}
-		switch cst.Mode & syscall.S_IFMT {
-		case syscall.S_IFDIR:
-			err = l.dir(fd, child, crel, cnode)
-		case syscall.S_IFREG:
-			err = l.segment(fd, child, crel, &cst, cachedSegment(cnode, cst.Ino))
-		}
-		if err != nil {
+		if err := l.entry(fd, child, crel, node); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// entry walks or adds the entry name in dirfd, whose components below
+// the requested directory are rel, if it is a directory or a segment;
+// node is dirfd's inode as the kernel knows it (nil if it does not).
+func (l *loader) entry(dirfd int, name string, rel []string, node *fusefs.Inode) error {
+	m, err := alloc.OpenRef(dirfd, name, 0)
+	if errors.Is(err, unix.ENOENT) {
+		return nil // removed meanwhile
+	}
+	if err != nil {
+		return err
+	}
+	var child *fusefs.Inode
+	if node != nil {
+		child = node.GetChild(name)
+	}
+	if mode := m.Stat().Mode & syscall.S_IFMT; mode != syscall.S_IFREG {
+		m.Close() // not held (uncharged) while a directory is walked
+		if mode == syscall.S_IFDIR {
+			return l.dir(dirfd, name, rel, child)
+		}
+		return nil
+	}
+	defer m.Close()
+	return l.segment(m, rel, cachedSegment(child, m.Stat().Ino))
 }
 
 // before reports whether the entry rel comes at or before the name to
@@ -156,20 +165,13 @@ func cachedSegment(i *fusefs.Inode, ino uint64) *segmentNode {
 	return n
 }
 
-// segment adds the segment name in dirfd, whose stat is st and whose node
-// the kernel knows as n (nil if it does not).
-func (l *loader) segment(dirfd int, name string, rel []string, st *unix.Stat_t, n *segmentNode) error {
+// segment adds the segment m, whose components below the requested
+// directory are rel and whose node the kernel knows as n (nil if it does
+// not).
+func (l *loader) segment(m *alloc.Ref, rel []string, n *segmentNode) error {
 	if len(l.segs) == l.max {
 		return errFull
 	}
-	m, err := alloc.OpenRef(dirfd, name, st.Ino)
-	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ESTALE) {
-		return nil // removed or replaced meanwhile
-	}
-	if err != nil {
-		return err
-	}
-	defer m.Close()
 	s, st, err := l.b.segment(l.who, m, l.write, display(rel))
 	if err != nil {
 		return err
