@@ -561,20 +561,19 @@ func (s *Server) load(c *net.UnixConn, cred Cred, req *request) {
 	}
 	defer s.quota.give(cred.Uid, Limits{FDs: batch + backendFDs})
 	segs, files, more, err := l.Load(cred, req.Path, req.Write, req.After, batch)
+	defer closeFiles(files) // after the reply: fds are their descriptors, not copies
 	var fds []int
-	defer func() { fdpass.Close(fds) }()
 	for i, f := range files {
 		segs[i].FD = -1
 		if f == nil {
 			continue
 		}
-		fd, derr := fdpass.Dup(f)
-		f.Close()
-		if derr == nil {
+		fd, ferr := fdpass.Raw(f)
+		if ferr == nil {
 			segs[i].FD = len(fds)
 			fds = append(fds, fd)
 		} else if err == nil {
-			err = fmt.Errorf("backend's file: %w", derr)
+			err = fmt.Errorf("backend's file: %w", ferr)
 		}
 	}
 	if err != nil {
@@ -590,7 +589,6 @@ func (s *Server) load(c *net.UnixConn, cred Cred, req *request) {
 			last := r.Segments[len(r.Segments)-1]
 			r.Segments, r.More = r.Segments[:len(r.Segments)-1], true
 			if last.FD >= 0 {
-				unix.Close(fds[last.FD])
 				fds = fds[:last.FD]
 			}
 			continue

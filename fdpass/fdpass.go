@@ -119,6 +119,20 @@ func Send(c *net.UnixConn, b []byte, fds ...int) error {
 	return err
 }
 
+// Raw returns f's descriptor itself, without putting f into blocking mode
+// as f.Fd would: valid while f stays open, e.g. to send it.
+func Raw(f *os.File) (int, error) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return -1, err
+	}
+	fd := -1
+	if err := rc.Control(func(d uintptr) { fd = int(d) }); err != nil {
+		return -1, err
+	}
+	return fd, nil
+}
+
 // Dup returns a close-on-exec duplicate of f's descriptor, without
 // putting f into blocking mode as f.Fd would.
 func Dup(f *os.File) (int, error) {

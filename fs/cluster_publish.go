@@ -13,6 +13,7 @@ import (
 	"strings"
 	"syscall"
 
+	fusefs "github.com/hanwen/go-fuse/v2/fs"
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
@@ -439,14 +440,27 @@ func (c *clusterFS) thaw(objs []published, dir string) {
 // segmentAt returns the node the kernel knows at rel (relative to the
 // root) if it is a segment's.
 func (fsys *filesystem) segmentAt(rel string) *segmentNode {
+	i := fsys.inodeAt(rel)
+	if i == nil {
+		return nil
+	}
+	n, _ := i.Operations().(*segmentNode)
+	return n
+}
+
+// inodeAt returns the inode the kernel knows at rel (relative to the
+// root; "." is the root), nil where it knows none.
+func (fsys *filesystem) inodeAt(rel string) *fusefs.Inode {
 	i := fsys.root.EmbeddedInode()
+	if rel == "." {
+		return i
+	}
 	for _, part := range strings.Split(rel, "/") {
 		if i = i.GetChild(part); i == nil {
 			return nil
 		}
 	}
-	n, _ := i.Operations().(*segmentNode)
-	return n
+	return i
 }
 
 var _ = (ctl.Publisher)(controlBackend{})

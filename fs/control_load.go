@@ -5,10 +5,12 @@ import (
 	"fmt"
 	"os"
 	"path"
+	"path/filepath"
 	"slices"
 	"strings"
 	"syscall"
 
+	fusefs "github.com/hanwen/go-fuse/v2/fs"
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
@@ -29,7 +31,8 @@ func (b controlBackend) Load(cred ctl.Cred, dir string, write bool, after string
 	if after == "" {
 		l.after = nil
 	}
-	err := l.b.walk(l.who, dir, func(parent int, name string) error { return l.dir(parent, name, nil) })
+	node := b.fsys.inodeAt(filepath.Clean(dir))
+	err := l.b.walk(l.who, dir, func(parent int, name string) error { return l.dir(parent, name, nil, node) })
 	if err == errFull {
 		l.more, err = true, nil
 	}
@@ -63,9 +66,10 @@ type loader struct {
 var errFull = errors.New("load: reply full")
 
 // dir walks the directory name in parentfd, whose components below the
-// requested directory are rel. Each directory open on the way down is one
-// of the requester's descriptors (fs/budget.go) while the walk is in it.
-func (l *loader) dir(parentfd int, name string, rel []string) error {
+// requested directory are rel and whose inode the kernel knows as node
+// (nil if it does not). Each directory open on the way down is one of the
+// requester's descriptors (fs/budget.go) while the walk is in it.
+func (l *loader) dir(parentfd int, name string, rel []string, node *fusefs.Inode) error {
 	if len(rel) > alloc.MaxDepth {
 		return fmt.Errorf("%w: %s", alloc.ErrTooDeep, display(rel[:8]))
 	}
@@ -84,6 +88,9 @@ func (l *loader) dir(parentfd int, name string, rel []string) error {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return err
 	}
+	if node != nil && node.StableAttr().Ino != st.Ino {
+		node = nil // replaced since the kernel looked it up
+	}
 	if !permitted(&l.who, &st, 4|1) {
 		return fmt.Errorf("%w: %s: listing it needs read and search permission", syscall.EACCES, display(rel))
 	}
@@ -97,24 +104,37 @@ func (l *loader) dir(parentfd int, name string, rel []string) error {
 		if l.before(crel) {
 			continue
 		}
-		var cst unix.Stat_t
-		if err := unix.Fstatat(fd, child, &cst, unix.AT_SYMLINK_NOFOLLOW); err != nil {
-			if errors.Is(err, unix.ENOENT) {
-				continue // removed meanwhile
-			}
-			return err
-		}
-		switch cst.Mode & syscall.S_IFMT {
-		case syscall.S_IFDIR:
-			err = l.dir(fd, child, crel)
-		case syscall.S_IFREG:
-			err = l.segment(fd, child, crel, &cst)
-		}
-		if err != nil {
+		if err := l.entry(fd, child, crel, node); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// entry walks or adds the entry name in dirfd, whose components below
+// the requested directory are rel, if it is a directory or a segment;
+// node is dirfd's inode as the kernel knows it (nil if it does not).
+func (l *loader) entry(dirfd int, name string, rel []string, node *fusefs.Inode) error {
+	m, err := alloc.OpenRef(dirfd, name, 0)
+	if errors.Is(err, unix.ENOENT) {
+		return nil // removed meanwhile
+	}
+	if err != nil {
+		return err
+	}
+	var child *fusefs.Inode
+	if node != nil {
+		child = node.GetChild(name)
+	}
+	if mode := m.Stat().Mode & syscall.S_IFMT; mode != syscall.S_IFREG {
+		m.Close() // not held (uncharged) while a directory is walked
+		if mode == syscall.S_IFDIR {
+			return l.dir(dirfd, name, rel, child)
+		}
+		return nil
+	}
+	defer m.Close()
+	return l.segment(m, rel, cachedSegment(child, m.Stat().Ino))
 }
 
 // before reports whether the entry rel comes at or before the name to
@@ -135,39 +155,39 @@ func (l *loader) before(rel []string) bool {
 	return len(rel) == len(l.after) // the name itself; a prefix is a directory on the way
 }
 
-// segment adds the segment name in dirfd, whose stat is st.
-func (l *loader) segment(dirfd int, name string, rel []string, st *unix.Stat_t) error {
+// cachedSegment returns the segment node of the inode i if it is the
+// backing inode ino: its cached attributes are ino's. nil otherwise.
+func cachedSegment(i *fusefs.Inode, ino uint64) *segmentNode {
+	if i == nil || i.StableAttr().Ino != ino {
+		return nil
+	}
+	n, _ := i.Operations().(*segmentNode)
+	return n
+}
+
+// segment adds the segment m, whose components below the requested
+// directory are rel and whose node the kernel knows as n (nil if it does
+// not).
+func (l *loader) segment(m *alloc.Ref, rel []string, n *segmentNode) error {
 	if len(l.segs) == l.max {
 		return errFull
 	}
-	m, err := alloc.OpenRef(dirfd, name, st.Ino)
-	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ESTALE) {
-		return nil // removed or replaced meanwhile
-	}
-	if err != nil {
-		return err
-	}
-	defer m.Close()
 	s, st, err := l.b.segment(l.who, m, l.write, display(rel))
 	if err != nil {
 		return err
 	}
-	if l.write {
-		f, err := flagsOf(s, m)
-		if err != nil {
-			return err
-		}
-		if f&alloc.FromFD != 0 {
-			return fmt.Errorf("%w: %s is FROMFD (imported, read-only): load it without write", alloc.ErrReadOnly, display(rel))
-		}
-	}
 	seg := ctl.Segment{Name: path.Join(rel...), Size: st.Size}
+	f, lay, err := l.b.fsys.segmentAttrs(s, m, n, seg.Name)
+	if err != nil {
+		return fmt.Errorf("%s: %w", display(rel), err)
+	}
+	if l.write && f&alloc.FromFD != 0 {
+		return fmt.Errorf("%w: %s is FROMFD (imported, read-only): load it without write", alloc.ErrReadOnly, display(rel))
+	}
+	seg.Flags, seg.Dtype, seg.Shape, seg.Stride, seg.Offset = f.String(), lay.Dtype, lay.Shape, lay.Stride, lay.Offset
 	file, err := s.descriptor(m, l.write)
 	if err == nil && file != nil && l.write {
 		err = l.b.fsys.frozen(m.Stat().Ino)
-	}
-	if err == nil {
-		err = s.attrs(m, func(a *alloc.Ref) error { return l.b.fsys.readAttrs(&seg, a) })
 	}
 	if err != nil {
 		if file != nil {
@@ -180,24 +200,29 @@ func (l *loader) segment(dirfd int, name string, rel []string, st *unix.Stat_t) 
 	return nil
 }
 
-// readAttrs fills seg's flags and tensor attributes from the attribute
-// object a; a tensor attribute stored there that fails validation is left
-// out and logged (alloc.ReadLayout).
-func (fsys *filesystem) readAttrs(seg *ctl.Segment, a *alloc.Ref) error {
-	p, err := a.Path()
-	if err != nil {
-		return err
+// segmentAttrs returns the flags and tensor attributes of the segment m,
+// whose storage is s: from the cache of n, its node, where the kernel
+// knows one (the first read fills it, as getxattr's does), else read from
+// storage. A tensor attribute stored that fails validation is left out and
+// logged (alloc.ReadLayout); name names the segment there.
+func (fsys *filesystem) segmentAttrs(s storage, m *alloc.Ref, n *segmentNode, name string) (f alloc.Flags, l alloc.Layout, err error) {
+	if n != nil {
+		if f, err = n.flags(n); err == nil {
+			l, err = n.tensorLayout(n)
+		}
+		return f, l, err
 	}
-	f, err := alloc.ReadFlags(p)
-	if err != nil {
+	err = s.attrs(m, func(a *alloc.Ref) error {
+		p, err := a.Path()
+		if err == nil {
+			f, err = alloc.ReadFlags(p)
+		}
+		if err == nil {
+			l, err = fsys.readLayout(p, name)
+		}
 		return err
-	}
-	l, err := fsys.readLayout(p, seg.Name)
-	if err != nil {
-		return err
-	}
-	seg.Flags, seg.Dtype, seg.Shape, seg.Stride, seg.Offset = f.String(), l.Dtype, l.Shape, l.Stride, l.Offset
-	return nil
+	})
+	return f, l, err
 }
 
 // display names a segment or directory of a load in messages.

@@ -44,13 +44,20 @@ def _torch():
 
 def torch_dtype(dtype):
     """Return (torch dtype, elements per torch element) for a canonical tensorfs dtype."""
+    known = _torch_dtypes.get(dtype)
+    if known is not None:
+        return known
     torch = _torch()
     e = _tfs.DTYPES[dtype]
     t = getattr(torch, e["torch"], None) if e["torch"] else None
     if not isinstance(t, torch.dtype):
         raise TypeError("tensorfs: torch %s has no %s; open it with tensorfs.open(path, dtype='uint8')"
                         % (torch.__version__, dtype))
-    return t, e.get("torch_pack") or 1
+    known = _torch_dtypes[dtype] = t, e.get("torch_pack") or 1
+    return known
+
+
+_torch_dtypes = {}  # canonical dtype -> torch_dtype's answer, once found
 
 
 _sizes = {}
@@ -107,7 +114,8 @@ _by_path = {}  # (path, write) -> _Mapping, to reuse a mapping when rebuilding
 
 def _register(mm, path, write, ident, published=False):
     """Remember mm as a mapping of path; return a uint8 tensor on all of it."""
-    base = _torch().frombuffer(mm, dtype=_torch().uint8)
+    torch = _torch()
+    base = torch.frombuffer(mm, dtype=torch.uint8)
     addr = base.data_ptr()
     m = _Mapping(_os.path.abspath(path), write, len(mm), ident, published)
 
@@ -137,8 +145,10 @@ def tensor_on(mm, m, path, write, ident=None, published=False):
         return torch.zeros(shape, dtype=tdt)
     base = _register(mm, path, write, ident, published)
     size = _element_size(tdt)
+    if len(mm) % size:
+        base = base[:len(mm) // size * size]
     # as_strided checks that the layout fits the storage.
-    return base[:len(mm) // size * size].view(tdt).as_strided(shape, stride, m.storage_offset)
+    return base.view(tdt).as_strided(shape, stride, m.storage_offset)
 
 
 def open_torch(path: str, mode: _typing.Optional[str] = None) -> "torch.Tensor":

@@ -466,10 +466,11 @@ def load_into(module: "torch.nn.Module", path: str, *, strict: bool = True, mode
         raise RuntimeError("Error(s) in loading state_dict for %s:\n\t%s" % (type(module).__name__, "\n\t".join(msgs)))
     _refuse_meta(module, path, [n for n in missing if own[n].device.type == "meta"],
                  [n for n, b in module.named_buffers() if n not in persistent and b.device.type == "meta"])
+    modules = dict(module.named_modules(remove_duplicate=False))  # one walk, not one per name
     for name, old in own.items():
         if id(old) in new:
             owner, _, attr = name.rpartition(".")
-            setattr(module.get_submodule(owner) if owner else module, attr, new[id(old)])
+            setattr(modules[owner], attr, new[id(old)])
     return IncompatibleKeys(missing, unexpected)
 
 

@@ -101,6 +101,23 @@ class _StateDictTests:
         self.assertLess(n, 20, "FUSE requests during load_state_dict: %s" % {
             k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)})
 
+    def test_load_into_costs_no_fuse_request_per_tensor(self):
+        # A model of 300 parameters: load_into maps each through the
+        # control socket's descriptors and puts it on the module; the
+        # mount sees the state dict's key order read and find_mount's
+        # lookups, nothing per tensor.
+        m = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(150)])
+        d = os.path.join(self.dir, "model")
+        tensorfs.save_state_dict(d, m.state_dict())
+        empty = torch.nn.Sequential(*[torch.nn.Linear(2, 2, device="meta") for _ in range(150)])
+        before = requests(self.mount.dir)
+        tensorfs.load_into(empty, d)
+        after = requests(self.mount.dir)
+        n = sum(after.values()) - sum(before.values())
+        self.assertTrue(torch.equal(empty[149].weight, m[149].weight))
+        self.assertLess(n, 20, "FUSE requests during load_into: %s" % {
+            k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)})
+
     def test_load_refusals_and_warnings(self):
         d = os.path.join(self.dir, "m")
         tensorfs.save_state_dict(d, {"w": torch.ones(3)})

@@ -1,0 +1,60 @@
+package fs
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/ctl"
+)
+
+// TestControlLoadFromNodeCache: a load takes a segment's tensor
+// attributes from the node the kernel knows for it, as getxattr serves
+// them, without reading storage again (what makes a load cost no
+// attribute read per segment); a segment replaced under that name behind
+// the node's back, another inode, is read from storage, not given the old
+// node's attributes.
+func TestControlLoadFromNodeCache(t *testing.T) {
+	x := newOpsFS(t)
+	w := x.segment(x.mkdir(1, "model"), "w")
+	x.setxattr(w, alloc.AttrDtype, "uint8")
+	x.setxattr(w, alloc.AttrShape, "[8]")
+	b := controlBackend{x.fsys}
+	load := func(what string) ctl.Segment {
+		t.Helper()
+		segs, files, _, err := b.Load(rootPeer, "model", false, "", 10)
+		closeFiles(files)
+		if err != nil || len(segs) != 1 {
+			t.Fatalf("load %s: %d segments, %v; want 1", what, len(segs), err)
+		}
+		return segs[0]
+	}
+	if s := load("after setxattr"); s.Dtype != "uint8" || s.Shape != "[8]" {
+		t.Fatalf("load shows %s %s, want uint8 [8]", s.Dtype, s.Shape)
+	}
+	seg := filepath.Join(x.fsys.store.Dir, "model", "w")
+	if err := unix.Setxattr(seg, alloc.StoredName(alloc.AttrShape), []byte("[2, 4]"), 0); err != nil {
+		t.Fatal(err)
+	}
+	if s := load("with the node known"); s.Shape != "[8]" {
+		t.Errorf("load shows shape %s, want the node's cached [8]: it read storage", s.Shape)
+	}
+	other := seg + ".new"
+	if err := os.WriteFile(other, []byte("8 bytes!"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for attr, v := range map[string]string{alloc.AttrDtype: "uint8", alloc.AttrShape: "[4, 2]"} {
+		if err := unix.Setxattr(other, alloc.StoredName(attr), []byte(v), 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Rename(other, seg); err != nil {
+		t.Fatal(err)
+	}
+	if s := load("of a replaced segment"); s.Shape != "[4, 2]" {
+		t.Errorf("load of a segment replaced behind the node shows shape %s, want storage's [4, 2]", s.Shape)
+	}
+}
