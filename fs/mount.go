@@ -48,6 +48,23 @@ type Options struct {
 	// ClusterBounds bound what one user's publications take (with
 	// Cluster).
 	ClusterBounds ClusterBounds
+	// Takeover, if set, is the live connection of the mount at
+	// Mountpoint, handed over by the daemon that serves it: Mount serves
+	// it instead of mounting.
+	Takeover *Takeover
+}
+
+// Takeover is what a daemon hands its successor (Server.Handover): the
+// FUSE connection, the INIT that set it up, the successor's generation
+// and the predecessor's state.
+type Takeover struct {
+	Fd    int
+	Init  []byte
+	Gen   uint64
+	State State
+	// Handoff tells the predecessor to stop and returns once it has;
+	// Mount calls it once the successor can serve.
+	Handoff func() error
 }
 
 // Server is a mounted tensorfs.
@@ -55,6 +72,18 @@ type Server struct {
 	*fuse.Server
 	fs  *filesystem
 	ctl *ctl.Server
+	// raw keeps what a successor takes over.
+	raw *HandoverFS
+}
+
+// Handover returns what a successor needs to take this mount over
+// (Options.Takeover, without Handoff).
+func (s *Server) Handover() (Takeover, error) {
+	fd, err := ConnectionFd()
+	if err != nil {
+		return Takeover{}, err
+	}
+	return Takeover{Fd: fd, Init: InitBytes(s.Server), Gen: s.raw.gen + 1, State: s.raw.State(s.fs.root.EmbeddedInode())}, nil
 }
 
 // Close stops the control socket, leaves the cluster, ends what the
@@ -112,7 +141,10 @@ func Mount(opts Options) (_ *Server, err error) {
 		// Modes are exactly what the caller asked for: the kernel has
 		// applied the caller's umask; ours (0) must not apply twice.
 		NullPermissions: true,
-		Logger:          log.New(os.Stderr, "go-fuse: ", 0),
+		// Node IDs are backing inodes, so that a successor knows the
+		// kernel's (Takeover).
+		ExternalNodeID: true,
+		Logger:         log.New(os.Stderr, "go-fuse: ", 0),
 		MountOptions: fuse.MountOptions{
 			FsName: "tensorfs",
 			Name:   "tensorfs",
@@ -152,14 +184,18 @@ func Mount(opts Options) (_ *Server, err error) {
 	if opts.Debug {
 		fopts.Logger = log.New(os.Stderr, "go-fuse: ", log.Lmicroseconds)
 	}
-	bridge := fusefs.NewNodeFS(fsys.root, fopts)
-	srv, err := fuse.NewServer(&countingFS{RawFileSystem: bridge, c: &fsys.requests}, opts.Mountpoint, &fopts.MountOptions)
-	if err != nil {
-		return nil, fmt.Errorf("mount %s: %w", opts.Mountpoint, err)
+	var gen uint64
+	if opts.Takeover != nil {
+		gen = opts.Takeover.Gen
 	}
-	go srv.Serve()
-	if err := srv.WaitMount(); err != nil {
-		srv.Unmount()
+	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, gen)
+	var srv *fuse.Server
+	if t := opts.Takeover; t != nil {
+		srv, err = takeOver(raw, t, fopts.MountOptions, fsys.log)
+	} else {
+		srv, err = mount(raw, opts.Mountpoint, fopts.MountOptions)
+	}
+	if err != nil {
 		return nil, err
 	}
 	widenReadahead(opts.Mountpoint, fsys.log)
@@ -171,7 +207,7 @@ func Mount(opts Options) (_ *Server, err error) {
 		}
 	}
 	fsys.afterMount(opts.Mountpoint, opts.Recovered)
-	s := &Server{Server: srv, fs: fsys}
+	s := &Server{Server: srv, fs: fsys, raw: raw}
 	if opts.Socket != "" {
 		s.ctl, err = ctl.Listen(ctl.Config{Path: opts.Socket, Backend: controlBackend{fsys}, Errno: toErrno, Log: opts.Log, Private: !opts.AllowOther, Owner: uint32(os.Geteuid()), Purge: opts.Purge, Ledger: fsys.ledger, Threads: fsys.threads})
 		if err != nil {
@@ -183,6 +219,44 @@ func Mount(opts Options) (_ *Server, err error) {
 		fsys.cl.start()
 	}
 	return s, nil
+}
+
+// mount mounts raw at mountpoint and serves it.
+func mount(raw fuse.RawFileSystem, mountpoint string, mopts fuse.MountOptions) (*fuse.Server, error) {
+	srv, err := fuse.NewServer(raw, mountpoint, &mopts)
+	if err != nil {
+		return nil, fmt.Errorf("mount %s: %w", mountpoint, err)
+	}
+	go srv.Serve()
+	if err := srv.WaitMount(); err != nil {
+		srv.Unmount()
+		return nil, err
+	}
+	return srv, nil
+}
+
+// takeOver serves raw on the connection t hands over: it takes the
+// predecessor's state over, has the predecessor stop, has the kernel
+// resend what the predecessor left unanswered, and serves.
+func takeOver(raw *HandoverFS, t *Takeover, mopts fuse.MountOptions, log *slog.Logger) (*fuse.Server, error) {
+	if t.Gen == 0 || t.Gen >= 1<<32 {
+		return nil, fmt.Errorf("takeover: generation %d out of range", t.Gen)
+	}
+	srv, lost, err := TakeOver(raw, t.Fd, t.Init, t.State, mopts)
+	if err != nil {
+		return nil, fmt.Errorf("takeover: %w", err)
+	}
+	if len(lost.Nodes) > 0 || len(lost.Handles) > 0 {
+		log.Warn("takeover: what the kernel holds that the backing no longer has at its name, or that would not open again, fails", "nodes", len(lost.Nodes), "handles", len(lost.Handles))
+	}
+	if err := t.Handoff(); err != nil {
+		return nil, fmt.Errorf("takeover: %w", err)
+	}
+	if err := NotifyResend(); err != nil {
+		log.Warn("takeover: the kernel cannot resend the requests the predecessor left unanswered; they wait for ever", "err", err)
+	}
+	go srv.Serve()
+	return srv, nil
 }
 
 // widenReadahead lets the kernel read ahead as much as one request holds

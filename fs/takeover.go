@@ -60,8 +60,8 @@ func ConnectionFd() (int, error) {
 // (InitBytes): the kernel never sends INIT again, so go-fuse reads this
 // one from a socket standing in at fd's number, and once it has answered
 // (to the socket), the connection takes that number (dup3) and the
-// server reads requests from the kernel. fd stays the caller's; call
-// Serve on the server next.
+// server reads requests from the kernel. The server owns fd from the
+// call on (closed, once it has the connection); call Serve next.
 func ServeConnection(raw fuse.RawFileSystem, fd int, init []byte, opts fuse.MountOptions) (*fuse.Server, error) {
 	var in fuse.InitIn
 	if len(init) != int(unsafe.Sizeof(in)) {
@@ -96,33 +96,40 @@ func ServeConnection(raw fuse.RawFileSystem, fd int, init []byte, opts fuse.Moun
 	if err := unix.Dup3(fd, pair[0], unix.O_CLOEXEC); err != nil {
 		return nil, err
 	}
+	unix.Close(fd)
 	return srv, nil
 }
 
 // NotifyResend asks the kernel (6.9 and later) to send again every
-// request of the connection fd that was read and not answered: those the
-// predecessor was serving when it exited. Kernels without it answer
-// ENOSYS or EINVAL, and those requests wait for ever.
-func NotifyResend(fd int) error {
+// request of this process's connection (ConnectionFd) that was read and
+// not answered: those the predecessor was serving when it exited.
+// Kernels without it answer ENOSYS or EINVAL, and those requests wait
+// for ever.
+func NotifyResend() error {
+	fd, err := ConnectionFd()
+	if err != nil {
+		return err
+	}
 	// A notification is an out header with no unique and the code as
 	// its error (FUSE_NOTIFY_RESEND = 7).
 	hdr := fuse.OutHeader{Length: uint32(unsafe.Sizeof(fuse.OutHeader{})), Status: -fuse.NOTIFY_RESEND}
-	_, err := unix.Write(fd, unsafe.Slice((*byte)(unsafe.Pointer(&hdr)), unsafe.Sizeof(hdr)))
+	_, err = unix.Write(fd, unsafe.Slice((*byte)(unsafe.Pointer(&hdr)), unsafe.Sizeof(hdr)))
 	return err
 }
 
-// TakeOver serves raw, a node bridge made with ExternalNodeID, on the
-// live connection fd that the daemon of generation gen-1 served and
-// initialized with init: it registers nodes (the predecessor's
-// KnownNodes) and returns those it could not, whose requests fail. Call
+// TakeOver serves h on the live connection fd (which it owns from the
+// call on) that the daemon of the generation before h's served and
+// initialized with init, and takes over the predecessor's state st. It returns the server and what
+// it could not take over (nodes whose name no longer reaches their
+// inode, handles that would not open again), whose requests fail.
+// Its generation is st's daemon's plus one. Call
 // NotifyResend once the predecessor is gone, then Serve.
-func TakeOver(raw fuse.RawFileSystem, fd int, init []byte, gen uint64, nodes []Node, opts fuse.MountOptions) (*fuse.Server, []Node, error) {
-	s := &successorFS{RawFileSystem: raw, gen: gen, adopted: map[uint64]bool{}}
-	srv, err := ServeConnection(s, fd, init, opts)
+func TakeOver(h *HandoverFS, fd int, init []byte, st State, opts fuse.MountOptions) (*fuse.Server, State, error) {
+	srv, err := ServeConnection(h, fd, init, opts)
 	if err != nil {
-		return nil, nil, err
+		return nil, State{}, err
 	}
-	return srv, s.adopt(nodes), nil
+	return srv, h.adopt(st), nil
 }
 
 // Node is a node the kernel knows, as a daemon hands it to its successor:
@@ -132,6 +139,35 @@ type Node struct {
 	ID     uint64 `json:"id"`
 	Parent uint64 `json:"parent"`
 	Name   string `json:"name"`
+}
+
+// Handle is a file handle the kernel holds: its number, its node, how it
+// was opened and by whom, and whether the kernel serves its reads and
+// writes itself (passthrough).
+type Handle struct {
+	Fh          uint64 `json:"fh"`
+	Node        uint64 `json:"node"`
+	Flags       uint32 `json:"flags"`
+	Dir         bool   `json:"dir,omitempty"`
+	UID         uint32 `json:"uid"`
+	GID         uint32 `json:"gid"`
+	Pid         uint32 `json:"pid"`
+	Passthrough bool   `json:"passthrough,omitempty"`
+}
+
+// Backing is the backing file (a passthrough ID of the connection) the
+// kernel's inode of a node reads and writes while one of its handles is
+// open: every passthrough open of the node must name the same one.
+type Backing struct {
+	Node uint64 `json:"node"`
+	ID   int32  `json:"id"`
+}
+
+// State is what a daemon hands its successor besides the connection.
+type State struct {
+	Nodes   []Node    `json:"nodes"`
+	Handles []Handle  `json:"handles"`
+	Backing []Backing `json:"backing"`
 }
 
 // KnownNodes lists the nodes of root's tree (every node go-fuse keeps is
@@ -157,18 +193,29 @@ func KnownNodes(root *fusefs.Inode) []Node {
 	return out
 }
 
-// successorFS serves a connection an earlier daemon served (or this one,
-// generation 0, for its successor). The kernel holds node IDs and file
-// handles of earlier daemons: the node IDs are backing inodes
-// (ExternalNodeID) that adopt registers anew; a handle gets this
-// generation in its high 32 bits, so that the handles of each generation
-// stay apart, and one of an earlier daemon that is not adopted is no
-// handle here.
-type successorFS struct {
+// HandoverFS keeps, between the kernel and the node bridge, what a
+// successor needs and go-fuse does not show: the handles the kernel
+// holds and the backing files its inodes use. On a connection an earlier
+// daemon served, it also serves what the kernel holds of earlier
+// daemons. Node IDs are backing inodes (ExternalNodeID), which adopt
+// registers anew; a handle carries its daemon's generation in its high
+// 32 bits, so that the handles of each generation stay apart.
+type HandoverFS struct {
 	fuse.RawFileSystem
 	gen uint64
+	srv *fuse.Server
 
 	mu sync.Mutex
+	// handles are the handles the kernel holds, by its number.
+	handles map[uint64]Handle
+	// inherited maps an earlier daemon's handle to the bridge's
+	// handle opened again for it.
+	inherited map[uint64]uint64
+	// backing is the backing file of each node with passthrough
+	// handles open: the bridge's (counted by opens), or an earlier
+	// daemon's, which every open of the node names until the kernel
+	// forgets the node.
+	backing map[uint64]*backingRef
 	// adopted are the node IDs adopt registered. The kernel's count of
 	// their lookups is the earlier daemons' and ours together, so their
 	// FORGET is not passed on: each stays for this daemon's life (one
@@ -176,81 +223,204 @@ type successorFS struct {
 	adopted map[uint64]bool
 }
 
-// adopt registers nodes (parents first) with the node bridge as the
-// kernel knows them, through the lookups the kernel would make, checked
-// to reach the same inode; it returns those it could not.
-func (f *successorFS) adopt(nodes []Node) (lost []Node) {
+// backingRef is a node's backing file.
+type backingRef struct {
+	id        int32
+	opens     int
+	inherited bool
+}
+
+// NewHandoverFS wraps raw, a node bridge made with ExternalNodeID, for a
+// daemon of generation gen (0: the one that mounted).
+func NewHandoverFS(raw fuse.RawFileSystem, gen uint64) *HandoverFS {
+	return &HandoverFS{RawFileSystem: raw, gen: gen, handles: map[uint64]Handle{}, inherited: map[uint64]uint64{}, backing: map[uint64]*backingRef{}, adopted: map[uint64]bool{}}
+}
+
+// State returns what a successor takes over: the nodes of root's tree,
+// the handles and the backing files.
+func (f *HandoverFS) State(root *fusefs.Inode) State {
+	st := State{Nodes: KnownNodes(root)}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, h := range f.handles {
+		st.Handles = append(st.Handles, h)
+	}
+	for node, b := range f.backing {
+		st.Backing = append(st.Backing, Backing{Node: node, ID: b.id})
+	}
+	return st
+}
+
+// adopt takes st over: it registers st.Nodes (parents first) with the
+// node bridge as the kernel knows them, through the lookups the kernel
+// would make, each checked to reach the same inode; it opens again the
+// handles whose reads and writes the daemon serves, as their openers,
+// and keeps the backing files. It returns what it could not take over.
+func (f *HandoverFS) adopt(st State) (lost State) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	known := map[uint64]bool{fuse.FUSE_ROOT_ID: true}
-	for _, n := range nodes {
+	for _, n := range st.Nodes {
 		if !known[n.Parent] {
-			lost = append(lost, n)
+			lost.Nodes = append(lost.Nodes, n)
 			continue
 		}
 		var out fuse.EntryOut
-		h := fuse.InHeader{NodeId: n.Parent, Caller: fuse.Caller{Owner: fuse.Owner{Uid: 0, Gid: 0}}}
-		st := f.RawFileSystem.Lookup(nil, &h, n.Name, &out)
-		if !st.Ok() || out.NodeId != n.ID {
-			if st.Ok() {
+		h := fuse.InHeader{NodeId: n.Parent}
+		s := f.RawFileSystem.Lookup(nil, &h, n.Name, &out)
+		if !s.Ok() || out.NodeId != n.ID {
+			if s.Ok() {
 				f.RawFileSystem.Forget(out.NodeId, 1)
 			}
-			lost = append(lost, n)
+			lost.Nodes = append(lost.Nodes, n)
 			continue
 		}
 		known[n.ID] = true
 		f.adopted[n.ID] = true
 	}
+	for _, b := range st.Backing {
+		f.backing[b.Node] = &backingRef{id: b.ID, inherited: true}
+	}
+	for _, h := range st.Handles {
+		if h.Passthrough || !known[h.Node] {
+			// The kernel reads and writes a passthrough handle
+			// itself, and its other requests are its node's.
+			f.handles[h.Fh] = h
+			continue
+		}
+		in := fuse.OpenIn{InHeader: fuse.InHeader{NodeId: h.Node, Caller: fuse.Caller{Owner: fuse.Owner{Uid: h.UID, Gid: h.GID}, Pid: h.Pid}}, Flags: h.Flags &^ (syscall.O_CREAT | syscall.O_EXCL | syscall.O_TRUNC)}
+		var out fuse.OpenOut
+		var s fuse.Status
+		if h.Dir {
+			s = f.RawFileSystem.OpenDir(nil, &in, &out)
+		} else {
+			s = f.RawFileSystem.Open(nil, &in, &out)
+		}
+		if !s.Ok() {
+			lost.Handles = append(lost.Handles, h)
+			continue
+		}
+		f.handles[h.Fh] = h
+		f.inherited[h.Fh] = out.Fh
+	}
 	return lost
 }
 
-// fh maps a handle the kernel sent to the node bridge's: false if it is
-// none of this daemon's.
-func (f *successorFS) fh(k uint64) (uint64, bool) {
-	if k>>32 != f.gen {
-		return 0, false
+// opened records a handle the bridge gave out (out, for node, opened by
+// in with flags) and puts this daemon's generation into it. A
+// passthrough open of a node whose inode uses an earlier daemon's
+// backing file names that one.
+func (f *HandoverFS) opened(in *fuse.InHeader, node uint64, flags uint32, dir bool, out *fuse.OpenOut) {
+	out.Fh |= f.gen << 32
+	h := Handle{Fh: out.Fh, Node: node, Flags: flags, Dir: dir, UID: in.Uid, GID: in.Gid, Pid: in.Pid, Passthrough: out.OpenFlags&fuse.FOPEN_PASSTHROUGH != 0}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.handles[h.Fh] = h
+	if !h.Passthrough {
+		return
 	}
-	return k & 0xffffffff, true
+	b := f.backing[node]
+	switch {
+	case b == nil:
+		f.backing[node] = &backingRef{id: out.BackingID, opens: 1}
+	case b.inherited:
+		out.BackingID = b.id
+	default:
+		b.opens++
+	}
 }
 
-// handle puts this daemon's generation into a handle it gives the kernel.
-func (f *successorFS) handle(out *fuse.OpenOut) { out.Fh |= f.gen << 32 }
+// released forgets the handle k and returns the bridge's handle for it,
+// false if the bridge has none (an earlier daemon's, not opened again).
+func (f *HandoverFS) released(k uint64) (uint64, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	h, ok := f.handles[k]
+	delete(f.handles, k)
+	if b := f.backing[h.Node]; ok && h.Passthrough && b != nil && !b.inherited {
+		if b.opens--; b.opens == 0 {
+			delete(f.backing, h.Node)
+		}
+	}
+	if fh, ok := f.inherited[k]; ok {
+		delete(f.inherited, k)
+		return fh, true
+	}
+	return k & 0xffffffff, k>>32 == f.gen
+}
 
-func (f *successorFS) Forget(nodeid, nlookup uint64) {
+// fh maps a handle the kernel sent to the node bridge's: false if the
+// bridge has none for it.
+func (f *HandoverFS) fh(k uint64) (uint64, bool) {
+	if k>>32 == f.gen {
+		return k & 0xffffffff, true
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	fh, ok := f.inherited[k]
+	return fh, ok
+}
+
+// Init keeps the server, which unregisters earlier daemons' backing
+// files.
+func (f *HandoverFS) Init(s *fuse.Server) {
+	f.srv = s
+	f.RawFileSystem.Init(s)
+}
+
+func (f *HandoverFS) Forget(nodeid, nlookup uint64) {
 	f.mu.Lock()
 	adopted := f.adopted[nodeid]
+	var id int32
+	if b := f.backing[nodeid]; b != nil && b.inherited {
+		// The kernel forgets an inode with no handle open: nothing
+		// uses its backing file any more.
+		id = b.id
+		delete(f.backing, nodeid)
+	}
 	f.mu.Unlock()
+	if id != 0 {
+		f.srv.UnregisterBackingFd(id)
+	}
 	if !adopted {
 		f.RawFileSystem.Forget(nodeid, nlookup)
 	}
 }
 
-func (f *successorFS) Open(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
+func (f *HandoverFS) Open(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
 	st := f.RawFileSystem.Open(cancel, in, out)
-	f.handle(out)
+	if st.Ok() {
+		f.opened(&in.InHeader, in.NodeId, in.Flags, false, out)
+	}
 	return st
 }
 
-func (f *successorFS) OpenDir(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
+func (f *HandoverFS) OpenDir(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
 	st := f.RawFileSystem.OpenDir(cancel, in, out)
-	f.handle(out)
+	if st.Ok() {
+		f.opened(&in.InHeader, in.NodeId, in.Flags, true, out)
+	}
 	return st
 }
 
-func (f *successorFS) Create(cancel <-chan struct{}, in *fuse.CreateIn, name string, out *fuse.CreateOut) fuse.Status {
+func (f *HandoverFS) Create(cancel <-chan struct{}, in *fuse.CreateIn, name string, out *fuse.CreateOut) fuse.Status {
 	st := f.RawFileSystem.Create(cancel, in, name, out)
-	f.handle(&out.OpenOut)
+	if st.Ok() {
+		f.opened(&in.InHeader, out.NodeId, in.Flags, false, &out.OpenOut)
+	}
 	return st
 }
 
-func (f *successorFS) Tmpfile(cancel <-chan struct{}, in *fuse.CreateIn, out *fuse.CreateOut) fuse.Status {
+func (f *HandoverFS) Tmpfile(cancel <-chan struct{}, in *fuse.CreateIn, out *fuse.CreateOut) fuse.Status {
 	st := f.RawFileSystem.Tmpfile(cancel, in, out)
-	f.handle(&out.OpenOut)
+	if st.Ok() {
+		f.opened(&in.InHeader, out.NodeId, in.Flags, false, &out.OpenOut)
+	}
 	return st
 }
 
 // GetAttr of an earlier daemon's handle is a GetAttr of its node.
-func (f *successorFS) GetAttr(cancel <-chan struct{}, in *fuse.GetAttrIn, out *fuse.AttrOut) fuse.Status {
+func (f *HandoverFS) GetAttr(cancel <-chan struct{}, in *fuse.GetAttrIn, out *fuse.AttrOut) fuse.Status {
 	if in.Flags()&fuse.FUSE_GETATTR_FH != 0 {
 		if fh, ok := f.fh(in.Fh_); ok {
 			in.Fh_ = fh
@@ -263,7 +433,7 @@ func (f *successorFS) GetAttr(cancel <-chan struct{}, in *fuse.GetAttrIn, out *f
 
 // SetAttr through an earlier daemon's handle (ftruncate, fchmod) is one
 // on its node: the kernel checked the handle's access.
-func (f *successorFS) SetAttr(cancel <-chan struct{}, in *fuse.SetAttrIn, out *fuse.AttrOut) fuse.Status {
+func (f *HandoverFS) SetAttr(cancel <-chan struct{}, in *fuse.SetAttrIn, out *fuse.AttrOut) fuse.Status {
 	if in.Valid&fuse.FATTR_FH != 0 {
 		if fh, ok := f.fh(in.Fh); ok {
 			in.Fh = fh
@@ -274,7 +444,7 @@ func (f *successorFS) SetAttr(cancel <-chan struct{}, in *fuse.SetAttrIn, out *f
 	return f.RawFileSystem.SetAttr(cancel, in, out)
 }
 
-func (f *successorFS) Statx(cancel <-chan struct{}, in *fuse.StatxIn, out *fuse.StatxOut) fuse.Status {
+func (f *HandoverFS) Statx(cancel <-chan struct{}, in *fuse.StatxIn, out *fuse.StatxOut) fuse.Status {
 	if in.GetattrFlags&fuse.FUSE_GETATTR_FH != 0 {
 		if fh, ok := f.fh(in.Fh); ok {
 			in.Fh = fh
@@ -285,17 +455,17 @@ func (f *successorFS) Statx(cancel <-chan struct{}, in *fuse.StatxIn, out *fuse.
 	return f.RawFileSystem.Statx(cancel, in, out)
 }
 
-// Release of an earlier daemon's handle releases nothing here: what it
-// held went with that daemon.
-func (f *successorFS) Release(cancel <-chan struct{}, in *fuse.ReleaseIn) {
-	if fh, ok := f.fh(in.Fh); ok {
+// Release of an earlier daemon's handle that was not opened again
+// releases nothing here: what it held went with that daemon.
+func (f *HandoverFS) Release(cancel <-chan struct{}, in *fuse.ReleaseIn) {
+	if fh, ok := f.released(in.Fh); ok {
 		in.Fh = fh
 		f.RawFileSystem.Release(cancel, in)
 	}
 }
 
-func (f *successorFS) ReleaseDir(in *fuse.ReleaseIn) {
-	if fh, ok := f.fh(in.Fh); ok {
+func (f *HandoverFS) ReleaseDir(in *fuse.ReleaseIn) {
+	if fh, ok := f.released(in.Fh); ok {
 		in.Fh = fh
 		f.RawFileSystem.ReleaseDir(in)
 	}
@@ -303,7 +473,7 @@ func (f *successorFS) ReleaseDir(in *fuse.ReleaseIn) {
 
 // Flush and Fsync of an earlier daemon's handle have nothing to do: the
 // bytes are in the backing.
-func (f *successorFS) Flush(cancel <-chan struct{}, in *fuse.FlushIn) fuse.Status {
+func (f *HandoverFS) Flush(cancel <-chan struct{}, in *fuse.FlushIn) fuse.Status {
 	if fh, ok := f.fh(in.Fh); ok {
 		in.Fh = fh
 		return f.RawFileSystem.Flush(cancel, in)
@@ -311,7 +481,7 @@ func (f *successorFS) Flush(cancel <-chan struct{}, in *fuse.FlushIn) fuse.Statu
 	return fuse.OK
 }
 
-func (f *successorFS) Fsync(cancel <-chan struct{}, in *fuse.FsyncIn) fuse.Status {
+func (f *HandoverFS) Fsync(cancel <-chan struct{}, in *fuse.FsyncIn) fuse.Status {
 	if fh, ok := f.fh(in.Fh); ok {
 		in.Fh = fh
 		return f.RawFileSystem.Fsync(cancel, in)
@@ -319,7 +489,7 @@ func (f *successorFS) Fsync(cancel <-chan struct{}, in *fuse.FsyncIn) fuse.Statu
 	return fuse.OK
 }
 
-func (f *successorFS) FsyncDir(cancel <-chan struct{}, in *fuse.FsyncIn) fuse.Status {
+func (f *HandoverFS) FsyncDir(cancel <-chan struct{}, in *fuse.FsyncIn) fuse.Status {
 	if fh, ok := f.fh(in.Fh); ok {
 		in.Fh = fh
 		return f.RawFileSystem.FsyncDir(cancel, in)
@@ -327,7 +497,7 @@ func (f *successorFS) FsyncDir(cancel <-chan struct{}, in *fuse.FsyncIn) fuse.St
 	return fuse.OK
 }
 
-func (f *successorFS) Read(cancel <-chan struct{}, in *fuse.ReadIn, buf []byte) (fuse.ReadResult, fuse.Status) {
+func (f *HandoverFS) Read(cancel <-chan struct{}, in *fuse.ReadIn, buf []byte) (fuse.ReadResult, fuse.Status) {
 	fh, ok := f.fh(in.Fh)
 	if !ok {
 		return nil, fuse.Status(syscall.EBADF)
@@ -336,7 +506,7 @@ func (f *successorFS) Read(cancel <-chan struct{}, in *fuse.ReadIn, buf []byte) 
 	return f.RawFileSystem.Read(cancel, in, buf)
 }
 
-func (f *successorFS) Write(cancel <-chan struct{}, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
+func (f *HandoverFS) Write(cancel <-chan struct{}, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
 	fh, ok := f.fh(in.Fh)
 	if !ok {
 		return 0, fuse.Status(syscall.EBADF)
@@ -345,7 +515,7 @@ func (f *successorFS) Write(cancel <-chan struct{}, in *fuse.WriteIn, data []byt
 	return f.RawFileSystem.Write(cancel, in, data)
 }
 
-func (f *successorFS) Writev(cancel <-chan struct{}, in *fuse.WriteIn, data [][]byte) (uint32, fuse.Status) {
+func (f *HandoverFS) Writev(cancel <-chan struct{}, in *fuse.WriteIn, data [][]byte) (uint32, fuse.Status) {
 	fh, ok := f.fh(in.Fh)
 	if !ok {
 		return 0, fuse.Status(syscall.EBADF)
@@ -354,7 +524,7 @@ func (f *successorFS) Writev(cancel <-chan struct{}, in *fuse.WriteIn, data [][]
 	return f.RawFileSystem.Writev(cancel, in, data)
 }
 
-func (f *successorFS) Lseek(cancel <-chan struct{}, in *fuse.LseekIn, out *fuse.LseekOut) fuse.Status {
+func (f *HandoverFS) Lseek(cancel <-chan struct{}, in *fuse.LseekIn, out *fuse.LseekOut) fuse.Status {
 	fh, ok := f.fh(in.Fh)
 	if !ok {
 		return fuse.Status(syscall.EBADF)
@@ -363,7 +533,7 @@ func (f *successorFS) Lseek(cancel <-chan struct{}, in *fuse.LseekIn, out *fuse.
 	return f.RawFileSystem.Lseek(cancel, in, out)
 }
 
-func (f *successorFS) Fallocate(cancel <-chan struct{}, in *fuse.FallocateIn) fuse.Status {
+func (f *HandoverFS) Fallocate(cancel <-chan struct{}, in *fuse.FallocateIn) fuse.Status {
 	fh, ok := f.fh(in.Fh)
 	if !ok {
 		return fuse.Status(syscall.EBADF)
@@ -372,7 +542,7 @@ func (f *successorFS) Fallocate(cancel <-chan struct{}, in *fuse.FallocateIn) fu
 	return f.RawFileSystem.Fallocate(cancel, in)
 }
 
-func (f *successorFS) CopyFileRange(cancel <-chan struct{}, in *fuse.CopyFileRangeIn) (uint32, fuse.Status) {
+func (f *HandoverFS) CopyFileRange(cancel <-chan struct{}, in *fuse.CopyFileRangeIn) (uint32, fuse.Status) {
 	fhIn, okIn := f.fh(in.FhIn)
 	fhOut, okOut := f.fh(in.FhOut)
 	if !okIn || !okOut {
@@ -382,7 +552,7 @@ func (f *successorFS) CopyFileRange(cancel <-chan struct{}, in *fuse.CopyFileRan
 	return f.RawFileSystem.CopyFileRange(cancel, in)
 }
 
-func (f *successorFS) Ioctl(cancel <-chan struct{}, in *fuse.IoctlIn, inbuf []byte, out *fuse.IoctlOut, outbuf []byte) fuse.Status {
+func (f *HandoverFS) Ioctl(cancel <-chan struct{}, in *fuse.IoctlIn, inbuf []byte, out *fuse.IoctlOut, outbuf []byte) fuse.Status {
 	fh, ok := f.fh(in.Fh)
 	if !ok {
 		return fuse.Status(syscall.ENOTTY)
@@ -391,7 +561,7 @@ func (f *successorFS) Ioctl(cancel <-chan struct{}, in *fuse.IoctlIn, inbuf []by
 	return f.RawFileSystem.Ioctl(cancel, in, inbuf, out, outbuf)
 }
 
-func (f *successorFS) ReadDir(cancel <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
+func (f *HandoverFS) ReadDir(cancel <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
 	fh, ok := f.fh(in.Fh)
 	if !ok {
 		return fuse.Status(syscall.EBADF)
@@ -400,7 +570,7 @@ func (f *successorFS) ReadDir(cancel <-chan struct{}, in *fuse.ReadIn, out *fuse
 	return f.RawFileSystem.ReadDir(cancel, in, out)
 }
 
-func (f *successorFS) ReadDirPlus(cancel <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
+func (f *HandoverFS) ReadDirPlus(cancel <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
 	fh, ok := f.fh(in.Fh)
 	if !ok {
 		return fuse.Status(syscall.EBADF)

@@ -940,3 +940,24 @@ func TestMountSmoke(t *testing.T) {
 		}
 	})
 }
+
+// takeover starts a successor that takes the live mount over (tensorfs
+// mount -f --takeover, as tensorfs restart starts it) and returns it,
+// once this daemon has handed the mount over and exited 0; the
+// successor's cleanup unmounts and checks.
+func (m *mount) takeover(t *testing.T) *mount {
+	t.Helper()
+	n := startMountEnv(t, m.dir, m.mode, append([]string{"--takeover"}, m.args...), m.env, true)
+	n.args, n.added = m.args, m.added
+	select {
+	case <-m.exited:
+	case <-time.After(exitTimeout):
+		t.Fatalf("daemon %d still running %v after the takeover", m.pid, exitTimeout)
+	}
+	if m.exitErr != nil {
+		t.Errorf("daemon %d exited with %v after the takeover, want exit 0\n%s", m.pid, m.exitErr, tail(m.stderr.String()))
+	}
+	m.checkOutput(t)
+	m.finished = true
+	return n
+}

@@ -35,7 +35,7 @@ func init() {
 // descriptor.
 type handover struct {
 	Init  []byte
-	Nodes []tfs.Node
+	State tfs.State
 }
 
 // takeoverMain is one process of the experiment. "first" mounts a
@@ -57,7 +57,13 @@ func takeoverMain(role, dir, mnt string) int {
 			say("root:", err)
 			return 1
 		}
-		srv, err := fusefs.Mount(mnt, root, &fusefs.Options{ExternalNodeID: true, MountOptions: fuse.MountOptions{DirectMount: true, FsName: "takeover"}})
+		opts := &fusefs.Options{ExternalNodeID: true, MountOptions: fuse.MountOptions{DirectMount: true, FsName: "takeover"}}
+		raw := tfs.NewHandoverFS(fusefs.NewNodeFS(root, opts), 0)
+		srv, err := fuse.NewServer(raw, mnt, &opts.MountOptions)
+		if err == nil {
+			go srv.Serve()
+			err = srv.WaitMount()
+		}
 		if err != nil {
 			say("mount:", err)
 			return 1
@@ -69,7 +75,7 @@ func takeoverMain(role, dir, mnt string) int {
 			say("fd:", err)
 			return 1
 		}
-		msg, _ := json.Marshal(handover{Init: tfs.InitBytes(srv), Nodes: tfs.KnownNodes(root.EmbeddedInode())})
+		msg, _ := json.Marshal(handover{Init: tfs.InitBytes(srv), State: raw.State(root.EmbeddedInode())})
 		if err := fdpass.Send(peer(), msg, fd); err != nil {
 			say("send:", err)
 			return 1
@@ -93,15 +99,15 @@ func takeoverMain(role, dir, mnt string) int {
 			say("root:", err)
 			return 1
 		}
-		bridge := fusefs.NewNodeFS(root, &fusefs.Options{ExternalNodeID: true})
-		srv, lost, err := tfs.TakeOver(bridge, m.FDs[0], h.Init, 1, h.Nodes, fuse.MountOptions{FsName: "takeover"})
+		raw := tfs.NewHandoverFS(fusefs.NewNodeFS(root, &fusefs.Options{ExternalNodeID: true}), 1)
+		srv, lost, err := tfs.TakeOver(raw, m.FDs[0], h.Init, h.State, fuse.MountOptions{FsName: "takeover"})
 		if err != nil {
 			say("takeover:", err)
 			return 1
 		}
-		say("adopted", len(h.Nodes)-len(lost), "lost", len(lost))
+		say("adopted", len(h.State.Nodes)-len(lost.Nodes), "lost", len(lost.Nodes))
 		fdpass.Recv(c, 1, 0) // io.EOF once the first has exited
-		if err := tfs.NotifyResend(m.FDs[0]); err != nil {
+		if err := tfs.NotifyResend(); err != nil {
 			say("resend:", err)
 			return 1
 		}

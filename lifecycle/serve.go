@@ -40,6 +40,9 @@ type Config struct {
 	AllowOther, NoPassthrough, Debug bool
 	// Cluster, if set, makes the daemon a node of a cluster.
 	Cluster *ClusterConfig
+	// Takeover takes the live mount over from the daemon that serves it
+	// (tensorfs restart) instead of mounting.
+	Takeover bool
 }
 
 // ClusterConfig says how a daemon joins a cluster (DESIGN.md §10).
@@ -66,6 +69,24 @@ type ClusterConfig struct {
 // returns. Call Prepare first.
 func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	mp := cfg.Mountpoint
+	var takeover *fs.Takeover
+	var live uint64
+	if cfg.Takeover {
+		if cfg.Cluster != nil {
+			return errors.New("a cluster node cannot be taken over: its lease is its daemon's")
+		}
+		var err error
+		if takeover, err = receiveMount(mp); err != nil {
+			return err
+		}
+		var st unix.Stat_t
+		if err := unix.Stat(mp, &st); err != nil {
+			unix.Close(takeover.Fd)
+			return err
+		}
+		live = st.Dev
+		log.Info("taking the mount over", "nodes", len(takeover.State.Nodes), "handles", len(takeover.State.Handles), "generation", takeover.Gen)
+	}
 	// The pid file says that this daemon serves mp, from before it
 	// touches the backing until it exits (see serving).
 	removePid, err := writePidFile(mp)
@@ -109,7 +130,7 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		return err
 	}
 	defer store.Close()
-	segs, bytes, recovered, err := fs.Recover(store)
+	segs, bytes, recovered, err := fs.Recover(store, live)
 	if err != nil {
 		closeGPU(dev)
 		return fmt.Errorf("recover backing %s: %w", store.Dir, err)
@@ -127,11 +148,19 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		Purge:         func() error { purge.Store(true); return nil },
 		Cluster:       clusterCfg,
 		ClusterBounds: bounds,
+		Takeover:      takeover,
 	})
 	if err != nil {
 		return err
 	}
 	defer srv.Close()
+	if clusterCfg == nil {
+		stop, err := listenHandover(mp, srv, log)
+		if err != nil {
+			return fmt.Errorf("handover socket: %w", err)
+		}
+		defer stop()
+	}
 	log.Info("mounted", "mountpoint", mp, "backing", store.Dir, "mode", srv.Mode(), "segments", segs, "bytes", bytes)
 	ready(srv.Mode())
 

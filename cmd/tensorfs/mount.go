@@ -28,6 +28,8 @@ type mountFlags struct {
 	allowOther    bool
 	debug         bool
 	noPassthrough bool
+	// takeover takes the live mount over from its daemon (restart).
+	takeover bool
 	// cluster: etcd endpoints (comma-separated), node name, the cluster
 	// CA, this node's certificate and key, the piece server's address.
 	cluster, node, clusterCA, clusterCert, clusterKey, clusterListen string
@@ -40,6 +42,7 @@ type mountFlags struct {
 }
 
 func (m *mountFlags) register(set *flag.FlagSet) {
+	set.BoolVar(&m.takeover, "takeover", false, "take the live mount over from the daemon serving it (as tensorfs restart does), with -f")
 	set.BoolVar(&m.foreground, "f", false, "stay in the foreground")
 	set.StringVar(&m.backing, "backing", "", "backing directory (default: a private tmpfs chosen from MOUNTPOINT)")
 	set.StringVar(&m.capacity, "capacity", "", "size of the private tmpfs, e.g. 8G")
@@ -91,7 +94,13 @@ func runMount(args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stderr, "tensorfs mount: warning: serving with CAP_SYS_RESOURCE, so writes to --disk may use ext4's reserve for root and pass quotas: %v\n", err)
 		}
 	}
-	if err := lifecycle.Prepare(mp); err != nil {
+	if m.takeover && !m.foreground {
+		fmt.Fprintln(stderr, "tensorfs mount: --takeover needs -f; see tensorfs restart")
+		return 2
+	}
+	if m.takeover {
+		// The mountpoint is live: nothing to prepare.
+	} else if err := lifecycle.Prepare(mp); err != nil {
 		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
 		return 1
 	}
@@ -120,6 +129,7 @@ func runMount(args []string, stdout, stderr io.Writer) int {
 		NoPassthrough: m.noPassthrough,
 		Debug:         m.debug,
 		Cluster:       clusterConfig(&m),
+		Takeover:      m.takeover,
 	}
 	err = lifecycle.Serve(cfg, log, func(mode string) {
 		fmt.Fprintf(stdout, "ready pid=%d mode=%s mountpoint=%s\n", os.Getpid(), mode, mp)

@@ -36,6 +36,33 @@ func runUnmount(args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
+func runRestart(args []string, stdout, stderr io.Writer) int {
+	set := flag.NewFlagSet("tensorfs restart", flag.ContinueOnError)
+	binary := set.String("binary", "", "the new daemon's binary (default: this one)")
+	if code, ok := parseFlags(set, args, "[--binary PATH] MOUNTPOINT", stdout, stderr); !ok {
+		return code
+	}
+	if set.NArg() != 1 {
+		fmt.Fprintln(stderr, "tensorfs restart: want exactly one MOUNTPOINT")
+		return 2
+	}
+	mp, err := filepath.Abs(set.Arg(0))
+	if err == nil && *binary != "" {
+		*binary, err = filepath.Abs(*binary)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "tensorfs restart: %v\n", err)
+		return 1
+	}
+	ready, logPath, err := lifecycle.Restart(mp, *binary)
+	if err != nil {
+		fmt.Fprintf(stderr, "tensorfs restart: %v\n", err)
+		return 1
+	}
+	fmt.Fprintf(stdout, "tensorfs: restarted %s (%s; log %s)\n", mp, ready, logPath)
+	return 0
+}
+
 // busyMessage says what unmount left: a detached mount whose daemon
 // serves its users until the last one exits.
 func busyMessage(mp string, pid, held int, purge bool) string {

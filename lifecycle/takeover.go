@@ -1,0 +1,202 @@
+package lifecycle
+
+import (
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/fdpass"
+	"tensorfs/fs"
+)
+
+// A daemon hands its mount to a successor (tensorfs restart) on a socket
+// in the state directory, mode 0600, and to no peer but its own user
+// (SO_PEERCRED); the successor takes it only from the daemon that the
+// pid file names. The FUSE descriptor goes with the first message, the
+// state (fs.State, JSON) follows in chunks; the successor answers "go"
+// once it can serve, and the daemon exits at once, leaving the mount,
+// the backing and the pid file to it.
+
+// handoverPath is the socket mp's daemon hands its mount over on.
+func handoverPath(mp string) string { return alloc.StatePath(mp, ".handover") }
+
+// handoverHeader is the first message of a handover.
+type handoverHeader struct {
+	Init []byte `json:"init"`
+	Gen  uint64 `json:"gen"`
+	// Size is the state's, in bytes.
+	Size int `json:"size"`
+}
+
+const (
+	// chunk is the most bytes of state one message carries: well under
+	// a socket's send buffer.
+	chunk = 64 << 10
+	// maxState bounds the state a successor takes (some 100 bytes per
+	// node the kernel knows and per handle).
+	maxState = 1 << 30
+	// handoffWait bounds how long a successor waits for its predecessor
+	// to exit.
+	handoffWait = 10 * time.Second
+)
+
+// peerCred returns the credentials of c's peer.
+func peerCred(c *net.UnixConn) (*unix.Ucred, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var cred *unix.Ucred
+	var credErr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return nil, err
+	}
+	return cred, credErr
+}
+
+// listenHandover hands srv's mount at mp to the first successor of this
+// daemon's user that asks and says "go", then exits the process. The
+// returned function stops listening.
+func listenHandover(mp string, srv *fs.Server, log *slog.Logger) (stop func(), err error) {
+	p := handoverPath(mp)
+	os.Remove(p)
+	old := unix.Umask(0o177)
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: p, Net: "unixpacket"})
+	unix.Umask(old)
+	if err != nil {
+		return nil, err
+	}
+	go func() {
+		for {
+			c, err := ln.AcceptUnix()
+			if err != nil {
+				return
+			}
+			if err := handOver(c, srv, log); err != nil {
+				log.Warn("handover refused or failed; serving on", "err", err)
+			}
+			c.Close()
+		}
+	}()
+	return func() { ln.Close() }, nil
+}
+
+// handOver sends srv's mount on c and exits once the successor says
+// "go"; it returns if the peer is not this daemon's user or does not
+// take the mount.
+func handOver(c *net.UnixConn, srv *fs.Server, log *slog.Logger) error {
+	cred, err := peerCred(c)
+	if err != nil {
+		return err
+	}
+	if int(cred.Uid) != os.Geteuid() {
+		return fmt.Errorf("peer pid %d is uid %d, not the daemon's", cred.Pid, cred.Uid)
+	}
+	t, err := srv.Handover()
+	if err != nil {
+		return err
+	}
+	state, err := json.Marshal(t.State)
+	if err != nil {
+		return err
+	}
+	hdr, _ := json.Marshal(handoverHeader{Init: t.Init, Gen: t.Gen, Size: len(state)})
+	if err := fdpass.Send(c, hdr, t.Fd); err != nil {
+		return err
+	}
+	for len(state) > 0 {
+		n := min(chunk, len(state))
+		if err := fdpass.Send(c, state[:n]); err != nil {
+			return err
+		}
+		state = state[n:]
+	}
+	m, err := fdpass.Recv(c, 16, 0)
+	if err != nil || string(m.Data) != "go" {
+		return fmt.Errorf("the successor (pid %d) did not take the mount: %v", cred.Pid, err)
+	}
+	log.Info("handed the mount over; exiting", "successor", cred.Pid)
+	// Nothing of the mount is closed: it is the successor's now. What
+	// this daemon had read and not answered, the kernel sends again.
+	os.Exit(0)
+	return nil
+}
+
+// receiveMount takes mp's mount over from the daemon that serves it: the
+// one its pid file names, of this process's user. Handoff, in the
+// result, tells it to go and waits until it has.
+func receiveMount(mp string) (*fs.Takeover, error) {
+	pid := serving(mp)
+	if pid == 0 {
+		return nil, fmt.Errorf("no daemon serves %s", mp)
+	}
+	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: handoverPath(mp), Net: "unixpacket"})
+	if err != nil {
+		return nil, fmt.Errorf("the daemon (pid %d) does not hand its mount over: %w", pid, err)
+	}
+	t, err := receive(c, pid)
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	t.Handoff = func() error {
+		defer c.Close()
+		if err := fdpass.Send(c, []byte("go")); err != nil {
+			return err
+		}
+		// Once it has exited, its descriptors (the control socket's
+		// too) are closed.
+		if !waitExit(pid, handoffWait) {
+			return fmt.Errorf("the predecessor (pid %d) did not exit within %v", pid, handoffWait)
+		}
+		return nil
+	}
+	return t, nil
+}
+
+// receive reads a handover from c, whose peer must be pid of this
+// process's user.
+func receive(c *net.UnixConn, pid int) (*fs.Takeover, error) {
+	cred, err := peerCred(c)
+	if err != nil {
+		return nil, err
+	}
+	if int(cred.Pid) != pid || int(cred.Uid) != os.Geteuid() {
+		return nil, fmt.Errorf("the handover socket is pid %d uid %d's, not the daemon's (pid %d)", cred.Pid, cred.Uid, pid)
+	}
+	m, err := fdpass.Recv(c, chunk, 1)
+	if err != nil {
+		return nil, err
+	}
+	var h handoverHeader
+	if err := json.Unmarshal(m.Data, &h); err != nil || len(m.FDs) != 1 || h.Size < 0 || h.Size > maxState {
+		fdpass.Close(m.FDs)
+		return nil, fmt.Errorf("a malformed handover (%d descriptors, %d bytes of state): %v", len(m.FDs), h.Size, err)
+	}
+	t := &fs.Takeover{Fd: m.FDs[0], Init: h.Init, Gen: h.Gen}
+	state := make([]byte, 0, h.Size)
+	for len(state) < h.Size {
+		m, err := fdpass.Recv(c, chunk, 0)
+		if err == nil && len(state)+len(m.Data) > h.Size {
+			err = fmt.Errorf("%d bytes past its size", len(state)+len(m.Data)-h.Size)
+		}
+		if err != nil {
+			unix.Close(t.Fd)
+			return nil, fmt.Errorf("a malformed handover after %d bytes: %v", len(state), err)
+		}
+		state = append(state, m.Data...)
+	}
+	if err := json.Unmarshal(state, &t.State); err != nil {
+		unix.Close(t.Fd)
+		return nil, fmt.Errorf("a malformed handover: %v", err)
+	}
+	return t, nil
+}
