@@ -72,18 +72,30 @@ type Server struct {
 	*fuse.Server
 	fs  *filesystem
 	ctl *ctl.Server
-	// raw keeps what a successor takes over.
-	raw *HandoverFS
+	// gate holds requests off while the mount is handed over; raw
+	// keeps what a successor takes over.
+	gate *gateFS
+	raw  *HandoverFS
 }
 
+// handoverWait bounds how long a handover waits for the requests in
+// flight to finish.
+const handoverWait = 5 * time.Second
+
 // Handover returns what a successor needs to take this mount over
-// (Options.Takeover, without Handoff).
-func (s *Server) Handover() (Takeover, error) {
+// (Options.Takeover, without Handoff), once the requests in flight have
+// finished; from then on it holds every request off (they die with this
+// daemon, and the kernel sends them to the successor) until resume,
+// which a handover that fails calls.
+func (s *Server) Handover() (t Takeover, resume func(), err error) {
 	fd, err := ConnectionFd()
 	if err != nil {
-		return Takeover{}, err
+		return Takeover{}, nil, err
 	}
-	return Takeover{Fd: fd, Init: InitBytes(s.Server), Gen: s.raw.gen + 1, State: s.raw.State(s.fs.root.EmbeddedInode())}, nil
+	if !s.gate.freeze(handoverWait) {
+		return Takeover{}, nil, fmt.Errorf("requests in flight did not finish within %v", handoverWait)
+	}
+	return Takeover{Fd: fd, Init: InitBytes(s.Server), Gen: s.raw.gen + 1, State: s.raw.State(s.fs.root.EmbeddedInode())}, s.gate.thaw, nil
 }
 
 // Close stops the control socket, leaves the cluster, ends what the
@@ -189,11 +201,12 @@ func Mount(opts Options) (_ *Server, err error) {
 		gen = opts.Takeover.Gen
 	}
 	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, gen)
+	gate := &gateFS{RawFileSystem: raw}
 	var srv *fuse.Server
 	if t := opts.Takeover; t != nil {
-		srv, err = takeOver(raw, t, fopts.MountOptions, fsys.log)
+		srv, err = takeOver(gate, raw, t, fopts.MountOptions, fsys.log)
 	} else {
-		srv, err = mount(raw, opts.Mountpoint, fopts.MountOptions)
+		srv, err = mount(gate, opts.Mountpoint, fopts.MountOptions)
 	}
 	if err != nil {
 		return nil, err
@@ -207,7 +220,7 @@ func Mount(opts Options) (_ *Server, err error) {
 		}
 	}
 	fsys.afterMount(opts.Mountpoint, opts.Recovered)
-	s := &Server{Server: srv, fs: fsys, raw: raw}
+	s := &Server{Server: srv, fs: fsys, gate: gate, raw: raw}
 	if opts.Socket != "" {
 		s.ctl, err = ctl.Listen(ctl.Config{Path: opts.Socket, Backend: controlBackend{fsys}, Errno: toErrno, Log: opts.Log, Private: !opts.AllowOther, Owner: uint32(os.Geteuid()), Purge: opts.Purge, Ledger: fsys.ledger, Threads: fsys.threads})
 		if err != nil {
@@ -235,17 +248,18 @@ func mount(raw fuse.RawFileSystem, mountpoint string, mopts fuse.MountOptions) (
 	return srv, nil
 }
 
-// takeOver serves raw on the connection t hands over: it takes the
-// predecessor's state over, has the predecessor stop, has the kernel
-// resend what the predecessor left unanswered, and serves.
-func takeOver(raw *HandoverFS, t *Takeover, mopts fuse.MountOptions, log *slog.Logger) (*fuse.Server, error) {
+// takeOver serves raw, which wraps h, on the connection t hands over:
+// h takes the predecessor's state over, the predecessor stops, the
+// kernel resends what the predecessor left unanswered, and raw serves.
+func takeOver(raw fuse.RawFileSystem, h *HandoverFS, t *Takeover, mopts fuse.MountOptions, log *slog.Logger) (*fuse.Server, error) {
 	if t.Gen == 0 || t.Gen >= 1<<32 {
 		return nil, fmt.Errorf("takeover: generation %d out of range", t.Gen)
 	}
-	srv, lost, err := TakeOver(raw, t.Fd, t.Init, t.State, mopts)
+	srv, err := ServeConnection(raw, t.Fd, t.Init, mopts)
 	if err != nil {
 		return nil, fmt.Errorf("takeover: %w", err)
 	}
+	lost := h.Adopt(t.State)
 	if len(lost.Nodes) > 0 || len(lost.Handles) > 0 {
 		log.Warn("takeover: what the kernel holds that the backing no longer has at its name, or that would not open again, fails", "nodes", len(lost.Nodes), "handles", len(lost.Handles))
 	}

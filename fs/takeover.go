@@ -19,9 +19,9 @@ import (
 // go-fuse has no way to serve a connection that is already initialized,
 // to hand over its node and handle tables, or to name its descriptor;
 // what is here builds those on its public API (upstream, a
-// NewServer(fd, InitIn) and an export/import of the identity table would
-// remove connectionFd, ServeConnection's synthetic INIT and most of
-// successorFS).
+// NewServer(fd, InitIn), a Server.Fd and an export and import of the
+// identity table would remove ConnectionFd, ServeConnection's synthetic
+// INIT and most of HandoverFS).
 
 // InitBytes returns the INIT request the kernel sent srv, which its
 // successor gives ServeConnection: the successor negotiates from it
@@ -117,21 +117,6 @@ func NotifyResend() error {
 	return err
 }
 
-// TakeOver serves h on the live connection fd (which it owns from the
-// call on) that the daemon of the generation before h's served and
-// initialized with init, and takes over the predecessor's state st. It returns the server and what
-// it could not take over (nodes whose name no longer reaches their
-// inode, handles that would not open again), whose requests fail.
-// Its generation is st's daemon's plus one. Call
-// NotifyResend once the predecessor is gone, then Serve.
-func TakeOver(h *HandoverFS, fd int, init []byte, st State, opts fuse.MountOptions) (*fuse.Server, State, error) {
-	srv, err := ServeConnection(h, fd, init, opts)
-	if err != nil {
-		return nil, State{}, err
-	}
-	return srv, h.adopt(st), nil
-}
-
 // Node is a node the kernel knows, as a daemon hands it to its successor:
 // its node ID (the backing inode under ExternalNodeID), and its parent's
 // node ID and name, parents before children.
@@ -197,7 +182,7 @@ func KnownNodes(root *fusefs.Inode) []Node {
 // successor needs and go-fuse does not show: the handles the kernel
 // holds and the backing files its inodes use. On a connection an earlier
 // daemon served, it also serves what the kernel holds of earlier
-// daemons. Node IDs are backing inodes (ExternalNodeID), which adopt
+// daemons. Node IDs are backing inodes (ExternalNodeID), which Adopt
 // registers anew; a handle carries its daemon's generation in its high
 // 32 bits, so that the handles of each generation stay apart.
 type HandoverFS struct {
@@ -216,7 +201,7 @@ type HandoverFS struct {
 	// daemon's, which every open of the node names until the kernel
 	// forgets the node.
 	backing map[uint64]*backingRef
-	// adopted are the node IDs adopt registered. The kernel's count of
+	// adopted are the node IDs Adopt registered. The kernel's count of
 	// their lookups is the earlier daemons' and ours together, so their
 	// FORGET is not passed on: each stays for this daemon's life (one
 	// node per object the kernel held at the takeover).
@@ -251,12 +236,15 @@ func (f *HandoverFS) State(root *fusefs.Inode) State {
 	return st
 }
 
-// adopt takes st over: it registers st.Nodes (parents first) with the
+// Adopt takes st over, on a connection that ServeConnection serves
+// with f (and its predecessor, the daemon st is from, still serves): it registers st.Nodes (parents first) with the
 // node bridge as the kernel knows them, through the lookups the kernel
 // would make, each checked to reach the same inode; it opens again the
 // handles whose reads and writes the daemon serves, as their openers,
-// and keeps the backing files. It returns what it could not take over.
-func (f *HandoverFS) adopt(st State) (lost State) {
+// and keeps the backing files. It returns what it could not take over
+// (a node whose name no longer reaches its inode, a handle that would
+// not open again), whose requests fail.
+func (f *HandoverFS) Adopt(st State) (lost State) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	known := map[uint64]bool{fuse.FUSE_ROOT_ID: true}

@@ -100,11 +100,12 @@ func takeoverMain(role, dir, mnt string) int {
 			return 1
 		}
 		raw := tfs.NewHandoverFS(fusefs.NewNodeFS(root, &fusefs.Options{ExternalNodeID: true}), 1)
-		srv, lost, err := tfs.TakeOver(raw, m.FDs[0], h.Init, h.State, fuse.MountOptions{FsName: "takeover"})
+		srv, err := tfs.ServeConnection(raw, m.FDs[0], h.Init, fuse.MountOptions{FsName: "takeover"})
 		if err != nil {
 			say("takeover:", err)
 			return 1
 		}
+		lost := raw.Adopt(h.State)
 		say("adopted", len(h.State.Nodes)-len(lost.Nodes), "lost", len(lost.Nodes))
 		fdpass.Recv(c, 1, 0) // io.EOF once the first has exited
 		if err := tfs.NotifyResend(); err != nil {

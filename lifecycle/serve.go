@@ -69,23 +69,23 @@ type ClusterConfig struct {
 // returns. Call Prepare first.
 func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	mp := cfg.Mountpoint
-	var takeover *fs.Takeover
+	// A successor takes the mount over from the daemon the pid file names
+	// (read before this one writes it), once it is ready to serve: the
+	// predecessor holds requests off from the handover on.
+	var pred int
 	var live uint64
 	if cfg.Takeover {
 		if cfg.Cluster != nil {
 			return errors.New("a cluster node cannot be taken over: its lease is its daemon's")
 		}
-		var err error
-		if takeover, err = receiveMount(mp); err != nil {
-			return err
-		}
 		var st unix.Stat_t
 		if err := unix.Stat(mp, &st); err != nil {
-			unix.Close(takeover.Fd)
 			return err
 		}
+		if pred = serving(mp); pred == 0 {
+			return fmt.Errorf("no daemon serves %s", mp)
+		}
 		live = st.Dev
-		log.Info("taking the mount over", "nodes", len(takeover.State.Nodes), "handles", len(takeover.State.Handles), "generation", takeover.Gen)
 	}
 	// The pid file says that this daemon serves mp, from before it
 	// touches the backing until it exits (see serving).
@@ -134,6 +134,14 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	if err != nil {
 		closeGPU(dev)
 		return fmt.Errorf("recover backing %s: %w", store.Dir, err)
+	}
+	var takeover *fs.Takeover
+	if pred != 0 {
+		if takeover, err = receiveMount(mp, pred); err != nil {
+			closeGPU(dev)
+			return err
+		}
+		log.Info("taking the mount over", "from", pred, "nodes", len(takeover.State.Nodes), "handles", len(takeover.State.Handles), "generation", takeover.Gen)
 	}
 	srv, err := fs.Mount(fs.Options{
 		Mountpoint:    mp,

@@ -100,10 +100,30 @@ func handOver(c *net.UnixConn, srv *fs.Server, log *slog.Logger) error {
 	if int(cred.Uid) != os.Geteuid() {
 		return fmt.Errorf("peer pid %d is uid %d, not the daemon's", cred.Pid, cred.Uid)
 	}
-	t, err := srv.Handover()
+	t, resume, err := srv.Handover()
 	if err != nil {
 		return err
 	}
+	if err := send(c, t); err != nil {
+		resume()
+		return err
+	}
+	m, err := fdpass.Recv(c, 16, 0)
+	if err != nil || string(m.Data) != "go" {
+		resume()
+		return fmt.Errorf("the successor (pid %d) did not take the mount: %v", cred.Pid, err)
+	}
+	log.Info("handed the mount over; exiting", "successor", cred.Pid)
+	// Nothing of the mount is closed: it is the successor's now. The
+	// requests held off since Handover die with this daemon, and the
+	// kernel sends them to the successor.
+	os.Exit(0)
+	return nil
+}
+
+// send sends t on c: the header with the FUSE descriptor, then the state
+// in chunks.
+func send(c *net.UnixConn, t fs.Takeover) error {
 	state, err := json.Marshal(t.State)
 	if err != nil {
 		return err
@@ -119,25 +139,13 @@ func handOver(c *net.UnixConn, srv *fs.Server, log *slog.Logger) error {
 		}
 		state = state[n:]
 	}
-	m, err := fdpass.Recv(c, 16, 0)
-	if err != nil || string(m.Data) != "go" {
-		return fmt.Errorf("the successor (pid %d) did not take the mount: %v", cred.Pid, err)
-	}
-	log.Info("handed the mount over; exiting", "successor", cred.Pid)
-	// Nothing of the mount is closed: it is the successor's now. What
-	// this daemon had read and not answered, the kernel sends again.
-	os.Exit(0)
 	return nil
 }
 
-// receiveMount takes mp's mount over from the daemon that serves it: the
-// one its pid file names, of this process's user. Handoff, in the
-// result, tells it to go and waits until it has.
-func receiveMount(mp string) (*fs.Takeover, error) {
-	pid := serving(mp)
-	if pid == 0 {
-		return nil, fmt.Errorf("no daemon serves %s", mp)
-	}
+// receiveMount takes mp's mount over from pid, the daemon that serves
+// it, of this process's user. Handoff, in the result, tells it to go and
+// waits until it has.
+func receiveMount(mp string, pid int) (*fs.Takeover, error) {
 	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: handoverPath(mp), Net: "unixpacket"})
 	if err != nil {
 		return nil, fmt.Errorf("the daemon (pid %d) does not hand its mount over: %w", pid, err)
