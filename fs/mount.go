@@ -49,9 +49,13 @@ type Options struct {
 	// Cluster).
 	ClusterBounds ClusterBounds
 	// Takeover, if set, is the live connection of the mount at
-	// Mountpoint, handed over by the daemon that serves it: Mount serves
-	// it instead of mounting.
+	// Mountpoint, handed over by the daemon that serves it (or a keeper
+	// that held it when its daemon died): Mount serves it instead of
+	// mounting.
 	Takeover *Takeover
+	// Journal, if set, receives every change of what a successor takes
+	// over (a keeper's copy, for a successor after a crash).
+	Journal func(Record)
 }
 
 // Takeover is what a daemon hands its successor (Server.Handover): the
@@ -62,9 +66,16 @@ type Takeover struct {
 	Init  []byte
 	Gen   uint64
 	State State
+	// Crashed says the predecessor died: State has what it journaled
+	// (handles, backing files) and no nodes, and every object of the
+	// backing is registered instead (the kernel may hold any of them).
+	Crashed bool
 	// Handoff tells the predecessor to stop and returns once it has;
 	// Mount calls it once the successor can serve.
 	Handoff func() error
+	// Journal, if set, receives every change of what a successor takes
+	// over, before the kernel learns of it (Options.Journal).
+	Journal func(Record)
 }
 
 // Server is a mounted tensorfs.
@@ -201,6 +212,10 @@ func Mount(opts Options) (_ *Server, err error) {
 		gen = opts.Takeover.Gen
 	}
 	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, gen)
+	raw.journal = opts.Journal
+	if t := opts.Takeover; t != nil && t.Crashed {
+		t.State.Nodes = backingNodes(opts.Store.RootFd, fsys.log)
+	}
 	gate := &gateFS{RawFileSystem: raw}
 	var srv *fuse.Server
 	if t := opts.Takeover; t != nil {
@@ -252,6 +267,7 @@ func mount(raw fuse.RawFileSystem, mountpoint string, mopts fuse.MountOptions) (
 // h takes the predecessor's state over, the predecessor stops, the
 // kernel resends what the predecessor left unanswered, and raw serves.
 func takeOver(raw fuse.RawFileSystem, h *HandoverFS, t *Takeover, mopts fuse.MountOptions, log *slog.Logger) (*fuse.Server, error) {
+	log.Info("taking the mount over", "nodes", len(t.State.Nodes), "handles", len(t.State.Handles), "generation", t.Gen, "crashed", t.Crashed)
 	if t.Gen == 0 || t.Gen >= 1<<32 {
 		return nil, fmt.Errorf("takeover: generation %d out of range", t.Gen)
 	}

@@ -2,7 +2,9 @@ package fs
 
 import (
 	"fmt"
+	"log/slog"
 	"os"
+	"path"
 	"strconv"
 	"sync"
 	"syscall"
@@ -11,6 +13,8 @@ import (
 	fusefs "github.com/hanwen/go-fuse/v2/fs"
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
 )
 
 // A FUSE connection lives as long as any process holds its /dev/fuse
@@ -148,11 +152,42 @@ type Backing struct {
 	ID   int32  `json:"id"`
 }
 
+// Record is one change of a daemon's State, as it journals it: a handle
+// opened (Open) or released (Release), a node's backing file set
+// (Backing, ID not 0) or given back (Backing, ID 0).
+type Record struct {
+	Open    *Handle  `json:"open,omitempty"`
+	Release uint64   `json:"release,omitempty"`
+	Backing *Backing `json:"backing,omitempty"`
+}
+
 // State is what a daemon hands its successor besides the connection.
 type State struct {
 	Nodes   []Node    `json:"nodes"`
 	Handles []Handle  `json:"handles"`
 	Backing []Backing `json:"backing"`
+}
+
+// backingNodes lists every object of the backing at rootFd as a node,
+// parents first: after a crash, the kernel may hold any of them.
+func backingNodes(rootFd int, log *slog.Logger) []Node {
+	var out []Node
+	dirs := map[string]uint64{"": fuse.FUSE_ROOT_ID}
+	err := alloc.Walk(rootFd, func(_ int, name, rel string, st *unix.Stat_t) error {
+		parent, ok := dirs[path.Dir("/" + rel)[1:]]
+		if !ok {
+			return nil
+		}
+		out = append(out, Node{ID: st.Ino, Parent: parent, Name: name})
+		if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+			dirs[rel] = st.Ino
+		}
+		return nil
+	})
+	if err != nil {
+		log.Warn("takeover: the walk of the backing stopped; what it did not reach fails if the kernel holds it", "err", err)
+	}
+	return out
 }
 
 // KnownNodes lists the nodes of root's tree (every node go-fuse keeps is
@@ -206,6 +241,9 @@ type HandoverFS struct {
 	// FORGET is not passed on: each stays for this daemon's life (one
 	// node per object the kernel held at the takeover).
 	adopted map[uint64]bool
+	// journal, if set, receives every change of handles and backing,
+	// under mu, before the kernel learns of it.
+	journal func(Record)
 }
 
 // backingRef is a node's backing file.
@@ -294,6 +332,13 @@ func (f *HandoverFS) Adopt(st State) (lost State) {
 	return lost
 }
 
+// record journals r; mu is held.
+func (f *HandoverFS) record(r Record) {
+	if f.journal != nil {
+		f.journal(r)
+	}
+}
+
 // opened records a handle the bridge gave out (out, for node, opened by
 // in with flags) and puts this daemon's generation into it. A
 // passthrough open of a node whose inode uses an earlier daemon's
@@ -304,6 +349,7 @@ func (f *HandoverFS) opened(in *fuse.InHeader, node uint64, flags uint32, dir bo
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.handles[h.Fh] = h
+	f.record(Record{Open: &h})
 	if !h.Passthrough {
 		return
 	}
@@ -311,6 +357,7 @@ func (f *HandoverFS) opened(in *fuse.InHeader, node uint64, flags uint32, dir bo
 	switch {
 	case b == nil:
 		f.backing[node] = &backingRef{id: out.BackingID, opens: 1}
+		f.record(Record{Backing: &Backing{Node: node, ID: out.BackingID}})
 	case b.inherited:
 		out.BackingID = b.id
 	default:
@@ -324,10 +371,14 @@ func (f *HandoverFS) released(k uint64) (uint64, bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	h, ok := f.handles[k]
-	delete(f.handles, k)
+	if ok {
+		delete(f.handles, k)
+		f.record(Record{Release: k})
+	}
 	if b := f.backing[h.Node]; ok && h.Passthrough && b != nil && !b.inherited {
 		if b.opens--; b.opens == 0 {
 			delete(f.backing, h.Node)
+			f.record(Record{Backing: &Backing{Node: h.Node}})
 		}
 	}
 	if fh, ok := f.inherited[k]; ok {
@@ -365,6 +416,7 @@ func (f *HandoverFS) Forget(nodeid, nlookup uint64) {
 		// uses its backing file any more.
 		id = b.id
 		delete(f.backing, nodeid)
+		f.record(Record{Backing: &Backing{Node: nodeid}})
 	}
 	f.mu.Unlock()
 	if id != 0 {

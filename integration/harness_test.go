@@ -48,6 +48,8 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
 )
 
 const (
@@ -941,23 +943,37 @@ func TestMountSmoke(t *testing.T) {
 	})
 }
 
-// takeover starts a successor that takes the live mount over (tensorfs
-// mount -f --takeover, as tensorfs restart starts it) and returns it,
-// once this daemon has handed the mount over and exited 0; the
-// successor's cleanup unmounts and checks.
-func (m *mount) takeover(t *testing.T) *mount {
+// restart has a new daemon take the live mount over (tensorfs restart
+// [--binary binary]) and returns its pid, once the old daemon, whose pid
+// the pid file named, has exited; the keeper (m.pid) stays.
+func (m *mount) restart(t *testing.T, binary string) int {
 	t.Helper()
-	n := startMountEnv(t, m.dir, m.mode, append([]string{"--takeover"}, m.args...), m.env, true)
-	n.args, n.added = m.args, m.added
-	select {
-	case <-m.exited:
-	case <-time.After(exitTimeout):
-		t.Fatalf("daemon %d still running %v after the takeover", m.pid, exitTimeout)
+	old := m.daemonPid(t)
+	args := []string{"restart", m.dir}
+	if binary != "" {
+		args = []string{"restart", "--binary", binary, m.dir}
 	}
-	if m.exitErr != nil {
-		t.Errorf("daemon %d exited with %v after the takeover, want exit 0\n%s", m.pid, m.exitErr, tail(m.stderr.String()))
+	out := run(t, tensorfs, args...)
+	var pid int
+	var mode string
+	fmt.Sscanf(out[strings.Index(out, "(")+1:], "ready pid=%d mode=%s", &pid, &mode)
+	if pid <= 0 || pid == old || mode != m.mode || pid != m.daemonPid(t) {
+		t.Fatalf("tensorfs %s: %s", strings.Join(args, " "), out)
 	}
-	m.checkOutput(t)
-	m.finished = true
-	return n
+	if unix.Kill(old, 0) == nil {
+		t.Fatalf("the old daemon %d runs on after the restart", old)
+	}
+	return pid
+}
+
+// daemonPid is the pid of the daemon that the keeper m runs, as its pid
+// file names it.
+func (m *mount) daemonPid(t *testing.T) int {
+	t.Helper()
+	b, err := os.ReadFile(alloc.StatePath(m.dir, ".pid"))
+	pid, _ := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || pid <= 0 {
+		t.Fatalf("the pid file of %s: %q %v", m.dir, b, err)
+	}
+	return pid
 }

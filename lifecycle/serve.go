@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -40,9 +41,11 @@ type Config struct {
 	AllowOther, NoPassthrough, Debug bool
 	// Cluster, if set, makes the daemon a node of a cluster.
 	Cluster *ClusterConfig
-	// Takeover takes the live mount over from the daemon that serves it
-	// (tensorfs restart) instead of mounting.
-	Takeover bool
+	// Kept says a keeper runs this daemon (KeeperFd); Takeover, that
+	// the daemon takes the live mount over from the keeper (after a
+	// crash, or from the daemon that serves it: tensorfs restart)
+	// instead of mounting.
+	Kept, Takeover bool
 }
 
 // ClusterConfig says how a daemon joins a cluster (DESIGN.md §10).
@@ -69,21 +72,28 @@ type ClusterConfig struct {
 // returns. Call Prepare first.
 func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	mp := cfg.Mountpoint
-	// A successor takes the mount over from the daemon the pid file names
-	// (read before this one writes it), once it is ready to serve: the
-	// predecessor holds requests off from the handover on.
-	var pred int
+	// A kept daemon reaches its keeper on KeeperFd: a successor takes the
+	// mount over from it once ready to serve (the predecessor holds
+	// requests off from the handover on).
+	var keeper *net.UnixConn
 	var live uint64
+	if cfg.Kept {
+		c, err := net.FileConn(os.NewFile(KeeperFd, "keeper"))
+		if err != nil {
+			return fmt.Errorf("the keeper's socket: %w", err)
+		}
+		keeper = c.(*net.UnixConn)
+	}
 	if cfg.Takeover {
+		if keeper == nil {
+			return errors.New("a takeover needs a keeper")
+		}
 		if cfg.Cluster != nil {
 			return errors.New("a cluster node cannot be taken over: its lease is its daemon's")
 		}
 		var st unix.Stat_t
 		if err := unix.Stat(mp, &st); err != nil {
 			return err
-		}
-		if pred = serving(mp); pred == 0 {
-			return fmt.Errorf("no daemon serves %s", mp)
 		}
 		live = st.Dev
 	}
@@ -136,12 +146,15 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		return fmt.Errorf("recover backing %s: %w", store.Dir, err)
 	}
 	var takeover *fs.Takeover
-	if pred != 0 {
-		if takeover, err = receiveMount(mp, pred); err != nil {
+	if cfg.Takeover {
+		if takeover, err = receiveFromKeeper(keeper); err != nil {
 			closeGPU(dev)
 			return err
 		}
-		log.Info("taking the mount over", "from", pred, "nodes", len(takeover.State.Nodes), "handles", len(takeover.State.Handles), "generation", takeover.Gen)
+	}
+	var journal func(fs.Record)
+	if keeper != nil {
+		journal = journalTo(keeper)
 	}
 	srv, err := fs.Mount(fs.Options{
 		Mountpoint:    mp,
@@ -157,6 +170,7 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		Cluster:       clusterCfg,
 		ClusterBounds: bounds,
 		Takeover:      takeover,
+		Journal:       journal,
 	})
 	if err != nil {
 		return err
@@ -170,6 +184,11 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		defer stop()
 	}
 	log.Info("mounted", "mountpoint", mp, "backing", store.Dir, "mode", srv.Mode(), "segments", segs, "bytes", bytes)
+	if keeper != nil {
+		if err := hello(keeper, srv); err != nil {
+			return fmt.Errorf("the keeper: %w", err)
+		}
+	}
 	ready(srv.Mode())
 
 	sigs := make(chan os.Signal, 2)

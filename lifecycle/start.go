@@ -5,12 +5,10 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 	"syscall"
 
 	"tensorfs/alloc"
-	"tensorfs/procfs"
 )
 
 // Start starts a daemon for mp in a new session: this executable run with
@@ -20,47 +18,6 @@ import (
 // and the log's path; a daemon that exits first is an error quoting the
 // end of its log.
 func Start(mp string, argv []string) (ready, logPath string, err error) {
-	self, err := os.Executable()
-	if err != nil {
-		return "", "", err
-	}
-	return start(self, mp, argv)
-}
-
-// Restart has a new daemon, binary or this executable, take over the
-// live mount at mp from the daemon serving it, with that daemon's
-// command line; it returns the new one's ready line and log once the old
-// one has exited.
-func Restart(mp, binary string) (ready, logPath string, err error) {
-	pid := serving(mp)
-	if pid == 0 {
-		return "", "", fmt.Errorf("no daemon serves %s", mp)
-	}
-	b, err := procfs.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
-	if err != nil {
-		return "", "", err
-	}
-	argv := strings.Split(strings.TrimSuffix(string(b), "\x00"), "\x00")
-	if len(argv) < 2 || argv[1] != "mount" {
-		return "", "", fmt.Errorf("pid %d is no tensorfs daemon", pid)
-	}
-	if binary == "" {
-		if binary, err = os.Executable(); err != nil {
-			return "", "", err
-		}
-	}
-	argv = append([]string{"mount", "--takeover"}, argv[2:]...)
-	if ready, logPath, err = start(binary, mp, argv); err != nil {
-		return "", logPath, err
-	}
-	if !waitExit(pid, handoffWait) {
-		return "", logPath, fmt.Errorf("the new daemon is ready but the old one (pid %d) has not exited", pid)
-	}
-	return ready, logPath, nil
-}
-
-// start starts binary as Start does.
-func start(binary, mp string, argv []string) (ready, logPath string, err error) {
 	logPath = alloc.StatePath(mp, ".log")
 	if err := alloc.MakeStateDir(); err != nil {
 		return "", logPath, err
@@ -73,7 +30,11 @@ func start(binary, mp string, argv []string) (ready, logPath string, err error) 
 		return "", logPath, err
 	}
 	defer logf.Close()
-	cmd := exec.Command(binary, argv...)
+	self, err := os.Executable()
+	if err != nil {
+		return "", logPath, err
+	}
+	cmd := exec.Command(self, argv...)
 	cmd.Stderr = logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	out, err := cmd.StdoutPipe()

@@ -28,10 +28,14 @@ func handoverPath(mp string) string { return alloc.StatePath(mp, ".handover") }
 
 // handoverHeader is the first message of a handover.
 type handoverHeader struct {
-	Init []byte `json:"init"`
-	Gen  uint64 `json:"gen"`
+	Init    []byte `json:"init"`
+	Gen     uint64 `json:"gen"`
+	Crashed bool   `json:"crashed,omitempty"`
 	// Size is the state's, in bytes.
 	Size int `json:"size"`
+	// Mode is the daemon's ("passthrough" or "classic"), in a daemon's
+	// hello to its keeper.
+	Mode string `json:"mode,omitempty"`
 }
 
 const (
@@ -128,7 +132,7 @@ func send(c *net.UnixConn, t fs.Takeover) error {
 	if err != nil {
 		return err
 	}
-	hdr, _ := json.Marshal(handoverHeader{Init: t.Init, Gen: t.Gen, Size: len(state)})
+	hdr, _ := json.Marshal(handoverHeader{Init: t.Init, Gen: t.Gen, Crashed: t.Crashed, Size: len(state)})
 	if err := fdpass.Send(c, hdr, t.Fd); err != nil {
 		return err
 	}
@@ -144,16 +148,15 @@ func send(c *net.UnixConn, t fs.Takeover) error {
 
 // receiveMount takes mp's mount over from pid, the daemon that serves
 // it, of this process's user. Handoff, in the result, tells it to go and
-// waits until it has.
-func receiveMount(mp string, pid int) (*fs.Takeover, error) {
+// waits until it has; until then, cancel lets it serve on.
+func receiveMount(mp string, pid int) (t *fs.Takeover, cancel func(), err error) {
 	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: handoverPath(mp), Net: "unixpacket"})
 	if err != nil {
-		return nil, fmt.Errorf("the daemon (pid %d) does not hand its mount over: %w", pid, err)
+		return nil, nil, fmt.Errorf("the daemon (pid %d) does not hand its mount over: %w", pid, err)
 	}
-	t, err := receive(c, pid)
-	if err != nil {
+	if t, err = receive(c, pid); err != nil {
 		c.Close()
-		return nil, err
+		return nil, nil, err
 	}
 	t.Handoff = func() error {
 		defer c.Close()
@@ -167,7 +170,47 @@ func receiveMount(mp string, pid int) (*fs.Takeover, error) {
 		}
 		return nil
 	}
+	return t, func() { c.Close() }, nil
+}
+
+// receiveFromKeeper reads the takeover the keeper (this process's
+// parent) sends on c; its Handoff says "go" to the keeper and waits for
+// its predecessor to be gone.
+func receiveFromKeeper(c *net.UnixConn) (*fs.Takeover, error) {
+	t, err := receive(c, os.Getppid())
+	if err != nil {
+		return nil, err
+	}
+	t.Handoff = func() error {
+		if err := fdpass.Send(c, []byte{msgGo}); err != nil {
+			return err
+		}
+		m, err := fdpass.Recv(c, 16, 0)
+		if err != nil || string(m.Data) != string(msgGone) {
+			return fmt.Errorf("the keeper did not let the predecessor go: %v", err)
+		}
+		return nil
+	}
 	return t, nil
+}
+
+// journalTo returns a journal that sends each record to the keeper on c.
+func journalTo(c *net.UnixConn) func(fs.Record) {
+	return func(r fs.Record) {
+		b, _ := json.Marshal(r)
+		fdpass.Send(c, append([]byte{msgRecord}, b...))
+	}
+}
+
+// hello tells the keeper on c that srv serves: its mode, and the
+// connection with its INIT, which the keeper holds.
+func hello(c *net.UnixConn, srv *fs.Server) error {
+	fd, err := fs.ConnectionFd()
+	if err != nil {
+		return err
+	}
+	b, _ := json.Marshal(handoverHeader{Init: fs.InitBytes(srv.Server), Mode: srv.Mode()})
+	return fdpass.Send(c, append([]byte{msgHello}, b...), fd)
 }
 
 // receive reads a handover from c, whose peer must be pid of this
@@ -189,7 +232,7 @@ func receive(c *net.UnixConn, pid int) (*fs.Takeover, error) {
 		fdpass.Close(m.FDs)
 		return nil, fmt.Errorf("a malformed handover (%d descriptors, %d bytes of state): %v", len(m.FDs), h.Size, err)
 	}
-	t := &fs.Takeover{Fd: m.FDs[0], Init: h.Init, Gen: h.Gen}
+	t := &fs.Takeover{Fd: m.FDs[0], Init: h.Init, Gen: h.Gen, Crashed: h.Crashed}
 	state := make([]byte, 0, h.Size)
 	for len(state) < h.Size {
 		m, err := fdpass.Recv(c, chunk, 0)

@@ -4,6 +4,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"path/filepath"
 	"strconv"
 
@@ -54,12 +55,18 @@ func runRestart(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "tensorfs restart: %v\n", err)
 		return 1
 	}
-	ready, logPath, err := lifecycle.Restart(mp, *binary)
+	if *binary == "" {
+		*binary, err = os.Executable()
+	}
+	var ready string
+	if err == nil {
+		ready, err = lifecycle.Restart(mp, *binary)
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "tensorfs restart: %v\n", err)
 		return 1
 	}
-	fmt.Fprintf(stdout, "tensorfs: restarted %s (%s; log %s)\n", mp, ready, logPath)
+	fmt.Fprintf(stdout, "tensorfs: restarted %s (%s)\n", mp, ready)
 	return 0
 }
 
