@@ -1,14 +1,21 @@
 package integration
 
 import (
+	"bufio"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -170,6 +177,255 @@ func TestKeeperSurvivesCrash(t *testing.T) {
 		}
 		if log := m.stderr.String(); !strings.Contains(log, "this binary is broken") || !strings.Contains(log, "no daemon serves the mount any more") {
 			t.Errorf("the keeper's log does not say why the mount is gone:\n%s", tail(log))
+		}
+	})
+}
+
+// stressEnv runs the test binary as TestRestartUnderLoad's clients, in
+// the directory it names.
+const stressEnv = "TENSORFS_TEST_STRESS"
+
+func init() {
+	if dir := os.Getenv(stressEnv); dir != "" {
+		os.Exit(stressMain(dir))
+	}
+}
+
+// stressOp is one client operation that took longer than a millisecond:
+// when it started and how long it took, in nanoseconds.
+type stressOp struct {
+	Start, Dur int64
+}
+
+// stressReport is what the clients print when stdin ends.
+type stressReport struct {
+	Ops    map[string]int `json:"ops"`
+	Errors []string       `json:"errors"`
+	Slow   []stressOp     `json:"slow"`
+	Files  int            `json:"files"`
+}
+
+// stressMain runs five clients in dir until stdin ends, then prints a
+// stressReport: a writer makes w-N (N's bytes, user.n = N), a holder
+// writes and reads back h through one descriptor, a mapper writes and
+// reads m through one shared mapping, a lister lists dir, a reader reads
+// x's user.k. Every error counts; none may happen.
+func stressMain(dir string) int {
+	var mu sync.Mutex
+	rep := stressReport{Ops: map[string]int{}}
+	stop := make(chan struct{})
+	op := func(name string, fn func() error) {
+		t0 := time.Now()
+		err := fn()
+		d := time.Since(t0)
+		mu.Lock()
+		defer mu.Unlock()
+		rep.Ops[name]++
+		if err != nil && len(rep.Errors) < 20 {
+			rep.Errors = append(rep.Errors, fmt.Sprintf("%s: %v", name, err))
+		}
+		if d > time.Millisecond {
+			rep.Slow = append(rep.Slow, stressOp{t0.UnixNano(), int64(d)})
+		}
+	}
+	h, err := os.OpenFile(filepath.Join(dir, "h"), os.O_RDWR, 0)
+	if err != nil {
+		fmt.Println(err)
+		return 1
+	}
+	mf, err := os.OpenFile(filepath.Join(dir, "m"), os.O_RDWR, 0)
+	if err != nil {
+		fmt.Println(err)
+		return 1
+	}
+	mapping, err := unix.Mmap(int(mf.Fd()), 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		fmt.Println(err)
+		return 1
+	}
+	clients := map[string]func(i int) error{
+		"write": func(i int) error {
+			p := filepath.Join(dir, fmt.Sprintf("w-%d", i))
+			if err := os.WriteFile(p, []byte(strconv.Itoa(i)), 0o644); err != nil {
+				return err
+			}
+			mu.Lock()
+			rep.Files = i + 1
+			mu.Unlock()
+			return unix.Setxattr(p, "user.n", []byte(strconv.Itoa(i)), 0)
+		},
+		"pwrite": func(i int) error {
+			b := []byte(fmt.Sprintf("%08d", i))
+			if _, err := h.WriteAt(b, int64(i%64)*8); err != nil {
+				return err
+			}
+			got := make([]byte, 8)
+			if _, err := h.ReadAt(got, int64(i%64)*8); err != nil || string(got) != string(b) {
+				return fmt.Errorf("read back %q: %v", got, err)
+			}
+			return nil
+		},
+		"mmap": func(i int) error {
+			b := []byte(fmt.Sprintf("%08d", i))
+			copy(mapping[(i%64)*8:], b)
+			if string(mapping[(i%64)*8:(i%64)*8+8]) != string(b) {
+				return fmt.Errorf("the mapping does not hold what was written")
+			}
+			return unix.Msync(mapping, unix.MS_SYNC)
+		},
+		"readdir": func(int) error { _, err := os.ReadDir(dir); return err },
+		"getxattr": func(int) error {
+			b := make([]byte, 16)
+			n, err := unix.Getxattr(filepath.Join(dir, "x"), "user.k", b)
+			if err == nil && string(b[:n]) != "v" {
+				err = fmt.Errorf("user.k is %q", b[:n])
+			}
+			return err
+		},
+	}
+	var wg sync.WaitGroup
+	for name, fn := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				op(name, func() error { return fn(i) })
+			}
+		}()
+	}
+	fmt.Println("running")
+	io.Copy(io.Discard, os.Stdin)
+	close(stop)
+	wg.Wait()
+	b, _ := json.Marshal(rep)
+	fmt.Println(string(b))
+	return 0
+}
+
+// stressEvents is how many restarts and SIGKILLs TestRestartUnderLoad
+// makes in each mode: TENSORFS_RESTARTS (the issue's 20), else 3.
+func stressEvents() int {
+	if n, err := strconv.Atoi(os.Getenv("TENSORFS_RESTARTS")); err == nil && n > 0 {
+		return n
+	}
+	return 3
+}
+
+// TestRestartUnderLoad: five clients (new files with an attribute,
+// pwrite and pread through a descriptor, writes through a shared
+// mapping, directory listings, getxattr) work while the daemon is
+// restarted (tensorfs restart) and SIGKILLed, alternately, N times each.
+// No client sees an error; every file and attribute is there at the
+// end; the longest pause a client saw around each restart and each
+// SIGKILL is logged (median and worst).
+func TestRestartUnderLoad(t *testing.T) {
+	forEachMode(t, func(t *testing.T, m *mount) {
+		dir := m.path("load")
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		for name, size := range map[string]int{"h": 512, "m": 4096, "x": 0} {
+			if err := os.WriteFile(filepath.Join(dir, name), make([]byte, size), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := unix.Setxattr(filepath.Join(dir, "x"), "user.k", []byte("v"), 0); err != nil {
+			t.Fatal(err)
+		}
+		self, err := os.Executable()
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := &lineChild{cmd: exec.Command(self), lines: make(chan string, 64), out: &lockedBuffer{}}
+		c.cmd.Env = []string{stressEnv + "=" + dir}
+		c.cmd.Stderr = c.out
+		if c.stdin, err = c.cmd.StdinPipe(); err != nil {
+			t.Fatal(err)
+		}
+		stdout, err := c.cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := c.cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.cmd.Process.Kill(); c.cmd.Wait() })
+		go func() {
+			sc := bufio.NewScanner(stdout)
+			sc.Buffer(nil, 16<<20)
+			for sc.Scan() {
+				c.lines <- sc.Text()
+			}
+			close(c.lines)
+		}()
+		if l := c.next(t, "the start"); l != "running" {
+			t.Fatalf("clients: %s", l)
+		}
+		type event struct {
+			kind       string
+			start, end int64
+		}
+		var events []event
+		settle := func() { time.Sleep(50 * time.Millisecond) } // the clients run between events
+		n := stressEvents()
+		for i := 0; i < n; i++ {
+			settle()
+			t0 := time.Now().UnixNano()
+			m.restart(t, "")
+			events = append(events, event{"restart", t0, time.Now().UnixNano()})
+			settle()
+			old := m.daemonPid(t)
+			t0 = time.Now().UnixNano()
+			if err := unix.Kill(old, unix.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			events = append(events, event{"sigkill", t0, t0})
+			eventually(t, "a new daemon after SIGKILL", func() (bool, string) {
+				_, err := getxattr(m.dir, statsXattr)
+				b, _ := os.ReadFile(alloc.StatePath(m.dir, ".pid"))
+				return err == nil && strings.TrimSpace(string(b)) != strconv.Itoa(old), fmt.Sprint(err)
+			})
+		}
+		settle()
+		c.stdin.Close()
+		var rep stressReport
+		if l := c.next(t, "the report"); json.Unmarshal([]byte(l), &rep) != nil {
+			t.Fatalf("clients: %s", l)
+		}
+		if len(rep.Errors) > 0 {
+			t.Errorf("the clients saw errors: %s", strings.Join(rep.Errors, "; "))
+		}
+		for name, count := range rep.Ops {
+			if count < 2*n {
+				t.Errorf("the %s client ran %d times only", name, count)
+			}
+		}
+		for i := 0; i < rep.Files; i++ {
+			p := filepath.Join(dir, fmt.Sprintf("w-%d", i))
+			b, err := os.ReadFile(p)
+			v, xerr := getxattr(p, "user.n")
+			if err != nil || string(b) != strconv.Itoa(i) || xerr != nil || string(v) != strconv.Itoa(i) {
+				t.Errorf("%s: %q %v, user.n %q %v", p, b, err, v, xerr)
+			}
+		}
+		pauses := map[string][]time.Duration{}
+		for _, e := range events {
+			var worst time.Duration
+			for _, o := range rep.Slow {
+				if o.Start <= e.end && o.Start+o.Dur >= e.start {
+					worst = max(worst, time.Duration(o.Dur))
+				}
+			}
+			pauses[e.kind] = append(pauses[e.kind], worst)
+		}
+		for kind, p := range pauses {
+			slices.Sort(p)
+			t.Logf("%s mode, %d %ss: the longest pause a client saw: median %v, worst %v (ops: %v)", m.mode, len(p), kind, p[len(p)/2], p[len(p)-1], rep.Ops)
 		}
 	})
 }

@@ -48,10 +48,10 @@ const (
 const KeeperFd = 3
 
 const (
-	// crashLimit daemons dying within crashWindow make the keeper give
-	// up: the mount is then as after a crash.
-	crashLimit  = 5
-	crashWindow = time.Minute
+	// startTries is how many new daemons in a row may be killed before
+	// they serve, after a crash, before the keeper gives up: the mount
+	// is then as after a crash.
+	startTries = 5
 	// startWait bounds a new daemon's start.
 	startWait = time.Minute
 )
@@ -81,16 +81,17 @@ type daemon struct {
 	err    error // cmd.Wait's, once exited
 	hello  chan handoverHeader
 	goes   chan struct{}
+	read   chan struct{} // closed once its messages are all read
 	out    *tailWriter // the end of its stderr, for errors
 	mode   string      // what it said hello with
 	binary string      // what it runs, which its successor after a crash runs too
 }
 
 // Keep runs the keeper of mp: a daemon of this executable with "mount"
-// args (-f included), and its successors. ready is called with the mode
-// once the first daemon serves. It returns once a daemon exits after an
+// args (-f included), and its successors. ready is called with the first
+// daemon's mode and pid once it serves. It returns once a daemon exits after an
 // unmount (nil), or when no daemon serves the mount any more.
-func Keep(mp string, args []string, log *slog.Logger, ready func(mode string)) error {
+func Keep(mp string, args []string, log *slog.Logger, ready func(mode string, pid int)) error {
 	self, err := os.Executable()
 	if err != nil {
 		return err
@@ -100,7 +101,7 @@ func Keep(mp string, args []string, log *slog.Logger, ready func(mode string)) e
 	if err != nil {
 		return err
 	}
-	ready(d.mode)
+	ready(d.mode, d.cmd.Process.Pid)
 	restarts := make(chan restartReq)
 	stop, err := k.listen(restarts)
 	if err != nil {
@@ -111,7 +112,6 @@ func Keep(mp string, args []string, log *slog.Logger, ready func(mode string)) e
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 	defer signal.Stop(sigs)
-	var crashes []time.Time
 	for {
 		select {
 		case s := <-sigs:
@@ -128,38 +128,37 @@ func Keep(mp string, args []string, log *slog.Logger, ready func(mode string)) e
 			if d.err == nil {
 				return nil // unmounted
 			}
-			crashes = append(crashes, time.Now())
-			if len(crashes) > crashLimit {
-				crashes = crashes[1:]
-			}
-			next, err := k.recover(d, len(crashes) == crashLimit && time.Since(crashes[0]) < crashWindow)
-			if err != nil {
+			if d, err = k.recover(d); err != nil {
 				log.Error("no daemon serves the mount any more; it is as after a crash", "err", err)
 				return err
 			}
-			d = next
 		}
 	}
 }
 
 // recover starts a daemon that takes the connection over from d, which
-// died, with what d journaled.
-func (k *keeper) recover(d *daemon, tooOften bool) (*daemon, error) {
-	k.log.Error("the daemon died; a new one takes the mount over", "pid", d.cmd.Process.Pid, "status", d.err)
-	if tooOften {
-		return nil, fmt.Errorf("%d daemons died within %v", crashLimit, crashWindow)
+// died, with what d journaled; again if that one is killed before it
+// serves, up to startTries times. One that fails by itself (an exit
+// status: a broken binary, a bad flag) ends it.
+func (k *keeper) recover(d *daemon) (*daemon, error) {
+	for try := 1; ; try++ {
+		k.log.Error("the daemon died; a new one takes the mount over", "pid", d.cmd.Process.Pid, "status", d.err)
+		if !mountedAt(k.mp) {
+			return nil, errors.New("the mount is gone")
+		}
+		t := k.takeover()
+		t.Crashed = true
+		next, err := k.start(d.binary, t, nil)
+		if err == nil {
+			k.log.Info("a new daemon serves the mount", "pid", next.cmd.Process.Pid)
+			return next, nil
+		}
+		var exit *exec.ExitError
+		if next == nil || !errors.As(next.err, &exit) || exit.Exited() || try == startTries {
+			return nil, fmt.Errorf("a new daemon: %w", err)
+		}
+		d = next // killed before it served: once more
 	}
-	if !mountedAt(k.mp) {
-		return nil, errors.New("the mount is gone")
-	}
-	t := k.takeover()
-	t.Crashed = true
-	next, err := k.start(d.binary, t, nil)
-	if err != nil {
-		return nil, fmt.Errorf("a new daemon: %w", err)
-	}
-	k.log.Info("a new daemon serves the mount", "pid", next.cmd.Process.Pid)
-	return next, nil
 }
 
 // takeover is what a successor of the current daemon gets from the
@@ -198,14 +197,13 @@ func (k *keeper) restart(d *daemon, binary string) (*daemon, error) {
 
 // start starts binary as a daemon: a successor taking t over if t is not
 // nil, whose predecessor handoff stops. It returns once the daemon
-// serves: its hello is then in its hello channel.
+// serves, or with an error, and the daemon if it exited before it served.
 func (k *keeper) start(binary string, t *fs.Takeover, handoff func() error) (*daemon, error) {
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, err
 	}
 	child := os.NewFile(uintptr(pair[1]), "keeper")
-	defer child.Close()
 	conn, err := net.FileConn(os.NewFile(uintptr(pair[0]), "daemon"))
 	if err != nil {
 		return nil, err
@@ -214,18 +212,19 @@ func (k *keeper) start(binary string, t *fs.Takeover, handoff func() error) (*da
 	if t != nil {
 		args = append([]string{"mount", "--kept", "--takeover"}, k.args...)
 	}
-	d := &daemon{cmd: exec.Command(binary, args...), c: conn.(*net.UnixConn), exited: make(chan struct{}), hello: make(chan handoverHeader, 1), goes: make(chan struct{}, 1), out: &tailWriter{}, binary: binary}
+	d := &daemon{cmd: exec.Command(binary, args...), c: conn.(*net.UnixConn), exited: make(chan struct{}), hello: make(chan handoverHeader, 1), goes: make(chan struct{}, 1), read: make(chan struct{}), out: &tailWriter{}, binary: binary}
 	d.cmd.ExtraFiles = []*os.File{child}
 	d.cmd.Stderr = io.MultiWriter(os.Stderr, d.out)
 	// A daemon dies with its keeper: the mount is then as after a crash.
 	d.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := d.cmd.Start(); err != nil {
+	err = d.cmd.Start()
+	child.Close() // the daemon's alone: its exit ends d.c
+	if err != nil {
 		d.c.Close()
 		return nil, err
 	}
 	go func() {
 		d.err = d.cmd.Wait()
-		d.c.Close()
 		close(d.exited)
 	}()
 	go k.read(d)
@@ -256,7 +255,14 @@ func (k *keeper) start(binary string, t *fs.Takeover, handoff func() error) (*da
 			d.mode = h.Mode
 			return d, nil
 		case <-d.exited:
-			return nil, fmt.Errorf("the daemon exited (%v) before it served: %s", d.err, strings.TrimSpace(d.out.String()))
+			<-d.read
+			select {
+			case h := <-d.hello: // it served, and died since: the caller sees it exited
+				d.mode = h.Mode
+				return d, nil
+			default:
+			}
+			return d, fmt.Errorf("the daemon exited (%v) before it served: %s", d.err, strings.TrimSpace(d.out.String()))
 		case <-timeout:
 			d.cmd.Process.Kill()
 			return nil, fmt.Errorf("the daemon did not serve within %v", startWait)
@@ -267,6 +273,8 @@ func (k *keeper) start(binary string, t *fs.Takeover, handoff func() error) (*da
 // read reads d's messages until it exits: its hello (the keeper keeps
 // the first FUSE descriptor and INIT it gets), its journal, its go.
 func (k *keeper) read(d *daemon) {
+	defer close(d.read)
+	defer d.c.Close()
 	for {
 		m, err := fdpass.Recv(d.c, chunk, 1)
 		if err != nil || len(m.Data) == 0 {

@@ -134,15 +134,14 @@ func runMount(args []string, stdout, stderr io.Writer) int {
 		Kept:          m.kept,
 		Takeover:      m.takeover,
 	}
-	ready := func(mode string) {
-		fmt.Fprintf(stdout, "ready pid=%d mode=%s mountpoint=%s\n", os.Getpid(), mode, mp)
-	}
 	if m.kept {
 		err = lifecycle.Serve(cfg, log, func(string) {}) // the keeper says ready
 	} else {
 		// The foreground process keeps the mount: it runs the daemon,
 		// and a new one when the daemon dies.
-		err = lifecycle.Keep(mp, args, log, ready)
+		err = lifecycle.Keep(mp, args, log, func(mode string, pid int) {
+			fmt.Fprintf(stdout, "ready pid=%d mode=%s mountpoint=%s\n", pid, mode, mp)
+		})
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
