@@ -82,9 +82,9 @@ type daemon struct {
 	hello  chan handoverHeader
 	goes   chan struct{}
 	read   chan struct{} // closed once its messages are all read
-	out    *tailWriter // the end of its stderr, for errors
-	mode   string      // what it said hello with
-	binary string      // what it runs, which its successor after a crash runs too
+	out    *tailWriter   // the end of its stderr, for errors
+	mode   string        // what it said hello with
+	binary string        // what it runs, which its successor after a crash runs too
 }
 
 // Keep runs the keeper of mp: a daemon of this executable with "mount"
