@@ -34,12 +34,14 @@ import (
 //
 // On the daemon's socket, the daemon sends one-byte tags: msgHello
 // (header, the FUSE descriptor) once it serves, msgRecord (fs.Record)
-// for each change, msgGo once a successor can serve; the keeper sends a
-// takeover (send) to a successor first, and msgGone once its
-// predecessor is gone.
+// for each change; a successor msgWant once it is ready to take the
+// mount over, and msgGo once it can serve. The keeper answers msgWant
+// with a takeover (send), and msgGo with msgGone once the predecessor is
+// gone.
 const (
 	msgHello  = 'h'
 	msgRecord = 'r'
+	msgWant   = 'w'
 	msgGo     = 'g'
 	msgGone   = 'o'
 )
@@ -80,6 +82,7 @@ type daemon struct {
 	exited chan struct{}
 	err    error // cmd.Wait's, once exited
 	hello  chan handoverHeader
+	wants  chan struct{}
 	goes   chan struct{}
 	read   chan struct{} // closed once its messages are all read
 	out    *tailWriter   // the end of its stderr, for errors
@@ -97,7 +100,7 @@ func Keep(mp string, args []string, log *slog.Logger, ready func(mode string, pi
 		return err
 	}
 	k := &keeper{mp: mp, args: args, log: log, fd: -1, handles: map[uint64]fs.Handle{}, backing: map[uint64]int32{}}
-	d, err := k.start(self, nil, nil)
+	d, err := k.start(self, nil)
 	if err != nil {
 		return err
 	}
@@ -146,9 +149,11 @@ func (k *keeper) recover(d *daemon) (*daemon, error) {
 		if !mountedAt(k.mp) {
 			return nil, errors.New("the mount is gone")
 		}
-		t := k.takeover()
-		t.Crashed = true
-		next, err := k.start(d.binary, t, nil)
+		next, err := k.start(d.binary, func() (*fs.Takeover, error) {
+			t := k.takeover()
+			t.Crashed = true
+			return t, nil
+		})
 		if err == nil {
 			k.log.Info("a new daemon serves the mount", "pid", next.cmd.Process.Pid)
 			return next, nil
@@ -176,29 +181,41 @@ func (k *keeper) takeover() *fs.Takeover {
 	return t
 }
 
-// restart has binary take the mount over from d, which serves it.
+// restart has binary take the mount over from d, which serves it. d
+// hands it over only once the new daemon is ready to take it: d holds
+// requests off from then on.
 func (k *keeper) restart(d *daemon, binary string) (*daemon, error) {
-	t, cancel, err := receiveMount(k.mp, d.cmd.Process.Pid)
-	if err != nil {
-		return nil, err
-	}
-	defer unix.Close(t.Fd) // the keeper holds its own
-	next, err := k.start(binary, t, func() error {
-		err := t.Handoff()
-		<-d.exited
-		return err
+	var cancel func()
+	var fd int = -1
+	next, err := k.start(binary, func() (*fs.Takeover, error) {
+		t, c, err := receiveMount(k.mp, d.cmd.Process.Pid)
+		if err != nil {
+			return nil, err
+		}
+		cancel, fd = c, t.Fd
+		handoff := t.Handoff
+		t.Handoff = func() error {
+			err := handoff()
+			<-d.exited
+			return err
+		}
+		return t, nil
 	})
-	if err != nil {
-		cancel()
-		return nil, err
+	if fd >= 0 {
+		unix.Close(fd) // the keeper holds its own
 	}
-	return next, nil
+	if err != nil && cancel != nil {
+		cancel()
+	}
+	return next, err
 }
 
-// start starts binary as a daemon: a successor taking t over if t is not
-// nil, whose predecessor handoff stops. It returns once the daemon
-// serves, or with an error, and the daemon if it exited before it served.
-func (k *keeper) start(binary string, t *fs.Takeover, handoff func() error) (*daemon, error) {
+// start starts binary as a daemon: a successor if fetch is not nil,
+// which takes over what fetch returns once it asks (ready to serve), and
+// whose predecessor the takeover's Handoff stops. It returns once the
+// daemon serves, or with an error, and the daemon if it exited before it
+// served.
+func (k *keeper) start(binary string, fetch func() (*fs.Takeover, error)) (*daemon, error) {
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, err
@@ -209,10 +226,10 @@ func (k *keeper) start(binary string, t *fs.Takeover, handoff func() error) (*da
 		return nil, err
 	}
 	args := append([]string{"mount", "--kept"}, k.args...)
-	if t != nil {
+	if fetch != nil {
 		args = append([]string{"mount", "--kept", "--takeover"}, k.args...)
 	}
-	d := &daemon{cmd: exec.Command(binary, args...), c: conn.(*net.UnixConn), exited: make(chan struct{}), hello: make(chan handoverHeader, 1), goes: make(chan struct{}, 1), read: make(chan struct{}), out: &tailWriter{}, binary: binary}
+	d := &daemon{cmd: exec.Command(binary, args...), c: conn.(*net.UnixConn), exited: make(chan struct{}), hello: make(chan handoverHeader, 1), wants: make(chan struct{}, 1), goes: make(chan struct{}, 1), read: make(chan struct{}), out: &tailWriter{}, binary: binary}
 	d.cmd.ExtraFiles = []*os.File{child}
 	d.cmd.Stderr = io.MultiWriter(os.Stderr, d.out)
 	// A daemon dies with its keeper: the mount is then as after a crash.
@@ -228,15 +245,25 @@ func (k *keeper) start(binary string, t *fs.Takeover, handoff func() error) (*da
 		close(d.exited)
 	}()
 	go k.read(d)
-	if t != nil && send(d.c, *t) != nil {
-		d.cmd.Process.Kill() // it died, or will: its exit says why
-	}
+	var t *fs.Takeover
 	timeout := time.After(startWait)
 	for {
 		select {
+		case <-d.wants:
+			var err error
+			if t, err = fetch(); err != nil {
+				d.cmd.Process.Kill()
+				return nil, err
+			}
+			if send(d.c, *t) != nil {
+				d.cmd.Process.Kill() // it died, or will: its exit says why
+			}
 		case <-d.goes:
-			if handoff != nil {
-				if err := handoff(); err != nil {
+			if t == nil {
+				continue // no takeover asked for: nothing to hand off
+			}
+			if t.Handoff != nil {
+				if err := t.Handoff(); err != nil {
 					d.cmd.Process.Kill()
 					return nil, err
 				}
@@ -298,6 +325,8 @@ func (k *keeper) read(d *daemon) {
 			if json.Unmarshal(body, &r) == nil {
 				k.apply(r)
 			}
+		case msgWant:
+			d.wants <- struct{}{}
 		case msgGo:
 			d.goes <- struct{}{}
 		default:

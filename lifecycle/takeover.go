@@ -173,10 +173,13 @@ func receiveMount(mp string, pid int) (t *fs.Takeover, cancel func(), err error)
 	return t, func() { c.Close() }, nil
 }
 
-// receiveFromKeeper reads the takeover the keeper (this process's
-// parent) sends on c; its Handoff says "go" to the keeper and waits for
+// receiveFromKeeper asks the keeper (this process's parent) on c for the
+// mount, and reads the takeover it sends; its Handoff says "go" to the keeper and waits for
 // its predecessor to be gone.
 func receiveFromKeeper(c *net.UnixConn) (*fs.Takeover, error) {
+	if err := fdpass.Send(c, []byte{msgWant}); err != nil {
+		return nil, err
+	}
 	t, err := receive(c, os.Getppid())
 	if err != nil {
 		return nil, err
