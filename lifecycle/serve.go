@@ -91,11 +91,9 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		if cfg.Cluster != nil {
 			return errors.New("a cluster node cannot be taken over: its lease is its daemon's")
 		}
-		var st unix.Stat_t
-		if err := unix.Stat(mp, &st); err != nil {
-			return err
+		if live = mountDev(mp); live == 0 {
+			return fmt.Errorf("%s is not mounted", mp)
 		}
-		live = st.Dev
 	}
 	// The pid file says that this daemon serves mp, from before it
 	// touches the backing until it exits (see serving).
