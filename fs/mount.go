@@ -73,9 +73,6 @@ type Takeover struct {
 	// Handoff tells the predecessor to stop and returns once it has;
 	// Mount calls it once the successor can serve.
 	Handoff func() error
-	// Journal, if set, receives every change of what a successor takes
-	// over, before the kernel learns of it (Options.Journal).
-	Journal func(Record)
 }
 
 // Server is a mounted tensorfs.

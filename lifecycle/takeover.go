@@ -117,7 +117,7 @@ func handOver(c *net.UnixConn, srv *fs.Server, log *slog.Logger) error {
 		resume()
 		return fmt.Errorf("the successor (pid %d) did not take the mount: %v", cred.Pid, err)
 	}
-	log.Info("handed the mount over; exiting", "successor", cred.Pid)
+	log.Info("handed the mount over; exiting", "to", cred.Pid)
 	// Nothing of the mount is closed: it is the successor's now. The
 	// requests held off since Handover die with this daemon, and the
 	// kernel sends them to the successor.
