@@ -364,10 +364,7 @@ func keeperPath(mp string) string { return alloc.StatePath(mp, ".keeper") }
 // user only (SO_PEERCRED): a binary's path, answered "ok" or the error.
 func (k *keeper) listen(restarts chan<- restartReq) (stop func(), err error) {
 	p := keeperPath(k.mp)
-	os.Remove(p)
-	old := unix.Umask(0o177)
-	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: p, Net: "unixpacket"})
-	unix.Umask(old)
+	ln, err := listenPrivate(p)
 	if err != nil {
 		return nil, err
 	}

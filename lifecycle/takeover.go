@@ -16,9 +16,9 @@ import (
 )
 
 // A daemon hands its mount to a successor (tensorfs restart) on a socket
-// in the state directory, mode 0600, and to no peer but its own user
-// (SO_PEERCRED); the successor takes it only from the daemon that the
-// pid file names. The FUSE descriptor goes with the first message, the
+// in the state directory, mode 0600, and to no peer but its keeper (its
+// parent, of its user: SO_PEERCRED); the keeper takes it only from its
+// daemon. The FUSE descriptor goes with the first message, the
 // state (fs.State, JSON) follows in chunks; the successor answers "go"
 // once it can serve, and the daemon exits at once, leaving the mount,
 // the backing and the pid file to it.
@@ -50,6 +50,22 @@ const (
 	handoffWait = 10 * time.Second
 )
 
+// listenPrivate listens on a new socket at p, mode 0600 (not through the
+// umask: a daemon's is 0, and another thread may create a file meanwhile).
+// Its peers are checked as well (peerCred).
+func listenPrivate(p string) (*net.UnixListener, error) {
+	os.Remove(p)
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: p, Net: "unixpacket"})
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(p, 0o600); err != nil {
+		ln.Close()
+		return nil, err
+	}
+	return ln, nil
+}
+
 // peerCred returns the credentials of c's peer.
 func peerCred(c *net.UnixConn) (*unix.Ucred, error) {
 	rc, err := c.SyscallConn()
@@ -66,15 +82,12 @@ func peerCred(c *net.UnixConn) (*unix.Ucred, error) {
 	return cred, credErr
 }
 
-// listenHandover hands srv's mount at mp to the first successor of this
-// daemon's user that asks and says "go", then exits the process. The
-// returned function stops listening.
+// listenHandover hands srv's mount at mp to its keeper when it asks, and
+// exits the process once the successor says "go". The returned function
+// stops listening.
 func listenHandover(mp string, srv *fs.Server, log *slog.Logger) (stop func(), err error) {
 	p := handoverPath(mp)
-	os.Remove(p)
-	old := unix.Umask(0o177)
-	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: p, Net: "unixpacket"})
-	unix.Umask(old)
+	ln, err := listenPrivate(p)
 	if err != nil {
 		return nil, err
 	}
@@ -94,15 +107,15 @@ func listenHandover(mp string, srv *fs.Server, log *slog.Logger) (stop func(), e
 }
 
 // handOver sends srv's mount on c and exits once the successor says
-// "go"; it returns if the peer is not this daemon's user or does not
-// take the mount.
+// "go"; it returns if the peer is not this daemon's keeper (its parent,
+// of its user) or does not take the mount.
 func handOver(c *net.UnixConn, srv *fs.Server, log *slog.Logger) error {
 	cred, err := peerCred(c)
 	if err != nil {
 		return err
 	}
-	if int(cred.Uid) != os.Geteuid() {
-		return fmt.Errorf("peer pid %d is uid %d, not the daemon's", cred.Pid, cred.Uid)
+	if int(cred.Uid) != os.Geteuid() || int(cred.Pid) != os.Getppid() {
+		return fmt.Errorf("peer pid %d uid %d is not this daemon's keeper", cred.Pid, cred.Uid)
 	}
 	t, resume, err := srv.Handover()
 	if err != nil {
