@@ -124,19 +124,33 @@ func Keep(mp string, args []string, log *slog.Logger, ready func(mode string, pi
 			if err == nil {
 				d = next
 				r.ready <- fmt.Sprintf("ready pid=%d mode=%s mountpoint=%s", d.cmd.Process.Pid, d.mode, mp)
-			} else {
-				r.ready <- "error: " + err.Error()
+				continue
+			}
+			r.ready <- "error: " + err.Error()
+			select {
+			case <-d.exited:
+				// It handed over to a daemon that then failed: as after
+				// a crash, from what it handed over.
+				if d, err = k.recover(d); err != nil {
+					return k.gone(err)
+				}
+			default:
 			}
 		case <-d.exited:
 			if d.err == nil {
 				return nil // unmounted
 			}
 			if d, err = k.recover(d); err != nil {
-				log.Error("no daemon serves the mount any more; it is as after a crash", "err", err)
-				return err
+				return k.gone(err)
 			}
 		}
 	}
+}
+
+// gone logs that no daemon serves the mount any more, and why.
+func (k *keeper) gone(err error) error {
+	k.log.Error("no daemon serves the mount any more; it is as after a crash", "err", err)
+	return err
 }
 
 // recover starts a daemon that takes the connection over from d, which
