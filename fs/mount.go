@@ -48,11 +48,13 @@ type Options struct {
 	// ClusterBounds bound what one user's publications take (with
 	// Cluster).
 	ClusterBounds ClusterBounds
-	// Takeover, if set, is the live connection of the mount at
+	// Takeover, if set, returns the live connection of the mount at
 	// Mountpoint, handed over by the daemon that serves it (or a keeper
 	// that held it when its daemon died): Mount serves it instead of
-	// mounting.
-	Takeover *Takeover
+	// mounting. Mount calls it once the filesystem is ready to serve, so
+	// that a predecessor holds requests off for as short a time as can
+	// be.
+	Takeover func() (*Takeover, error)
 	// Journal, if set, receives every change of what a successor takes
 	// over (a keeper's copy, for a successor after a crash).
 	Journal func(Record)
@@ -204,19 +206,12 @@ func Mount(opts Options) (_ *Server, err error) {
 	if opts.Debug {
 		fopts.Logger = log.New(os.Stderr, "go-fuse: ", log.Lmicroseconds)
 	}
-	var gen uint64
-	if opts.Takeover != nil {
-		gen = opts.Takeover.Gen
-	}
-	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, gen)
+	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, 0)
 	raw.journal = opts.Journal
-	if t := opts.Takeover; t != nil && t.Crashed {
-		t.State.Nodes = backingNodes(opts.Store.RootFd, fsys.log)
-	}
 	gate := &gateFS{RawFileSystem: raw}
 	var srv *fuse.Server
-	if t := opts.Takeover; t != nil {
-		srv, err = takeOver(gate, raw, t, fopts.MountOptions, fsys.log)
+	if opts.Takeover != nil {
+		srv, err = takeOver(gate, raw, opts.Takeover, opts.Store.RootFd, fopts.MountOptions, fsys.log)
 	} else {
 		srv, err = mount(gate, opts.Mountpoint, fopts.MountOptions)
 	}
@@ -260,14 +255,23 @@ func mount(raw fuse.RawFileSystem, mountpoint string, mopts fuse.MountOptions) (
 	return srv, nil
 }
 
-// takeOver serves raw, which wraps h, on the connection t hands over:
-// h takes the predecessor's state over, the predecessor stops, the
-// kernel resends what the predecessor left unanswered, and raw serves.
-func takeOver(raw fuse.RawFileSystem, h *HandoverFS, t *Takeover, mopts fuse.MountOptions, log *slog.Logger) (*fuse.Server, error) {
-	log.Info("taking the mount over", "nodes", len(t.State.Nodes), "handles", len(t.State.Handles), "generation", t.Gen, "crashed", t.Crashed)
+// takeOver serves raw, which wraps h, on the connection that fetch
+// returns: h takes the predecessor's state over (after a crash, every
+// object of the backing at rootFd), the predecessor stops, the kernel
+// resends what the predecessor left unanswered, and raw serves.
+func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, error), rootFd int, mopts fuse.MountOptions, log *slog.Logger) (*fuse.Server, error) {
+	t, err := fetch()
+	if err != nil {
+		return nil, err
+	}
 	if t.Gen == 0 || t.Gen >= 1<<32 {
 		return nil, fmt.Errorf("takeover: generation %d out of range", t.Gen)
 	}
+	h.gen = t.Gen
+	if t.Crashed {
+		t.State.Nodes = backingNodes(rootFd, log)
+	}
+	log.Info("taking the mount over", "nodes", len(t.State.Nodes), "handles", len(t.State.Handles), "generation", t.Gen, "crashed", t.Crashed)
 	srv, err := ServeConnection(raw, t.Fd, t.Init, mopts)
 	if err != nil {
 		return nil, fmt.Errorf("takeover: %w", err)

@@ -143,12 +143,9 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		closeGPU(dev)
 		return fmt.Errorf("recover backing %s: %w", store.Dir, err)
 	}
-	var takeover *fs.Takeover
+	var takeover func() (*fs.Takeover, error)
 	if cfg.Takeover {
-		if takeover, err = receiveFromKeeper(keeper); err != nil {
-			closeGPU(dev)
-			return err
-		}
+		takeover = func() (*fs.Takeover, error) { return receiveFromKeeper(keeper) }
 	}
 	var journal func(fs.Record)
 	if keeper != nil {
