@@ -258,8 +258,9 @@ func Purge(mountpoint string) error {
 	if err := RemoveTree(dir); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
-	// The daemon's state beside the backing goes too; its log stays.
-	for _, ext := range []string{".refcounters", ".pid"} {
+	// The daemon's state beside the backing goes too (a crashed daemon's
+	// and keeper's handover sockets with it); its log stays.
+	for _, ext := range []string{".refcounters", ".pid", ".handover", ".keeper"} {
 		p := StatePath(mountpoint, ext)
 		if isMountpoint(p) { // the counters' own tmpfs, left by a crashed daemon
 			if err := unix.Unmount(p, unix.MNT_DETACH); err != nil {

@@ -868,7 +868,7 @@ func (tc *testCluster) openNode(name, backing string) restartable {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, _, rec, err := Recover(store)
+	_, _, rec, err := Recover(store, 0)
 	if err != nil {
 		store.Close()
 		t.Fatal(err)

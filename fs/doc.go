@@ -33,6 +33,10 @@
 // From outermost to innermost; a lock is never taken while one below it
 // in this list is held:
 //
+// Outermost, gateFS.mu (read: every FUSE request; write: a handover),
+// then HandoverFS.mu (across Adopt's lookups and opens, before the daemon
+// serves; otherwise a leaf, under which the journal is sent); then:
+//
 //  0. clusterFS.nsMu (a publish, or a published version being made)
 //  1. segmentNode.opening (read: an open; write: a device change, or a
 //     publish freezing the segment)

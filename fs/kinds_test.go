@@ -230,7 +230,7 @@ func TestDeviceSpillRestore(t *testing.T) {
 	}
 	defer store.Close()
 	mount := func(dev gpu.Device) *filesystem {
-		_, _, rec, err := Recover(store)
+		_, _, rec, err := Recover(store, 0)
 		if err != nil {
 			t.Fatal(err)
 		}

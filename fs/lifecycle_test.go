@@ -421,7 +421,7 @@ func TestRecoverKeepsWhatIsMapped(t *testing.T) {
 		t.Fatal(err)
 	}
 	m := startMapper(t, filepath.Join(dir, "mapped"))
-	segs, _, rec, err := Recover(fsys.store)
+	segs, _, rec, err := Recover(fsys.store, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -804,10 +804,12 @@ type Recovered struct {
 // while it cannot read every process's mappings (the mount's watches
 // remove them once they can).
 // The device segments' backing files it found go to the mount, which
-// restores them (or, without a GPU, keeps them unavailable).
-func Recover(store *alloc.Store) (segments, bytes int64, rec *Recovered, err error) {
+// restores them (or, without a GPU, keeps them unavailable). live is the
+// device of the mount a successor takes over (0 for none): its mappings
+// count although it is mounted.
+func Recover(store *alloc.Store, live uint64) (segments, bytes int64, rec *Recovered, err error) {
 	var t mapTable
-	old := earlierDevs(store.RootFd)
+	old := earlierDevs(store.RootFd, live)
 	rec = &Recovered{}
 	found, err := store.Recover(func(st *unix.Stat_t) bool {
 		ids := everyone(fileID{st.Dev, st.Ino})
@@ -834,8 +836,8 @@ func Recover(store *alloc.Store) (segments, bytes int64, rec *Recovered, err err
 }
 
 // earlierDevs reads devsAttr from the backing root at rootFd, less the
-// devices of mounted filesystems: those numbers were given again.
-func earlierDevs(rootFd int) []uint64 {
+// devices of mounted filesystems but live: those numbers were given again.
+func earlierDevs(rootFd int, live uint64) []uint64 {
 	buf := make([]byte, 1024)
 	n, err := unix.Getxattr(alloc.FdPath(rootFd), devsAttr, buf)
 	if err != nil {
@@ -848,7 +850,7 @@ func earlierDevs(rootFd int) []uint64 {
 	}
 	var devs []uint64
 	for _, f := range strings.Fields(string(buf[:n])) {
-		if dev, err := strconv.ParseUint(f, 10, 64); err == nil && !mounted[dev] {
+		if dev, err := strconv.ParseUint(f, 10, 64); err == nil && (!mounted[dev] || dev == live) {
 			devs = append(devs, dev)
 		}
 	}

@@ -48,6 +48,33 @@ type Options struct {
 	// ClusterBounds bound what one user's publications take (with
 	// Cluster).
 	ClusterBounds ClusterBounds
+	// Takeover, if set, returns the live connection of the mount at
+	// Mountpoint, handed over by the daemon that serves it (or a keeper
+	// that held it when its daemon died): Mount serves it instead of
+	// mounting. Mount calls it once the filesystem is ready to serve, so
+	// that a predecessor holds requests off for as short a time as can
+	// be.
+	Takeover func() (*Takeover, error)
+	// Journal, if set, receives every change of what a successor takes
+	// over (a keeper's copy, for a successor after a crash).
+	Journal func(Record)
+}
+
+// Takeover is what a daemon hands its successor (Server.Handover): the
+// FUSE connection, the INIT that set it up, the successor's generation
+// and the predecessor's state.
+type Takeover struct {
+	Fd    int
+	Init  []byte
+	Gen   uint64
+	State State
+	// Crashed says the predecessor died: State has what it journaled
+	// (handles, backing files) and no nodes, and every object of the
+	// backing is registered instead (the kernel may hold any of them).
+	Crashed bool
+	// Handoff tells the predecessor to stop and returns once it has;
+	// Mount calls it once the successor can serve.
+	Handoff func() error
 }
 
 // Server is a mounted tensorfs.
@@ -55,6 +82,30 @@ type Server struct {
 	*fuse.Server
 	fs  *filesystem
 	ctl *ctl.Server
+	// gate holds requests off while the mount is handed over; raw
+	// keeps what a successor takes over.
+	gate *gateFS
+	raw  *HandoverFS
+}
+
+// handoverWait bounds how long a handover waits for the requests in
+// flight to finish.
+const handoverWait = 5 * time.Second
+
+// Handover returns what a successor needs to take this mount over
+// (Options.Takeover, without Handoff), once the requests in flight have
+// finished; from then on it holds every request off (they die with this
+// daemon, and the kernel sends them to the successor) until resume,
+// which a handover that fails calls.
+func (s *Server) Handover() (t Takeover, resume func(), err error) {
+	fd, err := ConnectionFd()
+	if err != nil {
+		return Takeover{}, nil, err
+	}
+	if !s.gate.freeze(handoverWait) {
+		return Takeover{}, nil, fmt.Errorf("requests in flight did not finish within %v", handoverWait)
+	}
+	return Takeover{Fd: fd, Init: InitBytes(s.Server), Gen: s.raw.gen + 1, State: s.raw.State(s.fs.root.EmbeddedInode())}, s.gate.thaw, nil
 }
 
 // Close stops the control socket, leaves the cluster, ends what the
@@ -112,7 +163,10 @@ func Mount(opts Options) (_ *Server, err error) {
 		// Modes are exactly what the caller asked for: the kernel has
 		// applied the caller's umask; ours (0) must not apply twice.
 		NullPermissions: true,
-		Logger:          log.New(os.Stderr, "go-fuse: ", 0),
+		// Node IDs are backing inodes, so that a successor knows the
+		// kernel's (Takeover).
+		ExternalNodeID: true,
+		Logger:         log.New(os.Stderr, "go-fuse: ", 0),
 		MountOptions: fuse.MountOptions{
 			FsName: "tensorfs",
 			Name:   "tensorfs",
@@ -152,14 +206,16 @@ func Mount(opts Options) (_ *Server, err error) {
 	if opts.Debug {
 		fopts.Logger = log.New(os.Stderr, "go-fuse: ", log.Lmicroseconds)
 	}
-	bridge := fusefs.NewNodeFS(fsys.root, fopts)
-	srv, err := fuse.NewServer(&countingFS{RawFileSystem: bridge, c: &fsys.requests}, opts.Mountpoint, &fopts.MountOptions)
-	if err != nil {
-		return nil, fmt.Errorf("mount %s: %w", opts.Mountpoint, err)
+	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, 0)
+	raw.journal = opts.Journal
+	gate := &gateFS{RawFileSystem: raw}
+	var srv *fuse.Server
+	if opts.Takeover != nil {
+		srv, err = takeOver(gate, raw, opts.Takeover, opts.Store.RootFd, fopts.MountOptions, fsys.log)
+	} else {
+		srv, err = mount(gate, opts.Mountpoint, fopts.MountOptions)
 	}
-	go srv.Serve()
-	if err := srv.WaitMount(); err != nil {
-		srv.Unmount()
+	if err != nil {
 		return nil, err
 	}
 	widenReadahead(opts.Mountpoint, fsys.log)
@@ -171,7 +227,7 @@ func Mount(opts Options) (_ *Server, err error) {
 		}
 	}
 	fsys.afterMount(opts.Mountpoint, opts.Recovered)
-	s := &Server{Server: srv, fs: fsys}
+	s := &Server{Server: srv, fs: fsys, gate: gate, raw: raw}
 	if opts.Socket != "" {
 		s.ctl, err = ctl.Listen(ctl.Config{Path: opts.Socket, Backend: controlBackend{fsys}, Errno: toErrno, Log: opts.Log, Private: !opts.AllowOther, Owner: uint32(os.Geteuid()), Purge: opts.Purge, Ledger: fsys.ledger, Threads: fsys.threads})
 		if err != nil {
@@ -183,6 +239,55 @@ func Mount(opts Options) (_ *Server, err error) {
 		fsys.cl.start()
 	}
 	return s, nil
+}
+
+// mount mounts raw at mountpoint and serves it.
+func mount(raw fuse.RawFileSystem, mountpoint string, mopts fuse.MountOptions) (*fuse.Server, error) {
+	srv, err := fuse.NewServer(raw, mountpoint, &mopts)
+	if err != nil {
+		return nil, fmt.Errorf("mount %s: %w", mountpoint, err)
+	}
+	go srv.Serve()
+	if err := srv.WaitMount(); err != nil {
+		srv.Unmount()
+		return nil, err
+	}
+	return srv, nil
+}
+
+// takeOver serves raw, which wraps h, on the connection that fetch
+// returns: h takes the predecessor's state over (after a crash, every
+// object of the backing at rootFd), the predecessor stops, the kernel
+// resends what the predecessor left unanswered, and raw serves.
+func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, error), rootFd int, mopts fuse.MountOptions, log *slog.Logger) (*fuse.Server, error) {
+	t, err := fetch()
+	if err != nil {
+		return nil, err
+	}
+	if t.Gen == 0 || t.Gen >= 1<<32 {
+		return nil, fmt.Errorf("takeover: generation %d out of range", t.Gen)
+	}
+	h.gen = t.Gen
+	if t.Crashed {
+		t.State.Nodes = backingNodes(rootFd, log)
+	}
+	log.Info("taking the mount over", "nodes", len(t.State.Nodes), "handles", len(t.State.Handles), "generation", t.Gen, "crashed", t.Crashed)
+	srv, err := ServeConnection(raw, t.Fd, t.Init, mopts)
+	if err != nil {
+		return nil, fmt.Errorf("takeover: %w", err)
+	}
+	lost := h.Adopt(t.State)
+	if len(lost.Nodes) > 0 || len(lost.Handles) > 0 {
+		log.Warn("takeover: what the kernel holds that the backing no longer has at its name, or that would not open again, fails", "nodes", len(lost.Nodes), "handles", len(lost.Handles))
+	}
+	if err := t.Handoff(); err != nil {
+		return nil, fmt.Errorf("takeover: %w", err)
+	}
+	if err := NotifyResend(); err != nil {
+		log.Warn("takeover: the kernel cannot resend the requests the predecessor left unanswered; they wait for ever", "err", err)
+	}
+	go srv.Serve()
+	return srv, nil
 }
 
 // widenReadahead lets the kernel read ahead as much as one request holds

@@ -397,7 +397,7 @@ func TestAttackStateFiles(t *testing.T) {
 	if out, err := runAs(t, userA, "/", "cat", alloc.StatePath(dir, ".log")); err == nil {
 		t.Errorf("uid %d read the daemon's log:\n%s", userA, out)
 	}
-	unix.Kill(pid, unix.SIGKILL)
+	unix.Kill(parentOf(pid), unix.SIGKILL) // the keeper: its daemon dies with it
 	eventually(t, "daemon dies", func() (bool, string) {
 		return unix.Kill(pid, 0) == unix.ESRCH, "still alive"
 	})

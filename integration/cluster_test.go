@@ -154,11 +154,12 @@ func (tb *testbed) mount(k int, flags ...string) {
 	}
 }
 
-// kill SIGKILLs node k's daemon and waits for it, as a crash.
+// kill SIGKILLs node k's keeper, and so its daemon, and waits for the
+// daemon, as a crash.
 func (tb *testbed) kill(k int) {
 	tb.t.Helper()
 	pid := daemonPid(tb.t, tb.node(k))
-	syscall.Kill(pid, syscall.SIGKILL)
+	syscall.Kill(parentOf(pid), syscall.SIGKILL)
 	for syscall.Kill(pid, 0) == nil {
 		time.Sleep(10 * time.Millisecond)
 	}

@@ -48,6 +48,8 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
 )
 
 const (
@@ -427,10 +429,12 @@ func startMountEnv(t *testing.T, dir, mode string, extraArgs, env []string, must
 	if fields == nil {
 		t.Fatalf("bad ready line %q (want \"ready pid=N mode=M mountpoint=P\")", line)
 	}
-	if pid, err := strconv.Atoi(fields["pid"]); err != nil || pid != m.cmd.Process.Pid {
-		t.Errorf("ready line %q: pid is not the foreground daemon's %d", line, m.cmd.Process.Pid)
+	// The foreground process is the keeper; the ready line names its
+	// daemon.
+	m.pid, _ = strconv.Atoi(fields["pid"])
+	if m.pid <= 0 || parentOf(m.pid) != m.cmd.Process.Pid {
+		t.Errorf("ready line %q: pid is not the keeper's (%d) daemon", line, m.cmd.Process.Pid)
 	}
-	m.pid = m.cmd.Process.Pid
 	if fields["mode"] != mode {
 		t.Fatalf("asked for %s mode, daemon reports mode=%s (ready line %q)\nstderr:\n%s",
 			mode, fields["mode"], line, tail(m.stderr.String()))
@@ -567,13 +571,32 @@ func (m *mount) kill9(t *testing.T) {
 	t.Helper()
 	m.crashed = true
 	if err := m.cmd.Process.Signal(syscall.SIGKILL); err != nil {
-		t.Fatalf("kill -9 %d: %v", m.pid, err)
+		t.Fatalf("kill -9 %d: %v", m.cmd.Process.Pid, err)
 	}
 	select {
 	case <-m.exited:
 	case <-time.After(exitTimeout):
-		t.Fatalf("daemon %d did not die of SIGKILL within %v", m.pid, exitTimeout)
+		t.Fatalf("keeper %d did not die of SIGKILL within %v", m.cmd.Process.Pid, exitTimeout)
 	}
+	// Its daemon dies with it (a SIGKILL from the kernel).
+	if fd, err := unix.PidfdOpen(m.pid, 0); err == nil {
+		n, _ := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, int(exitTimeout.Milliseconds()))
+		unix.Close(fd)
+		if n != 1 {
+			t.Fatalf("daemon %d did not die with its keeper within %v", m.pid, exitTimeout)
+		}
+	}
+}
+
+// parentOf returns pid's parent, 0 if unknown.
+func parentOf(pid int) int {
+	b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
+	if len(f) < 2 {
+		return 0
+	}
+	ppid, _ := strconv.Atoi(f[1])
+	return ppid
 }
 
 // unmount unmounts now (tensorfs unmount [--purge]) and runs every leak
@@ -985,4 +1008,40 @@ func TestMountSmoke(t *testing.T) {
 			}
 		}
 	})
+}
+
+// restart has a new daemon take the live mount over (tensorfs restart
+// [--binary binary]) and returns its pid, once the old daemon, whose pid
+// the pid file named, has exited; the keeper (m.pid) stays.
+func (m *mount) restart(t *testing.T, binary string) int {
+	t.Helper()
+	old := m.daemonPid(t)
+	args := []string{"restart", m.dir}
+	if binary != "" {
+		args = []string{"restart", "--binary", binary, m.dir}
+	}
+	out := run(t, tensorfs, args...)
+	var pid int
+	var mode string
+	fmt.Sscanf(out[strings.Index(out, "(")+1:], "ready pid=%d mode=%s", &pid, &mode)
+	if pid <= 0 || pid == old || mode != m.mode || pid != m.daemonPid(t) {
+		t.Fatalf("tensorfs %s: %s", strings.Join(args, " "), out)
+	}
+	if unix.Kill(old, 0) == nil {
+		t.Fatalf("the old daemon %d runs on after the restart", old)
+	}
+	m.pid = pid
+	return pid
+}
+
+// daemonPid is the pid of the daemon that the keeper m runs, as its pid
+// file names it.
+func (m *mount) daemonPid(t *testing.T) int {
+	t.Helper()
+	b, err := os.ReadFile(alloc.StatePath(m.dir, ".pid"))
+	pid, _ := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || pid <= 0 {
+		t.Fatalf("the pid file of %s: %q %v", m.dir, b, err)
+	}
+	return pid
 }

@@ -79,6 +79,17 @@ func cleanStale(mp string) error {
 // this namespace, live or stale. It reads /proc/self/mountinfo and never
 // touches mp, which may hang or fail on a stale mount.
 func mountedAt(mp string) bool {
+	return mountDev(mp) != 0
+}
+
+// mountDev returns the device number of the mount at mp, 0 for none. It
+// reads /proc/self/mountinfo: a stat of mp would wait for the daemon,
+// which a successor must not (it is the daemon the mount waits for).
+func mountDev(mp string) uint64 {
 	mounts, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(mp))
-	return err == nil && len(mounts) > 0
+	if err != nil || len(mounts) == 0 {
+		return 0
+	}
+	m := mounts[len(mounts)-1]
+	return unix.Mkdev(uint32(m.Major), uint32(m.Minor))
 }

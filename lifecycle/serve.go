@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -40,6 +41,11 @@ type Config struct {
 	AllowOther, NoPassthrough, Debug bool
 	// Cluster, if set, makes the daemon a node of a cluster.
 	Cluster *ClusterConfig
+	// Kept says a keeper runs this daemon (KeeperFd); Takeover, that
+	// the daemon takes the live mount over from the keeper (after a
+	// crash, or from the daemon that serves it: tensorfs restart)
+	// instead of mounting.
+	Kept, Takeover bool
 }
 
 // ClusterConfig says how a daemon joins a cluster (DESIGN.md §10).
@@ -66,6 +72,29 @@ type ClusterConfig struct {
 // returns. Call Prepare first.
 func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	mp := cfg.Mountpoint
+	// A kept daemon reaches its keeper on KeeperFd: a successor takes the
+	// mount over from it once ready to serve (the predecessor holds
+	// requests off from the handover on).
+	var keeper *net.UnixConn
+	var live uint64
+	if cfg.Kept {
+		c, err := net.FileConn(os.NewFile(KeeperFd, "keeper"))
+		if err != nil {
+			return fmt.Errorf("the keeper's socket: %w", err)
+		}
+		keeper = c.(*net.UnixConn)
+	}
+	if cfg.Takeover {
+		if keeper == nil {
+			return errors.New("a takeover needs a keeper")
+		}
+		if cfg.Cluster != nil {
+			return errors.New("a cluster node cannot be taken over: its lease is its daemon's")
+		}
+		if live = mountDev(mp); live == 0 {
+			return fmt.Errorf("%s is not mounted", mp)
+		}
+	}
 	// The pid file says that this daemon serves mp, from before it
 	// touches the backing until it exits (see serving).
 	removePid, err := writePidFile(mp)
@@ -109,10 +138,18 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		return err
 	}
 	defer store.Close()
-	segs, bytes, recovered, err := fs.Recover(store)
+	segs, bytes, recovered, err := fs.Recover(store, live)
 	if err != nil {
 		closeGPU(dev)
 		return fmt.Errorf("recover backing %s: %w", store.Dir, err)
+	}
+	var takeover func() (*fs.Takeover, error)
+	if cfg.Takeover {
+		takeover = func() (*fs.Takeover, error) { return receiveFromKeeper(keeper) }
+	}
+	var journal func(fs.Record)
+	if keeper != nil {
+		journal = journalTo(keeper)
 	}
 	srv, err := fs.Mount(fs.Options{
 		Mountpoint:    mp,
@@ -127,12 +164,26 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		Purge:         func() error { purge.Store(true); return nil },
 		Cluster:       clusterCfg,
 		ClusterBounds: bounds,
+		Takeover:      takeover,
+		Journal:       journal,
 	})
 	if err != nil {
 		return err
 	}
 	defer srv.Close()
+	if clusterCfg == nil {
+		stop, err := listenHandover(mp, srv, log)
+		if err != nil {
+			return fmt.Errorf("handover socket: %w", err)
+		}
+		defer stop()
+	}
 	log.Info("mounted", "mountpoint", mp, "backing", store.Dir, "mode", srv.Mode(), "segments", segs, "bytes", bytes)
+	if keeper != nil {
+		if err := hello(keeper, srv); err != nil {
+			return fmt.Errorf("the keeper: %w", err)
+		}
+	}
 	ready(srv.Mode())
 
 	sigs := make(chan os.Signal, 2)

@@ -16,6 +16,8 @@ import (
 const usage = `usage:
   tensorfs mount [flags] MOUNTPOINT     mount; returns once ready (-f: stay in the foreground)
   tensorfs unmount [--purge] MOUNTPOINT unmount; --purge also releases the backing memory
+  tensorfs restart [--binary PATH] MOUNTPOINT
+                                        a new daemon (this binary or PATH) takes the live mount over
   tensorfs status [--json] [MOUNTPOINT...]
                                         each mount's mode, capacity and use, segments, limbo, requests, daemon
   tensorfs ls [-l] [-R] PATH...         segments: size, device, flags, refs, dtype, shape (-l: holders, -R: subdirectories)
@@ -48,6 +50,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 	switch args[0] {
 	case "mount":
 		return runMount(args[1:], stdout, stderr)
+	case "restart":
+		return runRestart(args[1:], stdout, stderr)
 	case "unmount", "umount":
 		return runUnmount(args[1:], stdout, stderr)
 	case "status":

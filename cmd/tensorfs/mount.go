@@ -28,6 +28,9 @@ type mountFlags struct {
 	allowOther    bool
 	debug         bool
 	noPassthrough bool
+	// kept runs the daemon of a keeper; takeover takes the live mount
+	// over from the keeper.
+	kept, takeover bool
 	// cluster: etcd endpoints (comma-separated), node name, the cluster
 	// CA, this node's certificate and key, the piece server's address.
 	cluster, node, clusterCA, clusterCert, clusterKey, clusterListen string
@@ -40,6 +43,8 @@ type mountFlags struct {
 }
 
 func (m *mountFlags) register(set *flag.FlagSet) {
+	set.BoolVar(&m.kept, "kept", false, "serve as the daemon of the keeper on descriptor 3 (the keeper, tensorfs mount -f, runs it so)")
+	set.BoolVar(&m.takeover, "takeover", false, "with --kept: take the live mount over from the keeper (after a crash or for tensorfs restart)")
 	set.BoolVar(&m.foreground, "f", false, "stay in the foreground")
 	set.StringVar(&m.backing, "backing", "", "backing directory (default: a private tmpfs chosen from MOUNTPOINT)")
 	set.StringVar(&m.capacity, "capacity", "", "size of the private tmpfs, e.g. 8G")
@@ -91,7 +96,13 @@ func runMount(args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stderr, "tensorfs mount: warning: serving with CAP_SYS_RESOURCE, so writes to --disk may use ext4's reserve for root and pass quotas: %v\n", err)
 		}
 	}
-	if err := lifecycle.Prepare(mp); err != nil {
+	if m.takeover && !m.kept {
+		fmt.Fprintln(stderr, "tensorfs mount: --takeover needs --kept; see tensorfs restart")
+		return 2
+	}
+	if m.takeover {
+		// The mountpoint is live: nothing to prepare.
+	} else if err := lifecycle.Prepare(mp); err != nil {
 		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
 		return 1
 	}
@@ -120,10 +131,18 @@ func runMount(args []string, stdout, stderr io.Writer) int {
 		NoPassthrough: m.noPassthrough,
 		Debug:         m.debug,
 		Cluster:       clusterConfig(&m),
+		Kept:          m.kept,
+		Takeover:      m.takeover,
 	}
-	err = lifecycle.Serve(cfg, log, func(mode string) {
-		fmt.Fprintf(stdout, "ready pid=%d mode=%s mountpoint=%s\n", os.Getpid(), mode, mp)
-	})
+	if m.kept {
+		err = lifecycle.Serve(cfg, log, func(string) {}) // the keeper says ready
+	} else {
+		// The foreground process keeps the mount: it runs the daemon,
+		// and a new one when the daemon dies.
+		err = lifecycle.Keep(mp, args, log, func(mode string, pid int) {
+			fmt.Fprintf(stdout, "ready pid=%d mode=%s mountpoint=%s\n", pid, mode, mp)
+		})
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "tensorfs mount: %v\n", err)
 		return 1

@@ -4,6 +4,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"path/filepath"
 	"strconv"
 
@@ -33,6 +34,39 @@ func runUnmount(args []string, stdout, stderr io.Writer) int {
 	if res.Busy {
 		fmt.Fprintln(stdout, busyMessage(mp, res.Pid, res.Held, *purge))
 	}
+	return 0
+}
+
+func runRestart(args []string, stdout, stderr io.Writer) int {
+	set := flag.NewFlagSet("tensorfs restart", flag.ContinueOnError)
+	binary := set.String("binary", "", "the new daemon's binary (default: this one)")
+	if code, ok := parseFlags(set, args, "[--binary PATH] MOUNTPOINT", stdout, stderr); !ok {
+		return code
+	}
+	if set.NArg() != 1 {
+		fmt.Fprintln(stderr, "tensorfs restart: want exactly one MOUNTPOINT")
+		return 2
+	}
+	mp, err := filepath.Abs(set.Arg(0))
+	if err == nil && *binary != "" {
+		*binary, err = filepath.Abs(*binary)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "tensorfs restart: %v\n", err)
+		return 1
+	}
+	if *binary == "" {
+		*binary, err = os.Executable()
+	}
+	var ready string
+	if err == nil {
+		ready, err = lifecycle.Restart(mp, *binary)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "tensorfs restart: %v\n", err)
+		return 1
+	}
+	fmt.Fprintf(stdout, "tensorfs: restarted %s (%s)\n", mp, ready)
 	return 0
 }
 

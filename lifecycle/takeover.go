@@ -1,0 +1,269 @@
+package lifecycle
+
+import (
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/fdpass"
+	"tensorfs/fs"
+)
+
+// A daemon hands its mount to a successor (tensorfs restart) on a socket
+// in the state directory, mode 0600, and to no peer but its keeper (its
+// parent, of its user: SO_PEERCRED); the keeper takes it only from its
+// daemon. The FUSE descriptor goes with the first message, the
+// state (fs.State, JSON) follows in chunks; the successor answers "go"
+// once it can serve, and the daemon exits at once, leaving the mount,
+// the backing and the pid file to it.
+
+// handoverPath is the socket mp's daemon hands its mount over on.
+func handoverPath(mp string) string { return alloc.StatePath(mp, ".handover") }
+
+// handoverHeader is the first message of a handover.
+type handoverHeader struct {
+	Init    []byte `json:"init"`
+	Gen     uint64 `json:"gen"`
+	Crashed bool   `json:"crashed,omitempty"`
+	// Size is the state's, in bytes.
+	Size int `json:"size"`
+	// Mode is the daemon's ("passthrough" or "classic"), in a daemon's
+	// hello to its keeper.
+	Mode string `json:"mode,omitempty"`
+}
+
+const (
+	// chunk is the most bytes of state one message carries: well under
+	// a socket's send buffer.
+	chunk = 64 << 10
+	// maxState bounds the state a successor takes (some 100 bytes per
+	// node the kernel knows and per handle).
+	maxState = 1 << 30
+	// handoffWait bounds how long a successor waits for its predecessor
+	// to exit.
+	handoffWait = 10 * time.Second
+)
+
+// listenPrivate listens on a new socket at p, mode 0600 (not through the
+// umask: a daemon's is 0, and another thread may create a file meanwhile).
+// Its peers are checked as well (peerCred).
+func listenPrivate(p string) (*net.UnixListener, error) {
+	os.Remove(p)
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: p, Net: "unixpacket"})
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(p, 0o600); err != nil {
+		ln.Close()
+		return nil, err
+	}
+	return ln, nil
+}
+
+// peerCred returns the credentials of c's peer.
+func peerCred(c *net.UnixConn) (*unix.Ucred, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var cred *unix.Ucred
+	var credErr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return nil, err
+	}
+	return cred, credErr
+}
+
+// listenHandover hands srv's mount at mp to its keeper when it asks, and
+// exits the process once the successor says "go". The returned function
+// stops listening.
+func listenHandover(mp string, srv *fs.Server, log *slog.Logger) (stop func(), err error) {
+	p := handoverPath(mp)
+	ln, err := listenPrivate(p)
+	if err != nil {
+		return nil, err
+	}
+	go func() {
+		for {
+			c, err := ln.AcceptUnix()
+			if err != nil {
+				return
+			}
+			if err := handOver(c, srv, log); err != nil {
+				log.Warn("handover refused or failed; serving on", "err", err)
+			}
+			c.Close()
+		}
+	}()
+	return func() { ln.Close() }, nil
+}
+
+// handOver sends srv's mount on c and exits once the successor says
+// "go"; it returns if the peer is not this daemon's keeper (its parent,
+// of its user) or does not take the mount.
+func handOver(c *net.UnixConn, srv *fs.Server, log *slog.Logger) error {
+	cred, err := peerCred(c)
+	if err != nil {
+		return err
+	}
+	if int(cred.Uid) != os.Geteuid() || int(cred.Pid) != os.Getppid() {
+		return fmt.Errorf("peer pid %d uid %d is not this daemon's keeper", cred.Pid, cred.Uid)
+	}
+	t, resume, err := srv.Handover()
+	if err != nil {
+		return err
+	}
+	if err := send(c, t); err != nil {
+		resume()
+		return err
+	}
+	m, err := fdpass.Recv(c, 16, 0)
+	if err != nil || string(m.Data) != "go" {
+		resume()
+		return fmt.Errorf("the successor (pid %d) did not take the mount: %v", cred.Pid, err)
+	}
+	log.Info("handed the mount over; exiting", "to", cred.Pid)
+	// Nothing of the mount is closed: it is the successor's now. The
+	// requests held off since Handover die with this daemon, and the
+	// kernel sends them to the successor.
+	os.Exit(0)
+	return nil
+}
+
+// send sends t on c: the header with the FUSE descriptor, then the state
+// in chunks.
+func send(c *net.UnixConn, t fs.Takeover) error {
+	state, err := json.Marshal(t.State)
+	if err != nil {
+		return err
+	}
+	hdr, _ := json.Marshal(handoverHeader{Init: t.Init, Gen: t.Gen, Crashed: t.Crashed, Size: len(state)})
+	if err := fdpass.Send(c, hdr, t.Fd); err != nil {
+		return err
+	}
+	for len(state) > 0 {
+		n := min(chunk, len(state))
+		if err := fdpass.Send(c, state[:n]); err != nil {
+			return err
+		}
+		state = state[n:]
+	}
+	return nil
+}
+
+// receiveMount takes mp's mount over from pid, the daemon that serves
+// it, of this process's user. Handoff, in the result, tells it to go and
+// waits until it has; until then, cancel lets it serve on.
+func receiveMount(mp string, pid int) (t *fs.Takeover, cancel func(), err error) {
+	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: handoverPath(mp), Net: "unixpacket"})
+	if err != nil {
+		return nil, nil, fmt.Errorf("the daemon (pid %d) does not hand its mount over: %w", pid, err)
+	}
+	if t, err = receive(c, pid); err != nil {
+		c.Close()
+		return nil, nil, err
+	}
+	t.Handoff = func() error {
+		defer c.Close()
+		if err := fdpass.Send(c, []byte("go")); err != nil {
+			return err
+		}
+		// Once it has exited, its descriptors (the control socket's
+		// too) are closed.
+		if !waitExit(pid, handoffWait) {
+			return fmt.Errorf("the predecessor (pid %d) did not exit within %v", pid, handoffWait)
+		}
+		return nil
+	}
+	return t, func() { c.Close() }, nil
+}
+
+// receiveFromKeeper asks the keeper (this process's parent) on c for the
+// mount, and reads the takeover it sends; its Handoff says "go" to the keeper and waits for
+// its predecessor to be gone.
+func receiveFromKeeper(c *net.UnixConn) (*fs.Takeover, error) {
+	if err := fdpass.Send(c, []byte{msgWant}); err != nil {
+		return nil, err
+	}
+	t, err := receive(c, os.Getppid())
+	if err != nil {
+		return nil, err
+	}
+	t.Handoff = func() error {
+		if err := fdpass.Send(c, []byte{msgGo}); err != nil {
+			return err
+		}
+		m, err := fdpass.Recv(c, 16, 0)
+		if err != nil || string(m.Data) != string(msgGone) {
+			return fmt.Errorf("the keeper did not let the predecessor go: %v", err)
+		}
+		return nil
+	}
+	return t, nil
+}
+
+// journalTo returns a journal that sends each record to the keeper on c.
+func journalTo(c *net.UnixConn) func(fs.Record) {
+	return func(r fs.Record) {
+		b, _ := json.Marshal(r)
+		fdpass.Send(c, append([]byte{msgRecord}, b...))
+	}
+}
+
+// hello tells the keeper on c that srv serves: its mode, and the
+// connection with its INIT, which the keeper holds.
+func hello(c *net.UnixConn, srv *fs.Server) error {
+	fd, err := fs.ConnectionFd()
+	if err != nil {
+		return err
+	}
+	b, _ := json.Marshal(handoverHeader{Init: fs.InitBytes(srv.Server), Mode: srv.Mode()})
+	return fdpass.Send(c, append([]byte{msgHello}, b...), fd)
+}
+
+// receive reads a handover from c, whose peer must be pid of this
+// process's user.
+func receive(c *net.UnixConn, pid int) (*fs.Takeover, error) {
+	cred, err := peerCred(c)
+	if err != nil {
+		return nil, err
+	}
+	if int(cred.Pid) != pid || int(cred.Uid) != os.Geteuid() {
+		return nil, fmt.Errorf("the handover socket is pid %d uid %d's, not the daemon's (pid %d)", cred.Pid, cred.Uid, pid)
+	}
+	m, err := fdpass.Recv(c, chunk, 1)
+	if err != nil {
+		return nil, err
+	}
+	var h handoverHeader
+	if err := json.Unmarshal(m.Data, &h); err != nil || len(m.FDs) != 1 || h.Size < 0 || h.Size > maxState {
+		fdpass.Close(m.FDs)
+		return nil, fmt.Errorf("a malformed handover (%d descriptors, %d bytes of state): %v", len(m.FDs), h.Size, err)
+	}
+	t := &fs.Takeover{Fd: m.FDs[0], Init: h.Init, Gen: h.Gen, Crashed: h.Crashed}
+	state := make([]byte, 0, h.Size)
+	for len(state) < h.Size {
+		m, err := fdpass.Recv(c, chunk, 0)
+		if err == nil && len(state)+len(m.Data) > h.Size {
+			err = fmt.Errorf("%d bytes past its size", len(state)+len(m.Data)-h.Size)
+		}
+		if err != nil {
+			unix.Close(t.Fd)
+			return nil, fmt.Errorf("a malformed handover after %d bytes: %v", len(state), err)
+		}
+		state = append(state, m.Data...)
+	}
+	if err := json.Unmarshal(state, &t.State); err != nil {
+		unix.Close(t.Fd)
+		return nil, fmt.Errorf("a malformed handover: %v", err)
+	}
+	return t, nil
+}
