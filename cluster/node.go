@@ -58,6 +58,10 @@ type Config struct {
 	// (DefaultParallel if 0); PerPeer how many of them from one peer
 	// (DefaultPerPeer if 0).
 	Parallel, PerPeer int
+	// MaxUploads is how many pieces the GRPC piece server sends at once
+	// (transport.DefaultMaxUploads if 0); it refuses more, and the peer
+	// asks another holder.
+	MaxUploads int
 	// NoHolderWait is how long a pull waits, with nothing in flight, for
 	// a holder of a piece it misses before it fails with ErrNoHolder
 	// (DefaultNoHolderWait if 0).
@@ -221,7 +225,7 @@ func (cfg *Config) fill() error {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
 	if cfg.Transport == nil {
-		tr, err := transport.NewGRPC(transport.Config{Listen: cfg.Listen, Advertise: cfg.Advertise, Credentials: cfg.Credentials, Log: cfg.Log})
+		tr, err := transport.NewGRPC(transport.Config{Listen: cfg.Listen, Advertise: cfg.Advertise, Credentials: cfg.Credentials, MaxUploads: cfg.MaxUploads, Log: cfg.Log})
 		if err != nil {
 			return fmt.Errorf("%w: cluster: %v", ErrInvalid, err)
 		}

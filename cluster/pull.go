@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"os"
 	"strings"
 	"sync"
@@ -75,7 +76,7 @@ type Pull struct {
 func (n *Node) Pull(ctx context.Context, jobs []Job) (*Pull, error) {
 	p := &Pull{
 		n: n, done: make(chan struct{}), changed: make(chan struct{}),
-		scheduler: newScheduler(n.cfg.Node, n.cfg.PerPeer, time.Now()), start: time.Now(),
+		scheduler: newScheduler(n.cfg.Node, n.cfg.PerPeer, rand.Uint64(), time.Now()), start: time.Now(),
 	}
 	byID := map[string]*group{}
 	for i, j := range jobs {
@@ -386,6 +387,8 @@ func (p *Pull) settle(t task, got int64, err error) (outcome, error) {
 		return cancelled, nil
 	case errors.Is(err, transport.ErrNotServed):
 		return notServed, err
+	case errors.Is(err, transport.ErrBusy):
+		return busy, err
 	case err != nil:
 		return failed, err
 	case got != size:

@@ -24,10 +24,10 @@ type SimTask struct {
 }
 
 // NewScheduler returns the scheduler of node self pulling contents, at
-// most perPeer fetches from one peer at once. Content i gets an ID made
-// from i, the same on every node.
-func NewScheduler(self string, perPeer int, contents []SimContent, now time.Time) *Scheduler {
-	s := &Scheduler{s: newScheduler(self, perPeer, now)}
+// most perPeer fetches from one peer at once, its random choices drawn
+// from seed. Content i gets an ID made from i, the same on every node.
+func NewScheduler(self string, perPeer int, contents []SimContent, seed uint64, now time.Time) *Scheduler {
+	s := &Scheduler{s: newScheduler(self, perPeer, seed, now)}
 	for i, c := range contents {
 		sum := sha256.Sum256([]byte{byte(i >> 24), byte(i >> 16), byte(i >> 8), byte(i)})
 		g := newGroup(&Content{Size: c.Size, PieceSize: c.PieceSize, id: hex.EncodeToString(sum[:])})
@@ -57,8 +57,8 @@ func (s *Scheduler) index(g *group) int {
 	return -1
 }
 
-// Finish records how t ended: fetched and verified, or failed (its peer
-// unreachable).
+// Finish records that t's piece was fetched and verified (ok), or that
+// its peer was unreachable.
 func (s *Scheduler) Finish(t SimTask, ok bool, now time.Time) {
 	o := failed
 	if ok {
@@ -66,6 +66,10 @@ func (s *Scheduler) Finish(t SimTask, ok bool, now time.Time) {
 	}
 	s.s.finishLocked(t.t, o, now)
 }
+
+// Refused records that t's peer refused it: it sends as many pieces as it
+// may (transport.ErrBusy).
+func (s *Scheduler) Refused(t SimTask, now time.Time) { s.s.finishLocked(t.t, busy, now) }
 
 // SetPeer records a live node; DropPeer forgets a dead one.
 func (s *Scheduler) SetPeer(node string) {

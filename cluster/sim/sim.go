@@ -33,9 +33,11 @@ import (
 	"container/heap"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"time"
 
 	"tensorfs/cluster"
+	"tensorfs/cluster/transport"
 )
 
 // Config describes a simulated cluster and what it pulls.
@@ -49,7 +51,10 @@ type Config struct {
 	Etcd      time.Duration // for a write to commit; then for its watch events to arrive
 	Parallel  int           // fetches in flight per pull (cluster.Config.Parallel)
 	PerPeer   int           // of them from one peer (cluster.Config.PerPeer)
-	LeaseTTL  time.Duration // how long a dead node's keys stay
+	// MaxUploads is how many pieces a node sends at once; it refuses more
+	// (transport.Config.MaxUploads).
+	MaxUploads int
+	LeaseTTL   time.Duration // how long a dead node's keys stay
 	// Late is the share of nodes that start pulling late, each at a
 	// random time in the first half of one pull's ideal time (Model/Down).
 	Late float64
@@ -66,7 +71,7 @@ func Defaults(n int) Config {
 	return Config{
 		Nodes: n, Model: 1 << 30, Files: 4, PieceSize: cluster.DefaultPieceSize,
 		Up: 125e6, Down: 125e6, Latency: 500 * time.Microsecond, Etcd: 2 * time.Millisecond,
-		Parallel: cluster.DefaultParallel, PerPeer: cluster.DefaultPerPeer, LeaseTTL: cluster.DefaultLeaseTTL, Seed: 1,
+		Parallel: cluster.DefaultParallel, PerPeer: cluster.DefaultPerPeer, MaxUploads: transport.DefaultMaxUploads, LeaseTTL: cluster.DefaultLeaseTTL, Seed: 1,
 	}
 }
 
@@ -80,6 +85,7 @@ type Result struct {
 	Died      int           // nodes that died
 	Seeded    float64       // the seeder's upload, in models
 	Failed    int64         // fetches that failed (their holder died)
+	Refused   int64         // fetches refused by a holder sending its MaxUploads
 	// etcd's load.
 	HolderKeys int   // holder keys at the end (one per node per content)
 	Txns       int64 // holder-key transactions
@@ -90,28 +96,51 @@ type Result struct {
 
 // String formats a result on one line.
 func (r Result) String() string {
-	return fmt.Sprintf("nodes %d: done %v (slowest %v), %d complete, %d died; seeder sent %.2f models; %d failed fetches; "+
+	return fmt.Sprintf("nodes %d: done %v (slowest %v), %d complete, %d died; seeder sent %.2f models; %d failed fetches, %d refused; "+
 		"etcd: %d holder keys, %d txns, %d puts, %d watch events, %d keys read",
-		r.Nodes, r.Done.Round(time.Millisecond), r.Slowest.Round(time.Millisecond), r.Completed, r.Died, r.Seeded, r.Failed,
+		r.Nodes, r.Done.Round(time.Millisecond), r.Slowest.Round(time.Millisecond), r.Completed, r.Died, r.Seeded, r.Failed, r.Refused,
 		r.HolderKeys, r.Txns, r.Puts, r.Events, r.Reads)
 }
 
 // PerNodePiece returns x per pulling node per piece of the model.
-func (r Result) PerNodePiece(x int64) float64 { return float64(x) / float64(r.Nodes) / float64(r.Pieces) }
+func (r Result) PerNodePiece(x int64) float64 {
+	return float64(x) / float64(r.Nodes) / float64(r.Pieces)
+}
+
+// Table formats results as a Markdown table, times against one node's
+// pull alone (one).
+func Table(one Result, rs []Result) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "| nodes | late, died | all done | × one pull | slowest node | seeder sent (models) | failed, refused fetches | holder keys per node | txns per node per piece | keys written per node per piece | watch events per node per piece | keys read per node |\n")
+	fmt.Fprintf(&b, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+	for _, r := range rs {
+		fmt.Fprintf(&b, "| %d | %.0f%%, %d | %.2f s | %.2f | %.2f s | %.2f | %d, %d | %.2f | %.2f | %.2f | %.1f | %.0f |\n",
+			r.Nodes, 100*r.Late, r.Died, r.Done.Seconds(), r.Done.Seconds()/one.Done.Seconds(), r.Slowest.Seconds(), r.Seeded,
+			r.Failed, r.Refused, float64(r.HolderKeys)/float64(r.Nodes+1), r.PerNodePiece(r.Txns), r.PerNodePiece(r.Puts),
+			r.PerNodePiece(r.Events), float64(r.Reads)/float64(r.Nodes))
+	}
+	return b.String()
+}
 
 // Ideal returns one node's pull at the link's rate: Model/min(Up, Down).
 func (c Config) Ideal() time.Duration {
 	return time.Duration(float64(c.Model) / min(c.Up, c.Down) * float64(time.Second))
 }
 
-// tick is how often an idle pull looks again (Pull.next's timer).
-const tick = 250 * time.Millisecond
+// tick is how often an idle pull looks again (Pull.next's timer); batch
+// how long the watch events that reach a pull are gathered before it
+// looks at them.
+const (
+	tick  = 250 * time.Millisecond
+	batch = 5 * time.Millisecond
+)
 
 // epoch is the virtual clock's zero, for the scheduler's time.Time.
 var epoch = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 
 // node is one simulated node.
 type node struct {
+	id      int
 	name    string
 	s       *cluster.Scheduler // nil for the seeder
 	alive   bool
@@ -122,9 +151,10 @@ type node struct {
 	down    []*flow       // flows it receives
 	sent    int64         // bytes it sent
 	// announce: a write in flight, and contents changed since it began.
-	writing bool
-	changed map[int]bool
-	waking  bool // a tick is due
+	writing  bool
+	changed  map[int]bool
+	waking   bool // a tick is due
+	batching bool // a wake for watch events is due
 }
 
 // flow is one fetch's bytes moving from a holder to a puller.
@@ -141,14 +171,16 @@ type flow struct {
 
 // event kinds.
 const (
-	evStart  = iota // a node starts its pull
-	evBegin         // a fetch's request reached its holder: the flow begins
-	evEnd           // a flow's last byte arrives (if ver is current)
-	evCommit        // a node's holder-key write commits
-	evNotify        // a committed write reaches the watchers
-	evDie           // a node dies
-	evExpire        // a dead node's lease expires
-	evTick          // an idle pull looks again
+	evStart   = iota // a node starts its pull
+	evBegin          // a fetch's request reached its holder: the flow begins
+	evEnd            // a flow's last byte arrives (if ver is current)
+	evRefused        // a holder's refusal arrives
+	evCommit         // a node's holder-key write commits
+	evNotify         // a committed write reaches the watchers
+	evDie            // a node dies
+	evExpire         // a dead node's lease expires
+	evTick           // an idle pull looks again
+	evBatch          // a pull looks at the watch events of the last batch
 )
 
 type event struct {
@@ -216,7 +248,7 @@ func Run(cfg Config) Result {
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0))
 	ideal := cfg.Ideal()
 	for i := range cfg.Nodes {
-		n := &node{name: fmt.Sprintf("node%04d", i), alive: true, changed: map[int]bool{}}
+		n := &node{id: i, name: fmt.Sprintf("node%04d", i), alive: true, changed: map[int]bool{}}
 		w.nodes = append(w.nodes, n)
 		w.byName[n.name] = n
 		if rng.Float64() < cfg.Late {
@@ -279,6 +311,10 @@ func (w *world) handle(e *event) {
 		w.start(n)
 	case evBegin:
 		w.begin(e.f)
+	case evRefused:
+		w.res.Refused++
+		e.f.to.s.Refused(e.f.t, w.clock())
+		w.wake(e.f.to)
 	case evEnd:
 		if e.ver == e.f.ver && !e.f.gone {
 			w.end(e.f)
@@ -301,11 +337,14 @@ func (w *world) handle(e *event) {
 					m.s.DropHolder(i, n.name)
 				}
 				w.res.Events += int64(1 + len(w.contents))
-				w.wake(m)
+				w.soon(m)
 			}
 		}
 	case evTick:
 		n.waking = false
+		w.wake(n)
+	case evBatch:
+		n.batching = false
 		w.wake(n)
 	}
 }
@@ -316,7 +355,7 @@ func (w *world) start(n *node) {
 	if !n.alive {
 		return
 	}
-	n.s = cluster.NewScheduler(n.name, w.cfg.PerPeer, w.contents, w.clock())
+	n.s = cluster.NewScheduler(n.name, w.cfg.PerPeer, w.contents, w.cfg.Seed+uint64(len(w.byName))*7919+uint64(n.id), w.clock())
 	for _, m := range w.byName {
 		if m.alive || m == n {
 			n.s.SetPeer(m.name)
@@ -350,11 +389,20 @@ func (w *world) wake(n *node) {
 		}
 		_, size := pieceRange(w.contents[t.Content], t.Piece)
 		f := &flow{from: w.byName[t.Peer], to: n, t: t, size: size, left: float64(size)}
-		w.push(&event{at: w.now + 2*w.cfg.Latency, kind: evBegin, f: f})
+		w.push(&event{at: w.now + w.cfg.Latency, kind: evBegin, f: f})
 	}
 	if n.s.InFlight() < w.cfg.Parallel && !n.waking {
 		n.waking = true
 		w.push(&event{at: w.now + tick, kind: evTick, n: n})
+	}
+}
+
+// soon wakes n after batch, with whatever else its watch brings meanwhile
+// (a watch response carries the events of several writes).
+func (w *world) soon(n *node) {
+	if !n.batching && n.pulling && n.s.InFlight() < w.cfg.Parallel {
+		n.batching = true
+		w.push(&event{at: w.now + batch, kind: evBatch, n: n})
 	}
 }
 
@@ -365,13 +413,16 @@ func pieceRange(c cluster.SimContent, i int) (int64, int64) {
 }
 
 // begin starts a flow whose request reached its holder; a dead holder
-// fails the fetch.
+// fails the fetch, one sending its MaxUploads refuses it.
 func (w *world) begin(f *flow) {
-	if !f.to.alive {
+	switch {
+	case !f.to.alive:
 		return
-	}
-	if !f.from.alive {
+	case !f.from.alive:
 		w.fail(f)
+		return
+	case len(f.from.up) >= w.cfg.MaxUploads:
+		w.push(&event{at: w.now + w.cfg.Latency, kind: evRefused, f: f})
 		return
 	}
 	f.at = w.now
@@ -481,7 +532,7 @@ func (w *world) notify(n *node, keys []key) {
 			m.s.SetHolder(k.content, n.name, k.bits)
 		}
 		w.res.Events += int64(len(keys))
-		w.wake(m)
+		w.soon(m)
 	}
 }
 

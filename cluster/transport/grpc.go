@@ -33,8 +33,13 @@ func ConnectParams() grpc.ConnectParams {
 	}
 }
 
-// DefaultIdle is how long a fetch may receive nothing before it fails.
-const DefaultIdle = 10 * time.Second
+// Defaults of Config.
+const (
+	// DefaultIdle is how long a fetch may receive nothing before it fails.
+	DefaultIdle = 10 * time.Second
+	// DefaultMaxUploads is how many pieces a node sends at once.
+	DefaultMaxUploads = 8
+)
 
 // Config says where a GRPC transport listens and how it authenticates.
 type Config struct {
@@ -49,6 +54,9 @@ type Config struct {
 	// Idle ends a fetch that has received nothing for this long
 	// (DefaultIdle if 0).
 	Idle time.Duration
+	// MaxUploads is how many pieces the server sends at once; it refuses
+	// more (ErrBusy to the peer). DefaultMaxUploads if 0.
+	MaxUploads int
 	// Log receives what the transport does (nothing if nil).
 	Log *slog.Logger
 }
@@ -83,6 +91,9 @@ func NewGRPC(cfg Config) (*GRPC, error) {
 	if cfg.Idle <= 0 {
 		cfg.Idle = DefaultIdle
 	}
+	if cfg.MaxUploads <= 0 {
+		cfg.MaxUploads = DefaultMaxUploads
+	}
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
@@ -113,7 +124,7 @@ func (g *GRPC) Start(src Source) error {
 		grpc.Creds(credentials.NewTLS(g.cfg.Credentials.ServerConfig())),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
 	)
-	piecepb.RegisterPiecesServer(g.server, &pieceServer{src: src, log: g.cfg.Log})
+	piecepb.RegisterPiecesServer(g.server, &pieceServer{src: src, log: g.cfg.Log, slots: make(chan struct{}, g.cfg.MaxUploads)})
 	go func() {
 		if err := g.server.Serve(l); err != nil {
 			g.cfg.Log.Warn("cluster: piece server stopped", "addr", l.Addr(), "err", err)
@@ -170,6 +181,8 @@ func fetchError(ctx context.Context, peer Peer, p Piece, err error) error {
 		return fmt.Errorf("fetch piece %d of %.12s from %s: %w", p.Index, p.Content, peer.Name, context.Cause(ctx))
 	case status.Code(err) == codes.NotFound:
 		kind = ErrNotServed
+	case status.Code(err) == codes.ResourceExhausted:
+		kind = ErrBusy
 	}
 	return fmt.Errorf("fetch piece %d of %.12s from %s (%s): %w: %s", p.Index, p.Content, peer.Name, peer.Addr, kind, status.Convert(err).Message())
 }
@@ -219,12 +232,20 @@ func (g *GRPC) Close() error {
 // pieceServer answers Fetch from a Source.
 type pieceServer struct {
 	piecepb.UnimplementedPiecesServer
-	src Source
-	log *slog.Logger
+	src   Source
+	log   *slog.Logger
+	slots chan struct{} // one per piece being sent
 }
 
-// Fetch streams the piece the request names, in chunks of ChunkSize.
+// Fetch streams the piece the request names, in chunks of ChunkSize, or
+// refuses it (ResourceExhausted) while every slot is taken.
 func (s *pieceServer) Fetch(req *piecepb.FetchRequest, stream grpc.ServerStreamingServer[piecepb.Chunk]) error {
+	select {
+	case s.slots <- struct{}{}:
+		defer func() { <-s.slots }()
+	default:
+		return status.Error(codes.ResourceExhausted, "sending as many pieces as it may")
+	}
 	p := Piece{Content: req.Content, Index: int(req.Index)}
 	r, off, n, err := s.src.Piece(p)
 	if err != nil {

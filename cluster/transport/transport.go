@@ -73,14 +73,16 @@ func (d Dest) WriteAt(b []byte, off int64) (int, error) {
 // Start opens it.
 type Transport interface {
 	// Start opens the endpoint and answers peers' fetches from src until
-	// Close.
+	// Close, refusing (ErrBusy) those past the transport's bound on the
+	// pieces it sends at once.
 	Start(src Source) error
 	// Addr returns where peers reach this node (Peer.Addr); "" before
 	// Start.
 	Addr() string
 	// Fetch places piece p from peer into dst and returns the number of
 	// bytes it wrote. A piece the peer does not serve fails with
-	// ErrNotServed; an unreachable, refusing or silent peer (nothing
+	// ErrNotServed; a peer sending as many pieces as it may with
+	// ErrBusy; an unreachable, refusing or silent peer (nothing
 	// received for the transport's idle timeout) with ErrUnreachable; a
 	// write dst refused with ErrDest (all wrapped). Part of the piece may
 	// be in dst on failure, and even on success its bytes are the peer's
@@ -95,6 +97,9 @@ type Transport interface {
 var (
 	// ErrNotServed is returned when the peer does not serve the piece.
 	ErrNotServed = errors.New("piece not served by this node")
+	// ErrBusy is returned when the peer sends as many pieces as it may
+	// at once (its MaxUploads): ask it again later, or ask another.
+	ErrBusy = errors.New("peer busy")
 	// ErrUnreachable is returned when the peer cannot be reached, dies
 	// mid-stream, stalls, sends more than the piece, or refuses this
 	// node's credentials.
