@@ -162,12 +162,17 @@ func TestGRPCFetch(t *testing.T) {
 	}
 }
 
-// stallSource serves a piece whose reads never return until released.
-type stallSource struct{ release chan struct{} }
+// stallSource serves a piece whose reads say so on reading (if not nil)
+// and do not return until released.
+type stallSource struct{ release, reading chan struct{} }
 
 func (s stallSource) Piece(p Piece) (io.ReaderAt, int64, int64, error) { return s, 0, 1 << 10, nil }
 
 func (s stallSource) ReadAt(b []byte, off int64) (int, error) {
+	select {
+	case s.reading <- struct{}{}:
+	default:
+	}
 	<-s.release
 	return len(b), nil
 }
@@ -176,7 +181,7 @@ func (s stallSource) ReadAt(b []byte, off int64) (int, error) {
 // with ErrUnreachable after the idle timeout.
 func TestGRPCIdle(t *testing.T) {
 	creds, _ := certs(t, "node1", "node2")
-	src := stallSource{make(chan struct{})}
+	src := stallSource{release: make(chan struct{})}
 	defer close(src.release)
 	_, addr := serve(t, creds["node1"], src)
 	g, err := NewGRPC(Config{Credentials: creds["node2"], Idle: 200 * time.Millisecond, Log: testLog(t)})
@@ -277,5 +282,39 @@ func BenchmarkGRPCLoopback(b *testing.B) {
 		if _, err := client.Fetch(context.Background(), peer, Piece{Content: "c1"}, dst); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// TestGRPCBusy checks the bound on pieces sent at once: with one piece
+// stalled in flight, a server of one slot refuses another with ErrBusy,
+// and serves again once the first is sent.
+func TestGRPCBusy(t *testing.T) {
+	creds, _ := certs(t, "node1", "node2")
+	src := stallSource{release: make(chan struct{}), reading: make(chan struct{}, 1)}
+	g, err := NewGRPC(Config{Listen: "127.0.0.1:0", Credentials: creds["node1"], MaxUploads: 1, Log: testLog(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	if err := g.Start(src); err != nil {
+		t.Fatal(err)
+	}
+	c := client(t, creds["node2"])
+	peer, piece := Peer{Name: "node1", Addr: g.Addr()}, Piece{Content: "c1"}
+	first := make(chan error, 1)
+	go func() {
+		_, err := c.Fetch(context.Background(), peer, piece, discard(1<<10))
+		first <- err
+	}()
+	<-src.reading // the first holds the slot
+	if _, err := c.Fetch(context.Background(), peer, piece, discard(1<<10)); !errors.Is(err, ErrBusy) {
+		t.Fatalf("a second fetch while one is in flight: %v; want ErrBusy", err)
+	}
+	close(src.release)
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Fetch(context.Background(), peer, piece, discard(1<<10)); err != nil {
+		t.Fatalf("a fetch once the slot is free: %v", err)
 	}
 }

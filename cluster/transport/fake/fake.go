@@ -34,6 +34,8 @@ type Transport struct {
 	closing context.Context // ends at Close, and the fetches in flight with it
 	close   context.CancelFunc
 
+	slots chan struct{} // one per piece being sent; nil: no bound
+
 	mu     sync.Mutex
 	src    transport.Source // nil until Start
 	closed bool
@@ -42,9 +44,13 @@ type Transport struct {
 var _ transport.Transport = (*Transport)(nil)
 
 // New returns the transport of node name on the network; its address is
-// "fake:" and the name.
-func (nw *Network) New(name string) *Transport {
+// "fake:" and the name. It sends at most maxUploads pieces at once and
+// refuses more (ErrBusy); 0 is no bound.
+func (nw *Network) New(name string, maxUploads int) *Transport {
 	t := &Transport{net: nw, name: name}
+	if maxUploads > 0 {
+		t.slots = make(chan struct{}, maxUploads)
+	}
 	t.closing, t.close = context.WithCancel(context.Background())
 	return t
 }
@@ -83,6 +89,14 @@ func (t *Transport) Fetch(ctx context.Context, peer transport.Peer, p transport.
 	t.net.mu.Unlock()
 	if server == nil || server.name != peer.Name {
 		return 0, fmt.Errorf("fetch piece %d of %.12s from %s (%s): %w", p.Index, p.Content, peer.Name, peer.Addr, transport.ErrUnreachable)
+	}
+	if server.slots != nil {
+		select {
+		case server.slots <- struct{}{}:
+			defer func() { <-server.slots }()
+		default:
+			return 0, fmt.Errorf("fetch piece %d of %.12s from %s: %w", p.Index, p.Content, peer.Name, transport.ErrBusy)
+		}
 	}
 	r, off, n, err := server.src.Piece(p)
 	if err != nil {
