@@ -201,7 +201,7 @@ func (s *scheduler) availLocked(g *group, now time.Time) bool {
 		if len(g.avail) == maxAvail {
 			break
 		}
-		if s.peers[node] == "" || s.down[node].After(now) || s.strikes[node] >= maxStrikes || s.inflight[node] >= s.perPeer || !g.lacks(bits) {
+		if !g.lacks(bits) || s.inflight[node] >= s.perPeer || s.down[node].After(now) || s.peers[node] == "" || s.strikes[node] >= maxStrikes {
 			continue
 		}
 		g.avail = append(g.avail, node)
