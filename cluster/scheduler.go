@@ -355,7 +355,8 @@ func (s *scheduler) dropHolderLocked(g *group, node string) {
 
 // holdersChangedLocked recomputes what the scheduler derives from g's
 // holders (their seeds, how many hold each piece) after g.holders was
-// replaced.
+// replaced: work in holders × pieces, where setHolderLocked's is in the
+// bytes of one bitmap, so a change to one key should go through that.
 func (s *scheduler) holdersChangedLocked(g *group) {
 	clear(g.seeds)
 	clear(g.counts)
