@@ -7,7 +7,8 @@
 // also with go-fuse's), tensorfs import and export against cp, the
 // PyTorch case against share_memory_() and a private copy per worker, and
 // pulls over a cluster test bed (scripts/cluster.sh) against iperf3
-// between the same namespaces.
+// between the same namespaces; the sim group runs the pull scheduler on
+// simulated clusters of up to a thousand nodes.
 // Contenders are interleaved round by round (the order rotating each
 // round, backwards every other round) so that the noise of a shared
 // machine falls on all of them alike; the report gives medians and
@@ -60,10 +61,12 @@ type config struct {
 	importSize int64
 	// clusterSize is the tensor data of the model the cluster group pulls.
 	clusterSize int64
+	// simNodes are the cluster sizes the sim group simulates.
+	simNodes []int
 }
 
 // allGroups are the case groups in the order they run.
-var allGroups = []string{"io", "mmap", "meta", "readdir", "import", "scale", "torch", "model", "holders", "cluster"}
+var allGroups = []string{"io", "mmap", "meta", "readdir", "import", "scale", "torch", "model", "holders", "cluster", "sim"}
 
 func main() {
 	if err := run(); err != nil {
@@ -84,7 +87,9 @@ func run() error {
 	cfg.ioSize, cfg.randTime, cfg.mmapSize = 2*giB, 4*time.Second, 1*giB
 	cfg.metaN, cfg.dirN, cfg.scaleSize, cfg.torchSize, cfg.importSize = 10000, 100000, 8*giB, 1*giB, 1*giB
 	cfg.clusterSize = 1 * giB
+	cfg.simNodes = []int{8, 64, 256, 1000}
 	if *quick {
+		cfg.simNodes = []int{8, 64}
 		cfg.ioSize, cfg.randTime, cfg.mmapSize = 256*miB, time.Second, 256*miB
 		cfg.metaN, cfg.dirN, cfg.scaleSize, cfg.torchSize, cfg.importSize = 2000, 10000, 1*giB, 256*miB, 128*miB
 		cfg.clusterSize = 256 * miB
@@ -147,6 +152,8 @@ type bench struct {
 	torchVersion string
 	// version says which tensorfs was measured.
 	version string
+	// simTable is the sim group's table ("" if it did not run).
+	simTable string
 	// loopOptions are the mount options of each loopbackfs contender,
 	// as loopbackfs -options lists them, by contender name.
 	loopOptions map[string]string
@@ -229,6 +236,8 @@ func (b *bench) group(name string) error {
 		return b.groupModel()
 	case "cluster":
 		return b.groupCluster()
+	case "sim":
+		return b.groupSim()
 	default:
 		return b.groupTorch()
 	}

@@ -85,6 +85,7 @@ func (b *bench) report() string {
 	for _, t := range b.tables() {
 		b.writeTable(&w, t)
 	}
+	b.writeSim(&w)
 	facts := append(b.dataPathFacts(), b.res.facts...)
 	if f := b.warmFact(); f != "" {
 		facts = append(facts, f)

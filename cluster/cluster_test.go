@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"io"
 	"net"
 	"os"
 	"reflect"
@@ -602,9 +601,13 @@ func TestServeOnlyVerified(t *testing.T) {
 	}
 	id := v.Entries[1].Content
 	creds := tc.creds("node-x")
-	tr := transport.NewGRPC(creds, tc.config("node-x").Log)
+	tr, err := transport.NewGRPC(transport.Config{Credentials: creds, Log: tc.config("node-x").Log})
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer tr.Close()
-	if _, err := tr.Fetch(ctx, transport.Peer{Name: "node-b", Addr: b.Addr()}, transport.Piece{Content: id}, io.Discard); !errors.Is(err, transport.ErrNotServed) {
+	f := dst(t, 64<<10)
+	if _, err := tr.Fetch(ctx, transport.Peer{Name: "node-b", Addr: b.Addr()}, transport.Piece{Content: id}, transport.Dest{File: f, Len: 64 << 10}); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("node-b served a content it does not hold: %v", err)
 	}
 	p, _ := pullAll(t, b, v)
@@ -619,9 +622,8 @@ func TestServeOnlyVerified(t *testing.T) {
 	if _, _, _, err := b.Piece(transport.Piece{Content: id, Index: v.Contents[id].Pieces()}); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("a piece past the end is served: %v", err)
 	}
-	var buf bytes.Buffer
-	if _, err := tr.Fetch(ctx, transport.Peer{Name: "node-b", Addr: b.Addr()}, transport.Piece{Content: id, Index: 1}, &buf); err != nil || !bytes.Equal(buf.Bytes(), data[64<<10:128<<10]) {
-		t.Fatalf("node-b's piece 1 after the pull: %d bytes, %v", buf.Len(), err)
+	if n, err := tr.Fetch(ctx, transport.Peer{Name: "node-b", Addr: b.Addr()}, transport.Piece{Content: id, Index: 1}, transport.Dest{File: f, Len: 64 << 10}); err != nil || !bytes.Equal(contents(t, f), data[64<<10:128<<10]) {
+		t.Fatalf("node-b's piece 1 after the pull: %d bytes, %v", n, err)
 	}
 }
 

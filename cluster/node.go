@@ -34,12 +34,12 @@ type Config struct {
 	// Node is this node's name, unique among live nodes; Credentials'
 	// certificate must carry it as a DNS name.
 	Node string
-	// Listen is the host:port the piece server listens on (port 0 picks
-	// one). Default: DefaultPort on the address this host reaches the
-	// first endpoint from.
+	// Listen is the host:port the gRPC piece server listens on (port 0
+	// picks one). Default: DefaultPort on the address this host reaches
+	// the first endpoint from. Unused with another Transport.
 	Listen string
-	// Advertise is the host:port peers reach the piece server at; default
-	// the address Listen bound, which must then name a host.
+	// Advertise is the host:port peers reach the gRPC piece server at;
+	// default the address Listen bound, which must then name a host.
 	Advertise string
 	// Credentials authenticate this node to etcd and to its peers, and
 	// them to it (required: the cluster runs on mutual TLS only).
@@ -58,12 +58,17 @@ type Config struct {
 	// (DefaultParallel if 0); PerPeer how many of them from one peer
 	// (DefaultPerPeer if 0).
 	Parallel, PerPeer int
+	// MaxUploads is how many pieces the GRPC piece server sends at once
+	// (transport.DefaultMaxUploads if 0); it refuses more, and the peer
+	// asks another holder.
+	MaxUploads int
 	// NoHolderWait is how long a pull waits, with nothing in flight, for
 	// a holder of a piece it misses before it fails with ErrNoHolder
 	// (DefaultNoHolderWait if 0).
 	NoHolderWait time.Duration
-	// Transport moves pieces (a GRPC transport over Credentials if nil).
-	// The node closes it.
+	// Transport moves pieces: a GRPC transport on Listen and Advertise
+	// over Credentials if nil. Join starts it and peers reach the node at
+	// its Addr; Join (when it fails) or Close closes it.
 	Transport transport.Transport
 	// Log receives what the node does (nothing if nil).
 	Log *slog.Logger
@@ -77,7 +82,7 @@ type Node struct {
 	keys keys
 	etcd *clientv3.Client
 	tr   transport.Transport
-	addr string // advertised piece server address
+	addr string // where peers reach this node: the transport's Addr
 
 	ctx    context.Context // ends at Close
 	cancel context.CancelFunc
@@ -123,19 +128,10 @@ type nodeInfo struct {
 // Close leaves the cluster.
 func Join(cfg Config) (*Node, error) {
 	if err := cfg.fill(); err != nil {
-		return nil, err
-	}
-	l, err := net.Listen("tcp", cfg.Listen)
-	if err != nil {
-		return nil, fmt.Errorf("cluster: piece server: %w", err)
-	}
-	addr := cfg.Advertise
-	if addr == "" {
-		addr = l.Addr().String()
-		if ip := l.Addr().(*net.TCPAddr).IP; ip.IsUnspecified() {
-			l.Close()
-			return nil, fmt.Errorf("%w: cluster: piece server listens on %s: set the address peers reach it at (Advertise)", ErrInvalid, addr)
+		if cfg.Transport != nil {
+			cfg.Transport.Close()
 		}
+		return nil, err
 	}
 	etcd, err := clientv3.New(clientv3.Config{
 		Endpoints:            cfg.Endpoints,
@@ -147,7 +143,7 @@ func Join(cfg Config) (*Node, error) {
 		DialOptions:          []grpc.DialOption{grpc.WithConnectParams(transport.ConnectParams())},
 	})
 	if err != nil {
-		l.Close()
+		cfg.Transport.Close()
 		return nil, fmt.Errorf("cluster: etcd %v: %w", cfg.Endpoints, err)
 	}
 	n := &Node{
@@ -156,17 +152,18 @@ func Join(cfg Config) (*Node, error) {
 		keys:       keys{cfg.Prefix},
 		etcd:       etcd,
 		tr:         cfg.Transport,
-		addr:       addr,
 		wake:       make(chan struct{}, 1),
 		sessErr:    fmt.Errorf("%w: node %s has not joined yet", ErrUnavailable, cfg.Node),
 		sessChange: make(chan struct{}),
 		held:       map[string]*held{},
 	}
 	n.ctx, n.cancel = context.WithCancel(context.Background())
-	if err := n.tr.Serve(l, n); err != nil {
+	if err := n.tr.Start(n); err != nil {
+		n.tr.Close()
 		etcd.Close()
 		return nil, fmt.Errorf("cluster: piece server: %w", err)
 	}
+	n.addr = n.tr.Addr()
 	n.wg.Add(2)
 	go n.run()
 	go n.announce()
@@ -187,7 +184,7 @@ func (cfg *Config) fill() error {
 	if err := cfg.Credentials.CheckName(cfg.Node); err != nil {
 		return fmt.Errorf("%w: %v", ErrInvalid, err)
 	}
-	if cfg.Listen == "" {
+	if cfg.Listen == "" && cfg.Transport == nil {
 		ip, err := localAddrToward(cfg.Endpoints[0])
 		if err != nil {
 			return fmt.Errorf("%w: cluster: no piece server address given, and %v", ErrInvalid, err)
@@ -228,7 +225,11 @@ func (cfg *Config) fill() error {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
 	if cfg.Transport == nil {
-		cfg.Transport = transport.NewGRPC(cfg.Credentials, cfg.Log)
+		tr, err := transport.NewGRPC(transport.Config{Listen: cfg.Listen, Advertise: cfg.Advertise, Credentials: cfg.Credentials, MaxUploads: cfg.MaxUploads, Log: cfg.Log})
+		if err != nil {
+			return fmt.Errorf("%w: cluster: %v", ErrInvalid, err)
+		}
+		cfg.Transport = tr
 	}
 	return nil
 }

@@ -1,18 +1,13 @@
 package cluster
 
 import (
-	"bytes"
 	"context"
-	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"hash"
 	"io"
-	"math"
 	"math/rand/v2"
 	"os"
-	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -28,11 +23,6 @@ const (
 	DefaultParallel     = 8
 	DefaultPerPeer      = 2
 	DefaultNoHolderWait = 30 * time.Second
-	// fetchIdle ends a fetch that has received nothing for this long.
-	fetchIdle = 10 * time.Second
-	// maxStrikes is how many bad pieces a peer may send before a pull
-	// stops asking it for anything.
-	maxStrikes = 3
 )
 
 // Job is one content to pull into a destination file.
@@ -41,8 +31,8 @@ type Job struct {
 	// against its hash before it is written off as held.
 	Content *Content
 	// Dst is the segment's backing file, already Content.Size bytes long.
-	// Pieces are written straight into it at their offsets, and nowhere
-	// else; once verified, this node serves them from it.
+	// The transport places pieces straight into it at their offsets, and
+	// nowhere else; once verified, this node serves them from it.
 	Dst *os.File
 }
 
@@ -61,45 +51,16 @@ type Pull struct {
 	n      *Node
 	ctx    context.Context
 	cancel context.CancelFunc
-	groups []*group // one per distinct content
 	jobs   []*group // job i's group
 	done   chan struct{}
 
 	mu        sync.Mutex
-	err       error                // why the pull failed
-	changed   chan struct{}        // closed and replaced at every change
-	peers     map[string]string    // live nodes: name to address
-	inflight  map[string]int       // fetches in flight per peer
-	fails     map[string]int       // consecutive failures per peer
-	down      map[string]time.Time // do not ask a peer before this
-	strikes   map[string]int       // bad pieces per peer
-	byPeer    map[string]int64     // verified bytes per peer
-	bytes     int64                // verified bytes
-	total     int64                // bytes of all groups
-	left      int                  // pieces missing
-	start     time.Time            // when the pull began
-	end       time.Time            // when it ended (zero until then)
-	lastStep  time.Time            // last piece held, or holder news
-	inFlights int                  // fetches in flight
-	scratch   []string             // holderLocked's
-}
-
-// group is one distinct content of a pull and where it goes.
-type group struct {
-	c       *Content
-	dsts    []*os.File
-	local   io.ReaderAt       // a complete copy this node holds already
-	holders map[string]bitmap // node to the pieces it holds
-	seeds   map[string]bool   // holders that have every piece
-	have    bitmap            // pieces written and verified
-	busy    map[int]bool      // pieces in flight
-	bad     map[int][]string  // peers that sent a bad copy of a piece
-	left    int               // pieces missing
-	done    chan struct{}     // closed when complete
-
-	// This node's share of the pieces one node holds: those with
-	// (index+offset) % shares == share (see mine).
-	share, shares, offset int
+	scheduler               // what to fetch next, from whom; the groups
+	err       error         // why the pull failed
+	changed   chan struct{} // closed and replaced at every change
+	total     int64         // bytes of all groups
+	start     time.Time     // when the pull began
+	end       time.Time     // when it ended (zero until then)
 }
 
 // Pull starts fetching jobs from the nodes that hold them and returns: Done
@@ -116,9 +77,7 @@ type group struct {
 func (n *Node) Pull(ctx context.Context, jobs []Job) (*Pull, error) {
 	p := &Pull{
 		n: n, done: make(chan struct{}), changed: make(chan struct{}),
-		peers: map[string]string{}, inflight: map[string]int{}, fails: map[string]int{},
-		down: map[string]time.Time{}, strikes: map[string]int{}, byPeer: map[string]int64{},
-		start: time.Now(), lastStep: time.Now(),
+		scheduler: newScheduler(n.cfg.Node, n.cfg.PerPeer, rand.Uint64(), time.Now()), start: time.Now(),
 	}
 	byID := map[string]*group{}
 	for i, j := range jobs {
@@ -134,10 +93,7 @@ func (n *Node) Pull(ctx context.Context, jobs []Job) (*Pull, error) {
 		}
 		g := byID[j.Content.ID()]
 		if g == nil {
-			pieces := j.Content.Pieces()
-			g = &group{c: j.Content, holders: map[string]bitmap{}, seeds: map[string]bool{}, have: newBitmap(pieces),
-				busy: map[int]bool{}, bad: map[int][]string{}, left: pieces, done: make(chan struct{}),
-				offset: int(j.Content.ID()[0])} // spreads the first shares of many contents
+			g = newGroup(j.Content)
 			byID[j.Content.ID()] = g
 			p.groups = append(p.groups, g)
 			p.total += j.Content.Size
@@ -319,13 +275,6 @@ func (p *Pull) signalLocked() {
 	p.changed = make(chan struct{})
 }
 
-// task is one piece to fetch from one peer.
-type task struct {
-	g    *group
-	i    int
-	peer transport.Peer
-}
-
 func (p *Pull) worker() {
 	for {
 		t, ok := p.next()
@@ -345,10 +294,7 @@ func (p *Pull) next() (task, bool) {
 		if p.ctx.Err() != nil || p.left == 0 {
 			return task{}, false
 		}
-		if t, ok := p.pickLocked(); ok {
-			t.g.busy[t.i] = true
-			p.inflight[t.peer.Name]++
-			p.inFlights++
+		if t, ok := p.claimLocked(time.Now()); ok {
 			return t, true
 		}
 		if p.inFlights == 0 && time.Since(p.lastStep) > p.n.cfg.NoHolderWait {
@@ -388,175 +334,36 @@ func (p *Pull) missingLocked() string {
 	return ""
 }
 
-// pickLocked chooses the next piece: among the missing pieces not in
-// flight, one with the fewest usable holders (rarest first, so pieces
-// spread before they are copied again), ties broken at random; from its
-// least busy usable holder. A piece only one node holds is fetched by one
-// of the nodes pulling it (each takes its share, see group.mine), so that
-// its holder sends it once; the others fetch it from that puller. Another
-// puller's share is taken only when there is nothing else to do. p.mu is
-// held.
-func (p *Pull) pickLocked() (task, bool) {
-	var (
-		best, other task
-		bestRarity  = math.MaxInt
-		ties        int
-		haveOther   bool
-		now         = time.Now()
-	)
-	gi0 := rand.IntN(len(p.groups))
-	for k := range p.groups {
-		g := p.groups[(gi0+k)%len(p.groups)]
-		if g.left == 0 || g.local != nil {
-			continue
-		}
-		pieces := g.c.Pieces()
-		i0 := rand.IntN(pieces)
-		for j := range pieces {
-			i := (i0 + j) % pieces
-			if g.have.has(i) || g.busy[i] {
-				continue
-			}
-			rarity, peer := p.holderLocked(g, i, now)
-			if peer == "" {
-				continue
-			}
-			t := task{g: g, i: i, peer: transport.Peer{Name: peer, Addr: p.peers[peer]}}
-			switch {
-			case rarity == 1 && !g.mine(i):
-				other, haveOther = t, true
-			case rarity < bestRarity:
-				best, bestRarity, ties = t, rarity, 1
-			case rarity == bestRarity:
-				if ties++; rand.IntN(ties) == 0 {
-					best = t
-				}
-			}
-			if bestRarity == 1 {
-				return best, true // nothing is rarer; the random start spreads the picks
-			}
-		}
-	}
-	if bestRarity != math.MaxInt {
-		return best, true
-	}
-	return other, haveOther && p.inFlights == 0
-}
-
-// mine reports whether piece i is this node's share of the pieces of g
-// that only one node holds: the nodes pulling g (those whose bitmaps are
-// incomplete) split them by index.
-func (g *group) mine(i int) bool {
-	return g.shares <= 1 || (i+g.offset)%g.shares == g.share
-}
-
-// holdersChangedLocked recomputes, after a change to g's holders, which
-// of them have it all (g.seeds), and this node's share of g among the
-// nodes pulling it (those whose bitmaps are incomplete). p.mu is held.
-func (p *Pull) holdersChangedLocked(g *group) {
-	names := []string{p.n.cfg.Node}
-	clear(g.seeds)
-	for node, bits := range g.holders {
-		switch {
-		case node == p.n.cfg.Node:
-		case bits.count() < g.c.Pieces():
-			names = append(names, node)
-		default:
-			g.seeds[node] = true
-		}
-	}
-	slices.Sort(names)
-	g.shares, g.share = len(names), slices.Index(names, p.n.cfg.Node)
-}
-
-// holderLocked returns how many usable holders piece i of g has, and the
-// least busy of them with room for another fetch ("" if none). Holders
-// that have the whole content (the publisher, nodes done pulling) count as
-// busier by PerPeer for a piece others hold too: their upload is kept for
-// the pieces only they have. p.mu is held.
-func (p *Pull) holderLocked(g *group, i int, now time.Time) (int, string) {
-	usable := p.scratch[:0]
-	for node, bits := range g.holders {
-		if bits.has(i) && p.peers[node] != "" && !p.down[node].After(now) && p.strikes[node] < maxStrikes && !slices.Contains(g.bad[i], node) {
-			usable = append(usable, node)
-		}
-	}
-	p.scratch = usable
-	chosen, least, ties := "", math.MaxInt, 0
-	for _, node := range usable {
-		load := p.inflight[node]
-		if load >= p.n.cfg.PerPeer {
-			continue
-		}
-		if len(usable) > 1 && g.seeds[node] {
-			load += p.n.cfg.PerPeer
-		}
-		if load < least {
-			chosen, least, ties = node, load, 1
-		} else if load == least {
-			if ties++; rand.IntN(ties) == 0 {
-				chosen = node
-			}
-		}
-	}
-	return len(usable), chosen
-}
-
-// fetch fetches one piece into its destinations, verifies it and records
-// the outcome.
+// fetch fetches one piece into the first destination, verifies it there,
+// copies it to the others and records the outcome.
 func (p *Pull) fetch(t task) {
 	g, id := t.g, t.g.c.ID()
 	off, size := g.c.PieceRange(t.i)
-	w := &pieceWriter{dsts: g.dsts, off: off, end: off + size, h: sha256.New()}
-	ctx, cancel := context.WithCancelCause(p.ctx)
-	idle := time.AfterFunc(fetchIdle, func() { cancel(fmt.Errorf("nothing received for %v", fetchIdle)) })
-	w.progress = func() { idle.Reset(fetchIdle) }
-	got, err := p.n.tr.Fetch(ctx, t.peer, transport.Piece{Content: id, Index: t.i}, w)
-	idle.Stop()
-	cancel(nil)
-	sum := w.h.Sum(nil)
+	got, err := p.n.tr.Fetch(p.ctx, t.peer, transport.Piece{Content: id, Index: t.i}, transport.Dest{File: g.dsts[0], Off: off, Len: size})
+	o, err := p.settle(t, got, err)
 
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.inflight[t.peer.Name]--
-	p.inFlights--
-	delete(g.busy, t.i)
 	defer p.signalLocked()
-	log := p.n.log.With("content", id, "piece", t.i, "peer", t.peer.Name)
-	switch {
-	case w.err != nil:
-		p.err = cmpErr(p.err, fmt.Errorf("cluster: pull: writing piece %d of %.12s: %w", t.i, id, w.err))
+	if o == cancelled && err != nil {
+		p.err = cmpErr(p.err, fmt.Errorf("cluster: pull: writing piece %d of %.12s: %w", t.i, id, err))
 		p.cancel()
-	case p.ctx.Err() != nil:
-	case err != nil:
+	}
+	backoff := p.finishLocked(t, o, time.Now())
+	log := p.n.log.With("content", id, "piece", t.i, "peer", t.peer.Name)
+	switch o {
+	case notServed:
 		p.n.stats.failedFetches.Add(1)
-		if errors.Is(err, transport.ErrNotServed) {
-			g.bad[t.i] = append(g.bad[t.i], t.peer.Name)
-			log.Info("cluster: peer does not serve a piece it announced; asking another", "err", err)
-			break
+		log.Info("cluster: peer does not serve a piece it announced; asking another", "err", err)
+	case failed:
+		p.n.stats.failedFetches.Add(1)
+		if backoff > 0 {
+			log.Warn("cluster: fetch failed; asking other holders", "retry_in", backoff, "err", err)
 		}
-		if p.down[t.peer.Name].After(time.Now()) {
-			break // the fetches in flight when it failed: one failure
-		}
-		p.fails[t.peer.Name]++
-		backoff := min(time.Second<<min(p.fails[t.peer.Name]-1, 4), 10*time.Second)
-		p.down[t.peer.Name] = time.Now().Add(backoff)
-		log.Warn("cluster: fetch failed; asking other holders", "retry_in", backoff, "err", err)
-	case got != size || !bytes.Equal(sum, g.c.pieceHash(t.i)):
+	case badPiece:
 		p.n.stats.badPieces.Add(1)
-		p.strikes[t.peer.Name]++
-		g.bad[t.i] = append(g.bad[t.i], t.peer.Name)
-		log.Warn("cluster: piece failed verification; fetching it from another holder",
-			"bytes", got, "want_bytes", size, "sha256", fmt.Sprintf("%x", sum), "want_sha256", fmt.Sprintf("%x", g.c.pieceHash(t.i)),
-			"peer_strikes", p.strikes[t.peer.Name])
-	default:
-		p.fails[t.peer.Name] = 0
-		g.have.set(t.i)
-		g.left--
-		p.left--
-		p.bytes += size
-		p.byPeer[t.peer.Name] += size
-		p.lastStep = time.Now()
+		log.Warn("cluster: piece failed verification; fetching it from another holder", "err", err, "peer_strikes", p.strikes[t.peer.Name])
+	case fetched:
 		p.n.stats.piecesFetched.Add(1)
 		p.n.stats.bytesFetched.Add(size)
 		p.n.holdPiece(id, t.i)
@@ -566,30 +373,41 @@ func (p *Pull) fetch(t task) {
 	}
 }
 
-// pieceWriter writes a piece's bytes, as they arrive, to each destination
-// at the piece's offset, and hashes them. It never writes past the piece.
-type pieceWriter struct {
-	dsts     []*os.File
-	off, end int64
-	h        hash.Hash
-	progress func()
-	err      error // a local write failure (ENOSPC, EIO): fatal to the pull
-}
-
-func (w *pieceWriter) Write(b []byte) (int, error) {
-	if int64(len(b)) > w.end-w.off {
-		return 0, fmt.Errorf("peer sent more than the piece's %d bytes", w.end)
+// settle classifies a fetch of task t that wrote got bytes and returned
+// err: it verifies the piece in the first destination and copies it to the
+// others. The error says why a fetch failed or its piece is bad; with
+// cancelled, it is a local failure (a write the destination refused,
+// reading it back), fatal to the pull.
+func (p *Pull) settle(t task, got int64, err error) (outcome, error) {
+	g := t.g
+	off, size := g.c.PieceRange(t.i)
+	switch {
+	case errors.Is(err, transport.ErrDest):
+		return cancelled, err
+	case p.ctx.Err() != nil:
+		return cancelled, nil
+	case errors.Is(err, transport.ErrNotServed):
+		return notServed, err
+	case errors.Is(err, transport.ErrBusy):
+		return busy, err
+	case err != nil:
+		return failed, err
+	case got != size:
+		return badPiece, fmt.Errorf("%d bytes of %d", got, size)
 	}
-	for _, f := range w.dsts {
-		if _, err := f.WriteAt(b, w.off); err != nil {
-			w.err = err
-			return 0, err
+	buf := make([]byte, verifyBuf)
+	if err := g.c.verifyPiece(g.dsts[0], t.i, buf); err != nil {
+		if !errors.Is(err, ErrBadCopy) {
+			return cancelled, err
+		}
+		return badPiece, err
+	}
+	for _, dst := range g.dsts[1:] {
+		if _, err := io.CopyBuffer(io.NewOffsetWriter(dst, off), io.NewSectionReader(g.dsts[0], off, size), buf); err != nil {
+			return cancelled, err
 		}
 	}
-	w.h.Write(b)
-	w.off += int64(len(b))
-	w.progress()
-	return len(b), nil
+	return fetched, nil
 }
 
 // load reads the live nodes and the holders of every group, and watches

@@ -33,57 +33,123 @@ func ConnectParams() grpc.ConnectParams {
 	}
 }
 
+// Defaults of Config.
+const (
+	// DefaultIdle is how long a fetch may receive nothing before it fails.
+	DefaultIdle = 10 * time.Second
+	// DefaultMaxUploads is how many pieces a node sends at once.
+	DefaultMaxUploads = 8
+)
+
+// Config says where a GRPC transport listens and how it authenticates.
+type Config struct {
+	// Listen is the host:port to listen on (port 0 picks one); "" for a
+	// transport that only fetches.
+	Listen string
+	// Advertise is the host:port peers reach this node at; default the
+	// address Listen bound, which must then name a host.
+	Advertise string
+	// Credentials authenticate this node to its peers and them to it.
+	Credentials *Credentials
+	// Idle ends a fetch that has received nothing for this long
+	// (DefaultIdle if 0).
+	Idle time.Duration
+	// MaxUploads is how many pieces the server sends at once; it refuses
+	// more (ErrBusy to the peer). DefaultMaxUploads if 0.
+	MaxUploads int
+	// Log receives what the transport does (nothing if nil).
+	Log *slog.Logger
+}
+
 // GRPC is the gRPC implementation of Transport: one server per node, one
 // client connection per peer, a server stream per piece fetched. Every
 // connection is mutual TLS with the cluster's credentials.
 type GRPC struct {
-	creds *Credentials
-	log   *slog.Logger
+	cfg Config
 
 	mu     sync.Mutex
 	conns  map[Peer]*grpc.ClientConn // peers dialled, by name and address
-	server *grpc.Server              // nil until Serve
+	server *grpc.Server              // nil until Start
+	addr   string                    // advertised address; "" until Start
 	closed bool
 }
 
 var _ Transport = (*GRPC)(nil)
 
-// NewGRPC returns a gRPC transport that authenticates with creds.
-func NewGRPC(creds *Credentials, log *slog.Logger) *GRPC {
-	return &GRPC{creds: creds, log: log, conns: map[Peer]*grpc.ClientConn{}}
+// NewGRPC returns a gRPC transport configured by cfg. It refuses a listen
+// address that names no host (0.0.0.0, ::) without an Advertise address.
+func NewGRPC(cfg Config) (*GRPC, error) {
+	if cfg.Credentials == nil {
+		return nil, errors.New("transport: no credentials")
+	}
+	if cfg.Listen != "" && cfg.Advertise == "" {
+		host, _, err := net.SplitHostPort(cfg.Listen)
+		if ip := net.ParseIP(host); err != nil || host == "" || ip != nil && ip.IsUnspecified() {
+			return nil, fmt.Errorf("transport: the piece server listens on %s: set the address peers reach it at (Advertise)", cfg.Listen)
+		}
+	}
+	if cfg.Idle <= 0 {
+		cfg.Idle = DefaultIdle
+	}
+	if cfg.MaxUploads <= 0 {
+		cfg.MaxUploads = DefaultMaxUploads
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	return &GRPC{cfg: cfg, conns: map[Peer]*grpc.ClientConn{}}, nil
 }
 
-// Serve implements Transport.
-func (g *GRPC) Serve(l net.Listener, src Source) error {
+// Start implements Transport: it listens on Config.Listen.
+func (g *GRPC) Start(src Source) error {
 	g.mu.Lock()
 	defer g.mu.Unlock()
-	if g.closed {
-		l.Close()
+	switch {
+	case g.closed:
 		return net.ErrClosed
+	case g.server != nil:
+		return errors.New("transport: already started")
+	case g.cfg.Listen == "":
+		return errors.New("transport: no listen address")
 	}
-	if g.server != nil {
-		l.Close()
-		return errors.New("transport: already serving")
+	l, err := net.Listen("tcp", g.cfg.Listen)
+	if err != nil {
+		return fmt.Errorf("transport: piece server: %w", err)
+	}
+	g.addr = g.cfg.Advertise
+	if g.addr == "" {
+		g.addr = l.Addr().String()
 	}
 	g.server = grpc.NewServer(
-		grpc.Creds(credentials.NewTLS(g.creds.ServerConfig())),
+		grpc.Creds(credentials.NewTLS(g.cfg.Credentials.ServerConfig())),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
 	)
-	piecepb.RegisterPiecesServer(g.server, &pieceServer{src: src, log: g.log})
+	piecepb.RegisterPiecesServer(g.server, &pieceServer{src: src, log: g.cfg.Log, slots: make(chan struct{}, g.cfg.MaxUploads)})
 	go func() {
 		if err := g.server.Serve(l); err != nil {
-			g.log.Warn("cluster: piece server stopped", "addr", l.Addr(), "err", err)
+			g.cfg.Log.Warn("cluster: piece server stopped", "addr", l.Addr(), "err", err)
 		}
 	}()
 	return nil
 }
 
+// Addr implements Transport.
+func (g *GRPC) Addr() string {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.addr
+}
+
 // Fetch implements Transport.
-func (g *GRPC) Fetch(ctx context.Context, peer Peer, p Piece, w io.Writer) (int64, error) {
+func (g *GRPC) Fetch(ctx context.Context, peer Peer, p Piece, dst Dest) (int64, error) {
 	conn, err := g.conn(peer)
 	if err != nil {
 		return 0, err
 	}
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	idle := time.AfterFunc(g.cfg.Idle, func() { cancel(fmt.Errorf("%w: nothing received for %v", ErrUnreachable, g.cfg.Idle)) })
+	defer idle.Stop()
 	stream, err := piecepb.NewPiecesClient(conn).Fetch(ctx, &piecepb.FetchRequest{Content: p.Content, Index: uint32(p.Index)})
 	if err != nil {
 		return 0, fetchError(ctx, peer, p, err)
@@ -97,10 +163,11 @@ func (g *GRPC) Fetch(ctx context.Context, peer Peer, p Piece, w io.Writer) (int6
 		if err != nil {
 			return n, fetchError(ctx, peer, p, err)
 		}
-		k, err := w.Write(chunk.Data)
+		idle.Reset(g.cfg.Idle)
+		k, err := dst.WriteAt(chunk.Data, n)
 		n += int64(k)
 		if err != nil {
-			return n, err
+			return n, fmt.Errorf("fetch piece %d of %.12s from %s: %w", p.Index, p.Content, peer.Name, err)
 		}
 	}
 }
@@ -114,6 +181,8 @@ func fetchError(ctx context.Context, peer Peer, p Piece, err error) error {
 		return fmt.Errorf("fetch piece %d of %.12s from %s: %w", p.Index, p.Content, peer.Name, context.Cause(ctx))
 	case status.Code(err) == codes.NotFound:
 		kind = ErrNotServed
+	case status.Code(err) == codes.ResourceExhausted:
+		kind = ErrBusy
 	}
 	return fmt.Errorf("fetch piece %d of %.12s from %s (%s): %w: %s", p.Index, p.Content, peer.Name, peer.Addr, kind, status.Convert(err).Message())
 }
@@ -130,7 +199,7 @@ func (g *GRPC) conn(peer Peer) (*grpc.ClientConn, error) {
 		return c, nil
 	}
 	c, err := grpc.NewClient("passthrough:///"+peer.Addr,
-		grpc.WithTransportCredentials(credentials.NewTLS(g.creds.ClientConfig(peer.Name))),
+		grpc.WithTransportCredentials(credentials.NewTLS(g.cfg.Credentials.ClientConfig(peer.Name))),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(2*ChunkSize)),
 		grpc.WithConnectParams(ConnectParams()),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
@@ -163,12 +232,20 @@ func (g *GRPC) Close() error {
 // pieceServer answers Fetch from a Source.
 type pieceServer struct {
 	piecepb.UnimplementedPiecesServer
-	src Source
-	log *slog.Logger
+	src   Source
+	log   *slog.Logger
+	slots chan struct{} // one per piece being sent
 }
 
-// Fetch streams the piece the request names, in chunks of ChunkSize.
+// Fetch streams the piece the request names, in chunks of ChunkSize, or
+// refuses it (ResourceExhausted) while every slot is taken.
 func (s *pieceServer) Fetch(req *piecepb.FetchRequest, stream grpc.ServerStreamingServer[piecepb.Chunk]) error {
+	select {
+	case s.slots <- struct{}{}:
+		defer func() { <-s.slots }()
+	default:
+		return status.Error(codes.ResourceExhausted, "sending as many pieces as it may")
+	}
 	p := Piece{Content: req.Content, Index: int(req.Index)}
 	r, off, n, err := s.src.Piece(p)
 	if err != nil {

@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -76,17 +77,39 @@ func certs(t testing.TB, names ...string) (map[string]*Credentials, *Credentials
 
 // serve starts a transport with creds serving src on a loopback port.
 func serve(t testing.TB, creds *Credentials, src Source) (*GRPC, string) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	g, err := NewGRPC(Config{Listen: "127.0.0.1:0", Credentials: creds, Log: testLog(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	g := NewGRPC(creds, testLog(t))
-	if err := g.Serve(l, src); err != nil {
+	if err := g.Start(src); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { g.Close() })
-	return g, l.Addr().String()
+	return g, g.Addr()
 }
+
+// client returns a transport with creds that only fetches.
+func client(t testing.TB, creds *Credentials) *GRPC {
+	g, err := NewGRPC(Config{Credentials: creds, Log: testLog(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { g.Close() })
+	return g
+}
+
+// memFile is a file in memory.
+type memFile []byte
+
+func (f memFile) WriteAt(b []byte, off int64) (int, error) {
+	if off+int64(len(b)) > int64(len(f)) {
+		return 0, io.ErrShortWrite
+	}
+	return copy(f[off:], b), nil
+}
+
+// discard is a Dest that takes up to n bytes and keeps none.
+func discard(n int64) Dest { return Dest{File: make(memFile, n), Len: n} }
 
 func randomBytes(t testing.TB, n int) []byte {
 	b := make([]byte, n)
@@ -100,27 +123,100 @@ func TestGRPCFetch(t *testing.T) {
 	creds, _ := certs(t, "node1", "node2")
 	src := &memSource{content: "c1", data: randomBytes(t, 5<<20+123), pieceSize: 2 << 20}
 	_, addr := serve(t, creds["node1"], src)
-	client := NewGRPC(creds["node2"], testLog(t))
-	defer client.Close()
+	client := client(t, creds["node2"])
 	peer := Peer{Name: "node1", Addr: addr}
 	ctx := context.Background()
+	file := make(memFile, len(src.data)+10)
 	for i := 0; i < 3; i++ {
-		var buf bytes.Buffer
-		n, err := client.Fetch(ctx, peer, Piece{Content: "c1", Index: i}, &buf)
+		off := int64(i) * src.pieceSize
+		want := src.data[off:min(off+src.pieceSize, int64(len(src.data)))]
+		n, err := client.Fetch(ctx, peer, Piece{Content: "c1", Index: i}, Dest{File: file, Off: off + 10, Len: int64(len(want))})
 		if err != nil {
 			t.Fatalf("piece %d: %v", i, err)
 		}
-		off := int64(i) * src.pieceSize
-		want := src.data[off:min(off+src.pieceSize, int64(len(src.data)))]
-		if n != int64(len(want)) || !bytes.Equal(buf.Bytes(), want) {
-			t.Fatalf("piece %d: got %d bytes, want %d, equal %v", i, n, len(want), bytes.Equal(buf.Bytes(), want))
+		if got := file[off+10 : off+10+n]; n != int64(len(want)) || !bytes.Equal(got, want) {
+			t.Fatalf("piece %d: got %d bytes, want %d, equal %v", i, n, len(want), bytes.Equal(got, want))
 		}
 	}
+	if !bytes.Equal(file[10:], src.data) || !bytes.Equal(file[:10], make([]byte, 10)) {
+		t.Fatal("the pieces were not placed at their offsets, and only there")
+	}
 	for _, p := range []Piece{{Content: "c1", Index: 3}, {Content: "c2", Index: 0}} {
-		n, err := client.Fetch(ctx, peer, p, io.Discard)
+		n, err := client.Fetch(ctx, peer, p, discard(src.pieceSize))
 		if !errors.Is(err, ErrNotServed) || n != 0 {
 			t.Fatalf("%+v: got %d bytes, err %v; want ErrNotServed", p, n, err)
 		}
+	}
+	// A piece larger than its destination says: refused, nothing written
+	// past the destination's end.
+	short := make(memFile, 1<<20)
+	if n, err := client.Fetch(ctx, peer, Piece{Content: "c1", Index: 0}, Dest{File: short, Len: 1000}); !errors.Is(err, ErrUnreachable) || n > 1000 {
+		t.Fatalf("a piece past its destination: %d bytes, %v; want ErrUnreachable", n, err)
+	}
+	if !bytes.Equal(short[1000:], make([]byte, len(short)-1000)) {
+		t.Fatal("bytes written past the destination")
+	}
+	// A destination that refuses its writes: ErrDest, with its error.
+	if _, err := client.Fetch(ctx, peer, Piece{Content: "c1", Index: 0}, Dest{File: make(memFile, 10), Len: src.pieceSize}); !errors.Is(err, ErrDest) || !errors.Is(err, io.ErrShortWrite) {
+		t.Fatalf("a failing destination: %v; want ErrDest wrapping its error", err)
+	}
+}
+
+// stallSource serves a piece whose reads say so on reading (if not nil)
+// and do not return until released.
+type stallSource struct{ release, reading chan struct{} }
+
+func (s stallSource) Piece(p Piece) (io.ReaderAt, int64, int64, error) { return s, 0, 1 << 10, nil }
+
+func (s stallSource) ReadAt(b []byte, off int64) (int, error) {
+	select {
+	case s.reading <- struct{}{}:
+	default:
+	}
+	<-s.release
+	return len(b), nil
+}
+
+// TestGRPCIdle checks that a fetch from a peer that sends nothing fails
+// with ErrUnreachable after the idle timeout.
+func TestGRPCIdle(t *testing.T) {
+	creds, _ := certs(t, "node1", "node2")
+	src := stallSource{release: make(chan struct{})}
+	defer close(src.release)
+	_, addr := serve(t, creds["node1"], src)
+	g, err := NewGRPC(Config{Credentials: creds["node2"], Idle: 200 * time.Millisecond, Log: testLog(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	start := time.Now()
+	if _, err := g.Fetch(context.Background(), Peer{Name: "node1", Addr: addr}, Piece{Content: "c1"}, discard(1<<10)); !errors.Is(err, ErrUnreachable) || !strings.Contains(err.Error(), "nothing received") {
+		t.Fatalf("fetch from a stalled peer: %v; want ErrUnreachable", err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Fatalf("the idle timeout took %v", d)
+	}
+}
+
+// TestGRPCConfig checks the configurations NewGRPC refuses.
+func TestGRPCConfig(t *testing.T) {
+	creds, _ := certs(t, "node1")
+	for _, cfg := range []Config{
+		{Listen: "0.0.0.0:0", Credentials: creds["node1"]},
+		{Listen: ":7070", Credentials: creds["node1"]},
+		{Listen: "127.0.0.1:0"},
+	} {
+		if _, err := NewGRPC(cfg); err == nil {
+			t.Errorf("NewGRPC accepted listen %q, credentials %v", cfg.Listen, cfg.Credentials != nil)
+		}
+	}
+	g, err := NewGRPC(Config{Listen: "0.0.0.0:0", Advertise: "node1.example:7070", Credentials: creds["node1"]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	if err := g.Start(&memSource{}); err != nil || g.Addr() != "node1.example:7070" {
+		t.Fatalf("start: %v, addr %q", err, g.Addr())
 	}
 }
 
@@ -135,25 +231,23 @@ func TestGRPCRefusesOutsiders(t *testing.T) {
 	defer cancel()
 	piece := Piece{Content: "c1", Index: 0}
 
-	intruder := NewGRPC(foreign, testLog(t))
-	defer intruder.Close()
-	if n, err := intruder.Fetch(ctx, Peer{Name: "node1", Addr: addr}, piece, io.Discard); !errors.Is(err, ErrUnreachable) || n != 0 {
+	intruder := client(t, foreign)
+	if n, err := intruder.Fetch(ctx, Peer{Name: "node1", Addr: addr}, piece, discard(1000)); !errors.Is(err, ErrUnreachable) || n != 0 {
 		t.Fatalf("fetch with a foreign certificate: %d bytes, err %v; want ErrUnreachable", n, err)
 	}
 
 	_, fakeAddr := serve(t, foreign, src)
-	member := NewGRPC(creds["node2"], testLog(t))
-	defer member.Close()
-	if n, err := member.Fetch(ctx, Peer{Name: "intruder", Addr: fakeAddr}, piece, io.Discard); !errors.Is(err, ErrUnreachable) || n != 0 {
+	member := client(t, creds["node2"])
+	if n, err := member.Fetch(ctx, Peer{Name: "intruder", Addr: fakeAddr}, piece, discard(1000)); !errors.Is(err, ErrUnreachable) || n != 0 {
 		t.Fatalf("fetch from a server with a foreign certificate: %d bytes, err %v; want ErrUnreachable", n, err)
 	}
 
 	// node1's server, reached as if it were node2: its certificate does not say so.
-	if n, err := member.Fetch(ctx, Peer{Name: "node2", Addr: addr}, piece, io.Discard); !errors.Is(err, ErrUnreachable) || n != 0 {
+	if n, err := member.Fetch(ctx, Peer{Name: "node2", Addr: addr}, piece, discard(1000)); !errors.Is(err, ErrUnreachable) || n != 0 {
 		t.Fatalf("fetch from node1 posing as node2: %d bytes, err %v; want ErrUnreachable", n, err)
 	}
 	// The same client still reaches node1 under its own name.
-	if _, err := member.Fetch(ctx, Peer{Name: "node1", Addr: addr}, piece, io.Discard); err != nil {
+	if _, err := member.Fetch(ctx, Peer{Name: "node1", Addr: addr}, piece, discard(1000)); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -175,14 +269,52 @@ func BenchmarkGRPCLoopback(b *testing.B) {
 	const pieceSize = 8 << 20
 	src := &memSource{content: "c1", data: randomBytes(b, pieceSize), pieceSize: pieceSize}
 	_, addr := serve(b, creds["node1"], src)
-	client := NewGRPC(creds["node2"], slog.New(slog.DiscardHandler))
+	client, err := NewGRPC(Config{Credentials: creds["node2"]})
+	if err != nil {
+		b.Fatal(err)
+	}
 	defer client.Close()
 	peer := Peer{Name: "node1", Addr: addr}
+	dst := discard(pieceSize)
 	b.SetBytes(pieceSize)
 	b.ResetTimer()
 	for b.Loop() {
-		if _, err := client.Fetch(context.Background(), peer, Piece{Content: "c1"}, io.Discard); err != nil {
+		if _, err := client.Fetch(context.Background(), peer, Piece{Content: "c1"}, dst); err != nil {
 			b.Fatal(err)
 		}
+	}
+}
+
+// TestGRPCBusy checks the bound on pieces sent at once: with one piece
+// stalled in flight, a server of one slot refuses another with ErrBusy,
+// and serves again once the first is sent.
+func TestGRPCBusy(t *testing.T) {
+	creds, _ := certs(t, "node1", "node2")
+	src := stallSource{release: make(chan struct{}), reading: make(chan struct{}, 1)}
+	g, err := NewGRPC(Config{Listen: "127.0.0.1:0", Credentials: creds["node1"], MaxUploads: 1, Log: testLog(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	if err := g.Start(src); err != nil {
+		t.Fatal(err)
+	}
+	c := client(t, creds["node2"])
+	peer, piece := Peer{Name: "node1", Addr: g.Addr()}, Piece{Content: "c1"}
+	first := make(chan error, 1)
+	go func() {
+		_, err := c.Fetch(context.Background(), peer, piece, discard(1<<10))
+		first <- err
+	}()
+	<-src.reading // the first holds the slot
+	if _, err := c.Fetch(context.Background(), peer, piece, discard(1<<10)); !errors.Is(err, ErrBusy) {
+		t.Fatalf("a second fetch while one is in flight: %v; want ErrBusy", err)
+	}
+	close(src.release)
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Fetch(context.Background(), peer, piece, discard(1<<10)); err != nil {
+		t.Fatalf("a fetch once the slot is free: %v", err)
 	}
 }

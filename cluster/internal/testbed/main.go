@@ -18,8 +18,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"io"
-	"log/slog"
+	"math"
 	"net"
 	"os"
 	"os/signal"
@@ -158,6 +157,14 @@ func runPut(args []string) error {
 	return err
 }
 
+// maxPiece lets fetch take a piece of any size.
+const maxPiece = math.MaxInt64
+
+// discard is a destination that keeps nothing.
+type discard struct{}
+
+func (discard) WriteAt(b []byte, off int64) (int, error) { return len(b), nil }
+
 // runFetch fetches one piece from a peer and prints its size.
 func runFetch(args []string) error {
 	fl := flag.NewFlagSet("fetch", flag.ExitOnError)
@@ -176,11 +183,14 @@ func runFetch(args []string) error {
 	if err != nil {
 		return err
 	}
-	tr := transport.NewGRPC(c, slog.New(slog.DiscardHandler))
+	tr, err := transport.NewGRPC(transport.Config{Credentials: c})
+	if err != nil {
+		return err
+	}
 	defer tr.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	n, err := tr.Fetch(ctx, transport.Peer{Name: name, Addr: addr}, transport.Piece{Content: fl.Arg(0), Index: index}, io.Discard)
+	n, err := tr.Fetch(ctx, transport.Peer{Name: name, Addr: addr}, transport.Piece{Content: fl.Arg(0), Index: index}, transport.Dest{File: discard{}, Len: maxPiece})
 	if err != nil {
 		return err
 	}

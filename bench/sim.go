@@ -1,0 +1,59 @@
+package main
+
+import (
+	"fmt"
+	"os"
+	"strings"
+	"time"
+
+	"tensorfs/cluster/sim"
+)
+
+// The sim group: the piece scheduler of package cluster on simulated
+// clusters (package cluster/sim), from one node pulling alone to
+// cfg.simNodes nodes pulling at once, each size as it is and with churn:
+// simLate of the nodes starting late and simDie dying mid-pull. No root,
+// mount or network: it runs on a virtual clock.
+
+// Churn of the sim group's second run at each size.
+const (
+	simLate = 0.1
+	simDie  = 0.05
+)
+
+// groupSim runs the simulations and keeps their table for the report.
+func (b *bench) groupSim() error {
+	one := sim.Run(sim.Defaults(1))
+	rs := []sim.Result{one}
+	for _, n := range b.cfg.simNodes {
+		for _, churn := range []bool{false, true} {
+			cfg := sim.Defaults(n)
+			if churn {
+				cfg.Late, cfg.Die = simLate, simDie
+			}
+			start := time.Now()
+			r := sim.Run(cfg)
+			fmt.Fprintf(os.Stderr, "bench: sim: %v (in %s)\n", r, time.Since(start).Round(time.Second))
+			rs = append(rs, r)
+		}
+	}
+	b.simTable = sim.Table(one, rs)
+	fmt.Fprint(os.Stderr, b.simTable)
+	return nil
+}
+
+// writeSim writes the sim group's section of the report.
+func (b *bench) writeSim(w *strings.Builder) {
+	if b.simTable == "" {
+		return
+	}
+	c := sim.Defaults(1)
+	fmt.Fprintf(w, "\n## Cluster simulation\n\nThe scheduler of `tensorfs pull` (package cluster: which piece next, from which holder) "+
+		"on simulated clusters (package cluster/sim, a virtual clock; regenerate with `make bench-sim`): one seeder holds a model of %s "+
+		"in %d files of %s pieces; N nodes pull it at once over links of %.0f Mbit/s up and down with %v latency, etcd answering "+
+		"in %v; each size again with %.0f%% of the nodes starting late (within half a pull) and %.0f%% dying mid-pull; "+
+		"the first row is one node pulling alone. etcd's load is what the code writes: a transaction per batch of changed holder keys, "+
+		"each key a watch event at every node pulling the content.\n\n",
+		fmtSize(c.Model), c.Files, fmtSize(c.PieceSize), c.Up*8/1e6, c.Latency, c.Etcd, 100*simLate, 100*simDie)
+	w.WriteString(b.simTable)
+}

@@ -1,0 +1,385 @@
+package cluster
+
+import (
+	"io"
+	"math"
+	mbits "math/bits"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"time"
+
+	"tensorfs/cluster/transport"
+)
+
+// maxStrikes is how many bad pieces a peer may send before a pull stops
+// asking it for anything.
+const maxStrikes = 3
+
+// maxAvail is how many holders of a content a pick considers at most: a
+// sample, drawn anew at every pick, keeps a pick's work bounded however
+// many nodes hold the content, and spreads the pulls over the holders.
+const maxAvail = 32
+
+// busyWait is how long a pull leaves alone a peer that refused a fetch
+// because it sends as many pieces as it may (transport.ErrBusy).
+const busyWait = 250 * time.Millisecond
+
+// scheduler decides which piece a pull fetches next and from which
+// holder, and keeps the books on the outcomes. It runs no goroutine, holds
+// no lock and reads no clock: Pull calls it under Pull.mu with time.Now;
+// the simulation (package cluster/sim, through Scheduler) calls it with a
+// virtual clock. What it knows of holders comes from etcd (Pull.load and
+// the watch), through setHolderLocked and dropHolderLocked.
+type scheduler struct {
+	self      string               // this node's name
+	perPeer   int                  // fetches in flight from one peer, at most
+	rng       *rand.Rand           // its random choices
+	groups    []*group             // one per distinct content
+	peers     map[string]string    // live nodes: name to address
+	inflight  map[string]int       // fetches in flight per peer
+	fails     map[string]int       // consecutive failures per peer
+	down      map[string]time.Time // do not ask a peer before this
+	strikes   map[string]int       // bad pieces per peer
+	byPeer    map[string]int64     // verified bytes per peer
+	bytes     int64                // verified bytes
+	left      int                  // pieces missing
+	lastStep  time.Time            // last piece held, or holder news
+	inFlights int                  // fetches in flight
+	scratch   []string             // holderLocked's
+
+	// After a pick that found nothing: nothing changed since (idle), the
+	// peers then, and when the first peer left alone comes back.
+	idle      bool
+	idlePeers int
+	idleUntil time.Time
+}
+
+// newScheduler returns the scheduler of node self, with no groups yet,
+// its random choices drawn from seed.
+func newScheduler(self string, perPeer int, seed uint64, now time.Time) scheduler {
+	return scheduler{
+		self: self, perPeer: perPeer, rng: rand.New(rand.NewPCG(seed, 0)),
+		peers: map[string]string{}, inflight: map[string]int{}, fails: map[string]int{},
+		down: map[string]time.Time{}, strikes: map[string]int{}, byPeer: map[string]int64{},
+		lastStep: now,
+	}
+}
+
+// group is one distinct content of a pull and where it goes.
+type group struct {
+	c       *Content
+	dsts    []*os.File
+	local   io.ReaderAt       // a complete copy this node holds already
+	holders map[string]bitmap // node to the pieces it holds
+	seeds   map[string]bool   // holders other than this node that have every piece
+	counts  []int             // holders other than this node of each piece
+	have    bitmap            // pieces written and verified
+	busy    map[int]bool      // pieces in flight
+	bad     map[int][]string  // peers that sent a bad copy of a piece
+	left    int               // pieces missing
+	done    chan struct{}     // closed when complete
+
+	// pickLocked's: the holders that may be asked now (avail), the
+	// pieces those that are not seeds hold (offers), whether a seed is
+	// among them, and whether a piece this node lacks is held by seeds
+	// alone (seedOnly).
+	avail     []string
+	offers    bitmap
+	seedAvail bool
+	seedOnly  bool
+}
+
+// newGroup returns the group of content c, nothing held yet.
+func newGroup(c *Content) *group {
+	pieces := c.Pieces()
+	return &group{c: c, holders: map[string]bitmap{}, seeds: map[string]bool{}, counts: make([]int, pieces),
+		have: newBitmap(pieces), busy: map[int]bool{}, bad: map[int][]string{}, left: pieces,
+		done: make(chan struct{}), offers: newBitmap(pieces)}
+}
+
+// task is one piece to fetch from one peer.
+type task struct {
+	g    *group
+	i    int
+	peer transport.Peer
+}
+
+// outcome is how a fetch ended.
+type outcome int
+
+const (
+	fetched   outcome = iota // verified and written
+	notServed                // the peer does not serve the piece
+	busy                     // the peer sends as many pieces as it may
+	failed                   // the peer is unreachable, dead or refusing
+	badPiece                 // the bytes failed verification
+	cancelled                // the pull ended meanwhile
+)
+
+// claimLocked picks the next task and marks it in flight; false if no
+// piece can be fetched now. After a pick that found nothing, it answers
+// false at once until something changes: a fetch ends, a holder announces
+// a piece this node lacks, the peers change, or a peer left alone may be
+// asked again.
+func (s *scheduler) claimLocked(now time.Time) (task, bool) {
+	if s.idle && len(s.peers) == s.idlePeers && now.Before(s.idleUntil) {
+		return task{}, false
+	}
+	t, ok := s.pickLocked(now)
+	if !ok {
+		s.idle, s.idlePeers, s.idleUntil = true, len(s.peers), now.Add(time.Hour)
+		for _, until := range s.down {
+			if until.After(now) && until.Before(s.idleUntil) {
+				s.idleUntil = until
+			}
+		}
+		return task{}, false
+	}
+	t.g.busy[t.i] = true
+	s.inflight[t.peer.Name]++
+	s.inFlights++
+	return t, true
+}
+
+// pickLocked chooses the next piece: among the missing pieces not in
+// flight that a holder with room may be asked for now, one with the
+// fewest holders (rarest first, so that pieces spread before they are
+// copied again), ties broken at random; from the least busy of those
+// holders (see holderLocked). A holder that refuses because it sends as
+// many pieces as it may (ErrBusy) is left alone for busyWait: so a node
+// that alone holds a content (its publisher) sends a few pieces at a
+// time, each to one puller, and they spread from there while it sends
+// the next ones.
+func (s *scheduler) pickLocked(now time.Time) (task, bool) {
+	var (
+		best       *group
+		bi, ties   int
+		bestRarity = math.MaxInt
+	)
+	for _, g := range s.groups {
+		if g.left == 0 || g.local != nil || !s.availLocked(g, now) {
+			continue
+		}
+		pieces := len(g.counts)
+		i0 := s.rng.IntN(pieces)
+		for j := range pieces {
+			i := (i0 + j) % pieces
+			r := g.counts[i]
+			if r > bestRarity || g.have.has(i) || g.busy[i] || !g.offers.has(i) && !(g.seedAvail && g.seedsMay(i)) {
+				continue
+			}
+			if len(g.bad[i]) > 0 && s.holderLocked(g, i) == "" {
+				continue // only peers that sent it bad have it
+			}
+			if r < bestRarity {
+				bestRarity, ties = r, 0
+			}
+			if ties++; s.rng.IntN(ties) == 0 {
+				best, bi = g, i
+			}
+		}
+	}
+	if best == nil {
+		return task{}, false
+	}
+	peer := s.holderLocked(best, bi)
+	return task{g: best, i: bi, peer: transport.Peer{Name: peer, Addr: s.peers[peer]}}, true
+}
+
+// availLocked finds up to maxAvail holders of g that may be asked for a
+// piece now (g.avail: live, not left alone, not struck out, with room for
+// another fetch, holding a piece this node lacks), in random order (Go's
+// map iteration); the pieces those of them that are not seeds hold
+// (g.offers), whether a seed is among them (g.seedAvail), and whether
+// seeds alone hold a piece this node lacks (g.seedOnly). False if none
+// may be asked.
+func (s *scheduler) availLocked(g *group, now time.Time) bool {
+	g.avail, g.seedAvail, g.seedOnly = g.avail[:0], false, false
+	clear(g.offers)
+	for node, bits := range g.holders {
+		if len(g.avail) == maxAvail {
+			break
+		}
+		if !g.lacks(bits) || s.inflight[node] >= s.perPeer || s.down[node].After(now) || s.peers[node] == "" || s.strikes[node] >= maxStrikes {
+			continue
+		}
+		g.avail = append(g.avail, node)
+		if g.seeds[node] {
+			g.seedAvail = true
+			continue
+		}
+		for k := range min(len(bits), len(g.offers)) {
+			g.offers[k] |= bits[k]
+		}
+	}
+	for i, r := range g.counts {
+		if r <= len(g.seeds) && !g.have.has(i) {
+			g.seedOnly = true
+			break
+		}
+	}
+	return len(g.avail) > 0
+}
+
+// lacks reports whether bits has a piece this node lacks.
+func (g *group) lacks(bits bitmap) bool {
+	for k := range min(len(bits), len(g.have)) {
+		if bits[k]&^g.have[k] != 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// seedsMay reports whether g's seeds may be asked for piece i: while
+// seeds alone hold a piece this node lacks, they are asked only for such
+// pieces, so that their upload goes to pieces the others do not have.
+func (g *group) seedsMay(i int) bool {
+	return !g.seedOnly || g.counts[i] <= len(g.seeds)
+}
+
+// holderLocked returns the least busy of the holders in g.avail that
+// have piece i, did not send a bad copy of it, and are not seeds unless
+// seedsMay ("" if none). Seeds (holders of the whole content: its
+// publisher, nodes done pulling) count as busier by perPeer when another
+// holder has the piece too: their upload is kept for the pieces only they
+// have.
+func (s *scheduler) holderLocked(g *group, i int) string {
+	usable := s.scratch[:0]
+	for _, node := range g.avail {
+		if g.holders[node].has(i) && !slices.Contains(g.bad[i], node) && (!g.seeds[node] || g.seedsMay(i)) {
+			usable = append(usable, node)
+		}
+	}
+	s.scratch = usable
+	chosen, least, ties := "", math.MaxInt, 0
+	for _, node := range usable {
+		load := s.inflight[node]
+		if len(usable) > 1 && g.seeds[node] {
+			load += s.perPeer
+		}
+		if load < least {
+			chosen, least, ties = node, load, 1
+		} else if load == least {
+			if ties++; s.rng.IntN(ties) == 0 {
+				chosen = node
+			}
+		}
+	}
+	return chosen
+}
+
+// finishLocked records how task t ended, and returns how long its peer is
+// left alone when the failure is a new one (0 otherwise).
+func (s *scheduler) finishLocked(t task, o outcome, now time.Time) (backoff time.Duration) {
+	g, peer := t.g, t.peer.Name
+	s.inflight[peer]--
+	s.inFlights--
+	s.idle = false
+	delete(g.busy, t.i)
+	switch o {
+	case notServed:
+		g.bad[t.i] = append(g.bad[t.i], peer)
+	case busy:
+		if until := now.Add(busyWait); until.After(s.down[peer]) {
+			s.down[peer] = until
+		}
+	case failed:
+		if s.down[peer].After(now) && s.fails[peer] > 0 {
+			return 0 // the fetches in flight when it failed: one failure
+		}
+		s.fails[peer]++
+		backoff = min(time.Second<<min(s.fails[peer]-1, 4), 10*time.Second)
+		s.down[peer] = now.Add(backoff)
+	case badPiece:
+		s.strikes[peer]++
+		g.bad[t.i] = append(g.bad[t.i], peer)
+	case fetched:
+		_, size := g.c.PieceRange(t.i)
+		s.fails[peer] = 0
+		g.have.set(t.i)
+		g.left--
+		s.left--
+		s.bytes += size
+		s.byPeer[peer] += size
+		s.lastStep = now
+	}
+	return backoff
+}
+
+// setHolderLocked records that node holds the pieces in bits of g.
+func (s *scheduler) setHolderLocked(g *group, node string, bits bitmap) {
+	old := g.holders[node]
+	if old != nil {
+		s.tallyLocked(g, node, old, -1)
+	}
+	g.holders[node] = bits
+	s.tallyLocked(g, node, bits, 1)
+	if node == s.self {
+		return
+	}
+	for k := range max(len(old), len(bits)) {
+		was, is := byteAt(old, k), byteAt(bits, k)
+		for x := was ^ is; x != 0; x &= x - 1 {
+			i := k*8 + mbits.TrailingZeros8(x)
+			switch {
+			case i >= len(g.counts):
+			case is&(1<<(i%8)) != 0:
+				g.counts[i]++
+				if !g.have.has(i) {
+					s.idle = false // a piece this node lacks
+				}
+			default:
+				g.counts[i]--
+			}
+		}
+	}
+}
+
+// byteAt returns byte k of b, 0 past its end.
+func byteAt(b bitmap, k int) byte {
+	if k < len(b) {
+		return b[k]
+	}
+	return 0
+}
+
+// dropHolderLocked forgets node as a holder of g.
+func (s *scheduler) dropHolderLocked(g *group, node string) {
+	if _, ok := g.holders[node]; ok {
+		s.setHolderLocked(g, node, nil)
+		delete(g.holders, node)
+	}
+}
+
+// holdersChangedLocked recomputes what the scheduler derives from g's
+// holders (their seeds, how many hold each piece) after g.holders was
+// replaced: work in holders × pieces, where setHolderLocked's is in the
+// bytes of one bitmap, so a change to one key should go through that.
+func (s *scheduler) holdersChangedLocked(g *group) {
+	clear(g.seeds)
+	clear(g.counts)
+	s.idle = false
+	for node, bits := range g.holders {
+		s.tallyLocked(g, node, bits, 1)
+		for i := range g.counts {
+			if node != s.self && bits.has(i) {
+				g.counts[i]++
+			}
+		}
+	}
+}
+
+// tallyLocked adds (d = 1) or takes away (d = -1) node as a seed of g if
+// bits has every piece.
+func (s *scheduler) tallyLocked(g *group, node string, bits bitmap, d int) {
+	if node == s.self || bits.count() < len(g.counts) {
+		return
+	}
+	if d > 0 {
+		g.seeds[node] = true
+	} else {
+		delete(g.seeds, node)
+	}
+}
