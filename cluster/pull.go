@@ -494,11 +494,10 @@ func (p *Pull) onHolder(g *group, ev *clientv3.Event) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if ev.Type == clientv3.EventTypeDelete {
-		delete(g.holders, node)
+		p.dropHolderLocked(g, node)
 	} else {
-		g.holders[node] = bitmap(ev.Kv.Value)
+		p.setHolderLocked(g, node, bitmap(ev.Kv.Value))
 	}
-	p.holdersChangedLocked(g)
 	p.lastStep = time.Now()
 	p.signalLocked()
 	return p.ctx.Err() == nil
