@@ -36,15 +36,14 @@ fi
 
 # Where the time goes on a fresh 2-CPU machine: apt (unpacking PyTorch),
 # compiling every package with -race once, and the integration tests. So
-# apt and the CUDA SDK's download run in the background from the start;
-# every build is race-instrumented (GOFLAGS=-race: vet, the daemon, the
-# Python tests' and the cluster test bed's builds all reuse one compile);
-# the unit tests run while apt is still unpacking (they need nothing it
-# installs), the integration tests' compile beside them; the Python tests
-# run beside the integration tests. A background phase's output goes to
-# its log, printed when it is waited for; a failure in any phase fails the
-# script, after every phase has ended (none is killed: apt is never
-# stopped halfway).
+# apt and the CUDA SDK's download run in the background from the start,
+# while vet compiles; every build is race-instrumented (GOFLAGS=-race: vet,
+# the daemon, the tests, the Python tests' and the cluster test bed's
+# builds all reuse one compile); the Python tests run beside go test,
+# where the unit tests run beside the integration tests. A background
+# phase's output goes to its log, printed when it is waited for; a failure
+# in any phase fails the script, after every phase has ended (none is
+# killed: apt is never stopped halfway).
 work=$(mktemp -d "${TMPDIR:-/tmp}/tensorfs-test.XXXXXX")
 declare -A pids=()
 failed=()
@@ -103,6 +102,7 @@ apt_install() {
 	echo "test.sh: installing ${missing[*]}"
 	apt-get update -q
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${packages[@]}"
+	echo "test.sh: apt done, ${SECONDS}s after the start"
 }
 
 # Integration tests fail instead of skipping when they cannot mount.
@@ -193,21 +193,8 @@ chmod 755 "$work" # other users run it (the non-root tests)
 go build -o "$work/bin/tensorfs" ./cmd/tensorfs
 export TENSORFS_BIN="$work/bin/tensorfs"
 
-# -parallel 4 (the default is one per CPU): the integration tests mostly
-# wait on daemons, python children and polls; on two CPUs, 4 ran them
-# faster than 2 or 8.
-gotest=(go test -count=1 -timeout 30m -parallel 4 "$@")
-
-# The packages that need nothing apt installs run now, the integration
-# tests compile beside them; gpu compares ACLs with getfacl (acl).
-mapfile -t early < <(go list ./... | grep -v -x -e tensorfs/integration -e tensorfs/gpu)
-start compile go test -c -o /dev/null ./integration
-echo "== go test (before apt)"
-"${gotest[@]}" "${early[@]}" || failed+=("go test")
-finish compile || true
-
 if [ -n "${pids[apt]:-}" ]; then
-	finish apt || exit 1 # every test below needs what it installs
+	finish apt || exit 1 # the tests need what it installs
 fi
 
 if [ -d python/tests ]; then
@@ -215,7 +202,10 @@ if [ -d python/tests ]; then
 fi
 
 echo "== go test"
-"${gotest[@]}" ./gpu ./integration || failed+=("go test")
+# -parallel 4 (the default is one per CPU): the integration tests mostly
+# wait on daemons, python children and polls; on two CPUs, 4 ran them
+# faster than 2 or 8.
+go test -count=1 -timeout 30m -parallel 4 "$@" ./... || failed+=("go test")
 
 finish_all
 if [ "${#failed[@]}" -gt 0 ]; then
