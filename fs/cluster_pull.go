@@ -328,10 +328,10 @@ func (c *clusterFS) contentOf(cid string) (*cluster.Content, error) {
 // published that the watch has not made here yet (a pull right after a
 // publish elsewhere) is made first.
 func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
-	targets, err := c.pullTargets(who, dir)
+	targets, err := c.madeTargets(who, dir)
 	if errors.Is(err, unix.ENOENT) || errors.Is(err, cluster.ErrNotPublished) {
 		if err = c.catchUp(dir); err == nil {
-			targets, err = c.pullTargets(who, dir)
+			targets, err = c.madeTargets(who, dir)
 		}
 	}
 	var bytes, segments int64
@@ -373,6 +373,15 @@ func (c *clusterFS) catchUp(dir string) error {
 		err = c.materialize(info, v)
 	}
 	return err
+}
+
+// madeTargets is pullTargets once a version that the watch is making
+// here is complete (it holds nsMu meanwhile): a pull right after a publish
+// read the half-made directory and pulled what was made of it.
+func (c *clusterFS) madeTargets(who ctl.Cred, dir string) ([]pullTarget, error) {
+	c.nsMu.Lock()
+	defer c.nsMu.Unlock()
+	return c.pullTargets(who, dir)
 }
 
 // pullTargets returns, for who, the pulled segments below dir that are
