@@ -39,8 +39,8 @@ fi
 # apt and the CUDA SDK's download run in the background from the start,
 # while vet compiles; every build is race-instrumented (GOFLAGS=-race: vet,
 # the daemon, the tests, the Python tests' and the cluster test bed's
-# builds all reuse one compile); the Python tests run beside go test,
-# where the unit tests run beside the integration tests. A background
+# builds all reuse one compile); the unit tests and the Python tests run
+# beside the integration tests. A background
 # phase's output goes to its log, printed when it is waited for; a failure
 # in any phase fails the script, after every phase has ended (none is
 # killed: apt is never stopped halfway).
@@ -201,11 +201,16 @@ if [ -d python/tests ]; then
 	start python python_tests
 fi
 
-echo "== go test"
 # -parallel 4 (the default is one per CPU): the integration tests mostly
 # wait on daemons, python children and polls; on two CPUs, 4 ran them
-# faster than 2 or 8.
-go test -count=1 -timeout 30m -parallel 4 "$@" ./... || failed+=("go test")
+# faster than 2 or 8. The integration tests, the longest, start at once,
+# the other packages beside them (one go test after the other spent a
+# minute compiling the unit tests' packages first).
+gotest=(go test -count=1 -timeout 30m -parallel 4 "$@")
+mapfile -t units < <(go list ./... | grep -v -x tensorfs/integration)
+start unit "${gotest[@]}" "${units[@]}"
+echo "== go test ./integration"
+"${gotest[@]}" ./integration || failed+=("go test ./integration")
 
 finish_all
 if [ "${#failed[@]}" -gt 0 ]; then
