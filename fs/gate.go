@@ -2,6 +2,7 @@ package fs
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -13,33 +14,106 @@ import (
 // with it, for the kernel to send its successor (NotifyResend).
 type gateFS struct {
 	fuse.RawFileSystem
-	// mu is held for reading by every request in flight, and for
-	// writing once frozen.
-	mu sync.RWMutex
+	// mu is held for reading by every request in flight, and frozen
+	// by a handover.
+	mu gateLock
 }
 
 // freeze waits up to wait for the requests in flight to finish and holds
 // off the rest; false if they did not finish (nothing is held off then).
-func (f *gateFS) freeze(wait time.Duration) bool {
-	locked := make(chan struct{})
-	go func() {
-		f.mu.Lock()
-		close(locked)
-	}()
-	select {
-	case <-locked:
-		return true
-	case <-time.After(wait):
-		go func() {
-			<-locked
-			f.mu.Unlock()
-		}()
-		return false
+func (f *gateFS) freeze(wait time.Duration) bool { return f.mu.freeze(wait) }
+
+// thaw serves requests again after freeze.
+func (f *gateFS) thaw() { f.mu.thaw() }
+
+// gateBias is taken off gateLock.n while it is frozen.
+const gateBias = 1 << 40
+
+// gateLock is a reader lock that a freeze can give up: a sync.RWMutex
+// whose Lock times out leaves that Lock waiting, and every request that
+// comes after it held off until the requests in flight finish (one
+// opening a segment still being pulled, for as long as the pull takes),
+// for all the mount's users, after the handover has been refused.
+type gateLock struct {
+	// n is the requests in flight, less gateBias while frozen.
+	n      atomic.Int64
+	mu     sync.Mutex
+	frozen bool
+	// thawed is closed at the thaw of a freeze; changed, while a freeze
+	// waits, once a request in flight leaves.
+	thawed  chan struct{}
+	changed chan struct{}
+}
+
+// RLock enters a request; it waits while frozen.
+func (g *gateLock) RLock() {
+	for {
+		if g.n.Add(1) > 0 {
+			return
+		}
+		g.RUnlock()
+		g.mu.Lock()
+		frozen, thawed := g.frozen, g.thawed
+		g.mu.Unlock()
+		if frozen {
+			<-thawed
+		}
 	}
 }
 
-// thaw serves requests again after freeze.
-func (f *gateFS) thaw() { f.mu.Unlock() }
+// RUnlock leaves a request; a freeze waiting for it is told.
+func (g *gateLock) RUnlock() {
+	if g.n.Add(-1) < 0 {
+		g.mu.Lock()
+		if g.changed != nil {
+			close(g.changed)
+			g.changed = nil
+		}
+		g.mu.Unlock()
+	}
+}
+
+// freeze holds off new requests and waits up to wait for those in flight
+// to leave; if they do not, it thaws and returns false.
+func (g *gateLock) freeze(wait time.Duration) bool {
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	g.mu.Lock()
+	if g.frozen {
+		g.mu.Unlock()
+		return false
+	}
+	g.frozen, g.thawed = true, make(chan struct{})
+	g.n.Add(-gateBias)
+	for g.n.Load() != -gateBias {
+		changed := make(chan struct{})
+		g.changed = changed
+		g.mu.Unlock()
+		select {
+		case <-changed:
+		case <-timer.C:
+			g.mu.Lock()
+			g.changed = nil
+			g.mu.Unlock()
+			g.thaw()
+			return false
+		}
+		g.mu.Lock()
+	}
+	g.mu.Unlock()
+	return true
+}
+
+// thaw ends a freeze: the requests held off go on.
+func (g *gateLock) thaw() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.frozen {
+		g.frozen = false
+		g.n.Add(gateBias)
+		close(g.thawed)
+	}
+}
 
 func (f *gateFS) Lookup(cancel <-chan struct{}, header *fuse.InHeader, name string, out *fuse.EntryOut) fuse.Status {
 	f.mu.RLock()
