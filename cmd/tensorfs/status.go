@@ -109,29 +109,27 @@ func readStatuses(points []string, wait time.Duration) []statusReport {
 		answers[i] = make(chan statusReport, 1)
 		go func() { answers[i] <- readStatus(p) }()
 	}
-	deadline := time.After(wait)
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	expired := false
 	reports := make([]statusReport, len(points))
 	for i, p := range points {
-		select {
-		case reports[i] = <-answers[i]:
-		case <-deadline:
-			deadline = closedTimer // the others had as long
+		if !expired {
 			select {
 			case reports[i] = <-answers[i]:
-			default:
-				reports[i] = statusReport{Mountpoint: p, Error: fmt.Sprintf("%s: its daemon did not answer within %v (busy or hung; see its log, or unmount it)", p, wait)}
+				continue
+			case <-timer.C:
+				expired = true // the others had as long
 			}
+		}
+		select {
+		case reports[i] = <-answers[i]:
+		default:
+			reports[i] = statusReport{Mountpoint: p, Error: fmt.Sprintf("%s: its daemon did not answer within %v (busy or hung; see its log, or unmount it)", p, wait)}
 		}
 	}
 	return reports
 }
-
-// closedTimer is a timer channel that has fired.
-var closedTimer = func() <-chan time.Time {
-	c := make(chan time.Time)
-	close(c)
-	return c
-}()
 
 // readStatus reads the statistics of the mount at point.
 func readStatus(point string) statusReport {
