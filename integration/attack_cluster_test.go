@@ -68,6 +68,7 @@ func stickyScratch(t *testing.T, tb *testbed, nodes int, name string) {
 // (alice's 0755 directory), and node1 serves his bytes as the directory
 // alice published.
 func TestAttackClusterRepublishOthersDir(t *testing.T) {
+	t.Parallel()
 	tb := upCluster(t, 2)
 	n1, n2 := tb.node(1), tb.node(2)
 	clusterModes(t, tb, 2, nil, func(t *testing.T, mode string) {
@@ -115,6 +116,7 @@ func TestAttackClusterRepublishOthersDir(t *testing.T) {
 // them. Each attempt (a byte changed: a new version) leaves megabytes
 // more in etcd, whose quota stops the whole cluster once full.
 func TestAttackClusterFailedPublishLeavesKeys(t *testing.T) {
+	t.Parallel()
 	tb := upCluster(t, 1)
 	n1 := tb.node(1)
 	clusterModes(t, tb, 1, nil, func(t *testing.T, mode string) {
@@ -152,6 +154,7 @@ for f, n in (("b", 15), ("c", 15), ("z", 40)):
 // with about RLIMIT_NOFILE of them (19500 on a 20000 limit) bob's opens,
 // within his share, and root's fail with EMFILE.
 func TestAttackClusterServedDescriptors(t *testing.T) {
+	t.Parallel()
 	tb := upCluster(t, 1)
 	n1 := tb.node(1)
 	clusterModes(t, tb, 1, nil, func(t *testing.T, mode string) {

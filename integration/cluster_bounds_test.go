@@ -30,6 +30,7 @@ var boundsFlags = map[int][]string{
 // there and shown in user.tensorfs.cluster of its directory; another user
 // and root publish on; republishing does not grow etcd.
 func TestClusterBounds(t *testing.T) {
+	t.Parallel()
 	tb := upCluster(t, 2)
 	n1, n2 := tb.node(1), tb.node(2)
 	users := map[string][2]int{"passthrough": {userA, userB}, "classic": {userA + 2, userB + 2}}

@@ -83,6 +83,7 @@ func objectState(t *testing.T, p string) string {
 // their hashes: node1 serves none of them, and node3 pulls the published
 // bytes from node2.
 func TestClusterOwnership(t *testing.T) {
+	t.Parallel()
 	tb := upCluster(t, 3)
 	n1, n2, n3 := tb.node(1), tb.node(2), tb.node(3)
 	for _, n := range []string{n1, n2, n3} {

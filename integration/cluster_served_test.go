@@ -62,6 +62,10 @@ func TestClusterServedByPath(t *testing.T) {
 		t.Fatal(err)
 	}
 	tb.must("unmount", "--purge", n1) // gone for good: its backing too (the test bed takes down mounted nodes only)
+	// node3's pull of x's content finds no holder: it fails after 5 s,
+	// not the default 30.
+	tb.must("unmount", n3)
+	tb.mount(3, "--cluster-holder-wait", "5s")
 	waitVersion(t, dir(n3), v)
 	t.Logf("node3, from node2 restarted: %s", tb.must("pull", dir(n3, "many")))
 	sameFiles(t, dir(n3, "many"), wantMany)

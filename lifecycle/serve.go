@@ -12,6 +12,7 @@ import (
 	"runtime/debug"
 	"sync/atomic"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -62,6 +63,9 @@ type ClusterConfig struct {
 	Listen string
 	// Bounds bound what one user's publications take.
 	Bounds fs.ClusterBounds
+	// HolderWait is how long a pull waits, with nothing in flight, for a
+	// holder of a piece it lacks before it fails (0: cluster's default).
+	HolderWait time.Duration
 }
 
 // Serve mounts cfg.Mountpoint, calls ready with the mode data is served
@@ -127,7 +131,7 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		if err != nil {
 			return err
 		}
-		clusterCfg = &cluster.Config{Endpoints: c.Endpoints, Node: c.Node, Listen: c.Listen, Credentials: creds, Log: log}
+		clusterCfg = &cluster.Config{Endpoints: c.Endpoints, Node: c.Node, Listen: c.Listen, NoHolderWait: c.HolderWait, Credentials: creds, Log: log}
 	}
 	// The GPU helper starts before the mount, so it inherits nothing of it.
 	// fs.Mount owns it from the call on; failures before close it here.

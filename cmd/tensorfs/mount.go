@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -40,6 +41,8 @@ type mountFlags struct {
 	userEntries, userDirs, nodeInodes int64
 	keep                              int
 	bounds                            fs.ClusterBounds
+	// holderWait: how long a pull waits for a holder (0: the default).
+	holderWait time.Duration
 }
 
 func (m *mountFlags) register(set *flag.FlagSet) {
@@ -65,6 +68,7 @@ func (m *mountFlags) register(set *flag.FlagSet) {
 	set.Int64Var(&m.userEntries, "cluster-user-entries", 0, "entries (segments and directories) of the versions one user's published directories keep (default: a share of the etcd quota)")
 	set.Int64Var(&m.userDirs, "cluster-user-dirs", 0, "directories one user may publish (default: a share of the etcd quota)")
 	set.IntVar(&m.keep, "cluster-keep", 0, "versions of a published directory kept in etcd, the current one included (default 2)")
+	set.DurationVar(&m.holderWait, "cluster-holder-wait", 0, "how long a pull waits, with nothing in flight, for a node holding a piece it lacks before it fails (default 30s)")
 	set.Int64Var(&m.nodeInodes, "cluster-node-inodes", 0, "inodes one user's publications may make on this node (default: a share of the backing's inodes)")
 	set.StringVar(&m.nodeBytes, "cluster-node-bytes", "", "bytes one user's publications may make on this node (default: a share of the backing's capacity)")
 }
@@ -185,8 +189,8 @@ func checkClusterFlags(m *mountFlags) error {
 		if m.node != "" || m.clusterCA != "" || m.clusterCert != "" || m.clusterKey != "" || m.clusterListen != "" {
 			return errors.New("--node, --cluster-ca, --cluster-cert, --cluster-key and --cluster-listen go with --cluster ENDPOINTS")
 		}
-		if m.etcdQuota != "" || m.userBytes != "" || m.nodeBytes != "" || m.userEntries != 0 || m.userDirs != 0 || m.nodeInodes != 0 || m.keep != 0 {
-			return errors.New("--etcd-quota, --cluster-user-*, --cluster-node-* and --cluster-keep go with --cluster ENDPOINTS")
+		if m.etcdQuota != "" || m.userBytes != "" || m.nodeBytes != "" || m.userEntries != 0 || m.userDirs != 0 || m.nodeInodes != 0 || m.keep != 0 || m.holderWait != 0 {
+			return errors.New("--etcd-quota, --cluster-user-*, --cluster-node-*, --cluster-keep and --cluster-holder-wait go with --cluster ENDPOINTS")
 		}
 		return nil
 	}
@@ -212,8 +216,8 @@ func (m *mountFlags) parseBounds() error {
 		}
 		*f.to = n
 	}
-	if m.userEntries < 0 || m.userDirs < 0 || m.nodeInodes < 0 || m.keep < 0 {
-		return errors.New("--cluster-user-entries, --cluster-user-dirs, --cluster-node-inodes and --cluster-keep take positive numbers")
+	if m.userEntries < 0 || m.userDirs < 0 || m.nodeInodes < 0 || m.keep < 0 || m.holderWait < 0 {
+		return errors.New("--cluster-user-entries, --cluster-user-dirs, --cluster-node-inodes, --cluster-keep and --cluster-holder-wait take positive numbers")
 	}
 	b.Entries, b.Dirs, b.NodeInodes, b.Keep = m.userEntries, m.userDirs, m.nodeInodes, m.keep
 	return nil
@@ -225,7 +229,7 @@ func clusterConfig(m *mountFlags) *lifecycle.ClusterConfig {
 		return nil
 	}
 	return &lifecycle.ClusterConfig{Endpoints: strings.Split(m.cluster, ","), Node: m.node,
-		CA: m.clusterCA, Cert: m.clusterCert, Key: m.clusterKey, Listen: m.clusterListen, Bounds: m.bounds}
+		CA: m.clusterCA, Cert: m.clusterCert, Key: m.clusterKey, Listen: m.clusterListen, Bounds: m.bounds, HolderWait: m.holderWait}
 }
 
 // parseSize reads sizes such as 512M, 8G, 1T or plain bytes; "" is 0.
