@@ -30,11 +30,7 @@ func Start(mp string, argv []string) (ready, logPath string, err error) {
 		return "", logPath, err
 	}
 	defer logf.Close()
-	self, err := os.Executable()
-	if err != nil {
-		return "", logPath, err
-	}
-	cmd := exec.Command(self, argv...)
+	cmd := exec.Command(selfExe, argv...) // this very inode, not its path
 	cmd.Stderr = logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	out, err := cmd.StdoutPipe()
