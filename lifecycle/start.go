@@ -31,6 +31,9 @@ func Start(mp string, argv []string) (ready, logPath string, err error) {
 	}
 	defer logf.Close()
 	cmd := exec.Command(selfExe, argv...) // this very inode, not its path
+	if self, err := os.Executable(); err == nil {
+		cmd.Args[0] = self // as the mount helper too: a daemon's name (isDaemon)
+	}
 	cmd.Stderr = logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	out, err := cmd.StdoutPipe()
