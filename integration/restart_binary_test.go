@@ -15,7 +15,8 @@ import (
 // anyone may write (0777), one owned by uid 65534, one in a directory
 // uid 65534 owns; the refusal says which and why, the keeper's log says
 // so, and the daemon serves on. A symbolic link to a good binary is
-// followed by the command (root's word) and the binary it names runs.
+// followed by the command (root's word) and the binary it names runs,
+// which does not keep the descriptor it was run from.
 func TestRestartBinaryRefused(t *testing.T) {
 	const nobody = 65534
 	m := mountFS(t, "passthrough")
@@ -77,7 +78,14 @@ func TestRestartBinaryRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	m.restart(t, filepath.Join(dir, "link"))
-	if exe, err := os.Readlink("/proc/" + strconv.Itoa(m.daemonPid(t)) + "/exe"); err != nil || exe != good {
+	proc := "/proc/" + strconv.Itoa(m.daemonPid(t))
+	if exe, err := os.Readlink(proc + "/exe"); err != nil || exe != good {
 		t.Errorf("the daemon restarted through a link runs %q (%v), want %s", exe, err, good)
+	}
+	fds, _ := os.ReadDir(proc + "/fd")
+	for _, fd := range fds {
+		if p, _ := os.Readlink(proc + "/fd/" + fd.Name()); p == good {
+			t.Errorf("the daemon holds its own binary open on descriptor %s, which its children would inherit", fd.Name())
+		}
 	}
 }

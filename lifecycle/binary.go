@@ -15,8 +15,17 @@ import (
 const selfExe = "/proc/self/exe"
 
 // BinaryFd is the descriptor a kept daemon finds its own binary on (the
-// one its keeper checked and ran): it closes it at start.
+// one its keeper checked and ran): CloseBinaryFd closes it.
 const BinaryFd = KeeperFd + 1
+
+// CloseBinaryFd closes BinaryFd in a kept daemon, so that its children do
+// not inherit it; only if it is an O_PATH descriptor, as the keeper's is
+// (a keeper from before BinaryFd passes nothing there).
+func CloseBinaryFd() {
+	if fl, err := unix.FcntlInt(BinaryFd, unix.F_GETFL, 0); err == nil && fl&unix.O_PATH != 0 {
+		unix.Close(BinaryFd)
+	}
+}
 
 // binary is an executable the keeper runs as daemons: a descriptor of the
 // inode it checked, which it runs again after a crash, so that whatever

@@ -97,7 +97,7 @@ func runMount(args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	if m.kept {
-		unix.Close(lifecycle.BinaryFd) // what the keeper ran: not for our children
+		lifecycle.CloseBinaryFd()
 	}
 	if m.takeover && !m.kept {
 		fmt.Fprintln(stderr, "tensorfs mount: --takeover needs --kept; see tensorfs restart")
