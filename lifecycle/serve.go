@@ -245,13 +245,8 @@ func startGPU(backend string, log *slog.Logger) gpu.Device {
 	exe, err := selfExe, error(nil)
 	if backend == "cuda" {
 		// CUDA lives in a helper binary of its own (built with -tags cuda),
-		// so that this one never links libcuda; it runs as root, so it is
-		// checked as a restart's binary is, and run from what was checked.
-		var helper *binary
-		if helper, err = findCUDAHelper(); err == nil {
-			defer helper.f.Close()
-			exe = fmt.Sprintf("/proc/self/fd/%d", helper.f.Fd())
-		}
+		// so that this one never links libcuda.
+		exe, err = findCUDAHelper()
 	}
 	var dev gpu.Device
 	if err == nil {
@@ -272,9 +267,11 @@ func closeGPU(dev gpu.Device) {
 	}
 }
 
-// findCUDAHelper opens (openBinary) tensorfs-gpu beside the tensorfs
-// binary, else on PATH.
-func findCUDAHelper() (*binary, error) {
+// findCUDAHelper returns the path of tensorfs-gpu beside the tensorfs
+// binary, else on PATH. It runs as root, so it is checked as a restart's
+// binary is (openBinary); since that leaves no one but root able to
+// change what its path names, it runs by that path.
+func findCUDAHelper() (string, error) {
 	p, err := exec.LookPath("tensorfs-gpu")
 	if self, e := os.Executable(); e == nil {
 		if beside := filepath.Join(filepath.Dir(self), "tensorfs-gpu"); unix.Access(beside, unix.X_OK) == nil {
@@ -285,7 +282,12 @@ func findCUDAHelper() (*binary, error) {
 		p, err = filepath.EvalSymlinks(p)
 	}
 	if err != nil {
-		return nil, errors.New("no tensorfs-gpu helper beside tensorfs or on PATH; build it with scripts/cuda-sdk.sh and go build -tags cuda ./gpu/cmd/tensorfs-gpu")
+		return "", errors.New("no tensorfs-gpu helper beside tensorfs or on PATH; build it with scripts/cuda-sdk.sh and go build -tags cuda ./gpu/cmd/tensorfs-gpu")
 	}
-	return openBinary(p)
+	b, err := openBinary(p)
+	if err != nil {
+		return "", err
+	}
+	b.f.Close()
+	return p, nil
 }
