@@ -71,6 +71,10 @@ var peerBinary = sync.OnceValues(func() (string, error) {
 //	regroup  connect, change the supplementary groups to
 //	         CTL_TEST_REGROUP, send an export of "slow" and exit at once
 //	purge    ask for a purge; print "ok" or the errno's number
+//	park     park CTL_TEST_PARK all_gathers with a memfd each, one per
+//	         connection, in a group that never fills; print each refusal
+//	         as it comes, and hold the rest until stdin closes
+//	solo     an all_gather of one with a memfd; print "ok" or the error
 func peerMain(mode, sock string) int {
 	c, err := Dial(sock)
 	if err != nil {
@@ -98,6 +102,22 @@ func peerMain(mode, sock string) int {
 			fmt.Println(err)
 			return 1
 		}
+	case "park":
+		n, _ := strconv.Atoi(os.Getenv("CTL_TEST_PARK"))
+		for rank := range n {
+			go func() {
+				if _, err := parkedGather(sock, rank, n+1); err != nil {
+					fmt.Println("refused:", err)
+				}
+			}()
+		}
+		io.Copy(io.Discard, os.Stdin)
+	case "solo":
+		if _, err := parkedGather(sock, 0, 1); err != nil {
+			fmt.Println(err)
+			return 1
+		}
+		fmt.Println("ok")
 	case "purge":
 		var errno syscall.Errno
 		switch err := c.Purge(); {
@@ -115,9 +135,40 @@ func peerMain(mode, sock string) int {
 	return 0
 }
 
+// parkedGather sends an all_gather of group "park" as rank of world with
+// a memfd, on a connection of its own, and returns what it got.
+func parkedGather(sock string, rank, world int) ([]*os.File, error) {
+	c, err := Dial(sock)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	fd, err := unix.MemfdCreate("peer", unix.MFD_CLOEXEC)
+	if err != nil {
+		return nil, err
+	}
+	f := os.NewFile(uintptr(fd), "memfd")
+	defer f.Close()
+	return c.AllGather("park", rank, world, f)
+}
+
 // runPeer runs peerMain(mode) on the socket at sock as cred and returns
 // its pid and output. It needs root.
 func runPeer(t *testing.T, mode, sock string, cred *syscall.Credential, env ...string) (int, string) {
+	t.Helper()
+	cmd := peerCommand(t, mode, sock, cred, env...)
+	var stderr strings.Builder // apart: a binary built with -cover warns there
+	cmd.Stderr = &stderr
+	b, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("peer %s as %+v: %v\n%s%s", mode, cred, err, b, stderr.String())
+	}
+	return cmd.Process.Pid, strings.TrimSpace(string(b))
+}
+
+// peerCommand returns the command of peerMain(mode) on the socket at
+// sock as cred. It needs root.
+func peerCommand(t *testing.T, mode, sock string, cred *syscall.Credential, env ...string) *exec.Cmd {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("peers of other credentials need root")
@@ -133,13 +184,7 @@ func runPeer(t *testing.T, mode, sock string, cred *syscall.Credential, env ...s
 	cmd.Env = append([]string{"CTL_TEST_PEER=" + mode, "CTL_TEST_SOCKET=" + sock}, env...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
 	cmd.WaitDelay = 5 * time.Second
-	var stderr strings.Builder // apart: a binary built with -cover warns there
-	cmd.Stderr = &stderr
-	b, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("peer %s as %+v: %v\n%s%s", mode, cred, err, b, stderr.String())
-	}
-	return cmd.Process.Pid, strings.TrimSpace(string(b))
+	return cmd
 }
 
 // sorted returns the groups sorted, nil for none.

@@ -1,6 +1,7 @@
 package ctl
 
 import (
+	"bufio"
 	"errors"
 	"fmt"
 	"os"
@@ -264,6 +265,57 @@ func TestFDLimit(t *testing.T) {
 	for deadline := time.Now().Add(5 * time.Second); s.quota.held(0).FDs != 1; time.Sleep(5 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("%d descriptors counted, want 1 (the waiting rank's)", s.quota.held(0).FDs)
+		}
+	}
+}
+
+// TestFDLimitPerUID (ledger row "socket descriptors"): a user who parks
+// collectives, each holding the descriptor it sent, stops at her share of
+// the socket's descriptors with EAGAIN naming it; another user's and
+// root's collectives are served meanwhile, and her descriptors are given
+// back once she leaves.
+func TestFDLimitPerUID(t *testing.T) {
+	b := newFakeBackend(t, nil)
+	s, path := listen(t, Config{Backend: b, Total: Limits{FDs: 64}})
+	per := perUIDCap(Limits{FDs: 64}).FDs
+	cmd := peerCommand(t, "park", path, &syscall.Credential{Uid: 1000, Gid: 1000}, fmt.Sprintf("CTL_TEST_PARK=%d", per+3))
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Wait()
+	defer stdin.Close()
+	lines := bufio.NewScanner(out)
+	if !lines.Scan() {
+		t.Fatalf("the peer of uid 1000 said nothing: %v", lines.Err())
+	}
+	if want := fmt.Sprintf("uid 1000 reached the limit of %d socket descriptors per uid", per); !strings.Contains(lines.Text(), want) {
+		t.Errorf("uid 1000 past her share: %q, want it to say %q", lines.Text(), want)
+	}
+	if held := s.quota.held(1000).FDs; held > per {
+		t.Errorf("uid 1000 holds %d socket descriptors, past her share of %d", held, per)
+	}
+	if _, got := runPeer(t, "solo", path, &syscall.Credential{Uid: 1001, Gid: 1001}); got != "ok" {
+		t.Errorf("uid 1001's all_gather while uid 1000 is at her share: %s", got)
+	}
+	files, err := parkedGather(path, 0, 1)
+	if err != nil {
+		t.Errorf("root's all_gather while uid 1000 is at her share: %v", err)
+	}
+	for _, f := range files {
+		f.Close()
+	}
+	stdin.Close()
+	for deadline := time.Now().Add(5 * time.Second); s.quota.held(1000).FDs != 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("uid 1000 left, and %d of her socket descriptors are still counted", s.quota.held(1000).FDs)
 		}
 	}
 }

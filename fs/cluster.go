@@ -152,6 +152,9 @@ func (c *clusterFS) watch() {
 // dirRecord is what a published directory's backing directory records
 // of its version (alloc.MarkPublished), and user.tensorfs.cluster shows.
 type dirRecord struct {
+	// Dir is the published directory's path, as published: the
+	// directory keeps it under any name it is moved to.
+	Dir       string    `json:"dir,omitempty"`
 	Version   string    `json:"version"`
 	Publisher string    `json:"publisher"`
 	UID       uint32    `json:"uid"` // the publisher's uid, charged with what the version made here
@@ -263,7 +266,7 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 			failed = cmpErr(failed, fmt.Errorf("%s: %w", alloc.EscapeText(info.Dir+"/"+e.Path), err))
 		}
 	}
-	rec, _ := json.Marshal(dirRecord{Version: v.ID, Publisher: info.Publisher, UID: info.UID, Time: info.Time})
+	rec, _ := json.Marshal(dirRecord{Dir: info.Dir, Version: v.ID, Publisher: info.Publisher, UID: info.UID, Time: info.Time})
 	if err := alloc.MarkPublished(alloc.FdPath(top), rec); err != nil {
 		failed = cmpErr(failed, err)
 	}

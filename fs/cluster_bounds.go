@@ -205,6 +205,7 @@ func (c *clusterFS) refuse(info cluster.DirInfo, owner ctl.Cred, why error) {
 		if old, _ := alloc.ReadPublished(alloc.FdPath(top)); old != nil {
 			json.Unmarshal(old, &rec)
 		}
+		rec.Dir = info.Dir
 		rec.Refused = &refusedVersion{Version: info.Version, Publisher: info.Publisher, UID: info.UID, Reason: why.Error()}
 		b, _ := json.Marshal(rec)
 		err = alloc.MarkPublished(alloc.FdPath(top), b)

@@ -156,7 +156,8 @@ func TestClusterBoundsEtcd(t *testing.T) {
 }
 
 // TestClusterBoundsEtcdBytes: the bytes a user's manifests hold in etcd
-// are bounded too (EDQUOT, nothing written).
+// are bounded too (EDQUOT, nothing written); another user and root
+// publish on.
 func TestClusterBoundsEtcdBytes(t *testing.T) {
 	tc := newTestCluster(t)
 	a := tc.node("node-a", nil)
@@ -178,9 +179,12 @@ func TestClusterBoundsEtcdBytes(t *testing.T) {
 	if after := readEtcd(t, cli); after != before {
 		t.Errorf("a refused publish changed etcd: %+v, before %+v", after, before)
 	}
-	ownedTree(t, a, "o1", otherPeer, 5, 10)
-	if _, err := ab.Publish(otherPeer, "o1"); err != nil {
-		t.Errorf("another user's publish: %v", err)
+	for _, who := range []ctl.Cred{otherPeer, rootPeer} {
+		name := fmt.Sprintf("o%d", who.Uid)
+		ownedTree(t, a, name, who, 5, 10)
+		if _, err := ab.Publish(who, name); err != nil {
+			t.Errorf("uid %d's publish: %v", who.Uid, err)
+		}
 	}
 }
 
@@ -321,8 +325,9 @@ func TestClusterBoundsNode(t *testing.T) {
 }
 
 // TestClusterBoundsNodeBytes: a version whose bytes pass its publisher's
-// share on a node is not made there; root's is, whatever its size (its
-// pulls are bounded by the backing's capacity).
+// share on a node is not made there; another user's within hers is, and
+// root's whatever its size (its pulls are bounded by the backing's
+// capacity).
 func TestClusterBoundsNodeBytes(t *testing.T) {
 	tc := newTestCluster(t)
 	a := tc.node("node-a", nil)
@@ -337,12 +342,18 @@ func TestClusterBoundsNodeBytes(t *testing.T) {
 		rec, _ := alloc.ReadPublished(filepath.Join(b.store.Dir, "u1"))
 		return strings.Contains(string(rec), "refused") && strings.Contains(string(rec), "--cluster-node-bytes")
 	})
-	ownedTree(t, a, "r1", rootPeer, 2, 60)
-	v, err := ab.Publish(rootPeer, "r1")
-	if err != nil {
-		t.Fatal(err)
+	for _, c := range []struct {
+		name string
+		who  ctl.Cred
+		size int
+	}{{"o1", otherPeer, 30}, {"r1", rootPeer, 60}} {
+		ownedTree(t, a, c.name, c.who, 2, c.size)
+		v, err := ab.Publish(c.who, c.name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		awaitDir(t, b, c.name, v)
 	}
-	awaitDir(t, b, "r1", v)
 	if names, _ := os.ReadDir(filepath.Join(b.store.Dir, "u1")); len(names) != 0 {
 		t.Errorf("the refused version made %d names on node-b", len(names))
 	}

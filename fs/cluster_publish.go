@@ -122,7 +122,7 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 			c.fsys.pulled.serveFrom(cid, o.at, o.entry.Size)
 		}
 	}
-	rec, _ := json.Marshal(dirRecord{Version: info.Version, Publisher: info.Publisher, UID: info.UID, Time: info.Time})
+	rec, _ := json.Marshal(dirRecord{Dir: dir, Version: info.Version, Publisher: info.Publisher, UID: info.UID, Time: info.Time})
 	if err := alloc.MarkPublished(alloc.FdPath(top), rec); err != nil {
 		c.fsys.log.Warn("cluster: the published directory's version is not recorded here", "dir", alloc.EscapeText(dir), "err", err)
 	}

@@ -97,12 +97,18 @@ func (fsys *filesystem) publishedAt(fd int, name string) *dirRecord {
 }
 
 // removedHere records, off the request that removed it, that the
-// published directory dir (whose version record was rec) was removed on
-// this node: its version is not made here again, and what it was charged
-// is given back. One made again meanwhile (by a pull) is not removed.
-func (c *clusterFS) removedHere(dir string, rec *dirRecord) {
+// published directory whose version record was rec was removed on this
+// node, at the path at: its version is not made here again, and what it
+// was charged is given back. The record names the directory as published
+// (rec.Dir), whatever it was moved to; at only where rec is older than
+// that. One made again meanwhile (by a pull) is not removed.
+func (c *clusterFS) removedHere(at string, rec *dirRecord) {
 	if c.ctx.Err() != nil {
 		return
+	}
+	dir := rec.Dir
+	if dir == "" {
+		dir = at
 	}
 	c.wg.Add(1)
 	go func() {

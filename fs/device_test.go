@@ -3,6 +3,7 @@ package fs
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -78,10 +79,12 @@ func TestDeviceSegmentRemovedWhileOpen(t *testing.T) {
 	}
 }
 
-// TestDeviceCounterRemovedHeld: a removed segment's consumer counter that
-// a consumer still holds open counts against its owner's bound until the
-// consumer closes it: a user cannot pile up removed counter files, each
-// an inode of the counters' tmpfs, beyond its bound.
+// TestDeviceCounterRemovedHeld (ledger row "GPU consumer counters"): a
+// removed segment's consumer counter that a consumer still holds open
+// counts against its owner's bound until the consumer closes it: a user
+// cannot pile up removed counter files, each an inode of the counters'
+// tmpfs, beyond its bound. Another user's segments and root's get their
+// counters meanwhile.
 func TestDeviceCounterRemovedHeld(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: segments of another user")
@@ -93,7 +96,7 @@ func TestDeviceCounterRemovedHeld(t *testing.T) {
 	if errno := dir.Setxattr(callerCtx(0), alloc.AttrDevice, []byte("cuda:0"), 0); errno != 0 {
 		t.Fatalf("set the directory's device: %v", errno)
 	}
-	create := func(name string) *deviceHandle {
+	create := func(name string, uid int) *deviceHandle {
 		t.Helper()
 		var out fuse.EntryOut
 		ch, fh, _, errno := dir.Create(callerCtx(0), name, unix.O_RDWR, 0o644, &out)
@@ -102,12 +105,12 @@ func TestDeviceCounterRemovedHeld(t *testing.T) {
 		}
 		dir.AddChild(name, ch, false)
 		h := fh.(*deviceHandle)
-		if err := unix.Fchown(int(h.seg.backing.Fd()), 1000, 1000); err != nil {
+		if err := unix.Fchown(int(h.seg.backing.Fd()), uid, uid); err != nil {
 			t.Fatal(err)
 		}
 		return h
 	}
-	a := create("a")
+	a := create("a", 1000)
 	path, err := a.seg.refCounter()
 	if err != nil {
 		t.Fatal(err)
@@ -124,10 +127,17 @@ func TestDeviceCounterRemovedHeld(t *testing.T) {
 	if _, err := os.Stat(path); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("counter of the removed segment: %v", err)
 	}
-	b := create("b")
+	b := create("b", 1000)
 	defer b.Release(callerCtx(0))
 	if _, err := b.seg.refCounter(); !errors.Is(err, syscall.EMFILE) {
 		t.Errorf("uid 1000's second counter while its removed first is held: %v, want EMFILE", err)
+	}
+	for _, uid := range []int{1001, 0} {
+		h := create(fmt.Sprintf("u%d", uid), uid)
+		if _, err := h.seg.refCounter(); err != nil {
+			t.Errorf("uid %d's counter while uid 1000 is at her bound: %v", uid, err)
+		}
+		h.Release(callerCtx(0))
 	}
 	held.Close()
 	fsys.gpu.counters.Sweep()
@@ -202,11 +212,12 @@ func TestDeviceCopyLeavesStatFree(t *testing.T) {
 	}
 }
 
-// TestDeviceLimboCountsAllocation: a block in limbo and a live block's
-// backing reservation count what the device allocated for them (its
-// granularity), not the bytes asked; and a user's blocks in limbo stop at
-// her share of it: a truncate that would put one more there is ENOSPC
-// and changes nothing.
+// TestDeviceLimboCountsAllocation (ledger row "GPU device memory in
+// limbo"): a block in limbo and a live block's backing reservation count
+// what the device allocated for them (its granularity), not the bytes
+// asked; and a user's blocks in limbo stop at her share of it: a truncate
+// that would put one more there is ENOSPC and changes nothing, while
+// another user's and root's go on.
 func TestDeviceLimboCountsAllocation(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root: a segment of another user")
@@ -220,19 +231,25 @@ func TestDeviceLimboCountsAllocation(t *testing.T) {
 	if errno := dir.Setxattr(callerCtx(0), alloc.AttrDevice, []byte("cuda:0"), 0); errno != 0 {
 		t.Fatalf("set the directory's device: %v", errno)
 	}
-	var out fuse.EntryOut
-	ch, fh, _, errno := dir.Create(callerCtx(0), "s", unix.O_RDWR, 0o644, &out)
-	if errno != 0 {
-		t.Fatalf("create: %v", errno)
+	// open makes a segment of uid's, held open: the open handle keeps
+	// limbo's blocks.
+	open := func(name string, uid int) *devSeg {
+		t.Helper()
+		var out fuse.EntryOut
+		ch, fh, _, errno := dir.Create(callerCtx(0), name, unix.O_RDWR, 0o644, &out)
+		if errno != 0 {
+			t.Fatalf("create: %v", errno)
+		}
+		dir.AddChild(name, ch, false)
+		h := fh.(*deviceHandle)
+		t.Cleanup(func() { h.Release(callerCtx(0)) })
+		if err := unix.Fchown(int(h.seg.backing.Fd()), uid, uid); err != nil {
+			t.Fatal(err)
+		}
+		return h.seg
 	}
-	dir.AddChild("s", ch, false)
-	h := fh.(*deviceHandle)
-	defer h.Release(callerCtx(0)) // the open handle keeps limbo's blocks
-	seg := h.seg
-	if err := unix.Fchown(int(seg.backing.Fd()), 1000, 1000); err != nil {
-		t.Fatal(err)
-	}
-	round := func() error {
+	// round puts one block of seg's in limbo: a page, then nothing.
+	round := func(seg *devSeg) error {
 		if err := seg.resize(4096); err != nil {
 			t.Fatalf("truncate to a page: %v", err)
 		}
@@ -244,19 +261,25 @@ func TestDeviceLimboCountsAllocation(t *testing.T) {
 		}
 		return seg.resize(0)
 	}
+	seg := open("s", 1000)
 	for i := int64(1); i <= 2; i++ {
-		if err := round(); err != nil {
+		if err := round(seg); err != nil {
 			t.Fatalf("round %d: %v", i, err)
 		}
 		if n := fsys.gpu.limboBytes.Load(); n != i*g {
 			t.Errorf("after %d rounds limbo counts %d bytes, want %d (%d allocations)", i, n, i*g, i)
 		}
 	}
-	if err := round(); !errors.Is(err, syscall.ENOSPC) {
+	if err := round(seg); !errors.Is(err, syscall.ENOSPC) {
 		t.Errorf("a third page into uid 1000's full share of limbo: %v, want ENOSPC", err)
 	}
 	if n := fsys.gpu.limboBytes.Load(); n != 2*g || seg.Size() != 4096 {
 		t.Errorf("after the refusal limbo counts %d bytes and the segment has %d, want %d and 4096", n, seg.Size(), 2*g)
+	}
+	for _, uid := range []int{1001, 0} {
+		if err := round(open(fmt.Sprintf("u%d", uid), uid)); err != nil {
+			t.Errorf("uid %d's block into limbo while uid 1000's share is full: %v", uid, err)
+		}
 	}
 }
 

@@ -530,7 +530,8 @@ func (d *dirNode) Unlink(ctx context.Context, name string) syscall.Errno {
 }
 
 // Rmdir removes an empty directory; a published one's removal is
-// recorded, so that its version is not made here again (removedHere).
+// recorded, by the name it was published at, so that its version is not
+// made here again (removedHere).
 func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
 	err := d.withDir(func(fd int) error {
 		_, ino, _, _ := d.fs.lastLink(fd, name)

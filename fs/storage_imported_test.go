@@ -96,10 +96,12 @@ func TestMemfdOwnerOnlyOthers(t *testing.T) {
 	}
 }
 
-// TestImportableThreads: a descriptor whose filesystem the mount table
-// does not give (a memfd) is asked with fstatfs on a goroutine counted
-// against its sender's threads, given back once it returns; a sender at
-// her bound is refused (EMFILE) and holds no duplicate.
+// TestImportableThreads (ledger row "threads that may block in the
+// kernel"): a descriptor whose filesystem the mount table does not give
+// (a memfd) is asked with fstatfs on a goroutine counted against its
+// sender's threads, given back once it returns; a sender at her bound is
+// refused (EMFILE) and holds no duplicate, while another user's and
+// root's imports go on.
 func TestImportableThreads(t *testing.T) {
 	fsys := testFS(t)
 	mfd, err := unix.MemfdCreate("seg", unix.MFD_CLOEXEC)
@@ -117,9 +119,17 @@ func TestImportableThreads(t *testing.T) {
 	if !waitFor(func() bool { return fsys.threads.Used() == 0 }) {
 		t.Error("the fstatfs goroutine's thread was not given back")
 	}
-	fsys.threads = newBudget("threads", 0, 8)
+	fsys.threads.Add(1000, 1) // her share, held by an fstatfs that blocks
 	if fd, err := fsys.importable(f, 1000); !errors.Is(err, syscall.EMFILE) {
 		unix.Close(fd)
 		t.Errorf("a memfd from a user at her bound of threads: %v, want EMFILE", err)
+	}
+	for _, uid := range []uint32{1001, 0} {
+		fd, err := fsys.importable(f, uid)
+		if err != nil {
+			t.Errorf("uid %d's memfd while uid 1000 is at her bound of threads: %v", uid, err)
+			continue
+		}
+		unix.Close(fd)
 	}
 }

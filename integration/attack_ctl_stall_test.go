@@ -38,24 +38,33 @@ const blockFlushEnv = "TENSORFS_TEST_BLOCKFLUSH"
 // (an import request), else an all_gather.
 const blockFlushOpEnv = "TENSORFS_TEST_BLOCKOP"
 
+// blockFlushNEnv says how many times the attacker sends its file, each on
+// a connection of its own (1 if unset).
+const blockFlushNEnv = "TENSORFS_TEST_BLOCKN"
+
 func init() {
 	if dir := os.Getenv(blockFlushEnv); dir != "" {
-		os.Exit(blockFlushMain(dir, os.Getenv("TENSORFS_TEST_SOCKET"), os.Getenv(blockFlushOpEnv)))
+		n, err := strconv.Atoi(os.Getenv(blockFlushNEnv))
+		if err != nil {
+			n = 1
+		}
+		os.Exit(blockFlushMain(dir, os.Getenv("TENSORFS_TEST_SOCKET"), os.Getenv(blockFlushOpEnv), n))
 	}
 }
 
 // blockFlushMain serves, on the /dev/fuse descriptor 3 that its parent
 // mounted at dir for it, a FUSE filesystem holding one file f whose FLUSH,
 // and whose STATFS, from any other process are answered only once told
-// to; it sends f with an all_gather (rank 0 of 2, group "wedge"), or with
-// an import to "pub/x" when op is "import", on the control socket sock.
-// On stdout: "mounted", "sent", "reply ERRNO" (0 for success, -1 for no
-// reply), and "flush TID" or "statfs TID" for each request of another
-// process that waits (these may come before "sent": the daemon can
-// refuse and close f at once). On stdin: "leave" closes the connection
-// ("left"), "release" answers the waiting requests and closes f
-// ("done"); it exits at the end of stdin.
-func blockFlushMain(dir, sock, op string) int {
+// to; it sends f n times, each on a connection of its own to the control
+// socket sock, with an all_gather (rank 0 of 2, group "wedgeI"), or with
+// an import to "pub/x" when op is "import". On stdout: "mounted", "sent",
+// "reply ERRNO" for each (0 for success, -1 for no reply), and "flush
+// TID" or "statfs TID" for each request of another process that waits
+// (these may come before "sent": the daemon can refuse and close f at
+// once). On stdin: "leave" closes the connections ("left"), "release"
+// answers the waiting requests and closes f ("done"); it exits at the
+// end of stdin.
+func blockFlushMain(dir, sock, op string, n int) int {
 	var mu sync.Mutex
 	say := func(a ...any) {
 		mu.Lock()
@@ -74,35 +83,41 @@ func blockFlushMain(dir, sock, op string) int {
 		say("open:", err)
 		return 1
 	}
-	c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: sock, Net: "unixpacket"})
-	req := `{"v":1,"op":"all_gather","group":"wedge","rank":0,"world":2}`
-	if op == "import" {
-		req = `{"v":1,"op":"import","path":"pub/x"}`
-	}
-	if err == nil {
-		err = fdpass.Send(c, []byte(req), fd)
-	}
-	if err != nil {
-		say("send:", err)
-		return 1
-	}
-	say("sent")
-	go func() {
-		var r struct{ Errno int }
-		msg, err := fdpass.Recv(c, 1<<16, 0)
+	var conns []*net.UnixConn
+	for i := range n {
+		c, err := net.DialUnix("unixpacket", nil, &net.UnixAddr{Name: sock, Net: "unixpacket"})
+		req := fmt.Sprintf(`{"v":1,"op":"all_gather","group":"wedge%d","rank":0,"world":2}`, i)
+		if op == "import" {
+			req = `{"v":1,"op":"import","path":"pub/x"}`
+		}
 		if err == nil {
-			err = json.Unmarshal(msg.Data, &r)
+			err = fdpass.Send(c, []byte(req), fd)
 		}
 		if err != nil {
-			r.Errno = -1
+			say("send:", err)
+			return 1
 		}
-		say("reply", r.Errno)
-	}()
+		conns = append(conns, c)
+		go func() {
+			var r struct{ Errno int }
+			msg, err := fdpass.Recv(c, 1<<16, 0)
+			if err == nil {
+				err = json.Unmarshal(msg.Data, &r)
+			}
+			if err != nil {
+				r.Errno = -1
+			}
+			say("reply", r.Errno)
+		}()
+	}
+	say("sent")
 	sc := bufio.NewScanner(os.Stdin)
 	for sc.Scan() {
 		switch sc.Text() {
 		case "leave":
-			c.Close()
+			for _, c := range conns {
+				c.Close()
+			}
 			say("left")
 		case "release":
 			close(release)
@@ -219,7 +234,7 @@ func (c *lineChild) until(t *testing.T, want, what string, other func(string)) {
 // The cleanup releases and unmounts it. op is blockFlushMain's; an import
 // attacker's mount is allow_other (fuse.conf's user_allow_other), so that
 // the daemon may reach its file at all.
-func startBlockFlush(t *testing.T, sock, op string) *lineChild {
+func startBlockFlush(t *testing.T, sock, op string, n int) *lineChild {
 	t.Helper()
 	dir := t.TempDir()
 	if err := os.Chmod(dir, 0o755); err != nil {
@@ -257,7 +272,7 @@ func startBlockFlush(t *testing.T, sock, op string) *lineChild {
 	c := &lineChild{cmd: asUser(exec.Command(bin), userA), lines: make(chan string, 64), out: &lockedBuffer{}}
 	c.cmd.ExtraFiles = []*os.File{dev}
 	c.cmd.Dir = "/"
-	c.cmd.Env = []string{blockFlushEnv + "=" + mnt, "TENSORFS_TEST_SOCKET=" + sock, blockFlushOpEnv + "=" + op, "PATH=/usr/bin:/bin"}
+	c.cmd.Env = []string{blockFlushEnv + "=" + mnt, "TENSORFS_TEST_SOCKET=" + sock, blockFlushOpEnv + "=" + op, fmt.Sprintf("%s=%d", blockFlushNEnv, n), "PATH=/usr/bin:/bin"}
 	c.cmd.Stderr = c.out
 	c.cmd.WaitDelay = 5 * time.Second
 	if c.stdin, err = c.cmd.StdinPipe(); err != nil {
@@ -304,7 +319,7 @@ func TestAttackWedgeGroups(t *testing.T) {
 	m := mountFS(t, "passthrough", "--allow-other")
 	reachable(t, m.dir)
 	sock := controlSocket(t, m)
-	a := startBlockFlush(t, sock, "all_gather")
+	a := startBlockFlush(t, sock, "all_gather", 1)
 	if line := a.next(t, "mounting"); line != "mounted" {
 		t.Fatalf("the attacker: %q\n%s", line, a.out.String())
 	}
@@ -371,7 +386,7 @@ func TestAttackImportHang(t *testing.T) {
 		err = unix.Chmod(m.path("pub"), 0o1777)
 	}
 	sock := controlSocket(t, m)
-	a := startBlockFlush(t, sock, "import")
+	a := startBlockFlush(t, sock, "import", 1)
 	if line := a.next(t, "mounting"); line != "mounted" {
 		t.Fatalf("the attacker: %q\n%s", line, a.out.String())
 	}

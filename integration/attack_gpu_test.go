@@ -422,14 +422,15 @@ sys.stdin.read()
 // TestAttackGPULimboFill (H1): the device memory that a truncate replaces
 // waits in limbo while any handle of the segment is open (devSeg.retire).
 // User A, on a 32 MiB mount, holds one handle of its own GPU segment and
-// grows and truncates it again and again: before, limbo took the whole
+// grows it to a MiB and truncates it again and again: before, limbo took the whole
 // device (the simulated device's 16 GiB; with CUDA, the GPU's memory)
 // while df said the mount was empty. Device memory in limbo now counts
 // against --capacity like the segments' own (a growth must leave the
-// backing room for it), and df counts it as used: A stops at the
-// capacity, as with host bytes, and once A lets its handle go the room
-// comes back: user B's write into its own GPU segment and root's new one
-// work.
+// backing room for it), and df counts it as used; each user's limbo stops
+// at a sixteenth of the capacity (ledger row "GPU device memory in
+// limbo"): while A holds her share, user B's write into its own GPU
+// segment and root's new one work, and once A lets her handle go limbo
+// is empty.
 func TestAttackGPULimboFill(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
@@ -442,12 +443,12 @@ func TestAttackGPULimboFill(t *testing.T) {
 		if err := os.Chown(vic, userB, userB); err != nil {
 			t.Fatal(err)
 		}
-		a := startPythonAs(t, userA, "limbo filler", limboFillScript, atk, "25165824")
+		a := startPythonAs(t, userA, "limbo filler", limboFillScript, atk, "1048576")
 		line := a.next(t)
 		_, limbo := gtLimbo(t, m)
 		t.Logf("uid %d: %s; limbo %d bytes", userA, line, limbo)
-		if limbo > 32<<20 {
-			t.Errorf("uid %d's one handle keeps %d bytes of device memory in limbo on a 32 MiB mount", userA, limbo)
+		if held := ledgerHeld(t, m, "GPU device memory in limbo", userA); held != 32<<20/16 {
+			t.Errorf("uid %d's one handle keeps %d bytes of device memory in limbo on a 32 MiB mount (%d charged to her), want her sixteenth, %d", userA, limbo, held, 32<<20/16)
 		}
 		var st unix.Statfs_t
 		if err := unix.Statfs(m.dir, &st); err != nil {
@@ -456,16 +457,16 @@ func TestAttackGPULimboFill(t *testing.T) {
 		if used := int64(st.Blocks-st.Bfree) * st.Bsize; used < limbo {
 			t.Errorf("df says %d bytes used while %d wait in limbo", used, limbo)
 		}
-		a.stdin.Close()
-		a.wait(t)
-		gtWantLimboEmpty(t, m, "uid "+strconv.Itoa(userA)+" let its handle go")
 		if out, err := runAs(t, userB, "/", "dd", "if=/dev/zero", "of="+vic, "bs=1M", "count=1", "conv=notrunc", "status=none"); err != nil {
-			t.Errorf("uid %d's 1 MiB write into its GPU segment after uid %d's limbo went: %v\n%s", userB, userA, err, out)
+			t.Errorf("uid %d's 1 MiB write into its GPU segment while uid %d holds her limbo: %v\n%s", userB, userA, err, out)
 		}
 		root := gtDeviceSegment(t, m.path("rootgpu"))
 		if err := os.Truncate(root, 1<<20); err != nil {
-			t.Errorf("root's 1 MiB GPU segment after uid %d's limbo went: %v", userA, err)
+			t.Errorf("root's 1 MiB GPU segment while uid %d holds her limbo: %v", userA, err)
 		}
+		a.stdin.Close()
+		a.wait(t)
+		gtWantLimboEmpty(t, m, "uid "+strconv.Itoa(userA)+" let its handle go")
 	}, append(gtSim, "--allow-other", "--capacity", "32M")...)
 }
 

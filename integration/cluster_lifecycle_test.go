@@ -15,7 +15,8 @@ import (
 // publisher leaves that node only (its daemon holds no descriptor of a
 // removed segment, its backing's use drops), the other nodes keep it and
 // one pulls it from another, and it stays removed on the publisher after
-// a remount and etcd's restart; a directory unpublished from another
+// a remount and etcd's restart; so does one moved before its rm -r, whose
+// removal is recorded by its published name, not the one it had; a directory unpublished from another
 // node, by its publisher's uid (another uid gets EPERM), leaves every
 // node, its memory freed, and comes back on none after a remount and
 // etcd's restart.
@@ -85,10 +86,25 @@ func TestClusterLifecycle(t *testing.T) {
 		if last := lastLine(tb.log(3), "cluster: pull complete"); !strings.Contains(last, "node2:") || strings.Contains(last, "node1:") {
 			t.Errorf("node3 did not pull from node2 alone: %s", last)
 		}
-		restartAll(1)
-		if _, err := os.Lstat(filepath.Join(n1, "rmd")); err == nil {
-			t.Fatal("a directory removed on node1 came back after a remount and etcd's restart")
+		moved, _ := publishAs("mvd", 20)
+		tb.must("pull", filepath.Join(n2, "mvd")) // node1 alone holds it until then
+		if out, err := exec.Command("sh", "-c", `mv "$1/mvd" "$1/mvx" && rm -r "$1/mvx"`, "sh", n1).CombinedOutput(); err != nil {
+			t.Fatalf("mv mvd mvx; rm -r mvx: %v\n%s", err, out)
 		}
+		eventually(t, "node1 records the moved directory's removal", func() (bool, string) {
+			l := lastLine(tb.log(1), "published directory removed here")
+			return strings.Contains(l, "dir=mvd "), l
+		})
+		restartAll(1)
+		for _, name := range []string{"rmd", "mvd", "mvx"} {
+			if _, err := os.Lstat(filepath.Join(n1, name)); err == nil {
+				t.Errorf("%s, removed on node1, came back after a remount and etcd's restart", name)
+			}
+		}
+		if strings.Contains(tb.log(1), "dir=mvx") {
+			t.Errorf("node1 recorded a removal of mvx, a name never published:\n%s", tail(tb.log(1)))
+		}
+		sameFiles(t, filepath.Join(n2, "mvd"), moved)
 		if !strings.Contains(tb.log(1), "a version removed here is not made again") {
 			t.Errorf("node1's log does not say why it did not make the version again:\n%s", tail(tb.log(1)))
 		}

@@ -129,44 +129,57 @@ func TestRestartCommand(t *testing.T) {
 	})
 }
 
-// TestKeeperSurvivesCrash: the daemon is SIGKILLed three times while a
-// client keeps its working directory in the mount and a segment open;
-// each time the keeper starts a new daemon that takes the connection
-// over, and the client's next check (descriptor, directory, new file)
-// succeeds. Then the daemon's binary is replaced by one that cannot
-// start, and a SIGKILL leaves the mount as a crash does today: the
-// keeper exits, its log says why, and unmount cleans up.
+// TestKeeperSurvivesCrash: the daemon, run through a wrapper script given
+// to tensorfs restart --binary, is SIGKILLed three times while a client
+// keeps its working directory in the mount and a segment open; each time
+// the keeper starts a new daemon that takes the connection over, and the
+// client's next check (descriptor, directory, new file) succeeds. Then
+// the wrapper's path is given another file: the keeper runs the binary
+// it checked (held open), so a SIGKILL brings back a daemon all the same
+// and the new file never runs. Then the wrapper fails: a SIGKILL leaves
+// the mount as a crash does today: the keeper exits, its log says why,
+// and unmount cleans up.
 func TestKeeperSurvivesCrash(t *testing.T) {
 	forEachMode(t, func(t *testing.T, m *mount) {
 		c, check := startClient(t, m)
 		check("before the crashes")
 		dir := t.TempDir()
-		bin := filepath.Join(dir, "tensorfs-next")
-		self, err := os.ReadFile(tensorfs)
-		if err == nil {
-			err = os.WriteFile(bin, self, 0o755)
-		}
-		if err != nil {
+		bin, fail, ran := filepath.Join(dir, "tensorfs-wrap"), filepath.Join(dir, "fail"), filepath.Join(dir, "ran")
+		wrapper := fmt.Sprintf("#!/bin/sh\nif [ -e %s ]; then echo this binary is broken >&2; exit 1; fi\nexec %s \"$@\"\n", fail, tensorfs)
+		if err := os.WriteFile(bin, []byte(wrapper), 0o755); err != nil {
 			t.Fatal(err)
 		}
 		m.restart(t, bin)
-		for i := 0; i < 3; i++ {
+		crash := func(when string) {
+			t.Helper()
 			old := m.daemonPid(t)
 			if err := unix.Kill(old, unix.SIGKILL); err != nil {
 				t.Fatal(err)
 			}
-			check(fmt.Sprintf("after crash %d", i+1))
+			check(when)
 			if pid := m.daemonPid(t); pid == old {
-				t.Fatalf("crash %d: the pid file still names the dead daemon %d", i+1, old)
+				t.Fatalf("%s: the pid file still names the dead daemon %d", when, old)
 			}
 		}
-		stopClient(t, m, c, 4)
+		for i := 0; i < 3; i++ {
+			crash(fmt.Sprintf("after crash %d", i+1))
+		}
 
-		broken := filepath.Join(dir, "broken")
-		if err := os.WriteFile(broken, []byte("#!/bin/sh\necho this binary is broken >&2\nexit 1\n"), 0o755); err != nil {
+		other := filepath.Join(dir, "other")
+		err := os.WriteFile(other, []byte("#!/bin/sh\ntouch "+ran+"\necho the replaced binary ran >&2\nexit 1\n"), 0o755)
+		if err == nil {
+			err = os.Rename(other, bin)
+		}
+		if err != nil {
 			t.Fatal(err)
 		}
-		if err := os.Rename(broken, bin); err != nil {
+		crash("after a crash with the binary's path replaced")
+		if _, err := os.Stat(ran); err == nil || strings.Contains(m.stderr.String(), "the replaced binary ran") {
+			t.Errorf("the keeper ran what replaced the binary it checked:\n%s", tail(m.stderr.String()))
+		}
+		stopClient(t, m, c, 5)
+
+		if err := os.WriteFile(fail, nil, 0o644); err != nil {
 			t.Fatal(err)
 		}
 		m.crashed = true

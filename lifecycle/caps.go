@@ -33,10 +33,6 @@ func DropCapability(c int) error {
 	if in, err := unix.PrctlRetInt(unix.PR_CAPBSET_READ, uintptr(c), 0, 0, 0); err != nil || in == 0 {
 		return nil
 	}
-	exe, err := os.Executable()
-	if err != nil {
-		return err
-	}
 	// The sets are the calling thread's: the exec must come from it.
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
@@ -56,5 +52,6 @@ func DropCapability(c int) error {
 		return fmt.Errorf("capset: %w", err)
 	}
 	env := append(os.Environ(), droppedEnv+"=1")
-	return fmt.Errorf("execute %s again without capability %d: %w", exe, c, unix.Exec(exe, os.Args, env))
+	// Its own inode, not its path, which may name another file by now.
+	return fmt.Errorf("execute %s again without capability %d: %w", selfExe, c, unix.Exec(selfExe, os.Args, env))
 }

@@ -87,7 +87,7 @@ type daemon struct {
 	read   chan struct{} // closed once its messages are all read
 	out    *tailWriter   // the end of its stderr, for errors
 	mode   string        // what it said hello with
-	binary string        // what it runs, which its successor after a crash runs too
+	binary *binary       // what it runs, which its successor after a crash runs too
 }
 
 // Keep runs the keeper of mp: a daemon of this executable with "mount"
@@ -95,7 +95,7 @@ type daemon struct {
 // daemon's mode and pid once it serves. It returns once a daemon exits after an
 // unmount (nil), or when no daemon serves the mount any more.
 func Keep(mp string, args []string, log *slog.Logger, ready func(mode string, pid int)) error {
-	self, err := os.Executable()
+	self, err := selfBinary()
 	if err != nil {
 		return err
 	}
@@ -122,11 +122,15 @@ func Keep(mp string, args []string, log *slog.Logger, ready func(mode string, pi
 		case r := <-restarts:
 			next, err := k.restart(d, r.binary)
 			if err == nil {
+				if d.binary != next.binary {
+					d.binary.f.Close()
+				}
 				d = next
 				r.ready <- fmt.Sprintf("ready pid=%d mode=%s mountpoint=%s", d.cmd.Process.Pid, d.mode, mp)
 				continue
 			}
 			r.ready <- "error: " + err.Error()
+			r.binary.f.Close()
 			select {
 			case <-d.exited:
 				// It handed over to a daemon that then failed: as after
@@ -198,7 +202,7 @@ func (k *keeper) takeover() *fs.Takeover {
 // restart has binary take the mount over from d, which serves it. d
 // hands it over only once the new daemon is ready to take it: d holds
 // requests off from then on.
-func (k *keeper) restart(d *daemon, binary string) (*daemon, error) {
+func (k *keeper) restart(d *daemon, binary *binary) (*daemon, error) {
 	var cancel func()
 	var fd int = -1
 	next, err := k.start(binary, func() (*fs.Takeover, error) {
@@ -224,12 +228,16 @@ func (k *keeper) restart(d *daemon, binary string) (*daemon, error) {
 	return next, err
 }
 
-// start starts binary as a daemon: a successor if fetch is not nil,
-// which takes over what fetch returns once it asks (ready to serve), and
-// whose predecessor the takeover's Handoff stops. It returns once the
-// daemon serves, or with an error, and the daemon if it exited before it
-// served.
-func (k *keeper) start(binary string, fetch func() (*fs.Takeover, error)) (*daemon, error) {
+// start starts binary as a daemon, checked again (binary.check): a
+// successor if fetch is not nil, which takes over what fetch returns once
+// it asks (ready to serve), and whose predecessor the takeover's Handoff
+// stops. It returns once the daemon serves, or with an error, and the
+// daemon if it exited before it served.
+func (k *keeper) start(binary *binary, fetch func() (*fs.Takeover, error)) (*daemon, error) {
+	if err := binary.check(); err != nil {
+		k.log.Error("a daemon's binary is refused", "err", err)
+		return nil, err
+	}
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, err
@@ -243,8 +251,7 @@ func (k *keeper) start(binary string, fetch func() (*fs.Takeover, error)) (*daem
 	if fetch != nil {
 		args = append([]string{"mount", "--kept", "--takeover"}, k.args...)
 	}
-	d := &daemon{cmd: exec.Command(binary, args...), c: conn.(*net.UnixConn), exited: make(chan struct{}), hello: make(chan handoverHeader, 1), wants: make(chan struct{}, 1), goes: make(chan struct{}, 1), read: make(chan struct{}), out: &tailWriter{}, binary: binary}
-	d.cmd.ExtraFiles = []*os.File{child}
+	d := &daemon{cmd: binary.command(child, args...), c: conn.(*net.UnixConn), exited: make(chan struct{}), hello: make(chan handoverHeader, 1), wants: make(chan struct{}, 1), goes: make(chan struct{}, 1), read: make(chan struct{}), out: &tailWriter{}, binary: binary}
 	d.cmd.Stderr = io.MultiWriter(os.Stderr, d.out)
 	// A daemon dies with its keeper: the mount is then as after a crash.
 	d.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -367,7 +374,7 @@ func (k *keeper) apply(r fs.Record) {
 
 // restartReq is a restart asked on the keeper's socket.
 type restartReq struct {
-	binary string
+	binary *binary
 	ready  chan string // the new daemon's ready line, or "error: ..."
 }
 
@@ -375,7 +382,8 @@ type restartReq struct {
 func keeperPath(mp string) string { return alloc.StatePath(mp, ".keeper") }
 
 // listen takes restarts on the keeper's socket, mode 0600, from its
-// user only (SO_PEERCRED): a binary's path, answered "ok" or the error.
+// user only (SO_PEERCRED): a binary's path, answered with the new
+// daemon's ready line or the error.
 func (k *keeper) listen(restarts chan<- restartReq) (stop func(), err error) {
 	p := keeperPath(k.mp)
 	ln, err := listenPrivate(p)
@@ -406,11 +414,17 @@ func (k *keeper) serveRestart(c *net.UnixConn, restarts chan<- restartReq) {
 	if err != nil {
 		return
 	}
-	r := restartReq{binary: string(m.Data), ready: make(chan string, 1)}
+	b, err := openBinary(string(m.Data))
+	if err != nil {
+		k.log.Error("restart refused; the daemon serves on", "err", err)
+		fdpass.Send(c, []byte("error: "+err.Error()))
+		return
+	}
+	r := restartReq{binary: b, ready: make(chan string, 1)}
 	restarts <- r
 	reply := <-r.ready
 	if strings.HasPrefix(reply, "error: ") {
-		k.log.Error("restart failed; the daemon serves on", "binary", r.binary, "err", reply)
+		k.log.Error("restart failed; the daemon serves on", "binary", b.path, "err", reply)
 	}
 	fdpass.Send(c, []byte(reply))
 }

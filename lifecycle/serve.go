@@ -246,11 +246,11 @@ func startGPU(backend string, log *slog.Logger) gpu.Device {
 	if backend == "none" {
 		return nil
 	}
-	exe, err := os.Executable()
-	if err == nil && backend == "cuda" {
+	exe, err := selfExe, error(nil)
+	if backend == "cuda" {
 		// CUDA lives in a helper binary of its own (built with -tags cuda),
 		// so that this one never links libcuda.
-		exe, err = findCUDAHelper(exe)
+		exe, err = findCUDAHelper()
 	}
 	var dev gpu.Device
 	if err == nil {
@@ -271,15 +271,27 @@ func closeGPU(dev gpu.Device) {
 	}
 }
 
-// findCUDAHelper looks for tensorfs-gpu beside the tensorfs binary, then
-// on PATH.
-func findCUDAHelper(self string) (string, error) {
-	p := filepath.Join(filepath.Dir(self), "tensorfs-gpu")
-	if _, err := os.Stat(p); err == nil {
-		return p, nil
+// findCUDAHelper returns the path of tensorfs-gpu beside the tensorfs
+// binary, else on PATH. It runs as root, so it is checked as a restart's
+// binary is (openBinary); since that leaves no one but root able to
+// change what its path names, it runs by that path.
+func findCUDAHelper() (string, error) {
+	p, err := exec.LookPath("tensorfs-gpu")
+	if self, e := os.Executable(); e == nil {
+		if beside := filepath.Join(filepath.Dir(self), "tensorfs-gpu"); unix.Access(beside, unix.X_OK) == nil {
+			p, err = beside, nil
+		}
 	}
-	if p, err := exec.LookPath("tensorfs-gpu"); err == nil {
-		return p, nil
+	if err == nil {
+		p, err = filepath.EvalSymlinks(p)
 	}
-	return "", errors.New("no tensorfs-gpu helper beside tensorfs or on PATH; build it with scripts/cuda-sdk.sh and go build -tags cuda ./gpu/cmd/tensorfs-gpu")
+	if err != nil {
+		return "", errors.New("no tensorfs-gpu helper beside tensorfs or on PATH; build it with scripts/cuda-sdk.sh and go build -tags cuda ./gpu/cmd/tensorfs-gpu")
+	}
+	b, err := openBinary(p)
+	if err != nil {
+		return "", err
+	}
+	b.f.Close()
+	return p, nil
 }

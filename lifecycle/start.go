@@ -30,11 +30,10 @@ func Start(mp string, argv []string) (ready, logPath string, err error) {
 		return "", logPath, err
 	}
 	defer logf.Close()
-	self, err := os.Executable()
-	if err != nil {
-		return "", logPath, err
+	cmd := exec.Command(selfExe, argv...) // this very inode, not its path
+	if self, err := os.Executable(); err == nil {
+		cmd.Args[0] = self // as the mount helper too: a daemon's name (isDaemon)
 	}
-	cmd := exec.Command(self, argv...)
 	cmd.Stderr = logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	out, err := cmd.StdoutPipe()

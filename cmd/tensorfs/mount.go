@@ -100,6 +100,9 @@ func runMount(args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stderr, "tensorfs mount: warning: serving with CAP_SYS_RESOURCE, so writes to --disk may use ext4's reserve for root and pass quotas: %v\n", err)
 		}
 	}
+	if m.kept {
+		lifecycle.CloseBinaryFd()
+	}
 	if m.takeover && !m.kept {
 		fmt.Fprintln(stderr, "tensorfs mount: --takeover needs --kept; see tensorfs restart")
 		return 2

@@ -58,6 +58,10 @@ func runRestart(args []string, stdout, stderr io.Writer) int {
 	if *binary == "" {
 		*binary, err = os.Executable()
 	}
+	if err == nil {
+		// The keeper follows no symbolic link (lifecycle.openBinary).
+		*binary, err = filepath.EvalSymlinks(*binary)
+	}
 	var ready string
 	if err == nil {
 		ready, err = lifecycle.Restart(mp, *binary)
