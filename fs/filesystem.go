@@ -180,9 +180,12 @@ func (fsys *filesystem) mode() string {
 // open, and says whether the handle is passthrough. In passthrough mode
 // the kernel shares one backing file among all opens of a segment, so it
 // is opened read-write without O_APPEND or O_DIRECT, which the kernel
-// applies per open itself.
+// applies per open itself. A handle adopted from an earlier daemon
+// (openAdopted) is never passthrough: the kernel's inode uses the
+// backing file that daemon registered, and the handle is opened again
+// only to be counted, with the access it was opened with.
 func (fsys *filesystem) backingFlags(flags uint32) (int, bool) {
-	if fsys.passthrough.Load() {
+	if fsys.passthrough.Load() && flags&openAdopted == 0 {
 		return unix.O_RDWR | unix.O_CLOEXEC, true
 	}
 	keep := unix.O_ACCMODE | unix.O_APPEND | unix.O_DIRECT | unix.O_SYNC | unix.O_DSYNC | unix.O_NOATIME

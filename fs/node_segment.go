@@ -148,7 +148,7 @@ func (n *segmentNode) followAccess() {
 // hides O_CREAT from OPEN, and truncation is the harm EXCLUSIVE prevents).
 func (n *segmentNode) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint32, syscall.Errno) {
 	var h segmentHandle
-	err := n.fs.takeHandle(ctx, func() error {
+	err := n.fs.takeHandle(ctx, flags, func() error {
 		n.opening.RLock()
 		defer n.opening.RUnlock()
 		return n.withMarker(func(m *alloc.Ref) (err error) {
@@ -181,8 +181,8 @@ func (n *segmentNode) open(ctx context.Context, m *alloc.Ref, flags uint32) (seg
 	if trunc {
 		err = s.resize(m, 0)
 	}
-	if err == nil && (base.writable || trunc) {
-		err = n.dropSetid(ctx, m)
+	if err == nil && (base.writable || trunc) && flags&openAdopted == 0 {
+		err = n.dropSetid(ctx, m) // an adopted handle's opener did when it opened
 	}
 	if err != nil {
 		h.close()

@@ -286,13 +286,18 @@ func (f *HandoverFS) State(root *fusefs.Inode) State {
 }
 
 // Adopt takes st over, on a connection that ServeConnection serves
-// with f (and its predecessor, the daemon st is from, still serves): it registers st.Nodes (parents first) with the
-// node bridge as the kernel knows them, through the lookups the kernel
-// would make, each checked to reach the same inode; it opens again the
-// handles whose reads and writes the daemon serves, as their openers,
-// and keeps the backing files. It returns what it could not take over
-// (a node whose name no longer reaches its inode, a handle that would
-// not open again), whose requests fail.
+// with f (and its predecessor, the daemon st is from, still serves): it
+// registers st.Nodes (parents first) with the node bridge as the kernel
+// knows them, through the lookups the kernel would make, each checked to
+// reach the same inode; a node the kernel holds that no name reaches any
+// more (a handle's, unlinked while open) it registers as a stale node
+// (staleNode: every request ESTALE). It opens every handle again as its
+// opener (openAdopted), so that its opener is charged for it and its
+// segment counts it (refcount, holders), until the kernel releases it;
+// a passthrough one is not registered with the kernel again, whose inode
+// keeps the backing file st names. It returns what it could not take
+// over (a node whose name no longer reaches its inode, a handle that
+// would not open again), whose requests fail.
 func (f *HandoverFS) Adopt(st State) (lost State) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -315,17 +320,17 @@ func (f *HandoverFS) Adopt(st State) (lost State) {
 		known[n.ID] = true
 		f.adopted[n.ID] = true
 	}
+	for _, n := range lost.Nodes {
+		f.adoptStale(n.ID, known)
+	}
 	for _, b := range st.Backing {
 		f.backing[b.Node] = &backingRef{id: b.ID, inherited: true}
 	}
 	for _, h := range st.Handles {
-		if h.Passthrough || !known[h.Node] {
-			// The kernel reads and writes a passthrough handle
-			// itself, and its other requests are its node's.
-			f.handles[h.Fh] = h
-			continue
-		}
-		in := fuse.OpenIn{InHeader: fuse.InHeader{NodeId: h.Node, Caller: fuse.Caller{Owner: fuse.Owner{Uid: h.UID, Gid: h.GID}, Pid: h.Pid}}, Flags: h.Flags &^ (syscall.O_CREAT | syscall.O_EXCL | syscall.O_TRUNC)}
+		f.handles[h.Fh] = h
+		f.adoptStale(h.Node, known)
+		in := fuse.OpenIn{InHeader: fuse.InHeader{NodeId: h.Node, Caller: fuse.Caller{Owner: fuse.Owner{Uid: h.UID, Gid: h.GID}, Pid: h.Pid}},
+			Flags: h.Flags&^(syscall.O_CREAT|syscall.O_EXCL|syscall.O_TRUNC) | openAdopted}
 		var out fuse.OpenOut
 		var s fuse.Status
 		if h.Dir {
@@ -337,10 +342,25 @@ func (f *HandoverFS) Adopt(st State) (lost State) {
 			lost.Handles = append(lost.Handles, h)
 			continue
 		}
-		f.handles[h.Fh] = h
 		f.inherited[h.Fh] = out.Fh
 	}
 	return lost
+}
+
+// adoptStale registers id, a node the kernel holds, as a stale node if
+// the bridge does not know it (known), so that its requests never reach
+// an unknown node ID (a panic in go-fuse, and a stack in the log, per
+// request). The bridge resolves a LOOKUP of "." by node ID alone through
+// the root (rootNode.LookupNode); mu is held.
+func (f *HandoverFS) adoptStale(id uint64, known map[uint64]bool) {
+	if known[id] {
+		return
+	}
+	var out fuse.EntryOut
+	if f.RawFileSystem.Lookup(nil, &fuse.InHeader{NodeId: id}, ".", &out).Ok() {
+		known[id] = true
+		f.adopted[id] = true
+	}
 }
 
 // record journals r; mu is held.
