@@ -218,7 +218,6 @@ func Mount(opts Options) (_ *Server, err error) {
 	if err != nil {
 		return nil, err
 	}
-	widenReadahead(opts.Mountpoint, fsys.log)
 	if !opts.NoPassthrough {
 		if err := probePassthrough(srv, opts.Store.RootFd); err != nil {
 			fsys.log.Warn("FUSE passthrough unavailable, the daemon serves read and write itself", "why", err)
@@ -226,6 +225,13 @@ func Mount(opts Options) (_ *Server, err error) {
 			fsys.passthrough.Store(true)
 		}
 	}
+	if opts.Takeover != nil {
+		// Only once the mode is known: an open answered without
+		// passthrough while the kernel's inode has passthrough handles
+		// open (inherited) is EIO.
+		go srv.Serve()
+	}
+	widenReadahead(opts.Mountpoint, fsys.log)
 	fsys.afterMount(opts.Mountpoint, opts.Recovered)
 	s := &Server{Server: srv, fs: fsys, gate: gate, raw: raw}
 	if opts.Socket != "" {
@@ -255,10 +261,11 @@ func mount(raw fuse.RawFileSystem, mountpoint string, mopts fuse.MountOptions) (
 	return srv, nil
 }
 
-// takeOver serves raw, which wraps h, on the connection that fetch
-// returns: h takes the predecessor's state over (after a crash, every
-// object of the backing at rootFd), the predecessor stops, the kernel
-// resends what the predecessor left unanswered, and raw serves.
+// takeOver returns a server of raw, which wraps h, on the connection
+// that fetch returns: h takes the predecessor's state over (after a
+// crash, every object of the backing at rootFd), the predecessor stops,
+// and the kernel resends what the predecessor left unanswered, for the
+// server to serve (Serve) once the caller has probed passthrough.
 func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, error), rootFd int, mopts fuse.MountOptions, log *slog.Logger) (*fuse.Server, error) {
 	t, err := fetch()
 	if err != nil {
@@ -286,7 +293,6 @@ func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, er
 	if err := NotifyResend(); err != nil {
 		log.Warn("takeover: the kernel cannot resend the requests the predecessor left unanswered; they wait for ever", "err", err)
 	}
-	go srv.Serve()
 	return srv, nil
 }
 

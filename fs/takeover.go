@@ -311,7 +311,7 @@ func (f *HandoverFS) Adopt(st State) (lost State) {
 		h := fuse.InHeader{NodeId: n.Parent}
 		s := f.RawFileSystem.Lookup(nil, &h, n.Name, &out)
 		if !s.Ok() || out.NodeId != n.ID {
-			if s.Ok() {
+			if s.Ok() && out.NodeId != 0 { // 0: an absent name, as the bridge answers it
 				f.RawFileSystem.Forget(out.NodeId, 1)
 			}
 			lost.Nodes = append(lost.Nodes, n)
