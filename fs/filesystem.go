@@ -55,6 +55,8 @@ type filesystem struct {
 	handles *ledger.Row
 	// inodes charges the backing's objects to their owners.
 	inodes *inodes
+	// orphans are the segments open in no directory, for a successor.
+	orphans orphans
 	// threads bounds, per uid, the goroutines that may block in the
 	// kernel on a request's behalf (fsMagic's).
 	threads *ledger.Row
@@ -295,6 +297,7 @@ func (fsys *filesystem) reclaimLater(n *segmentNode, uid uint32) {
 // holder's mappings and open-file limit, as on tmpfs.
 func (fsys *filesystem) orphaned(n *segmentNode) {
 	if len(n.openHandles()) == 0 {
+		fsys.orphans.drop(n)
 		fsys.inodes.gone(n.StableAttr().Ino)
 	}
 }

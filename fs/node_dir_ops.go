@@ -501,7 +501,8 @@ func (d *dirNode) nameGone(name string, ino uint64, last bool, uid uint32) {
 		if ch := d.GetChild(name); ch != nil {
 			if seg, ok := ch.Operations().(*segmentNode); ok && ch.StableAttr().Ino == ino {
 				seg.orphan.Store(true)
-				d.fs.orphaned(seg) // as tmpfs frees it: before the unlink is answered
+				d.fs.orphans.add(seg) // journaled before the unlink is answered
+				d.fs.orphaned(seg)    // as tmpfs frees it: before the unlink is answered
 				return
 			}
 		}

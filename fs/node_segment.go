@@ -43,6 +43,9 @@ type segmentNode struct {
 	// orphan is set once the segment's last name went: its inode's charge
 	// goes when its last handle and mapping do (filesystem.orphaned).
 	orphan atomic.Bool
+	// held, in a successor while Adopt opens an orphan's handles again,
+	// is the backing file its predecessor handed over (adoptOrphan).
+	held *alloc.Ref
 }
 
 // newSegment makes the node of a segment whose storage is s.
@@ -68,7 +71,11 @@ func (n *segmentNode) withMarker(fn func(m *alloc.Ref) error) error {
 	if len(n.handles) > 0 {
 		h = n.handles[0].open
 	}
+	held := n.held // only while Adopt runs, before the daemon serves
 	n.mu.Unlock()
+	if h == nil && held != nil {
+		return fn(held)
+	}
 	if h == nil {
 		return syscall.ENOENT
 	}

@@ -41,9 +41,17 @@ var (
 // LookupNode answers the bridge's LOOKUP of "." by node ID alone, which
 // only HandoverFS.Adopt asks (the kernel asks it of a filesystem that
 // offers exports, NFS and open_by_handle_at, which tensorfs does not):
-// id is a node the kernel holds that no name reaches, and becomes a
-// staleNode.
+// id is a node the kernel holds that no name reaches. A segment whose
+// backing file the predecessor handed over becomes its segment again
+// (adoptOrphan); anything else a staleNode.
 func (r *rootNode) LookupNode(ctx context.Context, id uint64, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
+	if fd, ok := r.fs.orphans.take(id); ok {
+		n, err := r.fs.adoptOrphan(ctx, id, fd)
+		if err == nil {
+			return n, 0
+		}
+		r.fs.log.Warn("takeover: a segment open in no directory is stale", "node", id, "err", err)
+	}
 	return r.NewInode(ctx, &staleNode{fs: r.fs}, fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: id}), 0
 }
 

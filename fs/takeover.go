@@ -154,11 +154,15 @@ type Backing struct {
 
 // Record is one change of a daemon's State, as it journals it: a handle
 // opened (Open) or released (Release), a node's backing file set
-// (Backing, ID not 0) or given back (Backing, ID 0).
+// (Backing, ID not 0) or given back (Backing, ID 0), or a segment open
+// in no directory any more (Orphan, its node ID), with Fd, a descriptor
+// of its backing file that the journal owns (Takeover.Orphans).
 type Record struct {
 	Open    *Handle  `json:"open,omitempty"`
 	Release uint64   `json:"release,omitempty"`
 	Backing *Backing `json:"backing,omitempty"`
+	Orphan  uint64   `json:"orphan,omitempty"`
+	Fd      int      `json:"-"`
 }
 
 // State is what a daemon hands its successor besides the connection.
@@ -290,8 +294,10 @@ func (f *HandoverFS) State(root *fusefs.Inode) State {
 // registers st.Nodes (parents first) with the node bridge as the kernel
 // knows them, through the lookups the kernel would make, each checked to
 // reach the same inode; a node the kernel holds that no name reaches any
-// more (a handle's, unlinked while open) it registers as a stale node
-// (staleNode: every request ESTALE). It opens every handle again as its
+// more (a handle's, unlinked while open) it registers by its node ID:
+// the segment again if the predecessor handed its backing file over
+// (Takeover.Orphans), else a stale node (staleNode: every request
+// ESTALE). It opens every handle again as its
 // opener (openAdopted), so that its opener is charged for it and its
 // segment counts it (refcount, holders), until the kernel releases it;
 // a passthrough one is not registered with the kernel again, whose inode
@@ -321,14 +327,14 @@ func (f *HandoverFS) Adopt(st State) (lost State) {
 		f.adopted[n.ID] = true
 	}
 	for _, n := range lost.Nodes {
-		f.adoptStale(n.ID, known)
+		f.adoptUnnamed(n.ID, known)
 	}
 	for _, b := range st.Backing {
 		f.backing[b.Node] = &backingRef{id: b.ID, inherited: true}
 	}
 	for _, h := range st.Handles {
 		f.handles[h.Fh] = h
-		f.adoptStale(h.Node, known)
+		f.adoptUnnamed(h.Node, known)
 		in := fuse.OpenIn{InHeader: fuse.InHeader{NodeId: h.Node, Caller: fuse.Caller{Owner: fuse.Owner{Uid: h.UID, Gid: h.GID}, Pid: h.Pid}},
 			Flags: h.Flags&^(syscall.O_CREAT|syscall.O_EXCL|syscall.O_TRUNC) | openAdopted}
 		var out fuse.OpenOut
@@ -347,12 +353,12 @@ func (f *HandoverFS) Adopt(st State) (lost State) {
 	return lost
 }
 
-// adoptStale registers id, a node the kernel holds, as a stale node if
-// the bridge does not know it (known), so that its requests never reach
-// an unknown node ID (a panic in go-fuse, and a stack in the log, per
-// request). The bridge resolves a LOOKUP of "." by node ID alone through
-// the root (rootNode.LookupNode); mu is held.
-func (f *HandoverFS) adoptStale(id uint64, known map[uint64]bool) {
+// adoptUnnamed registers id, a node the kernel holds, by its node ID
+// alone if the bridge does not know it (known), so that its requests
+// never reach an unknown node ID (a panic in go-fuse, and a stack in the
+// log, per request). The bridge resolves a LOOKUP of "." by node ID
+// through the root (rootNode.LookupNode); mu is held.
+func (f *HandoverFS) adoptUnnamed(id uint64, known map[uint64]bool) {
 	if known[id] {
 		return
 	}

@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -52,32 +51,6 @@ for line in sys.stdin:
         print("errno", e.errno, len(fds.get(p, [])), flush=True)
 `
 
-// descriptorsHeld returns what the daemon's ledger charges uid in its
-// descriptors row.
-func descriptorsHeld(t *testing.T, m *mount, uid int) int64 {
-	t.Helper()
-	raw, err := getxattr(m.dir, statsXattr)
-	if err != nil {
-		t.Fatalf("stats: %v", err)
-	}
-	var st struct {
-		Ledger []struct {
-			Name  string           `json:"name"`
-			ByUID map[string]int64 `json:"by_uid"`
-		} `json:"ledger"`
-	}
-	if err := json.Unmarshal(raw, &st); err != nil {
-		t.Fatal(err)
-	}
-	for _, r := range st.Ledger {
-		if strings.HasPrefix(r.Name, "descriptors") {
-			return r.ByUID[strconv.Itoa(uid)]
-		}
-	}
-	t.Fatalf("no descriptors row in the ledger:\n%s", raw)
-	return 0
-}
-
 // crash SIGKILLs m's daemon, as a crash, and returns once the daemon
 // its keeper started instead serves the mount.
 func (m *mount) crash(t *testing.T) {
@@ -120,7 +93,7 @@ func TestRestartChargesHandles(t *testing.T) {
 		if _, err := fmt.Sscanf(c.do(t, "flood "+p), fmt.Sprintf("errno %d %%d", int(syscall.EMFILE)), &held); err != nil || held == 0 {
 			t.Fatalf("uid %d opening again and again: want EMFILE after some opens (%v)", nobody, err)
 		}
-		if n := descriptorsHeld(t, m, nobody); n != held {
+		if n := ledgerHeld(t, m, "descriptors", nobody); n != held {
 			t.Fatalf("the ledger charges uid %d %d descriptors, want the %d it holds", nobody, n, held)
 		}
 		for _, takeover := range []string{"restart", "crash"} {
@@ -129,7 +102,7 @@ func TestRestartChargesHandles(t *testing.T) {
 			} else {
 				m.crash(t)
 			}
-			if n := descriptorsHeld(t, m, nobody); n != held {
+			if n := ledgerHeld(t, m, "descriptors", nobody); n != held {
 				t.Errorf("after a %s the ledger charges uid %d %d descriptors, want the %d it holds", takeover, nobody, n, held)
 			}
 			if got := c.do(t, "open "+p); !strings.HasPrefix(got, fmt.Sprintf("errno %d ", int(syscall.EMFILE))) {
@@ -143,7 +116,7 @@ func TestRestartChargesHandles(t *testing.T) {
 			t.Fatalf("close: %s", got)
 		}
 		eventually(t, "the charge goes with the handles", func() (bool, string) {
-			n := descriptorsHeld(t, m, nobody)
+			n := ledgerHeld(t, m, "descriptors", nobody)
 			return n == 0, fmt.Sprintf("uid %d is charged %d descriptors", nobody, n)
 		})
 		if got := c.do(t, "open "+p); got != "ok" {
