@@ -109,7 +109,9 @@ func (s *Server) Handover() (t Takeover, resume func(), err error) {
 	if !s.gate.freeze(handoverWait) {
 		return Takeover{}, nil, fmt.Errorf("requests in flight did not finish within %v", handoverWait)
 	}
-	return Takeover{Fd: fd, Init: InitBytes(s.Server), Gen: s.raw.gen + 1, State: s.raw.State(s.fs.root.EmbeddedInode()), Orphans: s.fs.orphans.files()}, s.gate.thaw, nil
+	st := s.raw.State(s.fs.root.EmbeddedInode())
+	st.Unnamed = s.fs.orphans.held()
+	return Takeover{Fd: fd, Init: InitBytes(s.Server), Gen: s.raw.gen + 1, State: st, Orphans: s.fs.orphans.files()}, s.gate.thaw, nil
 }
 
 // Close stops the control socket, leaves the cluster, ends what the
@@ -209,6 +211,9 @@ func Mount(opts Options) (_ *Server, err error) {
 	}
 	if opts.Debug {
 		fopts.Logger = log.New(os.Stderr, "go-fuse: ", log.Lmicroseconds)
+	} else {
+		fopts.MountOptions.PanicHandler = (&panicLog{log: fsys.log}).handle
+		log.SetOutput(&lineLimit{w: os.Stderr, every: time.Second}) // the process's one mount
 	}
 	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, 0)
 	raw.journal = opts.Journal

@@ -543,6 +543,9 @@ func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
 		if rec != nil {
 			d.fs.cl.removedHere(path.Join(d.Path(nil), name), rec)
 		}
+		if ch := d.GetChild(name); ch != nil && ch.StableAttr().Ino == ino {
+			d.fs.orphans.addUnnamed(ch) // a process may work in it
+		}
 		return nil
 	})
 	return d.fs.errno("rmdir", &d.nodeBase, name, err)

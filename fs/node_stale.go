@@ -52,7 +52,9 @@ func (r *rootNode) LookupNode(ctx context.Context, id uint64, out *fuse.EntryOut
 		}
 		r.fs.log.Warn("takeover: a segment open in no directory is stale", "node", id, "err", err)
 	}
-	return r.NewInode(ctx, &staleNode{fs: r.fs}, fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: id}), 0
+	n := r.NewInode(ctx, &staleNode{fs: r.fs}, fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: id})
+	r.fs.orphans.addUnnamed(n) // for the next successor
+	return n, 0
 }
 
 func (n *staleNode) Getattr(ctx context.Context, f fusefs.FileHandle, out *fuse.AttrOut) syscall.Errno {

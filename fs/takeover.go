@@ -165,11 +165,15 @@ type Record struct {
 	Fd      int      `json:"-"`
 }
 
-// State is what a daemon hands its successor besides the connection.
+// State is what a daemon hands its successor besides the connection:
+// besides the nodes of its tree, the handles and backing files, the node
+// IDs of other nodes the kernel may hold that no name reaches (Unnamed:
+// directories removed while a process works in one).
 type State struct {
 	Nodes   []Node    `json:"nodes"`
 	Handles []Handle  `json:"handles"`
 	Backing []Backing `json:"backing"`
+	Unnamed []uint64  `json:"unnamed,omitempty"`
 }
 
 // backingNodes lists every object of the backing at rootFd as a node,
@@ -328,6 +332,9 @@ func (f *HandoverFS) Adopt(st State) (lost State) {
 	}
 	for _, n := range lost.Nodes {
 		f.adoptUnnamed(n.ID, known)
+	}
+	for _, id := range st.Unnamed {
+		f.adoptUnnamed(id, known)
 	}
 	for _, b := range st.Backing {
 		f.backing[b.Node] = &backingRef{id: b.ID, inherited: true}

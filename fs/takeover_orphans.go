@@ -29,6 +29,47 @@ type orphans struct {
 	// journal, if set, receives each new orphan with a descriptor of its
 	// backing file (Options.Journal).
 	journal func(Record)
+	// unnamed are the other nodes the kernel may hold that no name
+	// reaches (directories removed, stale nodes), which a successor
+	// registers as stale nodes (State.Unnamed); pruned of those the
+	// kernel forgot once it holds pruneAt.
+	unnamed map[uint64]*fusefs.Inode
+	pruneAt int
+}
+
+// addUnnamed records n, a node no name reaches any more.
+func (o *orphans) addUnnamed(n *fusefs.Inode) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.unnamed == nil {
+		o.unnamed = map[uint64]*fusefs.Inode{}
+	}
+	o.unnamed[n.StableAttr().Ino] = n
+	if len(o.unnamed) >= o.pruneAt {
+		o.pruneLocked()
+		o.pruneAt = 2*len(o.unnamed) + 64
+	}
+}
+
+// pruneLocked drops the unnamed nodes the kernel forgot; mu is held.
+func (o *orphans) pruneLocked() {
+	for id, n := range o.unnamed {
+		if n.Forgotten() {
+			delete(o.unnamed, id)
+		}
+	}
+}
+
+// held returns the node IDs of the unnamed nodes the kernel holds.
+func (o *orphans) held() []uint64 {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.pruneLocked()
+	ids := make([]uint64, 0, len(o.unnamed))
+	for id := range o.unnamed {
+		ids = append(ids, id)
+	}
+	return ids
 }
 
 // add records n, whose last name just went, if handles hold it, and

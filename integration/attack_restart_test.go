@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -79,6 +80,52 @@ for line in sys.stdin:
 			n := inodes()
 			return n == charged-1, fmt.Sprintf("uid %d is charged %d inodes, want %d", nobody, n, charged-1)
 		})
+		c.wait(t)
+	}, "--allow-other")
+}
+
+// TestAttackRestartRemovedCwd: a directory removed while a process works
+// in it is a node the kernel holds that no name reaches, and that no
+// handle names. The daemon hands its node ID over, and its successor
+// answers it ESTALE, quietly: before, each stat of "." panicked in go-fuse
+// and logged a stack (2.6 KB), as uid 65534 could repeat at will.
+func TestAttackRestartRemovedCwd(t *testing.T) {
+	const nobody = 65534
+	forEachMode(t, func(t *testing.T, m *mount) {
+		reachable(t, m.dir)
+		if err := os.Mkdir(m.path("shared"), 0o777); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(m.path("shared"), 0o1777); err != nil {
+			t.Fatal(err)
+		}
+		c := startPythonAs(t, nobody, "worker", `
+import os, sys
+os.mkdir(sys.argv[1])
+os.chdir(sys.argv[1])
+os.rmdir(sys.argv[1])
+print("ready", flush=True)
+for line in sys.stdin:
+    failed = {}
+    for _ in range(100):
+        try:
+            os.stat(".")
+        except OSError as e:
+            failed[e.errno] = failed.get(e.errno, 0) + 1
+    print(failed, flush=True)
+`, m.path("shared/d"))
+		c.expect(t, "ready")
+		m.restart(t, "")
+		time.Sleep(1100 * time.Millisecond) // the kernel's attributes expire
+		before := len(m.stderr.String())
+		got := c.do(t, "stat")
+		logged := m.stderr.String()[before:]
+		if want := fmt.Sprintf("{%d: 100}", int(syscall.ESTALE)); got != want {
+			t.Errorf("100 stats of a removed working directory after a restart failed with %s, want %s (ESTALE)", got, want)
+		}
+		if len(logged) > 0 {
+			t.Errorf("100 stats of a removed working directory logged %d bytes:\n%s", len(logged), tail(logged))
+		}
 		c.wait(t)
 	}, "--allow-other")
 }
