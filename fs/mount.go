@@ -100,7 +100,7 @@ const handoverWait = 5 * time.Second
 // (Options.Takeover, without Handoff), once the requests in flight have
 // finished; from then on it holds every request off (they die with this
 // daemon, and the kernel sends them to the successor) until resume,
-// which a handover that fails calls (and closes t.Orphans).
+// which a handover that fails calls once it has closed t.Orphans.
 func (s *Server) Handover() (t Takeover, resume func(), err error) {
 	fd, err := ConnectionFd()
 	if err != nil {
@@ -216,7 +216,7 @@ func Mount(opts Options) (_ *Server, err error) {
 		log.SetOutput(&lineLimit{w: os.Stderr, every: time.Second}) // the process's one mount
 	}
 	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, 0)
-	raw.journal = opts.Journal
+	raw.journal, raw.forgotten = opts.Journal, fsys.orphans.forget
 	fsys.orphans.journal = opts.Journal
 	gate := &gateFS{RawFileSystem: raw}
 	var srv *fuse.Server
@@ -274,19 +274,19 @@ func mount(raw fuse.RawFileSystem, mountpoint string, mopts fuse.MountOptions) (
 // takeOver returns a server of raw, which wraps h, on the connection
 // that fetch returns: h takes the predecessor's state over (after a
 // crash, every object of fsys's backing), its orphans included, the
-// predecessor stops,
-// and the kernel resends what the predecessor left unanswered, for the
-// server to serve (Serve) once the caller has probed passthrough.
+// predecessor stops, and the kernel resends what the predecessor left
+// unanswered, for the server to serve once the caller has probed
+// passthrough.
 func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, error), fsys *filesystem, mopts fuse.MountOptions) (*fuse.Server, error) {
 	log := fsys.log
 	t, err := fetch()
 	if err != nil {
 		return nil, err
 	}
-	fsys.orphans.handed = t.Orphans
 	if t.Gen == 0 || t.Gen >= 1<<32 {
 		return nil, fmt.Errorf("takeover: generation %d out of range", t.Gen)
 	}
+	fsys.orphans.handed = t.Orphans
 	h.gen = t.Gen
 	if t.Crashed {
 		t.State.Nodes = backingNodes(fsys.store.RootFd, log)

@@ -263,6 +263,9 @@ type HandoverFS struct {
 	// journal, if set, receives every change of handles and backing,
 	// under mu, before the kernel learns of it.
 	journal func(Record)
+	// forgotten, if set, is told of each adopted node the kernel
+	// forgets (it sends FORGET as it evicts an inode).
+	forgotten func(id uint64)
 }
 
 // backingRef is a node's backing file.
@@ -468,6 +471,8 @@ func (f *HandoverFS) Forget(nodeid, nlookup uint64) {
 	}
 	if !adopted {
 		f.RawFileSystem.Forget(nodeid, nlookup)
+	} else if f.forgotten != nil {
+		f.forgotten(nodeid) // the kernel evicted it: no successor needs it
 	}
 }
 

@@ -51,6 +51,13 @@ func (o *orphans) addUnnamed(n *fusefs.Inode) {
 	}
 }
 
+// forget drops the unnamed node id, which the kernel forgot.
+func (o *orphans) forget(id uint64) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	delete(o.unnamed, id)
+}
+
 // pruneLocked drops the unnamed nodes the kernel forgot; mu is held.
 func (o *orphans) pruneLocked() {
 	for id, n := range o.unnamed {
