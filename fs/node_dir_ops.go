@@ -544,7 +544,7 @@ func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
 			d.fs.cl.removedHere(path.Join(d.Path(nil), name), rec)
 		}
 		if ch := d.GetChild(name); ch != nil && ch.StableAttr().Ino == ino {
-			d.fs.orphans.addUnnamed(ch) // a process may work in it
+			d.fs.orphans.addUnnamed(ino) // a process may work in it
 		}
 		return nil
 	})

@@ -53,7 +53,7 @@ func (r *rootNode) LookupNode(ctx context.Context, id uint64, out *fuse.EntryOut
 		r.fs.log.Warn("takeover: a segment open in no directory is stale", "node", id, "err", err)
 	}
 	n := r.NewInode(ctx, &staleNode{fs: r.fs}, fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: id})
-	r.fs.orphans.addUnnamed(n) // for the next successor
+	r.fs.orphans.addUnnamed(id) // for the next successor
 	return n, 0
 }
 

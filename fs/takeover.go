@@ -154,15 +154,20 @@ type Backing struct {
 
 // Record is one change of a daemon's State, as it journals it: a handle
 // opened (Open) or released (Release), a node's backing file set
-// (Backing, ID not 0) or given back (Backing, ID 0), or a segment open
+// (Backing, ID not 0) or given back (Backing, ID 0), a segment open
 // in no directory any more (Orphan, its node ID), with Fd, a descriptor
-// of its backing file that the journal owns (Takeover.Orphans).
+// of its backing file that the journal owns (Takeover.Orphans), or
+// another such node (Unnamed, Forgotten: State.Unnamed).
 type Record struct {
 	Open    *Handle  `json:"open,omitempty"`
 	Release uint64   `json:"release,omitempty"`
 	Backing *Backing `json:"backing,omitempty"`
 	Orphan  uint64   `json:"orphan,omitempty"`
 	Fd      int      `json:"-"`
+	// Unnamed is another node the kernel holds that no name reaches
+	// any more (a directory removed), Forgotten one the kernel forgot.
+	Unnamed   uint64 `json:"unnamed,omitempty"`
+	Forgotten uint64 `json:"forgotten,omitempty"`
 }
 
 // State is what a daemon hands its successor besides the connection:
@@ -263,8 +268,8 @@ type HandoverFS struct {
 	// journal, if set, receives every change of handles and backing,
 	// under mu, before the kernel learns of it.
 	journal func(Record)
-	// forgotten, if set, is told of each adopted node the kernel
-	// forgets (it sends FORGET as it evicts an inode).
+	// forgotten, if set, is told of each node the kernel forgets (it
+	// sends FORGET as it evicts an inode).
 	forgotten func(id uint64)
 }
 
@@ -471,7 +476,8 @@ func (f *HandoverFS) Forget(nodeid, nlookup uint64) {
 	}
 	if !adopted {
 		f.RawFileSystem.Forget(nodeid, nlookup)
-	} else if f.forgotten != nil {
+	}
+	if f.forgotten != nil {
 		f.forgotten(nodeid) // the kernel evicted it: no successor needs it
 	}
 }

@@ -18,7 +18,9 @@ import (
 // journal (Record.Orphan, sent when the last name goes), and registers
 // it under its node ID (rootNode.LookupNode), so that its handles keep
 // working. One descriptor per segment, which holds at least one handle
-// charged to its opener.
+// charged to its opener. The other nodes the kernel holds that no name
+// reaches (a directory removed while a process works in it) are handed
+// over by node ID, and become stale nodes.
 type orphans struct {
 	mu sync.Mutex
 	// nodes are the orphans with handles open, by node ID.
@@ -29,41 +31,36 @@ type orphans struct {
 	// journal, if set, receives each new orphan with a descriptor of its
 	// backing file (Options.Journal).
 	journal func(Record)
-	// unnamed are the other nodes the kernel may hold that no name
-	// reaches (directories removed, stale nodes), which a successor
-	// registers as stale nodes (State.Unnamed); pruned of those the
-	// kernel forgot once it holds pruneAt.
-	unnamed map[uint64]*fusefs.Inode
-	pruneAt int
+	// unnamed are the node IDs of the other nodes the kernel holds that
+	// no name reaches (directories removed, stale nodes), which a
+	// successor registers as stale nodes (State.Unnamed), until the
+	// kernel forgets them; journaled too.
+	unnamed map[uint64]bool
 }
 
-// addUnnamed records n, a node no name reaches any more.
-func (o *orphans) addUnnamed(n *fusefs.Inode) {
+// addUnnamed records node id, which no name reaches any more, and
+// journals it.
+func (o *orphans) addUnnamed(id uint64) {
 	o.mu.Lock()
-	defer o.mu.Unlock()
 	if o.unnamed == nil {
-		o.unnamed = map[uint64]*fusefs.Inode{}
+		o.unnamed = map[uint64]bool{}
 	}
-	o.unnamed[n.StableAttr().Ino] = n
-	if len(o.unnamed) >= o.pruneAt {
-		o.pruneLocked()
-		o.pruneAt = 2*len(o.unnamed) + 64
+	o.unnamed[id] = true
+	o.mu.Unlock()
+	if o.journal != nil {
+		o.journal(Record{Unnamed: id})
 	}
 }
 
-// forget drops the unnamed node id, which the kernel forgot.
+// forget drops node id, which the kernel forgot, if it is unnamed, and
+// journals that.
 func (o *orphans) forget(id uint64) {
 	o.mu.Lock()
-	defer o.mu.Unlock()
+	unnamed := o.unnamed[id]
 	delete(o.unnamed, id)
-}
-
-// pruneLocked drops the unnamed nodes the kernel forgot; mu is held.
-func (o *orphans) pruneLocked() {
-	for id, n := range o.unnamed {
-		if n.Forgotten() {
-			delete(o.unnamed, id)
-		}
+	o.mu.Unlock()
+	if unnamed && o.journal != nil {
+		o.journal(Record{Forgotten: id})
 	}
 }
 
@@ -71,7 +68,6 @@ func (o *orphans) pruneLocked() {
 func (o *orphans) held() []uint64 {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	o.pruneLocked()
 	ids := make([]uint64, 0, len(o.unnamed))
 	for id := range o.unnamed {
 		ids = append(ids, id)

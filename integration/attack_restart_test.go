@@ -86,9 +86,11 @@ for line in sys.stdin:
 
 // TestAttackRestartRemovedCwd: a directory removed while a process works
 // in it is a node the kernel holds that no name reaches, and that no
-// handle names. The daemon hands its node ID over, and its successor
-// answers it ESTALE, quietly: before, each stat of "." panicked in go-fuse
-// and logged a stack (2.6 KB), as uid 65534 could repeat at will.
+// handle names. The daemon hands its node ID over (after a crash, the
+// keeper's journal does), and its successor answers it ESTALE, quietly,
+// across a restart, a crash and a restart again: before, each stat of "."
+// panicked in go-fuse and logged a stack (2.6 KB), as uid 65534 could
+// repeat at will.
 func TestAttackRestartRemovedCwd(t *testing.T) {
 	const nobody = 65534
 	forEachMode(t, func(t *testing.T, m *mount) {
@@ -115,16 +117,22 @@ for line in sys.stdin:
     print(failed, flush=True)
 `, m.path("shared/d"))
 		c.expect(t, "ready")
-		m.restart(t, "")
-		time.Sleep(1100 * time.Millisecond) // the kernel's attributes expire
-		before := len(m.stderr.String())
-		got := c.do(t, "stat")
-		logged := m.stderr.String()[before:]
-		if want := fmt.Sprintf("{%d: 100}", int(syscall.ESTALE)); got != want {
-			t.Errorf("100 stats of a removed working directory after a restart failed with %s, want %s (ESTALE)", got, want)
-		}
-		if len(logged) > 0 {
-			t.Errorf("100 stats of a removed working directory logged %d bytes:\n%s", len(logged), tail(logged))
+		for _, takeover := range []string{"restart", "crash", "restart"} {
+			if takeover == "restart" {
+				m.restart(t, "")
+			} else {
+				m.crash(t)
+			}
+			time.Sleep(1100 * time.Millisecond) // the kernel's attributes expire
+			before := len(m.stderr.String())
+			got := c.do(t, "stat")
+			logged := m.stderr.String()[before:]
+			if want := fmt.Sprintf("{%d: 100}", int(syscall.ESTALE)); got != want {
+				t.Errorf("100 stats of a removed working directory after a %s failed with %s, want %s (ESTALE)", takeover, got, want)
+			}
+			if len(logged) > 0 {
+				t.Errorf("100 stats of a removed working directory after a %s logged %d bytes:\n%s", takeover, len(logged), tail(logged))
+			}
 		}
 		c.wait(t)
 	}, "--allow-other")

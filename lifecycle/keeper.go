@@ -12,6 +12,7 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -77,6 +78,9 @@ type keeper struct {
 	handles map[uint64]fs.Handle
 	backing map[uint64]int32
 	orphans map[uint64]int
+	// unnamed are the other nodes the kernel holds that no name reaches
+	// (fs.State.Unnamed).
+	unnamed map[uint64]bool
 }
 
 // daemon is one daemon a keeper runs.
@@ -103,7 +107,7 @@ func Keep(mp string, args []string, log *slog.Logger, ready func(mode string, pi
 	if err != nil {
 		return err
 	}
-	k := &keeper{mp: mp, args: args, log: log, fd: -1, handles: map[uint64]fs.Handle{}, backing: map[uint64]int32{}, orphans: map[uint64]int{}}
+	k := &keeper{mp: mp, args: args, log: log, fd: -1, handles: map[uint64]fs.Handle{}, backing: map[uint64]int32{}, orphans: map[uint64]int{}, unnamed: map[uint64]bool{}}
 	d, err := k.start(self, nil)
 	if err != nil {
 		return err
@@ -196,6 +200,7 @@ func (k *keeper) takeover() *fs.Takeover {
 	for node, id := range k.backing {
 		t.State.Backing = append(t.State.Backing, fs.Backing{Node: node, ID: id})
 	}
+	t.State.Unnamed = slices.Collect(maps.Keys(k.unnamed))
 	t.Orphans = maps.Clone(k.orphans) // still the keeper's
 	return t
 }
@@ -298,6 +303,10 @@ func (k *keeper) start(binary string, fetch func() (*fs.Takeover, error)) (*daem
 				k.backing[b.Node] = b.ID
 			}
 			k.keepOrphans(t.Orphans)
+			k.unnamed = map[uint64]bool{}
+			for _, id := range t.State.Unnamed {
+				k.unnamed[id] = true
+			}
 			k.mu.Unlock()
 			fdpass.Send(d.c, []byte{msgGone})
 		case h := <-d.hello:
@@ -383,6 +392,10 @@ func (k *keeper) apply(r fs.Record, fds []int) []int {
 		k.backing[r.Backing.Node] = r.Backing.ID
 	case r.Backing != nil:
 		delete(k.backing, r.Backing.Node)
+	case r.Unnamed != 0:
+		k.unnamed[r.Unnamed] = true
+	case r.Forgotten != 0:
+		delete(k.unnamed, r.Forgotten)
 	}
 	return fds
 }
