@@ -46,12 +46,12 @@ const openAdopted = unix.O_NOCTTY
 
 // takeHandle takes a handle from the caller's budget for open, which
 // makes one (newHandle) or fails; a failed open gives it back. A handle
-// adopted from an earlier daemon (flags has openAdopted) is charged
-// whatever the bound: the kernel holds it already, and its opener past
-// her share gets EMFILE for new ones until under.
-func (fsys *filesystem) takeHandle(ctx context.Context, flags uint32, open func() error) error {
+// adopted from an earlier daemon (an open whose flags have openAdopted)
+// is charged whatever the bound: the kernel holds it already, and its
+// opener past her share gets EMFILE for new ones until under.
+func (fsys *filesystem) takeHandle(ctx context.Context, adopted bool, open func() error) error {
 	uid := caller(ctx).Uid
-	if flags&openAdopted != 0 {
+	if adopted {
 		fsys.handles.Add(uid, 1)
 	} else if err := fsys.handles.Take(uid, 1); err != nil {
 		return err

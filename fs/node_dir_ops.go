@@ -253,7 +253,7 @@ func (d *dirNode) Symlink(ctx context.Context, target, name string, out *fuse.En
 func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode uint32, out *fuse.EntryOut) (*fusefs.Inode, fusefs.FileHandle, uint32, syscall.Errno) {
 	var ch *fusefs.Inode
 	var h segmentHandle
-	err := d.fs.takeHandle(ctx, flags, func() error {
+	err := d.fs.takeHandle(ctx, false, func() error {
 		return d.withDir(func(dirfd int) (err error) {
 			ch, h, err = d.create(ctx, dirfd, name, flags, mode, out)
 			return err
@@ -377,7 +377,7 @@ func (d *dirNode) openExisting(ctx context.Context, dirfd int, name string, pf a
 func (d *dirNode) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *fuse.EntryOut) (*fusefs.Inode, fusefs.FileHandle, uint32, syscall.Errno) {
 	var ch *fusefs.Inode
 	var h *fileHandle
-	err := d.fs.takeHandle(ctx, flags, func() error {
+	err := d.fs.takeHandle(ctx, false, func() error {
 		return d.withDir(func(dirfd int) error {
 			pf, err := d.creatable()
 			if err != nil {
@@ -676,7 +676,7 @@ func (fsys *filesystem) recordSharedPath(dirfd int, name string) {
 // one of the caller's descriptors (fs/budget.go), as an open segment's is.
 func (d *dirNode) OpendirHandle(ctx context.Context, flags uint32) (fusefs.FileHandle, uint32, syscall.Errno) {
 	var dfd int
-	err := d.fs.takeHandle(ctx, flags, func() error {
+	err := d.fs.takeHandle(ctx, flags&openAdopted != 0, func() error {
 		return d.withDir(func(fd int) (err error) {
 			dfd, err = unix.Openat(fd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 			return err

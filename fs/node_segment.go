@@ -155,7 +155,7 @@ func (n *segmentNode) followAccess() {
 // hides O_CREAT from OPEN, and truncation is the harm EXCLUSIVE prevents).
 func (n *segmentNode) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint32, syscall.Errno) {
 	var h segmentHandle
-	err := n.fs.takeHandle(ctx, flags, func() error {
+	err := n.fs.takeHandle(ctx, flags&openAdopted != 0, func() error {
 		n.opening.RLock()
 		defer n.opening.RUnlock()
 		return n.withMarker(func(m *alloc.Ref) (err error) {

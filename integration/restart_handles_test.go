@@ -191,3 +191,52 @@ func TestRestartKeepsRefcount(t *testing.T) {
 		c.wait(t)
 	})
 }
+
+// TestAttackOpenAdoptedFlag: the daemon knows a handle it adopts from an
+// earlier daemon, charged past the bound, by O_NOCTTY in its open flags,
+// which the kernel clears from every open it sends: uid 65534's opens,
+// creates, O_TMPFILE opens and directory opens with O_NOCTTY all stop at
+// its share (EMFILE).
+func TestAttackOpenAdoptedFlag(t *testing.T) {
+	const nobody = 65534
+	m := mountFS(t, "passthrough", "--allow-other")
+	reachable(t, m.dir)
+	if err := os.Mkdir(m.path("s"), 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(m.path("s"), 0o1777); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(m.path("s/f"), []byte("x"), 0o666); err != nil {
+		t.Fatal(err)
+	}
+	out, err := runAs(t, nobody, "/", systemPython, "-c", `
+import os, sys, resource
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+d = sys.argv[1]
+for name, fn in [("open", lambda i: os.open(d + "/f", os.O_RDONLY | os.O_NOCTTY)),
+                 ("create", lambda i: os.open(d + "/c%d" % i, os.O_RDWR | os.O_CREAT | os.O_NOCTTY)),
+                 ("tmpfile", lambda i: os.open(d, os.O_RDWR | os.O_TMPFILE | os.O_NOCTTY)),
+                 ("opendir", lambda i: os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOCTTY))]:
+    fds = []
+    try:
+        while len(fds) < hard - 64:
+            fds.append(fn(len(fds)))
+        print(name, "no limit after", len(fds))
+    except OSError as e:
+        print(name, "errno", e.errno, len(fds))
+    for fd in fds:
+        os.close(fd)
+`, m.path("s"))
+	if err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	lines := strings.Split(out, "\n")
+	for _, op := range []string{"open", "create", "tmpfile", "opendir"} {
+		want := fmt.Sprintf("%s errno %d ", op, int(syscall.EMFILE))
+		if !slices.ContainsFunc(lines, func(l string) bool { return strings.HasPrefix(l, want) }) {
+			t.Errorf("uid %d's %ss with O_NOCTTY: want EMFILE at its share, got:\n%s", nobody, op, out)
+		}
+	}
+}
