@@ -11,11 +11,12 @@ import (
 )
 
 // staleNode is a node the kernel holds from an earlier daemon that no
-// name in the backing reaches any more (a segment or directory removed
-// while open): HandoverFS.Adopt registers it under its node ID so that
-// its requests never reach go-fuse with an unknown node ID, which panics
-// and logs a stack per request. Every request on it is ESTALE, quietly
-// (the takeover logged once how many there are); the handles an earlier
+// name in the backing reaches any more and whose file the successor
+// does not have (a directory removed while a process works in it, an
+// O_TMPFILE file): HandoverFS.Adopt registers it under its node ID so
+// that its requests never reach go-fuse with an unknown node ID, which
+// panics and logs a stack per request. Every request on it is ESTALE,
+// quietly, as a user may repeat them at will; the handles an earlier
 // daemon gave out for it are counted against their openers until the
 // kernel releases them, as every adopted handle is.
 type staleNode struct {
