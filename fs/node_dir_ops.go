@@ -411,6 +411,8 @@ func (d *dirNode) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *f
 			h = &fileHandle{handle: handle{node: seg, pid: d.fs.processOf(c.Pid), uid: c.Uid, writable: flags&unix.O_ACCMODE != unix.O_RDONLY},
 				fd: fd, passthrough: pt, attrsHere: true, unnamed: true}
 			seg.track(&h.handle, h)
+			seg.orphan.Store(true) // in no directory, as one whose last name went
+			d.fs.orphans.add(seg)
 			return nil
 		})
 	})
@@ -462,6 +464,9 @@ func (d *dirNode) Link(ctx context.Context, target fusefs.InodeEmbedder, name st
 		}
 		if first {
 			d.fs.inodes.unreserve(uid)
+			if seg, ok := target.(*segmentNode); ok {
+				d.fs.orphans.named(seg)
+			}
 		} else {
 			d.fs.inodes.linked(target.EmbeddedInode().StableAttr().Ino, uid)
 		}

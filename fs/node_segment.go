@@ -40,8 +40,9 @@ type segmentNode struct {
 	idle chan struct{}
 	// released is when a handle was last released, since epoch.
 	released atomic.Int64
-	// orphan is set once the segment's last name went: its inode's charge
-	// goes when its last handle and mapping do (filesystem.orphaned).
+	// orphan is set once the segment's last name went, or while an
+	// O_TMPFILE segment has none: its inode's charge goes when its last
+	// handle and mapping do (filesystem.orphaned).
 	orphan atomic.Bool
 	// held, in a successor while Adopt opens an orphan's handles again,
 	// is the backing file its predecessor handed over (adoptOrphan).

@@ -11,8 +11,9 @@ import (
 	"tensorfs/alloc"
 )
 
-// orphans are the segments whose last name went while they were open: the
-// kernel holds them, and no name a successor could look up reaches them.
+// orphans are the segments whose last name went while they were open, and
+// the O_TMPFILE ones not linked yet: the kernel holds them, and no name a
+// successor could look up reaches them.
 // A successor gets a descriptor of each one's backing file, from its
 // predecessor (Server.Handover) or, after a crash, from the keeper's
 // journal (Record.Orphan, sent when the last name goes), and registers
@@ -75,8 +76,9 @@ func (o *orphans) held() []uint64 {
 	return ids
 }
 
-// add records n, whose last name just went, if handles hold it, and
-// journals it with a descriptor of its backing file.
+// add records n, whose last name just went (or an O_TMPFILE segment,
+// made in no directory), if handles hold it, and journals it with a
+// descriptor of its backing file.
 func (o *orphans) add(n *segmentNode) {
 	fd, err := n.backingFd()
 	if err != nil {
@@ -94,6 +96,13 @@ func (o *orphans) add(n *segmentNode) {
 		return
 	}
 	unix.Close(fd)
+}
+
+// named forgets n, an O_TMPFILE segment that was just given its first
+// name.
+func (o *orphans) named(n *segmentNode) {
+	n.orphan.Store(false)
+	o.drop(n)
 }
 
 // drop forgets n once no handle holds it.

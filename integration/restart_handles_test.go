@@ -9,6 +9,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -239,4 +240,60 @@ for name, fn in [("open", lambda i: os.open(d + "/f", os.O_RDONLY | os.O_NOCTTY)
 			t.Errorf("uid %d's %ss with O_NOCTTY: want EMFILE at its share, got:\n%s", nobody, op, out)
 		}
 	}
+}
+
+// TestRestartTmpfile: an O_TMPFILE segment not linked yet is a node in
+// no directory, as one unlinked while open: across a restart and a crash
+// its opener reads, writes and stats it through its descriptor, and its
+// inode stays charged to her; linked then (linkat AT_EMPTY_PATH), it
+// keeps its name and its charge once closed.
+func TestRestartTmpfile(t *testing.T) {
+	forEachMode(t, func(t *testing.T, m *mount) {
+		c := startPython(t, "holder", `
+import ctypes, os, sys
+d = sys.argv[1]
+fd = os.open(d, os.O_RDWR | os.O_TMPFILE, 0o600)
+os.write(fd, b"hello")
+print("ready", flush=True)
+for line in sys.stdin:
+    try:
+        if line.strip() == "link":
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.linkat(fd, b"", -100, (d + "/named").encode(), 0x1000) != 0: # AT_FDCWD, AT_EMPTY_PATH
+                raise OSError(ctypes.get_errno(), "linkat")
+            os.close(fd)
+            print("linked", flush=True)
+            continue
+        os.pwrite(fd, b"H", 0)
+        print(os.fstat(fd).st_size, os.pread(fd, 5, 0).decode(), flush=True)
+    except OSError as e:
+        print("errno", e.errno, flush=True)
+`, m.dir)
+		c.expect(t, "ready")
+		charged := ledgerHeld(t, m, "inodes", 0)
+		for _, takeover := range []string{"restart", "crash"} {
+			if takeover == "restart" {
+				m.restart(t, "")
+			} else {
+				m.crash(t)
+			}
+			time.Sleep(1100 * time.Millisecond) // the kernel's attributes expire
+			if got := c.do(t, "check"); got != "5 Hello" {
+				t.Errorf("after a %s, an O_TMPFILE segment's size and bytes through its descriptor: %q, want \"5 Hello\"", takeover, got)
+			}
+			if n := ledgerHeld(t, m, "inodes", 0); n != charged {
+				t.Errorf("after a %s root is charged %d inodes, want the %d before", takeover, n, charged)
+			}
+		}
+		if got := c.do(t, "link"); got != "linked" {
+			t.Fatalf("link: %s", got)
+		}
+		if b, err := os.ReadFile(m.path("named")); err != nil || string(b) != "Hello" {
+			t.Errorf("the O_TMPFILE segment linked after the takeovers: %q %v", b, err)
+		}
+		if n := ledgerHeld(t, m, "inodes", 0); n != charged {
+			t.Errorf("once linked and closed, root is charged %d inodes, want %d", n, charged)
+		}
+		c.wait(t)
+	})
 }
