@@ -12,8 +12,8 @@ import (
 
 // staleNode is a node the kernel holds from an earlier daemon that no
 // name in the backing reaches any more and whose file the successor
-// does not have (a directory removed while a process works in it, an
-// O_TMPFILE file): HandoverFS.Adopt registers it under its node ID so
+// does not have (a directory removed while a process works in it, a
+// device or imported segment removed while open): HandoverFS.Adopt registers it under its node ID so
 // that its requests never reach go-fuse with an unknown node ID, which
 // panics and logs a stack per request. Every request on it is ESTALE,
 // quietly, as a user may repeat them at will; the handles an earlier
