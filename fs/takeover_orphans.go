@@ -13,15 +13,15 @@ import (
 
 // orphans are the segments whose last name went while they were open, and
 // the O_TMPFILE ones not linked yet: the kernel holds them, and no name a
-// successor could look up reaches them.
-// A successor gets a descriptor of each one's backing file, from its
-// predecessor (Server.Handover) or, after a crash, from the keeper's
-// journal (Record.Orphan, sent when the last name goes), and registers
-// it under its node ID (rootNode.LookupNode), so that its handles keep
-// working. One descriptor per segment, which holds at least one handle
-// charged to its opener. The other nodes the kernel holds that no name
-// reaches (a directory removed while a process works in it) are handed
-// over by node ID, and become stale nodes.
+// successor could look up reaches them. A successor gets a descriptor of
+// each one's backing file, from its predecessor (Server.Handover) or,
+// after a crash, from the keeper's journal (Record.Orphan, sent when the
+// last name goes), and registers it under its node ID
+// (rootNode.LookupNode), so that its handles keep working: one
+// descriptor per segment, which holds at least one handle charged to its
+// opener. The other nodes the kernel holds that no name reaches (a
+// directory removed while a process works in it) are handed over by node
+// ID, and become stale nodes.
 type orphans struct {
 	mu sync.Mutex
 	// nodes are the orphans with handles open, by node ID.
@@ -142,8 +142,8 @@ func (o *orphans) take(id uint64) (int, bool) {
 	return fd, ok
 }
 
-// settle ends Adopt: the descriptors handed over for nodes the kernel
-// holds no handle of are closed, and so is each adopted orphan's own,
+// settleOrphans ends Adopt: the descriptors handed over for nodes the
+// kernel holds no handle of are closed, and so is each adopted orphan's own,
 // since its handles, opened again, hold its file; an orphan none of
 // whose handles opened again is let go.
 func (fsys *filesystem) settleOrphans() {
