@@ -21,7 +21,7 @@ import (
 // 100 fstats log nothing, and the last close gives the inode back.
 func TestAttackRestartUnlinkedOpen(t *testing.T) {
 	const nobody = 65534
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		reachable(t, m.dir)
 		if err := os.Mkdir(m.path("shared"), 0o777); err != nil {
 			t.Fatal(err)
@@ -93,7 +93,7 @@ for line in sys.stdin:
 // repeat at will.
 func TestAttackRestartRemovedCwd(t *testing.T) {
 	const nobody = 65534
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		reachable(t, m.dir)
 		if err := os.Mkdir(m.path("shared"), 0o777); err != nil {
 			t.Fatal(err)

@@ -248,7 +248,7 @@ for name, fn in [("open", lambda i: os.open(d + "/f", os.O_RDONLY | os.O_NOCTTY)
 // inode stays charged to her; linked then (linkat AT_EMPTY_PATH), it
 // keeps its name and its charge once closed.
 func TestRestartTmpfile(t *testing.T) {
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		c := startPython(t, "holder", `
 import ctypes, os, sys
 d = sys.argv[1]
