@@ -16,8 +16,9 @@ import (
 // fstat, a log flood any user could cause by keeping such a file across
 // a restart), and the file failed (EIO). Now the predecessor hands its
 // backing file over (after a crash, the keeper's journal does) and the
-// successor registers it under the same node ID: across a restart and a
-// crash, fstat, read and write through the descriptor work, as uid 65534,
+// successor registers it under the same node ID: across a restart, a
+// crash and a restart again (the successor hands over what it adopted),
+// fstat, read and write through the descriptor work, as uid 65534,
 // 100 fstats log nothing, and the last close gives the inode back.
 func TestAttackRestartUnlinkedOpen(t *testing.T) {
 	const nobody = 65534
@@ -53,7 +54,7 @@ for line in sys.stdin:
 		c.expect(t, "ready")
 		inodes := func() int64 { return ledgerHeld(t, m, "inodes", nobody) }
 		charged := inodes()
-		for _, takeover := range []string{"restart", "crash"} {
+		for _, takeover := range []string{"restart", "crash", "restart"} {
 			if takeover == "restart" {
 				m.restart(t, "")
 			} else {
