@@ -38,11 +38,22 @@ func newThreadBudget(l *ledger.Ledger) *ledger.Row {
 		PerUID: blockedThreads / 16, Total: blockedThreads, Over: syscall.EMFILE, Full: syscall.ENFILE})
 }
 
+// openAdopted marks the open flags of a handle an earlier daemon gave
+// out, which HandoverFS.Adopt opens again. The kernel clears O_NOCTTY
+// from every OPEN, OPENDIR and CREATE it sends (fuse_send_open,
+// fuse_create_open), so no request carries it.
+const openAdopted = unix.O_NOCTTY
+
 // takeHandle takes a handle from the caller's budget for open, which
-// makes one (newHandle) or fails; a failed open gives it back.
-func (fsys *filesystem) takeHandle(ctx context.Context, open func() error) error {
+// makes one (newHandle) or fails; a failed open gives it back. A handle
+// adopted from an earlier daemon (an open whose flags have openAdopted)
+// is charged whatever the bound: the kernel holds it already, and its
+// opener past her share gets EMFILE for new ones until under.
+func (fsys *filesystem) takeHandle(ctx context.Context, adopted bool, open func() error) error {
 	uid := caller(ctx).Uid
-	if err := fsys.handles.Take(uid, 1); err != nil {
+	if adopted {
+		fsys.handles.Add(uid, 1)
+	} else if err := fsys.handles.Take(uid, 1); err != nil {
 		return err
 	}
 	err := open()

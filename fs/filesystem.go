@@ -55,6 +55,8 @@ type filesystem struct {
 	handles *ledger.Row
 	// inodes charges the backing's objects to their owners.
 	inodes *inodes
+	// orphans are the segments open in no directory, for a successor.
+	orphans orphans
 	// threads bounds, per uid, the goroutines that may block in the
 	// kernel on a request's behalf (fsMagic's).
 	threads *ledger.Row
@@ -180,9 +182,12 @@ func (fsys *filesystem) mode() string {
 // open, and says whether the handle is passthrough. In passthrough mode
 // the kernel shares one backing file among all opens of a segment, so it
 // is opened read-write without O_APPEND or O_DIRECT, which the kernel
-// applies per open itself.
+// applies per open itself. A handle adopted from an earlier daemon
+// (openAdopted) is never passthrough: the kernel's inode uses the
+// backing file that daemon registered, and the handle is opened again
+// only to be counted, with the access it was opened with.
 func (fsys *filesystem) backingFlags(flags uint32) (int, bool) {
-	if fsys.passthrough.Load() {
+	if fsys.passthrough.Load() && flags&openAdopted == 0 {
 		return unix.O_RDWR | unix.O_CLOEXEC, true
 	}
 	keep := unix.O_ACCMODE | unix.O_APPEND | unix.O_DIRECT | unix.O_SYNC | unix.O_DSYNC | unix.O_NOATIME
@@ -292,6 +297,7 @@ func (fsys *filesystem) reclaimLater(n *segmentNode, uid uint32) {
 // holder's mappings and open-file limit, as on tmpfs.
 func (fsys *filesystem) orphaned(n *segmentNode) {
 	if len(n.openHandles()) == 0 {
+		fsys.orphans.drop(n)
 		fsys.inodes.gone(n.StableAttr().Ino)
 	}
 }

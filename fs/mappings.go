@@ -810,10 +810,16 @@ type Recovered struct {
 func Recover(store *alloc.Store, live uint64) (segments, bytes int64, rec *Recovered, err error) {
 	var t mapTable
 	old := earlierDevs(store.RootFd, live)
+	// A classic mount's device is in no record, and a mapping through it
+	// (node IDs are backing inodes) counts while a successor takes it over.
+	through := old
+	if live != 0 && !slices.Contains(old, live) {
+		through = append(slices.Clone(old), live)
+	}
 	rec = &Recovered{}
 	found, err := store.Recover(func(st *unix.Stat_t) bool {
 		ids := everyone(fileID{st.Dev, st.Ino})
-		for _, dev := range old {
+		for _, dev := range through {
 			ids = append(ids, mappedFile{fileID{dev, st.Ino}, anyUID})
 		}
 		if pids, err := t.mappers(ids, time.Time{}, anyAge); len(pids) == 0 && err == nil {

@@ -72,6 +72,10 @@ type Takeover struct {
 	// (handles, backing files) and no nodes, and every object of the
 	// backing is registered instead (the kernel may hold any of them).
 	Crashed bool
+	// Orphans are descriptors of the backing files of the segments open
+	// in no directory (unlinked while open), by node ID; Mount closes
+	// them once it has taken them over.
+	Orphans map[uint64]int
 	// Handoff tells the predecessor to stop and returns once it has;
 	// Mount calls it once the successor can serve.
 	Handoff func() error
@@ -96,7 +100,7 @@ const handoverWait = 5 * time.Second
 // (Options.Takeover, without Handoff), once the requests in flight have
 // finished; from then on it holds every request off (they die with this
 // daemon, and the kernel sends them to the successor) until resume,
-// which a handover that fails calls.
+// which a handover that fails calls once it has closed t.Orphans.
 func (s *Server) Handover() (t Takeover, resume func(), err error) {
 	fd, err := ConnectionFd()
 	if err != nil {
@@ -105,7 +109,9 @@ func (s *Server) Handover() (t Takeover, resume func(), err error) {
 	if !s.gate.freeze(handoverWait) {
 		return Takeover{}, nil, fmt.Errorf("requests in flight did not finish within %v", handoverWait)
 	}
-	return Takeover{Fd: fd, Init: InitBytes(s.Server), Gen: s.raw.gen + 1, State: s.raw.State(s.fs.root.EmbeddedInode())}, s.gate.thaw, nil
+	st := s.raw.State(s.fs.root.EmbeddedInode())
+	st.Unnamed = s.fs.orphans.held()
+	return Takeover{Fd: fd, Init: InitBytes(s.Server), Gen: s.raw.gen + 1, State: st, Orphans: s.fs.orphans.files()}, s.gate.thaw, nil
 }
 
 // Close stops the control socket, leaves the cluster, ends what the
@@ -205,20 +211,23 @@ func Mount(opts Options) (_ *Server, err error) {
 	}
 	if opts.Debug {
 		fopts.Logger = log.New(os.Stderr, "go-fuse: ", log.Lmicroseconds)
+	} else {
+		fopts.MountOptions.PanicHandler = (&panicLog{log: fsys.log}).handle
+		log.SetOutput(&lineLimit{w: os.Stderr, every: time.Second}) // the process's one mount
 	}
 	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, 0)
-	raw.journal = opts.Journal
+	raw.journal, raw.forgotten = opts.Journal, fsys.orphans.forget
+	fsys.orphans.journal = opts.Journal
 	gate := &gateFS{RawFileSystem: raw}
 	var srv *fuse.Server
 	if opts.Takeover != nil {
-		srv, err = takeOver(gate, raw, opts.Takeover, opts.Store.RootFd, fopts.MountOptions, fsys.log)
+		srv, err = takeOver(gate, raw, opts.Takeover, fsys, fopts.MountOptions)
 	} else {
 		srv, err = mount(gate, opts.Mountpoint, fopts.MountOptions)
 	}
 	if err != nil {
 		return nil, err
 	}
-	widenReadahead(opts.Mountpoint, fsys.log)
 	if !opts.NoPassthrough {
 		if err := probePassthrough(srv, opts.Store.RootFd); err != nil {
 			fsys.log.Warn("FUSE passthrough unavailable, the daemon serves read and write itself", "why", err)
@@ -226,6 +235,13 @@ func Mount(opts Options) (_ *Server, err error) {
 			fsys.passthrough.Store(true)
 		}
 	}
+	if opts.Takeover != nil {
+		// Only once the mode is known: an open answered without
+		// passthrough while the kernel's inode has passthrough handles
+		// open (inherited) is EIO.
+		go srv.Serve()
+	}
+	widenReadahead(opts.Mountpoint, fsys.log)
 	fsys.afterMount(opts.Mountpoint, opts.Recovered)
 	s := &Server{Server: srv, fs: fsys, gate: gate, raw: raw}
 	if opts.Socket != "" {
@@ -255,11 +271,14 @@ func mount(raw fuse.RawFileSystem, mountpoint string, mopts fuse.MountOptions) (
 	return srv, nil
 }
 
-// takeOver serves raw, which wraps h, on the connection that fetch
-// returns: h takes the predecessor's state over (after a crash, every
-// object of the backing at rootFd), the predecessor stops, the kernel
-// resends what the predecessor left unanswered, and raw serves.
-func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, error), rootFd int, mopts fuse.MountOptions, log *slog.Logger) (*fuse.Server, error) {
+// takeOver returns a server of raw, which wraps h, on the connection
+// that fetch returns: h takes the predecessor's state over (after a
+// crash, every object of fsys's backing), its orphans included, the
+// predecessor stops, and the kernel resends what the predecessor left
+// unanswered, for the server to serve once the caller has probed
+// passthrough.
+func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, error), fsys *filesystem, mopts fuse.MountOptions) (*fuse.Server, error) {
+	log := fsys.log
 	t, err := fetch()
 	if err != nil {
 		return nil, err
@@ -267,9 +286,10 @@ func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, er
 	if t.Gen == 0 || t.Gen >= 1<<32 {
 		return nil, fmt.Errorf("takeover: generation %d out of range", t.Gen)
 	}
+	fsys.orphans.handed = t.Orphans
 	h.gen = t.Gen
 	if t.Crashed {
-		t.State.Nodes = backingNodes(rootFd, log)
+		t.State.Nodes = backingNodes(fsys.store.RootFd, log)
 	}
 	log.Info("taking the mount over", "nodes", len(t.State.Nodes), "handles", len(t.State.Handles), "generation", t.Gen, "crashed", t.Crashed)
 	srv, err := ServeConnection(raw, t.Fd, t.Init, mopts)
@@ -277,6 +297,7 @@ func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, er
 		return nil, fmt.Errorf("takeover: %w", err)
 	}
 	lost := h.Adopt(t.State)
+	fsys.settleOrphans()
 	if len(lost.Nodes) > 0 || len(lost.Handles) > 0 {
 		log.Warn("takeover: what the kernel holds that the backing no longer has at its name, or that would not open again, fails", "nodes", len(lost.Nodes), "handles", len(lost.Handles))
 	}
@@ -286,7 +307,6 @@ func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, er
 	if err := NotifyResend(); err != nil {
 		log.Warn("takeover: the kernel cannot resend the requests the predecessor left unanswered; they wait for ever", "err", err)
 	}
-	go srv.Serve()
 	return srv, nil
 }
 

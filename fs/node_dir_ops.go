@@ -253,7 +253,7 @@ func (d *dirNode) Symlink(ctx context.Context, target, name string, out *fuse.En
 func (d *dirNode) Create(ctx context.Context, name string, flags uint32, mode uint32, out *fuse.EntryOut) (*fusefs.Inode, fusefs.FileHandle, uint32, syscall.Errno) {
 	var ch *fusefs.Inode
 	var h segmentHandle
-	err := d.fs.takeHandle(ctx, func() error {
+	err := d.fs.takeHandle(ctx, false, func() error {
 		return d.withDir(func(dirfd int) (err error) {
 			ch, h, err = d.create(ctx, dirfd, name, flags, mode, out)
 			return err
@@ -377,7 +377,7 @@ func (d *dirNode) openExisting(ctx context.Context, dirfd int, name string, pf a
 func (d *dirNode) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *fuse.EntryOut) (*fusefs.Inode, fusefs.FileHandle, uint32, syscall.Errno) {
 	var ch *fusefs.Inode
 	var h *fileHandle
-	err := d.fs.takeHandle(ctx, func() error {
+	err := d.fs.takeHandle(ctx, false, func() error {
 		return d.withDir(func(dirfd int) error {
 			pf, err := d.creatable()
 			if err != nil {
@@ -411,6 +411,8 @@ func (d *dirNode) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *f
 			h = &fileHandle{handle: handle{node: seg, pid: d.fs.processOf(c.Pid), uid: c.Uid, writable: flags&unix.O_ACCMODE != unix.O_RDONLY},
 				fd: fd, passthrough: pt, attrsHere: true, unnamed: true}
 			seg.track(&h.handle, h)
+			seg.orphan.Store(true) // in no directory, as one whose last name went
+			d.fs.orphans.add(seg)
 			return nil
 		})
 	})
@@ -462,6 +464,9 @@ func (d *dirNode) Link(ctx context.Context, target fusefs.InodeEmbedder, name st
 		}
 		if first {
 			d.fs.inodes.unreserve(uid)
+			if seg, ok := target.(*segmentNode); ok {
+				d.fs.orphans.named(seg)
+			}
 		} else {
 			d.fs.inodes.linked(target.EmbeddedInode().StableAttr().Ino, uid)
 		}
@@ -501,7 +506,8 @@ func (d *dirNode) nameGone(name string, ino uint64, last bool, uid uint32) {
 		if ch := d.GetChild(name); ch != nil {
 			if seg, ok := ch.Operations().(*segmentNode); ok && ch.StableAttr().Ino == ino {
 				seg.orphan.Store(true)
-				d.fs.orphaned(seg) // as tmpfs frees it: before the unlink is answered
+				d.fs.orphans.add(seg) // journaled before the unlink is answered
+				d.fs.orphaned(seg)    // as tmpfs frees it: before the unlink is answered
 				return
 			}
 		}
@@ -542,6 +548,9 @@ func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
 		d.fs.inodes.gone(ino)
 		if rec != nil {
 			d.fs.cl.removedHere(path.Join(d.Path(nil), name), rec)
+		}
+		if ch := d.GetChild(name); ch != nil && ch.StableAttr().Ino == ino {
+			d.fs.orphans.addUnnamed(ino) // a process may work in it
 		}
 		return nil
 	})
@@ -673,7 +682,7 @@ func (fsys *filesystem) recordSharedPath(dirfd int, name string) {
 // one of the caller's descriptors (fs/budget.go), as an open segment's is.
 func (d *dirNode) OpendirHandle(ctx context.Context, flags uint32) (fusefs.FileHandle, uint32, syscall.Errno) {
 	var dfd int
-	err := d.fs.takeHandle(ctx, func() error {
+	err := d.fs.takeHandle(ctx, flags&openAdopted != 0, func() error {
 		return d.withDir(func(fd int) (err error) {
 			dfd, err = unix.Openat(fd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 			return err

@@ -40,9 +40,13 @@ type segmentNode struct {
 	idle chan struct{}
 	// released is when a handle was last released, since epoch.
 	released atomic.Int64
-	// orphan is set once the segment's last name went: its inode's charge
-	// goes when its last handle and mapping do (filesystem.orphaned).
+	// orphan is set once the segment's last name went, or while an
+	// O_TMPFILE segment has none: its inode's charge goes when its last
+	// handle and mapping do (filesystem.orphaned).
 	orphan atomic.Bool
+	// held, in a successor while Adopt opens an orphan's handles again,
+	// is the backing file its predecessor handed over (adoptOrphan).
+	held *alloc.Ref
 }
 
 // newSegment makes the node of a segment whose storage is s.
@@ -68,7 +72,11 @@ func (n *segmentNode) withMarker(fn func(m *alloc.Ref) error) error {
 	if len(n.handles) > 0 {
 		h = n.handles[0].open
 	}
+	held := n.held // only while Adopt runs, before the daemon serves
 	n.mu.Unlock()
+	if h == nil && held != nil {
+		return fn(held)
+	}
 	if h == nil {
 		return syscall.ENOENT
 	}
@@ -148,7 +156,7 @@ func (n *segmentNode) followAccess() {
 // hides O_CREAT from OPEN, and truncation is the harm EXCLUSIVE prevents).
 func (n *segmentNode) Open(ctx context.Context, flags uint32) (fusefs.FileHandle, uint32, syscall.Errno) {
 	var h segmentHandle
-	err := n.fs.takeHandle(ctx, func() error {
+	err := n.fs.takeHandle(ctx, flags&openAdopted != 0, func() error {
 		n.opening.RLock()
 		defer n.opening.RUnlock()
 		return n.withMarker(func(m *alloc.Ref) (err error) {
@@ -181,8 +189,8 @@ func (n *segmentNode) open(ctx context.Context, m *alloc.Ref, flags uint32) (seg
 	if trunc {
 		err = s.resize(m, 0)
 	}
-	if err == nil && (base.writable || trunc) {
-		err = n.dropSetid(ctx, m)
+	if err == nil && (base.writable || trunc) && flags&openAdopted == 0 {
+		err = n.dropSetid(ctx, m) // an adopted handle's opener did when it opened
 	}
 	if err != nil {
 		h.close()

@@ -154,18 +154,31 @@ type Backing struct {
 
 // Record is one change of a daemon's State, as it journals it: a handle
 // opened (Open) or released (Release), a node's backing file set
-// (Backing, ID not 0) or given back (Backing, ID 0).
+// (Backing, ID not 0) or given back (Backing, ID 0), a segment open
+// in no directory any more (Orphan, its node ID), with Fd, a descriptor
+// of its backing file that the journal owns (Takeover.Orphans), or
+// another such node (Unnamed, Forgotten: State.Unnamed).
 type Record struct {
 	Open    *Handle  `json:"open,omitempty"`
 	Release uint64   `json:"release,omitempty"`
 	Backing *Backing `json:"backing,omitempty"`
+	Orphan  uint64   `json:"orphan,omitempty"`
+	Fd      int      `json:"-"`
+	// Unnamed is another node the kernel holds that no name reaches
+	// any more (a directory removed), Forgotten one the kernel forgot.
+	Unnamed   uint64 `json:"unnamed,omitempty"`
+	Forgotten uint64 `json:"forgotten,omitempty"`
 }
 
-// State is what a daemon hands its successor besides the connection.
+// State is what a daemon hands its successor besides the connection:
+// besides the nodes of its tree, the handles and backing files, the node
+// IDs of other nodes the kernel may hold that no name reaches (Unnamed:
+// directories removed while a process works in one).
 type State struct {
 	Nodes   []Node    `json:"nodes"`
 	Handles []Handle  `json:"handles"`
 	Backing []Backing `json:"backing"`
+	Unnamed []uint64  `json:"unnamed,omitempty"`
 }
 
 // backingNodes lists every object of the backing at rootFd as a node,
@@ -255,6 +268,9 @@ type HandoverFS struct {
 	// journal, if set, receives every change of handles and backing,
 	// under mu, before the kernel learns of it.
 	journal func(Record)
+	// forgotten, if set, is told of each node the kernel forgets (it
+	// sends FORGET as it evicts an inode).
+	forgotten func(id uint64)
 }
 
 // backingRef is a node's backing file.
@@ -286,13 +302,20 @@ func (f *HandoverFS) State(root *fusefs.Inode) State {
 }
 
 // Adopt takes st over, on a connection that ServeConnection serves
-// with f (and its predecessor, the daemon st is from, still serves): it registers st.Nodes (parents first) with the
-// node bridge as the kernel knows them, through the lookups the kernel
-// would make, each checked to reach the same inode; it opens again the
-// handles whose reads and writes the daemon serves, as their openers,
-// and keeps the backing files. It returns what it could not take over
-// (a node whose name no longer reaches its inode, a handle that would
-// not open again), whose requests fail.
+// with f (and its predecessor, the daemon st is from, still serves): it
+// registers st.Nodes (parents first) with the node bridge as the kernel
+// knows them, through the lookups the kernel would make, each checked to
+// reach the same inode; a node the kernel holds that no name reaches any
+// more (a handle's, unlinked while open) it registers by its node ID:
+// the segment again if the predecessor handed its backing file over
+// (Takeover.Orphans), else a stale node (staleNode: every request
+// ESTALE). It opens every handle again as its
+// opener (openAdopted), so that its opener is charged for it and its
+// segment counts it (refcount, holders), until the kernel releases it;
+// a passthrough one is not registered with the kernel again, whose inode
+// keeps the backing file st names. It returns what it could not take
+// over (a node whose name no longer reaches its inode, a handle that
+// would not open again), whose requests fail.
 func (f *HandoverFS) Adopt(st State) (lost State) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -306,7 +329,7 @@ func (f *HandoverFS) Adopt(st State) (lost State) {
 		h := fuse.InHeader{NodeId: n.Parent}
 		s := f.RawFileSystem.Lookup(nil, &h, n.Name, &out)
 		if !s.Ok() || out.NodeId != n.ID {
-			if s.Ok() {
+			if s.Ok() && out.NodeId != 0 { // 0: an absent name, as the bridge answers it
 				f.RawFileSystem.Forget(out.NodeId, 1)
 			}
 			lost.Nodes = append(lost.Nodes, n)
@@ -315,17 +338,20 @@ func (f *HandoverFS) Adopt(st State) (lost State) {
 		known[n.ID] = true
 		f.adopted[n.ID] = true
 	}
+	for _, n := range lost.Nodes {
+		f.adoptUnnamed(n.ID, known)
+	}
+	for _, id := range st.Unnamed {
+		f.adoptUnnamed(id, known)
+	}
 	for _, b := range st.Backing {
 		f.backing[b.Node] = &backingRef{id: b.ID, inherited: true}
 	}
 	for _, h := range st.Handles {
-		if h.Passthrough || !known[h.Node] {
-			// The kernel reads and writes a passthrough handle
-			// itself, and its other requests are its node's.
-			f.handles[h.Fh] = h
-			continue
-		}
-		in := fuse.OpenIn{InHeader: fuse.InHeader{NodeId: h.Node, Caller: fuse.Caller{Owner: fuse.Owner{Uid: h.UID, Gid: h.GID}, Pid: h.Pid}}, Flags: h.Flags &^ (syscall.O_CREAT | syscall.O_EXCL | syscall.O_TRUNC)}
+		f.handles[h.Fh] = h
+		f.adoptUnnamed(h.Node, known)
+		in := fuse.OpenIn{InHeader: fuse.InHeader{NodeId: h.Node, Caller: fuse.Caller{Owner: fuse.Owner{Uid: h.UID, Gid: h.GID}, Pid: h.Pid}},
+			Flags: h.Flags&^(syscall.O_CREAT|syscall.O_EXCL|syscall.O_TRUNC) | openAdopted}
 		var out fuse.OpenOut
 		var s fuse.Status
 		if h.Dir {
@@ -337,10 +363,25 @@ func (f *HandoverFS) Adopt(st State) (lost State) {
 			lost.Handles = append(lost.Handles, h)
 			continue
 		}
-		f.handles[h.Fh] = h
 		f.inherited[h.Fh] = out.Fh
 	}
 	return lost
+}
+
+// adoptUnnamed registers id, a node the kernel holds, by its node ID
+// alone if the bridge does not know it (known), so that its requests
+// never reach an unknown node ID (a panic in go-fuse, and a stack in the
+// log, per request). The bridge resolves a LOOKUP of "." by node ID
+// through the root (rootNode.LookupNode); mu is held.
+func (f *HandoverFS) adoptUnnamed(id uint64, known map[uint64]bool) {
+	if known[id] {
+		return
+	}
+	var out fuse.EntryOut
+	if f.RawFileSystem.Lookup(nil, &fuse.InHeader{NodeId: id}, ".", &out).Ok() {
+		known[id] = true
+		f.adopted[id] = true
+	}
 }
 
 // record journals r; mu is held.
@@ -435,6 +476,9 @@ func (f *HandoverFS) Forget(nodeid, nlookup uint64) {
 	}
 	if !adopted {
 		f.RawFileSystem.Forget(nodeid, nlookup)
+	}
+	if f.forgotten != nil {
+		f.forgotten(nodeid) // the kernel evicted it: no successor needs it
 	}
 }
 

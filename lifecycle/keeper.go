@@ -7,10 +7,12 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"os"
 	"os/exec"
 	"os/signal"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -70,9 +72,15 @@ type keeper struct {
 	// generation.
 	init []byte
 	gen  uint64
-	// handles and backing are the current daemon's, as journaled.
+	// handles and backing are the current daemon's, as journaled;
+	// orphans the descriptors of its orphans' backing files
+	// (fs.Takeover.Orphans), each kept while a handle of it is open.
 	handles map[uint64]fs.Handle
 	backing map[uint64]int32
+	orphans map[uint64]int
+	// unnamed are the other nodes the kernel holds that no name reaches
+	// (fs.State.Unnamed).
+	unnamed map[uint64]bool
 }
 
 // daemon is one daemon a keeper runs.
@@ -99,7 +107,7 @@ func Keep(mp string, args []string, log *slog.Logger, ready func(mode string, pi
 	if err != nil {
 		return err
 	}
-	k := &keeper{mp: mp, args: args, log: log, fd: -1, handles: map[uint64]fs.Handle{}, backing: map[uint64]int32{}}
+	k := &keeper{mp: mp, args: args, log: log, fd: -1, handles: map[uint64]fs.Handle{}, backing: map[uint64]int32{}, orphans: map[uint64]int{}, unnamed: map[uint64]bool{}}
 	d, err := k.start(self, nil)
 	if err != nil {
 		return err
@@ -196,6 +204,8 @@ func (k *keeper) takeover() *fs.Takeover {
 	for node, id := range k.backing {
 		t.State.Backing = append(t.State.Backing, fs.Backing{Node: node, ID: id})
 	}
+	t.State.Unnamed = slices.Collect(maps.Keys(k.unnamed))
+	t.Orphans = maps.Clone(k.orphans) // still the keeper's
 	return t
 }
 
@@ -205,12 +215,13 @@ func (k *keeper) takeover() *fs.Takeover {
 func (k *keeper) restart(d *daemon, binary *binary) (*daemon, error) {
 	var cancel func()
 	var fd int = -1
+	var orphans map[uint64]int
 	next, err := k.start(binary, func() (*fs.Takeover, error) {
 		t, c, err := receiveMount(k.mp, d.cmd.Process.Pid)
 		if err != nil {
 			return nil, err
 		}
-		cancel, fd = c, t.Fd
+		cancel, fd, orphans = c, t.Fd, t.Orphans
 		handoff := t.Handoff
 		t.Handoff = func() error {
 			err := handoff()
@@ -222,6 +233,7 @@ func (k *keeper) restart(d *daemon, binary *binary) (*daemon, error) {
 	if fd >= 0 {
 		unix.Close(fd) // the keeper holds its own
 	}
+	closeOrphans(orphans) // the keeper took copies, if the new daemon took them over
 	if err != nil && cancel != nil {
 		cancel()
 	}
@@ -297,6 +309,11 @@ func (k *keeper) start(binary *binary, fetch func() (*fs.Takeover, error)) (*dae
 			for _, b := range t.State.Backing {
 				k.backing[b.Node] = b.ID
 			}
+			k.keepOrphans(t.Orphans)
+			k.unnamed = map[uint64]bool{}
+			for _, id := range t.State.Unnamed {
+				k.unnamed[id] = true
+			}
 			k.mu.Unlock()
 			fdpass.Send(d.c, []byte{msgGone})
 		case h := <-d.hello:
@@ -344,8 +361,9 @@ func (k *keeper) read(d *daemon) {
 		case msgRecord:
 			var r fs.Record
 			if json.Unmarshal(body, &r) == nil {
-				k.apply(r)
+				m.FDs = k.apply(r, m.FDs)
 			}
+			fdpass.Close(m.FDs)
 		case msgWant:
 			d.wants <- struct{}{}
 		case msgGo:
@@ -356,20 +374,60 @@ func (k *keeper) read(d *daemon) {
 	}
 }
 
-// apply applies a journal record to the current daemon's state.
-func (k *keeper) apply(r fs.Record) {
+// apply applies a journal record, which came with fds, to the current
+// daemon's state, and returns the descriptors it did not keep.
+func (k *keeper) apply(r fs.Record, fds []int) []int {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	switch {
+	case r.Orphan != 0 && len(fds) == 1 && k.holds(r.Orphan):
+		if old, ok := k.orphans[r.Orphan]; ok {
+			unix.Close(old)
+		}
+		k.orphans[r.Orphan] = fds[0]
+		return nil
 	case r.Open != nil:
 		k.handles[r.Open.Fh] = *r.Open
 	case r.Release != 0:
+		node := k.handles[r.Release].Node
 		delete(k.handles, r.Release)
+		if fd, ok := k.orphans[node]; ok && !k.holds(node) {
+			unix.Close(fd)
+			delete(k.orphans, node)
+		}
 	case r.Backing != nil && r.Backing.ID != 0:
 		k.backing[r.Backing.Node] = r.Backing.ID
 	case r.Backing != nil:
 		delete(k.backing, r.Backing.Node)
+	case r.Unnamed != 0:
+		k.unnamed[r.Unnamed] = true
+	case r.Forgotten != 0:
+		delete(k.unnamed, r.Forgotten)
 	}
+	return fds
+}
+
+// holds reports whether a handle of node is open; mu is held.
+func (k *keeper) holds(node uint64) bool {
+	for _, h := range k.handles {
+		if h.Node == node {
+			return true
+		}
+	}
+	return false
+}
+
+// keepOrphans makes copies of orphans the keeper's, in place of those it
+// had; mu is held.
+func (k *keeper) keepOrphans(orphans map[uint64]int) {
+	old := k.orphans
+	k.orphans = map[uint64]int{}
+	for id, fd := range orphans {
+		if dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0); err == nil {
+			k.orphans[id] = dup
+		}
+	}
+	closeOrphans(old)
 }
 
 // restartReq is a restart asked on the keeper's socket.

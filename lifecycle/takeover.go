@@ -19,7 +19,9 @@ import (
 // in the state directory, mode 0600, and to no peer but its keeper (its
 // parent, of its user: SO_PEERCRED); the keeper takes it only from its
 // daemon. The FUSE descriptor goes with the first message, the
-// state (fs.State, JSON) follows in chunks; the successor answers "go"
+// state (fs.State, JSON) follows in chunks, then the orphans' descriptors
+// (fs.Takeover.Orphans), up to maxFds a message with their node IDs;
+// the successor answers "go"
 // once it can serve, and the daemon exits at once, leaving the mount,
 // the backing and the pid file to it.
 
@@ -33,6 +35,8 @@ type handoverHeader struct {
 	Crashed bool   `json:"crashed,omitempty"`
 	// Size is the state's, in bytes.
 	Size int `json:"size"`
+	// Orphans is how many orphans' descriptors follow the state.
+	Orphans int `json:"orphans,omitempty"`
 	// Mode is the daemon's ("passthrough" or "classic"), in a daemon's
 	// hello to its keeper.
 	Mode string `json:"mode,omitempty"`
@@ -48,6 +52,9 @@ const (
 	// handoffWait bounds how long a successor waits for its predecessor
 	// to exit.
 	handoffWait = 10 * time.Second
+	// maxFds is the most descriptors one message carries (the kernel's
+	// SCM_MAX_FD is 253).
+	maxFds = 250
 )
 
 // listenPrivate listens on a new socket at p, mode 0600 (not through the
@@ -122,11 +129,13 @@ func handOver(c *net.UnixConn, srv *fs.Server, log *slog.Logger) error {
 		return err
 	}
 	if err := send(c, t); err != nil {
+		closeOrphans(t.Orphans)
 		resume()
 		return err
 	}
 	m, err := fdpass.Recv(c, 16, 0)
 	if err != nil || string(m.Data) != "go" {
+		closeOrphans(t.Orphans)
 		resume()
 		return fmt.Errorf("the successor (pid %d) did not take the mount: %v", cred.Pid, err)
 	}
@@ -139,13 +148,14 @@ func handOver(c *net.UnixConn, srv *fs.Server, log *slog.Logger) error {
 }
 
 // send sends t on c: the header with the FUSE descriptor, then the state
-// in chunks.
+// in chunks, then the orphans' descriptors. The descriptors stay the
+// caller's.
 func send(c *net.UnixConn, t fs.Takeover) error {
 	state, err := json.Marshal(t.State)
 	if err != nil {
 		return err
 	}
-	hdr, _ := json.Marshal(handoverHeader{Init: t.Init, Gen: t.Gen, Crashed: t.Crashed, Size: len(state)})
+	hdr, _ := json.Marshal(handoverHeader{Init: t.Init, Gen: t.Gen, Crashed: t.Crashed, Size: len(state), Orphans: len(t.Orphans)})
 	if err := fdpass.Send(c, hdr, t.Fd); err != nil {
 		return err
 	}
@@ -156,7 +166,27 @@ func send(c *net.UnixConn, t fs.Takeover) error {
 		}
 		state = state[n:]
 	}
+	var ids []uint64
+	var fds []int
+	for id, fd := range t.Orphans {
+		ids, fds = append(ids, id), append(fds, fd)
+	}
+	for len(ids) > 0 {
+		n := min(maxFds, len(ids))
+		b, _ := json.Marshal(ids[:n])
+		if err := fdpass.Send(c, b, fds[:n]...); err != nil {
+			return err
+		}
+		ids, fds = ids[n:], fds[n:]
+	}
 	return nil
+}
+
+// closeOrphans closes the orphans' descriptors of a takeover.
+func closeOrphans(orphans map[uint64]int) {
+	for _, fd := range orphans {
+		unix.Close(fd)
+	}
 }
 
 // receiveMount takes mp's mount over from pid, the daemon that serves
@@ -210,11 +240,17 @@ func receiveFromKeeper(c *net.UnixConn) (*fs.Takeover, error) {
 	return t, nil
 }
 
-// journalTo returns a journal that sends each record to the keeper on c.
+// journalTo returns a journal that sends each record to the keeper on c,
+// an orphan's with its descriptor, which it closes then.
 func journalTo(c *net.UnixConn) func(fs.Record) {
 	return func(r fs.Record) {
 		b, _ := json.Marshal(r)
-		fdpass.Send(c, append([]byte{msgRecord}, b...))
+		if r.Orphan == 0 {
+			fdpass.Send(c, append([]byte{msgRecord}, b...))
+			return
+		}
+		fdpass.Send(c, append([]byte{msgRecord}, b...), r.Fd)
+		unix.Close(r.Fd)
 	}
 }
 
@@ -265,5 +301,37 @@ func receive(c *net.UnixConn, pid int) (*fs.Takeover, error) {
 		unix.Close(t.Fd)
 		return nil, fmt.Errorf("a malformed handover: %v", err)
 	}
+	if t.Orphans, err = receiveOrphans(c, h.Orphans); err != nil {
+		unix.Close(t.Fd)
+		return nil, fmt.Errorf("a malformed handover: %v", err)
+	}
 	return t, nil
+}
+
+// receiveOrphans reads n orphans' descriptors from c, with their node IDs.
+func receiveOrphans(c *net.UnixConn, n int) (map[uint64]int, error) {
+	orphans := map[uint64]int{}
+	for got := 0; got < n; {
+		m, err := fdpass.Recv(c, chunk, maxFds)
+		var ids []uint64
+		if err == nil {
+			err = json.Unmarshal(m.Data, &ids)
+		}
+		if err == nil && (len(ids) != len(m.FDs) || len(ids) == 0 || got+len(ids) > n) {
+			err = fmt.Errorf("%d node IDs with %d descriptors, %d of %d orphans read", len(ids), len(m.FDs), got, n)
+		}
+		if err != nil {
+			fdpass.Close(m.FDs)
+			closeOrphans(orphans)
+			return nil, err
+		}
+		for i, id := range ids {
+			if old, ok := orphans[id]; ok {
+				unix.Close(old)
+			}
+			orphans[id] = m.FDs[i]
+		}
+		got += len(ids)
+	}
+	return orphans, nil
 }

@@ -1,0 +1,37 @@
+package fs
+
+import (
+	"bytes"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+)
+
+// TestPanicLogBounded: every panic of a request is answered EIO, and
+// only the first of a minute is logged, with its stack; the standard
+// logger's writer passes one line a second.
+func TestPanicLogBounded(t *testing.T) {
+	var out bytes.Buffer
+	p := &panicLog{log: slog.New(slog.NewTextHandler(&out, nil))}
+	for i := 0; i < 100; i++ {
+		if st := p.handle("unknown node 7"); st != fuse.EIO {
+			t.Fatalf("panic %d answered %v, want EIO", i, st)
+		}
+	}
+	if n := strings.Count(out.String(), "\n"); n != 1 || !strings.Contains(out.String(), "goroutine") {
+		t.Errorf("100 panics logged %d lines, want one with its stack:\n%s", n, out.String())
+	}
+	out.Reset()
+	l := &lineLimit{w: &out, every: time.Hour}
+	for i := 0; i < 100; i++ {
+		if n, err := l.Write([]byte("unknown node 7\n")); n != 15 || err != nil {
+			t.Fatalf("write %d: %d %v", i, n, err)
+		}
+	}
+	if out.String() != "unknown node 7\n" {
+		t.Errorf("100 lines passed as %q, want the first alone", out.String())
+	}
+}
