@@ -102,7 +102,7 @@ func TestRecoverIgnoresForgedState(t *testing.T) {
 	if err := storeFlags(temp, Unlink, 0); err != nil { // the daemon's own UNLINK
 		t.Fatal(err)
 	}
-	rec, err := s.Recover(nil)
+	rec, err := s.Recover(nil, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -186,7 +186,7 @@ func TestRecoverOldBacking(t *testing.T) {
 	if err := WriteDeviceState(spill, DeviceState{Size: 8, Spilled: true}); err != nil {
 		t.Fatal(err)
 	}
-	rec, err := s.Recover(nil)
+	rec, err := s.Recover(nil, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -202,7 +202,7 @@ func TestRecoverOldBacking(t *testing.T) {
 	if err := StoreDevice(spill, "cuda:0"); err != nil {
 		t.Fatal(err)
 	}
-	if rec, err = s.Recover(nil); err != nil {
+	if rec, err = s.Recover(nil, false); err != nil {
 		t.Fatal(err)
 	}
 	if len(rec.Devices) != 1 {

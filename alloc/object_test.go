@@ -99,7 +99,7 @@ func FuzzRecover(f *testing.F) {
 			t.Fatal(err)
 		}
 		defer s.Close()
-		s.Recover(nil)
+		s.Recover(nil, false)
 		if after := snapshot(t, outside) + topNames(top); after != before {
 			t.Errorf("recovery changed what is outside the backing:\nbefore:\n%s\nafter:\n%s", before, after)
 		}

@@ -21,6 +21,18 @@ type Recovery struct {
 	// Pulled are the Pulled segments: complete ones with their path (to
 	// serve to peers), incomplete ones emptied.
 	Pulled []PulledFile
+	// Imports are the markers of imported segments kept for a successor
+	// (Recover's keepImports).
+	Imports []ImportMarker
+}
+
+// ImportMarker is the marker of an imported segment that recovery kept.
+type ImportMarker struct {
+	// Rel is its path relative to the backing's root, Ino its inode and
+	// ID the import's id.
+	Rel string
+	Ino uint64
+	ID  string
 }
 
 // PulledFile is a Pulled segment recovery found.
@@ -38,7 +50,8 @@ type PulledFile struct {
 // last holder's exit would have removed it, unless mapped reports that a
 // live process still maps its backing file (mapped may be nil). Imported
 // segments ended with the daemon that held them and their markers are
-// removed. SHARED segments whose markers are gone (a purged backing) are
+// removed, unless keepImports (a successor, whose predecessor hands the
+// imports' descriptors over): then they are listed (Recovery.Imports). SHARED segments whose markers are gone (a purged backing) are
 // restored from --disk. Pulled segments are kept: a complete one as it
 // is, an incomplete one emptied (its pull starts again from zero), and
 // one frozen for a publish that never finished becomes a Host segment
@@ -49,7 +62,7 @@ type PulledFile struct {
 // state, and the flags and device through StoredName): no value a user
 // can store on a backing file, through a descriptor the control socket
 // handed out, makes recovery delete or change a segment.
-func (s *Store) Recover(mapped func(st *unix.Stat_t) bool) (*Recovery, error) {
+func (s *Store) Recover(mapped func(st *unix.Stat_t) bool, keepImports bool) (*Recovery, error) {
 	rec := &Recovery{}
 	known := map[string]bool{}
 	err := Walk(s.RootFd, func(dirfd int, name, rel string, st *unix.Stat_t) error {
@@ -68,6 +81,9 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool) (*Recovery, error) {
 		switch {
 		case merr != nil:
 			s.log.Warn("recover: unreadable marker, keeping segment", "path", rel, "err", merr)
+		case m.Kind == Imported && keepImports:
+			rec.Imports = append(rec.Imports, ImportMarker{Rel: rel, Ino: st.Ino, ID: m.ID})
+			return nil
 		case m.Kind == Imported:
 			s.log.Info("recover: removing imported segment, its descriptor ended with the daemon", "path", rel)
 			return unix.Unlinkat(dirfd, name, 0)

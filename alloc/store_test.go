@@ -96,7 +96,7 @@ func TestRecoverRemovesUnlinkSegmentsAndRestoresShared(t *testing.T) {
 	// A purged backing: the marker is gone, the disk file stays.
 	os.Remove(filepath.Join(backing, "marker"))
 
-	rec, err := s.Recover(nil)
+	rec, err := s.Recover(nil, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -141,7 +141,7 @@ func TestRecoverContestedSharedPath(t *testing.T) {
 		os.Remove(marker) // a purged backing
 		ids[c.marker] = id
 	}
-	if _, err := s.Recover(nil); err != nil {
+	if _, err := s.Recover(nil, false); err != nil {
 		t.Fatal(err)
 	}
 	want := map[string]string{
@@ -182,7 +182,7 @@ func TestRecoverKeepsMappedUnlinkSegments(t *testing.T) {
 	rec, err := s.Recover(func(s *unix.Stat_t) bool {
 		asked = append(asked, s.Ino)
 		return s.Dev == st.Dev && s.Ino == st.Ino
-	})
+	}, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -215,7 +215,7 @@ func TestRecoverPulled(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	rec, err := s.Recover(nil)
+	rec, err := s.Recover(nil, false)
 	if err != nil {
 		t.Fatal(err)
 	}

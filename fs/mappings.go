@@ -796,6 +796,9 @@ type Recovered struct {
 	devices []*os.File
 	// pulled are the pulled segments (alloc.Recovery).
 	pulled []alloc.PulledFile
+	// imports are the imports' markers a successor keeps until its
+	// predecessor's descriptors arrive (alloc.Recovery).
+	imports []alloc.ImportMarker
 }
 
 // Recover prepares store's backing for a mount (alloc.Store.Recover),
@@ -806,7 +809,8 @@ type Recovered struct {
 // The device segments' backing files it found go to the mount, which
 // restores them (or, without a GPU, keeps them unavailable). live is the
 // device of the mount a successor takes over (0 for none): its mappings
-// count although it is mounted.
+// count although it is mounted, and imports' markers are kept for the
+// descriptors its predecessor hands over (adoptImports).
 func Recover(store *alloc.Store, live uint64) (segments, bytes int64, rec *Recovered, err error) {
 	var t mapTable
 	old := earlierDevs(store.RootFd, live)
@@ -827,7 +831,7 @@ func Recover(store *alloc.Store, live uint64) (segments, bytes int64, rec *Recov
 		}
 		rec.kept = append(rec.kept, ids)
 		return true
-	})
+	}, live != 0)
 	if err != nil {
 		return 0, 0, nil, err
 	}
@@ -838,6 +842,7 @@ func Recover(store *alloc.Store, live uint64) (segments, bytes int64, rec *Recov
 	}
 	rec.devices = found.Devices
 	rec.pulled = found.Pulled
+	rec.imports = found.Imports
 	return found.Segments, found.Bytes, rec, nil
 }
 

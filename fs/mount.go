@@ -76,6 +76,10 @@ type Takeover struct {
 	// in no directory (unlinked while open), by node ID; Mount closes
 	// them once it has taken them over.
 	Orphans map[uint64]int
+	// Imports are descriptors of the imported segments' files (the
+	// senders'); Mount keeps those whose markers it finds and closes
+	// the rest.
+	Imports map[Import]int
 	// Handoff tells the predecessor to stop and returns once it has;
 	// Mount calls it once the successor can serve.
 	Handoff func() error
@@ -100,7 +104,8 @@ const handoverWait = 5 * time.Second
 // (Options.Takeover, without Handoff), once the requests in flight have
 // finished; from then on it holds every request off (they die with this
 // daemon, and the kernel sends them to the successor) until resume,
-// which a handover that fails calls once it has closed t.Orphans.
+// which a handover that fails calls once it has closed t.Orphans and
+// t.Imports.
 func (s *Server) Handover() (t Takeover, resume func(), err error) {
 	fd, err := ConnectionFd()
 	if err != nil {
@@ -111,7 +116,7 @@ func (s *Server) Handover() (t Takeover, resume func(), err error) {
 	}
 	st := s.raw.State(s.fs.root.EmbeddedInode())
 	st.Unnamed = s.fs.orphans.held()
-	return Takeover{Fd: fd, Init: InitBytes(s.Server), Gen: s.raw.gen + 1, State: st, Orphans: s.fs.orphans.files()}, s.gate.thaw, nil
+	return Takeover{Fd: fd, Init: InitBytes(s.Server), Gen: s.raw.gen + 1, State: st, Orphans: s.fs.orphans.files(), Imports: s.fs.imports.files()}, s.gate.thaw, nil
 }
 
 // Close stops the control socket, leaves the cluster, ends what the
@@ -217,11 +222,11 @@ func Mount(opts Options) (_ *Server, err error) {
 	}
 	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, 0)
 	raw.journal, raw.forgotten = opts.Journal, fsys.orphans.forget
-	fsys.orphans.journal = opts.Journal
+	fsys.orphans.journal, fsys.imports.journal = opts.Journal, opts.Journal
 	gate := &gateFS{RawFileSystem: raw}
 	var srv *fuse.Server
 	if opts.Takeover != nil {
-		srv, err = takeOver(gate, raw, opts.Takeover, fsys, fopts.MountOptions)
+		srv, err = takeOver(gate, raw, opts.Takeover, fsys, opts.Recovered, fopts.MountOptions)
 	} else {
 		srv, err = mount(gate, opts.Mountpoint, fopts.MountOptions)
 	}
@@ -273,11 +278,12 @@ func mount(raw fuse.RawFileSystem, mountpoint string, mopts fuse.MountOptions) (
 
 // takeOver returns a server of raw, which wraps h, on the connection
 // that fetch returns: h takes the predecessor's state over (after a
-// crash, every object of fsys's backing), its orphans included, the
+// crash, every object of fsys's backing), its imports (whose markers
+// recovery kept, rec) and orphans included, the
 // predecessor stops, and the kernel resends what the predecessor left
 // unanswered, for the server to serve once the caller has probed
 // passthrough.
-func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, error), fsys *filesystem, mopts fuse.MountOptions) (*fuse.Server, error) {
+func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, error), fsys *filesystem, rec *Recovered, mopts fuse.MountOptions) (*fuse.Server, error) {
 	log := fsys.log
 	t, err := fetch()
 	if err != nil {
@@ -287,6 +293,11 @@ func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, er
 		return nil, fmt.Errorf("takeover: generation %d out of range", t.Gen)
 	}
 	fsys.orphans.handed = t.Orphans
+	var markers []alloc.ImportMarker
+	if rec != nil {
+		markers = rec.imports
+	}
+	dropped := fsys.adoptImports(t.Imports, markers, t.Crashed)
 	h.gen = t.Gen
 	if t.Crashed {
 		t.State.Nodes = backingNodes(fsys.store.RootFd, log)
@@ -303,6 +314,11 @@ func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, er
 	}
 	if err := t.Handoff(); err != nil {
 		return nil, fmt.Errorf("takeover: %w", err)
+	}
+	for _, imp := range dropped {
+		if fsys.imports.journal != nil { // the keeper holds this daemon's state now
+			fsys.imports.journal(Record{Unimport: &imp})
+		}
 	}
 	if err := NotifyResend(); err != nil {
 		log.Warn("takeover: the kernel cannot resend the requests the predecessor left unanswered; they wait for ever", "err", err)

@@ -1,8 +1,10 @@
 package fs
 
 import (
+	"cmp"
 	"fmt"
 	"os"
+	"path"
 	"strconv"
 	"strings"
 	"sync"
@@ -26,8 +28,9 @@ import (
 // peer, is a new read-only open of the sender's file, never the sender's
 // own open file description; a memfd is made owner-only at import, or
 // refused where it is another user's (memfdOwnerOnly), so that no reader
-// opens such a descriptor again for writing. It ends with the daemon
-// (recovery removes its marker).
+// opens such a descriptor again for writing. A successor gets the
+// descriptor from its predecessor, or after a crash from the keeper's
+// journal (Record.Import); without either, recovery removes its marker.
 type importedFile struct {
 	table *imports
 	id    string
@@ -144,6 +147,10 @@ func (in *importedFile) reopen() (int, error) {
 // needs.
 type imports struct {
 	held *ledger.Row // the daemon's segment descriptors, per sender
+	// journal, if set, receives each import, with a duplicate of its
+	// descriptor, before its marker is made, and each import's end
+	// (Options.Journal).
+	journal func(Record)
 
 	mu sync.RWMutex // protects m
 	m  map[string]*importedFile
@@ -168,14 +175,48 @@ func (im *imports) add(fd int, uid uint32) (*importedFile, error) {
 	if err := im.held.Take(uid, 1); err != nil {
 		return nil, err
 	}
-	in := &importedFile{table: im, id: alloc.NewID(), uid: uid, ino: st.Ino, dev: st.Dev, fd: fd}
+	in := im.put(alloc.NewID(), uid, fd, &st)
+	if im.journal != nil {
+		if dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0); err == nil {
+			im.journal(Record{Import: &Import{ID: in.id, UID: uid}, Fd: dup})
+		}
+	}
+	return in, nil
+}
+
+// put keeps the file open at fd, whose stat is st, as import id of uid,
+// already charged.
+func (im *imports) put(id string, uid uint32, fd int, st *unix.Stat_t) *importedFile {
+	in := &importedFile{table: im, id: id, uid: uid, ino: st.Ino, dev: st.Dev, fd: fd}
 	im.mu.Lock()
 	defer im.mu.Unlock()
 	if im.m == nil {
 		im.m = map[string]*importedFile{}
 	}
 	im.m[in.id] = in
-	return in, nil
+	return in
+}
+
+// files returns a duplicate of each import's descriptor, for a successor:
+// the caller owns them.
+func (im *imports) files() map[Import]int {
+	im.mu.RLock()
+	all := make([]*importedFile, 0, len(im.m))
+	for _, in := range im.m {
+		all = append(all, in)
+	}
+	im.mu.RUnlock()
+	fds := map[Import]int{}
+	for _, in := range all {
+		in.with(func(fd int) error {
+			dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+			if err == nil {
+				fds[Import{ID: in.id, UID: in.uid}] = dup
+			}
+			return err
+		})
+	}
+	return fds
 }
 
 // drop forgets an import and closes its descriptor.
@@ -188,8 +229,68 @@ func (im *imports) drop(in *importedFile) {
 	im.mu.Unlock()
 	if forgot {
 		im.held.Give(in.uid, 1)
+		if im.journal != nil {
+			im.journal(Record{Unimport: &Import{ID: in.id, UID: in.uid}})
+		}
 	}
 	in.closeFd()
+}
+
+// adoptImports takes over the imports a predecessor handed over (handed,
+// whose descriptors it owns from then on), each charged to its sender as
+// its predecessor charged it (over her share, she keeps it), before any
+// lookup classifies their markers. Of the markers recovery kept
+// (markers), those no descriptor came for are removed, as a mount's
+// recovery removes them. After a crash, recovery saw every marker, so a
+// descriptor with none (an import that never finished) is closed; it
+// returns those, for the journal to forget once the keeper holds this
+// daemon's state.
+func (fsys *filesystem) adoptImports(handed map[Import]int, markers []alloc.ImportMarker, crashed bool) (dropped []Import) {
+	marked := map[string]bool{}
+	for _, mk := range markers {
+		marked[mk.ID] = true
+	}
+	for imp, fd := range handed {
+		var st unix.Stat_t
+		if (crashed && !marked[imp.ID]) || unix.Fstat(fd, &st) != nil {
+			unix.Close(fd)
+			dropped = append(dropped, imp)
+			continue
+		}
+		fsys.imports.held.Add(imp.UID, 1)
+		fsys.imports.put(imp.ID, imp.UID, fd, &st)
+	}
+	for _, mk := range markers {
+		if _, ok := fsys.imports.get(mk.ID); !ok {
+			fsys.removeMarker(mk)
+		}
+	}
+	return dropped
+}
+
+// removeMarker removes the marker of an import whose descriptor is gone,
+// if it is still at its path (found without following a link), and
+// gives back its inode.
+func (fsys *filesystem) removeMarker(mk alloc.ImportMarker) {
+	dir, name := path.Split(mk.Rel)
+	dirfd, err := openBeneath(fsys.store.RootFd, cmp.Or(dir, "."))
+	var st unix.Stat_t
+	if err == nil {
+		defer unix.Close(dirfd)
+		err = unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW)
+	}
+	if err == nil && st.Ino != mk.Ino {
+		err = syscall.ENOENT
+	}
+	if err == nil {
+		err = unix.Unlinkat(dirfd, name, 0)
+	}
+	if err != nil {
+		fsys.log.Warn("takeover: an imported segment whose descriptor is gone keeps its marker until the next mount", "path", mk.Rel, "err", err)
+		return
+	}
+	fsys.inodes.gone(mk.Ino)
+	fsys.log.Info("takeover: removed an imported segment, its descriptor ended with an earlier daemon", "path", mk.Rel)
 }
 
 // importSegment makes the peer's descriptor f the new segment name in the

@@ -152,23 +152,37 @@ type Backing struct {
 	ID   int32  `json:"id"`
 }
 
+// Import is an imported segment as a daemon hands it over: its id (the
+// marker's) and the uid its descriptor is charged to (its sender).
+type Import struct {
+	ID  string `json:"id"`
+	UID uint32 `json:"uid"`
+}
+
 // Record is one change of a daemon's State, as it journals it: a handle
 // opened (Open) or released (Release), a node's backing file set
 // (Backing, ID not 0) or given back (Backing, ID 0), a segment open
 // in no directory any more (Orphan, its node ID), with Fd, a descriptor
-// of its backing file that the journal owns (Takeover.Orphans), or
+// of its backing file that the journal owns (Takeover.Orphans), an
+// import made (Import, with Fd, a descriptor of the sender's file that
+// the journal owns: Takeover.Imports) or removed (Unimport), or
 // another such node (Unnamed, Forgotten: State.Unnamed).
 type Record struct {
-	Open    *Handle  `json:"open,omitempty"`
-	Release uint64   `json:"release,omitempty"`
-	Backing *Backing `json:"backing,omitempty"`
-	Orphan  uint64   `json:"orphan,omitempty"`
-	Fd      int      `json:"-"`
+	Open     *Handle  `json:"open,omitempty"`
+	Release  uint64   `json:"release,omitempty"`
+	Backing  *Backing `json:"backing,omitempty"`
+	Orphan   uint64   `json:"orphan,omitempty"`
+	Import   *Import  `json:"import,omitempty"`
+	Unimport *Import  `json:"unimport,omitempty"`
+	Fd       int      `json:"-"`
 	// Unnamed is another node the kernel holds that no name reaches
 	// any more (a directory removed), Forgotten one the kernel forgot.
 	Unnamed   uint64 `json:"unnamed,omitempty"`
 	Forgotten uint64 `json:"forgotten,omitempty"`
 }
+
+// HasFd reports whether r comes with a descriptor (Fd).
+func (r Record) HasFd() bool { return r.Orphan != 0 || r.Import != nil }
 
 // State is what a daemon hands its successor besides the connection:
 // besides the nodes of its tree, the handles and backing files, the node

@@ -74,10 +74,15 @@ type keeper struct {
 	gen  uint64
 	// handles and backing are the current daemon's, as journaled;
 	// orphans the descriptors of its orphans' backing files
-	// (fs.Takeover.Orphans), each kept while a handle of it is open.
+	// (fs.Takeover.Orphans), each kept while a handle of it is open;
+	// imports the descriptors of its imports (fs.Takeover.Imports), from
+	// the import to its removal. Each is one the daemon holds too, charged
+	// to a user in its descriptor budget (imports) or held by a handle
+	// charged there (orphans): the keeper holds no more than that budget.
 	handles map[uint64]fs.Handle
 	backing map[uint64]int32
 	orphans map[uint64]int
+	imports map[fs.Import]int
 	// unnamed are the other nodes the kernel holds that no name reaches
 	// (fs.State.Unnamed).
 	unnamed map[uint64]bool
@@ -107,7 +112,10 @@ func Keep(mp string, args []string, log *slog.Logger, ready func(mode string, pi
 	if err != nil {
 		return err
 	}
-	k := &keeper{mp: mp, args: args, log: log, fd: -1, handles: map[uint64]fs.Handle{}, backing: map[uint64]int32{}, orphans: map[uint64]int{}, unnamed: map[uint64]bool{}}
+	// The keeper holds a descriptor per import and orphan the daemon
+	// holds, at most the daemon's budget: half the same limit.
+	raiseFileLimit()
+	k := &keeper{mp: mp, args: args, log: log, fd: -1, handles: map[uint64]fs.Handle{}, backing: map[uint64]int32{}, orphans: map[uint64]int{}, imports: map[fs.Import]int{}, unnamed: map[uint64]bool{}}
 	d, err := k.start(self, nil)
 	if err != nil {
 		return err
@@ -206,6 +214,7 @@ func (k *keeper) takeover() *fs.Takeover {
 	}
 	t.State.Unnamed = slices.Collect(maps.Keys(k.unnamed))
 	t.Orphans = maps.Clone(k.orphans) // still the keeper's
+	t.Imports = maps.Clone(k.imports)
 	return t
 }
 
@@ -215,13 +224,13 @@ func (k *keeper) takeover() *fs.Takeover {
 func (k *keeper) restart(d *daemon, binary *binary) (*daemon, error) {
 	var cancel func()
 	var fd int = -1
-	var orphans map[uint64]int
+	var handed fs.Takeover
 	next, err := k.start(binary, func() (*fs.Takeover, error) {
 		t, c, err := receiveMount(k.mp, d.cmd.Process.Pid)
 		if err != nil {
 			return nil, err
 		}
-		cancel, fd, orphans = c, t.Fd, t.Orphans
+		cancel, fd, handed = c, t.Fd, *t
 		handoff := t.Handoff
 		t.Handoff = func() error {
 			err := handoff()
@@ -233,7 +242,7 @@ func (k *keeper) restart(d *daemon, binary *binary) (*daemon, error) {
 	if fd >= 0 {
 		unix.Close(fd) // the keeper holds its own
 	}
-	closeOrphans(orphans) // the keeper took copies, if the new daemon took them over
+	closeTakeover(handed) // the keeper took copies, if the new daemon took them over
 	if err != nil && cancel != nil {
 		cancel()
 	}
@@ -309,7 +318,11 @@ func (k *keeper) start(binary *binary, fetch func() (*fs.Takeover, error)) (*dae
 			for _, b := range t.State.Backing {
 				k.backing[b.Node] = b.ID
 			}
-			k.keepOrphans(t.Orphans)
+			// Copies first: after a crash, t's are the keeper's own.
+			orphans, imports := dupFds(t.Orphans), dupFds(t.Imports)
+			closeFds(k.orphans)
+			closeFds(k.imports)
+			k.orphans, k.imports = orphans, imports
 			k.unnamed = map[uint64]bool{}
 			for _, id := range t.State.Unnamed {
 				k.unnamed[id] = true
@@ -386,6 +399,17 @@ func (k *keeper) apply(r fs.Record, fds []int) []int {
 		}
 		k.orphans[r.Orphan] = fds[0]
 		return nil
+	case r.Import != nil && len(fds) == 1:
+		if old, ok := k.imports[*r.Import]; ok {
+			unix.Close(old)
+		}
+		k.imports[*r.Import] = fds[0]
+		return nil
+	case r.Unimport != nil:
+		if fd, ok := k.imports[*r.Unimport]; ok {
+			unix.Close(fd)
+			delete(k.imports, *r.Unimport)
+		}
 	case r.Open != nil:
 		k.handles[r.Open.Fh] = *r.Open
 	case r.Release != 0:
@@ -417,17 +441,15 @@ func (k *keeper) holds(node uint64) bool {
 	return false
 }
 
-// keepOrphans makes copies of orphans the keeper's, in place of those it
-// had; mu is held.
-func (k *keeper) keepOrphans(orphans map[uint64]int) {
-	old := k.orphans
-	k.orphans = map[uint64]int{}
-	for id, fd := range orphans {
+// dupFds returns copies of the descriptors of fds.
+func dupFds[K comparable](fds map[K]int) map[K]int {
+	dups := map[K]int{}
+	for k, fd := range fds {
 		if dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0); err == nil {
-			k.orphans[id] = dup
+			dups[k] = dup
 		}
 	}
-	closeOrphans(old)
+	return dups
 }
 
 // restartReq is a restart asked on the keeper's socket.

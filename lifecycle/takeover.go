@@ -20,7 +20,8 @@ import (
 // parent, of its user: SO_PEERCRED); the keeper takes it only from its
 // daemon. The FUSE descriptor goes with the first message, the
 // state (fs.State, JSON) follows in chunks, then the orphans' descriptors
-// (fs.Takeover.Orphans), up to maxFds a message with their node IDs;
+// (fs.Takeover.Orphans), up to maxFds a message with their node IDs,
+// then the imports' (fs.Takeover.Imports) with their ids and senders;
 // the successor answers "go"
 // once it can serve, and the daemon exits at once, leaving the mount,
 // the backing and the pid file to it.
@@ -37,6 +38,8 @@ type handoverHeader struct {
 	Size int `json:"size"`
 	// Orphans is how many orphans' descriptors follow the state.
 	Orphans int `json:"orphans,omitempty"`
+	// Imports is how many imports' descriptors follow the orphans'.
+	Imports int `json:"imports,omitempty"`
 	// Mode is the daemon's ("passthrough" or "classic"), in a daemon's
 	// hello to its keeper.
 	Mode string `json:"mode,omitempty"`
@@ -129,13 +132,13 @@ func handOver(c *net.UnixConn, srv *fs.Server, log *slog.Logger) error {
 		return err
 	}
 	if err := send(c, t); err != nil {
-		closeOrphans(t.Orphans)
+		closeTakeover(t)
 		resume()
 		return err
 	}
 	m, err := fdpass.Recv(c, 16, 0)
 	if err != nil || string(m.Data) != "go" {
-		closeOrphans(t.Orphans)
+		closeTakeover(t)
 		resume()
 		return fmt.Errorf("the successor (pid %d) did not take the mount: %v", cred.Pid, err)
 	}
@@ -148,14 +151,14 @@ func handOver(c *net.UnixConn, srv *fs.Server, log *slog.Logger) error {
 }
 
 // send sends t on c: the header with the FUSE descriptor, then the state
-// in chunks, then the orphans' descriptors. The descriptors stay the
-// caller's.
+// in chunks, then the orphans' and the imports' descriptors. The
+// descriptors stay the caller's.
 func send(c *net.UnixConn, t fs.Takeover) error {
 	state, err := json.Marshal(t.State)
 	if err != nil {
 		return err
 	}
-	hdr, _ := json.Marshal(handoverHeader{Init: t.Init, Gen: t.Gen, Crashed: t.Crashed, Size: len(state), Orphans: len(t.Orphans)})
+	hdr, _ := json.Marshal(handoverHeader{Init: t.Init, Gen: t.Gen, Crashed: t.Crashed, Size: len(state), Orphans: len(t.Orphans), Imports: len(t.Imports)})
 	if err := fdpass.Send(c, hdr, t.Fd); err != nil {
 		return err
 	}
@@ -166,25 +169,40 @@ func send(c *net.UnixConn, t fs.Takeover) error {
 		}
 		state = state[n:]
 	}
-	var ids []uint64
-	var fds []int
-	for id, fd := range t.Orphans {
-		ids, fds = append(ids, id), append(fds, fd)
+	if err := sendFds(c, t.Orphans); err != nil {
+		return err
 	}
-	for len(ids) > 0 {
-		n := min(maxFds, len(ids))
-		b, _ := json.Marshal(ids[:n])
-		if err := fdpass.Send(c, b, fds[:n]...); err != nil {
+	return sendFds(c, t.Imports)
+}
+
+// sendFds sends the descriptors of fds on c, up to maxFds a message with
+// their keys (JSON).
+func sendFds[K comparable](c *net.UnixConn, fds map[K]int) error {
+	var keys []K
+	var all []int
+	for k, fd := range fds {
+		keys, all = append(keys, k), append(all, fd)
+	}
+	for len(keys) > 0 {
+		n := min(maxFds, len(keys))
+		b, _ := json.Marshal(keys[:n])
+		if err := fdpass.Send(c, b, all[:n]...); err != nil {
 			return err
 		}
-		ids, fds = ids[n:], fds[n:]
+		keys, all = keys[n:], all[n:]
 	}
 	return nil
 }
 
-// closeOrphans closes the orphans' descriptors of a takeover.
-func closeOrphans(orphans map[uint64]int) {
-	for _, fd := range orphans {
+// closeTakeover closes the orphans' and imports' descriptors of t.
+func closeTakeover(t fs.Takeover) {
+	closeFds(t.Orphans)
+	closeFds(t.Imports)
+}
+
+// closeFds closes the descriptors of fds.
+func closeFds[K comparable](fds map[K]int) {
+	for _, fd := range fds {
 		unix.Close(fd)
 	}
 }
@@ -241,11 +259,11 @@ func receiveFromKeeper(c *net.UnixConn) (*fs.Takeover, error) {
 }
 
 // journalTo returns a journal that sends each record to the keeper on c,
-// an orphan's with its descriptor, which it closes then.
+// an orphan's or an import's with its descriptor, which it closes then.
 func journalTo(c *net.UnixConn) func(fs.Record) {
 	return func(r fs.Record) {
 		b, _ := json.Marshal(r)
-		if r.Orphan == 0 {
+		if !r.HasFd() {
 			fdpass.Send(c, append([]byte{msgRecord}, b...))
 			return
 		}
@@ -301,37 +319,42 @@ func receive(c *net.UnixConn, pid int) (*fs.Takeover, error) {
 		unix.Close(t.Fd)
 		return nil, fmt.Errorf("a malformed handover: %v", err)
 	}
-	if t.Orphans, err = receiveOrphans(c, h.Orphans); err != nil {
+	if t.Orphans, err = receiveFds[uint64](c, h.Orphans); err == nil {
+		if t.Imports, err = receiveFds[fs.Import](c, h.Imports); err != nil {
+			closeFds(t.Orphans)
+		}
+	}
+	if err != nil {
 		unix.Close(t.Fd)
 		return nil, fmt.Errorf("a malformed handover: %v", err)
 	}
 	return t, nil
 }
 
-// receiveOrphans reads n orphans' descriptors from c, with their node IDs.
-func receiveOrphans(c *net.UnixConn, n int) (map[uint64]int, error) {
-	orphans := map[uint64]int{}
+// receiveFds reads n descriptors from c, with their keys (sendFds).
+func receiveFds[K comparable](c *net.UnixConn, n int) (map[K]int, error) {
+	fds := map[K]int{}
 	for got := 0; got < n; {
 		m, err := fdpass.Recv(c, chunk, maxFds)
-		var ids []uint64
+		var keys []K
 		if err == nil {
-			err = json.Unmarshal(m.Data, &ids)
+			err = json.Unmarshal(m.Data, &keys)
 		}
-		if err == nil && (len(ids) != len(m.FDs) || len(ids) == 0 || got+len(ids) > n) {
-			err = fmt.Errorf("%d node IDs with %d descriptors, %d of %d orphans read", len(ids), len(m.FDs), got, n)
+		if err == nil && (len(keys) != len(m.FDs) || len(keys) == 0 || got+len(keys) > n) {
+			err = fmt.Errorf("%d keys with %d descriptors, %d of %d read", len(keys), len(m.FDs), got, n)
 		}
 		if err != nil {
 			fdpass.Close(m.FDs)
-			closeOrphans(orphans)
+			closeFds(fds)
 			return nil, err
 		}
-		for i, id := range ids {
-			if old, ok := orphans[id]; ok {
+		for i, k := range keys {
+			if old, ok := fds[k]; ok {
 				unix.Close(old)
 			}
-			orphans[id] = m.FDs[i]
+			fds[k] = m.FDs[i]
 		}
-		got += len(ids)
+		got += len(keys)
 	}
-	return orphans, nil
+	return fds, nil
 }
