@@ -22,8 +22,11 @@ type Recovery struct {
 	// serve to peers), incomplete ones emptied.
 	Pulled []PulledFile
 	// Imports are the markers of imported segments kept for a successor
-	// (Recover's keepImports).
+	// (Recover's successor).
 	Imports []ImportMarker
+	// Unlinked are the inodes of the UNLINK segments no process maps
+	// that a successor keeps until it knows their handles.
+	Unlinked []uint64
 }
 
 // ImportMarker is the marker of an imported segment that recovery kept.
@@ -50,8 +53,10 @@ type PulledFile struct {
 // last holder's exit would have removed it, unless mapped reports that a
 // live process still maps its backing file (mapped may be nil). Imported
 // segments ended with the daemon that held them and their markers are
-// removed, unless keepImports (a successor, whose predecessor hands the
-// imports' descriptors over): then they are listed (Recovery.Imports). SHARED segments whose markers are gone (a purged backing) are
+// removed. A successor (a daemon that takes a live mount over, whose
+// handles and imports' descriptors it inherits) keeps both and lists them
+// (Recovery.Unlinked, Recovery.Imports), for it to remove what it did not
+// inherit. SHARED segments whose markers are gone (a purged backing) are
 // restored from --disk. Pulled segments are kept: a complete one as it
 // is, an incomplete one emptied (its pull starts again from zero), and
 // one frozen for a publish that never finished becomes a Host segment
@@ -62,7 +67,7 @@ type PulledFile struct {
 // state, and the flags and device through StoredName): no value a user
 // can store on a backing file, through a descriptor the control socket
 // handed out, makes recovery delete or change a segment.
-func (s *Store) Recover(mapped func(st *unix.Stat_t) bool, keepImports bool) (*Recovery, error) {
+func (s *Store) Recover(mapped func(st *unix.Stat_t) bool, successor bool) (*Recovery, error) {
 	rec := &Recovery{}
 	known := map[string]bool{}
 	err := Walk(s.RootFd, func(dirfd int, name, rel string, st *unix.Stat_t) error {
@@ -81,7 +86,7 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool, keepImports bool) (*R
 		switch {
 		case merr != nil:
 			s.log.Warn("recover: unreadable marker, keeping segment", "path", rel, "err", merr)
-		case m.Kind == Imported && keepImports:
+		case m.Kind == Imported && successor:
 			rec.Imports = append(rec.Imports, ImportMarker{Rel: rel, Ino: st.Ino, ID: m.ID})
 			return nil
 		case m.Kind == Imported:
@@ -94,6 +99,8 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool, keepImports bool) (*R
 			s.log.Warn("recover: unreadable flags, keeping segment", "path", rel, "err", ferr)
 		case f&Unlink != 0 && mapped != nil && mapped(st):
 			s.log.Info("recover: keeping UNLINK segment that a live process maps", "path", rel)
+		case f&Unlink != 0 && successor:
+			rec.Unlinked = append(rec.Unlinked, st.Ino)
 		case f&Unlink != 0:
 			s.log.Info("recover: removing UNLINK segment without holders", "path", rel)
 			return unix.Unlinkat(dirfd, name, 0)

@@ -797,8 +797,11 @@ type Recovered struct {
 	// pulled are the pulled segments (alloc.Recovery).
 	pulled []alloc.PulledFile
 	// imports are the imports' markers a successor keeps until its
-	// predecessor's descriptors arrive (alloc.Recovery).
-	imports []alloc.ImportMarker
+	// predecessor's descriptors arrive, unlinked the UNLINK segments no
+	// process maps that it keeps until it knows their handles
+	// (alloc.Recovery).
+	imports  []alloc.ImportMarker
+	unlinked []uint64
 }
 
 // Recover prepares store's backing for a mount (alloc.Store.Recover),
@@ -809,8 +812,9 @@ type Recovered struct {
 // The device segments' backing files it found go to the mount, which
 // restores them (or, without a GPU, keeps them unavailable). live is the
 // device of the mount a successor takes over (0 for none): its mappings
-// count although it is mounted, and imports' markers are kept for the
-// descriptors its predecessor hands over (adoptImports).
+// count although it is mounted, imports' markers are kept for the
+// descriptors its predecessor hands over (adoptImports), and UNLINK
+// segments for the handles it inherits (unheldUnlinked).
 func Recover(store *alloc.Store, live uint64) (segments, bytes int64, rec *Recovered, err error) {
 	var t mapTable
 	old := earlierDevs(store.RootFd, live)
@@ -842,7 +846,7 @@ func Recover(store *alloc.Store, live uint64) (segments, bytes int64, rec *Recov
 	}
 	rec.devices = found.Devices
 	rec.pulled = found.Pulled
-	rec.imports = found.Imports
+	rec.imports, rec.unlinked = found.Imports, found.Unlinked
 	return found.Segments, found.Bytes, rec, nil
 }
 

@@ -225,8 +225,9 @@ func Mount(opts Options) (_ *Server, err error) {
 	fsys.orphans.journal, fsys.imports.journal = opts.Journal, opts.Journal
 	gate := &gateFS{RawFileSystem: raw}
 	var srv *fuse.Server
+	var unheld map[uint64]bool
 	if opts.Takeover != nil {
-		srv, err = takeOver(gate, raw, opts.Takeover, fsys, opts.Recovered, fopts.MountOptions)
+		srv, unheld, err = takeOver(gate, raw, opts.Takeover, fsys, opts.Recovered, fopts.MountOptions)
 	} else {
 		srv, err = mount(gate, opts.Mountpoint, fopts.MountOptions)
 	}
@@ -245,6 +246,9 @@ func Mount(opts Options) (_ *Server, err error) {
 		// passthrough while the kernel's inode has passthrough handles
 		// open (inherited) is EIO.
 		go srv.Serve()
+		if len(unheld) > 0 {
+			fsys.removeUnlinkedNames(unheld) // serving: it tells the kernel
+		}
 	}
 	widenReadahead(opts.Mountpoint, fsys.log)
 	fsys.afterMount(opts.Mountpoint, opts.Recovered)
@@ -282,22 +286,22 @@ func mount(raw fuse.RawFileSystem, mountpoint string, mopts fuse.MountOptions) (
 // recovery kept, rec) and orphans included, the
 // predecessor stops, and the kernel resends what the predecessor left
 // unanswered, for the server to serve once the caller has probed
-// passthrough.
-func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, error), fsys *filesystem, rec *Recovered, mopts fuse.MountOptions) (*fuse.Server, error) {
+// passthrough. It returns the UNLINK segments recovery kept that no
+// handle holds, for the caller to remove once it serves.
+func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, error), fsys *filesystem, rec *Recovered, mopts fuse.MountOptions) (*fuse.Server, map[uint64]bool, error) {
 	log := fsys.log
 	t, err := fetch()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if t.Gen == 0 || t.Gen >= 1<<32 {
-		return nil, fmt.Errorf("takeover: generation %d out of range", t.Gen)
+		return nil, nil, fmt.Errorf("takeover: generation %d out of range", t.Gen)
+	}
+	if rec == nil {
+		rec = &Recovered{}
 	}
 	fsys.orphans.handed = t.Orphans
-	var markers []alloc.ImportMarker
-	if rec != nil {
-		markers = rec.imports
-	}
-	dropped := fsys.adoptImports(t.Imports, markers, t.Crashed)
+	dropped := fsys.adoptImports(t.Imports, rec.imports, t.Crashed)
 	h.gen = t.Gen
 	if t.Crashed {
 		t.State.Nodes = backingNodes(fsys.store.RootFd, log)
@@ -305,15 +309,16 @@ func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, er
 	log.Info("taking the mount over", "nodes", len(t.State.Nodes), "handles", len(t.State.Handles), "generation", t.Gen, "crashed", t.Crashed)
 	srv, err := ServeConnection(raw, t.Fd, t.Init, mopts)
 	if err != nil {
-		return nil, fmt.Errorf("takeover: %w", err)
+		return nil, nil, fmt.Errorf("takeover: %w", err)
 	}
 	lost := h.Adopt(t.State)
+	unheld := unheldUnlinked(rec.unlinked, t.State.Handles, lost.Handles)
 	fsys.settleOrphans()
 	if len(lost.Nodes) > 0 || len(lost.Handles) > 0 {
 		log.Warn("takeover: what the kernel holds that the backing no longer has at its name, or that would not open again, fails", "nodes", len(lost.Nodes), "handles", len(lost.Handles))
 	}
 	if err := t.Handoff(); err != nil {
-		return nil, fmt.Errorf("takeover: %w", err)
+		return nil, nil, fmt.Errorf("takeover: %w", err)
 	}
 	for _, imp := range dropped {
 		if fsys.imports.journal != nil { // the keeper holds this daemon's state now
@@ -323,7 +328,7 @@ func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, er
 	if err := NotifyResend(); err != nil {
 		log.Warn("takeover: the kernel cannot resend the requests the predecessor left unanswered; they wait for ever", "err", err)
 	}
-	return srv, nil
+	return srv, unheld, nil
 }
 
 // widenReadahead lets the kernel read ahead as much as one request holds

@@ -216,3 +216,24 @@ func (fsys *filesystem) adoptOrphan(ctx context.Context, id uint64, fd int) (*fu
 	fsys.orphans.mu.Unlock()
 	return fsys.root.NewInode(ctx, n, fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: id}), nil
 }
+
+// unheldUnlinked returns those of the UNLINK segments recovery kept for a
+// successor (inos) that no handle it took over holds (handles, less
+// lost): no process maps them, so they go now, as recovery would have
+// removed them. The others go at their last close (reclaimLater).
+func unheldUnlinked(inos []uint64, handles, lost []Handle) map[uint64]bool {
+	unheld := map[uint64]bool{}
+	for _, ino := range inos {
+		unheld[ino] = true
+	}
+	failed := map[uint64]bool{}
+	for _, h := range lost {
+		failed[h.Fh] = true
+	}
+	for _, h := range handles {
+		if !failed[h.Fh] {
+			delete(unheld, h.Node)
+		}
+	}
+	return unheld
+}
