@@ -197,6 +197,50 @@ func TestRecoverKeepsMappedUnlinkSegments(t *testing.T) {
 	}
 }
 
+// TestRecoverForSuccessor: a successor's recovery keeps the UNLINK
+// segments no process maps and the imports' markers, and lists them; a
+// mount's removes both.
+func TestRecoverForSuccessor(t *testing.T) {
+	backing := t.TempDir()
+	s := openStore(t, backing)
+	unlink, imported := filepath.Join(backing, "unlink"), filepath.Join(backing, "imported")
+	os.WriteFile(unlink, []byte("abc"), 0o644)
+	os.WriteFile(imported, nil, 0o444)
+	if err := storeFlags(unlink, Unlink, 0); err != nil {
+		t.Fatal(err)
+	}
+	id := NewID()
+	if err := MarkImport(imported, id); err != nil {
+		t.Fatal(err)
+	}
+	var ust, ist unix.Stat_t
+	unix.Stat(unlink, &ust)
+	unix.Stat(imported, &ist)
+	rec, err := s.Recover(nil, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rec.Unlinked) != 1 || rec.Unlinked[0] != ust.Ino {
+		t.Errorf("a successor's recovery lists UNLINK segments %v, want [%d]", rec.Unlinked, ust.Ino)
+	}
+	if want := (ImportMarker{Rel: "imported", Ino: ist.Ino, ID: id}); len(rec.Imports) != 1 || rec.Imports[0] != want {
+		t.Errorf("a successor's recovery lists imports %+v, want [%+v]", rec.Imports, want)
+	}
+	for _, p := range []string{unlink, imported} {
+		if _, err := os.Stat(p); err != nil {
+			t.Errorf("%s after a successor's recovery: %v, want kept", p, err)
+		}
+	}
+	if _, err := s.Recover(nil, false); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{unlink, imported} {
+		if _, err := os.Stat(p); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s after a mount's recovery: %v, want removed", p, err)
+		}
+	}
+}
+
 // TestRecoverPulled: a complete pulled segment is kept with its path,
 // an incomplete one is emptied (its pull starts over), and one frozen for
 // a publish that never finished is a host segment again.

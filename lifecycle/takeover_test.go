@@ -14,7 +14,8 @@ import (
 
 // TestHandoverOrphans: a handover carries the orphans' descriptors after
 // the state, more than one message holds (maxFds), each under its node
-// ID and reaching the same file.
+// ID and reaching the same file, then the imports', each under its id
+// and sender.
 func TestHandoverOrphans(t *testing.T) {
 	pair, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -31,7 +32,7 @@ func TestHandoverOrphans(t *testing.T) {
 	a, b := conn(pair[0]), conn(pair[1])
 	dir := t.TempDir()
 	inos := map[uint64]uint64{}
-	tk := fs.Takeover{Init: []byte("init"), Gen: 2, Orphans: map[uint64]int{}, State: fs.State{Unnamed: []uint64{7}}}
+	tk := fs.Takeover{Init: []byte("init"), Gen: 2, Orphans: map[uint64]int{}, Imports: map[fs.Import]int{}, State: fs.State{Unnamed: []uint64{7}}}
 	for i := range maxFds + 50 {
 		f, err := os.Create(filepath.Join(dir, strconv.Itoa(i)))
 		if err != nil {
@@ -43,6 +44,11 @@ func TestHandoverOrphans(t *testing.T) {
 		tk.Orphans[uint64(1000+i)], inos[uint64(1000+i)] = int(f.Fd()), st.Ino
 	}
 	tk.Fd = tk.Orphans[1000]
+	imported := map[fs.Import]uint64{}
+	for i := range 3 {
+		imp := fs.Import{ID: "import-" + strconv.Itoa(i), UID: uint32(1000 + i)}
+		tk.Imports[imp], imported[imp] = tk.Orphans[uint64(1001+i)], inos[uint64(1001+i)]
+	}
 	errs := make(chan error, 1)
 	go func() { errs <- send(a, tk) }()
 	got, err := receive(b, os.Getpid())
@@ -60,6 +66,16 @@ func TestHandoverOrphans(t *testing.T) {
 		var st unix.Stat_t
 		if err := unix.Fstat(fd, &st); err != nil || st.Ino != inos[id] {
 			t.Errorf("orphan %d: inode %d %v, want %d", id, st.Ino, err, inos[id])
+		}
+		unix.Close(fd)
+	}
+	if len(got.Imports) != len(imported) {
+		t.Fatalf("received %d imports, want %d", len(got.Imports), len(imported))
+	}
+	for imp, fd := range got.Imports {
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil || st.Ino != imported[imp] {
+			t.Errorf("import %+v: inode %d %v, want %d", imp, st.Ino, err, imported[imp])
 		}
 		unix.Close(fd)
 	}
