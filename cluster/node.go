@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"net/url"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -38,6 +39,15 @@ type Config struct {
 	// picks one). Default: DefaultPort on the address this host reaches
 	// the first endpoint from. Unused with another Transport.
 	Listen string
+	// Listener, if set, is the piece server's socket, bound by an
+	// earlier daemon of this node (a takeover): Listen is not bound again.
+	Listener net.Listener
+	// Resume, if not 0, is the lease of an earlier daemon of this node
+	// (a takeover): the node keeps it alive, and the keys under it stay,
+	// if this node's key still carries it; else it joins afresh.
+	Resume int64
+	// OnLease, if set, is told of every lease the node joins under.
+	OnLease func(lease int64)
 	// Advertise is the host:port peers reach the gRPC piece server at;
 	// default the address Listen bound, which must then name a host.
 	Advertise string
@@ -225,7 +235,7 @@ func (cfg *Config) fill() error {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
 	if cfg.Transport == nil {
-		tr, err := transport.NewGRPC(transport.Config{Listen: cfg.Listen, Advertise: cfg.Advertise, Credentials: cfg.Credentials, MaxUploads: cfg.MaxUploads, Log: cfg.Log})
+		tr, err := transport.NewGRPC(transport.Config{Listen: cfg.Listen, Listener: cfg.Listener, Advertise: cfg.Advertise, Credentials: cfg.Credentials, MaxUploads: cfg.MaxUploads, Log: cfg.Log})
 		if err != nil {
 			return fmt.Errorf("%w: cluster: %v", ErrInvalid, err)
 		}
@@ -270,10 +280,14 @@ func (n *Node) Stats() Stats {
 // the lease is lost.
 func (n *Node) run() {
 	defer n.wg.Done()
-	var prev clientv3.LeaseID // the last lease, which may outlive its session
+	prev := clientv3.LeaseID(n.cfg.Resume) // the last lease, which may outlive its session
+	s := n.resume(prev)
 	var lastErr string
 	for try := 0; n.ctx.Err() == nil; {
-		s, err := n.join(prev)
+		var err error
+		if s == nil {
+			s, err = n.join(prev)
+		}
 		if err != nil {
 			n.setSession(nil, err)
 			if err.Error() != lastErr {
@@ -286,6 +300,9 @@ func (n *Node) run() {
 		}
 		prev, lastErr, try = s.Lease(), "", 0
 		n.log.Info("cluster: joined", "node", n.cfg.Node, "addr", n.addr, "lease", fmt.Sprintf("%x", int64(s.Lease())))
+		if n.cfg.OnLease != nil {
+			n.cfg.OnLease(int64(s.Lease()))
+		}
 		n.setSession(s, nil)
 		n.rewriteAll()
 		select {
@@ -296,7 +313,52 @@ func (n *Node) run() {
 			}
 		case <-n.ctx.Done():
 		}
+		s = nil
 	}
+}
+
+// resume takes over lease id (Config.Resume) with the keys under it: nil
+// if id is 0, or if etcd no longer has it with this node's key under it
+// (it expired, or was revoked), which the log says.
+func (n *Node) resume(id clientv3.LeaseID) *concurrency.Session {
+	if id == clientv3.NoLease {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(n.ctx, n.cfg.Timeout)
+	defer cancel()
+	resp, err := n.etcd.Get(ctx, n.keys.node(n.cfg.Node))
+	if err == nil && (len(resp.Kvs) != 1 || clientv3.LeaseID(resp.Kvs[0].Lease) != id) {
+		err = fmt.Errorf("node %s's key no longer carries it", n.cfg.Node)
+	}
+	var s *concurrency.Session
+	if err == nil {
+		s, err = concurrency.NewSession(n.etcd, concurrency.WithLease(id), concurrency.WithContext(n.ctx))
+	}
+	if err != nil {
+		n.log.Warn("cluster: the lease of the daemon before is gone; joining afresh", "node", n.cfg.Node, "lease", fmt.Sprintf("%x", int64(id)), "err", err)
+		return nil
+	}
+	return s
+}
+
+// Lease returns the lease the node is joined under, 0 while not joined.
+func (n *Node) Lease() int64 {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.sess == nil {
+		return 0
+	}
+	return int64(n.sess.Lease())
+}
+
+// ListenerFile returns a duplicate of the piece server's socket, for a
+// successor daemon (Config.Listener).
+func (n *Node) ListenerFile() (*os.File, error) {
+	lf, ok := n.tr.(interface{ ListenerFile() (*os.File, error) })
+	if !ok {
+		return nil, errors.New("cluster: the transport has no socket to hand over")
+	}
+	return lf.ListenerFile()
 }
 
 // join grants a lease and claims this node's name under it. A name still

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"log"
 	"log/slog"
+	"net"
 	"os"
 	"strconv"
 	"time"
@@ -80,6 +81,12 @@ type Takeover struct {
 	// senders'); Mount keeps those whose markers it finds and closes
 	// the rest.
 	Imports map[Import]int
+	// Lease is a cluster node's etcd lease (0 for none), which the
+	// successor keeps alive (cluster.Config.Resume); Listener its piece
+	// server's socket (nil for none), which it serves on. Mount closes
+	// Listener.
+	Lease    int64
+	Listener *os.File
 	// Handoff tells the predecessor to stop and returns once it has;
 	// Mount calls it once the successor can serve.
 	Handoff func() error
@@ -116,7 +123,21 @@ func (s *Server) Handover() (t Takeover, resume func(), err error) {
 	}
 	st := s.raw.State(s.fs.root.EmbeddedInode())
 	st.Unnamed = s.fs.orphans.held()
-	return Takeover{Fd: fd, Init: InitBytes(s.Server), Gen: s.raw.gen + 1, State: st, Orphans: s.fs.orphans.files(), Imports: s.fs.imports.files()}, s.gate.thaw, nil
+	t = Takeover{Fd: fd, Init: InitBytes(s.Server), Gen: s.raw.gen + 1, State: st, Orphans: s.fs.orphans.files(), Imports: s.fs.imports.files()}
+	if s.fs.cl != nil {
+		t.Lease = s.fs.cl.node.Lease()
+	}
+	return t, s.gate.thaw, nil
+}
+
+// ClusterListener returns a duplicate of the cluster piece server's
+// socket, which the keeper keeps for a successor (Takeover.Listener); nil
+// without a cluster.
+func (s *Server) ClusterListener() (*os.File, error) {
+	if s.fs.cl == nil {
+		return nil, nil
+	}
+	return s.fs.cl.node.ListenerFile()
 }
 
 // Close stops the control socket, leaves the cluster, ends what the
@@ -156,8 +177,16 @@ func Mount(opts Options) (_ *Server, err error) {
 			fsys.close()
 		}
 	}()
+	// A successor takes the mount over once ready to serve, and a
+	// cluster node's lease and socket with it, before it joins.
+	var t *Takeover
+	if opts.Takeover != nil {
+		if t, err = opts.Takeover(); err != nil {
+			return nil, err
+		}
+	}
 	if opts.Cluster != nil {
-		if err := fsys.joinCluster(*opts.Cluster, opts.ClusterBounds); err != nil {
+		if err := fsys.joinCluster(clusterConfig(*opts.Cluster, t, opts.Journal), opts.ClusterBounds); err != nil {
 			return nil, fmt.Errorf("join the cluster: %w", err)
 		}
 	}
@@ -226,8 +255,8 @@ func Mount(opts Options) (_ *Server, err error) {
 	gate := &gateFS{RawFileSystem: raw}
 	var srv *fuse.Server
 	var unheld map[uint64]bool
-	if opts.Takeover != nil {
-		srv, unheld, err = takeOver(gate, raw, opts.Takeover, fsys, opts.Recovered, fopts.MountOptions)
+	if t != nil {
+		srv, unheld, err = takeOver(gate, raw, t, fsys, opts.Recovered, fopts.MountOptions)
 	} else {
 		srv, err = mount(gate, opts.Mountpoint, fopts.MountOptions)
 	}
@@ -281,19 +310,15 @@ func mount(raw fuse.RawFileSystem, mountpoint string, mopts fuse.MountOptions) (
 }
 
 // takeOver returns a server of raw, which wraps h, on the connection
-// that fetch returns: h takes the predecessor's state over (after a
+// of t: h takes the predecessor's state over (after a
 // crash, every object of fsys's backing), its imports (whose markers
 // recovery kept, rec) and orphans included, the
 // predecessor stops, and the kernel resends what the predecessor left
 // unanswered, for the server to serve once the caller has probed
 // passthrough. It returns the UNLINK segments recovery kept that no
 // handle holds, for the caller to remove once it serves.
-func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, error), fsys *filesystem, rec *Recovered, mopts fuse.MountOptions) (*fuse.Server, map[uint64]bool, error) {
+func takeOver(raw fuse.RawFileSystem, h *HandoverFS, t *Takeover, fsys *filesystem, rec *Recovered, mopts fuse.MountOptions) (*fuse.Server, map[uint64]bool, error) {
 	log := fsys.log
-	t, err := fetch()
-	if err != nil {
-		return nil, nil, err
-	}
 	if t.Gen == 0 || t.Gen >= 1<<32 {
 		return nil, nil, fmt.Errorf("takeover: generation %d out of range", t.Gen)
 	}
@@ -329,6 +354,26 @@ func takeOver(raw fuse.RawFileSystem, h *HandoverFS, fetch func() (*Takeover, er
 		log.Warn("takeover: the kernel cannot resend the requests the predecessor left unanswered; they wait for ever", "err", err)
 	}
 	return srv, unheld, nil
+}
+
+// clusterConfig is cfg for a daemon that takes the mount over with t
+// (nil for none): it serves on t's socket and keeps t's lease alive; and
+// that journals every lease it joins under.
+func clusterConfig(cfg cluster.Config, t *Takeover, journal func(Record)) cluster.Config {
+	if t != nil && t.Listener != nil {
+		l, err := net.FileListener(t.Listener)
+		if err == nil {
+			cfg.Listener = l
+		}
+		t.Listener.Close()
+	}
+	if t != nil {
+		cfg.Resume = t.Lease
+	}
+	if journal != nil {
+		cfg.OnLease = func(id int64) { journal(Record{Lease: id}) }
+	}
+	return cfg
 }
 
 // widenReadahead lets the kernel read ahead as much as one request holds

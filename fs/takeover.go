@@ -165,8 +165,9 @@ type Import struct {
 // in no directory any more (Orphan, its node ID), with Fd, a descriptor
 // of its backing file that the journal owns (Takeover.Orphans), an
 // import made (Import, with Fd, a descriptor of the sender's file that
-// the journal owns: Takeover.Imports) or removed (Unimport), or
-// another such node (Unnamed, Forgotten: State.Unnamed).
+// the journal owns: Takeover.Imports) or removed (Unimport), the
+// cluster lease the node joined under (Lease), or another such node
+// (Unnamed, Forgotten: State.Unnamed).
 type Record struct {
 	Open     *Handle  `json:"open,omitempty"`
 	Release  uint64   `json:"release,omitempty"`
@@ -174,6 +175,7 @@ type Record struct {
 	Orphan   uint64   `json:"orphan,omitempty"`
 	Import   *Import  `json:"import,omitempty"`
 	Unimport *Import  `json:"unimport,omitempty"`
+	Lease    int64    `json:"lease,omitempty"`
 	Fd       int      `json:"-"`
 	// Unnamed is another node the kernel holds that no name reaches
 	// any more (a directory removed), Forgotten one the kernel forgot.

@@ -333,7 +333,8 @@ func expectErrno(t *testing.T, what string, errno syscall.Errno, err error) {
 // published on node1 and pulled on nodes 2 and 3 (byte for byte, xattr for
 // xattr), read-only everywhere; a second version under an open reader of
 // the first; a holder killed mid-pull; a node restarted and serving what
-// it pulled; a corrupted holder; etcd stopped and started again; an
+// it pulled; a holder's daemon restarted and killed mid-pull, its keeper
+// taking the mount over; a corrupted holder; etcd stopped and started again; an
 // outsider without the cluster's certificate; a pull too big for its node.
 // Parallel: its one bound on time (a publish with etcd down fails within
 // 10 s, at the nodes' 3 s etcd timeout) holds among the other tests, and a
@@ -557,6 +558,8 @@ func TestCluster(t *testing.T) {
 		}
 		tb.mount(1)
 	})
+
+	t.Run("restarted mid-pull", func(t *testing.T) { clusterRestartMidPull(t, tb) })
 
 	t.Run("corrupted holder", func(t *testing.T) {
 		// Every byte of node2's model2 goes bad behind its daemon's back.

@@ -83,6 +83,10 @@ type keeper struct {
 	backing map[uint64]int32
 	orphans map[uint64]int
 	imports map[fs.Import]int
+	// lease is a cluster node's etcd lease, as journaled; listener its
+	// piece server's socket, which the first daemon sent with its hello.
+	lease    int64
+	listener *os.File
 	// unnamed are the other nodes the kernel holds that no name reaches
 	// (fs.State.Unnamed).
 	unnamed map[uint64]bool
@@ -205,7 +209,7 @@ func (k *keeper) recover(d *daemon) (*daemon, error) {
 func (k *keeper) takeover() *fs.Takeover {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	t := &fs.Takeover{Fd: k.fd, Init: k.init, Gen: k.gen + 1}
+	t := &fs.Takeover{Fd: k.fd, Init: k.init, Gen: k.gen + 1, Lease: k.lease, Listener: k.listener}
 	for _, h := range k.handles {
 		t.State.Handles = append(t.State.Handles, h)
 	}
@@ -231,6 +235,7 @@ func (k *keeper) restart(d *daemon, binary *binary) (*daemon, error) {
 			return nil, err
 		}
 		cancel, fd, handed = c, t.Fd, *t
+		t.Listener = k.listener // the keeper's since the first hello
 		handoff := t.Handoff
 		t.Handoff = func() error {
 			err := handoff()
@@ -354,7 +359,7 @@ func (k *keeper) read(d *daemon) {
 	defer close(d.read)
 	defer d.c.Close()
 	for {
-		m, err := fdpass.Recv(d.c, chunk, 1)
+		m, err := fdpass.Recv(d.c, chunk, 2)
 		if err != nil || len(m.Data) == 0 {
 			fdpass.Close(m.FDs)
 			return
@@ -365,8 +370,12 @@ func (k *keeper) read(d *daemon) {
 			var h handoverHeader
 			json.Unmarshal(body, &h)
 			k.mu.Lock()
-			if k.fd < 0 && len(m.FDs) == 1 {
-				k.fd, k.init, m.FDs = m.FDs[0], h.Init, nil
+			if k.fd < 0 && len(m.FDs) == 1+btoi(h.Listener) {
+				k.fd, k.init = m.FDs[0], h.Init
+				if h.Listener {
+					k.listener = os.NewFile(uintptr(m.FDs[1]), "piece server")
+				}
+				m.FDs = nil
 			}
 			k.mu.Unlock()
 			fdpass.Close(m.FDs)
@@ -423,6 +432,8 @@ func (k *keeper) apply(r fs.Record, fds []int) []int {
 		k.backing[r.Backing.Node] = r.Backing.ID
 	case r.Backing != nil:
 		delete(k.backing, r.Backing.Node)
+	case r.Lease != 0:
+		k.lease = r.Lease
 	case r.Unnamed != 0:
 		k.unnamed[r.Unnamed] = true
 	case r.Forgotten != 0:

@@ -92,9 +92,6 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		if keeper == nil {
 			return errors.New("a takeover needs a keeper")
 		}
-		if cfg.Cluster != nil {
-			return errors.New("a cluster node cannot be taken over: its lease is its daemon's")
-		}
 		if live = mountDev(mp); live == 0 {
 			return fmt.Errorf("%s is not mounted", mp)
 		}
@@ -175,13 +172,11 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		return err
 	}
 	defer srv.Close()
-	if clusterCfg == nil {
-		stop, err := listenHandover(mp, srv, log)
-		if err != nil {
-			return fmt.Errorf("handover socket: %w", err)
-		}
-		defer stop()
+	stop, err := listenHandover(mp, srv, log)
+	if err != nil {
+		return fmt.Errorf("handover socket: %w", err)
 	}
+	defer stop()
 	log.Info("mounted", "mountpoint", mp, "backing", store.Dir, "mode", srv.Mode(), "segments", segs, "bytes", bytes)
 	if keeper != nil {
 		if err := hello(keeper, srv); err != nil {

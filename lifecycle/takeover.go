@@ -40,6 +40,11 @@ type handoverHeader struct {
 	Orphans int `json:"orphans,omitempty"`
 	// Imports is how many imports' descriptors follow the orphans'.
 	Imports int `json:"imports,omitempty"`
+	// Lease is a cluster node's etcd lease; Listener says that its piece
+	// server's socket follows the FUSE descriptor (a keeper's takeover,
+	// or a daemon's hello).
+	Lease    int64 `json:"lease,omitempty"`
+	Listener bool  `json:"listener,omitempty"`
 	// Mode is the daemon's ("passthrough" or "classic"), in a daemon's
 	// hello to its keeper.
 	Mode string `json:"mode,omitempty"`
@@ -158,8 +163,13 @@ func send(c *net.UnixConn, t fs.Takeover) error {
 	if err != nil {
 		return err
 	}
-	hdr, _ := json.Marshal(handoverHeader{Init: t.Init, Gen: t.Gen, Crashed: t.Crashed, Size: len(state), Orphans: len(t.Orphans), Imports: len(t.Imports)})
-	if err := fdpass.Send(c, hdr, t.Fd); err != nil {
+	hdr, _ := json.Marshal(handoverHeader{Init: t.Init, Gen: t.Gen, Crashed: t.Crashed, Size: len(state), Orphans: len(t.Orphans), Imports: len(t.Imports),
+		Lease: t.Lease, Listener: t.Listener != nil})
+	fds := []int{t.Fd}
+	if t.Listener != nil {
+		fds = append(fds, rawFd(t.Listener))
+	}
+	if err := fdpass.Send(c, hdr, fds...); err != nil {
 		return err
 	}
 	for len(state) > 0 {
@@ -273,14 +283,24 @@ func journalTo(c *net.UnixConn) func(fs.Record) {
 }
 
 // hello tells the keeper on c that srv serves: its mode, and the
-// connection with its INIT, which the keeper holds.
+// connection with its INIT, and a cluster node's piece server's socket,
+// which the keeper holds.
 func hello(c *net.UnixConn, srv *fs.Server) error {
 	fd, err := fs.ConnectionFd()
 	if err != nil {
 		return err
 	}
-	b, _ := json.Marshal(handoverHeader{Init: fs.InitBytes(srv.Server), Mode: srv.Mode()})
-	return fdpass.Send(c, append([]byte{msgHello}, b...), fd)
+	l, err := srv.ClusterListener()
+	if err != nil {
+		return err
+	}
+	fds := []int{fd}
+	if l != nil {
+		defer l.Close()
+		fds = append(fds, rawFd(l))
+	}
+	b, _ := json.Marshal(handoverHeader{Init: fs.InitBytes(srv.Server), Mode: srv.Mode(), Listener: l != nil})
+	return fdpass.Send(c, append([]byte{msgHello}, b...), fds...)
 }
 
 // receive reads a handover from c, whose peer must be pid of this
@@ -293,16 +313,32 @@ func receive(c *net.UnixConn, pid int) (*fs.Takeover, error) {
 	if int(cred.Pid) != pid || int(cred.Uid) != os.Geteuid() {
 		return nil, fmt.Errorf("the handover socket is pid %d uid %d's, not the daemon's (pid %d)", cred.Pid, cred.Uid, pid)
 	}
-	m, err := fdpass.Recv(c, chunk, 1)
+	m, err := fdpass.Recv(c, chunk, 2)
 	if err != nil {
 		return nil, err
 	}
 	var h handoverHeader
-	if err := json.Unmarshal(m.Data, &h); err != nil || len(m.FDs) != 1 || h.Size < 0 || h.Size > maxState {
+	if err := json.Unmarshal(m.Data, &h); err != nil || len(m.FDs) != 1+btoi(h.Listener) || h.Size < 0 || h.Size > maxState {
 		fdpass.Close(m.FDs)
 		return nil, fmt.Errorf("a malformed handover (%d descriptors, %d bytes of state): %v", len(m.FDs), h.Size, err)
 	}
-	t := &fs.Takeover{Fd: m.FDs[0], Init: h.Init, Gen: h.Gen, Crashed: h.Crashed}
+	t := &fs.Takeover{Fd: m.FDs[0], Init: h.Init, Gen: h.Gen, Crashed: h.Crashed, Lease: h.Lease}
+	if h.Listener {
+		t.Listener = os.NewFile(uintptr(m.FDs[1]), "piece server")
+	}
+	if err := receiveState(c, h, t); err != nil {
+		unix.Close(t.Fd)
+		if t.Listener != nil {
+			t.Listener.Close()
+		}
+		return nil, fmt.Errorf("a malformed handover: %v", err)
+	}
+	return t, nil
+}
+
+// receiveState reads the state and the descriptors that follow header h
+// on c into t.
+func receiveState(c *net.UnixConn, h handoverHeader, t *fs.Takeover) error {
 	state := make([]byte, 0, h.Size)
 	for len(state) < h.Size {
 		m, err := fdpass.Recv(c, chunk, 0)
@@ -310,25 +346,40 @@ func receive(c *net.UnixConn, pid int) (*fs.Takeover, error) {
 			err = fmt.Errorf("%d bytes past its size", len(state)+len(m.Data)-h.Size)
 		}
 		if err != nil {
-			unix.Close(t.Fd)
-			return nil, fmt.Errorf("a malformed handover after %d bytes: %v", len(state), err)
+			return fmt.Errorf("after %d bytes: %v", len(state), err)
 		}
 		state = append(state, m.Data...)
 	}
 	if err := json.Unmarshal(state, &t.State); err != nil {
-		unix.Close(t.Fd)
-		return nil, fmt.Errorf("a malformed handover: %v", err)
+		return err
 	}
-	if t.Orphans, err = receiveFds[uint64](c, h.Orphans); err == nil {
-		if t.Imports, err = receiveFds[fs.Import](c, h.Imports); err != nil {
-			closeFds(t.Orphans)
-		}
+	var err error
+	if t.Orphans, err = receiveFds[uint64](c, h.Orphans); err != nil {
+		return err
 	}
-	if err != nil {
-		unix.Close(t.Fd)
-		return nil, fmt.Errorf("a malformed handover: %v", err)
+	if t.Imports, err = receiveFds[fs.Import](c, h.Imports); err != nil {
+		closeFds(t.Orphans)
 	}
-	return t, nil
+	return err
+}
+
+// rawFd returns f's descriptor as it is: os.File.Fd would make it
+// blocking, and a socket's duplicates share that with the daemon's
+// listener.
+func rawFd(f *os.File) int {
+	fd := -1
+	if rc, err := f.SyscallConn(); err == nil {
+		rc.Control(func(u uintptr) { fd = int(u) })
+	}
+	return fd
+}
+
+// btoi is 1 for true, 0 for false.
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // receiveFds reads n descriptors from c, with their keys (sendFds).

@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"sync"
 	"time"
 
@@ -46,6 +47,9 @@ type Config struct {
 	// Listen is the host:port to listen on (port 0 picks one); "" for a
 	// transport that only fetches.
 	Listen string
+	// Listener, if set, is the socket to serve on instead of a new one
+	// on Listen: an earlier daemon's, which its successor takes over.
+	Listener net.Listener
 	// Advertise is the host:port peers reach this node at; default the
 	// address Listen bound, which must then name a host.
 	Advertise string
@@ -71,10 +75,24 @@ type GRPC struct {
 	conns  map[Peer]*grpc.ClientConn // peers dialled, by name and address
 	server *grpc.Server              // nil until Start
 	addr   string                    // advertised address; "" until Start
-	closed bool
+	// listener is the server's socket, once started.
+	listener net.Listener
+	closed   bool
 }
 
 var _ Transport = (*GRPC)(nil)
+
+// ListenerFile returns a duplicate of the socket the server listens on,
+// for a successor daemon to serve on (Config.Listener).
+func (g *GRPC) ListenerFile() (*os.File, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	tl, ok := g.listener.(*net.TCPListener)
+	if !ok {
+		return nil, errors.New("transport: not listening on TCP")
+	}
+	return tl.File()
+}
 
 // NewGRPC returns a gRPC transport configured by cfg. It refuses a listen
 // address that names no host (0.0.0.0, ::) without an Advertise address.
@@ -109,13 +127,17 @@ func (g *GRPC) Start(src Source) error {
 		return net.ErrClosed
 	case g.server != nil:
 		return errors.New("transport: already started")
-	case g.cfg.Listen == "":
+	case g.cfg.Listen == "" && g.cfg.Listener == nil:
 		return errors.New("transport: no listen address")
 	}
-	l, err := net.Listen("tcp", g.cfg.Listen)
-	if err != nil {
-		return fmt.Errorf("transport: piece server: %w", err)
+	l := g.cfg.Listener
+	if l == nil {
+		var err error
+		if l, err = net.Listen("tcp", g.cfg.Listen); err != nil {
+			return fmt.Errorf("transport: piece server: %w", err)
+		}
 	}
+	g.listener = l
 	g.addr = g.cfg.Advertise
 	if g.addr == "" {
 		g.addr = l.Addr().String()

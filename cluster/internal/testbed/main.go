@@ -11,7 +11,8 @@
 // cluster may (what a forged manifest looks like to the daemons). fetch
 // asks a node's piece server for one piece and prints how many bytes came,
 // or fails with the peer's refusal. keys prints the keys under PREFIX, one
-// a line, each after the bytes it and its value take.
+// a line, each after the bytes it and its value take and before its
+// lease (hex, 0 for none).
 package main
 
 import (
@@ -132,7 +133,7 @@ func runKeys(args []string) error {
 		return err
 	}
 	for _, kv := range resp.Kvs {
-		fmt.Printf("%d %s\n", len(kv.Key)+len(kv.Value), kv.Key)
+		fmt.Printf("%d %s %x\n", len(kv.Key)+len(kv.Value), kv.Key, kv.Lease)
 	}
 	return nil
 }
