@@ -814,7 +814,7 @@ type Recovered struct {
 // device of the mount a successor takes over (0 for none): its mappings
 // count although it is mounted, imports' markers are kept for the
 // descriptors its predecessor hands over (adoptImports), and UNLINK
-// segments for the handles it inherits (unheldUnlinked).
+// segments for the handles it inherits (settleUnlinked).
 func Recover(store *alloc.Store, live uint64) (segments, bytes int64, rec *Recovered, err error) {
 	var t mapTable
 	old := earlierDevs(store.RootFd, live)

@@ -2,6 +2,7 @@ package fs
 
 import (
 	"context"
+	"slices"
 	"sync"
 	"syscall"
 
@@ -217,23 +218,35 @@ func (fsys *filesystem) adoptOrphan(ctx context.Context, id uint64, fd int) (*fu
 	return fsys.root.NewInode(ctx, n, fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: id}), nil
 }
 
-// unheldUnlinked returns those of the UNLINK segments recovery kept for a
-// successor (inos) that no handle it took over holds (handles, less
-// lost): no process maps them, so they go now, as recovery would have
-// removed them. The others go at their last close (reclaimLater).
-func unheldUnlinked(inos []uint64, handles, lost []Handle) map[uint64]bool {
-	unheld := map[uint64]bool{}
-	for _, ino := range inos {
-		unheld[ino] = true
-	}
+// heldNodes returns the nodes that the handles a successor took over
+// (handles, less those that did not open again, lost) hold.
+func heldNodes(handles, lost []Handle) map[uint64]bool {
 	failed := map[uint64]bool{}
 	for _, h := range lost {
 		failed[h.Fh] = true
 	}
+	held := map[uint64]bool{}
 	for _, h := range handles {
 		if !failed[h.Fh] {
-			delete(unheld, h.Node)
+			held[h.Node] = true
 		}
 	}
+	return held
+}
+
+// settleUnlinked sorts the UNLINK segments recovery kept for a successor
+// by the handles it took over (held): those no process maps and no
+// handle holds it returns, to remove now, as recovery would have; those a
+// handle holds go at their last close (reclaimLater), which watches
+// their mappings then, so they are taken off rec.kept, whose watches
+// would remove them at their last unmapping.
+func settleUnlinked(rec *Recovered, held map[uint64]bool) (unheld map[uint64]bool) {
+	unheld = map[uint64]bool{}
+	for _, ino := range rec.unlinked {
+		if !held[ino] {
+			unheld[ino] = true
+		}
+	}
+	rec.kept = slices.DeleteFunc(rec.kept, func(ids []mappedFile) bool { return held[ids[0].id.ino] })
 	return unheld
 }
