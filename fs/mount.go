@@ -123,11 +123,16 @@ func (s *Server) Handover() (t Takeover, resume func(), err error) {
 	}
 	st := s.raw.State(s.fs.root.EmbeddedInode())
 	st.Unnamed = s.fs.orphans.held()
+	s.fs.imports.handing.Lock()
+	resume = func() {
+		s.fs.imports.handing.Unlock()
+		s.gate.thaw()
+	}
 	t = Takeover{Fd: fd, Init: InitBytes(s.Server), Gen: s.raw.gen + 1, State: st, Orphans: s.fs.orphans.files(), Imports: s.fs.imports.files()}
 	if s.fs.cl != nil {
 		t.Lease = s.fs.cl.node.Lease()
 	}
-	return t, s.gate.thaw, nil
+	return t, resume, nil
 }
 
 // ClusterListener returns a duplicate of the cluster piece server's

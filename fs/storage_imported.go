@@ -151,6 +151,12 @@ type imports struct {
 	// descriptor, before its marker is made, and each import's end
 	// (Options.Journal).
 	journal func(Record)
+	// handing is read-held by an import from its descriptor's addition
+	// to its marker, and write-held by a handover from its list of the
+	// imports (files) on (Server.Handover): an import made meanwhile
+	// would be neither handed over nor kept by the keeper, so it waits,
+	// and dies with the daemon if the handover succeeds.
+	handing sync.RWMutex
 
 	mu sync.RWMutex // protects m
 	m  map[string]*importedFile
@@ -308,6 +314,8 @@ func (fsys *filesystem) importSegment(who ctl.Cred, dirfd int, name string, pf a
 	if err != nil {
 		return err
 	}
+	fsys.imports.handing.RLock()
+	defer fsys.imports.handing.RUnlock()
 	in, err := fsys.imports.add(fd, who.Uid)
 	if err != nil {
 		unix.Close(fd)
