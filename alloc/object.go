@@ -174,7 +174,16 @@ var ErrTooDeep = fmt.Errorf("%w: directories nested more than %d deep", syscall.
 // opening a directory; ErrSkipDir for the directory fn was called with
 // skips its contents.
 func Walk(dirfd int, fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
-	w := walker{fn: fn}
+	return WalkHeld(dirfd, nil, nil, fn)
+}
+
+// WalkHeld is Walk that calls hold before it opens a directory to walk
+// it and release once it has closed it, so that whoever asked for the
+// walk is charged the descriptor it keeps for each level it is in (up
+// to MaxDepth at once); an error from hold stops the walk. nil hold and
+// release charge nothing.
+func WalkHeld(dirfd int, hold func() error, release func(), fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
+	w := walker{fn: fn, hold: hold, release: release}
 	if err := w.walk(dirfd, "", 0); err != nil {
 		return err
 	}
@@ -191,6 +200,8 @@ var ErrSkipDir = errors.New("skip this directory")
 // unentered for its depth.
 type walker struct {
 	fn      func(dirfd int, name, rel string, st *unix.Stat_t) error
+	hold    func() error // before a directory's descriptor is opened; nil: nothing
+	release func()       // after it is closed
 	tooDeep bool
 }
 
@@ -228,25 +239,35 @@ func (w *walker) walk(dirfd int, rel string, depth int) error {
 			w.tooDeep = true
 			continue
 		}
-		sub, err := unix.Openat(dirfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) {
-			continue // removed or replaced since the stat
-		}
-		if err != nil {
-			return fmt.Errorf("%s: %w", p, err)
-		}
-		var sst unix.Stat_t
-		if unix.Fstat(sub, &sst) != nil || sst.Ino != st.Ino {
-			unix.Close(sub) // replaced since the stat: not the directory fn saw
-			continue
-		}
-		err = w.walk(sub, p, depth+1)
-		unix.Close(sub)
-		if err != nil {
+		if err := w.sub(dirfd, name, p, st.Ino, depth+1); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// sub walks the directory name in dirfd (rel, at depth), if it is still
+// the inode ino that the walk's stat saw; held while it is walked.
+func (w *walker) sub(dirfd int, name, rel string, ino uint64, depth int) error {
+	if w.hold != nil {
+		if err := w.hold(); err != nil {
+			return err
+		}
+		defer w.release()
+	}
+	sub, err := unix.Openat(dirfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) {
+		return nil // removed or replaced since the stat
+	}
+	if err != nil {
+		return fmt.Errorf("%s: %w", rel, err)
+	}
+	defer unix.Close(sub)
+	var st unix.Stat_t
+	if unix.Fstat(sub, &st) != nil || st.Ino != ino {
+		return nil // replaced since the stat: not the directory fn saw
+	}
+	return w.walk(sub, rel, depth)
 }
 
 // RemoveTree removes path and, for a directory, everything below it, as

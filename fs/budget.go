@@ -3,9 +3,11 @@ package fs
 import (
 	"context"
 	"syscall"
-	"tensorfs/ledger"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/ledger"
 )
 
 // newHandleBudget sizes the budget of the descriptors requests make the
@@ -36,6 +38,14 @@ const blockedThreads = 2048
 func newThreadBudget(l *ledger.Ledger) *ledger.Row {
 	return l.Row(ledger.Spec{Name: "threads that may block in the kernel for requests", Unit: "thread",
 		PerUID: blockedThreads / 16, Total: blockedThreads, Over: syscall.EMFILE, Full: syscall.ENFILE})
+}
+
+// walkFor walks the directory open at dirfd as alloc.Walk does, for uid,
+// who is charged a descriptor for each level the walk is in: a chain of
+// MaxDepth directories would otherwise hold that many of the daemon's
+// descriptors per request, charged to no one.
+func (fsys *filesystem) walkFor(uid uint32, dirfd int, fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
+	return alloc.WalkHeld(dirfd, func() error { return fsys.handles.Take(uid, 1) }, func() { fsys.handles.Give(uid, 1) }, fn)
 }
 
 // takeHandle takes a handle from the caller's budget for open, which

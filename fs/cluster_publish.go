@@ -180,7 +180,7 @@ func (c *clusterFS) collect(who ctl.Cred, top int, dir string, st *unix.Stat_t) 
 		return nil, err
 	}
 	objs := []published{{entry: cluster.LocalEntry{Entry: root}}}
-	err = alloc.Walk(top, func(fd int, name, rel string, st *unix.Stat_t) error {
+	err = c.fsys.walkFor(who.Uid, top, func(fd int, name, rel string, st *unix.Stat_t) error {
 		where := alloc.EscapeText(dir + "/" + rel)
 		switch st.Mode & syscall.S_IFMT {
 		case syscall.S_IFDIR:

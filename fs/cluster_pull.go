@@ -405,7 +405,7 @@ func (c *clusterFS) pullTargets(who ctl.Cred, dir string) ([]pullTarget, error) 
 		if rec, err := alloc.ReadPublished(alloc.FdPath(top)); err == nil && rec != nil {
 			found = true
 		}
-		return alloc.Walk(top, func(fd int, name, rel string, st *unix.Stat_t) error {
+		return c.fsys.walkFor(who.Uid, top, func(fd int, name, rel string, st *unix.Stat_t) error {
 			switch st.Mode & syscall.S_IFMT {
 			case syscall.S_IFDIR:
 				if !permitted(&who, st, 4|1) {
