@@ -3,10 +3,14 @@ package integration
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // walkChainScript makes, in argv[1], a chain of 250 directories with
@@ -152,4 +156,40 @@ func descriptorShare(t *testing.T, m *mount) int {
 	}
 	t.Fatalf("no descriptors row in %s", raw)
 	return 0
+}
+
+// TestAttackWalkMemory: a walk read each directory's names whole before
+// it looked at them, and held them while it walked below, so rbytes of a
+// directory of 60000 long names, asked from 40 threads, made the daemon
+// hold 1.1 GB; nothing bounds how many requests ask at once. A walk now
+// reads a directory's names a batch at a time, and each level it holds is
+// one of the asker's descriptors: the daemon's memory stays put.
+func TestAttackWalkMemory(t *testing.T) {
+	t.Parallel()
+	forEachModeOnce(t, func(t *testing.T, mode string) {
+		m := attackMount(t, mode, true)
+		// Made in the backing directly, as fast as the kernel goes: the
+		// daemon counts what it finds there when it walks.
+		wide := filepath.Join(backingOf(t, m), "shared", "wide")
+		if err := os.Mkdir(wide, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		long := strings.Repeat("x", 245)
+		for i := range 20000 {
+			if err := unix.Mkfifo(filepath.Join(wide, fmt.Sprintf("%05d%s", i, long)), 0o600); err != nil {
+				t.Fatal(err)
+			}
+		}
+		before := dtDaemonHWM(t, m.pid)
+		out, err := runAs(t, userA, "/", systemPython, "-c", walkFloodScript, m.path("shared/wide"), "48", "1")
+		if err != nil {
+			t.Fatalf("uid %d's walks: %v\n%s", userA, err, out)
+		}
+		after := dtDaemonHWM(t, m.pid)
+		t.Logf("uid %d's 48 threads asking rbytes of 20000 long names (answered, refused: %s): the daemon's peak memory went from %d to %d MiB",
+			userA, strings.TrimSpace(out), before>>20, after>>20)
+		if after-before > 64<<20 {
+			t.Errorf("uid %d's walks of one wide directory grew the daemon's peak memory by %d MiB", userA, (after-before)>>20)
+		}
+	})
 }
