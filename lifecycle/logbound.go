@@ -19,8 +19,8 @@ const (
 
 // boundedLog is a writer that passes whole writes (slog writes one record
 // at a time) while its bucket of LogRate bytes a second holds them, and
-// drops the rest; the first write it passes after it dropped some is
-// preceded by one line saying how many.
+// drops the rest; a write it passes after it dropped some is preceded by
+// one line saying how many, at most one such line a second.
 type boundedLog struct {
 	out     io.Writer
 	summary *slog.Logger // writes the dropped-lines line to out itself
@@ -28,8 +28,9 @@ type boundedLog struct {
 	mu      sync.Mutex
 	tokens  float64   // bytes that may be written now
 	last    time.Time // when tokens was last filled
-	dropped int64     // writes dropped since the last one passed
+	dropped int64     // writes dropped since the last line saying so
 	bytes   int64     // their bytes
+	said    time.Time // when that line was written
 }
 
 // BoundLog returns out bounded to LogRate bytes a second (bursts of
@@ -52,7 +53,8 @@ func (b *boundedLog) Write(p []byte) (int, error) {
 		return len(p), nil
 	}
 	b.tokens -= float64(len(p))
-	if b.dropped > 0 {
+	if b.dropped > 0 && now.Sub(b.said) >= time.Second {
+		b.said = now
 		b.summary.Warn("log lines dropped: past the log's bound (bytes a second, burst)",
 			"lines", b.dropped, "bytes", b.bytes, "rate", LogRate, "burst", LogBurst)
 		b.dropped, b.bytes = 0, 0
