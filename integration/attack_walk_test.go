@@ -86,7 +86,7 @@ func TestAttackWalkDescriptors(t *testing.T) {
 		if out, err := runAs(t, userA, "/", systemPython, "-c", walkChainScript, m.path("shared/a"), "2000"); err != nil {
 			t.Fatalf("uid %d's chain: %v\n%s", userA, err, out)
 		}
-		share := descriptorShare(t, m)
+		share := descriptorShare(t, m.dir)
 		_, limit := daemonFDs(t, m.pid)
 		threads := min(limit/250+10, 200)
 		const seconds = "4"
@@ -133,8 +133,9 @@ func TestAttackWalkDescriptors(t *testing.T) {
 	})
 }
 
-// descriptorShare returns one user's share of the ledger's descriptors row.
-func descriptorShare(t *testing.T, m *mount) int {
+// descriptorShare returns one user's share of the descriptors row of the
+// mount at dir.
+func descriptorShare(t *testing.T, dir string) int {
 	t.Helper()
 	var st struct {
 		Ledger []struct {
@@ -142,7 +143,7 @@ func descriptorShare(t *testing.T, m *mount) int {
 			PerUID int `json:"per_uid"`
 		}
 	}
-	raw, err := getxattr(m.dir, statsXattr)
+	raw, err := getxattr(dir, statsXattr)
 	if err == nil {
 		err = json.Unmarshal(raw, &st)
 	}
