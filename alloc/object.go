@@ -174,8 +174,17 @@ var ErrTooDeep = fmt.Errorf("%w: directories nested more than %d deep", syscall.
 // opening a directory; ErrSkipDir for the directory fn was called with
 // skips its contents.
 func Walk(dirfd int, fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
-	w := walker{fn: fn}
-	if err := w.walk(dirfd, "", 0); err != nil {
+	return WalkHeld(dirfd, nil, nil, fn)
+}
+
+// WalkHeld is Walk that calls hold before it opens a directory to walk
+// it and release once it has closed it, so that whoever asked for the
+// walk is charged the descriptor it keeps for each level it is in, the
+// first included (up to MaxDepth+1 at once); an error from hold stops
+// the walk. nil hold and release charge nothing.
+func WalkHeld(dirfd int, hold func() error, release func(), fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
+	w := walker{fn: fn, hold: hold, release: release}
+	if err := w.walk(dirfd, ".", "", 0, 0); err != nil {
 		return err
 	}
 	if w.tooDeep {
@@ -187,66 +196,87 @@ func Walk(dirfd int, fn func(dirfd int, name, rel string, st *unix.Stat_t) error
 // ErrSkipDir, returned by Walk's fn for a directory, skips its contents.
 var ErrSkipDir = errors.New("skip this directory")
 
+// walkBatch is how many names a walk reads from a directory at a time:
+// it holds at most that many for each level it is in, however many
+// names a user gave a directory.
+const walkBatch = 256
+
 // walker is one Walk: its function, and whether it left a directory
 // unentered for its depth.
 type walker struct {
 	fn      func(dirfd int, name, rel string, st *unix.Stat_t) error
+	hold    func() error // before a directory's descriptor is opened; nil: nothing
+	release func()       // after it is closed
 	tooDeep bool
 }
 
-func (w *walker) walk(dirfd int, rel string, depth int) error {
-	fd, err := unix.Openat(dirfd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	f := os.NewFile(uintptr(fd), rel)
-	names, err := f.Readdirnames(-1)
-	f.Close()
-	if err != nil {
-		return err
-	}
-	for _, name := range names {
-		var st unix.Stat_t
-		if unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
-			continue
+// walk opens the directory name in dirfd (rel below the walk's start, at
+// depth) and calls entry for each of its names, read a batch at a time.
+// Unless ino is 0 (the start), a name that is no longer the directory
+// ino that the walk's stat saw is skipped.
+func (w *walker) walk(dirfd int, name, rel string, ino uint64, depth int) error {
+	if w.hold != nil {
+		if err := w.hold(); err != nil {
+			return err
 		}
-		p := name
-		if rel != "" {
-			p = rel + "/" + name
+		defer w.release()
+	}
+	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	switch {
+	case err == nil:
+	case ino == 0:
+		return err
+	case errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP):
+		return nil // removed or replaced since the stat
+	default:
+		return fmt.Errorf("%s: %w", rel, err)
+	}
+	d := os.NewFile(uintptr(fd), rel)
+	defer d.Close()
+	var st unix.Stat_t
+	if ino != 0 && (unix.Fstat(fd, &st) != nil || st.Ino != ino) {
+		return nil // replaced since the stat: not the directory fn saw
+	}
+	for {
+		names, err := d.Readdirnames(walkBatch)
+		for _, name := range names {
+			if err := w.entry(fd, name, rel, depth); err != nil {
+				return err
+			}
 		}
-		err := w.fn(dirfd, name, p, &st)
-		if err == ErrSkipDir && st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
-			continue
+		if err == io.EOF {
+			return nil
 		}
 		if err != nil {
 			return err
 		}
-		if st.Mode&syscall.S_IFMT != syscall.S_IFDIR {
-			continue
-		}
-		if depth == MaxDepth {
-			w.tooDeep = true
-			continue
-		}
-		sub, err := unix.Openat(dirfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) {
-			continue // removed or replaced since the stat
-		}
-		if err != nil {
-			return fmt.Errorf("%s: %w", p, err)
-		}
-		var sst unix.Stat_t
-		if unix.Fstat(sub, &sst) != nil || sst.Ino != st.Ino {
-			unix.Close(sub) // replaced since the stat: not the directory fn saw
-			continue
-		}
-		err = w.walk(sub, p, depth+1)
-		unix.Close(sub)
-		if err != nil {
-			return err
-		}
 	}
-	return nil
+}
+
+// entry calls fn for name in the directory open at dirfd (rel below the
+// walk's start, at depth) and walks it if it is a directory.
+func (w *walker) entry(dirfd int, name, rel string, depth int) error {
+	var st unix.Stat_t
+	if unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
+		return nil
+	}
+	if rel != "" {
+		rel += "/"
+	}
+	rel += name
+	dir := st.Mode&syscall.S_IFMT == syscall.S_IFDIR
+	err := w.fn(dirfd, name, rel, &st)
+	if err == ErrSkipDir && dir {
+		return nil
+	}
+	if err != nil || !dir {
+		return err
+	}
+	if depth == MaxDepth {
+		w.tooDeep = true
+		return nil
+	}
+	return w.walk(dirfd, name, rel, st.Ino, depth+1)
 }
 
 // RemoveTree removes path and, for a directory, everything below it, as

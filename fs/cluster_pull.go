@@ -324,9 +324,10 @@ func (c *clusterFS) contentOf(cid string) (*cluster.Content, error) {
 // pullDir pulls, for who, every pulled segment below the directory dir
 // that is not complete here, maxPullOpen at a time, and returns the bytes
 // pulled. who must be able to search every directory on the way, read
-// every directory below and read every segment pulled. A directory
-// published that the watch has not made here yet (a pull right after a
-// publish elsewhere) is made first.
+// every directory below and read every segment pulled, and is charged
+// the backing files a batch holds open (EMFILE past its share). A
+// directory published that the watch has not made here yet (a pull
+// right after a publish elsewhere) is made first.
 func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
 	targets, err := c.madeTargets(who, dir)
 	if errors.Is(err, unix.ENOENT) || errors.Is(err, cluster.ErrNotPublished) {
@@ -338,8 +339,12 @@ func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
 	for len(targets) > 0 && err == nil {
 		batch := targets[:min(len(targets), maxPullOpen)]
 		targets = targets[len(batch):]
+		if err = c.fsys.handles.Take(who.Uid, int64(len(batch))); err != nil {
+			break
+		}
 		var n int64
 		n, err = c.pullBatch(dir, batch)
+		c.fsys.handles.Give(who.Uid, int64(len(batch)))
 		bytes, segments = bytes+n, segments+int64(len(batch))
 	}
 	if err == nil {
@@ -405,7 +410,7 @@ func (c *clusterFS) pullTargets(who ctl.Cred, dir string) ([]pullTarget, error) 
 		if rec, err := alloc.ReadPublished(alloc.FdPath(top)); err == nil && rec != nil {
 			found = true
 		}
-		return alloc.Walk(top, func(fd int, name, rel string, st *unix.Stat_t) error {
+		return c.fsys.walkFor(who.Uid, top, func(fd int, name, rel string, st *unix.Stat_t) error {
 			switch st.Mode & syscall.S_IFMT {
 			case syscall.S_IFDIR:
 				if !permitted(&who, st, 4|1) {

@@ -2,6 +2,7 @@ package fs
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -353,11 +354,15 @@ func (fsys *filesystem) notifyNewName(path string) {
 	dir.NotifyEntry(parts[len(parts)-1])
 }
 
-// stats is the root's user.tensorfs.stats as uid reads it.
-func (fsys *filesystem) stats(uid uint32) map[string]any {
+// stats is the root's user.tensorfs.stats as uid reads it. Its walk of
+// the backing is uid's (subtreeUsage); a refused one is an error.
+func (fsys *filesystem) stats(uid uint32) (map[string]any, error) {
 	var sfs unix.Statfs_t
 	fsys.store.Statfs(&sfs)
-	segs, bytes, _ := fsys.subtreeUsage(fsys.store.RootFd, nil) // too deep: what the walk reached
+	segs, bytes, err := fsys.subtreeUsage(fsys.store.RootFd, uid, nil)
+	if err != nil && !errors.Is(err, alloc.ErrTooDeep) { // too deep: what the walk reached
+		return nil, err
+	}
 	var ru unix.Rusage
 	unix.Getrusage(unix.RUSAGE_SELF, &ru)
 	rss, peak := memoryUse()
@@ -376,7 +381,7 @@ func (fsys *filesystem) stats(uid uint32) map[string]any {
 		"ledger":    ledgerFor(fsys.ledger.Usage(), uid),
 		"daemon":    map[string]any{"pid": os.Getpid(), "cpu_seconds": cpuSeconds(&ru), "rss_bytes": rss, "max_rss_bytes": peak, "goroutines": runtime.NumGoroutine()},
 		"uptime_ns": strconv.FormatInt(int64(time.Since(fsys.started)), 10),
-	}
+	}, nil
 }
 
 // limboStats counts the device blocks waiting for their consumers, and
