@@ -12,25 +12,15 @@ import (
 // TestAttackClusterRenameOut: what a published version makes on a node is
 // charged to its publisher in that node's cluster rows, and given back
 // whole at the unpublish; an object the cluster made is charged to no
-// one in the inodes row. Nothing stops its owner from renaming the
-// version's segments out of the published directory on that node (link is
-// EXDEV, rename is not), and the unpublish then leaves them there, charged
-// to no row at all. alice (--cluster-node-inodes 8 on node2) publishes 5
-// segments, moves them into a directory of her own on node2, unpublishes,
-// and again: three rounds leave her 15 segments on node2 that nothing
-// counts until node2's next mount recounts its backing, and so on without
-// end meanwhile, to every inode of node2's backing.
-//
-// Skipped unless TENSORFS_UNFIXED=1: the fix is a choice of semantics
-// (refuse a rename of what the cluster made, EXDEV as link is, so that mv
-// copies into objects charged as local ones; or charge a renamed
-// cluster object to its owner's inodes, a made directory's subtree
-// included), and TestClusterServedByPath renames a pulled segment out of
-// its directory on purpose.
+// one in the inodes row. Its owner renamed the version's segments out of
+// the published directory on that node (link was EXDEV, rename was not),
+// and the unpublish left them there, charged to no row at all: three
+// rounds left alice 15 segments on node2 (--cluster-node-inodes 8) that
+// nothing counted until node2's next mount. Now a pulled segment or a
+// directory the cluster made is not renamed (EXDEV, as link): mv copies
+// them into segments of alice's own, charged to her as any.
 func TestAttackClusterRenameOut(t *testing.T) {
-	if os.Getenv("TENSORFS_UNFIXED") != "1" {
-		t.Skip("known, unfixed: set TENSORFS_UNFIXED=1 (see the comment)")
-	}
+	t.Parallel()
 	tb := upCluster(t, 2)
 	n1, n2 := tb.node(1), tb.node(2)
 	clusterModes(t, tb, 2, map[int][]string{2: {"--cluster-node-inodes", "8"}}, func(t *testing.T, mode string) {
@@ -41,11 +31,21 @@ func TestAttackClusterRenameOut(t *testing.T) {
 		for r := range rounds {
 			name := fmt.Sprintf("%s-round%d", mode, r)
 			userTree(t, filepath.Join(n1, name), userA, segments)
+			if r == 0 { // and a directory, which node2 makes for the version
+				userTree(t, filepath.Join(n1, name, "sub"), userA, 1)
+			}
 			out, err := tb.tensorfs(userA, "publish", filepath.Join(n1, name))
 			if err != nil {
 				t.Fatalf("alice's publish: %v\n%s", err, out)
 			}
 			waitVersion(t, filepath.Join(n2, name), versionOf(t, out))
+			if r == 0 {
+				for _, p := range []string{filepath.Join(n2, name, "f1"), filepath.Join(n2, name, "sub")} {
+					if out, err := runAs(t, userA, "/", "/usr/bin/python3", "-c", "import os, sys; os.rename(sys.argv[1], sys.argv[2])", p, filepath.Join(keep, "renamed")); err == nil || !strings.Contains(string(out), "Invalid cross-device link") {
+						t.Errorf("alice renamed %s out of what the cluster made on node2: %v\n%s; want EXDEV", p, err, out)
+					}
+				}
+			}
 			asUserOK(t, userA, fmt.Sprintf("for f in %s/*; do mv \"$f\" %s/%d-$(basename \"$f\"); done", filepath.Join(n2, name), keep, r))
 			if out, err := tb.tensorfs(userA, "unpublish", filepath.Join(n1, name)); err != nil {
 				t.Fatalf("alice's unpublish: %v\n%s", err, out)
