@@ -196,10 +196,10 @@ func WalkHeld(dirfd int, hold func() error, release func(), fn func(dirfd int, n
 // ErrSkipDir, returned by Walk's fn for a directory, skips its contents.
 var ErrSkipDir = errors.New("skip this directory")
 
-// walkBatch is how many names a walk reads from a directory at a time:
+// WalkBatch is how many names a walk reads from a directory at a time:
 // it holds at most that many for each level it is in, however many
 // names a user gave a directory.
-const walkBatch = 256
+const WalkBatch = 256
 
 // walker is one Walk: its function, and whether it left a directory
 // unentered for its depth.
@@ -238,7 +238,7 @@ func (w *walker) walk(dirfd int, name, rel string, ino uint64, depth int) error 
 		return nil // replaced since the stat: not the directory fn saw
 	}
 	for {
-		names, err := d.Readdirnames(walkBatch)
+		names, err := d.Readdirnames(WalkBatch)
 		for _, name := range names {
 			if err := w.entry(fd, name, rel, depth); err != nil {
 				return err
