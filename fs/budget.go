@@ -2,6 +2,7 @@ package fs
 
 import (
 	"context"
+	"sync"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -52,6 +53,18 @@ const openAdopted = unix.O_NOCTTY
 // descriptors per request, charged to no one.
 func (fsys *filesystem) walkFor(uid uint32, dirfd int, fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
 	return alloc.WalkHeld(dirfd, func() error { return fsys.handles.Take(uid, 1) }, func() { fsys.handles.Give(uid, 1) }, fn)
+}
+
+// oneAtATime runs what a uid asks for one request at a time, each uid on
+// its own; the zero value is ready.
+type oneAtATime struct{ locks sync.Map } // uid → *sync.Mutex
+
+// lock waits for uid's turn and returns what ends it.
+func (o *oneAtATime) lock(uid uint32) (unlock func()) {
+	m, _ := o.locks.LoadOrStore(uid, new(sync.Mutex))
+	mu := m.(*sync.Mutex)
+	mu.Lock()
+	return mu.Unlock
 }
 
 // takeHandle takes a handle from the caller's budget for open, which

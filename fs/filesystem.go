@@ -24,6 +24,11 @@ import (
 
 // filesystem is the state shared by all nodes of one mount.
 type filesystem struct {
+	// usageWalks: a uid's walks of whole subtrees (rbytes, rsegments,
+	// the root's stats) run one at a time, so that one user asking from
+	// many threads takes one CPU's worth of walking, not every CPU.
+	usageWalks oneAtATime
+
 	store *alloc.Store
 	log   *slog.Logger
 	root  *rootNode

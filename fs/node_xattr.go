@@ -644,8 +644,10 @@ func comm(pid int) string {
 // only directories who (nil: anyone) may list: an imported or device segment's backing file is an empty marker,
 // so its bytes are counted where they live. A segment with several names
 // (tied weights) counts once. A subtree too deep to walk is an error
-// (ELOOP), never a smaller count.
+// (ELOOP), never a smaller count. A uid's walks run one at a time
+// (usageWalks).
 func (fsys *filesystem) subtreeUsage(dirfd int, uid uint32, who *ctl.Cred) (segments, bytes int64, err error) {
+	defer fsys.usageWalks.lock(uid)()
 	linked := map[uint64]bool{}
 	err = fsys.walkFor(uid, dirfd, func(fd int, name, _ string, st *unix.Stat_t) error {
 		switch st.Mode & syscall.S_IFMT {
