@@ -18,6 +18,7 @@ import (
 // connections allow take every descriptor of the daemon. Each batch's
 // files are now his: past his share a pull is EMFILE.
 func TestAttackClusterPullDescriptors(t *testing.T) {
+	t.Parallel()
 	tb := upCluster(t, 2)
 	n1, n2 := tb.node(1), tb.node(2)
 	clusterModes(t, tb, 2, nil, func(t *testing.T, mode string) {

@@ -17,6 +17,7 @@ import (
 // although the sticky bit says only bob or root may remove or rename his
 // segment there.
 func TestAttackClusterStickyPublish(t *testing.T) {
+	t.Parallel()
 	tb := upCluster(t, 1)
 	n1 := tb.node(1)
 	clusterModes(t, tb, 1, nil, func(t *testing.T, mode string) {
