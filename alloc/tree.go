@@ -26,6 +26,21 @@ func (e *Entry) Rel() string {
 	return strings.Join(append(e.names[:len(e.names):len(e.names)], e.Name), "/")
 }
 
+// LogDepth is how many components of a path log lines name. A chain of
+// directories is as deep as a user makes it: naming all of it would cost
+// each line time and log bytes in proportion.
+const LogDepth = 64
+
+// Tail names e in log lines: its path relative to the walk's start, its
+// last LogDepth components after ".../" when it is deeper.
+func (e *Entry) Tail() string {
+	if len(e.names) < LogDepth {
+		return e.Rel()
+	}
+	tail := e.names[len(e.names)-LogDepth+1:]
+	return ".../" + strings.Join(append(tail[:len(tail):len(tail)], e.Name), "/")
+}
+
 // CutError is Tree's error when it could not walk the whole of a
 // directory: Dir is that directory's stat (its owner may have made what
 // the walk did not reach).

@@ -1,6 +1,7 @@
 package alloc
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"runtime/debug"
@@ -195,5 +196,29 @@ func TestTreeNoRecursion(t *testing.T) {
 	}
 	if err := RemoveTree(root + "/d"); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestTreeCut: a directory moved while the walk is below it cuts the walk
+// (it cannot go back up to where it was): a *CutError, never a quiet end.
+func TestTreeCut(t *testing.T) {
+	root := t.TempDir()
+	if err := os.MkdirAll(root+"/a/b/c", 0o755); err != nil {
+		t.Fatal(err)
+	}
+	fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	err = Tree(fd, func(e *Entry) error {
+		if e.Name == "c" {
+			return os.Rename(root+"/a/b", root+"/moved")
+		}
+		return nil
+	})
+	var cut *CutError
+	if !errors.As(err, &cut) || !errors.Is(err, unix.ESTALE) {
+		t.Errorf("Tree: %v, want a *CutError (ESTALE)", err)
 	}
 }
