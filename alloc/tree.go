@@ -61,10 +61,12 @@ func (e *CutError) Unwrap() error { return e.Err }
 // any depth, depth first, a directory before what it holds. Unlike Walk
 // it has no depth limit: it goes through the tree as a descent does,
 // holding one descriptor of its own at a time (two while it moves a
-// level), and for each level below the start a name, a stat and an
-// offset, however deep a user made a chain; it reads a directory's names
+// level), and for each level below the start a name, a stat and two
+// offsets, however deep a user made a chain; it reads a directory's names
 // a buffer at a time, and goes on in a directory it comes back up to
-// from the offset after the one it entered. An entry removed meanwhile
+// after the one it entered, found again at its offset (or, where fn
+// removed names before it and the filesystem's offsets count entries,
+// as tmpfs's did before Linux 6.6, by its name). An entry removed meanwhile
 // is skipped, and so is a directory replaced since fn saw it. fn's error
 // stops the walk and is returned as it is; ErrSkipDir for a directory
 // skips its contents. Any other error stops it as a *CutError.
@@ -81,12 +83,12 @@ func Tree(dirfd int, fn func(e *Entry) error) error {
 		return t.cut(err)
 	}
 	for {
-		e, off, err := t.next()
+		e, at, err := t.next()
 		switch {
 		case err != nil:
 			return err
 		case e != nil:
-			err = t.enter(e, off)
+			err = t.enter(e, at)
 		case len(t.d.names) == 0:
 			return nil
 		default:
@@ -100,11 +102,11 @@ func Tree(dirfd int, fn func(e *Entry) error) error {
 
 // tree is one Tree walk.
 type tree struct {
-	d    descent
-	fn   func(e *Entry) error
-	buf  []byte      // for getdents
-	offs []int64     // where to go on in each directory above d's
-	cur  unix.Stat_t // the directory d is in
+	d   descent
+	fn  func(e *Entry) error
+	buf []byte      // for getdents
+	at  []resume    // where to go on in each directory above d's
+	cur unix.Stat_t // the directory d is in
 }
 
 // cut is the walk's error err in the directory it is in.
@@ -112,21 +114,31 @@ func (t *tree) cut(err error) error {
 	return &CutError{Dir: t.cur, Err: err}
 }
 
+// resume is where a walk goes on in a directory it went down from: the
+// offsets of the start and the end of the entry it entered.
+type resume struct{ at, off int64 }
+
 // next calls fn for the names of the directory d is in, from its offset
-// on, and returns the first directory fn did not skip, with the offset
-// after its entry; nil at the directory's end.
-func (t *tree) next() (*Entry, int64, error) {
+// on, and returns the first directory fn did not skip, with where its
+// entry is; nil at the directory's end.
+func (t *tree) next() (*Entry, resume, error) {
+	pos, err := unix.Seek(t.d.fd, 0, io.SeekCurrent)
+	if err != nil {
+		return nil, resume{}, t.cut(err)
+	}
 	for {
 		n, err := unix.Getdents(t.d.fd, t.buf)
 		if err != nil {
-			return nil, 0, t.cut(err)
+			return nil, resume{}, t.cut(err)
 		}
 		if n == 0 {
-			return nil, 0, nil
+			return nil, resume{}, nil
 		}
 		for b := t.buf[:n]; len(b) > 0; {
 			off, name, reclen := dirent(b)
 			b = b[reclen:]
+			at := resume{pos, off}
+			pos = off
 			if name == "." || name == ".." {
 				continue
 			}
@@ -143,10 +155,10 @@ func (t *tree) next() (*Entry, int64, error) {
 				continue
 			}
 			if err != nil {
-				return nil, 0, err
+				return nil, resume{}, err
 			}
 			if dir {
-				return e, off, nil
+				return e, at, nil
 			}
 		}
 	}
@@ -160,10 +172,10 @@ func dirent(b []byte) (int64, string, int) {
 	return off, unix.ByteSliceToString(b[19:reclen]), reclen
 }
 
-// enter goes down into the directory e, whose entry ends at off in the
+// enter goes down into the directory e, whose entry is at at in the
 // directory d is in; one gone or replaced since fn saw it is left.
-func (t *tree) enter(e *Entry, off int64) error {
-	if _, err := unix.Seek(t.d.fd, off, io.SeekStart); err != nil {
+func (t *tree) enter(e *Entry, at resume) error {
+	if _, err := unix.Seek(t.d.fd, at.off, io.SeekStart); err != nil {
 		return t.cut(err)
 	}
 	err := t.d.down(e.Name)
@@ -173,7 +185,7 @@ func (t *tree) enter(e *Entry, off int64) error {
 	if err != nil {
 		return &CutError{Dir: e.Stat, Err: err}
 	}
-	t.offs = append(t.offs, off)
+	t.at = append(t.at, at)
 	if err := unix.Fstat(t.d.fd, &t.cur); err != nil {
 		return t.cut(err)
 	}
@@ -185,17 +197,63 @@ func (t *tree) enter(e *Entry, off int64) error {
 
 // leave goes back up to the directory above, where it left off.
 func (t *tree) leave() error {
-	if _, err := t.d.up(); err != nil {
+	name, err := t.d.up()
+	if err != nil {
 		return t.cut(err)
 	}
-	last := len(t.offs) - 1
-	off := t.offs[last]
-	t.offs = t.offs[:last]
+	last := len(t.at) - 1
+	at := t.at[last]
+	t.at = t.at[:last]
 	if err := unix.Fstat(t.d.fd, &t.cur); err != nil {
 		return t.cut(err)
 	}
-	if _, err := unix.Seek(t.d.fd, off, io.SeekStart); err != nil {
+	if err := t.resume(name, at); err != nil {
 		return t.cut(err)
 	}
 	return nil
+}
+
+// resume sets the directory d is in to go on after name, the directory
+// the walk came back up from, whose entry was at at. The entry is read
+// again there; where it moved (fn removed names before it, and the
+// offsets count entries), it is looked for from the directory's start;
+// once gone, the walk goes on from the offset after it.
+func (t *tree) resume(name string, at resume) error {
+	for _, from := range []int64{at.at, 0} {
+		if _, err := unix.Seek(t.d.fd, from, io.SeekStart); err != nil {
+			return err
+		}
+		off, found, err := t.find(name, from != 0)
+		if err != nil {
+			return err
+		}
+		if found {
+			at.off = off
+			break
+		}
+	}
+	_, err := unix.Seek(t.d.fd, at.off, io.SeekStart)
+	return err
+}
+
+// find reads the directory d is in, from its offset, for name (in its
+// first entry only, dots aside, when first), and returns the offset
+// after it.
+func (t *tree) find(name string, first bool) (int64, bool, error) {
+	for {
+		n, err := unix.Getdents(t.d.fd, t.buf)
+		if err != nil || n == 0 {
+			return 0, false, err
+		}
+		for b := t.buf[:n]; len(b) > 0; {
+			off, got, reclen := dirent(b)
+			b = b[reclen:]
+			switch {
+			case got == name:
+				return off, true, nil
+			case first && got != "." && got != "..":
+				return 0, false, nil
+			}
+		}
+	}
 }

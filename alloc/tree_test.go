@@ -127,6 +127,9 @@ func TestTreeDeep(t *testing.T) {
 					if want := strings.TrimSuffix(strings.Repeat("d/", depth), "/") + "/bottom"; e.Rel() != want {
 						t.Errorf("bottom: Rel %d bytes, want %d", len(e.Rel()), len(want))
 					}
+					if want := ".../" + strings.Repeat("d/", LogDepth-1) + "bottom"; e.Tail() != want {
+						t.Errorf("bottom: Tail %q, want its last %d components", e.Tail(), LogDepth)
+					}
 				}
 				return nil
 			})
@@ -220,5 +223,65 @@ func TestTreeCut(t *testing.T) {
 	var cut *CutError
 	if !errors.As(err, &cut) || !errors.Is(err, unix.ESTALE) {
 		t.Errorf("Tree: %v, want a *CutError (ESTALE)", err)
+	}
+}
+
+// TestTreeRemoves: fn may remove what it is called for, as recovery
+// does, and rename the directory the walk is in: every name made is
+// visited once (the walk finds its place again in the directory above,
+// by its name, or after its offset once the name is gone), the renamed
+// directory at most once more under its new name.
+func TestTreeRemoves(t *testing.T) {
+	for kind, root := range treeRoots(t) {
+		t.Run(kind, func(t *testing.T) {
+			made := map[string]bool{}
+			for i := 0; i < 40; i++ {
+				name := fmt.Sprintf("%s/f%d", root, i)
+				if i%4 == 0 {
+					name = fmt.Sprintf("%s/d%d", root, i)
+					if err := os.Mkdir(name, 0o755); err != nil {
+						t.Fatal(err)
+					}
+					made[name] = true
+					name += "/in"
+				}
+				if err := os.WriteFile(name, nil, 0o644); err != nil {
+					t.Fatal(err)
+				}
+				made[name] = true
+			}
+			fd, err := unix.Open(root, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer unix.Close(fd)
+			seen := map[string]int{}
+			err = Tree(fd, func(e *Entry) error {
+				p := root + "/" + e.Rel()
+				seen[p]++
+				if e.Stat.Mode&unix.S_IFMT == unix.S_IFDIR {
+					return nil
+				}
+				if err := unix.Unlinkat(e.Dirfd, e.Name, 0); err != nil {
+					return err
+				}
+				if e.Rel() == "d0/in" {
+					return os.Rename(root+"/d0", root+"/moved")
+				}
+				return nil
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			for p := range made {
+				if seen[p] != 1 {
+					t.Errorf("%s visited %d times", p, seen[p])
+				}
+			}
+			delete(seen, root+"/moved")
+			if len(seen) != len(made) {
+				t.Errorf("%d names visited, %d made", len(seen), len(made))
+			}
+		})
 	}
 }
