@@ -282,11 +282,10 @@ func (w *walker) entry(dirfd int, name, rel string, depth int) error {
 // RemoveTree removes path and, for a directory, everything below it, as
 // os.RemoveAll does but without recursion: a chain of directories is as
 // deep as a user made it, and os.RemoveAll holds a descriptor and a
-// buffer per level on its way down. RemoveTree holds one directory's
-// descriptor at a time; it goes down by name (O_NOFOLLOW, so a symbolic
-// link is removed, never entered) and back up by "..", checked to be the
-// directory it came down from (ESTALE otherwise). A path that does not
-// exist is no error.
+// buffer per level on its way down. RemoveTree goes down and back up as
+// a descent does, holding one directory's descriptor at a time (ESTALE
+// when a directory moved meanwhile); a symbolic link is removed, never
+// entered. A path that does not exist is no error.
 func RemoveTree(path string) error {
 	err := unix.Unlink(path)
 	if err == nil || errors.Is(err, unix.ENOENT) {
@@ -299,50 +298,80 @@ func RemoveTree(path string) error {
 	if err != nil {
 		return err
 	}
-	var above []unix.Stat_t // the directory above each one entered
-	var names []string      // the name of each one entered
+	d := descent{fd: fd}
 	buf := make([]byte, 8192)
 	for {
-		below, err := removeEntries(fd, buf)
+		below, err := removeEntries(d.fd, buf)
 		if err == nil && below != "" {
-			var st unix.Stat_t
-			var sub int
-			if err = unix.Fstat(fd, &st); err == nil {
-				sub, err = unix.Openat(fd, below, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-			}
-			if err == nil {
-				unix.Close(fd)
-				fd, above, names = sub, append(above, st), append(names, below)
+			if err = d.down(below); err == nil {
 				continue
 			}
 		}
-		if err != nil || len(names) == 0 {
-			unix.Close(fd)
-			if err != nil {
-				return fmt.Errorf("remove %s: %w", path, err)
-			}
+		if err == nil && len(d.names) == 0 {
+			unix.Close(d.fd)
 			return unix.Rmdir(path)
 		}
-		// fd's directory is empty: up to the one above, and remove it.
-		up, err := unix.Openat(fd, "..", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-		unix.Close(fd)
+		if err == nil {
+			// d's directory is empty: up to the one above, and remove it.
+			var name string
+			if name, err = d.up(); err == nil {
+				if err = unix.Unlinkat(d.fd, name, unix.AT_REMOVEDIR); errors.Is(err, unix.ENOENT) {
+					err = nil
+				}
+			}
+		}
 		if err != nil {
+			unix.Close(d.fd)
 			return fmt.Errorf("remove %s: %w", path, err)
 		}
-		fd = up
-		want := above[len(above)-1]
-		var st unix.Stat_t
-		if err := unix.Fstat(fd, &st); err != nil || st.Dev != want.Dev || st.Ino != want.Ino {
-			unix.Close(fd)
-			return fmt.Errorf("remove %s: %w: a directory moved while it was removed", path, syscall.ESTALE)
-		}
-		err = unix.Unlinkat(fd, names[len(names)-1], unix.AT_REMOVEDIR)
-		if err != nil && !errors.Is(err, unix.ENOENT) {
-			unix.Close(fd)
-			return fmt.Errorf("remove %s: %w", path, err)
-		}
-		above, names = above[:len(above)-1], names[:len(names)-1]
 	}
+}
+
+// descent is a walk through a tree of directories that holds one
+// directory's descriptor at a time (RemoveTree, Tree): it goes down by
+// name (O_NOFOLLOW, so a symbolic link is never entered) and back up by
+// "..", checked to be the directory it came down from. A level costs it
+// a name and a stat, never a descriptor or a stack frame, however deep
+// a user made a chain.
+type descent struct {
+	fd    int           // the directory it is in, its own
+	above []unix.Stat_t // the directory above each one entered
+	names []string      // the name of each one entered
+}
+
+// down enters the directory name in the one d is in.
+func (d *descent) down(name string) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(d.fd, &st); err != nil {
+		return err
+	}
+	sub, err := unix.Openat(d.fd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	unix.Close(d.fd)
+	d.fd, d.above, d.names = sub, append(d.above, st), append(d.names, name)
+	return nil
+}
+
+// up goes back to the directory above the one d is in, and returns the
+// name it came up from; ESTALE when ".." is no longer the directory it
+// came down from (one moved meanwhile).
+func (d *descent) up() (string, error) {
+	up, err := unix.Openat(d.fd, "..", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return "", err
+	}
+	unix.Close(d.fd)
+	d.fd = up
+	last := len(d.names) - 1
+	want, name := d.above[last], d.names[last]
+	d.above, d.names = d.above[:last], d.names[:last]
+	var st unix.Stat_t
+	if err := unix.Fstat(d.fd, &st); err != nil || st.Dev != want.Dev || st.Ino != want.Ino {
+		return "", fmt.Errorf("%w: a directory moved while it was walked", syscall.ESTALE)
+	}
+	return name, nil
 }
 
 // removeEntries removes what the directory open at fd holds, other than

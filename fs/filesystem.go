@@ -118,7 +118,7 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 		fsys.log.Info(s.Name+" held for requests: limits", "per_uid", s.PerUID, "total", s.Total, "root_reserve", b.Reserve())
 	}
 	if err := fsys.inodes.countBacking(opts.Store.RootFd); err != nil {
-		fsys.log.Warn("the backing's objects are charged to their owners as far as the walk reached", "err", err)
+		fsys.log.Error("the backing's objects could not all be counted; the owner of the directory the count could not finish is charged her whole share of inodes until the next mount", "err", err)
 	}
 	rec := opts.Recovered
 	if rec == nil {

@@ -25,36 +25,42 @@ except OSError as e:
     print(made, errno.errorcode[e.errno])
 `
 
-// TestAttackDeepRecount: a mount charges each user the objects it finds in
-// the backing (inodes.countBacking), through alloc.Walk, which stops at
-// 256 levels: what a user made deeper is charged to no one once the
-// daemon starts again (a restart, a crash, an upgrade). uid A makes a
-// chain 300 deep and fills its share of inodes below it; after a remount
-// the ledger charges it the chain's first 256 levels, and it makes its
-// share again, and again at every restart.
-//
-// Skipped unless TENSORFS_UNFIXED=1: the count needs a walk that reaches
-// every level holding one descriptor at a time (as alloc.RemoveTree
-// does), which recovery and the takeover's walk would share.
+// TestAttackDeepRecount: a mount charges each user the objects it finds
+// in the backing (inodes.countBacking), at any depth (alloc.Tree): what a
+// user made below a chain deeper than alloc.MaxDepth is hers after the
+// daemon starts again (a restart, a crash, an upgrade). Uid 65534 makes a
+// chain 300 deep and fills her share of inodes below it; the remounted
+// daemon charges her as much, and she can make nothing more. (Walk, which
+// stops at 256 levels, charged her the chain's first 256, and she made her
+// share again at every restart.)
 func TestAttackDeepRecount(t *testing.T) {
-	if os.Getenv("TENSORFS_UNFIXED") != "1" {
-		t.Skip("known, unfixed: set TENSORFS_UNFIXED=1 (see the comment)")
-	}
+	const nobody = 65534
 	t.Parallel()
 	forEachModeOnce(t, func(t *testing.T, mode string) {
 		m := mountFS(t, mode, "--allow-other", "--inodes", "16384")
-		userDirs(t, m)
+		reachable(t, m.dir)
+		if err := os.Mkdir(m.path("n"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chown(m.path("n"), nobody, nobody); err != nil {
+			t.Fatal(err)
+		}
 		fill := func() string {
-			return strings.TrimSpace(pythonAs(t, userA, "/", deepFillScript, m.path("a")))
+			return strings.TrimSpace(pythonAs(t, nobody, "/", deepFillScript, m.path("n")))
 		}
 		first := fill()
-		held := ledgerHeld(t, m, "inodes", userA)
+		if !strings.HasSuffix(first, " EDQUOT") {
+			t.Fatalf("uid %d below a chain 300 deep: made %s, want a refusal (EDQUOT) at her share", nobody, first)
+		}
+		held := ledgerHeld(t, m, "inodes", nobody)
 		m.unmount(t, false)
 		m = m.remount(t)
-		if got := ledgerHeld(t, m, "inodes", userA); got != held {
-			again := fill()
-			t.Errorf("uid %d held %d inodes (made %s below a chain 300 deep); the remounted daemon charges it %d, and it made %s more",
-				userA, held, first, got, again)
+		if got := ledgerHeld(t, m, "inodes", nobody); got != held {
+			t.Errorf("uid %d held %d inodes (made %s below a chain 300 deep); the remounted daemon charges her %d",
+				nobody, held, first, got)
+		}
+		if again := fill(); again != "0 EDQUOT" {
+			t.Errorf("uid %d at her share before the remount made %s after it, want 0 EDQUOT", nobody, again)
 		}
 	})
 }
