@@ -832,3 +832,59 @@ func TestServeSwapsSource(t *testing.T) {
 		t.Errorf("node-a's stats %+v: want every piece served from the reader Serve named, none bad", st)
 	}
 }
+
+// failingReader fails every read: a piece verified from what was written
+// is never read back.
+type failingReader struct{}
+
+func (failingReader) ReadAt([]byte, int64) (int, error) { return 0, errors.New("read back") }
+
+// TestHashedDest: a piece written in order through its destination is
+// verified from the hash of what was written, without reading it back,
+// and a changed byte fails it; one written out of order is read back.
+func TestHashedDest(t *testing.T) {
+	data := randomBytes(t, 200<<10)
+	c, err := hashContent(bytes.NewReader(data), int64(len(data)), 64<<10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.id = hashID(c.encode())
+	buf := make([]byte, verifyBuf)
+	off, n := c.PieceRange(1)
+	write := func(piece []byte, order []int64) (*hashedDest, []byte) {
+		file := make([]byte, len(data))
+		d := newHashedDest(writerAt(file), off)
+		for _, at := range order {
+			end := min(at+16<<10, n)
+			if _, err := d.WriteAt(piece[at:end], off+at); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return d, file
+	}
+	var inOrder, reversed []int64
+	for at := int64(0); at < n; at += 16 << 10 {
+		inOrder = append(inOrder, at)
+		reversed = append([]int64{at}, reversed...)
+	}
+	if d, _ := write(data[off:off+n], inOrder); d.verifyPiece(c, failingReader{}, 1, buf) != nil {
+		t.Error("a good piece written in order fails verification, or was read back")
+	}
+	bad := bytes.Clone(data[off : off+n])
+	bad[n/2] ^= 1
+	if d, _ := write(bad, inOrder); !errors.Is(d.verifyPiece(c, failingReader{}, 1, buf), ErrBadCopy) {
+		t.Error("a changed piece written in order passes verification")
+	}
+	d, file := write(data[off:off+n], reversed)
+	if err := d.verifyPiece(c, bytes.NewReader(file), 1, buf); err != nil {
+		t.Errorf("a good piece written out of order, read back: %v", err)
+	}
+	if d.verifyPiece(c, failingReader{}, 1, buf) == nil {
+		t.Error("a piece written out of order was not read back")
+	}
+}
+
+// writerAt is a byte slice as an io.WriterAt.
+type writerAt []byte
+
+func (w writerAt) WriteAt(b []byte, off int64) (int, error) { return copy(w[off:], b), nil }

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"hash"
 	"io"
 	"path"
 	"runtime"
@@ -78,6 +79,46 @@ func (c *Content) verifyPiece(r io.ReaderAt, i int, buf []byte) error {
 		return fmt.Errorf("reading piece %d of %.12s: %d bytes of %d: %v", i, c.id, k, n, err)
 	}
 	if !bytes.Equal(h.Sum(nil), c.pieceHash(i)) {
+		return fmt.Errorf("%w: piece %d of %.12s", ErrBadCopy, i, c.id)
+	}
+	return nil
+}
+
+// hashedDest is a piece's destination file that hashes what is written
+// to it, as the transport writes it: from the piece's start, in order.
+// A write out of that order (an engine that places bytes otherwise)
+// leaves the hash incomplete, and the piece is read back to be verified.
+type hashedDest struct {
+	f    io.WriterAt
+	h    hash.Hash
+	next int64 // the file offset the hash has reached
+}
+
+// newHashedDest returns the destination of the piece at off in f.
+func newHashedDest(f io.WriterAt, off int64) *hashedDest {
+	return &hashedDest{f: f, h: sha256.New(), next: off}
+}
+
+// WriteAt writes b at off of the file, and hashes what it wrote if it
+// continues what was hashed.
+func (d *hashedDest) WriteAt(b []byte, off int64) (int, error) {
+	k, err := d.f.WriteAt(b, off)
+	if off == d.next {
+		d.h.Write(b[:k])
+		d.next += int64(k)
+	}
+	return k, err
+}
+
+// verifyPiece checks piece i, written through d into r, against its
+// published hash: from the hash of what was written where that covers
+// the whole piece (no read back), else as c.verifyPiece reads it from r.
+func (d *hashedDest) verifyPiece(c *Content, r io.ReaderAt, i int, buf []byte) error {
+	off, n := c.PieceRange(i)
+	if d.next != off+n {
+		return c.verifyPiece(r, i, buf)
+	}
+	if !bytes.Equal(d.h.Sum(nil), c.pieceHash(i)) {
 		return fmt.Errorf("%w: piece %d of %.12s", ErrBadCopy, i, c.id)
 	}
 	return nil
