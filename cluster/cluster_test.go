@@ -269,32 +269,36 @@ func TestPublishRefuses(t *testing.T) {
 	}
 }
 
-// lyingSource holds good bytes, which a piece's first read (the server's
-// verification) gets, and bad ones, which the next (the read it streams)
-// gets: a holder whose bytes change under it, or that lies.
-type lyingSource struct {
-	good, bad []byte
-	mu        sync.Mutex
-	reads     map[int64]int
+// lyingSource serves its node's pieces with every byte changed after
+// the node verified them: a holder that lies, or a corrupting link.
+type lyingSource struct{ transport.Source }
+
+func (s lyingSource) Piece(p transport.Piece) ([]byte, error) {
+	b, err := s.Source.Piece(p)
+	bad := bytes.Clone(b)
+	for i := range bad {
+		bad[i] ^= 0x5a
+	}
+	return bad, err
 }
 
-func (s *lyingSource) ReadAt(b []byte, off int64) (int, error) {
-	s.mu.Lock()
-	s.reads[off]++
-	src := s.good
-	if s.reads[off]%2 == 0 {
-		src = s.bad
-	}
-	s.mu.Unlock()
-	return bytes.NewReader(src).ReadAt(b, off)
-}
+// lyingTransport is a gRPC transport whose server lies (lyingSource).
+type lyingTransport struct{ transport.Transport }
+
+func (t lyingTransport) Start(src transport.Source) error { return t.Transport.Start(lyingSource{src}) }
 
 // TestCorruptPieceRefetched makes one holder serve corrupted bytes: the
 // puller refetches those pieces from the other holder, logs it, ends with
 // the published bytes, and stops asking the bad holder.
 func TestCorruptPieceRefetched(t *testing.T) {
 	tc := newTestCluster(t)
-	a, b := tc.join(tc.config("node-a")), tc.join(tc.config("node-b"))
+	liar := tc.config("node-b")
+	tr, err := transport.NewGRPC(transport.Config{Listen: liar.Listen, Credentials: liar.Credentials})
+	if err != nil {
+		t.Fatal(err)
+	}
+	liar.Transport = lyingTransport{tr}
+	a, b := tc.join(tc.config("node-a")), tc.join(liar)
 	cfg := tc.config("node-c")
 	cfg.Parallel, cfg.PerPeer = 2, 1 // both holders are asked from the start
 	c := tc.join(cfg)
@@ -309,11 +313,7 @@ func TestCorruptPieceRefetched(t *testing.T) {
 		t.Fatal(err)
 	}
 	content := v.Contents[v.Entries[1].Content]
-	bad := bytes.Clone(data)
-	for i := range bad {
-		bad[i] ^= 0x5a
-	}
-	if err := b.Offer(content.ID(), &lyingSource{good: data, bad: bad, reads: map[int64]int{}}, int64(len(bad))); err != nil {
+	if err := b.Offer(content.ID(), bytes.NewReader(data), int64(len(data))); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, 5*time.Second, "node-b announces its copy", func() bool {
@@ -577,7 +577,7 @@ func TestRestartOffer(t *testing.T) {
 	if !bytes.Equal(contents(t, files["w"]), data) {
 		t.Fatal("pulled bytes differ")
 	}
-	if _, _, _, err := a2.Piece(transport.Piece{Content: stranger}); !errors.Is(err, transport.ErrNotServed) {
+	if _, err := a2.Piece(transport.Piece{Content: stranger}); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("a content never published is served: %v", err)
 	}
 }
@@ -612,14 +612,14 @@ func TestServeOnlyVerified(t *testing.T) {
 	}
 	p, _ := pullAll(t, b, v)
 	for i := range v.Contents[id].Pieces() {
-		if _, _, _, err := b.Piece(transport.Piece{Content: id, Index: i}); !errors.Is(err, transport.ErrNotServed) {
+		if _, err := b.Piece(transport.Piece{Content: id, Index: i}); !errors.Is(err, transport.ErrNotServed) {
 			t.Fatalf("piece %d served before it was verified: %v", i, err)
 		}
 	}
 	if err := p.Wait(); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, _, err := b.Piece(transport.Piece{Content: id, Index: v.Contents[id].Pieces()}); !errors.Is(err, transport.ErrNotServed) {
+	if _, err := b.Piece(transport.Piece{Content: id, Index: v.Contents[id].Pieces()}); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("a piece past the end is served: %v", err)
 	}
 	if n, err := tr.Fetch(ctx, transport.Peer{Name: "node-b", Addr: b.Addr()}, transport.Piece{Content: id, Index: 1}, transport.Dest{File: f, Len: 64 << 10}); err != nil || !bytes.Equal(contents(t, f), data[64<<10:128<<10]) {
@@ -670,7 +670,7 @@ func TestPullDiskFull(t *testing.T) {
 		resp, err := a.etcd.Get(ctx, a.keys.holder(id, "node-b"))
 		return err == nil && len(resp.Kvs) == 0
 	})
-	if _, _, _, err := b.Piece(transport.Piece{Content: id}); !errors.Is(err, transport.ErrNotServed) {
+	if _, err := b.Piece(transport.Piece{Content: id}); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("node-b serves a piece of a failed pull: %v", err)
 	}
 }
@@ -818,7 +818,7 @@ func TestServeSwapsSource(t *testing.T) {
 	}
 	stranger := hashID([]byte("never held"))
 	a.Serve(stranger, bytes.NewReader(data))
-	if _, _, _, err := a.Piece(transport.Piece{Content: stranger}); !errors.Is(err, transport.ErrNotServed) {
+	if _, err := a.Piece(transport.Piece{Content: stranger}); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("a content served without being held: %v", err)
 	}
 	p, files := pullAll(t, b, v)

@@ -78,7 +78,28 @@ func (c *Content) verifyPiece(r io.ReaderAt, i int, buf []byte) error {
 	if k, err := io.CopyBuffer(h, io.NewSectionReader(r, off, n), buf); k < n {
 		return fmt.Errorf("reading piece %d of %.12s: %d bytes of %d: %v", i, c.id, k, n, err)
 	}
-	if !bytes.Equal(h.Sum(nil), c.pieceHash(i)) {
+	return c.checkSum(i, h.Sum(nil))
+}
+
+// readPiece reads piece i from r into a new buffer and returns it once
+// it matches its published hash (ErrBadCopy if it does not).
+func (c *Content) readPiece(r io.ReaderAt, i int) ([]byte, error) {
+	off, n := c.PieceRange(i)
+	b := make([]byte, n)
+	if k, err := r.ReadAt(b, off); k < len(b) {
+		return nil, fmt.Errorf("reading piece %d of %.12s: %d bytes of %d: %v", i, c.id, k, n, err)
+	}
+	sum := sha256.Sum256(b)
+	if err := c.checkSum(i, sum[:]); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// checkSum checks sum, the SHA-256 of piece i's bytes, against the
+// published one: ErrBadCopy if it differs.
+func (c *Content) checkSum(i int, sum []byte) error {
+	if !bytes.Equal(sum, c.pieceHash(i)) {
 		return fmt.Errorf("%w: piece %d of %.12s", ErrBadCopy, i, c.id)
 	}
 	return nil
@@ -118,10 +139,7 @@ func (d *hashedDest) verifyPiece(c *Content, r io.ReaderAt, i int, buf []byte) e
 	if d.next != off+n {
 		return c.verifyPiece(r, i, buf)
 	}
-	if !bytes.Equal(d.h.Sum(nil), c.pieceHash(i)) {
-		return fmt.Errorf("%w: piece %d of %.12s", ErrBadCopy, i, c.id)
-	}
-	return nil
+	return c.checkSum(i, d.h.Sum(nil))
 }
 
 // Verify reads the whole content from r and checks every piece against

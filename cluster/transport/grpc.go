@@ -247,23 +247,19 @@ func (s *pieceServer) Fetch(req *piecepb.FetchRequest, stream grpc.ServerStreami
 		return status.Error(codes.ResourceExhausted, "sending as many pieces as it may")
 	}
 	p := Piece{Content: req.Content, Index: int(req.Index)}
-	r, off, n, err := s.src.Piece(p)
+	b, err := s.src.Piece(p)
 	if err != nil {
 		s.log.Info("cluster: refused a piece", "content", p.Content, "piece", p.Index, "err", err)
 		return status.Error(codes.NotFound, err.Error())
 	}
-	for n > 0 {
-		// A new buffer per message: gRPC may hold a message after Send.
-		buf := make([]byte, min(n, ChunkSize))
-		if k, err := r.ReadAt(buf, off); k < len(buf) {
-			s.log.Warn("cluster: reading a piece failed", "content", p.Content, "piece", p.Index, "err", err)
-			return status.Error(codes.Internal, "reading the piece failed")
-		}
-		if err := stream.Send(&piecepb.Chunk{Data: buf}); err != nil {
+	for len(b) > 0 {
+		// Slices of the piece, never written: gRPC may hold a message
+		// after Send.
+		n := min(len(b), ChunkSize)
+		if err := stream.Send(&piecepb.Chunk{Data: b[:n]}); err != nil {
 			return err
 		}
-		off += int64(len(buf))
-		n -= int64(len(buf))
+		b = b[n:]
 	}
 	return nil
 }

@@ -23,12 +23,12 @@ type memSource struct {
 	pieceSize int64
 }
 
-func (s *memSource) Piece(p Piece) (io.ReaderAt, int64, int64, error) {
+func (s *memSource) Piece(p Piece) ([]byte, error) {
 	off := int64(p.Index) * s.pieceSize
 	if p.Content != s.content || p.Index < 0 || off >= int64(len(s.data)) {
-		return nil, 0, 0, fmt.Errorf("piece %d of %s: %w", p.Index, p.Content, ErrNotServed)
+		return nil, fmt.Errorf("piece %d of %s: %w", p.Index, p.Content, ErrNotServed)
 	}
-	return bytes.NewReader(s.data), off, min(s.pieceSize, int64(len(s.data))-off), nil
+	return s.data[off:min(off+s.pieceSize, int64(len(s.data)))], nil
 }
 
 // testLog logs to the test.
@@ -162,19 +162,17 @@ func TestGRPCFetch(t *testing.T) {
 	}
 }
 
-// stallSource serves a piece whose reads say so on reading (if not nil)
-// and do not return until released.
+// stallSource serves a piece of 1 KiB once released, saying so (if
+// reading is not nil) when it is asked for one.
 type stallSource struct{ release, reading chan struct{} }
 
-func (s stallSource) Piece(p Piece) (io.ReaderAt, int64, int64, error) { return s, 0, 1 << 10, nil }
-
-func (s stallSource) ReadAt(b []byte, off int64) (int, error) {
+func (s stallSource) Piece(p Piece) ([]byte, error) {
 	select {
 	case s.reading <- struct{}{}:
 	default:
 	}
 	<-s.release
-	return len(b), nil
+	return make([]byte, 1<<10), nil
 }
 
 // TestGRPCIdle checks that a fetch from a peer that sends nothing fails
