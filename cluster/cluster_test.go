@@ -849,7 +849,6 @@ func TestHashedDest(t *testing.T) {
 		t.Fatal(err)
 	}
 	c.id = hashID(c.encode())
-	buf := make([]byte, verifyBuf)
 	off, n := c.PieceRange(1)
 	write := func(piece []byte, order []int64) (*hashedDest, []byte) {
 		file := make([]byte, len(data))
@@ -867,19 +866,19 @@ func TestHashedDest(t *testing.T) {
 		inOrder = append(inOrder, at)
 		reversed = append([]int64{at}, reversed...)
 	}
-	if d, _ := write(data[off:off+n], inOrder); d.verifyPiece(c, failingReader{}, 1, buf) != nil {
+	if d, _ := write(data[off:off+n], inOrder); d.verifyPiece(c, failingReader{}, 1) != nil {
 		t.Error("a good piece written in order fails verification, or was read back")
 	}
 	bad := bytes.Clone(data[off : off+n])
 	bad[n/2] ^= 1
-	if d, _ := write(bad, inOrder); !errors.Is(d.verifyPiece(c, failingReader{}, 1, buf), ErrBadCopy) {
+	if d, _ := write(bad, inOrder); !errors.Is(d.verifyPiece(c, failingReader{}, 1), ErrBadCopy) {
 		t.Error("a changed piece written in order passes verification")
 	}
 	d, file := write(data[off:off+n], reversed)
-	if err := d.verifyPiece(c, bytes.NewReader(file), 1, buf); err != nil {
+	if err := d.verifyPiece(c, bytes.NewReader(file), 1); err != nil {
 		t.Errorf("a good piece written out of order, read back: %v", err)
 	}
-	if d.verifyPiece(c, failingReader{}, 1, buf) == nil {
+	if d.verifyPiece(c, failingReader{}, 1) == nil {
 		t.Error("a piece written out of order was not read back")
 	}
 }

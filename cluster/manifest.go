@@ -134,10 +134,10 @@ func (d *hashedDest) WriteAt(b []byte, off int64) (int, error) {
 // verifyPiece checks piece i, written through d into r, against its
 // published hash: from the hash of what was written where that covers
 // the whole piece (no read back), else as c.verifyPiece reads it from r.
-func (d *hashedDest) verifyPiece(c *Content, r io.ReaderAt, i int, buf []byte) error {
+func (d *hashedDest) verifyPiece(c *Content, r io.ReaderAt, i int) error {
 	off, n := c.PieceRange(i)
 	if d.next != off+n {
-		return c.verifyPiece(r, i, buf)
+		return c.verifyPiece(r, i, make([]byte, verifyBuf))
 	}
 	return c.checkSum(i, d.h.Sum(nil))
 }

@@ -396,15 +396,14 @@ func (p *Pull) settle(t task, dst *hashedDest, got int64, err error) (outcome, e
 	case got != size:
 		return badPiece, fmt.Errorf("%d bytes of %d", got, size)
 	}
-	buf := make([]byte, verifyBuf)
-	if err := dst.verifyPiece(g.c, g.dsts[0], t.i, buf); err != nil {
+	if err := dst.verifyPiece(g.c, g.dsts[0], t.i); err != nil {
 		if !errors.Is(err, ErrBadCopy) {
 			return cancelled, err
 		}
 		return badPiece, err
 	}
 	for _, dst := range g.dsts[1:] {
-		if _, err := io.CopyBuffer(io.NewOffsetWriter(dst, off), io.NewSectionReader(g.dsts[0], off, size), buf); err != nil {
+		if _, err := io.Copy(io.NewOffsetWriter(dst, off), io.NewSectionReader(g.dsts[0], off, size)); err != nil {
 			return cancelled, err
 		}
 	}
