@@ -123,6 +123,7 @@ func (g *GRPC) Start(src Source) error {
 	g.server = grpc.NewServer(
 		grpc.Creds(credentials.NewTLS(g.cfg.Credentials.ServerConfig())),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
+		grpc.ForceServerCodecV2(pieceCodec{}),
 	)
 	piecepb.RegisterPiecesServer(g.server, &pieceServer{src: src, log: g.cfg.Log, slots: make(chan struct{}, g.cfg.MaxUploads)})
 	go func() {
@@ -200,7 +201,7 @@ func (g *GRPC) conn(peer Peer) (*grpc.ClientConn, error) {
 	}
 	c, err := grpc.NewClient("passthrough:///"+peer.Addr,
 		grpc.WithTransportCredentials(credentials.NewTLS(g.cfg.Credentials.ClientConfig(peer.Name))),
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(2*ChunkSize)),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(2*ChunkSize), grpc.ForceCodecV2(pieceCodec{})),
 		grpc.WithConnectParams(ConnectParams()),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
 	)
