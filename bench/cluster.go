@@ -24,6 +24,7 @@ var (
 	mUpload     = metricDef{"node1's upload while the nodes pull", "× model", false}
 	mCPUPulled  = metricDef{"puller's daemon CPU per GiB pulled", "s", false}
 	mCPUServed  = metricDef{"holders' daemons' CPU per GiB served", "s", false}
+	mCPUCores   = metricDef{"all daemons' CPU while the nodes pull", "cores", false}
 	mPulledRead = metricDef{"read of every tensor of the model", "GiB/s", true}
 )
 
@@ -54,7 +55,8 @@ type clusterBed struct {
 // against node2 pulling the model (and the CPU its daemon and the
 // holders' daemons spent); node2 fetching it by tensorfs.load_into
 // instead, from the same holders; four and then eight nodes pulling it at
-// once (their time, and node1's upload from its network counters); one
+// once (their time, node1's upload from its network counters, and the
+// CPU all the daemons spent, in cores, as for one pull); one
 // node pulling it from eight holders, and again with one of them killed a
 // third of the way through (the time lost); and reads of every tensor of
 // the model once pulled, against a copy on tmpfs. A node starts every
@@ -116,59 +118,38 @@ func (bed *clusterBed) round(version string, model int64, copyDir string) error 
 	}
 	b.res.add(mLinkRate, iperfName, rate)
 
-	if err := bed.empty(2, version); err != nil {
-		return err
-	}
-	cpu0, err := bed.cpuTimes()
-	if err != nil {
-		return err
-	}
-	secs, err := bed.pullAll([]int{2}, nil)
-	if err != nil {
-		return err
-	}
-	cpu1, err := bed.cpuTimes()
-	if err != nil {
-		return err
-	}
-	b.res.add(mPullTime, oneName, secs)
-	b.res.add(mLinkRate, oneName, gbit(secs))
 	gib := float64(model) / giB
-	var served float64
-	for k := range cpu1 {
-		if k != 2 {
-			served += cpu1[k] - cpu0[k]
-		}
-	}
-	b.res.add(mCPUPulled, oneName, (cpu1[2]-cpu0[2])/gib)
-	b.res.add(mCPUServed, oneName, served/gib)
-
-	if secs, err = bed.loadInto(2, version); err != nil {
-		return err
-	}
-	b.res.add(mPullTime, loadName, secs)
-
 	for _, c := range []struct {
 		name string
 		ks   []int
-	}{{fourName, []int{2, 3, 4, 5}}, {eightName, []int{2, 3, 4, 5, 6, 7, 8, 9}}} {
-		tx0, err := bed.txBytes(1)
+	}{{oneName, []int{2}}, {fourName, []int{2, 3, 4, 5}}, {eightName, []int{2, 3, 4, 5, 6, 7, 8, 9}}} {
+		secs, upload, cpu, err := bed.fanOut(version, c.ks)
 		if err != nil {
 			return err
 		}
-		if secs, err = bed.pulls(version, c.ks, nil); err != nil {
-			return err
-		}
-		tx1, err := bed.txBytes(1)
-		if err != nil {
-			return err
+		var all float64
+		for _, s := range cpu {
+			all += s
 		}
 		b.res.add(mPullTime, c.name, secs)
-		b.res.add(mUpload, c.name, float64(tx1-tx0)/float64(model))
+		b.res.add(mCPUCores, c.name, all/secs)
+		if c.name != oneName {
+			b.res.add(mUpload, c.name, float64(upload)/float64(model))
+			continue
+		}
+		b.res.add(mLinkRate, oneName, gbit(secs))
+		b.res.add(mCPUPulled, oneName, cpu[2]/gib)
+		b.res.add(mCPUServed, oneName, (all-cpu[2])/gib)
+		// load_into on the same node, from the same holders.
+		if secs, err = bed.loadInto(2, version); err != nil {
+			return err
+		}
+		b.res.add(mPullTime, loadName, secs)
 	}
 
 	// node1 and nodes 2 to 8 hold the model: node9 pulls from eight.
-	if secs, err = bed.pulls(version, []int{9}, nil); err != nil {
+	secs, err := bed.pulls(version, []int{9}, nil)
+	if err != nil {
 		return err
 	}
 	b.res.add(mPullTime, seedsName, secs)
@@ -248,6 +229,42 @@ func (bed *clusterBed) empty(k int, version string) error {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// fanOut empties the nodes ks, has them pull the model at once, and
+// returns the time until the last is done, node1's upload meanwhile in
+// bytes (its network counters), and the CPU seconds each node's daemon
+// spent meanwhile, by node.
+func (bed *clusterBed) fanOut(version string, ks []int) (float64, int64, map[int]float64, error) {
+	for _, k := range ks {
+		if err := bed.empty(k, version); err != nil {
+			return 0, 0, nil, err
+		}
+	}
+	tx0, err := bed.txBytes(1)
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	cpu0, err := bed.cpuTimes()
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	secs, err := bed.pullAll(ks, nil)
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	cpu, err := bed.cpuTimes()
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	tx1, err := bed.txBytes(1)
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	for k := range cpu {
+		cpu[k] -= cpu0[k]
+	}
+	return secs, tx1 - tx0, cpu, nil
 }
 
 // pulls empties the nodes ks, then has them pull the model at once
