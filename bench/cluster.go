@@ -102,7 +102,7 @@ func (b *bench) groupCluster() error {
 		}
 	}
 	lost := b.medianOr0(mPullTime, killedName) - b.medianOr0(mPullTime, seedsName)
-	b.res.facts = append(b.res.facts, fmt.Sprintf("Cluster: a holder killed a third of the way through a pull from 4 holders "+
+	b.res.facts = append(b.res.facts, fmt.Sprintf("Cluster: a holder killed a third of the way through a pull from 8 holders "+
 		"cost %.2f s (medians: %s s against %s s with all alive).", lost, fmtNum(b.medianOr0(mPullTime, killedName)),
 		fmtNum(b.medianOr0(mPullTime, seedsName))))
 	return nil
