@@ -156,16 +156,19 @@ func (g *GRPC) Fetch(ctx context.Context, peer Peer, p Piece, dst Dest) (int64, 
 		return 0, fetchError(ctx, peer, p, err)
 	}
 	var n int64
+	var c chunk // received into a pooled buffer (pieceCodec), freed once written
 	for {
-		chunk, err := stream.Recv()
+		err := stream.RecvMsg(&c)
 		if err == io.EOF {
 			return n, nil
 		}
 		if err != nil {
+			c.free()
 			return n, fetchError(ctx, peer, p, err)
 		}
 		idle.Reset(g.cfg.Idle)
-		k, err := dst.WriteAt(chunk.Data, n)
+		k, err := dst.WriteAt(c.data, n)
+		c.free()
 		n += int64(k)
 		if err != nil {
 			return n, fmt.Errorf("fetch piece %d of %.12s from %s: %w", p.Index, p.Content, peer.Name, err)
