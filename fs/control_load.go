@@ -28,6 +28,11 @@ var _ = (ctl.Loader)(controlBackend{})
 // new open file description with the access asked for; a device segment
 // comes without one (open it through the mount).
 func (b controlBackend) Load(cred ctl.Cred, dir string, write bool, after string, max int) ([]ctl.Segment, []*os.File, bool, error) {
+	if cl := b.fsys.cl; cl != nil && !write && b.fsys.pulled.n.Load() > 0 {
+		if err := cl.prefetch(cred, filepath.Clean(dir)); err != nil {
+			return nil, nil, false, fmt.Errorf("%s: %w", alloc.EscapeText(dir), err)
+		}
+	}
 	l := &loader{b: b, who: cred, write: write, after: strings.Split(after, "/"), max: max}
 	if after == "" {
 		l.after = nil
