@@ -174,8 +174,17 @@ var ErrTooDeep = fmt.Errorf("%w: directories nested more than %d deep", syscall.
 // opening a directory; ErrSkipDir for the directory fn was called with
 // skips its contents.
 func Walk(dirfd int, fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
-	w := walker{fn: fn}
-	if err := w.walk(dirfd, "", 0); err != nil {
+	return WalkHeld(dirfd, nil, nil, fn)
+}
+
+// WalkHeld is Walk that calls hold before it opens a directory to walk
+// it and release once it has closed it, so that whoever asked for the
+// walk is charged the descriptor it keeps for each level it is in, the
+// first included (up to MaxDepth+1 at once); an error from hold stops
+// the walk. nil hold and release charge nothing.
+func WalkHeld(dirfd int, hold func() error, release func(), fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
+	w := walker{fn: fn, hold: hold, release: release}
+	if err := w.walk(dirfd, ".", "", 0, 0); err != nil {
 		return err
 	}
 	if w.tooDeep {
@@ -187,76 +196,96 @@ func Walk(dirfd int, fn func(dirfd int, name, rel string, st *unix.Stat_t) error
 // ErrSkipDir, returned by Walk's fn for a directory, skips its contents.
 var ErrSkipDir = errors.New("skip this directory")
 
+// WalkBatch is how many names a walk reads from a directory at a time:
+// it holds at most that many for each level it is in, however many
+// names a user gave a directory.
+const WalkBatch = 256
+
 // walker is one Walk: its function, and whether it left a directory
 // unentered for its depth.
 type walker struct {
 	fn      func(dirfd int, name, rel string, st *unix.Stat_t) error
+	hold    func() error // before a directory's descriptor is opened; nil: nothing
+	release func()       // after it is closed
 	tooDeep bool
 }
 
-func (w *walker) walk(dirfd int, rel string, depth int) error {
-	fd, err := unix.Openat(dirfd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	f := os.NewFile(uintptr(fd), rel)
-	names, err := f.Readdirnames(-1)
-	f.Close()
-	if err != nil {
-		return err
-	}
-	for _, name := range names {
-		var st unix.Stat_t
-		if unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
-			continue
+// walk opens the directory name in dirfd (rel below the walk's start, at
+// depth) and calls entry for each of its names, read a batch at a time.
+// Unless ino is 0 (the start), a name that is no longer the directory
+// ino that the walk's stat saw is skipped.
+func (w *walker) walk(dirfd int, name, rel string, ino uint64, depth int) error {
+	if w.hold != nil {
+		if err := w.hold(); err != nil {
+			return err
 		}
-		p := name
-		if rel != "" {
-			p = rel + "/" + name
+		defer w.release()
+	}
+	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	switch {
+	case err == nil:
+	case ino == 0:
+		return err
+	case errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP):
+		return nil // removed or replaced since the stat
+	default:
+		return fmt.Errorf("%s: %w", rel, err)
+	}
+	d := os.NewFile(uintptr(fd), rel)
+	defer d.Close()
+	var st unix.Stat_t
+	if ino != 0 && (unix.Fstat(fd, &st) != nil || st.Ino != ino) {
+		return nil // replaced since the stat: not the directory fn saw
+	}
+	for {
+		names, err := d.Readdirnames(WalkBatch)
+		for _, name := range names {
+			if err := w.entry(fd, name, rel, depth); err != nil {
+				return err
+			}
 		}
-		err := w.fn(dirfd, name, p, &st)
-		if err == ErrSkipDir && st.Mode&syscall.S_IFMT == syscall.S_IFDIR {
-			continue
+		if err == io.EOF {
+			return nil
 		}
 		if err != nil {
 			return err
 		}
-		if st.Mode&syscall.S_IFMT != syscall.S_IFDIR {
-			continue
-		}
-		if depth == MaxDepth {
-			w.tooDeep = true
-			continue
-		}
-		sub, err := unix.Openat(dirfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-		if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR) || errors.Is(err, unix.ELOOP) {
-			continue // removed or replaced since the stat
-		}
-		if err != nil {
-			return fmt.Errorf("%s: %w", p, err)
-		}
-		var sst unix.Stat_t
-		if unix.Fstat(sub, &sst) != nil || sst.Ino != st.Ino {
-			unix.Close(sub) // replaced since the stat: not the directory fn saw
-			continue
-		}
-		err = w.walk(sub, p, depth+1)
-		unix.Close(sub)
-		if err != nil {
-			return err
-		}
 	}
-	return nil
+}
+
+// entry calls fn for name in the directory open at dirfd (rel below the
+// walk's start, at depth) and walks it if it is a directory.
+func (w *walker) entry(dirfd int, name, rel string, depth int) error {
+	var st unix.Stat_t
+	if unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
+		return nil
+	}
+	if rel != "" {
+		rel += "/"
+	}
+	rel += name
+	dir := st.Mode&syscall.S_IFMT == syscall.S_IFDIR
+	err := w.fn(dirfd, name, rel, &st)
+	if err == ErrSkipDir && dir {
+		return nil
+	}
+	if err != nil || !dir {
+		return err
+	}
+	if depth == MaxDepth {
+		w.tooDeep = true
+		return nil
+	}
+	return w.walk(dirfd, name, rel, st.Ino, depth+1)
 }
 
 // RemoveTree removes path and, for a directory, everything below it, as
 // os.RemoveAll does but without recursion: a chain of directories is as
 // deep as a user made it, and os.RemoveAll holds a descriptor and a
-// buffer per level on its way down. RemoveTree holds one directory's
-// descriptor at a time; it goes down by name (O_NOFOLLOW, so a symbolic
-// link is removed, never entered) and back up by "..", checked to be the
-// directory it came down from (ESTALE otherwise). A path that does not
-// exist is no error.
+// buffer per level on its way down. RemoveTree goes down and back up as
+// a descent does, holding one directory's descriptor at a time (ESTALE
+// when a directory moved meanwhile); a symbolic link is removed, never
+// entered. A path that does not exist is no error.
 func RemoveTree(path string) error {
 	err := unix.Unlink(path)
 	if err == nil || errors.Is(err, unix.ENOENT) {
@@ -269,50 +298,80 @@ func RemoveTree(path string) error {
 	if err != nil {
 		return err
 	}
-	var above []unix.Stat_t // the directory above each one entered
-	var names []string      // the name of each one entered
+	d := descent{fd: fd}
 	buf := make([]byte, 8192)
 	for {
-		below, err := removeEntries(fd, buf)
+		below, err := removeEntries(d.fd, buf)
 		if err == nil && below != "" {
-			var st unix.Stat_t
-			var sub int
-			if err = unix.Fstat(fd, &st); err == nil {
-				sub, err = unix.Openat(fd, below, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-			}
-			if err == nil {
-				unix.Close(fd)
-				fd, above, names = sub, append(above, st), append(names, below)
+			if err = d.down(below); err == nil {
 				continue
 			}
 		}
-		if err != nil || len(names) == 0 {
-			unix.Close(fd)
-			if err != nil {
-				return fmt.Errorf("remove %s: %w", path, err)
-			}
+		if err == nil && len(d.names) == 0 {
+			unix.Close(d.fd)
 			return unix.Rmdir(path)
 		}
-		// fd's directory is empty: up to the one above, and remove it.
-		up, err := unix.Openat(fd, "..", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-		unix.Close(fd)
+		if err == nil {
+			// d's directory is empty: up to the one above, and remove it.
+			var name string
+			if name, err = d.up(); err == nil {
+				if err = unix.Unlinkat(d.fd, name, unix.AT_REMOVEDIR); errors.Is(err, unix.ENOENT) {
+					err = nil
+				}
+			}
+		}
 		if err != nil {
+			unix.Close(d.fd)
 			return fmt.Errorf("remove %s: %w", path, err)
 		}
-		fd = up
-		want := above[len(above)-1]
-		var st unix.Stat_t
-		if err := unix.Fstat(fd, &st); err != nil || st.Dev != want.Dev || st.Ino != want.Ino {
-			unix.Close(fd)
-			return fmt.Errorf("remove %s: %w: a directory moved while it was removed", path, syscall.ESTALE)
-		}
-		err = unix.Unlinkat(fd, names[len(names)-1], unix.AT_REMOVEDIR)
-		if err != nil && !errors.Is(err, unix.ENOENT) {
-			unix.Close(fd)
-			return fmt.Errorf("remove %s: %w", path, err)
-		}
-		above, names = above[:len(above)-1], names[:len(names)-1]
 	}
+}
+
+// descent is a walk through a tree of directories that holds one
+// directory's descriptor at a time (RemoveTree, Tree): it goes down by
+// name (O_NOFOLLOW, so a symbolic link is never entered) and back up by
+// "..", checked to be the directory it came down from. A level costs it
+// a name and a stat, never a descriptor or a stack frame, however deep
+// a user made a chain.
+type descent struct {
+	fd    int           // the directory it is in, its own
+	above []unix.Stat_t // the directory above each one entered
+	names []string      // the name of each one entered
+}
+
+// down enters the directory name in the one d is in.
+func (d *descent) down(name string) error {
+	var st unix.Stat_t
+	if err := unix.Fstat(d.fd, &st); err != nil {
+		return err
+	}
+	sub, err := unix.Openat(d.fd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	unix.Close(d.fd)
+	d.fd, d.above, d.names = sub, append(d.above, st), append(d.names, name)
+	return nil
+}
+
+// up goes back to the directory above the one d is in, and returns the
+// name it came up from; ESTALE when ".." is no longer the directory it
+// came down from (one moved meanwhile).
+func (d *descent) up() (string, error) {
+	up, err := unix.Openat(d.fd, "..", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return "", err
+	}
+	unix.Close(d.fd)
+	d.fd = up
+	last := len(d.names) - 1
+	want, name := d.above[last], d.names[last]
+	d.above, d.names = d.above[:last], d.names[:last]
+	var st unix.Stat_t
+	if err := unix.Fstat(d.fd, &st); err != nil || st.Dev != want.Dev || st.Ino != want.Ino {
+		return "", fmt.Errorf("%w: a directory moved while it was walked", syscall.ESTALE)
+	}
+	return name, nil
 }
 
 // removeEntries removes what the directory open at fd holds, other than

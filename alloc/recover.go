@@ -1,7 +1,6 @@
 package alloc
 
 import (
-	"errors"
 	"os"
 	"path/filepath"
 	"syscall"
@@ -61,7 +60,7 @@ type PulledFile struct {
 // is, an incomplete one emptied (its pull starts again from zero), and
 // one frozen for a publish that never finished becomes a Host segment
 // again. Recovery acts only on names below the backing
-// root, through descriptors (Walk, Ref): whatever the backing holds,
+// root, through descriptors (Tree, Ref), at any depth: whatever the backing holds,
 // nothing outside it is touched. A marker that cannot be read is kept
 // and logged. Only the daemon's own attributes decide (markers, device
 // state, and the flags and device through StoredName): no value a user
@@ -70,13 +69,14 @@ type PulledFile struct {
 func (s *Store) Recover(mapped func(st *unix.Stat_t) bool, successor bool) (*Recovery, error) {
 	rec := &Recovery{}
 	known := map[string]bool{}
-	err := Walk(s.RootFd, func(dirfd int, name, rel string, st *unix.Stat_t) error {
+	err := Tree(s.RootFd, func(e *Entry) error {
+		dirfd, name, st := e.Dirfd, e.Name, &e.Stat
 		if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
 			return nil
 		}
 		ref, err := OpenRef(dirfd, name, st.Ino)
 		if err != nil {
-			s.log.Warn("recover: segment changed while recovering, left alone", "path", rel, "err", err)
+			s.log.Warn("recover: segment changed while recovering, left alone", "path", e.Tail(), "err", err)
 			return nil
 		}
 		defer ref.Close()
@@ -85,28 +85,28 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool, successor bool) (*Rec
 		f, ferr := ReadFlags(p)
 		switch {
 		case merr != nil:
-			s.log.Warn("recover: unreadable marker, keeping segment", "path", rel, "err", merr)
+			s.log.Warn("recover: unreadable marker, keeping segment", "path", e.Tail(), "err", merr)
 		case m.Kind == Imported && successor:
-			rec.Imports = append(rec.Imports, ImportMarker{Rel: rel, Ino: st.Ino, ID: m.ID})
+			rec.Imports = append(rec.Imports, ImportMarker{Rel: e.Rel(), Ino: st.Ino, ID: m.ID})
 			return nil
 		case m.Kind == Imported:
-			s.log.Info("recover: removing imported segment, its descriptor ended with the daemon", "path", rel)
+			s.log.Info("recover: removing imported segment, its descriptor ended with the daemon", "path", e.Tail())
 			return unix.Unlinkat(dirfd, name, 0)
 		case m.Kind == Disk:
 			known[m.ID] = true
 			return nil
 		case ferr != nil:
-			s.log.Warn("recover: unreadable flags, keeping segment", "path", rel, "err", ferr)
+			s.log.Warn("recover: unreadable flags, keeping segment", "path", e.Tail(), "err", ferr)
 		case f&Unlink != 0 && mapped != nil && mapped(st):
-			s.log.Info("recover: keeping UNLINK segment that a live process maps", "path", rel)
+			s.log.Info("recover: keeping UNLINK segment that a live process maps", "path", e.Tail())
 		case f&Unlink != 0 && successor:
 			rec.Unlinked = append(rec.Unlinked, st.Ino)
 		case f&Unlink != 0:
-			s.log.Info("recover: removing UNLINK segment without holders", "path", rel)
+			s.log.Info("recover: removing UNLINK segment without holders", "path", e.Tail())
 			return unix.Unlinkat(dirfd, name, 0)
 		}
 		if merr == nil && m.Kind == Pulled {
-			if pf, ok := s.recoverPulled(ref, rel, m); ok {
+			if pf, ok := s.recoverPulled(ref, e, m); ok {
 				rec.Pulled = append(rec.Pulled, pf)
 				rec.Segments++
 				if pf.Path != "" {
@@ -120,21 +120,16 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool, successor bool) (*Rec
 			// its marker says so only once it is empty again.
 			fd, err := ref.Open(unix.O_RDWR)
 			if err != nil {
-				s.log.Warn("recover: device segment not reopened, it will not be restored", "path", rel, "err", err)
+				s.log.Warn("recover: device segment not reopened, it will not be restored", "path", e.Tail(), "err", err)
 			} else {
-				rec.Devices = append(rec.Devices, os.NewFile(uintptr(fd), filepath.Join(s.Dir, rel)))
+				rec.Devices = append(rec.Devices, os.NewFile(uintptr(fd), filepath.Join(s.Dir, e.Rel())))
 			}
 		}
 		rec.Segments++
 		rec.Bytes += st.Size
 		return nil
 	})
-	if errors.Is(err, ErrTooDeep) {
-		// What lies deeper is left as it is; the SHARED markers there were
-		// not seen, so the disk is not compared with the tree this time.
-		s.log.Warn("recover: directories below the depth limit left as they are; SHARED segments not restored from the disk", "err", err)
-		err = nil
-	} else if err == nil && s.Disk != "" {
+	if err == nil && s.Disk != "" {
 		err = s.recoverShared(known)
 	}
 	if err != nil {
@@ -160,20 +155,20 @@ func spilled(path string) bool {
 	return err == nil && dev != "cpu"
 }
 
-// recoverPulled recovers the Pulled segment at ref (rel in the backing)
+// recoverPulled recovers the Pulled segment at ref (e in the backing)
 // whose marker is m; ok is false when it is a Host segment again (a
 // publish that never finished). A complete one keeps its path, where the
 // cluster opens it to serve it to peers.
-func (s *Store) recoverPulled(ref *Ref, rel string, m Marker) (PulledFile, bool) {
+func (s *Store) recoverPulled(ref *Ref, e *Entry, m Marker) (PulledFile, bool) {
 	p, _ := ref.Path()
 	pf := PulledFile{Ino: ref.Stat().Ino, Marker: m}
 	switch {
 	case m.Content == "":
 		if err := Unmark(p); err != nil {
-			s.log.Warn("recover: a segment frozen for a publish that never finished keeps its marker", "path", rel, "err", err)
+			s.log.Warn("recover: a segment frozen for a publish that never finished keeps its marker", "path", e.Tail(), "err", err)
 			return pf, true
 		}
-		s.log.Info("recover: a publish never finished; the segment is writable again", "path", rel)
+		s.log.Info("recover: a publish never finished; the segment is writable again", "path", e.Tail())
 		return pf, false
 	case !m.Complete:
 		fd, err := ref.Open(unix.O_WRONLY)
@@ -182,10 +177,10 @@ func (s *Store) recoverPulled(ref *Ref, rel string, m Marker) (PulledFile, bool)
 			unix.Close(fd)
 		}
 		if err != nil {
-			s.log.Warn("recover: an incomplete pull could not be emptied", "path", rel, "err", err)
+			s.log.Warn("recover: an incomplete pull could not be emptied", "path", e.Tail(), "err", err)
 		}
 		return pf, true
 	}
-	pf.Path = rel
+	pf.Path = e.Rel()
 	return pf, true
 }

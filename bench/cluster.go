@@ -16,12 +16,15 @@ import (
 // The cluster group: a model imported with tensorfs import on node1 of a
 // scripts/cluster.sh test bed (1 Gbit/s links, one network namespace per
 // node, etcd in another), published, and pulled by the other nodes'
-// daemons with tensorfs pull.
+// daemons with tensorfs pull, or fetched by tensorfs.load_into.
 
 var (
 	mLinkRate   = metricDef{"transfer between node1 and node2", "Gbit/s", true}
 	mPullTime   = metricDef{"pull of the model", "s", false}
-	mUpload     = metricDef{"node1's upload while 4 nodes pull", "× model", false}
+	mUpload     = metricDef{"node1's upload while the nodes pull", "× model", false}
+	mCPUPulled  = metricDef{"puller's daemon CPU per GiB pulled", "s", false}
+	mCPUServed  = metricDef{"holders' daemons' CPU per GiB served", "s", false}
+	mCPUCores   = metricDef{"all daemons' CPU while the nodes pull", "cores", false}
 	mPulledRead = metricDef{"read of every tensor of the model", "GiB/s", true}
 )
 
@@ -29,14 +32,16 @@ var (
 const (
 	iperfName  = "iperf3"
 	oneName    = "1 node"
+	loadName   = "1 node, load_into"
 	fourName   = "4 nodes at once"
-	seedsName  = "1 node, 4 holders"
+	eightName  = "8 nodes at once"
+	seedsName  = "1 node, 8 holders"
 	killedName = "1 node, a holder killed"
 	pulledName = "pulled"
 )
 
-// clusterNodes is the test bed's size: a publisher and four pullers.
-const clusterNodes = 5
+// clusterNodes is the test bed's size: a publisher and eight pullers.
+const clusterNodes = 9
 
 // clusterBed is the test bed the group runs on.
 type clusterBed struct {
@@ -47,12 +52,15 @@ type clusterBed struct {
 }
 
 // groupCluster measures, round by round: iperf3 between node1 and node2
-// against node2 pulling the model from node1; four nodes pulling it at
-// once from node1 (their time, and node1's upload from its network
-// counters); one node pulling it from four holders, and again with one of
-// them killed a third of the way through (the time lost); and reads of
-// every tensor of the model once pulled, against a copy on tmpfs. A node
-// starts every pull empty (tensorfs unmount --purge, then mount again).
+// against node2 pulling the model (and the CPU its daemon and the
+// holders' daemons spent); node2 fetching it by tensorfs.load_into
+// instead, from the same holders; four and then eight nodes pulling it at
+// once (their time, node1's upload from its network counters, and the
+// CPU all the daemons spent, in cores, as for one pull); one
+// node pulling it from eight holders, and again with one of them killed a
+// third of the way through (the time lost); and reads of every tensor of
+// the model once pulled, against a copy on tmpfs. A node starts every
+// pull empty (tensorfs unmount --purge, then mount again).
 func (b *bench) groupCluster() error {
 	bed, err := b.upCluster()
 	if err != nil {
@@ -94,7 +102,7 @@ func (b *bench) groupCluster() error {
 		}
 	}
 	lost := b.medianOr0(mPullTime, killedName) - b.medianOr0(mPullTime, seedsName)
-	b.res.facts = append(b.res.facts, fmt.Sprintf("Cluster: a holder killed a third of the way through a pull from 4 holders "+
+	b.res.facts = append(b.res.facts, fmt.Sprintf("Cluster: a holder killed a third of the way through a pull from 8 holders "+
 		"cost %.2f s (medians: %s s against %s s with all alive).", lost, fmtNum(b.medianOr0(mPullTime, killedName)),
 		fmtNum(b.medianOr0(mPullTime, seedsName))))
 	return nil
@@ -110,33 +118,42 @@ func (bed *clusterBed) round(version string, model int64, copyDir string) error 
 	}
 	b.res.add(mLinkRate, iperfName, rate)
 
-	secs, err := bed.pulls(version, []int{2}, nil)
-	if err != nil {
-		return err
+	gib := float64(model) / giB
+	for _, c := range []struct {
+		name string
+		ks   []int
+	}{{oneName, []int{2}}, {fourName, []int{2, 3, 4, 5}}, {eightName, []int{2, 3, 4, 5, 6, 7, 8, 9}}} {
+		secs, upload, cpu, err := bed.fanOut(version, c.ks)
+		if err != nil {
+			return err
+		}
+		var all float64
+		for _, s := range cpu {
+			all += s
+		}
+		b.res.add(mPullTime, c.name, secs)
+		b.res.add(mCPUCores, c.name, all/secs)
+		if c.name != oneName {
+			b.res.add(mUpload, c.name, float64(upload)/float64(model))
+			continue
+		}
+		b.res.add(mLinkRate, oneName, gbit(secs))
+		b.res.add(mCPUPulled, oneName, cpu[2]/gib)
+		b.res.add(mCPUServed, oneName, (all-cpu[2])/gib)
+		// load_into on the same node, from the same holders.
+		if secs, err = bed.loadInto(2, version); err != nil {
+			return err
+		}
+		b.res.add(mPullTime, loadName, secs)
 	}
-	b.res.add(mPullTime, oneName, secs)
-	b.res.add(mLinkRate, oneName, gbit(secs))
 
-	tx0, err := bed.txBytes(1)
+	// node1 and nodes 2 to 8 hold the model: node9 pulls from eight.
+	secs, err := bed.pulls(version, []int{9}, nil)
 	if err != nil {
-		return err
-	}
-	if secs, err = bed.pulls(version, []int{2, 3, 4, 5}, nil); err != nil {
-		return err
-	}
-	tx1, err := bed.txBytes(1)
-	if err != nil {
-		return err
-	}
-	b.res.add(mPullTime, fourName, secs)
-	b.res.add(mUpload, fourName, float64(tx1-tx0)/float64(model))
-
-	// node1 and nodes 2 to 4 hold the model: node5 pulls from four.
-	if secs, err = bed.pulls(version, []int{5}, nil); err != nil {
 		return err
 	}
 	b.res.add(mPullTime, seedsName, secs)
-	if secs, err = bed.pulls(version, []int{5}, func() error { return bed.kill(2) }); err != nil {
+	if secs, err = bed.pulls(version, []int{9}, func() error { return bed.kill(2) }); err != nil {
 		return err
 	}
 	b.res.add(mPullTime, killedName, secs)
@@ -144,7 +161,7 @@ func (bed *clusterBed) round(version string, model int64, copyDir string) error 
 		return err
 	}
 
-	for _, c := range []struct{ name, dir string }{{tmpfsName, copyDir}, {pulledName, filepath.Join(bed.node(5), "model")}} {
+	for _, c := range []struct{ name, dir string }{{tmpfsName, copyDir}, {pulledName, filepath.Join(bed.node(9), "model")}} {
 		t := time.Now()
 		n, err := readDir(c.dir)
 		if err != nil {
@@ -214,15 +231,57 @@ func (bed *clusterBed) empty(k int, version string) error {
 	}
 }
 
-// pulls empties the nodes ks, then has them pull the model at once and
-// returns the time until the last is done. kill, if set, runs once the
-// first node has a third of the model.
+// fanOut empties the nodes ks, has them pull the model at once, and
+// returns the time until the last is done, node1's upload meanwhile in
+// bytes (its network counters), and the CPU seconds each node's daemon
+// spent meanwhile, by node.
+func (bed *clusterBed) fanOut(version string, ks []int) (float64, int64, map[int]float64, error) {
+	for _, k := range ks {
+		if err := bed.empty(k, version); err != nil {
+			return 0, 0, nil, err
+		}
+	}
+	tx0, err := bed.txBytes(1)
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	cpu0, err := bed.cpuTimes()
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	secs, err := bed.pullAll(ks, nil)
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	cpu, err := bed.cpuTimes()
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	tx1, err := bed.txBytes(1)
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	for k := range cpu {
+		cpu[k] -= cpu0[k]
+	}
+	return secs, tx1 - tx0, cpu, nil
+}
+
+// pulls empties the nodes ks, then has them pull the model at once
+// (pullAll).
 func (bed *clusterBed) pulls(version string, ks []int, kill func() error) (float64, error) {
 	for _, k := range ks {
 		if err := bed.empty(k, version); err != nil {
 			return 0, err
 		}
 	}
+	return bed.pullAll(ks, kill)
+}
+
+// pullAll has the nodes ks pull the model at once and returns the time
+// until the last is done. kill, if set, runs once the first node has a
+// third of the model.
+func (bed *clusterBed) pullAll(ks []int, kill func() error) (float64, error) {
 	errs := make([]error, len(ks))
 	var wg sync.WaitGroup
 	start := time.Now()
@@ -269,17 +328,65 @@ func (bed *clusterBed) awaitThird(k int) error {
 	return fmt.Errorf("node%d's pull did not reach a third in a minute", k)
 }
 
-// kill SIGKILLs node k's daemon, as a crash.
-func (bed *clusterBed) kill(k int) error {
+// loadInto empties node k, then has tensorfs.load_into fetch the model
+// there (bench/cluster_load.py) and returns the seconds load_into took.
+func (bed *clusterBed) loadInto(k int, version string) (float64, error) {
+	if err := bed.empty(k, version); err != nil {
+		return 0, err
+	}
+	pydir, err := filepath.Abs("python")
+	if err != nil {
+		return 0, err
+	}
+	big, rest := safetensorsShapes(bed.b.cfg.clusterSize)
+	cmd := exec.Command(pythonBin, "bench/cluster_load.py", filepath.Join(bed.node(k), "model"), strconv.Itoa(importTensors-1),
+		strconv.FormatInt(big[0], 10), strconv.FormatInt(big[1], 10), strconv.FormatInt(rest[0], 10))
+	cmd.Env = append(os.Environ(), "PYTHONPATH="+pydir)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return 0, fmt.Errorf("node%d: cluster_load.py: %v\n%s", k, err, out)
+	}
+	return strconv.ParseFloat(strings.TrimSpace(string(out)), 64)
+}
+
+// daemon reads node k's daemon's pid and CPU seconds (user.tensorfs.stats).
+func (bed *clusterBed) daemon(k int) (pid int, cpu float64, err error) {
 	v, err := getxattr(bed.node(k), "user.tensorfs.stats")
-	var st struct{ Daemon struct{ Pid int } }
+	var st struct {
+		Daemon struct {
+			Pid        int
+			CPUSeconds float64 `json:"cpu_seconds"`
+		}
+	}
 	if err == nil {
 		err = json.Unmarshal([]byte(v), &st)
 	}
 	if err != nil || st.Daemon.Pid == 0 {
-		return fmt.Errorf("node%d's daemon: %v", k, err)
+		return 0, 0, fmt.Errorf("node%d's daemon: %v", k, err)
 	}
-	return syscall.Kill(st.Daemon.Pid, syscall.SIGKILL)
+	return st.Daemon.Pid, st.Daemon.CPUSeconds, nil
+}
+
+// kill SIGKILLs node k's daemon, as a crash.
+func (bed *clusterBed) kill(k int) error {
+	pid, _, err := bed.daemon(k)
+	if err != nil {
+		return err
+	}
+	return syscall.Kill(pid, syscall.SIGKILL)
+}
+
+// cpuTimes returns the CPU seconds each node's daemon has spent, by node.
+func (bed *clusterBed) cpuTimes() (map[int]float64, error) {
+	cpu := map[int]float64{}
+	for k := 1; k <= clusterNodes; k++ {
+		_, secs, err := bed.daemon(k)
+		if err != nil {
+			return nil, err
+		}
+		cpu[k] = secs
+	}
+	return cpu, nil
 }
 
 // iperf measures the link from node2 to node1 with iperf3 (3 s of TCP),

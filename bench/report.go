@@ -42,9 +42,9 @@ func (b *bench) tables() []table {
 			[]string{ptName, modelMmapName, modelLoadName}, [][2]string{{ptName, modelMmapName}, {ptName, modelLoadName}}},
 		{fmt.Sprintf("Reference counts with %d processes mapping %d segments each", holderProcs, holderMappings),
 			[]metricDef{mRefcountScan, mHoldersScan, mRefcountCached}, []string{ptName, classicName}, nil},
-		{"Cluster (1 Gbit/s links)", []metricDef{mLinkRate, mPullTime, mUpload, mPulledRead},
-			[]string{iperfName, oneName, fourName, seedsName, killedName, tmpfsName, pulledName},
-			[][2]string{{oneName, iperfName}, {fourName, oneName}, {killedName, seedsName}, {pulledName, tmpfsName}}},
+		{"Cluster (1 Gbit/s links)", []metricDef{mLinkRate, mPullTime, mUpload, mCPUPulled, mCPUServed, mCPUCores, mPulledRead},
+			[]string{iperfName, oneName, loadName, fourName, eightName, seedsName, killedName, tmpfsName, pulledName},
+			[][2]string{{oneName, iperfName}, {loadName, oneName}, {fourName, oneName}, {eightName, oneName}, {killedName, seedsName}, {pulledName, tmpfsName}}},
 	}
 }
 

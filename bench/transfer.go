@@ -104,22 +104,29 @@ func timeCommand(args []string) (float64, error) {
 	return time.Since(t).Seconds(), nil
 }
 
+// safetensorsShapes returns the shapes of the tensors writeSafetensors
+// writes for size bytes: importTensors-1 of big (rows of 1024 float32),
+// then one of rest, the bytes left.
+func safetensorsShapes(size int64) (big, rest []int64) {
+	const row = 4 * kiB // 1024 float32
+	b := size / (importTensors - 1) / row * row
+	r := size - b*(importTensors-1)
+	if r == 0 {
+		b -= row
+		r = size - b*(importTensors-1)
+	}
+	return []int64{b / row, row / 4}, []int64{r / 4}
+}
+
 // writeSafetensors writes a safetensors file of importTensors float32
 // tensors whose data fills about size bytes, and returns the file's size.
 func writeSafetensors(path string, size int64) (int64, error) {
-	const row = 4 * kiB // 1024 float32
-	big := size / (importTensors - 1) / row * row
-	rest := size - big*(importTensors-1)
-	if rest == 0 {
-		big -= row
-		rest = size - big*(importTensors-1)
-	}
+	big, rest := safetensorsShapes(size)
 	var h safetensors.Header
 	for i := range importTensors - 1 {
-		h.Tensors = append(h.Tensors, safetensors.Tensor{Name: fmt.Sprintf("layers.%d.weight", i), Dtype: "F32",
-			Shape: []int64{big / row, row / 4}})
+		h.Tensors = append(h.Tensors, safetensors.Tensor{Name: fmt.Sprintf("layers.%d.weight", i), Dtype: "F32", Shape: big})
 	}
-	h.Tensors = append(h.Tensors, safetensors.Tensor{Name: "norm.weight", Dtype: "F32", Shape: []int64{rest / 4}})
+	h.Tensors = append(h.Tensors, safetensors.Tensor{Name: "norm.weight", Dtype: "F32", Shape: rest})
 	if err := h.Pack(); err != nil {
 		return 0, err
 	}

@@ -269,32 +269,36 @@ func TestPublishRefuses(t *testing.T) {
 	}
 }
 
-// lyingSource holds good bytes, which a piece's first read (the server's
-// verification) gets, and bad ones, which the next (the read it streams)
-// gets: a holder whose bytes change under it, or that lies.
-type lyingSource struct {
-	good, bad []byte
-	mu        sync.Mutex
-	reads     map[int64]int
+// lyingSource serves its node's pieces with every byte changed after
+// the node verified them: a holder that lies, or a corrupting link.
+type lyingSource struct{ transport.Source }
+
+func (s lyingSource) Piece(p transport.Piece) ([]byte, error) {
+	b, err := s.Source.Piece(p)
+	bad := bytes.Clone(b)
+	for i := range bad {
+		bad[i] ^= 0x5a
+	}
+	return bad, err
 }
 
-func (s *lyingSource) ReadAt(b []byte, off int64) (int, error) {
-	s.mu.Lock()
-	s.reads[off]++
-	src := s.good
-	if s.reads[off]%2 == 0 {
-		src = s.bad
-	}
-	s.mu.Unlock()
-	return bytes.NewReader(src).ReadAt(b, off)
-}
+// lyingTransport is a gRPC transport whose server lies (lyingSource).
+type lyingTransport struct{ transport.Transport }
+
+func (t lyingTransport) Start(src transport.Source) error { return t.Transport.Start(lyingSource{src}) }
 
 // TestCorruptPieceRefetched makes one holder serve corrupted bytes: the
 // puller refetches those pieces from the other holder, logs it, ends with
 // the published bytes, and stops asking the bad holder.
 func TestCorruptPieceRefetched(t *testing.T) {
 	tc := newTestCluster(t)
-	a, b := tc.join(tc.config("node-a")), tc.join(tc.config("node-b"))
+	liar := tc.config("node-b")
+	tr, err := transport.NewGRPC(transport.Config{Listen: liar.Listen, Credentials: liar.Credentials})
+	if err != nil {
+		t.Fatal(err)
+	}
+	liar.Transport = lyingTransport{tr}
+	a, b := tc.join(tc.config("node-a")), tc.join(liar)
 	cfg := tc.config("node-c")
 	cfg.Parallel, cfg.PerPeer = 2, 1 // both holders are asked from the start
 	c := tc.join(cfg)
@@ -309,11 +313,7 @@ func TestCorruptPieceRefetched(t *testing.T) {
 		t.Fatal(err)
 	}
 	content := v.Contents[v.Entries[1].Content]
-	bad := bytes.Clone(data)
-	for i := range bad {
-		bad[i] ^= 0x5a
-	}
-	if err := b.Offer(content.ID(), &lyingSource{good: data, bad: bad, reads: map[int64]int{}}, int64(len(bad))); err != nil {
+	if err := b.Offer(content.ID(), bytes.NewReader(data), int64(len(data))); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, 5*time.Second, "node-b announces its copy", func() bool {
@@ -577,7 +577,7 @@ func TestRestartOffer(t *testing.T) {
 	if !bytes.Equal(contents(t, files["w"]), data) {
 		t.Fatal("pulled bytes differ")
 	}
-	if _, _, _, err := a2.Piece(transport.Piece{Content: stranger}); !errors.Is(err, transport.ErrNotServed) {
+	if _, err := a2.Piece(transport.Piece{Content: stranger}); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("a content never published is served: %v", err)
 	}
 }
@@ -612,14 +612,14 @@ func TestServeOnlyVerified(t *testing.T) {
 	}
 	p, _ := pullAll(t, b, v)
 	for i := range v.Contents[id].Pieces() {
-		if _, _, _, err := b.Piece(transport.Piece{Content: id, Index: i}); !errors.Is(err, transport.ErrNotServed) {
+		if _, err := b.Piece(transport.Piece{Content: id, Index: i}); !errors.Is(err, transport.ErrNotServed) {
 			t.Fatalf("piece %d served before it was verified: %v", i, err)
 		}
 	}
 	if err := p.Wait(); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, _, err := b.Piece(transport.Piece{Content: id, Index: v.Contents[id].Pieces()}); !errors.Is(err, transport.ErrNotServed) {
+	if _, err := b.Piece(transport.Piece{Content: id, Index: v.Contents[id].Pieces()}); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("a piece past the end is served: %v", err)
 	}
 	if n, err := tr.Fetch(ctx, transport.Peer{Name: "node-b", Addr: b.Addr()}, transport.Piece{Content: id, Index: 1}, transport.Dest{File: f, Len: 64 << 10}); err != nil || !bytes.Equal(contents(t, f), data[64<<10:128<<10]) {
@@ -670,7 +670,7 @@ func TestPullDiskFull(t *testing.T) {
 		resp, err := a.etcd.Get(ctx, a.keys.holder(id, "node-b"))
 		return err == nil && len(resp.Kvs) == 0
 	})
-	if _, _, _, err := b.Piece(transport.Piece{Content: id}); !errors.Is(err, transport.ErrNotServed) {
+	if _, err := b.Piece(transport.Piece{Content: id}); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("node-b serves a piece of a failed pull: %v", err)
 	}
 }
@@ -818,7 +818,7 @@ func TestServeSwapsSource(t *testing.T) {
 	}
 	stranger := hashID([]byte("never held"))
 	a.Serve(stranger, bytes.NewReader(data))
-	if _, _, _, err := a.Piece(transport.Piece{Content: stranger}); !errors.Is(err, transport.ErrNotServed) {
+	if _, err := a.Piece(transport.Piece{Content: stranger}); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("a content served without being held: %v", err)
 	}
 	p, files := pullAll(t, b, v)
@@ -832,3 +832,58 @@ func TestServeSwapsSource(t *testing.T) {
 		t.Errorf("node-a's stats %+v: want every piece served from the reader Serve named, none bad", st)
 	}
 }
+
+// failingReader fails every read: a piece verified from what was written
+// is never read back.
+type failingReader struct{}
+
+func (failingReader) ReadAt([]byte, int64) (int, error) { return 0, errors.New("read back") }
+
+// TestHashedDest: a piece written in order through its destination is
+// verified from the hash of what was written, without reading it back,
+// and a changed byte fails it; one written out of order is read back.
+func TestHashedDest(t *testing.T) {
+	data := randomBytes(t, 200<<10)
+	c, err := hashContent(bytes.NewReader(data), int64(len(data)), 64<<10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.id = hashID(c.encode())
+	off, n := c.PieceRange(1)
+	write := func(piece []byte, order []int64) (*hashedDest, []byte) {
+		file := make([]byte, len(data))
+		d := newHashedDest(writerAt(file), off)
+		for _, at := range order {
+			end := min(at+16<<10, n)
+			if _, err := d.WriteAt(piece[at:end], off+at); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return d, file
+	}
+	var inOrder, reversed []int64
+	for at := int64(0); at < n; at += 16 << 10 {
+		inOrder = append(inOrder, at)
+		reversed = append([]int64{at}, reversed...)
+	}
+	if d, _ := write(data[off:off+n], inOrder); d.verifyPiece(c, failingReader{}, 1) != nil {
+		t.Error("a good piece written in order fails verification, or was read back")
+	}
+	bad := bytes.Clone(data[off : off+n])
+	bad[n/2] ^= 1
+	if d, _ := write(bad, inOrder); !errors.Is(d.verifyPiece(c, failingReader{}, 1), ErrBadCopy) {
+		t.Error("a changed piece written in order passes verification")
+	}
+	d, file := write(data[off:off+n], reversed)
+	if err := d.verifyPiece(c, bytes.NewReader(file), 1); err != nil {
+		t.Errorf("a good piece written out of order, read back: %v", err)
+	}
+	if d.verifyPiece(c, failingReader{}, 1) == nil {
+		t.Error("a piece written out of order was not read back")
+	}
+}
+
+// writerAt is a byte slice as an io.WriterAt.
+type writerAt []byte
+
+func (w writerAt) WriteAt(b []byte, off int64) (int, error) { return copy(w[off:], b), nil }

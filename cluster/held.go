@@ -55,31 +55,32 @@ type held struct {
 }
 
 // Piece implements transport.Source: only pieces of published contents
-// that this node holds are served, each verified against its published
-// hash as it is asked for. A piece whose bytes here no longer match (its
-// file was changed under the node) is not served, logged, and no longer
-// announced.
-func (n *Node) Piece(p transport.Piece) (io.ReaderAt, int64, int64, error) {
+// that this node holds are served, each read once into memory and
+// verified there against its published hash as it is asked for, so that
+// what is sent is what was verified. A piece whose bytes here no longer
+// match (its file was changed under the node) is not served, logged, and
+// no longer announced.
+func (n *Node) Piece(p transport.Piece) ([]byte, error) {
 	n.mu.Lock()
 	h := n.held[p.Content]
 	switch {
 	case h == nil || h.dropped || h.content == nil:
 		n.mu.Unlock()
-		return nil, 0, 0, fmt.Errorf("content %.12s: %w (not held here)", p.Content, transport.ErrNotServed)
+		return nil, fmt.Errorf("content %.12s: %w (not held here)", p.Content, transport.ErrNotServed)
 	case !h.bits.has(p.Index) || p.Index >= h.content.Pieces():
 		n.mu.Unlock()
-		return nil, 0, 0, fmt.Errorf("piece %d of %.12s: %w (not held, or not verified yet)", p.Index, p.Content, transport.ErrNotServed)
+		return nil, fmt.Errorf("piece %d of %.12s: %w (not held, or not verified yet)", p.Index, p.Content, transport.ErrNotServed)
 	}
 	c, src := h.content, h.src
 	n.mu.Unlock()
-	if err := c.verifyPiece(src, p.Index, make([]byte, verifyBuf)); err != nil {
+	b, err := c.readPiece(src, p.Index)
+	if err != nil {
 		n.distrust(p.Content, src, p.Index, err)
-		return nil, 0, 0, fmt.Errorf("piece %d of %.12s: %w (it fails verification here)", p.Index, p.Content, transport.ErrNotServed)
+		return nil, fmt.Errorf("piece %d of %.12s: %w (it fails verification here)", p.Index, p.Content, transport.ErrNotServed)
 	}
-	off, size := c.PieceRange(p.Index)
 	n.stats.piecesServed.Add(1)
-	n.stats.bytesServed.Add(size)
-	return src, off, size, nil
+	n.stats.bytesServed.Add(int64(len(b)))
+	return b, nil
 }
 
 // distrust stops serving piece i of content id from src, whose bytes

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"hash"
 	"io"
 	"path"
 	"runtime"
@@ -77,10 +78,68 @@ func (c *Content) verifyPiece(r io.ReaderAt, i int, buf []byte) error {
 	if k, err := io.CopyBuffer(h, io.NewSectionReader(r, off, n), buf); k < n {
 		return fmt.Errorf("reading piece %d of %.12s: %d bytes of %d: %v", i, c.id, k, n, err)
 	}
-	if !bytes.Equal(h.Sum(nil), c.pieceHash(i)) {
+	return c.checkSum(i, h.Sum(nil))
+}
+
+// readPiece reads piece i from r into a new buffer and returns it once
+// it matches its published hash (ErrBadCopy if it does not).
+func (c *Content) readPiece(r io.ReaderAt, i int) ([]byte, error) {
+	off, n := c.PieceRange(i)
+	b := make([]byte, n)
+	if k, err := r.ReadAt(b, off); k < len(b) {
+		return nil, fmt.Errorf("reading piece %d of %.12s: %d bytes of %d: %v", i, c.id, k, n, err)
+	}
+	sum := sha256.Sum256(b)
+	if err := c.checkSum(i, sum[:]); err != nil {
+		return nil, err
+	}
+	return b, nil
+}
+
+// checkSum checks sum, the SHA-256 of piece i's bytes, against the
+// published one: ErrBadCopy if it differs.
+func (c *Content) checkSum(i int, sum []byte) error {
+	if !bytes.Equal(sum, c.pieceHash(i)) {
 		return fmt.Errorf("%w: piece %d of %.12s", ErrBadCopy, i, c.id)
 	}
 	return nil
+}
+
+// hashedDest is a piece's destination file that hashes what is written
+// to it, as the transport writes it: from the piece's start, in order.
+// A write out of that order (an engine that places bytes otherwise)
+// leaves the hash incomplete, and the piece is read back to be verified.
+type hashedDest struct {
+	f    io.WriterAt
+	h    hash.Hash
+	next int64 // the file offset the hash has reached
+}
+
+// newHashedDest returns the destination of the piece at off in f.
+func newHashedDest(f io.WriterAt, off int64) *hashedDest {
+	return &hashedDest{f: f, h: sha256.New(), next: off}
+}
+
+// WriteAt writes b at off of the file, and hashes what it wrote if it
+// continues what was hashed.
+func (d *hashedDest) WriteAt(b []byte, off int64) (int, error) {
+	k, err := d.f.WriteAt(b, off)
+	if off == d.next {
+		d.h.Write(b[:k])
+		d.next += int64(k)
+	}
+	return k, err
+}
+
+// verifyPiece checks piece i, written through d into r, against its
+// published hash: from the hash of what was written where that covers
+// the whole piece (no read back), else as c.verifyPiece reads it from r.
+func (d *hashedDest) verifyPiece(c *Content, r io.ReaderAt, i int) error {
+	off, n := c.PieceRange(i)
+	if d.next != off+n {
+		return c.verifyPiece(r, i, make([]byte, verifyBuf))
+	}
+	return c.checkSum(i, d.h.Sum(nil))
 }
 
 // Verify reads the whole content from r and checks every piece against

@@ -339,8 +339,9 @@ func (p *Pull) missingLocked() string {
 func (p *Pull) fetch(t task) {
 	g, id := t.g, t.g.c.ID()
 	off, size := g.c.PieceRange(t.i)
-	got, err := p.n.tr.Fetch(p.ctx, t.peer, transport.Piece{Content: id, Index: t.i}, transport.Dest{File: g.dsts[0], Off: off, Len: size})
-	o, err := p.settle(t, got, err)
+	dst := newHashedDest(g.dsts[0], off)
+	got, err := p.n.tr.Fetch(p.ctx, t.peer, transport.Piece{Content: id, Index: t.i}, transport.Dest{File: dst, Off: off, Len: size})
+	o, err := p.settle(t, dst, got, err)
 
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -373,12 +374,12 @@ func (p *Pull) fetch(t task) {
 	}
 }
 
-// settle classifies a fetch of task t that wrote got bytes and returned
-// err: it verifies the piece in the first destination and copies it to the
-// others. The error says why a fetch failed or its piece is bad; with
+// settle classifies a fetch of task t that wrote got bytes through dst and
+// returned err: it verifies the piece in the first destination (from what
+// dst hashed as it was written) and copies it to the others. The error says why a fetch failed or its piece is bad; with
 // cancelled, it is a local failure (a write the destination refused,
 // reading it back), fatal to the pull.
-func (p *Pull) settle(t task, got int64, err error) (outcome, error) {
+func (p *Pull) settle(t task, dst *hashedDest, got int64, err error) (outcome, error) {
 	g := t.g
 	off, size := g.c.PieceRange(t.i)
 	switch {
@@ -395,15 +396,14 @@ func (p *Pull) settle(t task, got int64, err error) (outcome, error) {
 	case got != size:
 		return badPiece, fmt.Errorf("%d bytes of %d", got, size)
 	}
-	buf := make([]byte, verifyBuf)
-	if err := g.c.verifyPiece(g.dsts[0], t.i, buf); err != nil {
+	if err := dst.verifyPiece(g.c, g.dsts[0], t.i); err != nil {
 		if !errors.Is(err, ErrBadCopy) {
 			return cancelled, err
 		}
 		return badPiece, err
 	}
 	for _, dst := range g.dsts[1:] {
-		if _, err := io.CopyBuffer(io.NewOffsetWriter(dst, off), io.NewSectionReader(g.dsts[0], off, size), buf); err != nil {
+		if _, err := io.Copy(io.NewOffsetWriter(dst, off), io.NewSectionReader(g.dsts[0], off, size)); err != nil {
 			return cancelled, err
 		}
 	}

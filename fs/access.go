@@ -2,6 +2,8 @@ package fs
 
 import (
 	"context"
+	"fmt"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 
@@ -36,4 +38,18 @@ func permitted(who *ctl.Cred, st *unix.Stat_t, want uint32) bool {
 		mode >>= 3
 	}
 	return mode&want == want
+}
+
+// mayRemove says why who may not remove (or rename) the object st from
+// the directory dir, as the kernel judges it: write and search permission
+// on dir, and in a sticky directory, ownership of the object or of dir
+// (root may). nil if who may.
+func mayRemove(who *ctl.Cred, dir, st *unix.Stat_t) error {
+	switch {
+	case !permitted(who, dir, 2|1):
+		return fmt.Errorf("%w: no write and search permission on its directory", syscall.EACCES)
+	case dir.Mode&unix.S_ISVTX != 0 && who.Uid != 0 && who.Uid != st.Uid && who.Uid != dir.Uid:
+		return fmt.Errorf("%w: its directory is sticky, and neither it nor the directory is uid %d's", syscall.EPERM, who.Uid)
+	}
+	return nil
 }

@@ -2,10 +2,13 @@ package fs
 
 import (
 	"context"
+	"sync"
 	"syscall"
-	"tensorfs/ledger"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/ledger"
 )
 
 // newHandleBudget sizes the budget of the descriptors requests make the
@@ -43,6 +46,26 @@ func newThreadBudget(l *ledger.Ledger) *ledger.Row {
 // from every OPEN, OPENDIR and CREATE it sends (fuse_send_open,
 // fuse_create_open), so no request carries it.
 const openAdopted = unix.O_NOCTTY
+
+// walkFor walks the directory open at dirfd as alloc.Walk does, for uid,
+// who is charged a descriptor for each level the walk is in: a chain of
+// MaxDepth directories would otherwise hold that many of the daemon's
+// descriptors per request, charged to no one.
+func (fsys *filesystem) walkFor(uid uint32, dirfd int, fn func(dirfd int, name, rel string, st *unix.Stat_t) error) error {
+	return alloc.WalkHeld(dirfd, func() error { return fsys.handles.Take(uid, 1) }, func() { fsys.handles.Give(uid, 1) }, fn)
+}
+
+// oneAtATime runs what a uid asks for one request at a time, each uid on
+// its own; the zero value is ready.
+type oneAtATime struct{ locks sync.Map } // uid → *sync.Mutex
+
+// lock waits for uid's turn and returns what ends it.
+func (o *oneAtATime) lock(uid uint32) (unlock func()) {
+	m, _ := o.locks.LoadOrStore(uid, new(sync.Mutex))
+	mu := m.(*sync.Mutex)
+	mu.Lock()
+	return mu.Unlock
+}
 
 // takeHandle takes a handle from the caller's budget for open, which
 // makes one (newHandle) or fails; a failed open gives it back. A handle

@@ -772,7 +772,7 @@ func (fsys *filesystem) clusterAttr(who ctl.Cred, d *dirNode) ([]byte, error) {
 		if err := json.Unmarshal(rec, &out.dirRecord); err != nil {
 			return fmt.Errorf("%w: the directory's published version %q", alloc.ErrInvalid, rec)
 		}
-		return alloc.Walk(fd, func(dfd int, name, _ string, st *unix.Stat_t) error {
+		return fsys.walkFor(who.Uid, fd, func(dfd int, name, _ string, st *unix.Stat_t) error {
 			if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
 				return nil
 			}

@@ -216,13 +216,14 @@ func (c *clusterFS) refuse(info cluster.DirInfo, owner ctl.Cred, why error) {
 }
 
 // recount charges the published directories found in the backing to
-// their publishers, whatever the bounds (a restart finds what it made).
+// their publishers, whatever the bounds (a restart finds what it made),
+// at any depth (alloc.Tree).
 func (c *clusterFS) recount() {
-	alloc.Walk(c.fsys.store.RootFd, func(fd int, name, rel string, st *unix.Stat_t) error {
-		if st.Mode&syscall.S_IFMT != syscall.S_IFDIR {
+	alloc.Tree(c.fsys.store.RootFd, func(e *alloc.Entry) error {
+		if e.Stat.Mode&syscall.S_IFMT != syscall.S_IFDIR {
 			return nil
 		}
-		dfd, err := unix.Openat(fd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		dfd, err := unix.Openat(e.Dirfd, e.Name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 		if err != nil {
 			return nil
 		}
@@ -230,7 +231,7 @@ func (c *clusterFS) recount() {
 		var rec dirRecord
 		if b, err := alloc.ReadPublished(alloc.FdPath(dfd)); err == nil && b != nil && json.Unmarshal(b, &rec) == nil && rec.Version != "" {
 			ch := c.count(dfd, rec.UID)
-			c.charges[rel] = ch
+			c.charges[e.Rel()] = ch
 			c.bounds.inodes.Add(ch.uid, ch.inodes)
 			c.bounds.bytes.Add(ch.uid, ch.bytes)
 		}
@@ -244,12 +245,12 @@ func (c *clusterFS) recount() {
 // segments.
 func (c *clusterFS) count(top int, uid uint32) charge {
 	inodes, bytes := int64(1), int64(0)
-	alloc.Walk(top, func(fd int, name, _ string, st *unix.Stat_t) error {
-		if isPublishedDir(fd, name, st) {
+	alloc.Tree(top, func(e *alloc.Entry) error {
+		if isPublishedDir(e.Dirfd, e.Name, &e.Stat) {
 			return alloc.ErrSkipDir
 		}
 		inodes++
-		if p := c.fsys.pulled.get(st.Ino); p != nil && st.Mode&syscall.S_IFMT == syscall.S_IFREG {
+		if p := c.fsys.pulled.get(e.Stat.Ino); p != nil && e.Stat.Mode&syscall.S_IFMT == syscall.S_IFREG {
 			size, _ := p.state()
 			bytes += size
 		}

@@ -40,7 +40,9 @@ type published struct {
 // attributes, becomes a new version of dir cluster-wide, and its host
 // segments become pulled ones here, read-only. who must own dir or may
 // write it, and must be able to read and write each host segment (a
-// publish freezes it) and read each directory and published segment.
+// publish freezes it) and read each directory and published segment;
+// and, since its unpublish removes them, may remove each host segment
+// and directory from its directory, dir itself too unless who owns it.
 // Refused: segments of other kinds (device, imported, SHARED, one still
 // to be pulled), a segment open for writing or with more than one name,
 // and objects that are neither segments nor directories. It returns the
@@ -52,8 +54,12 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 	c.nsMu.Lock()
 	defer c.nsMu.Unlock()
 	var top int
-	err := controlBackend{c.fsys}.walk(who, dir, func(parent int, name string) (err error) {
-		top, err = unix.Openat(parent, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	var parent unix.Stat_t
+	err := controlBackend{c.fsys}.walk(who, dir, func(pfd int, name string) (err error) {
+		if err = unix.Fstat(pfd, &parent); err != nil {
+			return err
+		}
+		top, err = unix.Openat(pfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 		return err
 	})
 	if err != nil {
@@ -64,8 +70,13 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 	if err := unix.Fstat(top, &st); err != nil {
 		return "", err
 	}
-	if who.Uid != 0 && who.Uid != st.Uid && !permitted(&who, &st, 2|1) {
-		return "", fmt.Errorf("%w: publishing a directory needs its ownership or write permission on it", syscall.EACCES)
+	if who.Uid != 0 && who.Uid != st.Uid {
+		if !permitted(&who, &st, 2|1) {
+			return "", fmt.Errorf("%w: publishing a directory needs its ownership or write permission on it", syscall.EACCES)
+		}
+		if err := mayRemove(&who, &parent, &st); err != nil {
+			return "", fmt.Errorf("its unpublish removes the directory, which uid %d may not: %w", who.Uid, err)
+		}
 	}
 	objs, err := c.collect(who, top, dir, &st)
 	if err == nil {
@@ -180,12 +191,15 @@ func (c *clusterFS) collect(who ctl.Cred, top int, dir string, st *unix.Stat_t) 
 		return nil, err
 	}
 	objs := []published{{entry: cluster.LocalEntry{Entry: root}}}
-	err = alloc.Walk(top, func(fd int, name, rel string, st *unix.Stat_t) error {
+	err = c.fsys.walkFor(who.Uid, top, func(fd int, name, rel string, st *unix.Stat_t) error {
 		where := alloc.EscapeText(dir + "/" + rel)
 		switch st.Mode & syscall.S_IFMT {
 		case syscall.S_IFDIR:
 			if !permitted(&who, st, 4|1) {
 				return fmt.Errorf("%w: %s: publishing needs read and search permission on every directory", syscall.EACCES, where)
+			}
+			if err := mayRemoveAt(&who, fd, st); err != nil {
+				return fmt.Errorf("%s: its unpublish removes it, which uid %d may not: %w", where, who.Uid, err)
 			}
 			var e cluster.Entry
 			err := alloc.At(fd, name, st.Ino, func(p string) (err error) {
@@ -205,6 +219,16 @@ func (c *clusterFS) collect(who ctl.Cred, top int, dir string, st *unix.Stat_t) 
 		return fmt.Errorf("%w: %s: only segments and directories are published", alloc.ErrInvalid, where)
 	})
 	return objs, err
+}
+
+// mayRemoveAt is mayRemove for the object st in the directory open at
+// dirfd.
+func mayRemoveAt(who *ctl.Cred, dirfd int, st *unix.Stat_t) error {
+	var dir unix.Stat_t
+	if err := unix.Fstat(dirfd, &dir); err != nil {
+		return err
+	}
+	return mayRemove(who, &dir, st)
 }
 
 // dirEntry describes the directory at p (rel in the published one).
@@ -262,6 +286,9 @@ func (c *clusterFS) segmentEntry(who ctl.Cred, fd int, name, dir, rel string, st
 	case s.kind() == alloc.Host:
 		if !permitted(&who, st, 4|2) {
 			return o, fmt.Errorf("%w: publishing a segment makes it read-only: it needs read and write permission", syscall.EACCES)
+		}
+		if err := mayRemoveAt(&who, fd, st); err != nil {
+			return o, fmt.Errorf("publishing a segment makes it read-only and its unpublish removes it, which uid %d may not: %w", who.Uid, err)
 		}
 		if st.Nlink > 1 {
 			return o, fmt.Errorf("%w: the segment has %d names; a published one has one", alloc.ErrInvalid, st.Nlink)

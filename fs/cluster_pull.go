@@ -324,9 +324,10 @@ func (c *clusterFS) contentOf(cid string) (*cluster.Content, error) {
 // pullDir pulls, for who, every pulled segment below the directory dir
 // that is not complete here, maxPullOpen at a time, and returns the bytes
 // pulled. who must be able to search every directory on the way, read
-// every directory below and read every segment pulled. A directory
-// published that the watch has not made here yet (a pull right after a
-// publish elsewhere) is made first.
+// every directory below and read every segment pulled, and is charged
+// the backing files a batch holds open (EMFILE past its share). A
+// directory published that the watch has not made here yet (a pull
+// right after a publish elsewhere) is made first.
 func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
 	targets, err := c.madeTargets(who, dir)
 	if errors.Is(err, unix.ENOENT) || errors.Is(err, cluster.ErrNotPublished) {
@@ -334,18 +335,49 @@ func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
 			targets, err = c.madeTargets(who, dir)
 		}
 	}
-	var bytes, segments int64
-	for len(targets) > 0 && err == nil {
-		batch := targets[:min(len(targets), maxPullOpen)]
-		targets = targets[len(batch):]
-		var n int64
-		n, err = c.pullBatch(dir, batch)
-		bytes, segments = bytes+n, segments+int64(len(batch))
+	var bytes int64
+	if err == nil {
+		bytes, err = c.pullAll(who, dir, targets)
 	}
 	if err == nil {
-		c.fsys.log.Info("pulled", "dir", alloc.EscapeText(dir), "segments", segments, "bytes", bytes, "uid", who.Uid)
+		c.fsys.log.Info("pulled", "dir", alloc.EscapeText(dir), "segments", len(targets), "bytes", bytes, "uid", who.Uid)
 	}
 	return bytes, err
+}
+
+// prefetch pulls, for who, every pulled segment below the directory dir
+// that is not complete here, as pullDir does: all at once, from all
+// their holders, rather than one segment after the other as a load's
+// walk would open them. A directory the walk cannot read, or one without
+// published segments, is left for the caller's own walk to answer.
+func (c *clusterFS) prefetch(who ctl.Cred, dir string) error {
+	targets, err := c.madeTargets(who, dir)
+	if err != nil {
+		return nil
+	}
+	_, err = c.pullAll(who, dir, targets)
+	return err
+}
+
+// pullAll fills the segments targets of the published directory dir,
+// maxPullOpen at a time, and returns the bytes filled. who is charged
+// the backing files a batch holds open (EMFILE past its share).
+func (c *clusterFS) pullAll(who ctl.Cred, dir string, targets []pullTarget) (int64, error) {
+	var bytes int64
+	for len(targets) > 0 {
+		batch := targets[:min(len(targets), maxPullOpen)]
+		targets = targets[len(batch):]
+		if err := c.fsys.handles.Take(who.Uid, int64(len(batch))); err != nil {
+			return bytes, err
+		}
+		n, err := c.pullBatch(dir, batch)
+		c.fsys.handles.Give(who.Uid, int64(len(batch)))
+		if err != nil {
+			return bytes, err
+		}
+		bytes += n
+	}
+	return bytes, nil
 }
 
 // catchUp makes the current version of the published directory dir
@@ -405,7 +437,7 @@ func (c *clusterFS) pullTargets(who ctl.Cred, dir string) ([]pullTarget, error) 
 		if rec, err := alloc.ReadPublished(alloc.FdPath(top)); err == nil && rec != nil {
 			found = true
 		}
-		return alloc.Walk(top, func(fd int, name, rel string, st *unix.Stat_t) error {
+		return c.fsys.walkFor(who.Uid, top, func(fd int, name, rel string, st *unix.Stat_t) error {
 			switch st.Mode & syscall.S_IFMT {
 			case syscall.S_IFDIR:
 				if !permitted(&who, st, 4|1) {

@@ -443,7 +443,11 @@ func TestClusterPublishMaterializePull(t *testing.T) {
 	if stats["node"] != "node-c" || stats["pieces_fetched"].(int64) == 0 || stats["pulled_segments"].(int64) != 4 {
 		t.Errorf("cluster stats %v", stats)
 	}
-	if _, ok := c.stats(0)["cluster"].(map[string]any); !ok {
+	st, err := c.stats(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := st["cluster"].(map[string]any); !ok {
 		t.Error("user.tensorfs.stats has no cluster member")
 	}
 	buf = make([]byte, 4096)

@@ -3,6 +3,7 @@ package fs
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path"
 	"path/filepath"
@@ -27,6 +28,11 @@ var _ = (ctl.Loader)(controlBackend{})
 // new open file description with the access asked for; a device segment
 // comes without one (open it through the mount).
 func (b controlBackend) Load(cred ctl.Cred, dir string, write bool, after string, max int) ([]ctl.Segment, []*os.File, bool, error) {
+	if cl := b.fsys.cl; cl != nil && !write && b.fsys.pulled.n.Load() > 0 {
+		if err := cl.prefetch(cred, filepath.Clean(dir)); err != nil {
+			return nil, nil, false, fmt.Errorf("%s: %w", alloc.EscapeText(dir), err)
+		}
+	}
 	l := &loader{b: b, who: cred, write: write, after: strings.Split(after, "/"), max: max}
 	if after == "" {
 		l.after = nil
@@ -60,6 +66,42 @@ type loader struct {
 	segs  []ctl.Segment
 	files []*os.File // nil for a segment without a descriptor
 	more  bool
+	held  int // bytes of the names of the directories the walk is in
+}
+
+// maxLoadNames bounds the bytes of names one load holds: the sorted names
+// of each directory it is in, down to the deepest. A request's memory so
+// grows with what its directories hold only up to this, whoever made
+// them (the socket's connections bound the requests).
+var maxLoadNames = 16 << 20
+
+// readNames reads the names of the directory f (rel below the requested
+// one), charging them to l.held; past maxLoadNames the load fails, E2BIG.
+// What it read is returned, charged, in every case.
+func (l *loader) readNames(f *os.File, rel []string) ([]string, error) {
+	var names []string
+	for {
+		batch, err := f.Readdirnames(alloc.WalkBatch)
+		names = append(names, batch...)
+		l.held += namesBytes(batch)
+		switch {
+		case l.held > maxLoadNames:
+			return names, fmt.Errorf("%w: %s: the directories on the way hold more than %d MiB of names; load its subdirectories one at a time", syscall.E2BIG, display(rel), maxLoadNames>>20)
+		case errors.Is(err, io.EOF):
+			return names, nil
+		case err != nil:
+			return names, err
+		}
+	}
+}
+
+// namesBytes is what names take in memory, about.
+func namesBytes(names []string) int {
+	n := 0
+	for _, s := range names {
+		n += len(s) + 16
+	}
+	return n
 }
 
 // errFull stops the walk once max segments are collected and another follows.
@@ -94,7 +136,8 @@ func (l *loader) dir(parentfd int, name string, rel []string, node *fusefs.Inode
 	if !permitted(&l.who, &st, 4|1) {
 		return fmt.Errorf("%w: %s: listing it needs read and search permission", syscall.EACCES, display(rel))
 	}
-	names, err := f.Readdirnames(-1)
+	names, err := l.readNames(f, rel)
+	defer func() { l.held -= namesBytes(names) }()
 	if err != nil {
 		return err
 	}

@@ -1,8 +1,12 @@
 package fs
 
 import (
+	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
+	"syscall"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -56,5 +60,31 @@ func TestControlLoadFromNodeCache(t *testing.T) {
 	}
 	if s := load("of a replaced segment"); s.Shape != "[4, 2]" {
 		t.Errorf("load of a segment replaced behind the node shows shape %s, want storage's [4, 2]", s.Shape)
+	}
+}
+
+// TestControlLoadNamesBounded: what a load holds of the names of the
+// directories it walks is bounded (maxLoadNames), however many names a
+// user gave them: past it the load fails, E2BIG, saying what to do, and
+// gives back what it held; a smaller directory loads.
+func TestControlLoadNamesBounded(t *testing.T) {
+	defer func(was int) { maxLoadNames = was }(maxLoadNames)
+	maxLoadNames = 64 << 10
+	x := newOpsFS(t)
+	small, big := x.mkdir(1, "small"), x.mkdir(1, "big")
+	x.segment(small, "w")
+	for i := range 1000 { // 1000 names of 100 bytes: past 64 KiB
+		x.segment(big, fmt.Sprintf("%0100d", i))
+	}
+	b := controlBackend{x.fsys}
+	_, files, _, err := b.Load(rootPeer, "big", false, "", 10)
+	closeFiles(files)
+	if !errors.Is(err, syscall.E2BIG) || !strings.Contains(err.Error(), "one at a time") {
+		t.Errorf("a load of 1000 long names past a bound of 64 KiB: %v; want E2BIG saying what to do", err)
+	}
+	segs, files, _, err := b.Load(rootPeer, "small", false, "", 10)
+	closeFiles(files)
+	if err != nil || len(segs) != 1 {
+		t.Errorf("a load of one segment after the refused one: %d segments, %v", len(segs), err)
 	}
 }

@@ -8,6 +8,8 @@ import (
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
 )
 
 // TestDeepChainReopens: a lookup at the bottom of a chain of directories
@@ -63,17 +65,17 @@ func TestDeepChainReopens(t *testing.T) {
 }
 
 // TestDeepChainLogPath: a node's path in log lines names at most the last
-// logDepth components of a deep chain, after ".../", and a shallow node's
+// alloc.LogDepth components of a deep chain, after ".../", and a shallow node's
 // whole path.
 func TestDeepChainLogPath(t *testing.T) {
 	fsys := testFS(t)
 	d := &fsys.root.dirNode
-	for range logDepth + 10 {
+	for range alloc.LogDepth + 10 {
 		d = mkdir(t, d, "d")
 	}
-	want := ".../" + strings.TrimSuffix(strings.Repeat("d/", logDepth), "/")
+	want := ".../" + strings.TrimSuffix(strings.Repeat("d/", alloc.LogDepth), "/")
 	if got := d.path(); got != want {
-		t.Errorf("log path of a %d-deep directory: %q, want %q", logDepth+10, got, want)
+		t.Errorf("log path of a %d-deep directory: %q, want %q", alloc.LogDepth+10, got, want)
 	}
 	s := mkseg(t, mkdir(t, &fsys.root.dirNode, "a"), "s")
 	if got := s.path(); got != "a/s" {

@@ -2,6 +2,7 @@ package fs
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -23,6 +24,11 @@ import (
 
 // filesystem is the state shared by all nodes of one mount.
 type filesystem struct {
+	// usageWalks: a uid's walks of whole subtrees (rbytes, rsegments,
+	// the root's stats) run one at a time, so that one user asking from
+	// many threads takes one CPU's worth of walking, not every CPU.
+	usageWalks oneAtATime
+
 	store *alloc.Store
 	log   *slog.Logger
 	root  *rootNode
@@ -112,7 +118,7 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 		fsys.log.Info(s.Name+" held for requests: limits", "per_uid", s.PerUID, "total", s.Total, "root_reserve", b.Reserve())
 	}
 	if err := fsys.inodes.countBacking(opts.Store.RootFd); err != nil {
-		fsys.log.Warn("the backing's objects are charged to their owners as far as the walk reached", "err", err)
+		fsys.log.Error("the backing's objects could not all be counted; the owner of the directory the count could not finish is charged her whole share of inodes until the next mount", "err", err)
 	}
 	rec := opts.Recovered
 	if rec == nil {
@@ -353,11 +359,15 @@ func (fsys *filesystem) notifyNewName(path string) {
 	dir.NotifyEntry(parts[len(parts)-1])
 }
 
-// stats is the root's user.tensorfs.stats as uid reads it.
-func (fsys *filesystem) stats(uid uint32) map[string]any {
+// stats is the root's user.tensorfs.stats as uid reads it. Its walk of
+// the backing is uid's (subtreeUsage); a refused one is an error.
+func (fsys *filesystem) stats(uid uint32) (map[string]any, error) {
 	var sfs unix.Statfs_t
 	fsys.store.Statfs(&sfs)
-	segs, bytes, _ := fsys.subtreeUsage(fsys.store.RootFd, nil) // too deep: what the walk reached
+	segs, bytes, err := fsys.subtreeUsage(fsys.store.RootFd, uid, nil)
+	if err != nil && !errors.Is(err, alloc.ErrTooDeep) { // too deep: what the walk reached
+		return nil, err
+	}
 	var ru unix.Rusage
 	unix.Getrusage(unix.RUSAGE_SELF, &ru)
 	rss, peak := memoryUse()
@@ -376,7 +386,7 @@ func (fsys *filesystem) stats(uid uint32) map[string]any {
 		"ledger":    ledgerFor(fsys.ledger.Usage(), uid),
 		"daemon":    map[string]any{"pid": os.Getpid(), "cpu_seconds": cpuSeconds(&ru), "rss_bytes": rss, "max_rss_bytes": peak, "goroutines": runtime.NumGoroutine()},
 		"uptime_ns": strconv.FormatInt(int64(time.Since(fsys.started)), 10),
-	}
+	}, nil
 }
 
 // limboStats counts the device blocks waiting for their consumers, and

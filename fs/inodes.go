@@ -1,6 +1,7 @@
 package fs
 
 import (
+	"errors"
 	"strings"
 	"sync"
 	"syscall"
@@ -203,13 +204,21 @@ func (c *inodes) count(st *unix.Stat_t, attrs int64) {
 	c.of[st.Ino] = ch
 }
 
-// countBacking charges every object below rootFd that alloc.Walk
-// reaches to its owner (the root directory itself is the mount's).
+// countBacking charges every object below rootFd to its owner (the root
+// directory itself is the mount's), at any depth (alloc.Tree). A walk
+// cut short never concludes that what it did not reach is free: the
+// owner of the directory it could not finish is charged her whole share
+// on top, until the next count.
 func (c *inodes) countBacking(rootFd int) error {
-	return alloc.Walk(rootFd, func(dirfd int, name, _ string, st *unix.Stat_t) error {
-		c.count(st, storedAttrUnits(alloc.FdPath(dirfd)+"/"+name))
+	err := alloc.Tree(rootFd, func(e *alloc.Entry) error {
+		c.count(&e.Stat, storedAttrUnits(alloc.FdPath(e.Dirfd)+"/"+e.Name))
 		return nil
 	})
+	var cut *alloc.CutError
+	if errors.As(err, &cut) {
+		c.row.Add(cut.Dir.Uid, c.row.Spec().PerUID)
+	}
+	return err
 }
 
 // storedAttrUnits is what the attributes stored on the object at p (not

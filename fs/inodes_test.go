@@ -1,6 +1,7 @@
 package fs
 
 import (
+	"errors"
 	"syscall"
 	"testing"
 
@@ -8,6 +9,7 @@ import (
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
 
+	"tensorfs/alloc"
 	"tensorfs/ledger"
 )
 
@@ -163,5 +165,34 @@ func TestInodesNamesAttrsOrphans(t *testing.T) {
 	fsys.reclaims.Wait()
 	if n := held(); n != 0 {
 		t.Errorf("once its last handle went: charged %d, want 0", n)
+	}
+}
+
+// TestInodesCountCut: a count at mount that cannot walk a directory never
+// concludes that what it holds is free: the directory's owner is charged
+// her whole share on top (here the walk cannot even start: what it was
+// given is a file of uid 1000's, not a directory).
+func TestInodesCountCut(t *testing.T) {
+	dir := t.TempDir()
+	p := dir + "/notadir"
+	fd, err := unix.Open(p, unix.O_CREAT|unix.O_WRONLY|unix.O_CLOEXEC, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(fd)
+	if err := unix.Chown(p, 1000, 1000); err != nil {
+		t.Fatal(err)
+	}
+	if fd, err = unix.Open(p, unix.O_PATH|unix.O_CLOEXEC, 0); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	c := &inodes{of: map[uint64]*inodeCharge{}, row: ledger.New().Row(ledger.Spec{Name: "inodes", Unit: "inode", PerUID: 4, Total: 64})}
+	var cut *alloc.CutError
+	if err := c.countBacking(fd); !errors.As(err, &cut) {
+		t.Fatalf("countBacking: %v, want an *alloc.CutError", err)
+	}
+	if got, want := c.row.Held(1000), c.row.Spec().PerUID; got != want {
+		t.Errorf("uid 1000 owns the directory the count could not walk: charged %d, want her share, %d", got, want)
 	}
 }

@@ -211,7 +211,7 @@ func Mount(opts Options) (_ *Server, err error) {
 		// Node IDs are backing inodes, so that a successor knows the
 		// kernel's (Takeover).
 		ExternalNodeID: true,
-		Logger:         log.New(os.Stderr, "go-fuse: ", 0),
+		Logger:         log.New(log.Writer(), "go-fuse: ", 0),
 		MountOptions: fuse.MountOptions{
 			FsName: "tensorfs",
 			Name:   "tensorfs",
@@ -249,10 +249,9 @@ func Mount(opts Options) (_ *Server, err error) {
 		},
 	}
 	if opts.Debug {
-		fopts.Logger = log.New(os.Stderr, "go-fuse: ", log.Lmicroseconds)
+		fopts.Logger = log.New(log.Writer(), "go-fuse: ", log.Lmicroseconds)
 	} else {
 		fopts.MountOptions.PanicHandler = (&panicLog{log: fsys.log}).handle
-		log.SetOutput(&lineLimit{w: os.Stderr, every: time.Second}) // the process's one mount
 	}
 	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, 0)
 	raw.journal, raw.forgotten = opts.Journal, fsys.orphans.forget

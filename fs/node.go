@@ -41,12 +41,7 @@ type object interface {
 // self returns the node type that embeds n.
 func (n *nodeBase) self() object { return n.Operations().(object) }
 
-// logDepth is how many components of a node's path its log lines name.
-// A chain of directories is as deep as a user makes it: naming all of it
-// would cost each refusal time and log bytes in proportion.
-const logDepth = 64
-
-// path names n in logs: its path in the mount, its last logDepth
+// path names n in logs: its path in the mount, its last alloc.LogDepth
 // components after ".../" when it is deeper.
 func (n *nodeBase) path() string {
 	var parts []string
@@ -56,7 +51,7 @@ func (n *nodeBase) path() string {
 		if parent == nil {
 			break
 		}
-		if len(parts) == logDepth {
+		if len(parts) == alloc.LogDepth {
 			parts = append(parts, "...")
 			break
 		}

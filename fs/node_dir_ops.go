@@ -588,6 +588,14 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 			case df&alloc.Exclusive != 0:
 				flags |= unix.RENAME_NOREPLACE
 			}
+			if err := d.fs.clusterStays(fd, name); err != nil {
+				return err
+			}
+			if exchange {
+				if err := d.fs.clusterStays(dfd, newName); err != nil {
+					return err
+				}
+			}
 			var replaced storage
 			var ino uint64
 			var last bool
@@ -611,6 +619,46 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 		})
 	})
 	return d.fs.errno("rename", &d.nodeBase, name, err)
+}
+
+// clusterStays refuses, with EXDEV as a link is, a rename of name in
+// dirfd if it is what the cluster made on this node: a pulled segment, or
+// a directory made for a published one (alloc.MarkMade). Their names stay
+// where the cluster put them, inside the version that charges them to its
+// publisher and whose unpublish finds them there; moved out, they would
+// be charged to no one. mv copies instead: the copies are the mover's.
+func (fsys *filesystem) clusterStays(dirfd int, name string) error {
+	var st unix.Stat_t
+	if unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
+		return nil // the rename itself says why
+	}
+	made := false
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFREG:
+		if fsys.hostBySize(&st) {
+			return nil
+		}
+		s, err := fsys.segmentKind(dirfd, name, &st)
+		if err != nil {
+			return err
+		}
+		made = s.kind() == alloc.Pulled
+	case unix.S_IFDIR:
+		fd, err := unix.Openat(dirfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		dir, err := alloc.ReadMade(alloc.FdPath(fd))
+		unix.Close(fd)
+		if err != nil {
+			return err
+		}
+		made = dir != ""
+	}
+	if made {
+		return fmt.Errorf("%w: %s was made here by the cluster, and stays where it put it (copy it instead)", syscall.EXDEV, alloc.EscapeText(name))
+	}
+	return nil
 }
 
 // renameRecorded renames name in fd to newName in dfd and records the

@@ -330,7 +330,7 @@ func (d *dirNode) usageAttr(ctx context.Context, attr string) ([]byte, error) {
 	var segs, size int64
 	err := d.withDir(func(fd int) error {
 		var err error
-		segs, size, err = d.fs.subtreeUsage(fd, &who)
+		segs, size, err = d.fs.subtreeUsage(fd, who.Uid, &who)
 		return err
 	})
 	if attr == alloc.AttrRbytes {
@@ -371,7 +371,11 @@ func (d *dirNode) Removexattr(ctx context.Context, attr string) syscall.Errno {
 func (r *rootNode) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, syscall.Errno) {
 	switch {
 	case attr == alloc.AttrStats:
-		b, err := json.Marshal(r.fs.stats(caller(ctx).Uid))
+		st, err := r.fs.stats(caller(ctx).Uid)
+		var b []byte
+		if err == nil {
+			b, err = json.Marshal(st)
+		}
 		if err != nil {
 			return 0, r.fs.errnoOf("getxattr "+attr, &r.nodeBase, err)
 		}
@@ -636,14 +640,16 @@ func comm(pid int) string {
 }
 
 // subtreeUsage counts the segments below the directory open at dirfd and
-// the bytes they hold, entering only directories who (nil: anyone) may
-// list: an imported or device segment's backing file is an empty marker,
+// the bytes they hold, for uid (charged the walk's descriptors), entering
+// only directories who (nil: anyone) may list: an imported or device segment's backing file is an empty marker,
 // so its bytes are counted where they live. A segment with several names
 // (tied weights) counts once. A subtree too deep to walk is an error
-// (ELOOP), never a smaller count.
-func (fsys *filesystem) subtreeUsage(dirfd int, who *ctl.Cred) (segments, bytes int64, err error) {
+// (ELOOP), never a smaller count. A uid's walks run one at a time
+// (usageWalks).
+func (fsys *filesystem) subtreeUsage(dirfd int, uid uint32, who *ctl.Cred) (segments, bytes int64, err error) {
+	defer fsys.usageWalks.lock(uid)()
 	linked := map[uint64]bool{}
-	err = alloc.Walk(dirfd, func(fd int, name, _ string, st *unix.Stat_t) error {
+	err = fsys.walkFor(uid, dirfd, func(fd int, name, _ string, st *unix.Stat_t) error {
 		switch st.Mode & syscall.S_IFMT {
 		case syscall.S_IFDIR:
 			if who != nil && !permitted(who, st, 4|1) {

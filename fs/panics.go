@@ -1,7 +1,6 @@
 package fs
 
 import (
-	"io"
 	"log/slog"
 	"runtime"
 	"sync"
@@ -16,7 +15,9 @@ import (
 // that no name, handle or handed-over file let it register (a directory
 // removed while it was a process's working directory). go-fuse's own
 // handler logs a stack per request, 2.6 KB each, that any user could
-// repeat at will.
+// repeat at will. (The message go-fuse's bridge prints on the standard
+// logger before it panics is bounded with the rest of the log:
+// lifecycle.BoundLog.)
 
 // panicEvery is how often a panic's stack is logged at most.
 const panicEvery = time.Minute
@@ -44,25 +45,4 @@ func (p *panicLog) handle(v any) fuse.Status {
 	p.log.Error("a request panicked; answered EIO (one such line a minute at most)", "panic", v, "not_logged_since", p.skipped, "stack", string(buf))
 	p.last, p.skipped = time.Now(), 0
 	return fuse.EIO
-}
-
-// lineLimit passes at most one write every every to w and drops the rest:
-// for the standard logger, on which go-fuse's bridge prints the message
-// of each of its panics before panicking.
-type lineLimit struct {
-	w     io.Writer
-	every time.Duration
-
-	mu   sync.Mutex
-	last time.Time
-}
-
-func (l *lineLimit) Write(b []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if time.Since(l.last) < l.every {
-		return len(b), nil
-	}
-	l.last = time.Now()
-	return l.w.Write(b)
 }

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"path"
 	"strconv"
 	"sync"
 	"syscall"
@@ -199,29 +198,16 @@ type State struct {
 
 // backingNodes lists every object of the backing at rootFd as a node,
 // parents first: after a crash, the kernel may hold any of them. The walk
-// is depth first, so only the directories on the way to the current
-// entry are kept (a stack): a map of every directory's path would hold
-// up to MaxDepth names of 255 bytes per directory a user made, gigabytes
-// for a user's share of inodes, in the daemon that recovers the mount.
+// (alloc.Tree) reaches every depth and keeps no path: the list holds a
+// name per object, however deep a user made a chain.
 func backingNodes(rootFd int, log *slog.Logger) []Node {
-	type dir struct {
-		rel string
-		ino uint64
-	}
 	var out []Node
-	stack := []dir{{"", fuse.FUSE_ROOT_ID}}
-	err := alloc.Walk(rootFd, func(_ int, name, rel string, st *unix.Stat_t) error {
-		parent := path.Dir("/" + rel)[1:]
-		for len(stack) > 1 && stack[len(stack)-1].rel != parent {
-			stack = stack[:len(stack)-1]
+	err := alloc.Tree(rootFd, func(e *alloc.Entry) error {
+		parent := e.Parent
+		if parent == 0 {
+			parent = fuse.FUSE_ROOT_ID
 		}
-		if stack[len(stack)-1].rel != parent {
-			return nil
-		}
-		out = append(out, Node{ID: st.Ino, Parent: stack[len(stack)-1].ino, Name: name})
-		if st.Mode&unix.S_IFMT == unix.S_IFDIR {
-			stack = append(stack, dir{rel, st.Ino})
-		}
+		out = append(out, Node{ID: e.Stat.Ino, Parent: parent, Name: e.Name})
 		return nil
 	})
 	if err != nil {

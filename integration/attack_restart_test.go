@@ -21,6 +21,7 @@ import (
 // fstat, read and write through the descriptor work, as uid 65534,
 // 100 fstats log nothing, and the last close gives the inode back.
 func TestAttackRestartUnlinkedOpen(t *testing.T) {
+	t.Parallel()
 	const nobody = 65534
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		reachable(t, m.dir)
@@ -93,6 +94,7 @@ for line in sys.stdin:
 // panicked in go-fuse and logged a stack (2.6 KB), as uid 65534 could
 // repeat at will.
 func TestAttackRestartRemovedCwd(t *testing.T) {
+	t.Parallel()
 	const nobody = 65534
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		reachable(t, m.dir)

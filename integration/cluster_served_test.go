@@ -1,11 +1,15 @@
 package integration
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
+
+	"tensorfs/alloc"
 )
 
 // servedFdsBound is what publishing or pulling may leave a daemon holding
@@ -21,7 +25,9 @@ const servedFdsBound = 64 + 32
 // holding about as many descriptors as before; a restarted node serves
 // every segment it recovered, alone; a segment renamed behind it is
 // served no more (its pull fails, nothing is written, the daemon says
-// why), and is served from its new name once the node restarts.
+// why), and is served from its new name once the node restarts. (Only
+// root can move it, in the backing: through the mount a pulled segment
+// is not renamed, EXDEV.)
 func TestClusterServedByPath(t *testing.T) {
 	t.Parallel()
 	tb := upCluster(t, 3)
@@ -58,7 +64,13 @@ func TestClusterServedByPath(t *testing.T) {
 	// can have every segment from node2 but x's content.
 	tb.must("unmount", n2)
 	tb.mount(2)
-	if err := os.Rename(dir(n2, "one/x"), filepath.Join(n2, "moved-x")); err != nil {
+	// Through the mount the cluster's segments stay where it put them
+	// (EXDEV); root moves x in node2's backing, behind its daemon.
+	if err := os.Rename(dir(n2, "one/x"), filepath.Join(n2, "moved-x")); !errors.Is(err, syscall.EXDEV) {
+		t.Errorf("rename of a pulled segment out of its directory: %v, want EXDEV", err)
+	}
+	backing := alloc.PrivateBacking(n2)
+	if err := os.Rename(filepath.Join(backing, "served/one/x"), filepath.Join(backing, "moved-x")); err != nil {
 		t.Fatal(err)
 	}
 	tb.must("unmount", "--purge", n1) // gone for good: its backing too (the test bed takes down mounted nodes only)

@@ -510,6 +510,8 @@ func TestCluster(t *testing.T) {
 		}
 	})
 
+	t.Run("fan-out", func(t *testing.T) { testClusterFanOut(t, tb) })
+
 	// model2: eight pieces per file, so that a pull lasts a couple of
 	// seconds over the test bed's links.
 	var files2 []modelFile

@@ -18,6 +18,7 @@ import (
 // followed by the command (root's word) and the binary it names runs,
 // which does not keep the descriptor it was run from.
 func TestRestartBinaryRefused(t *testing.T) {
+	t.Parallel()
 	const nobody = 65534
 	m := mountFS(t, "passthrough")
 	dir := t.TempDir()

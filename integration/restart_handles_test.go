@@ -82,6 +82,7 @@ func (m *mount) crash(t *testing.T) {
 // another share); root still opens. Once it closes them, the charge goes
 // and it opens again.
 func TestRestartChargesHandles(t *testing.T) {
+	t.Parallel()
 	const nobody = 65534
 	forEachMode(t, func(t *testing.T, m *mount) {
 		reachable(t, m.dir)
@@ -144,6 +145,7 @@ func named(t *testing.T, p string) bool {
 // segment opened and mapped before a restart keeps its name while mapped
 // and loses it at the last close and unmap after it.
 func TestRestartKeepsRefcount(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		p, u := m.path("f"), m.path("u/s")
 		if err := os.WriteFile(p, []byte("x"), 0o644); err != nil {
@@ -199,6 +201,7 @@ func TestRestartKeepsRefcount(t *testing.T) {
 // creates, O_TMPFILE opens and directory opens with O_NOCTTY all stop at
 // its share (EMFILE).
 func TestAttackOpenAdoptedFlag(t *testing.T) {
+	t.Parallel()
 	const nobody = 65534
 	m := mountFS(t, "passthrough", "--allow-other")
 	reachable(t, m.dir)
@@ -248,6 +251,7 @@ for name, fn in [("open", lambda i: os.open(d + "/f", os.O_RDONLY | os.O_NOCTTY)
 // inode stays charged to her; linked then (linkat AT_EMPTY_PATH), it
 // keeps its name and its charge once closed.
 func TestRestartTmpfile(t *testing.T) {
+	t.Parallel()
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		c := startPython(t, "holder", `
 import ctypes, os, sys

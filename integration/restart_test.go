@@ -71,6 +71,7 @@ func stopClient(t *testing.T, m *mount, c *lineChild, rounds int) {
 // each, the client writes and reads through its descriptor, stats it,
 // lists its directory and makes a file there with no error.
 func TestRestartKeepsClients(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		c, check := startClient(t, m)
 		check("before the restarts")
@@ -88,6 +89,7 @@ func TestRestartKeepsClients(t *testing.T) {
 // fails, says why, and leaves the mount served by the daemon it had. The
 // keeper's and the daemon's handover sockets refuse a user.
 func TestRestartCommand(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		for _, ext := range []string{".handover", ".keeper"} {
 			sock := alloc.StatePath(m.dir, ext)
@@ -140,6 +142,7 @@ func TestRestartCommand(t *testing.T) {
 // the mount as a crash does today: the keeper exits, its log says why,
 // and unmount cleans up.
 func TestKeeperSurvivesCrash(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		c, check := startClient(t, m)
 		check("before the crashes")
@@ -340,6 +343,7 @@ func stressEvents() int {
 // end; the longest pause a client saw around each restart and each
 // SIGKILL is logged (median and worst).
 func TestRestartUnderLoad(t *testing.T) {
+	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
 		dir := m.path("load")
 		if err := os.Mkdir(dir, 0o755); err != nil {

@@ -145,6 +145,7 @@ func (g *GRPC) Start(src Source) error {
 	g.server = grpc.NewServer(
 		grpc.Creds(credentials.NewTLS(g.cfg.Credentials.ServerConfig())),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
+		grpc.ForceServerCodecV2(pieceCodec{}),
 	)
 	piecepb.RegisterPiecesServer(g.server, &pieceServer{src: src, log: g.cfg.Log, slots: make(chan struct{}, g.cfg.MaxUploads)})
 	go func() {
@@ -177,16 +178,19 @@ func (g *GRPC) Fetch(ctx context.Context, peer Peer, p Piece, dst Dest) (int64, 
 		return 0, fetchError(ctx, peer, p, err)
 	}
 	var n int64
+	var c chunk // received into a pooled buffer (pieceCodec), freed once written
 	for {
-		chunk, err := stream.Recv()
+		err := stream.RecvMsg(&c)
 		if err == io.EOF {
 			return n, nil
 		}
 		if err != nil {
+			c.free()
 			return n, fetchError(ctx, peer, p, err)
 		}
 		idle.Reset(g.cfg.Idle)
-		k, err := dst.WriteAt(chunk.Data, n)
+		k, err := dst.WriteAt(c.data, n)
+		c.free()
 		n += int64(k)
 		if err != nil {
 			return n, fmt.Errorf("fetch piece %d of %.12s from %s: %w", p.Index, p.Content, peer.Name, err)
@@ -222,7 +226,7 @@ func (g *GRPC) conn(peer Peer) (*grpc.ClientConn, error) {
 	}
 	c, err := grpc.NewClient("passthrough:///"+peer.Addr,
 		grpc.WithTransportCredentials(credentials.NewTLS(g.cfg.Credentials.ClientConfig(peer.Name))),
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(2*ChunkSize)),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(2*ChunkSize), grpc.ForceCodecV2(pieceCodec{})),
 		grpc.WithConnectParams(ConnectParams()),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{Time: 10 * time.Second, Timeout: 5 * time.Second, PermitWithoutStream: true}),
 	)
@@ -269,23 +273,19 @@ func (s *pieceServer) Fetch(req *piecepb.FetchRequest, stream grpc.ServerStreami
 		return status.Error(codes.ResourceExhausted, "sending as many pieces as it may")
 	}
 	p := Piece{Content: req.Content, Index: int(req.Index)}
-	r, off, n, err := s.src.Piece(p)
+	b, err := s.src.Piece(p)
 	if err != nil {
 		s.log.Info("cluster: refused a piece", "content", p.Content, "piece", p.Index, "err", err)
 		return status.Error(codes.NotFound, err.Error())
 	}
-	for n > 0 {
-		// A new buffer per message: gRPC may hold a message after Send.
-		buf := make([]byte, min(n, ChunkSize))
-		if k, err := r.ReadAt(buf, off); k < len(buf) {
-			s.log.Warn("cluster: reading a piece failed", "content", p.Content, "piece", p.Index, "err", err)
-			return status.Error(codes.Internal, "reading the piece failed")
-		}
-		if err := stream.Send(&piecepb.Chunk{Data: buf}); err != nil {
+	for len(b) > 0 {
+		// Slices of the piece, never written: gRPC may hold a message
+		// after Send.
+		n := min(len(b), ChunkSize)
+		if err := stream.Send(&piecepb.Chunk{Data: b[:n]}); err != nil {
 			return err
 		}
-		off += int64(len(buf))
-		n -= int64(len(buf))
+		b = b[n:]
 	}
 	return nil
 }

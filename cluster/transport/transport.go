@@ -38,10 +38,13 @@ type Peer struct {
 
 // Source gives a server the bytes of the pieces its node serves.
 type Source interface {
-	// Piece returns where piece p's bytes are: r at [off, off+n). It
-	// returns an error (ErrNotServed, wrapped) for a piece the node does
-	// not serve: one not published, not held, or not yet verified.
-	Piece(p Piece) (r io.ReaderAt, off, n int64, err error)
+	// Piece returns piece p's bytes, as verified: the server sends them
+	// as they are (no copy, no second read) and never changes them. It
+	// is called once the server has a slot for the piece, so a server
+	// holds at most its bound on pieces sent at once. It returns an error
+	// (ErrNotServed, wrapped) for a piece the node does not serve: one
+	// not published, not held, or not verified.
+	Piece(p Piece) ([]byte, error)
 }
 
 // Dest is where a fetched piece goes: File at [Off, Off+Len), and nowhere

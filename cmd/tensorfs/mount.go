@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	stdlog "log"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -122,11 +123,12 @@ func runMount(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stdout, "tensorfs: mounted %s (%s; log %s)\n", mp, ready, logPath)
 		return 0
 	}
-	level := slog.LevelInfo
+	level, out := slog.LevelInfo, lifecycle.BoundLog(stderr)
 	if m.debug {
-		level = slog.LevelDebug
+		level, out = slog.LevelDebug, stderr // every request, as asked
 	}
-	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+	stdlog.SetOutput(out) // go-fuse's
+	log := slog.New(slog.NewTextHandler(out, &slog.HandlerOptions{Level: level}))
 	cfg := lifecycle.Config{
 		Mountpoint:    mp,
 		Backing:       m.backing,

@@ -98,11 +98,11 @@ func (t *Transport) Fetch(ctx context.Context, peer transport.Peer, p transport.
 			return 0, fmt.Errorf("fetch piece %d of %.12s from %s: %w", p.Index, p.Content, peer.Name, transport.ErrBusy)
 		}
 	}
-	r, off, n, err := server.src.Piece(p)
+	piece, err := server.src.Piece(p)
 	if err != nil {
 		return 0, fmt.Errorf("fetch piece %d of %.12s from %s: %w", p.Index, p.Content, peer.Name, err)
 	}
-	buf := make([]byte, chunk)
+	n := int64(len(piece))
 	var done int64
 	for done < n {
 		if err := ctx.Err(); err != nil {
@@ -111,11 +111,7 @@ func (t *Transport) Fetch(ctx context.Context, peer transport.Peer, p transport.
 		if server.isClosed() {
 			return done, fmt.Errorf("fetch piece %d of %.12s from %s: %w: it closed", p.Index, p.Content, peer.Name, transport.ErrUnreachable)
 		}
-		b := buf[:min(n-done, chunk)]
-		if k, err := r.ReadAt(b, off+done); k < len(b) {
-			return done, fmt.Errorf("fetch piece %d of %.12s from %s: %w: reading it there: %v", p.Index, p.Content, peer.Name, transport.ErrUnreachable, err)
-		}
-		k, err := dst.WriteAt(b, done)
+		k, err := dst.WriteAt(piece[done:min(n, done+chunk)], done)
 		done += int64(k)
 		if err != nil {
 			return done, err
