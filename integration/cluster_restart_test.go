@@ -49,13 +49,7 @@ func clusterRestartMidPull(t *testing.T, tb *testbed) {
 			files = append(files, modelFile{fmt.Sprintf("w%d", j), 16 << 20, uint64(40 + 10*i + j)})
 		}
 		models[name] = writeModel(t, filepath.Join(n2, name), 0, files...)
-		var out string
-		eventually(t, "node2 publishes (once joined: restarted, it waits for its old lease to end)", func() (bool, string) {
-			var err error
-			out, err = tb.tensorfs(0, "publish", filepath.Join(n2, name))
-			return err == nil, out
-		})
-		versions[name] = versionOf(t, out)
+		versions[name] = versionOf(t, tb.must("publish", filepath.Join(n2, name)))
 	}
 	before := tb.nodeKeys(2)
 	lease := before["/tensorfs/nodes/node2"]

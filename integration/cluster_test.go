@@ -512,6 +512,8 @@ func TestCluster(t *testing.T) {
 
 	t.Run("fan-out", func(t *testing.T) { testClusterFanOut(t, tb) })
 
+	t.Run("restarted mid-pull", func(t *testing.T) { clusterRestartMidPull(t, tb) })
+
 	// model2: eight pieces per file, so that a pull lasts a couple of
 	// seconds over the test bed's links.
 	var files2 []modelFile
@@ -560,8 +562,6 @@ func TestCluster(t *testing.T) {
 		}
 		tb.mount(1)
 	})
-
-	t.Run("restarted mid-pull", func(t *testing.T) { clusterRestartMidPull(t, tb) })
 
 	t.Run("corrupted holder", func(t *testing.T) {
 		// Every byte of node2's model2 goes bad behind its daemon's back.
