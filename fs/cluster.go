@@ -55,6 +55,10 @@ type clusterFS struct {
 	pulls map[string]*cluster.Pull
 	// made is the version of each published directory last made here.
 	made map[string]*cluster.Version
+	// placed are the published directories whose versions are made, or
+	// being made, here: a node finds what a version made by its path, so
+	// no directory on the way to one is renamed (fs.clusterStays).
+	placed map[string]bool
 	// conflicts are, by published directory, the names of its version
 	// last made here that this node left alone.
 	conflicts map[string]conflicts
@@ -91,7 +95,7 @@ func (fsys *filesystem) joinCluster(cfg cluster.Config, b ClusterBounds) error {
 		return err
 	}
 	c := &clusterFS{fsys: fsys, node: node, known: map[string]*cluster.Content{}, busy: map[string]*leader{}, pulls: map[string]*cluster.Pull{},
-		made: map[string]*cluster.Version{}, conflicts: map[string]conflicts{}, bounds: bnd, charges: map[string]charge{}, removed: map[string]removedRecord{}}
+		made: map[string]*cluster.Version{}, placed: map[string]bool{}, conflicts: map[string]conflicts{}, bounds: bnd, charges: map[string]charge{}, removed: map[string]removedRecord{}}
 	c.ctx, c.stop = context.WithCancel(context.Background())
 	fsys.cl = c
 	return nil
@@ -206,10 +210,17 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 	c.mu.Lock()
 	maps.Copy(c.known, v.Contents)
 	prev := c.made[info.Dir]
+	placed := c.placed[info.Dir]
+	c.placed[info.Dir] = true // before its path is walked: no rename moves it meanwhile
 	c.mu.Unlock()
 	var left []*conflict
 	defer func() { c.leftAlone(info, left) }()
 	top, err := c.openPath(info.Dir, ownerOf(v))
+	if err != nil && !placed {
+		c.mu.Lock()
+		delete(c.placed, info.Dir) // nothing made: the local directories on its path are free to move
+		c.mu.Unlock()
+	}
 	if cf := (*conflict)(nil); errors.As(err, &cf) {
 		left = append(left, cf)
 		return nil

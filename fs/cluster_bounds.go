@@ -231,6 +231,9 @@ func (c *clusterFS) recount() {
 		if b, err := alloc.ReadPublished(alloc.FdPath(dfd)); err == nil && b != nil && json.Unmarshal(b, &rec) == nil && rec.Version != "" {
 			ch := c.count(dfd, rec.UID)
 			c.charges[rel] = ch
+			c.mu.Lock()
+			c.placed[rel] = true
+			c.mu.Unlock()
 			c.bounds.inodes.Add(ch.uid, ch.inodes)
 			c.bounds.bytes.Add(ch.uid, ch.bytes)
 		}

@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"path"
 	"slices"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -136,11 +137,25 @@ func (c *clusterFS) removedHere(at string, rec *dirRecord) {
 	}()
 }
 
+// placedBelow reports whether a published directory made here (or
+// being made) lies below the directory rel, a path in the mount.
+func (c *clusterFS) placedBelow(rel string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for dir := range c.placed {
+		if strings.HasPrefix(dir, rel+"/") {
+			return true
+		}
+	}
+	return false
+}
+
 // forgetMadeLocked forgets what this node knew of the version of dir it
 // made. nsMu is held.
 func (c *clusterFS) forgetMadeLocked(dir string) {
 	c.mu.Lock()
 	delete(c.made, dir)
+	delete(c.placed, dir)
 	delete(c.conflicts, dir)
 	c.mu.Unlock()
 }
