@@ -751,7 +751,9 @@ func (fsys *filesystem) forgetName(rel string) {
 // bytes are complete here, the progress of a "tensorfs pull" of it, and
 // the names this node left alone (those who may see). A local directory
 // at a published directory's path that was left alone shows its version
-// and that conflict.
+// and that conflict. Segments are counted, as rbytes counts them, in the
+// directories who may list, and a uid's walks run one at a time
+// (usageWalks).
 func (fsys *filesystem) clusterAttr(who ctl.Cred, d *dirNode) ([]byte, error) {
 	var out struct {
 		dirRecord
@@ -783,7 +785,11 @@ func (fsys *filesystem) clusterAttr(who ctl.Cred, d *dirNode) ([]byte, error) {
 		if err := json.Unmarshal(rec, &out.dirRecord); err != nil {
 			return fmt.Errorf("%w: the directory's published version %q", alloc.ErrInvalid, rec)
 		}
+		defer fsys.usageWalks.lock(who.Uid)()
 		return fsys.walkFor(who.Uid, fd, func(dfd int, name, _ string, st *unix.Stat_t) error {
+			if st.Mode&syscall.S_IFMT == syscall.S_IFDIR && !permitted(&who, st, 4|1) {
+				return alloc.ErrSkipDir
+			}
 			if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
 				return nil
 			}
