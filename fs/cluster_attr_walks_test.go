@@ -82,3 +82,42 @@ func TestClusterAttrCountsListable(t *testing.T) {
 		}
 	}
 }
+
+// TestClusterPullWalkOneAtATime: a pull walks the directory it is asked
+// for, any its asker may read, her own local ones too: it walked holding
+// nsMu, so that every publish, version made and unpublish of the node
+// waited for one user's walk (and for each she queued from her
+// connections); and her pulls walked beside each other. Now a uid's pull
+// walks one at a time with her other walks (usageWalks), and no walk
+// holds nsMu.
+func TestClusterPullWalkOneAtATime(t *testing.T) {
+	tc := newTestCluster(t)
+	a, b := tc.node("node-a", nil), tc.node("node-b", nil)
+	makeModel(t, a)
+	v := publishModel(t, a)
+	awaitVersion(t, b, v)
+	unlock := b.usageWalks.lock(1000) // uid 1000's walk in progress
+	pulled := make(chan error, 1)
+	go func() {
+		_, err := controlBackend{b}.Pull(ctl.Cred{Uid: 1000, Gid: 1000}, "models/m")
+		pulled <- err
+	}()
+	select {
+	case err := <-pulled:
+		t.Fatalf("uid 1000's pull walked beside her other walk: %v", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	if !b.cl.nsMu.TryLock() {
+		t.Fatal("a pull waiting for its walk holds nsMu: the node's publishes and versions wait for it")
+	}
+	b.cl.nsMu.Unlock()
+	unlock()
+	select {
+	case err := <-pulled:
+		if err != nil {
+			t.Fatalf("uid 1000's pull: %v", err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("uid 1000's pull did not run after her walk")
+	}
+}

@@ -382,10 +382,14 @@ func (c *clusterFS) catchUp(dir string) error {
 
 // madeTargets is pullTargets once a version that the watch is making
 // here is complete (it holds nsMu meanwhile): a pull right after a publish
-// read the half-made directory and pulled what was made of it.
+// read the half-made directory and pulled what was made of it. The walk
+// itself holds no nsMu (a user's walk of her directory held every
+// publish and version of the node meanwhile); a uid's walks run one at a
+// time (usageWalks), as rbytes's do.
 func (c *clusterFS) madeTargets(who ctl.Cred, dir string) ([]pullTarget, error) {
 	c.nsMu.Lock()
-	defer c.nsMu.Unlock()
+	c.nsMu.Unlock() // the version being made here, if any, is complete
+	defer c.fsys.usageWalks.lock(who.Uid)()
 	return c.pullTargets(who, dir)
 }
 
