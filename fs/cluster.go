@@ -203,7 +203,7 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 		c.fsys.log.Info("cluster: a version removed here is not made again", "dir", alloc.EscapeText(info.Dir), "version", v.ID)
 		return nil
 	}
-	if err := c.chargeLocked(info.Dir, newCharge(info.UID, int64(len(v.Entries)), v.Bytes())); err != nil {
+	if err := c.chargeLocked(info.Dir, newCharge(info.Dir, info.UID, int64(len(v.Entries)), v.Bytes())); err != nil {
 		c.refuse(info, ownerOf(v), err)
 		return err
 	}

@@ -92,7 +92,7 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 		size += o.entry.Size
 	}
 	prev := c.charges[dir]
-	if err := c.chargeLocked(dir, newCharge(who.Uid, int64(len(objs)), size)); err != nil {
+	if err := c.chargeLocked(dir, newCharge(dir, who.Uid, int64(len(objs)), size)); err != nil {
 		c.thaw(objs, dir)
 		return "", err
 	}

@@ -59,7 +59,7 @@ func (c *clusterFS) loadRemoved() {
 			continue
 		}
 		c.removed[r.Dir] = r
-		ch := newCharge(r.UID, 1, 0)
+		ch := newCharge(r.Dir, r.UID, 1, 0)
 		c.charges[r.Dir] = ch
 		c.bounds.inodes.Add(ch.uid, ch.inodes)
 	}
@@ -122,7 +122,7 @@ func (c *clusterFS) removedHere(at string, rec *dirRecord) {
 		}
 		c.forgetMadeLocked(dir)
 		r := removedRecord{Dir: dir, Version: rec.Version, UID: rec.UID}
-		err := c.chargeLocked(dir, newCharge(r.UID, 1, 0))
+		err := c.chargeLocked(dir, newCharge(r.Dir, r.UID, 1, 0))
 		if err == nil {
 			b, _ := json.Marshal(r)
 			err = alloc.MarkRemoved(alloc.FdPath(c.fsys.store.RootFd), removedKey(dir), b)
