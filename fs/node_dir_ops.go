@@ -627,8 +627,8 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 // where the cluster put them, inside the version that charges them to its
 // publisher and whose unpublish finds them there; moved out, they would
 // be charged to no one. mv copies instead: the copies are the mover's.
-// So does a directory on the way to a published directory made here
-// (rel is name's path in the mount), anyone's: a node finds what a
+// A directory on the way to a published directory made here (rel is
+// name's path in the mount), anyone's, stays too: a node finds what a
 // version made by its path when it is unpublished.
 func (fsys *filesystem) clusterStays(dirfd int, name, rel string) error {
 	var st unix.Stat_t
