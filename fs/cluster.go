@@ -55,6 +55,11 @@ type clusterFS struct {
 	pulls map[string]*cluster.Pull
 	// made is the version of each published directory last made here.
 	made map[string]*cluster.Version
+	// tried is the version of each published directory this node last
+	// set out to make: one not made (a conflict, a refusal) is not tried
+	// again for a pull, which would read its whole manifest and find the
+	// same.
+	tried map[string]string
 	// placed are the published directories whose versions are made, or
 	// being made, here: a node finds what a version made by its path, so
 	// no directory on the way to one is renamed (fs.clusterStays).
@@ -95,7 +100,7 @@ func (fsys *filesystem) joinCluster(cfg cluster.Config, b ClusterBounds) error {
 		return err
 	}
 	c := &clusterFS{fsys: fsys, node: node, known: map[string]*cluster.Content{}, busy: map[string]*leader{}, pulls: map[string]*cluster.Pull{},
-		made: map[string]*cluster.Version{}, placed: map[string]bool{}, conflicts: map[string]conflicts{}, bounds: bnd, charges: map[string]charge{}, removed: map[string]removedRecord{}}
+		made: map[string]*cluster.Version{}, tried: map[string]string{}, placed: map[string]bool{}, conflicts: map[string]conflicts{}, bounds: bnd, charges: map[string]charge{}, removed: map[string]removedRecord{}}
 	c.ctx, c.stop = context.WithCancel(context.Background())
 	fsys.cl = c
 	return nil
@@ -199,6 +204,9 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 		c.fsys.log.Info("cluster: a version already replaced is not made", "dir", alloc.EscapeText(info.Dir), "version", v.ID, "current", cur.Version)
 		return nil
 	}
+	c.mu.Lock()
+	c.tried[info.Dir] = v.ID
+	c.mu.Unlock()
 	if c.skipRemovedLocked(info.Dir, v.ID) {
 		c.fsys.log.Info("cluster: a version removed here is not made again", "dir", alloc.EscapeText(info.Dir), "version", v.ID)
 		return nil

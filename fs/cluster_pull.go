@@ -355,9 +355,10 @@ func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
 
 // catchUp makes the current version of the published directory dir
 // here now, unless this node made it already: the watch may not have
-// reported it yet. A version removed here, or one this node left alone
-// (a conflict: making it again, with its whole manifest read, for every
-// pull by anyone, would find the same), is ENOENT, saying so.
+// reported it yet. A version removed here, or one this node set out to
+// make and did not (a conflict, a refusal: making it again, with its
+// whole manifest read, for every pull by anyone, would find the same),
+// is ENOENT, saying so.
 func (c *clusterFS) catchUp(dir string) error {
 	info, err := c.node.Lookup(c.ctx, dir)
 	if err != nil {
@@ -370,13 +371,13 @@ func (c *clusterFS) catchUp(dir string) error {
 		return fmt.Errorf("%w: %s was removed on this node (rm -r); a new version of it is made here again", unix.ENOENT, alloc.EscapeText(dir))
 	}
 	c.mu.Lock()
-	made, left := c.made[dir], c.conflicts[dir]
+	made, tried := c.made[dir], c.tried[dir]
 	c.mu.Unlock()
 	if made != nil && made.ID == info.Version {
 		return nil
 	}
-	if left.Version == info.Version {
-		return fmt.Errorf("%w: this node left %s alone (local objects on its path: user.tensorfs.cluster lists them)", unix.ENOENT, alloc.EscapeText(dir))
+	if tried == info.Version {
+		return fmt.Errorf("%w: this node did not make %s's version %s (the daemon's log says why)", unix.ENOENT, alloc.EscapeText(dir), info.Version)
 	}
 	v, err := c.node.Version(c.ctx, info.Version)
 	if err == nil {

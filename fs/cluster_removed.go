@@ -155,6 +155,7 @@ func (c *clusterFS) placedBelow(rel string) bool {
 func (c *clusterFS) forgetMadeLocked(dir string) {
 	c.mu.Lock()
 	delete(c.made, dir)
+	delete(c.tried, dir)
 	delete(c.placed, dir)
 	delete(c.conflicts, dir)
 	c.mu.Unlock()

@@ -15,7 +15,7 @@ import (
 // charged to no row; each of her published directories can take a path
 // as long as a path may be, on every node. Now a version is charged the
 // directories on its path as well (refused here past her bound), and a
-// refused one makes none of them.
+// refused one makes none of them, nor does a pull try it again.
 func TestAttackClusterPathDirs(t *testing.T) {
 	t.Parallel()
 	tb := upCluster(t, 2)
@@ -25,7 +25,7 @@ func TestAttackClusterPathDirs(t *testing.T) {
 		userTree(t, filepath.Join(n1, top), userA, 0)
 		deep := filepath.Join(n1, top, strings.Repeat("d/", 39)+"pub")
 		asUserOK(t, userA, "mkdir -p "+deep)
-		before := inodesCharged(t, n2, userA)
+		charged0 := inodesCharged(t, n2, userA)
 		out, err := tb.tensorfs(userA, "publish", deep)
 		if err != nil {
 			t.Fatalf("alice's publish: %v\n%s", err, out)
@@ -38,6 +38,16 @@ func TestAttackClusterPathDirs(t *testing.T) {
 			}
 			return false, "neither in its log"
 		})
+		refusals := func() int { return strings.Count(tb.log(2), "past its publisher's bounds on this node is not made") }
+		before := refusals()
+		for range 3 { // a pull does not make again what node2 would not
+			if out, err := tb.tensorfs(userB, "pull", filepath.Join(n2, strings.TrimPrefix(deep, n1))); err == nil {
+				t.Errorf("bob pulled a version node2 did not make: %s", out)
+			}
+		}
+		if n := refusals() - before; n > 0 {
+			t.Errorf("bob's 3 pulls made node2 refuse alice's version %d more times", n)
+		}
 		dirs := 0
 		filepath.WalkDir(filepath.Join(n2, top), func(p string, d os.DirEntry, err error) error {
 			if err == nil && d.IsDir() {
@@ -45,7 +55,7 @@ func TestAttackClusterPathDirs(t *testing.T) {
 			}
 			return nil
 		})
-		charged := inodesCharged(t, n2, userA) - before
+		charged := inodesCharged(t, n2, userA) - charged0
 		t.Logf("node2 holds %d directories for alice's version; it charges her %d inodes", dirs, charged)
 		if int64(dirs) > charged {
 			t.Errorf("node2 made %d directories for alice's version (past her 8 of --cluster-node-inodes), and charges her %d inodes", dirs, charged)
