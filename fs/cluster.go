@@ -55,6 +55,15 @@ type clusterFS struct {
 	pulls map[string]*cluster.Pull
 	// made is the version of each published directory last made here.
 	made map[string]*cluster.Version
+	// tried is the version of each published directory this node last
+	// set out to make: one not made (a conflict, a refusal) is not tried
+	// again for a pull, which would read its whole manifest and find the
+	// same.
+	tried map[string]string
+	// placed are the published directories whose versions are made, or
+	// being made, here: a node finds what a version made by its path, so
+	// no directory on the way to one is renamed (fs.clusterStays).
+	placed map[string]bool
 	// conflicts are, by published directory, the names of its version
 	// last made here that this node left alone.
 	conflicts map[string]conflicts
@@ -91,7 +100,7 @@ func (fsys *filesystem) joinCluster(cfg cluster.Config, b ClusterBounds) error {
 		return err
 	}
 	c := &clusterFS{fsys: fsys, node: node, known: map[string]*cluster.Content{}, busy: map[string]*leader{}, pulls: map[string]*cluster.Pull{},
-		made: map[string]*cluster.Version{}, conflicts: map[string]conflicts{}, bounds: bnd, charges: map[string]charge{}, removed: map[string]removedRecord{}}
+		made: map[string]*cluster.Version{}, tried: map[string]string{}, placed: map[string]bool{}, conflicts: map[string]conflicts{}, bounds: bnd, charges: map[string]charge{}, removed: map[string]removedRecord{}}
 	c.ctx, c.stop = context.WithCancel(context.Background())
 	fsys.cl = c
 	return nil
@@ -195,21 +204,31 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 		c.fsys.log.Info("cluster: a version already replaced is not made", "dir", alloc.EscapeText(info.Dir), "version", v.ID, "current", cur.Version)
 		return nil
 	}
+	c.mu.Lock()
+	c.tried[info.Dir] = v.ID
+	c.mu.Unlock()
 	if c.skipRemovedLocked(info.Dir, v.ID) {
 		c.fsys.log.Info("cluster: a version removed here is not made again", "dir", alloc.EscapeText(info.Dir), "version", v.ID)
 		return nil
 	}
-	if err := c.chargeLocked(info.Dir, newCharge(info.UID, int64(len(v.Entries)), v.Bytes())); err != nil {
+	if err := c.chargeLocked(info.Dir, newCharge(info.Dir, info.UID, int64(len(v.Entries)), v.Bytes())); err != nil {
 		c.refuse(info, ownerOf(v), err)
 		return err
 	}
 	c.mu.Lock()
 	maps.Copy(c.known, v.Contents)
 	prev := c.made[info.Dir]
+	placed := c.placed[info.Dir]
+	c.placed[info.Dir] = true // before its path is walked: no rename moves it meanwhile
 	c.mu.Unlock()
 	var left []*conflict
 	defer func() { c.leftAlone(info, left) }()
 	top, err := c.openPath(info.Dir, ownerOf(v))
+	if err != nil && !placed {
+		c.mu.Lock()
+		delete(c.placed, info.Dir) // nothing made: the local directories on its path are free to move
+		c.mu.Unlock()
+	}
 	if cf := (*conflict)(nil); errors.As(err, &cf) {
 		left = append(left, cf)
 		return nil
@@ -740,7 +759,9 @@ func (fsys *filesystem) forgetName(rel string) {
 // bytes are complete here, the progress of a "tensorfs pull" of it, and
 // the names this node left alone (those who may see). A local directory
 // at a published directory's path that was left alone shows its version
-// and that conflict.
+// and that conflict. Segments are counted, as rbytes counts them, in the
+// directories who may list, and a uid's walks run one at a time
+// (usageWalks).
 func (fsys *filesystem) clusterAttr(who ctl.Cred, d *dirNode) ([]byte, error) {
 	var out struct {
 		dirRecord
@@ -772,7 +793,11 @@ func (fsys *filesystem) clusterAttr(who ctl.Cred, d *dirNode) ([]byte, error) {
 		if err := json.Unmarshal(rec, &out.dirRecord); err != nil {
 			return fmt.Errorf("%w: the directory's published version %q", alloc.ErrInvalid, rec)
 		}
+		defer fsys.usageWalks.lock(who.Uid)()
 		return fsys.walkFor(who.Uid, fd, func(dfd int, name, _ string, st *unix.Stat_t) error {
+			if st.Mode&syscall.S_IFMT == syscall.S_IFDIR && !permitted(&who, st, 4|1) {
+				return alloc.ErrSkipDir
+			}
 			if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
 				return nil
 			}

@@ -11,6 +11,8 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"path"
+	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -145,15 +147,18 @@ type charge struct {
 	inodes, bytes int64
 }
 
-// newCharge is the charge of a version of inodes and bytes to uid.
-// Root's bytes are not charged: root's versions are made whatever their
-// size (a node may show a model larger than itself and hold part of
-// it), since a pull past the backing's capacity is ENOSPC.
-func newCharge(uid uint32, inodes, bytes int64) charge {
+// newCharge is the charge to uid of a version of the published
+// directory dir of inodes and bytes, and of the directories on dir's
+// path, which a node makes where they are missing (counted whether or
+// not it made them). Root's bytes are not charged: root's versions are
+// made whatever their size (a node may show a model larger than itself
+// and hold part of it), since a pull past the backing's capacity is
+// ENOSPC.
+func newCharge(dir string, uid uint32, inodes, bytes int64) charge {
 	if uid == 0 {
 		bytes = 0
 	}
-	return charge{uid, inodes, bytes}
+	return charge{uid, inodes + int64(strings.Count(dir, "/")), bytes}
 }
 
 // chargeLocked charges dir's version made here to next.uid in place of
@@ -198,7 +203,7 @@ type refusedVersion struct {
 func (c *clusterFS) refuse(info cluster.DirInfo, owner ctl.Cred, why error) {
 	c.fsys.log.Warn("cluster: a published version past its publisher's bounds on this node is not made", "dir", alloc.EscapeText(info.Dir),
 		"version", info.Version, "publisher", info.Publisher, "uid", info.UID, "err", why)
-	top, err := c.openPath(info.Dir, owner)
+	top, err := c.refusedDir(info.Dir, owner)
 	if err == nil {
 		defer unix.Close(top)
 		var rec dirRecord
@@ -213,6 +218,21 @@ func (c *clusterFS) refuse(info cluster.DirInfo, owner ctl.Cred, why error) {
 	if err != nil {
 		c.fsys.log.Warn("cluster: the refusal is not recorded on the directory", "dir", alloc.EscapeText(info.Dir), "err", err)
 	}
+}
+
+// refusedDir opens the published directory dir of a version refused
+// here, to record why on it: made if missing, but only where its parent
+// is (the directories on its path are charged to a version made here,
+// and this one is not).
+func (c *clusterFS) refusedDir(dir string, owner ctl.Cred) (int, error) {
+	if parent := path.Dir(dir); parent != "." {
+		fd, err := openBeneath(c.fsys.store.RootFd, parent)
+		if err != nil {
+			return -1, err
+		}
+		unix.Close(fd)
+	}
+	return c.openPath(dir, owner)
 }
 
 // recount charges the published directories found in the backing to
@@ -230,8 +250,12 @@ func (c *clusterFS) recount() {
 		defer unix.Close(dfd)
 		var rec dirRecord
 		if b, err := alloc.ReadPublished(alloc.FdPath(dfd)); err == nil && b != nil && json.Unmarshal(b, &rec) == nil && rec.Version != "" {
-			ch := c.count(dfd, rec.UID)
-			c.charges[e.Rel()] = ch
+			rel := e.Rel()
+			ch := c.count(dfd, rel, rec.UID)
+			c.charges[rel] = ch
+			c.mu.Lock()
+			c.placed[rel] = true
+			c.mu.Unlock()
 			c.bounds.inodes.Add(ch.uid, ch.inodes)
 			c.bounds.bytes.Add(ch.uid, ch.bytes)
 		}
@@ -239,11 +263,11 @@ func (c *clusterFS) recount() {
 	})
 }
 
-// count returns the charge to uid of the published directory open at
-// top: it and its objects, up to the published directories below it
+// count returns the charge to uid of the published directory dir, open
+// at top: it and its objects, up to the published directories below it
 // (charged on their own), and the published sizes of its pulled
 // segments.
-func (c *clusterFS) count(top int, uid uint32) charge {
+func (c *clusterFS) count(top int, dir string, uid uint32) charge {
 	inodes, bytes := int64(1), int64(0)
 	alloc.Tree(top, func(e *alloc.Entry) error {
 		if isPublishedDir(e.Dirfd, e.Name, &e.Stat) {
@@ -256,7 +280,7 @@ func (c *clusterFS) count(top int, uid uint32) charge {
 		}
 		return nil
 	})
-	return newCharge(uid, inodes, bytes)
+	return newCharge(dir, uid, inodes, bytes)
 }
 
 // isPublishedDir reports whether name in fd, of stat st, is a directory

@@ -92,7 +92,7 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 		size += o.entry.Size
 	}
 	prev := c.charges[dir]
-	if err := c.chargeLocked(dir, newCharge(who.Uid, int64(len(objs)), size)); err != nil {
+	if err := c.chargeLocked(dir, newCharge(dir, who.Uid, int64(len(objs)), size)); err != nil {
 		c.thaw(objs, dir)
 		return "", err
 	}
@@ -141,6 +141,7 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 	c.mu.Lock()
 	maps.Copy(c.known, v.Contents)
 	c.made[dir] = v
+	c.placed[dir] = true
 	c.mu.Unlock()
 	c.fsys.log.Info("published", "dir", alloc.EscapeText(dir), "version", info.Version, "entries", len(v.Entries), "bytes", v.Bytes(), "uid", who.Uid)
 	return info.Version, nil

@@ -382,7 +382,10 @@ func (c *clusterFS) pullAll(who ctl.Cred, dir string, targets []pullTarget) (int
 
 // catchUp makes the current version of the published directory dir
 // here now, unless this node made it already: the watch may not have
-// reported it yet. A version removed here is ENOENT, saying so.
+// reported it yet. A version removed here, or one this node set out to
+// make and did not (a conflict, a refusal: making it again, with its
+// whole manifest read, for every pull by anyone, would find the same),
+// is ENOENT, saying so.
 func (c *clusterFS) catchUp(dir string) error {
 	info, err := c.node.Lookup(c.ctx, dir)
 	if err != nil {
@@ -395,10 +398,13 @@ func (c *clusterFS) catchUp(dir string) error {
 		return fmt.Errorf("%w: %s was removed on this node (rm -r); a new version of it is made here again", unix.ENOENT, alloc.EscapeText(dir))
 	}
 	c.mu.Lock()
-	made := c.made[dir]
+	made, tried := c.made[dir], c.tried[dir]
 	c.mu.Unlock()
 	if made != nil && made.ID == info.Version {
 		return nil
+	}
+	if tried == info.Version {
+		return fmt.Errorf("%w: this node did not make %s's version %s (the daemon's log says why)", unix.ENOENT, alloc.EscapeText(dir), info.Version)
 	}
 	v, err := c.node.Version(c.ctx, info.Version)
 	if err == nil {
@@ -409,10 +415,14 @@ func (c *clusterFS) catchUp(dir string) error {
 
 // madeTargets is pullTargets once a version that the watch is making
 // here is complete (it holds nsMu meanwhile): a pull right after a publish
-// read the half-made directory and pulled what was made of it.
+// read the half-made directory and pulled what was made of it. The walk
+// itself holds no nsMu (a user's walk of her directory held every
+// publish and version of the node meanwhile); a uid's walks run one at a
+// time (usageWalks), as rbytes's do.
 func (c *clusterFS) madeTargets(who ctl.Cred, dir string) ([]pullTarget, error) {
 	c.nsMu.Lock()
-	defer c.nsMu.Unlock()
+	c.nsMu.Unlock() // the version being made here, if any, is complete
+	defer c.fsys.usageWalks.lock(who.Uid)()
 	return c.pullTargets(who, dir)
 }
 

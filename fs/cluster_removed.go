@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"path"
 	"slices"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -58,7 +59,7 @@ func (c *clusterFS) loadRemoved() {
 			continue
 		}
 		c.removed[r.Dir] = r
-		ch := newCharge(r.UID, 1, 0)
+		ch := newCharge(r.Dir, r.UID, 1, 0)
 		c.charges[r.Dir] = ch
 		c.bounds.inodes.Add(ch.uid, ch.inodes)
 	}
@@ -121,7 +122,7 @@ func (c *clusterFS) removedHere(at string, rec *dirRecord) {
 		}
 		c.forgetMadeLocked(dir)
 		r := removedRecord{Dir: dir, Version: rec.Version, UID: rec.UID}
-		err := c.chargeLocked(dir, newCharge(r.UID, 1, 0))
+		err := c.chargeLocked(dir, newCharge(r.Dir, r.UID, 1, 0))
 		if err == nil {
 			b, _ := json.Marshal(r)
 			err = alloc.MarkRemoved(alloc.FdPath(c.fsys.store.RootFd), removedKey(dir), b)
@@ -136,11 +137,26 @@ func (c *clusterFS) removedHere(at string, rec *dirRecord) {
 	}()
 }
 
+// placedBelow reports whether a published directory made here (or
+// being made) lies below the directory rel, a path in the mount.
+func (c *clusterFS) placedBelow(rel string) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for dir := range c.placed {
+		if strings.HasPrefix(dir, rel+"/") {
+			return true
+		}
+	}
+	return false
+}
+
 // forgetMadeLocked forgets what this node knew of the version of dir it
 // made. nsMu is held.
 func (c *clusterFS) forgetMadeLocked(dir string) {
 	c.mu.Lock()
 	delete(c.made, dir)
+	delete(c.tried, dir)
+	delete(c.placed, dir)
 	delete(c.conflicts, dir)
 	c.mu.Unlock()
 }

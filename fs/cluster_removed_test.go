@@ -84,7 +84,7 @@ func TestClusterRemovedHere(t *testing.T) {
 		rm, _ := removedHereOf(b.fsys)
 		return rm["models/m"].Version == v1
 	})
-	if _, ch := removedHereOf(b.fsys); ch != newCharge(0, 1, 0) {
+	if _, ch := removedHereOf(b.fsys); ch != newCharge("models/m", 0, 1, 0) {
 		t.Errorf("the removed directory is charged %+v, want one inode", ch)
 	}
 	if served := b.fsys.pulled.served(); len(served) != 0 {
@@ -103,7 +103,7 @@ func TestClusterRemovedHere(t *testing.T) {
 	if exists(b.fsys) {
 		t.Fatal("a directory removed here came back at the next mount")
 	}
-	if rm, ch := removedHereOf(b.fsys); rm["models/m"].Version != v1 || ch != newCharge(0, 1, 0) {
+	if rm, ch := removedHereOf(b.fsys); rm["models/m"].Version != v1 || ch != newCharge("models/m", 0, 1, 0) {
 		t.Errorf("after a restart: records %+v, charge %+v", rm, ch)
 	}
 	if _, err := (controlBackend{b.fsys}).Pull(rootPeer, "models/m"); !errors.Is(err, syscall.ENOENT) || !strings.Contains(err.Error(), "removed on this node") {

@@ -25,7 +25,7 @@ import (
 // filesystem is the state shared by all nodes of one mount.
 type filesystem struct {
 	// usageWalks: a uid's walks of whole subtrees (rbytes, rsegments,
-	// the root's stats) run one at a time, so that one user asking from
+	// the root's stats, user.tensorfs.cluster) run one at a time, so that one user asking from
 	// many threads takes one CPU's worth of walking, not every CPU.
 	usageWalks oneAtATime
 

@@ -588,11 +588,11 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 			case df&alloc.Exclusive != 0:
 				flags |= unix.RENAME_NOREPLACE
 			}
-			if err := d.fs.clusterStays(fd, name); err != nil {
+			if err := d.fs.clusterStays(fd, name, path.Join(d.Path(nil), name)); err != nil {
 				return err
 			}
 			if exchange {
-				if err := d.fs.clusterStays(dfd, newName); err != nil {
+				if err := d.fs.clusterStays(dfd, newName, path.Join(dst.Path(nil), newName)); err != nil {
 					return err
 				}
 			}
@@ -627,7 +627,10 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 // where the cluster put them, inside the version that charges them to its
 // publisher and whose unpublish finds them there; moved out, they would
 // be charged to no one. mv copies instead: the copies are the mover's.
-func (fsys *filesystem) clusterStays(dirfd int, name string) error {
+// A directory on the way to a published directory made here (rel is
+// name's path in the mount), anyone's, stays too: a node finds what a
+// version made by its path when it is unpublished.
+func (fsys *filesystem) clusterStays(dirfd int, name, rel string) error {
 	var st unix.Stat_t
 	if unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
 		return nil // the rename itself says why
@@ -654,6 +657,9 @@ func (fsys *filesystem) clusterStays(dirfd int, name string) error {
 			return err
 		}
 		made = dir != ""
+		if !made && fsys.cl != nil && fsys.cl.placedBelow(rel) {
+			return fmt.Errorf("%w: %s holds a published directory the cluster made here, which stays where it put it (copy it instead)", syscall.EXDEV, alloc.EscapeText(name))
+		}
 	}
 	if made {
 		return fmt.Errorf("%w: %s was made here by the cluster, and stays where it put it (copy it instead)", syscall.EXDEV, alloc.EscapeText(name))
