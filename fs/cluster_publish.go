@@ -51,6 +51,11 @@ func (c *clusterFS) publish(who ctl.Cred, dir string) (string, error) {
 	if err := cluster.CheckDir(dir); err != nil {
 		return "", err
 	}
+	// A uid's publishes run one at a time, before the namespace lock:
+	// each walks, freezes and hashes its whole directory under that lock,
+	// so another user's publish waits for one of hers at most, not for as
+	// many as her connections could queue.
+	defer c.fsys.usageWalks.lock(who.Uid)()
 	c.nsMu.Lock()
 	defer c.nsMu.Unlock()
 	var top int
