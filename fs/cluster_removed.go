@@ -59,6 +59,11 @@ func (c *clusterFS) loadRemoved() {
 			continue
 		}
 		c.removed[r.Dir] = r
+		if c.madePathHere(r.Dir) { // as removedHere keeps it
+			c.mu.Lock()
+			c.placed[r.Dir] = true
+			c.mu.Unlock()
+		}
 		ch := newCharge(r.Dir, r.UID, 1, 0)
 		c.charges[r.Dir] = ch
 		c.bounds.inodes.Add(ch.uid, ch.inodes)
@@ -120,7 +125,11 @@ func (c *clusterFS) removedHere(at string, rec *dirRecord) {
 			unix.Close(fd)
 			return
 		}
-		c.forgetMadeLocked(dir)
+		// Directories made on its path for it stay (a rm -r may be
+		// removing them now), charged with the record (below) and renamed
+		// by no one (clusterStays, placed) until its version goes, which
+		// removes them (withdraw): moved, nothing would find them again.
+		c.forgetMadeLocked(dir, c.madePathHere(dir))
 		r := removedRecord{Dir: dir, Version: rec.Version, UID: rec.UID}
 		err := c.chargeLocked(dir, newCharge(r.Dir, r.UID, 1, 0))
 		if err == nil {
@@ -151,12 +160,15 @@ func (c *clusterFS) placedBelow(rel string) bool {
 }
 
 // forgetMadeLocked forgets what this node knew of the version of dir it
-// made. nsMu is held.
-func (c *clusterFS) forgetMadeLocked(dir string) {
+// made, keeping dir placed (its path renamed by no one) if keepPlaced.
+// nsMu is held.
+func (c *clusterFS) forgetMadeLocked(dir string, keepPlaced bool) {
 	c.mu.Lock()
 	delete(c.made, dir)
 	delete(c.tried, dir)
-	delete(c.placed, dir)
+	if !keepPlaced {
+		delete(c.placed, dir)
+	}
 	delete(c.conflicts, dir)
 	c.mu.Unlock()
 }
@@ -207,11 +219,13 @@ func (c *clusterFS) withdraw(dir string, missed bool) {
 	}
 	c.forgetRemovedLocked(dir)
 	c.chargeLocked(dir, charge{})
-	c.forgetMadeLocked(dir)
+	c.forgetMadeLocked(dir, false)
 	top, err := openBeneath(c.fsys.store.RootFd, dir)
 	if err != nil {
 		if !errors.Is(err, unix.ENOENT) {
 			c.fsys.log.Warn("cluster: an unpublished directory is not reachable here; it stays", "dir", alloc.EscapeText(dir), "err", err)
+		} else {
+			c.removeMadePath(dir) // removed here before: what was made on its path for it goes now
 		}
 		return
 	}
@@ -234,13 +248,27 @@ func (c *clusterFS) withdraw(dir string, missed bool) {
 		return
 	}
 	c.fsys.forgetName(dir)
+	c.removeMadePath(dir)
+	c.fsys.log.Info("cluster: unpublished directory removed here", "dir", alloc.EscapeText(dir))
+}
+
+// madePathHere reports whether this node made the directory above the
+// published directory dir for it.
+func (c *clusterFS) madePathHere(dir string) bool {
+	p := path.Dir(dir)
+	return p != "." && c.madeFor(p, dir)
+}
+
+// removeMadePath removes the directories this node made on the path to
+// the published directory dir for it (alloc.MarkMade names dir), from the
+// deepest up, once empty: dir itself is gone. nsMu is held.
+func (c *clusterFS) removeMadePath(dir string) {
 	for p := path.Dir(dir); p != "." && c.madeFor(p, dir); p = path.Dir(p) {
 		if removeClusterDir(c.fsys.store.RootFd, p) != nil {
-			break
+			return
 		}
 		c.fsys.forgetName(p)
 	}
-	c.fsys.log.Info("cluster: unpublished directory removed here", "dir", alloc.EscapeText(dir))
 }
 
 // publishedHere reports whether dir may be a directory published from

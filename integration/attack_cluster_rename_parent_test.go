@@ -67,5 +67,43 @@ func TestAttackClusterRenameParent(t *testing.T) {
 		if int64(left) > charged {
 			t.Errorf("alice keeps %d segments the cluster made on node2 (past her 8 of --cluster-node-inodes), and node2 charges her %d more inodes for them", left, charged)
 		}
+
+		// Removed here first: node2 made deep/x for deep/x/pub inside her
+		// deep (root's, as what the cluster makes on a path is). Root
+		// removes deep/x/pub on node2 (rm -r); deep/x stays, made for it,
+		// and her deep is still not renamed, until the unpublish removes
+		// deep/x too.
+		deep := filepath.Join(top, "deep")
+		userTree(t, filepath.Join(n2, deep), userA, 0)
+		userTree(t, filepath.Join(n1, deep), userA, 0)
+		userTree(t, filepath.Join(n1, deep, "x"), userA, 0)
+		userTree(t, filepath.Join(n1, deep, "x", "pub"), userA, 1)
+		out, err := tb.tensorfs(userA, "publish", filepath.Join(n1, deep, "x", "pub"))
+		if err != nil {
+			t.Fatalf("alice's publish: %v\n%s", err, out)
+		}
+		waitVersion(t, filepath.Join(n2, deep, "x", "pub"), versionOf(t, out))
+		if err := os.RemoveAll(filepath.Join(n2, deep, "x", "pub")); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "node2 records deep/x/pub removed here", func() (bool, string) {
+			return strings.Contains(tb.log(2), "published directory removed here"), tail(tb.log(2))
+		})
+		rename := func() (string, error) {
+			return runAs(t, userA, "/", "/usr/bin/python3", "-c", "import os, sys; os.rename(sys.argv[1], sys.argv[2])", filepath.Join(n2, deep), filepath.Join(n2, deep+"-moved"))
+		}
+		if out, err := rename(); err == nil || !strings.Contains(out, "Invalid cross-device link") {
+			t.Errorf("alice renamed her directory above deep/x, made for a version removed here: %v\n%s; want EXDEV", err, out)
+		}
+		if out, err := tb.tensorfs(userA, "unpublish", filepath.Join(n1, deep, "x", "pub")); err != nil {
+			t.Fatalf("alice's unpublish: %v\n%s", err, out)
+		}
+		eventually(t, "node2 removes deep/x, made for the version", func() (bool, string) {
+			_, err := os.Lstat(filepath.Join(n2, deep, "x"))
+			return os.IsNotExist(err), fmt.Sprint(err)
+		})
+		if out, err := rename(); err != nil {
+			t.Errorf("alice's rename once the version is gone: %v\n%s", err, out)
+		}
 	})
 }
