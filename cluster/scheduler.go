@@ -43,7 +43,7 @@ type scheduler struct {
 	left      int                   // pieces missing
 	lastStep  time.Time             // last piece held, or holder news
 	inFlights int                   // fetches in flight
-	scratch   []*holding            // holderLocked's
+	cands     []candidate           // pickLocked's
 
 	// After a pick that found nothing: nothing changed since (idle), the
 	// peers then, and when the first peer left alone comes back.
@@ -103,14 +103,10 @@ type group struct {
 	left    int                 // pieces missing
 	done    chan struct{}       // closed when complete
 
-	// pickLocked's: the holders that may be asked now (avail), the
-	// pieces those that are not seeds hold (offers), whether a seed is
-	// among them, and whether a piece this node lacks is held by seeds
-	// alone (seedOnly).
-	avail     []*holding
-	offers    bitmap
-	seedAvail bool
-	seedOnly  bool
+	// availLocked's: the holders that may be asked now (avail), and
+	// whether a piece this node lacks is held by seeds alone (seedOnly).
+	avail    []*holding
+	seedOnly bool
 }
 
 // newGroup returns the group of content c, nothing held yet.
@@ -118,7 +114,7 @@ func newGroup(c *Content) *group {
 	pieces := c.Pieces()
 	return &group{c: c, holders: map[string]*holding{}, seeds: map[string]bool{}, counts: make([]int, pieces),
 		have: newBitmap(pieces), busy: map[int]bool{}, bad: map[int][]string{}, left: pieces,
-		done: make(chan struct{}), offers: newBitmap(pieces)}
+		done: make(chan struct{})}
 }
 
 // task is one piece to fetch from one peer.
@@ -165,61 +161,87 @@ func (s *scheduler) claimLocked(now time.Time) (task, bool) {
 	return t, true
 }
 
-// pickLocked chooses the next piece: among the missing pieces not in
-// flight that a holder with room may be asked for now, one with the
-// fewest holders (rarest first, so that pieces spread before they are
-// copied again), ties broken at random; from the least busy of those
-// holders (see holderLocked). A holder that refuses because it sends as
-// many pieces as it may (ErrBusy) is left alone for busyWait: so a node
-// that alone holds a content (its publisher) sends a few pieces at a
-// time, each to one puller, and they spread from there while it sends
-// the next ones.
+// pickLocked chooses the next piece and its holder: a holder first, then
+// the rarest piece it offers. Holders are tried in turn among those that
+// may be asked now (availLocked's sample): seeds first while they alone
+// hold a piece this node lacks (so that a publisher's upload goes to new
+// pieces), then the others, the least busy first, ties at random, and
+// seeds last. Choosing the holder first spreads the pullers over all the
+// holders instead of crowding the few that hold the rarest pieces. Of
+// the pieces the holder has, this node lacks and has not in flight, one
+// held by the fewest holders (rarest first, so that pieces spread before
+// they are copied again), ties at random. A holder that refuses because
+// it sends as many pieces as it may (ErrBusy) is left alone for
+// busyWait.
 func (s *scheduler) pickLocked(now time.Time) (task, bool) {
-	var (
-		best       *group
-		bi, ties   int
-		bestRarity = math.MaxInt
-	)
+	cands := s.cands[:0]
 	for _, g := range s.groups {
 		if g.left == 0 || g.local != nil || !s.availLocked(g, now) {
 			continue
 		}
-		pieces := len(g.counts)
-		i0 := s.rng.IntN(pieces)
-		for j := range pieces {
-			i := (i0 + j) % pieces
-			r := g.counts[i]
-			if r > bestRarity || g.have.has(i) || g.busy[i] || !g.offers.has(i) && !(g.seedAvail && g.seedsMay(i)) {
-				continue
+		for _, h := range g.avail {
+			rank := 1 + h.st.inflight
+			if g.seeds[h.node] {
+				rank = 0
+				if !g.seedOnly {
+					rank = 1 + s.perPeer + h.st.inflight
+				}
 			}
-			if len(g.bad[i]) > 0 && s.holderLocked(g, i) == "" {
-				continue // only peers that sent it bad have it
-			}
-			if r < bestRarity {
-				bestRarity, ties = r, 0
-			}
-			if ties++; s.rng.IntN(ties) == 0 {
-				best, bi = g, i
-			}
+			cands = append(cands, candidate{g: g, h: h, rank: rank})
 		}
 	}
-	if best == nil {
-		return task{}, false
+	s.cands = cands
+	// The samples are in random order; the sort keeps it among equals
+	// but for the groups', so shuffle those too.
+	s.rng.Shuffle(len(cands), func(i, j int) { cands[i], cands[j] = cands[j], cands[i] })
+	slices.SortStableFunc(cands, func(a, b candidate) int { return a.rank - b.rank })
+	for _, c := range cands {
+		if i := s.rarestLocked(c.g, c.h); i >= 0 {
+			return task{g: c.g, i: i, peer: transport.Peer{Name: c.h.node, Addr: s.peers[c.h.node]}}, true
+		}
 	}
-	peer := s.holderLocked(best, bi)
-	return task{g: best, i: bi, peer: transport.Peer{Name: peer, Addr: s.peers[peer]}}, true
+	return task{}, false
+}
+
+// candidate is a holder pickLocked may ask, and its rank: lower first.
+type candidate struct {
+	g    *group
+	h    *holding
+	rank int
+}
+
+// rarestLocked returns the piece of g that h may be asked for with the
+// fewest holders, ties at random: one h holds, this node lacks and has
+// not in flight, h did not send bad, and (h being a seed) seedsMay. -1 if
+// none.
+func (s *scheduler) rarestLocked(g *group, h *holding) int {
+	seed := g.seeds[h.node]
+	pieces := len(g.counts)
+	best, ties, rarity := -1, 0, math.MaxInt
+	i0 := s.rng.IntN(pieces)
+	for j := range pieces {
+		i := (i0 + j) % pieces
+		r := g.counts[i]
+		if r > rarity || g.have.has(i) || !h.bits.has(i) || g.busy[i] || seed && !g.seedsMay(i) || slices.Contains(g.bad[i], h.node) {
+			continue
+		}
+		if r < rarity {
+			rarity, ties = r, 0
+		}
+		if ties++; s.rng.IntN(ties) == 0 {
+			best = i
+		}
+	}
+	return best
 }
 
 // availLocked finds up to maxAvail holders of g that may be asked for a
 // piece now (g.avail: live, not left alone, not struck out, with room for
 // another fetch, holding a piece this node lacks), a random sample (drawn
-// by shuffling g.order as far as it looks); the pieces those of them that
-// are not seeds hold (g.offers), whether a seed is among them
-// (g.seedAvail), and whether seeds alone hold a piece this node lacks
-// (g.seedOnly). False if none may be asked.
+// by shuffling g.order as far as it looks), and whether seeds alone hold
+// a piece this node lacks (g.seedOnly). False if none may be asked.
 func (s *scheduler) availLocked(g *group, now time.Time) bool {
-	g.avail, g.seedAvail, g.seedOnly = g.avail[:0], false, false
-	clear(g.offers)
+	g.avail, g.seedOnly = g.avail[:0], false
 	for k := 0; k < len(g.order) && len(g.avail) < maxAvail; k++ {
 		j := k + s.rng.IntN(len(g.order)-k)
 		g.order[k], g.order[j] = g.order[j], g.order[k]
@@ -228,13 +250,6 @@ func (s *scheduler) availLocked(g *group, now time.Time) bool {
 			continue
 		}
 		g.avail = append(g.avail, h)
-		if g.seeds[h.node] {
-			g.seedAvail = true
-			continue
-		}
-		for k := range min(len(h.bits), len(g.offers)) {
-			g.offers[k] |= h.bits[k]
-		}
 	}
 	for i, r := range g.counts {
 		if r <= len(g.seeds) && !g.have.has(i) {
@@ -260,37 +275,6 @@ func (g *group) lacks(bits bitmap) bool {
 // pieces, so that their upload goes to pieces the others do not have.
 func (g *group) seedsMay(i int) bool {
 	return !g.seedOnly || g.counts[i] <= len(g.seeds)
-}
-
-// holderLocked returns the least busy of the holders in g.avail that
-// have piece i, did not send a bad copy of it, and are not seeds unless
-// seedsMay ("" if none). Seeds (holders of the whole content: its
-// publisher, nodes done pulling) count as busier by perPeer when another
-// holder has the piece too: their upload is kept for the pieces only they
-// have.
-func (s *scheduler) holderLocked(g *group, i int) string {
-	usable := s.scratch[:0]
-	for _, h := range g.avail {
-		if h.bits.has(i) && !slices.Contains(g.bad[i], h.node) && (!g.seeds[h.node] || g.seedsMay(i)) {
-			usable = append(usable, h)
-		}
-	}
-	s.scratch = usable
-	chosen, least, ties := "", math.MaxInt, 0
-	for _, h := range usable {
-		load := h.st.inflight
-		if len(usable) > 1 && g.seeds[h.node] {
-			load += s.perPeer
-		}
-		if load < least {
-			chosen, least, ties = h.node, load, 1
-		} else if load == least {
-			if ties++; s.rng.IntN(ties) == 0 {
-				chosen = h.node
-			}
-		}
-	}
-	return chosen
 }
 
 // finishLocked records how task t ended, and returns how long its peer is
