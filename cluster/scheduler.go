@@ -85,6 +85,7 @@ func (s *scheduler) stateLocked(node string) *peerState {
 type holding struct {
 	node string
 	bits bitmap
+	seed bool // it has every piece (and is not this node)
 	st   *peerState
 }
 
@@ -95,7 +96,7 @@ type group struct {
 	local   io.ReaderAt         // a complete copy this node holds already
 	holders map[string]*holding // by node
 	order   []*holding          // the same, in the order availLocked samples them
-	seeds   map[string]bool     // holders other than this node that have every piece
+	seeds   int                 // holders other than this node that have every piece
 	counts  []int               // holders other than this node of each piece
 	have    bitmap              // pieces written and verified
 	busy    map[int]bool        // pieces in flight
@@ -112,7 +113,7 @@ type group struct {
 // newGroup returns the group of content c, nothing held yet.
 func newGroup(c *Content) *group {
 	pieces := c.Pieces()
-	return &group{c: c, holders: map[string]*holding{}, seeds: map[string]bool{}, counts: make([]int, pieces),
+	return &group{c: c, holders: map[string]*holding{}, counts: make([]int, pieces),
 		have: newBitmap(pieces), busy: map[int]bool{}, bad: map[int][]string{}, left: pieces,
 		done: make(chan struct{})}
 }
@@ -181,7 +182,7 @@ func (s *scheduler) pickLocked(now time.Time) (task, bool) {
 		}
 		for _, h := range g.avail {
 			rank := 1 + h.st.inflight
-			if g.seeds[h.node] {
+			if h.seed {
 				rank = 0
 				if !g.seedOnly {
 					rank = 1 + s.perPeer + h.st.inflight
@@ -215,14 +216,13 @@ type candidate struct {
 // not in flight, h did not send bad, and (h being a seed) seedsMay. -1 if
 // none.
 func (s *scheduler) rarestLocked(g *group, h *holding) int {
-	seed := g.seeds[h.node]
 	pieces := len(g.counts)
 	best, ties, rarity := -1, 0, math.MaxInt
 	i0 := s.rng.IntN(pieces)
 	for j := range pieces {
 		i := (i0 + j) % pieces
 		r := g.counts[i]
-		if r > rarity || g.have.has(i) || !h.bits.has(i) || g.busy[i] || seed && !g.seedsMay(i) || slices.Contains(g.bad[i], h.node) {
+		if r > rarity || g.have.has(i) || !h.bits.has(i) || g.busy[i] || h.seed && !g.seedsMay(i) || slices.Contains(g.bad[i], h.node) {
 			continue
 		}
 		if r < rarity {
@@ -252,7 +252,7 @@ func (s *scheduler) availLocked(g *group, now time.Time) bool {
 		g.avail = append(g.avail, h)
 	}
 	for i, r := range g.counts {
-		if r <= len(g.seeds) && !g.have.has(i) {
+		if r <= g.seeds && !g.have.has(i) {
 			g.seedOnly = true
 			break
 		}
@@ -274,7 +274,7 @@ func (g *group) lacks(bits bitmap) bool {
 // seeds alone hold a piece this node lacks, they are asked only for such
 // pieces, so that their upload goes to pieces the others do not have.
 func (g *group) seedsMay(i int) bool {
-	return !g.seedOnly || g.counts[i] <= len(g.seeds)
+	return !g.seedOnly || g.counts[i] <= g.seeds
 }
 
 // finishLocked records how task t ended, and returns how long its peer is
@@ -324,11 +324,9 @@ func (s *scheduler) setHolderLocked(g *group, node string, bits bitmap) {
 		g.order = append(g.order, h)
 	}
 	old := h.bits
-	if old != nil {
-		s.tallyLocked(g, node, old, -1)
-	}
+	s.tallyLocked(g, h, -1)
 	h.bits = bits
-	s.tallyLocked(g, node, bits, 1)
+	s.tallyLocked(g, h, 1)
 	if node == s.self {
 		return
 	}
@@ -371,15 +369,12 @@ func (s *scheduler) dropHolderLocked(g *group, node string) {
 	g.order = g.order[:len(g.order)-1]
 }
 
-// tallyLocked adds (d = 1) or takes away (d = -1) node as a seed of g if
-// bits has every piece.
-func (s *scheduler) tallyLocked(g *group, node string, bits bitmap, d int) {
-	if node == s.self || bits.count() < len(g.counts) {
+// tallyLocked adds (d = 1) or takes away (d = -1) h as a seed of g if
+// its bits have every piece.
+func (s *scheduler) tallyLocked(g *group, h *holding, d int) {
+	if h.node == s.self || h.bits.count() < len(g.counts) {
 		return
 	}
-	if d > 0 {
-		g.seeds[node] = true
-	} else {
-		delete(g.seeds, node)
-	}
+	h.seed = d > 0
+	g.seeds += d
 }
