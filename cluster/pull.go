@@ -20,7 +20,7 @@ import (
 
 // Pull defaults (Config).
 const (
-	DefaultParallel     = 8
+	DefaultParallel     = 4
 	DefaultPerPeer      = 2
 	DefaultNoHolderWait = 30 * time.Second
 )
