@@ -44,6 +44,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"tensorfs/cluster"
@@ -142,6 +143,31 @@ func Table(one Result, rs []Result) string {
 			r.PerNodePiece(r.Events), float64(r.Reads)/float64(r.Nodes), r.PerNodePiece(r.Messages))
 	}
 	return b.String()
+}
+
+// Sweep runs, all at once on the machine's CPUs, one node pulling alone
+// and each of sizes as it is, with churn (late and die: Config.Late and
+// Config.Die) and with Membership; it returns the lone node's result and
+// the others in that order.
+func Sweep(sizes []int, late, die float64) (Result, []Result) {
+	cfgs := []Config{Defaults(1)}
+	for _, n := range sizes {
+		for _, run := range []struct{ churn, membership bool }{{false, false}, {true, false}, {false, true}} {
+			cfg := Defaults(n)
+			if run.churn {
+				cfg.Late, cfg.Die = late, die
+			}
+			cfg.Membership = run.membership
+			cfgs = append(cfgs, cfg)
+		}
+	}
+	rs := make([]Result, len(cfgs))
+	var wg sync.WaitGroup
+	for i, cfg := range cfgs {
+		wg.Go(func() { rs[i] = Run(cfg) })
+	}
+	wg.Wait()
+	return rs[0], rs[1:]
 }
 
 // Ideal returns one node's pull at the link's rate: Model/min(Up, Down).
