@@ -192,8 +192,8 @@ func (s *scheduler) pickLocked(now time.Time) (task, bool) {
 		}
 	}
 	s.cands = cands
-	// The samples are in random order; the sort keeps it among equals
-	// but for the groups', so shuffle those too.
+	// Shuffled, then sorted stably: equal ranks in random order, the
+	// groups' holders mixed.
 	s.rng.Shuffle(len(cands), func(i, j int) { cands[i], cands[j] = cands[j], cands[i] })
 	slices.SortStableFunc(cands, func(a, b candidate) int { return a.rank - b.rank })
 	for _, c := range cands {
