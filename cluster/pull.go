@@ -20,7 +20,7 @@ import (
 
 // Pull defaults (Config).
 const (
-	DefaultParallel     = 8
+	DefaultParallel     = 4
 	DefaultPerPeer      = 2
 	DefaultNoHolderWait = 30 * time.Second
 )
@@ -172,8 +172,8 @@ func (p *Pull) Progress() Progress {
 	for peer, b := range p.byPeer {
 		pr.ByPeer[peer] = b
 	}
-	for _, k := range p.inflight {
-		if k > 0 {
+	for _, st := range p.state {
+		if st.inflight > 0 {
 			pr.Peers++
 		}
 	}
@@ -321,8 +321,8 @@ func (p *Pull) missingLocked() string {
 		for i := range g.c.Pieces() {
 			if !g.have.has(i) {
 				var holders []string
-				for node, bits := range g.holders {
-					if bits.has(i) {
+				for node, h := range g.holders {
+					if h.bits.has(i) {
 						holders = append(holders, node)
 					}
 				}
@@ -363,7 +363,7 @@ func (p *Pull) fetch(t task) {
 		}
 	case badPiece:
 		p.n.stats.badPieces.Add(1)
-		log.Warn("cluster: piece failed verification; fetching it from another holder", "err", err, "peer_strikes", p.strikes[t.peer.Name])
+		log.Warn("cluster: piece failed verification; fetching it from another holder", "err", err, "peer_strikes", p.state[t.peer.Name].strikes)
 	case fetched:
 		p.n.stats.piecesFetched.Add(1)
 		p.n.stats.bytesFetched.Add(size)
@@ -443,10 +443,11 @@ func (p *Pull) load() error {
 		}
 		for i, g := range batch {
 			kvs := resp.Responses[i].GetResponseRange().Kvs
+			p.mu.Lock() // the watches of the groups before it run
 			for _, kv := range kvs {
-				g.holders[strings.TrimPrefix(string(kv.Key), n.keys.holders(g.c.ID()))] = bitmap(kv.Value)
+				p.setHolderLocked(g, strings.TrimPrefix(string(kv.Key), n.keys.holders(g.c.ID())), bitmap(kv.Value))
 			}
-			p.holdersChangedLocked(g)
+			p.mu.Unlock()
 			go n.watchPrefix(p.ctx, n.keys.holders(g.c.ID()), revisions(kvs), resp.Header.Revision+1, func(ev *clientv3.Event) bool { return p.onHolder(g, ev) })
 		}
 	}

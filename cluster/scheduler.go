@@ -32,21 +32,18 @@ const busyWait = 250 * time.Millisecond
 // virtual clock. What it knows of holders comes from etcd (Pull.load and
 // the watch), through setHolderLocked and dropHolderLocked.
 type scheduler struct {
-	self      string               // this node's name
-	perPeer   int                  // fetches in flight from one peer, at most
-	rng       *rand.Rand           // its random choices
-	groups    []*group             // one per distinct content
-	peers     map[string]string    // live nodes: name to address
-	inflight  map[string]int       // fetches in flight per peer
-	fails     map[string]int       // consecutive failures per peer
-	down      map[string]time.Time // do not ask a peer before this
-	strikes   map[string]int       // bad pieces per peer
-	byPeer    map[string]int64     // verified bytes per peer
-	bytes     int64                // verified bytes
-	left      int                  // pieces missing
-	lastStep  time.Time            // last piece held, or holder news
-	inFlights int                  // fetches in flight
-	scratch   []string             // holderLocked's
+	self      string                // this node's name
+	perPeer   int                   // fetches in flight from one peer, at most
+	rng       *rand.Rand            // its random choices
+	groups    []*group              // one per distinct content
+	peers     map[string]string     // live nodes: name to address
+	state     map[string]*peerState // the fetches' record of each peer asked or holding
+	byPeer    map[string]int64      // verified bytes per peer
+	bytes     int64                 // verified bytes
+	left      int                   // pieces missing
+	lastStep  time.Time             // last piece held, or holder news
+	inFlights int                   // fetches in flight
+	cands     []candidate           // pickLocked's
 
 	// After a pick that found nothing: nothing changed since (idle), the
 	// peers then, and when the first peer left alone comes back.
@@ -60,42 +57,65 @@ type scheduler struct {
 func newScheduler(self string, perPeer int, seed uint64, now time.Time) scheduler {
 	return scheduler{
 		self: self, perPeer: perPeer, rng: rand.New(rand.NewPCG(seed, 0)),
-		peers: map[string]string{}, inflight: map[string]int{}, fails: map[string]int{},
-		down: map[string]time.Time{}, strikes: map[string]int{}, byPeer: map[string]int64{},
+		peers: map[string]string{}, state: map[string]*peerState{}, byPeer: map[string]int64{},
 		lastStep: now,
 	}
+}
+
+// peerState is what the fetches from one peer tell of it.
+type peerState struct {
+	inflight int       // fetches in flight from it
+	fails    int       // consecutive failures
+	down     time.Time // not asked before this
+	strikes  int       // bad pieces it sent
+}
+
+// stateLocked returns node's record, made empty on first use.
+func (s *scheduler) stateLocked(node string) *peerState {
+	st := s.state[node]
+	if st == nil {
+		st = &peerState{}
+		s.state[node] = st
+	}
+	return st
+}
+
+// holding is one holder of a group's content: its node, the pieces its
+// holder key says it has, and its record.
+type holding struct {
+	node string
+	bits bitmap
+	seed bool // it has every piece (and is not this node)
+	st   *peerState
 }
 
 // group is one distinct content of a pull and where it goes.
 type group struct {
 	c       *Content
 	dsts    []*os.File
-	local   io.ReaderAt       // a complete copy this node holds already
-	holders map[string]bitmap // node to the pieces it holds
-	seeds   map[string]bool   // holders other than this node that have every piece
-	counts  []int             // holders other than this node of each piece
-	have    bitmap            // pieces written and verified
-	busy    map[int]bool      // pieces in flight
-	bad     map[int][]string  // peers that sent a bad copy of a piece
-	left    int               // pieces missing
-	done    chan struct{}     // closed when complete
+	local   io.ReaderAt         // a complete copy this node holds already
+	holders map[string]*holding // by node
+	order   []*holding          // the same, in the order availLocked samples them
+	seeds   int                 // holders other than this node that have every piece
+	counts  []int               // holders other than this node of each piece
+	have    bitmap              // pieces written and verified
+	busy    map[int]bool        // pieces in flight
+	bad     map[int][]string    // peers that sent a bad copy of a piece
+	left    int                 // pieces missing
+	done    chan struct{}       // closed when complete
 
-	// pickLocked's: the holders that may be asked now (avail), the
-	// pieces those that are not seeds hold (offers), whether a seed is
-	// among them, and whether a piece this node lacks is held by seeds
-	// alone (seedOnly).
-	avail     []string
-	offers    bitmap
-	seedAvail bool
-	seedOnly  bool
+	// availLocked's: the holders that may be asked now (avail), and
+	// whether a piece this node lacks is held by seeds alone (seedOnly).
+	avail    []*holding
+	seedOnly bool
 }
 
 // newGroup returns the group of content c, nothing held yet.
 func newGroup(c *Content) *group {
 	pieces := c.Pieces()
-	return &group{c: c, holders: map[string]bitmap{}, seeds: map[string]bool{}, counts: make([]int, pieces),
+	return &group{c: c, holders: map[string]*holding{}, counts: make([]int, pieces),
 		have: newBitmap(pieces), busy: map[int]bool{}, bad: map[int][]string{}, left: pieces,
-		done: make(chan struct{}), offers: newBitmap(pieces)}
+		done: make(chan struct{})}
 }
 
 // task is one piece to fetch from one peer.
@@ -129,92 +149,110 @@ func (s *scheduler) claimLocked(now time.Time) (task, bool) {
 	t, ok := s.pickLocked(now)
 	if !ok {
 		s.idle, s.idlePeers, s.idleUntil = true, len(s.peers), now.Add(time.Hour)
-		for _, until := range s.down {
-			if until.After(now) && until.Before(s.idleUntil) {
-				s.idleUntil = until
+		for _, st := range s.state {
+			if st.down.After(now) && st.down.Before(s.idleUntil) {
+				s.idleUntil = st.down
 			}
 		}
 		return task{}, false
 	}
 	t.g.busy[t.i] = true
-	s.inflight[t.peer.Name]++
+	s.stateLocked(t.peer.Name).inflight++
 	s.inFlights++
 	return t, true
 }
 
-// pickLocked chooses the next piece: among the missing pieces not in
-// flight that a holder with room may be asked for now, one with the
-// fewest holders (rarest first, so that pieces spread before they are
-// copied again), ties broken at random; from the least busy of those
-// holders (see holderLocked). A holder that refuses because it sends as
-// many pieces as it may (ErrBusy) is left alone for busyWait: so a node
-// that alone holds a content (its publisher) sends a few pieces at a
-// time, each to one puller, and they spread from there while it sends
-// the next ones.
+// pickLocked chooses the next piece and its holder: a holder first, then
+// the rarest piece it offers. Holders are tried in turn among those that
+// may be asked now (availLocked's sample): seeds first while they alone
+// hold a piece this node lacks (so that a publisher's upload goes to new
+// pieces), then the others, the least busy first, ties at random, and
+// seeds last. Choosing the holder first spreads the pullers over all the
+// holders instead of crowding the few that hold the rarest pieces. Of
+// the pieces the holder has, this node lacks and has not in flight, one
+// held by the fewest holders (rarest first, so that pieces spread before
+// they are copied again), ties at random. A holder that refuses because
+// it sends as many pieces as it may (ErrBusy) is left alone for
+// busyWait.
 func (s *scheduler) pickLocked(now time.Time) (task, bool) {
-	var (
-		best       *group
-		bi, ties   int
-		bestRarity = math.MaxInt
-	)
+	cands := s.cands[:0]
 	for _, g := range s.groups {
 		if g.left == 0 || g.local != nil || !s.availLocked(g, now) {
 			continue
 		}
-		pieces := len(g.counts)
-		i0 := s.rng.IntN(pieces)
-		for j := range pieces {
-			i := (i0 + j) % pieces
-			r := g.counts[i]
-			if r > bestRarity || g.have.has(i) || g.busy[i] || !g.offers.has(i) && !(g.seedAvail && g.seedsMay(i)) {
-				continue
+		for _, h := range g.avail {
+			rank := 1 + h.st.inflight
+			if h.seed {
+				rank = 0
+				if !g.seedOnly {
+					rank = 1 + s.perPeer + h.st.inflight
+				}
 			}
-			if len(g.bad[i]) > 0 && s.holderLocked(g, i) == "" {
-				continue // only peers that sent it bad have it
-			}
-			if r < bestRarity {
-				bestRarity, ties = r, 0
-			}
-			if ties++; s.rng.IntN(ties) == 0 {
-				best, bi = g, i
-			}
+			cands = append(cands, candidate{g: g, h: h, rank: rank})
 		}
 	}
-	if best == nil {
-		return task{}, false
+	s.cands = cands
+	// Shuffled, then sorted stably: equal ranks in random order, the
+	// groups' holders mixed.
+	s.rng.Shuffle(len(cands), func(i, j int) { cands[i], cands[j] = cands[j], cands[i] })
+	slices.SortStableFunc(cands, func(a, b candidate) int { return a.rank - b.rank })
+	for _, c := range cands {
+		if i := s.rarestLocked(c.g, c.h); i >= 0 {
+			return task{g: c.g, i: i, peer: transport.Peer{Name: c.h.node, Addr: s.peers[c.h.node]}}, true
+		}
 	}
-	peer := s.holderLocked(best, bi)
-	return task{g: best, i: bi, peer: transport.Peer{Name: peer, Addr: s.peers[peer]}}, true
+	return task{}, false
+}
+
+// candidate is a holder pickLocked may ask, and its rank: lower first.
+type candidate struct {
+	g    *group
+	h    *holding
+	rank int
+}
+
+// rarestLocked returns the piece of g that h may be asked for with the
+// fewest holders, ties at random: one h holds, this node lacks and has
+// not in flight, h did not send bad, and (h being a seed) seedsMay. -1 if
+// none.
+func (s *scheduler) rarestLocked(g *group, h *holding) int {
+	pieces := len(g.counts)
+	best, ties, rarity := -1, 0, math.MaxInt
+	i0 := s.rng.IntN(pieces)
+	for j := range pieces {
+		i := (i0 + j) % pieces
+		r := g.counts[i]
+		if r > rarity || g.have.has(i) || !h.bits.has(i) || g.busy[i] || h.seed && !g.seedsMay(i) || slices.Contains(g.bad[i], h.node) {
+			continue
+		}
+		if r < rarity {
+			rarity, ties = r, 0
+		}
+		if ties++; s.rng.IntN(ties) == 0 {
+			best = i
+		}
+	}
+	return best
 }
 
 // availLocked finds up to maxAvail holders of g that may be asked for a
 // piece now (g.avail: live, not left alone, not struck out, with room for
-// another fetch, holding a piece this node lacks), in random order (Go's
-// map iteration); the pieces those of them that are not seeds hold
-// (g.offers), whether a seed is among them (g.seedAvail), and whether
-// seeds alone hold a piece this node lacks (g.seedOnly). False if none
-// may be asked.
+// another fetch, holding a piece this node lacks), a random sample (drawn
+// by shuffling g.order as far as it looks), and whether seeds alone hold
+// a piece this node lacks (g.seedOnly). False if none may be asked.
 func (s *scheduler) availLocked(g *group, now time.Time) bool {
-	g.avail, g.seedAvail, g.seedOnly = g.avail[:0], false, false
-	clear(g.offers)
-	for node, bits := range g.holders {
-		if len(g.avail) == maxAvail {
-			break
-		}
-		if !g.lacks(bits) || s.inflight[node] >= s.perPeer || s.down[node].After(now) || s.peers[node] == "" || s.strikes[node] >= maxStrikes {
+	g.avail, g.seedOnly = g.avail[:0], false
+	for k := 0; k < len(g.order) && len(g.avail) < maxAvail; k++ {
+		j := k + s.rng.IntN(len(g.order)-k)
+		g.order[k], g.order[j] = g.order[j], g.order[k]
+		h := g.order[k]
+		if h.st.inflight >= s.perPeer || h.st.down.After(now) || h.st.strikes >= maxStrikes || !g.lacks(h.bits) || s.peers[h.node] == "" {
 			continue
 		}
-		g.avail = append(g.avail, node)
-		if g.seeds[node] {
-			g.seedAvail = true
-			continue
-		}
-		for k := range min(len(bits), len(g.offers)) {
-			g.offers[k] |= bits[k]
-		}
+		g.avail = append(g.avail, h)
 	}
 	for i, r := range g.counts {
-		if r <= len(g.seeds) && !g.have.has(i) {
+		if r <= g.seeds && !g.have.has(i) {
 			g.seedOnly = true
 			break
 		}
@@ -236,45 +274,14 @@ func (g *group) lacks(bits bitmap) bool {
 // seeds alone hold a piece this node lacks, they are asked only for such
 // pieces, so that their upload goes to pieces the others do not have.
 func (g *group) seedsMay(i int) bool {
-	return !g.seedOnly || g.counts[i] <= len(g.seeds)
-}
-
-// holderLocked returns the least busy of the holders in g.avail that
-// have piece i, did not send a bad copy of it, and are not seeds unless
-// seedsMay ("" if none). Seeds (holders of the whole content: its
-// publisher, nodes done pulling) count as busier by perPeer when another
-// holder has the piece too: their upload is kept for the pieces only they
-// have.
-func (s *scheduler) holderLocked(g *group, i int) string {
-	usable := s.scratch[:0]
-	for _, node := range g.avail {
-		if g.holders[node].has(i) && !slices.Contains(g.bad[i], node) && (!g.seeds[node] || g.seedsMay(i)) {
-			usable = append(usable, node)
-		}
-	}
-	s.scratch = usable
-	chosen, least, ties := "", math.MaxInt, 0
-	for _, node := range usable {
-		load := s.inflight[node]
-		if len(usable) > 1 && g.seeds[node] {
-			load += s.perPeer
-		}
-		if load < least {
-			chosen, least, ties = node, load, 1
-		} else if load == least {
-			if ties++; s.rng.IntN(ties) == 0 {
-				chosen = node
-			}
-		}
-	}
-	return chosen
+	return !g.seedOnly || g.counts[i] <= g.seeds
 }
 
 // finishLocked records how task t ended, and returns how long its peer is
 // left alone when the failure is a new one (0 otherwise).
 func (s *scheduler) finishLocked(t task, o outcome, now time.Time) (backoff time.Duration) {
-	g, peer := t.g, t.peer.Name
-	s.inflight[peer]--
+	g, peer, st := t.g, t.peer.Name, s.stateLocked(t.peer.Name)
+	st.inflight--
 	s.inFlights--
 	s.idle = false
 	delete(g.busy, t.i)
@@ -282,22 +289,22 @@ func (s *scheduler) finishLocked(t task, o outcome, now time.Time) (backoff time
 	case notServed:
 		g.bad[t.i] = append(g.bad[t.i], peer)
 	case busy:
-		if until := now.Add(busyWait); until.After(s.down[peer]) {
-			s.down[peer] = until
+		if until := now.Add(busyWait); until.After(st.down) {
+			st.down = until
 		}
 	case failed:
-		if s.down[peer].After(now) && s.fails[peer] > 0 {
+		if st.down.After(now) && st.fails > 0 {
 			return 0 // the fetches in flight when it failed: one failure
 		}
-		s.fails[peer]++
-		backoff = min(time.Second<<min(s.fails[peer]-1, 4), 10*time.Second)
-		s.down[peer] = now.Add(backoff)
+		st.fails++
+		backoff = min(time.Second<<min(st.fails-1, 4), 10*time.Second)
+		st.down = now.Add(backoff)
 	case badPiece:
-		s.strikes[peer]++
+		st.strikes++
 		g.bad[t.i] = append(g.bad[t.i], peer)
 	case fetched:
 		_, size := g.c.PieceRange(t.i)
-		s.fails[peer] = 0
+		st.fails = 0
 		g.have.set(t.i)
 		g.left--
 		s.left--
@@ -310,12 +317,16 @@ func (s *scheduler) finishLocked(t task, o outcome, now time.Time) (backoff time
 
 // setHolderLocked records that node holds the pieces in bits of g.
 func (s *scheduler) setHolderLocked(g *group, node string, bits bitmap) {
-	old := g.holders[node]
-	if old != nil {
-		s.tallyLocked(g, node, old, -1)
+	h := g.holders[node]
+	if h == nil {
+		h = &holding{node: node, st: s.stateLocked(node)}
+		g.holders[node] = h
+		g.order = append(g.order, h)
 	}
-	g.holders[node] = bits
-	s.tallyLocked(g, node, bits, 1)
+	old := h.bits
+	s.tallyLocked(g, h, -1)
+	h.bits = bits
+	s.tallyLocked(g, h, 1)
 	if node == s.self {
 		return
 	}
@@ -347,39 +358,23 @@ func byteAt(b bitmap, k int) byte {
 
 // dropHolderLocked forgets node as a holder of g.
 func (s *scheduler) dropHolderLocked(g *group, node string) {
-	if _, ok := g.holders[node]; ok {
-		s.setHolderLocked(g, node, nil)
-		delete(g.holders, node)
-	}
-}
-
-// holdersChangedLocked recomputes what the scheduler derives from g's
-// holders (their seeds, how many hold each piece) after g.holders was
-// replaced: work in holders × pieces, where setHolderLocked's is in the
-// bytes of one bitmap, so a change to one key should go through that.
-func (s *scheduler) holdersChangedLocked(g *group) {
-	clear(g.seeds)
-	clear(g.counts)
-	s.idle = false
-	for node, bits := range g.holders {
-		s.tallyLocked(g, node, bits, 1)
-		for i := range g.counts {
-			if node != s.self && bits.has(i) {
-				g.counts[i]++
-			}
-		}
-	}
-}
-
-// tallyLocked adds (d = 1) or takes away (d = -1) node as a seed of g if
-// bits has every piece.
-func (s *scheduler) tallyLocked(g *group, node string, bits bitmap, d int) {
-	if node == s.self || bits.count() < len(g.counts) {
+	h := g.holders[node]
+	if h == nil {
 		return
 	}
-	if d > 0 {
-		g.seeds[node] = true
-	} else {
-		delete(g.seeds, node)
+	s.setHolderLocked(g, node, nil)
+	delete(g.holders, node)
+	k := slices.Index(g.order, h)
+	g.order[k] = g.order[len(g.order)-1]
+	g.order = g.order[:len(g.order)-1]
+}
+
+// tallyLocked adds (d = 1) or takes away (d = -1) h as a seed of g if
+// its bits have every piece.
+func (s *scheduler) tallyLocked(g *group, h *holding, d int) {
+	if h.node == s.self || h.bits.count() < len(g.counts) {
+		return
 	}
+	h.seed = d > 0
+	g.seeds += d
 }

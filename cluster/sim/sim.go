@@ -20,20 +20,31 @@
 //     Etcd, and reaches every node pulling the content (they watch its
 //     holders) after Etcd more. A node starting its pull reads every
 //     node key and every holder key of the model's contents.
+//   - Or, with Membership, the design DESIGN.md §10 proposes: etcd
+//     keeps membership only, one key per node per content, written when
+//     its pull starts (pulling) and when it ends (complete: a seed,
+//     which every pulling node then knows holds every piece). A pulling
+//     node subscribes to up to maxNbrs of the pulling nodes it hears of
+//     (a uniform sample: each new one replaces a random one with the
+//     sample's share of those heard of), which send it their bitmaps and
+//     then a message per piece they get, over the transport (Latency).
 //   - A node that dies breaks the fetches it serves at once (the pullers
 //     see the peer unreachable and back off, as Pull does); its keys go
 //     LeaseTTL later, and every pulling node hears of it then.
 //
 // What is counted: the time until every node that did not die has the
-// model, the seeder's upload, and etcd's load: holder keys, transactions
-// and keys written, watch events delivered, keys read.
+// model, the seeder's upload, etcd's load (holder keys, transactions and
+// keys written, watch events delivered, keys read) and, with Membership,
+// the transport's messages of which pieces a holder has.
 package sim
 
 import (
 	"container/heap"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"tensorfs/cluster"
@@ -62,6 +73,9 @@ type Config struct {
 	// in the first three quarters of one pull's ideal time.
 	Die  float64
 	Seed uint64 // of the random choices of the simulation (not the scheduler's)
+	// Membership simulates etcd keeping membership only, pullers
+	// learning what holders have from them (see the package comment).
+	Membership bool
 }
 
 // Defaults returns a configuration for n nodes: a 1 GiB model in 4 files
@@ -92,14 +106,23 @@ type Result struct {
 	Puts       int64 // holder keys written or deleted
 	Events     int64 // watch events delivered to pulling nodes
 	Reads      int64 // keys read by pulls starting
+	Messages   int64 // with Membership: bitmaps and pieces told over the transport
 }
 
 // String formats a result on one line.
 func (r Result) String() string {
-	return fmt.Sprintf("nodes %d: done %v (slowest %v), %d complete, %d died; seeder sent %.2f models; %d failed fetches, %d refused; "+
-		"etcd: %d holder keys, %d txns, %d puts, %d watch events, %d keys read",
-		r.Nodes, r.Done.Round(time.Millisecond), r.Slowest.Round(time.Millisecond), r.Completed, r.Died, r.Seeded, r.Failed, r.Refused,
-		r.HolderKeys, r.Txns, r.Puts, r.Events, r.Reads)
+	return fmt.Sprintf("nodes %d (%s): done %v (slowest %v), %d complete, %d died; seeder sent %.2f models; %d failed fetches, %d refused; "+
+		"etcd: %d holder keys, %d txns, %d puts, %d watch events, %d keys read; %d transport messages",
+		r.Nodes, r.design(), r.Done.Round(time.Millisecond), r.Slowest.Round(time.Millisecond), r.Completed, r.Died, r.Seeded, r.Failed, r.Refused,
+		r.HolderKeys, r.Txns, r.Puts, r.Events, r.Reads, r.Messages)
+}
+
+// design names what etcd keeps.
+func (c Config) design() string {
+	if c.Membership {
+		return "membership"
+	}
+	return "holder keys"
 }
 
 // PerNodePiece returns x per pulling node per piece of the model.
@@ -111,21 +134,50 @@ func (r Result) PerNodePiece(x int64) float64 {
 // pull alone (one).
 func Table(one Result, rs []Result) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "| nodes | late, died | all done | × one pull | slowest node | seeder sent (models) | failed, refused fetches | holder keys per node | txns per node per piece | keys written per node per piece | watch events per node per piece | keys read per node |\n")
-	fmt.Fprintf(&b, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+	fmt.Fprintf(&b, "| nodes | etcd keeps | late, died | all done | × one pull | slowest node | seeder sent (models) | failed, refused fetches | keys per node | txns per node per piece | keys written per node per piece | watch events per node per piece | keys read per node | transport messages per node per piece |\n")
+	fmt.Fprintf(&b, "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
 	for _, r := range rs {
-		fmt.Fprintf(&b, "| %d | %.0f%%, %d | %.2f s | %.2f | %.2f s | %.2f | %d, %d | %.2f | %.2f | %.2f | %.1f | %.0f |\n",
-			r.Nodes, 100*r.Late, r.Died, r.Done.Seconds(), r.Done.Seconds()/one.Done.Seconds(), r.Slowest.Seconds(), r.Seeded,
+		fmt.Fprintf(&b, "| %d | %s | %.0f%%, %d | %.2f s | %.2f | %.2f s | %.2f | %d, %d | %.2f | %.2f | %.2f | %.1f | %.0f | %.1f |\n",
+			r.Nodes, r.design(), 100*r.Late, r.Died, r.Done.Seconds(), r.Done.Seconds()/one.Done.Seconds(), r.Slowest.Seconds(), r.Seeded,
 			r.Failed, r.Refused, float64(r.HolderKeys)/float64(r.Nodes+1), r.PerNodePiece(r.Txns), r.PerNodePiece(r.Puts),
-			r.PerNodePiece(r.Events), float64(r.Reads)/float64(r.Nodes))
+			r.PerNodePiece(r.Events), float64(r.Reads)/float64(r.Nodes), r.PerNodePiece(r.Messages))
 	}
 	return b.String()
+}
+
+// Sweep runs, all at once on the machine's CPUs, one node pulling alone
+// and each of sizes as it is, with churn (late and die: Config.Late and
+// Config.Die) and with Membership; it returns the lone node's result and
+// the others in that order.
+func Sweep(sizes []int, late, die float64) (Result, []Result) {
+	cfgs := []Config{Defaults(1)}
+	for _, n := range sizes {
+		for _, run := range []struct{ churn, membership bool }{{false, false}, {true, false}, {false, true}} {
+			cfg := Defaults(n)
+			if run.churn {
+				cfg.Late, cfg.Die = late, die
+			}
+			cfg.Membership = run.membership
+			cfgs = append(cfgs, cfg)
+		}
+	}
+	rs := make([]Result, len(cfgs))
+	var wg sync.WaitGroup
+	for i, cfg := range cfgs {
+		wg.Go(func() { rs[i] = Run(cfg) })
+	}
+	wg.Wait()
+	return rs[0], rs[1:]
 }
 
 // Ideal returns one node's pull at the link's rate: Model/min(Up, Down).
 func (c Config) Ideal() time.Duration {
 	return time.Duration(float64(c.Model) / min(c.Up, c.Down) * float64(time.Second))
 }
+
+// maxNbrs is how many pulling nodes a pulling node subscribes to, with
+// Membership: the scheduler's sample (cluster's maxAvail).
+const maxNbrs = 32
 
 // tick is how often an idle pull looks again (Pull.next's timer); batch
 // how long the watch events that reach a pull are gathered before it
@@ -150,6 +202,11 @@ type node struct {
 	up      []*flow       // flows it sends
 	down    []*flow       // flows it receives
 	sent    int64         // bytes it sent
+	// With Membership: the pulling nodes it subscribed to, those
+	// subscribed to it, and how many pulling nodes it heard of.
+	nbrs []*node
+	subs []*node
+	seen int
 	// announce: a write in flight, and contents changed since it began.
 	writing  bool
 	changed  map[int]bool
@@ -181,6 +238,7 @@ const (
 	evExpire         // a dead node's lease expires
 	evTick           // an idle pull looks again
 	evBatch          // a pull looks at the watch events of the last batch
+	evHave           // a holder's bitmaps reach a subscriber (Membership)
 )
 
 type event struct {
@@ -190,7 +248,8 @@ type event struct {
 	n    *node
 	f    *flow
 	ver  int
-	keys []key // evCommit, evNotify: the holder keys written
+	keys []key // evCommit, evNotify: the holder keys written; evHave: the bitmaps
+	from *node // evHave: the holder
 }
 
 // key is one holder key's new value: nil bits deletes it.
@@ -227,6 +286,7 @@ type world struct {
 	seq      int64
 	queue    events
 	res      Result
+	rng      *rand.Rand
 }
 
 // Run simulates cfg and returns what it measured.
@@ -246,6 +306,7 @@ func Run(cfg Config) Result {
 		w.holders[i][w.seeder] = full(int((c.Size + c.PieceSize - 1) / c.PieceSize))
 	}
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0))
+	w.rng = rng
 	ideal := cfg.Ideal()
 	for i := range cfg.Nodes {
 		n := &node{id: i, name: fmt.Sprintf("node%04d", i), alive: true, changed: map[int]bool{}}
@@ -332,6 +393,7 @@ func (w *world) handle(e *event) {
 		w.res.Puts += int64(len(w.contents))
 		for _, m := range w.nodes {
 			if m.pulling {
+				m.nbrs = without(m.nbrs, n)
 				m.s.DropPeer(n.name)
 				for i := range w.contents {
 					m.s.DropHolder(i, n.name)
@@ -346,6 +408,13 @@ func (w *world) handle(e *event) {
 	case evBatch:
 		n.batching = false
 		w.wake(n)
+	case evHave:
+		if n.pulling && slices.Contains(n.nbrs, e.from) {
+			for _, k := range e.keys {
+				n.s.SetHolder(k.content, e.from.name, k.bits)
+			}
+			w.soon(n)
+		}
 	}
 }
 
@@ -362,13 +431,22 @@ func (w *world) start(n *node) {
 			w.res.Reads++
 		}
 	}
+	n.pulling = true
+	all := append([]*node{w.seeder}, w.nodes...) // in order: the sim is deterministic
 	for i, hs := range w.holders {
-		for m, bits := range hs {
-			n.s.SetHolder(i, m.name, bits)
+		for _, m := range all {
+			bits, ok := hs[m]
+			switch {
+			case !ok:
+				continue
+			case len(bits) > 0 || !w.cfg.Membership:
+				n.s.SetHolder(i, m.name, bits)
+			case i == 0:
+				w.consider(n, m) // a pulling member
+			}
 			w.res.Reads++
 		}
 	}
-	n.pulling = true
 	for i := range w.contents {
 		n.changed[i] = true
 	}
@@ -460,14 +538,13 @@ func (w *world) remove(f *flow) {
 	w.reshare(f.from, f.to)
 }
 
-func without(fs []*flow, f *flow) []*flow {
-	for i, g := range fs {
-		if g == f {
-			fs[i] = fs[len(fs)-1]
-			return fs[:len(fs)-1]
-		}
+// without returns xs without x, in another order.
+func without[T comparable](xs []T, x T) []T {
+	if i := slices.Index(xs, x); i >= 0 {
+		xs[i] = xs[len(xs)-1]
+		return xs[:len(xs)-1]
 	}
-	return fs
+	return xs
 }
 
 // end completes f: the piece is held, announced, and n claims more.
@@ -476,8 +553,16 @@ func (w *world) end(f *flow) {
 	f.from.sent += f.size
 	n := f.to
 	n.s.Finish(f.t, true, w.clock())
-	n.changed[f.t.Content] = true
+	if !w.cfg.Membership || n.s.Left() == 0 {
+		n.changed[f.t.Content] = true
+		if w.cfg.Membership {
+			for i := range w.contents {
+				n.changed[i] = true // complete: a seed of every content
+			}
+		}
+	}
 	w.announce(n)
+	w.tell(n, f.t.Content)
 	if n.s.Left() == 0 {
 		n.end, n.pulling = w.now, false
 		return
@@ -500,7 +585,11 @@ func (w *world) announce(n *node) {
 	}
 	var keys []key
 	for i := range n.changed {
-		keys = append(keys, key{content: i, bits: n.s.Have(i)})
+		bits := n.s.Have(i)
+		if w.cfg.Membership && n.s.Left() > 0 {
+			bits = []byte{} // pulling: no bitmap
+		}
+		keys = append(keys, key{content: i, bits: bits})
 	}
 	clear(n.changed)
 	n.writing = true
@@ -522,18 +611,79 @@ func (w *world) commit(n *node, keys []key) {
 	w.announce(n)
 }
 
-// notify delivers n's committed holder keys to every pulling node.
+// notify delivers n's committed holder keys to every pulling node; with
+// Membership, a pulling member is one to consider subscribing to, and a
+// complete one a seed.
 func (w *world) notify(n *node, keys []key) {
 	for _, m := range w.nodes {
-		if !m.pulling {
+		if !m.pulling || w.cfg.Membership && m == n {
 			continue
+		}
+		w.res.Events += int64(len(keys))
+		if w.cfg.Membership && len(keys[0].bits) == 0 {
+			w.consider(m, n)
+			continue
+		}
+		if w.cfg.Membership {
+			w.unsubscribe(m, n)
 		}
 		for _, k := range keys {
 			m.s.SetHolder(k.content, n.name, k.bits)
 		}
-		w.res.Events += int64(len(keys))
 		w.soon(m)
 	}
+}
+
+// consider has n, which heard of the pulling node m, subscribe to it if
+// n has fewer than maxNbrs or, in place of a random one, with the share
+// maxNbrs of those heard of: a uniform sample (reservoir sampling).
+func (w *world) consider(n, m *node) {
+	if !n.pulling || n == m {
+		return
+	}
+	n.seen++
+	if len(n.nbrs) >= maxNbrs {
+		if w.rng.IntN(n.seen) >= maxNbrs {
+			return
+		}
+		w.unsubscribe(n, n.nbrs[w.rng.IntN(len(n.nbrs))])
+	}
+	n.nbrs = append(n.nbrs, m)
+	m.subs = append(m.subs, n)
+	for i := range w.contents {
+		w.send(m, n, i)
+	}
+}
+
+// unsubscribe ends n's subscription to m, if any: n forgets what m holds.
+func (w *world) unsubscribe(n, m *node) {
+	if !slices.Contains(n.nbrs, m) {
+		return
+	}
+	n.nbrs = without(n.nbrs, m)
+	m.subs = without(m.subs, n)
+	for i := range w.contents {
+		n.s.DropHolder(i, m.name)
+	}
+}
+
+// tell sends, with Membership, n's bitmap of content i to the pulling
+// nodes subscribed to it.
+func (w *world) tell(n *node, i int) {
+	if !w.cfg.Membership {
+		return
+	}
+	for _, m := range n.subs {
+		if m.pulling {
+			w.send(n, m, i)
+		}
+	}
+}
+
+// send sends from's bitmap of content i to m over the transport.
+func (w *world) send(from, m *node, i int) {
+	w.res.Messages++
+	w.push(&event{at: w.now + w.cfg.Latency, kind: evHave, n: m, from: from, keys: []key{{content: i, bits: from.s.Have(i)}}})
 }
 
 // die kills n: the flows it sends fail, those it receives stop.

@@ -47,6 +47,34 @@ func TestSim(t *testing.T) {
 	}
 }
 
+// TestSimMembership runs the design in which etcd keeps membership only:
+// every node that does not die gets the model; each writes its keys when
+// its pull starts and when it ends, whatever the number of pieces; the
+// watch events are fewer than with holder keys; what holders tell of
+// their pieces over the transport goes to their subscribers only.
+func TestSimMembership(t *testing.T) {
+	for _, n := range []int{8, 24} {
+		cfg := Defaults(n)
+		cfg.Late, cfg.Die = 0.2, 0.1
+		keys := Run(cfg)
+		cfg.Membership = true
+		r := Run(cfg)
+		t.Log(r)
+		if r.Completed+r.Died != n || r.Completed == 0 {
+			t.Fatalf("%d nodes: %v; every node that did not die should complete", n, r)
+		}
+		if r.Txns > int64(2*n) || r.Puts > int64(2*n*r.Files) {
+			t.Errorf("%d nodes: %d txns, %d keys written; want at most one txn, of a key per content, at each pull's start and end", n, r.Txns, r.Puts)
+		}
+		if r.Events >= keys.Events {
+			t.Errorf("%d nodes: %d watch events, %d with holder keys; want fewer", n, r.Events, keys.Events)
+		}
+		if r.Messages == 0 || r.PerNodePiece(r.Messages) > maxNbrs {
+			t.Errorf("%d nodes: %d transport messages, %.1f per node per piece; want some, at most %d", n, r.Messages, r.PerNodePiece(r.Messages), maxNbrs)
+		}
+	}
+}
+
 // TestSimDeterministicLinks checks the network model on two nodes: one
 // seeder, one puller, pieces that fit the link: the pull takes the
 // model's bytes over the link's rate, plus latencies.

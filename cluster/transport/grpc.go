@@ -39,7 +39,7 @@ const (
 	// DefaultIdle is how long a fetch may receive nothing before it fails.
 	DefaultIdle = 10 * time.Second
 	// DefaultMaxUploads is how many pieces a node sends at once.
-	DefaultMaxUploads = 8
+	DefaultMaxUploads = 4
 )
 
 // Config says where a GRPC transport listens and how it authenticates.
