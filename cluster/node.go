@@ -17,6 +17,8 @@ import (
 	"go.etcd.io/etcd/client/v3/concurrency"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"tensorfs/cluster/transport"
 )
@@ -444,14 +446,18 @@ func (n *Node) lease(ctx context.Context) (clientv3.LeaseID, error) {
 	}
 }
 
-// etcdErr wraps a failed etcd call: ErrUnavailable when etcd did not answer
-// in time or the node is closing.
+// etcdErr wraps a failed etcd call as ErrUnavailable, saying whether etcd
+// did not answer in time or could not be reached; ErrClosed when the node
+// is closing.
 func (n *Node) etcdErr(what string, err error) error {
 	if errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled) {
 		if n.ctx.Err() != nil {
 			return fmt.Errorf("cluster: %s: %w", what, ErrClosed)
 		}
 		return fmt.Errorf("%w: cluster: %s: etcd %v did not answer within %v (down, unreachable, or refusing this node's certificate)", ErrUnavailable, what, n.cfg.Endpoints, n.cfg.Timeout)
+	}
+	if status.Code(err) == codes.Unavailable { // the connection failed before the deadline
+		return fmt.Errorf("%w: cluster: %s: etcd %v is unreachable (down, or refusing this node's certificate): %v", ErrUnavailable, what, n.cfg.Endpoints, err)
 	}
 	return fmt.Errorf("%w: cluster: %s: etcd %v: %v", ErrUnavailable, what, n.cfg.Endpoints, err)
 }

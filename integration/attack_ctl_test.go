@@ -438,16 +438,26 @@ func attackFlood(t *testing.T, m *mount, sock string, private bool) {
 // wantLog checks that a line of the daemon's log holds all of want.
 func wantLog(t *testing.T, m *mount, want ...string) {
 	t.Helper()
-	for _, line := range strings.Split(m.stderr.String(), "\n") {
-		found := true
-		for _, w := range want {
-			found = found && strings.Contains(line, w)
+	has := func() bool {
+		for _, line := range strings.Split(m.stderr.String(), "\n") {
+			found := true
+			for _, w := range want {
+				found = found && strings.Contains(line, w)
+			}
+			if found {
+				return true
+			}
 		}
-		if found {
+		return false
+	}
+	// The daemon may log a refusal after its reply, and the harness
+	// copies its stderr as it comes.
+	for deadline := time.Now().Add(5 * time.Second); !has(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Errorf("no line of the daemon's log holds %q", want)
 			return
 		}
 	}
-	t.Errorf("no line of the daemon's log holds %q", want)
 }
 
 // daemonFDs returns how many descriptors process pid holds, and its soft
