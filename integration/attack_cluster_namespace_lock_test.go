@@ -79,8 +79,10 @@ func fastest(t *testing.T, n int, fn func(i int)) time.Duration {
 
 // rootPublishWhile runs alice's request from 16 connections, over and
 // over, and fails if root's publish of one segment meanwhile takes more
-// than it takes alone (measured first) and three of her requests alone
-// (walk): it waited for more of hers than the one in flight.
+// than it takes alone (measured first) and eight of her requests alone
+// (walk): it waited for more of hers than the one in flight (waiting for
+// all she queued took 15 of them; the rest of eight is room for the CPU
+// her 16 clients take from root's on a loaded machine).
 func rootPublishWhile(t *testing.T, tb *testbed, what string, walk time.Duration, request func()) {
 	t.Helper()
 	publish := func(round string) time.Duration {
@@ -111,7 +113,7 @@ func rootPublishWhile(t *testing.T, tb *testbed, what string, walk time.Duration
 	eventually(t, "alice's requests run", func() (bool, string) { return done.Load() >= 16, fmt.Sprint(done.Load()) })
 	loaded := publish("loaded")
 	t.Logf("alice's request alone: %v; root's publish alone: %v, while 16 of hers run: %v", walk, alone, loaded)
-	if loaded > alone+3*walk {
+	if loaded > alone+8*walk {
 		t.Errorf("root's publish took %v while alice's requests ran from 16 connections (%v alone; hers %v each alone): it waited for hers", loaded, alone, walk)
 	}
 }
