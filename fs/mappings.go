@@ -786,12 +786,19 @@ func (fsys *filesystem) notifyGone(path string, ino uint64) {
 // and a daemon that crashes leaves it behind.
 const devsAttr = "trusted.tensorfs.mapdevs"
 
+// keptFile is an UNLINK segment, of backing inode ino, kept while the
+// files ids are mapped.
+type keptFile struct {
+	ino uint64
+	ids []mappedFile
+}
+
 // Recovered is what recovery found mapped, for the mount.
 type Recovered struct {
 	// devs are the devices of earlier mounts that processes still map.
 	devs []uint64
-	// kept are the files of each UNLINK segment kept because mapped.
-	kept [][]mappedFile
+	// kept are the UNLINK segments kept because mapped.
+	kept []keptFile
 	// devices are the backing files of device segments (alloc.Recovery).
 	devices []*os.File
 	// pulled are the pulled segments (alloc.Recovery).
@@ -833,7 +840,7 @@ func Recover(store *alloc.Store, live uint64) (segments, bytes int64, rec *Recov
 		if pids, err := t.mappers(ids, time.Time{}, anyAge); len(pids) == 0 && err == nil {
 			return false
 		}
-		rec.kept = append(rec.kept, ids)
+		rec.kept = append(rec.kept, keptFile{st.Ino, ids})
 		return true
 	}, live != 0)
 	if err != nil {
@@ -899,9 +906,8 @@ func (fsys *filesystem) afterMount(mountpoint string, rec *Recovered) {
 		return
 	}
 	now := time.Now()
-	for _, ids := range rec.kept {
-		ino := ids[0].id.ino
-		fsys.watch(ino, ids, now, 0, func() { fsys.removeUnlinked(ino) }) // the daemon's own: no user released these
+	for _, k := range rec.kept {
+		fsys.watch(k.ino, k.ids, now, 0, func() { fsys.removeUnlinked(k.ino) }) // the daemon's own: no user released these
 	}
 }
 

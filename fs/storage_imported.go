@@ -274,6 +274,21 @@ func (fsys *filesystem) adoptImports(handed map[Import]int, markers []alloc.Impo
 	return dropped
 }
 
+// keepUnlinkedImports has a successor wait, once it serves, for the last
+// mapping by its sender of each UNLINK import it adopted that no handle it
+// inherited holds (held), as its predecessor waited, and then remove it
+// (rec.kept): recovery keeps every import's marker, mapped or not.
+func (fsys *filesystem) keepUnlinkedImports(rec *Recovered, held map[uint64]bool) {
+	for _, mk := range rec.imports {
+		in, ok := fsys.imports.get(mk.ID)
+		if !mk.Unlink || !ok || held[mk.Ino] {
+			continue
+		}
+		id, uid, _ := in.mapped(nil)
+		rec.kept = append(rec.kept, keptFile{mk.Ino, []mappedFile{{id, uid}}})
+	}
+}
+
 // removeMarker removes the marker of an import whose descriptor is gone,
 // if it is still at its path (found without following a link), and
 // gives back its inode.
