@@ -742,22 +742,34 @@ func (fsys *filesystem) removeUnlinkedNames(inos map[uint64]bool) {
 		if ferr != nil || f&alloc.Unlink == 0 {
 			return nil
 		}
-		s, ino, last, err := fsys.lastLink(dirfd, name)
-		if err != nil || unix.Unlinkat(dirfd, name, 0) != nil {
+		if !fsys.unlinkUnheld(dirfd, name, st) {
 			return nil
-		}
-		if last {
-			fsys.inodes.gone(ino) // unmapped, and no handle: its watch ended
-		} else {
-			fsys.inodes.unlinked(ino, st.Uid)
-		}
-		if s != nil {
-			s.release()
 		}
 		fsys.notifyGone(rel, st.Ino)
 		fsys.log.Info("removed UNLINK segment after its last mapping", "name", rel)
 		return nil
 	})
+}
+
+// unlinkUnheld removes name in dirfd, an UNLINK segment whose stat is st
+// that nothing holds, and gives back what it held; an import's end waits
+// out a handover (imports.handing). It reports whether it removed it.
+func (fsys *filesystem) unlinkUnheld(dirfd int, name string, st *unix.Stat_t) bool {
+	fsys.imports.handing.RLock()
+	defer fsys.imports.handing.RUnlock()
+	s, ino, last, err := fsys.lastLink(dirfd, name)
+	if err != nil || unix.Unlinkat(dirfd, name, 0) != nil {
+		return false
+	}
+	if last {
+		fsys.inodes.gone(ino) // unmapped, and no handle: its watch ended
+	} else {
+		fsys.inodes.unlinked(ino, st.Uid)
+	}
+	if s != nil {
+		s.release()
+	}
+	return true
 }
 
 // notifyGone drops the name path (relative to the root) of inode ino

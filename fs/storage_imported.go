@@ -152,10 +152,13 @@ type imports struct {
 	// (Options.Journal).
 	journal func(Record)
 	// handing is read-held by an import from its descriptor's addition
-	// to its marker, and write-held by a handover from its list of the
-	// imports (files) on (Server.Handover): an import made meanwhile
-	// would be neither handed over nor kept by the keeper, so it waits,
-	// and dies with the daemon if the handover succeeds.
+	// to its marker, and by an UNLINK segment's removal outside a request
+	// (a watch's, a release's) from its unlink to its import's end; and
+	// write-held by a handover from its list of the imports (files) on
+	// (Server.Handover): an import made meanwhile would be neither handed
+	// over nor kept by the keeper, and one ended meanwhile would be
+	// handed over with no name, so each waits, and dies with the daemon
+	// if the handover succeeds (its successor's watch removes it then).
 	handing sync.RWMutex
 
 	mu sync.RWMutex // protects m
