@@ -31,10 +31,11 @@ type Recovery struct {
 // ImportMarker is the marker of an imported segment that recovery kept.
 type ImportMarker struct {
 	// Rel is its path relative to the backing's root, Ino its inode and
-	// ID the import's id.
-	Rel string
-	Ino uint64
-	ID  string
+	// ID the import's id; Unlink whether its flags carry UNLINK.
+	Rel    string
+	Ino    uint64
+	ID     string
+	Unlink bool
 }
 
 // PulledFile is a Pulled segment recovery found.
@@ -87,7 +88,7 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool, successor bool) (*Rec
 		case merr != nil:
 			s.log.Warn("recover: unreadable marker, keeping segment", "path", e.Tail(), "err", merr)
 		case m.Kind == Imported && successor:
-			rec.Imports = append(rec.Imports, ImportMarker{Rel: e.Rel(), Ino: st.Ino, ID: m.ID})
+			rec.Imports = append(rec.Imports, ImportMarker{Rel: e.Rel(), Ino: st.Ino, ID: m.ID, Unlink: ferr == nil && f&Unlink != 0})
 			return nil
 		case m.Kind == Imported:
 			s.log.Info("recover: removing imported segment, its descriptor ended with the daemon", "path", e.Tail())

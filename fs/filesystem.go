@@ -324,6 +324,7 @@ func (fsys *filesystem) reclaim(n *segmentNode, uid uint32) {
 		if parent == nil {
 			return
 		}
+		fsys.imports.handing.RLock() // an import's end waits out a handover
 		err := dirOf(parent).withDir(func(fd int) error {
 			var st unix.Stat_t
 			if err := unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil || st.Ino != n.StableAttr().Ino {
@@ -337,6 +338,7 @@ func (fsys *filesystem) reclaim(n *segmentNode, uid uint32) {
 			}
 			return nil
 		})
+		fsys.imports.handing.RUnlock()
 		parent.RmChild(name)
 		parent.NotifyDelete(name, n.EmbeddedInode())
 		if err == nil {

@@ -742,22 +742,34 @@ func (fsys *filesystem) removeUnlinkedNames(inos map[uint64]bool) {
 		if ferr != nil || f&alloc.Unlink == 0 {
 			return nil
 		}
-		s, ino, last, err := fsys.lastLink(dirfd, name)
-		if err != nil || unix.Unlinkat(dirfd, name, 0) != nil {
+		if !fsys.unlinkUnheld(dirfd, name, st) {
 			return nil
-		}
-		if last {
-			fsys.inodes.gone(ino) // unmapped, and no handle: its watch ended
-		} else {
-			fsys.inodes.unlinked(ino, st.Uid)
-		}
-		if s != nil {
-			s.release()
 		}
 		fsys.notifyGone(rel, st.Ino)
 		fsys.log.Info("removed UNLINK segment after its last mapping", "name", rel)
 		return nil
 	})
+}
+
+// unlinkUnheld removes name in dirfd, an UNLINK segment whose stat is st
+// that nothing holds, and gives back what it held; an import's end waits
+// out a handover (imports.handing). It reports whether it removed it.
+func (fsys *filesystem) unlinkUnheld(dirfd int, name string, st *unix.Stat_t) bool {
+	fsys.imports.handing.RLock()
+	defer fsys.imports.handing.RUnlock()
+	s, ino, last, err := fsys.lastLink(dirfd, name)
+	if err != nil || unix.Unlinkat(dirfd, name, 0) != nil {
+		return false
+	}
+	if last {
+		fsys.inodes.gone(ino) // unmapped, and no handle: its watch ended
+	} else {
+		fsys.inodes.unlinked(ino, st.Uid)
+	}
+	if s != nil {
+		s.release()
+	}
+	return true
 }
 
 // notifyGone drops the name path (relative to the root) of inode ino
@@ -786,12 +798,19 @@ func (fsys *filesystem) notifyGone(path string, ino uint64) {
 // and a daemon that crashes leaves it behind.
 const devsAttr = "trusted.tensorfs.mapdevs"
 
+// keptFile is an UNLINK segment, of backing inode ino, kept while the
+// files ids are mapped.
+type keptFile struct {
+	ino uint64
+	ids []mappedFile
+}
+
 // Recovered is what recovery found mapped, for the mount.
 type Recovered struct {
 	// devs are the devices of earlier mounts that processes still map.
 	devs []uint64
-	// kept are the files of each UNLINK segment kept because mapped.
-	kept [][]mappedFile
+	// kept are the UNLINK segments kept because mapped.
+	kept []keptFile
 	// devices are the backing files of device segments (alloc.Recovery).
 	devices []*os.File
 	// pulled are the pulled segments (alloc.Recovery).
@@ -833,7 +852,7 @@ func Recover(store *alloc.Store, live uint64) (segments, bytes int64, rec *Recov
 		if pids, err := t.mappers(ids, time.Time{}, anyAge); len(pids) == 0 && err == nil {
 			return false
 		}
-		rec.kept = append(rec.kept, ids)
+		rec.kept = append(rec.kept, keptFile{st.Ino, ids})
 		return true
 	}, live != 0)
 	if err != nil {
@@ -899,9 +918,8 @@ func (fsys *filesystem) afterMount(mountpoint string, rec *Recovered) {
 		return
 	}
 	now := time.Now()
-	for _, ids := range rec.kept {
-		ino := ids[0].id.ino
-		fsys.watch(ino, ids, now, 0, func() { fsys.removeUnlinked(ino) }) // the daemon's own: no user released these
+	for _, k := range rec.kept {
+		fsys.watch(k.ino, k.ids, now, 0, func() { fsys.removeUnlinked(k.ino) }) // the daemon's own: no user released these
 	}
 }
 

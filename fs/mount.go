@@ -341,7 +341,9 @@ func takeOver(raw fuse.RawFileSystem, h *HandoverFS, t *Takeover, fsys *filesyst
 		return nil, nil, fmt.Errorf("takeover: %w", err)
 	}
 	lost := h.Adopt(t.State)
-	unheld := settleUnlinked(rec, heldNodes(t.State.Handles, lost.Handles))
+	held := heldNodes(t.State.Handles, lost.Handles)
+	unheld := settleUnlinked(rec, held)
+	fsys.keepUnlinkedImports(rec, held)
 	fsys.settleOrphans()
 	if len(lost.Nodes) > 0 || len(lost.Handles) > 0 {
 		log.Warn("takeover: what the kernel holds that the backing no longer has at its name, or that would not open again, fails", "nodes", len(lost.Nodes), "handles", len(lost.Handles))

@@ -152,10 +152,13 @@ type imports struct {
 	// (Options.Journal).
 	journal func(Record)
 	// handing is read-held by an import from its descriptor's addition
-	// to its marker, and write-held by a handover from its list of the
-	// imports (files) on (Server.Handover): an import made meanwhile
-	// would be neither handed over nor kept by the keeper, so it waits,
-	// and dies with the daemon if the handover succeeds.
+	// to its marker, and by an UNLINK segment's removal outside a request
+	// (a watch's, a release's) from its unlink to its import's end; and
+	// write-held by a handover from its list of the imports (files) on
+	// (Server.Handover): an import made meanwhile would be neither handed
+	// over nor kept by the keeper, and one ended meanwhile would be
+	// handed over with no name, so each waits, and dies with the daemon
+	// if the handover succeeds (its successor's watch removes it then).
 	handing sync.RWMutex
 
 	mu sync.RWMutex // protects m
@@ -272,6 +275,21 @@ func (fsys *filesystem) adoptImports(handed map[Import]int, markers []alloc.Impo
 		}
 	}
 	return dropped
+}
+
+// keepUnlinkedImports has a successor wait, once it serves, for the last
+// mapping by its sender of each UNLINK import it adopted that no handle it
+// inherited holds (held), as its predecessor waited, and then remove it
+// (rec.kept): recovery keeps every import's marker, mapped or not.
+func (fsys *filesystem) keepUnlinkedImports(rec *Recovered, held map[uint64]bool) {
+	for _, mk := range rec.imports {
+		in, ok := fsys.imports.get(mk.ID)
+		if !mk.Unlink || !ok || held[mk.Ino] {
+			continue
+		}
+		id, uid, _ := in.mapped(nil)
+		rec.kept = append(rec.kept, keptFile{mk.Ino, []mappedFile{{id, uid}}})
+	}
 }
 
 // removeMarker removes the marker of an import whose descriptor is gone,

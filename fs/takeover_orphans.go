@@ -247,6 +247,6 @@ func settleUnlinked(rec *Recovered, held map[uint64]bool) (unheld map[uint64]boo
 			unheld[ino] = true
 		}
 	}
-	rec.kept = slices.DeleteFunc(rec.kept, func(ids []mappedFile) bool { return held[ids[0].id.ino] })
+	rec.kept = slices.DeleteFunc(rec.kept, func(k keptFile) bool { return held[k.ino] })
 	return unheld
 }

@@ -101,7 +101,14 @@ func TestRestartKeepsImports(t *testing.T) {
 // names start with prefix.
 func keeperMemfds(t *testing.T, m *mount, prefix string) []string {
 	t.Helper()
-	dir := fmt.Sprintf("/proc/%d/fd", m.cmd.Process.Pid)
+	return procMemfds(t, m.cmd.Process.Pid, prefix)
+}
+
+// procMemfds lists the descriptors of process pid that are memfds whose
+// names start with prefix.
+func procMemfds(t *testing.T, pid int, prefix string) []string {
+	t.Helper()
+	dir := fmt.Sprintf("/proc/%d/fd", pid)
 	ents, err := os.ReadDir(dir)
 	if err != nil {
 		t.Fatal(err)
