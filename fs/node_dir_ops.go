@@ -588,11 +588,11 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 			case df&alloc.Exclusive != 0:
 				flags |= unix.RENAME_NOREPLACE
 			}
-			if err := d.fs.clusterStays(fd, name, path.Join(d.Path(nil), name)); err != nil {
+			if err := d.fs.clusterStays(fd, name, d); err != nil {
 				return err
 			}
 			if exchange {
-				if err := d.fs.clusterStays(dfd, newName, path.Join(dst.Path(nil), newName)); err != nil {
+				if err := d.fs.clusterStays(dfd, newName, dst); err != nil {
 					return err
 				}
 			}
@@ -627,10 +627,13 @@ func (d *dirNode) Rename(ctx context.Context, name string, newParent fusefs.Inod
 // where the cluster put them, inside the version that charges them to its
 // publisher and whose unpublish finds them there; moved out, they would
 // be charged to no one. mv copies instead: the copies are the mover's.
-// A directory on the way to a published directory made here (rel is
-// name's path in the mount), anyone's, stays too: a node finds what a
-// version made by its path when it is unpublished.
-func (fsys *filesystem) clusterStays(dirfd int, name, rel string) error {
+// A directory on the way to a published directory made here, anyone's,
+// stays too: a node finds what a version made by its path when it is
+// unpublished. dirfd is the directory parent's.
+func (fsys *filesystem) clusterStays(dirfd int, name string, parent *dirNode) error {
+	if fsys.cl == nil {
+		return nil // no cluster: nothing here is a version's
+	}
 	var st unix.Stat_t
 	if unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
 		return nil // the rename itself says why
@@ -638,14 +641,7 @@ func (fsys *filesystem) clusterStays(dirfd int, name, rel string) error {
 	made := false
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFREG:
-		if fsys.hostBySize(&st) {
-			return nil
-		}
-		s, err := fsys.segmentKind(dirfd, name, &st)
-		if err != nil {
-			return err
-		}
-		made = s.kind() == alloc.Pulled
+		made = fsys.pulled.has(st.Ino)
 	case unix.S_IFDIR:
 		fd, err := unix.Openat(dirfd, name, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 		if err != nil {
@@ -657,7 +653,7 @@ func (fsys *filesystem) clusterStays(dirfd int, name, rel string) error {
 			return err
 		}
 		made = dir != ""
-		if !made && fsys.cl != nil && fsys.cl.placedBelow(rel) {
+		if !made && fsys.cl.placedBelow(path.Join(parent.Path(nil), name)) {
 			return fmt.Errorf("%w: %s holds a published directory the cluster made here, which stays where it put it (copy it instead)", syscall.EXDEV, alloc.EscapeText(name))
 		}
 	}

@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -71,21 +70,8 @@ func TestAttackClusterRenameOut(t *testing.T) {
 // backing's, and its cluster's published versions'), as root sees them.
 func inodesCharged(t *testing.T, mnt string, uid int) int64 {
 	t.Helper()
-	var st struct {
-		Ledger []struct {
-			Name  string
-			ByUID map[string]int64 `json:"by_uid"`
-		}
-	}
-	raw, err := getxattr(mnt, statsXattr)
-	if err == nil {
-		err = json.Unmarshal(raw, &st)
-	}
-	if err != nil {
-		t.Fatalf("stats of %s: %v %s", mnt, err, raw)
-	}
 	var n int64
-	for _, r := range st.Ledger {
+	for _, r := range ledgerRows(t, mnt) {
 		if strings.HasPrefix(r.Name, "inodes") {
 			n += r.ByUID[fmt.Sprint(uid)]
 		}

@@ -2,7 +2,6 @@ package integration
 
 import (
 	"fmt"
-	"os"
 	"strings"
 	"syscall"
 	"testing"
@@ -25,12 +24,7 @@ func TestAttackRestartUnlinkedOpen(t *testing.T) {
 	const nobody = 65534
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		reachable(t, m.dir)
-		if err := os.Mkdir(m.path("shared"), 0o777); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Chmod(m.path("shared"), 0o1777); err != nil {
-			t.Fatal(err)
-		}
+		stickyDir(t, m.path("shared"))
 		c := startPythonAs(t, nobody, "holder", `
 import os, sys
 p = sys.argv[1]
@@ -98,12 +92,7 @@ func TestAttackRestartRemovedCwd(t *testing.T) {
 	const nobody = 65534
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		reachable(t, m.dir)
-		if err := os.Mkdir(m.path("shared"), 0o777); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Chmod(m.path("shared"), 0o1777); err != nil {
-			t.Fatal(err)
-		}
+		stickyDir(t, m.path("shared"))
 		c := startPythonAs(t, nobody, "worker", `
 import os, sys
 os.mkdir(sys.argv[1])

@@ -2,7 +2,6 @@ package integration
 
 import (
 	"bytes"
-	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -137,26 +136,7 @@ func TestAttackWalkDescriptors(t *testing.T) {
 // mount at dir.
 func descriptorShare(t *testing.T, dir string) int {
 	t.Helper()
-	var st struct {
-		Ledger []struct {
-			Name   string
-			PerUID int `json:"per_uid"`
-		}
-	}
-	raw, err := getxattr(dir, statsXattr)
-	if err == nil {
-		err = json.Unmarshal(raw, &st)
-	}
-	if err != nil {
-		t.Fatalf("stats: %v %s", err, raw)
-	}
-	for _, r := range st.Ledger {
-		if strings.HasPrefix(r.Name, "descriptors") {
-			return r.PerUID
-		}
-	}
-	t.Fatalf("no descriptors row in %s", raw)
-	return 0
+	return int(ledgerRowOf(t, dir, "descriptors").PerUID)
 }
 
 // TestAttackWalkMemory: a walk read each directory's names whole before

@@ -74,28 +74,45 @@ for r in json.loads(os.getxattr(sys.argv[1], "user.tensorfs.stats"))["ledger"]:
 	}, "--allow-other", "--inodes", "512")
 }
 
+// ledgerRow is a row of the ledger in user.tensorfs.stats, as root sees it.
+type ledgerRow struct {
+	Name   string           `json:"name"`
+	PerUID int64            `json:"per_uid"`
+	ByUID  map[string]int64 `json:"by_uid"`
+}
+
+// ledgerRows reads the ledger's rows of the mount at mnt.
+func ledgerRows(t *testing.T, mnt string) []ledgerRow {
+	t.Helper()
+	var st struct{ Ledger []ledgerRow }
+	raw, err := getxattr(mnt, statsXattr)
+	if err == nil {
+		err = json.Unmarshal(raw, &st)
+	}
+	if err != nil || len(st.Ledger) == 0 {
+		t.Fatalf("stats' ledger of %s: %v %s", mnt, err, raw)
+	}
+	return st.Ledger
+}
+
+// ledgerRowOf returns the mount's ledger row whose name starts with row.
+func ledgerRowOf(t *testing.T, mnt, row string) ledgerRow {
+	t.Helper()
+	rows := ledgerRows(t, mnt)
+	for _, r := range rows {
+		if strings.HasPrefix(r.Name, row) {
+			return r
+		}
+	}
+	t.Fatalf("stats' ledger of %s has no row %q: %+v", mnt, row, rows)
+	return ledgerRow{}
+}
+
 // ledgerHeld returns what uid holds in the mount's ledger row whose name
 // starts with row, from user.tensorfs.stats.
 func ledgerHeld(t *testing.T, m *mount, row string, uid int) int64 {
 	t.Helper()
-	raw, err := json.Marshal(m.stats(t)["ledger"])
-	if err != nil {
-		t.Fatal(err)
-	}
-	var rows []struct {
-		Name  string           `json:"name"`
-		ByUID map[string]int64 `json:"by_uid"`
-	}
-	if err := json.Unmarshal(raw, &rows); err != nil {
-		t.Fatalf("stats' ledger: %v\n%s", err, raw)
-	}
-	for _, r := range rows {
-		if strings.HasPrefix(r.Name, row) {
-			return r.ByUID[fmt.Sprint(uid)]
-		}
-	}
-	t.Fatalf("stats' ledger has no row %q: %s", row, raw)
-	return 0
+	return ledgerRowOf(t, m.dir, row).ByUID[fmt.Sprint(uid)]
 }
 
 // l1XattrFillScript sets user.* attributes of 4000 bytes on the file

@@ -205,12 +205,7 @@ func TestAttackOpenAdoptedFlag(t *testing.T) {
 	const nobody = 65534
 	m := mountFS(t, "passthrough", "--allow-other")
 	reachable(t, m.dir)
-	if err := os.Mkdir(m.path("s"), 0o777); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Chmod(m.path("s"), 0o1777); err != nil {
-		t.Fatal(err)
-	}
+	stickyDir(t, m.path("s"))
 	if err := os.WriteFile(m.path("s/f"), []byte("x"), 0o666); err != nil {
 		t.Fatal(err)
 	}

@@ -34,13 +34,7 @@ print(s.recv(65536).decode())
 func TestRestartKeepsImports(t *testing.T) {
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		reachable(t, m.dir)
-		err := os.Mkdir(m.path("shared"), 0o777)
-		if err == nil {
-			err = os.Chmod(m.path("shared"), 0o1777)
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
+		stickyDir(t, m.path("shared"))
 		sock := controlSocket(t, m)
 		data := map[string]string{}
 		imp := func(name string) {

@@ -123,3 +123,15 @@ func h4Background(t *testing.T, uid int, script string, args ...string) string {
 	line, _ := bufio.NewReader(stdout).ReadString('\n')
 	return strings.TrimSpace(line)
 }
+
+// stickyDir makes dir world-writable and sticky (1777, as /tmp), for
+// tests where several users make files side by side.
+func stickyDir(t *testing.T, dir string) {
+	t.Helper()
+	if err := os.Mkdir(dir, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(dir, 0o1777); err != nil { // past the umask
+		t.Fatal(err)
+	}
+}
