@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strings"
 	"syscall"
+	"time"
 
 	fusefs "github.com/hanwen/go-fuse/v2/fs"
 	"golang.org/x/sys/unix"
@@ -361,21 +362,30 @@ func (c *clusterFS) freezeOne(o *published, f *os.File, dir string) error {
 	}
 	o.seg, o.frozen = c.fsys.pulled.add(st.Ino, mk), true
 	if n := c.fsys.segmentAt(dir + "/" + o.entry.Path); n != nil && n.StableAttr().Ino == st.Ino {
-		n.opening.Lock()
-		n.mu.Lock()
-		i := slices.IndexFunc(n.handles, func(h *handle) bool { return h.writable })
-		var pid int
-		if i >= 0 {
-			pid = int(n.handles[i].pid)
-		}
-		n.mu.Unlock()
-		if i < 0 {
-			n.kind.store(o.seg)
-			o.node = n
-		}
-		n.opening.Unlock()
-		if i >= 0 {
-			return fmt.Errorf("%w: %s is open for writing by pid %d (%s); close it, then publish", syscall.EBUSY, alloc.EscapeText(dir+"/"+o.entry.Path), pid, alloc.Escape(comm(pid)))
+		// A writer that has exited may still hold a handle for a moment:
+		// the kernel releases a closed file after close(2) returns. Its
+		// release is waited for, a second at most.
+		for wait := 0; ; wait++ {
+			n.opening.Lock()
+			n.mu.Lock()
+			i := slices.IndexFunc(n.handles, func(h *handle) bool { return h.writable })
+			var pid int
+			if i >= 0 {
+				pid = int(n.handles[i].pid)
+			}
+			n.mu.Unlock()
+			if i < 0 {
+				n.kind.store(o.seg)
+				o.node = n
+			}
+			n.opening.Unlock()
+			if i < 0 {
+				break
+			}
+			if unix.Kill(pid, 0) != unix.ESRCH || wait == 100 {
+				return fmt.Errorf("%w: %s is open for writing by pid %d (%s); close it, then publish", syscall.EBUSY, alloc.EscapeText(dir+"/"+o.entry.Path), pid, alloc.Escape(comm(pid)))
+			}
+			time.Sleep(10 * time.Millisecond)
 		}
 	}
 	// Bytes written before the freeze are what is hashed: the size is
