@@ -747,8 +747,7 @@ func (fsys *filesystem) forgetName(rel string) {
 	}
 	name := parts[len(parts)-1]
 	if ch := dir.GetChild(name); ch != nil {
-		dir.RmChild(name)
-		dir.NotifyDelete(name, ch)
+		fsys.dropName(dir, name, ch)
 		return
 	}
 	dir.NotifyEntry(name)

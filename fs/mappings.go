@@ -780,8 +780,7 @@ func (fsys *filesystem) notifyGone(path string, ino uint64) {
 		part, rest, more := strings.Cut(path, "/")
 		if !more {
 			if ch := dir.GetChild(part); ch != nil && ch.StableAttr().Ino == ino {
-				dir.RmChild(part)
-				dir.NotifyDelete(part, ch)
+				fsys.dropName(dir, part, ch)
 			}
 			return
 		}

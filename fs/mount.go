@@ -253,9 +253,7 @@ func Mount(opts Options) (_ *Server, err error) {
 	} else {
 		fopts.MountOptions.PanicHandler = (&panicLog{log: fsys.log}).handle
 	}
-	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, 0)
-	raw.journal, raw.forgotten = opts.Journal, fsys.orphans.forget
-	fsys.orphans.journal, fsys.imports.journal = opts.Journal, opts.Journal
+	raw := fsys.handoverFS(fopts, opts.Journal)
 	gate := &gateFS{RawFileSystem: raw}
 	var srv *fuse.Server
 	var unheld map[uint64]bool
@@ -297,6 +295,16 @@ func Mount(opts Options) (_ *Server, err error) {
 		fsys.cl.start()
 	}
 	return s, nil
+}
+
+// handoverFS returns fsys's node bridge (fopts), its requests counted,
+// under a HandoverFS of generation 0 that, with fsys's orphans and
+// imports, sends journal every change a successor takes over.
+func (fsys *filesystem) handoverFS(fopts *fusefs.Options, journal func(Record)) *HandoverFS {
+	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, 0)
+	raw.journal, raw.forgotten = journal, fsys.orphans.forget
+	fsys.orphans.journal, fsys.imports.journal = journal, journal
+	return raw
 }
 
 // mount mounts raw at mountpoint and serves it.
