@@ -33,10 +33,12 @@ type handoverBed struct {
 	imports map[Import]int
 }
 
-// bedDaemon is one daemon of a handoverBed.
+// bedDaemon is one daemon of a handoverBed: requests go through its
+// gate, as the kernel's do.
 type bedDaemon struct {
 	fsys *filesystem
 	raw  *HandoverFS
+	gate *gateFS
 }
 
 // newHandoverBed makes an empty backing.
@@ -122,31 +124,47 @@ func (b *handoverBed) daemon(gen uint64, rec *Recovered) *bedDaemon {
 	b.t.Cleanup(fsys.close)
 	raw := fsys.handoverFS(&fusefs.Options{ExternalNodeID: true}, b.record)
 	raw.gen = gen
-	return &bedDaemon{fsys: fsys, raw: raw}
+	return &bedDaemon{fsys: fsys, raw: raw, gate: &gateFS{RawFileSystem: raw}}
 }
 
-// crash starts the successor of generation gen of a daemon that died:
-// it takes over what b kept, as takeOver does after a crash (every
-// object of the backing, the unnamed nodes, the handles, orphans and
-// imports), and returns it with what it could not take over.
+// crash starts the successor of generation gen of a daemon that died,
+// which takes over what b kept of the journal; it returns it with what it
+// could not take over.
 func (b *handoverBed) crash(gen uint64) (*bedDaemon, State) {
+	b.mu.Lock()
+	t := &Takeover{Gen: gen, Crashed: true, State: State{Unnamed: keys(b.unnamed), Handles: slicesOf(b.handles)},
+		Orphans: dupFdMap(b.t, b.orphans), Imports: dupFdMap(b.t, b.imports)}
+	b.mu.Unlock()
+	return b.takeOver(t)
+}
+
+// restart starts the successor of generation gen of prev, which hands
+// its state over as Server.Handover does.
+func (b *handoverBed) restart(prev *bedDaemon, gen uint64) (*bedDaemon, State) {
+	st := prev.raw.State(prev.fsys.root.EmbeddedInode())
+	st.Unnamed = prev.fsys.orphans.held()
+	return b.takeOver(&Takeover{Gen: gen, State: st, Orphans: prev.fsys.orphans.files(), Imports: prev.fsys.imports.files()})
+}
+
+// takeOver starts a daemon that takes t over as takeOver does, the
+// backing recovered as for a successor first, and removes the UNLINK
+// segments no handle holds, as Mount does once it serves.
+func (b *handoverBed) takeOver(t *Takeover) (*bedDaemon, State) {
 	b.t.Helper()
-	_, _, rec, err := Recover(b.store, 0)
+	var st unix.Stat_t
+	if err := unix.Fstat(b.store.RootFd, &st); err != nil {
+		b.t.Fatal(err)
+	}
+	_, _, rec, err := Recover(b.store, st.Dev)
 	if err != nil {
 		b.t.Fatal(err)
 	}
-	d := b.daemon(gen, rec)
-	b.mu.Lock()
-	st := State{Nodes: backingNodes(b.store.RootFd, b.log), Unnamed: keys(b.unnamed), Handles: slicesOf(b.handles)}
-	orphans, imports := dupFdMap(b.t, b.orphans), dupFdMap(b.t, b.imports)
-	b.mu.Unlock()
-	d.fsys.orphans.handed = orphans
-	d.fsys.adoptImports(imports, rec.imports, true)
-	lost := d.raw.Adopt(st)
-	held := heldNodes(st.Handles, lost.Handles)
-	settleUnlinked(rec, held)
-	d.fsys.keepUnlinkedImports(rec, held)
-	d.fsys.settleOrphans()
+	d := b.daemon(t.Gen, rec)
+	d.fsys.receive(d.raw, t, rec)
+	lost, unheld := d.fsys.adopt(d.raw, t.State, rec)
+	if len(unheld) > 0 {
+		d.fsys.removeUnlinkedNames(unheld)
+	}
 	return d, lost
 }
 
@@ -188,11 +206,11 @@ func (d *bedDaemon) create(t *testing.T, parent uint64, name string, uid uint32,
 	t.Helper()
 	in := fuse.CreateIn{InHeader: bedHeader(parent, uid), Flags: syscall.O_RDWR, Mode: 0o644}
 	var out fuse.CreateOut
-	if st := d.raw.Create(nil, &in, name, &out); !st.Ok() {
+	if st := d.gate.Create(nil, &in, name, &out); !st.Ok() {
 		t.Fatalf("create %s: %v", name, st)
 	}
 	if release {
-		d.raw.Release(nil, &fuse.ReleaseIn{InHeader: bedHeader(out.NodeId, uid), Fh: out.Fh})
+		d.gate.Release(nil, &fuse.ReleaseIn{InHeader: bedHeader(out.NodeId, uid), Fh: out.Fh})
 	}
 	return out.NodeId, out.Fh
 }
@@ -201,7 +219,7 @@ func (d *bedDaemon) create(t *testing.T, parent uint64, name string, uid uint32,
 func (d *bedDaemon) lookup(t *testing.T, parent uint64, name string) uint64 {
 	t.Helper()
 	var out fuse.EntryOut
-	if st := d.raw.Lookup(nil, ptr(bedHeader(parent, 0)), name, &out); !st.Ok() {
+	if st := d.gate.Lookup(nil, ptr(bedHeader(parent, 0)), name, &out); !st.Ok() {
 		t.Fatalf("lookup %s: %v", name, st)
 	}
 	return out.NodeId
@@ -209,7 +227,7 @@ func (d *bedDaemon) lookup(t *testing.T, parent uint64, name string) uint64 {
 
 // getattr is a GETATTR of node through d's HandoverFS.
 func (d *bedDaemon) getattr(node uint64) fuse.Status {
-	return d.raw.GetAttr(nil, &fuse.GetAttrIn{InHeader: bedHeader(node, 0)}, &fuse.AttrOut{})
+	return d.gate.GetAttr(nil, &fuse.GetAttrIn{InHeader: bedHeader(node, 0)}, &fuse.AttrOut{})
 }
 
 // bedHeader is a request of uid's about node.

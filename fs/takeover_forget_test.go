@@ -25,19 +25,19 @@ func TestHandoverForgetOfRemovedNode(t *testing.T) {
 			closed, _ := d.create(t, fuse.FUSE_ROOT_ID, "closed", 0, true)
 			open, fh := d.create(t, fuse.FUSE_ROOT_ID, "open", 0, false)
 			var out fuse.EntryOut
-			if st := d.raw.Mkdir(nil, &fuse.MkdirIn{InHeader: bedHeader(1, 0), Mode: 0o755}, "dir", &out); !st.Ok() {
+			if st := d.gate.Mkdir(nil, &fuse.MkdirIn{InHeader: bedHeader(1, 0), Mode: 0o755}, "dir", &out); !st.Ok() {
 				t.Fatalf("mkdir: %v", st)
 			}
 			dir := out.NodeId
 			for _, n := range []string{"closed", "open"} {
-				if st := d.raw.Unlink(nil, ptr(bedHeader(1, 0)), n); !st.Ok() {
+				if st := d.gate.Unlink(nil, ptr(bedHeader(1, 0)), n); !st.Ok() {
 					t.Fatalf("unlink %s: %v", n, st)
 				}
 			}
-			if st := d.raw.Rmdir(nil, ptr(bedHeader(1, 0)), "dir"); !st.Ok() {
+			if st := d.gate.Rmdir(nil, ptr(bedHeader(1, 0)), "dir"); !st.Ok() {
 				t.Fatalf("rmdir: %v", st)
 			}
-			d.raw.Release(nil, &fuse.ReleaseIn{InHeader: bedHeader(open, 0), Fh: fh})
+			d.gate.Release(nil, &fuse.ReleaseIn{InHeader: bedHeader(open, 0), Fh: fh})
 			removed := []uint64{closed, open, dir}
 			for _, id := range removed {
 				if !b.unnamed[id] {
@@ -49,16 +49,13 @@ func TestHandoverForgetOfRemovedNode(t *testing.T) {
 			if crashed {
 				next, _ = b.crash(1)
 			} else {
-				st := d.raw.State(d.fsys.root.EmbeddedInode())
-				st.Unnamed = d.fsys.orphans.held()
-				next = b.daemon(1, nil)
-				next.raw.Adopt(st)
+				next, _ = b.restart(d, 1)
 			}
 			for _, id := range removed {
 				if st := next.getattr(id); st != fuse.Status(syscall.ESTALE) {
 					t.Errorf("getattr of removed node %d in the successor: %v, want ESTALE", id, st)
 				}
-				noPanic(t, "the successor's FORGET of a removed node", func() { next.raw.Forget(id, 1) })
+				noPanic(t, "the successor's FORGET of a removed node", func() { next.gate.Forget(id, 1) })
 				if b.unnamed[id] {
 					t.Errorf("node %d is still journaled after its FORGET", id)
 				}
