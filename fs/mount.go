@@ -350,11 +350,7 @@ func takeOver(raw fuse.RawFileSystem, h *HandoverFS, t *Takeover, fsys *filesyst
 	if err := t.Handoff(); err != nil {
 		return nil, nil, fmt.Errorf("takeover: %w", err)
 	}
-	for _, imp := range dropped {
-		if fsys.imports.journal != nil { // the keeper holds this daemon's state now
-			fsys.imports.journal(Record{Unimport: &imp})
-		}
-	}
+	fsys.imports.forget(dropped) // the keeper holds this daemon's state now
 	if err := NotifyResend(); err != nil {
 		log.Warn("takeover: the kernel cannot resend the requests the predecessor left unanswered; they wait for ever", "err", err)
 	}

@@ -245,6 +245,16 @@ func (im *imports) drop(in *importedFile) {
 	in.closeFd()
 }
 
+// forget journals the end of each import of dropped, which a successor
+// did not take over (adoptImports).
+func (im *imports) forget(dropped []Import) {
+	for _, imp := range dropped {
+		if im.journal != nil {
+			im.journal(Record{Unimport: &imp})
+		}
+	}
+}
+
 // adoptImports takes over the imports a predecessor handed over (handed,
 // whose descriptors it owns from then on), each charged to its sender as
 // its predecessor charged it (over her share, she keeps it), before any

@@ -160,8 +160,9 @@ func (b *handoverBed) takeOver(t *Takeover) (*bedDaemon, State) {
 		b.t.Fatal(err)
 	}
 	d := b.daemon(t.Gen, rec)
-	d.fsys.receive(d.raw, t, rec)
+	dropped := d.fsys.receive(d.raw, t, rec)
 	lost, unheld := d.fsys.adopt(d.raw, t.State, rec)
+	d.fsys.imports.forget(dropped)
 	if len(unheld) > 0 {
 		d.fsys.removeUnlinkedNames(unheld)
 	}
