@@ -747,7 +747,8 @@ func (fsys *filesystem) forgetName(rel string) {
 	}
 	name := parts[len(parts)-1]
 	if ch := dir.GetChild(name); ch != nil {
-		fsys.dropName(dir, name, ch)
+		dir.RmChild(name)
+		dir.NotifyDelete(name, ch)
 		return
 	}
 	dir.NotifyEntry(name)

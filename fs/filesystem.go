@@ -339,7 +339,8 @@ func (fsys *filesystem) reclaim(n *segmentNode, uid uint32) {
 			return nil
 		})
 		fsys.imports.handing.RUnlock()
-		fsys.dropName(parent, name, n.EmbeddedInode())
+		parent.RmChild(name)
+		parent.NotifyDelete(name, n.EmbeddedInode())
 		if err == nil {
 			fsys.log.Info("removed UNLINK segment without holders", "name", alloc.EscapeText(name))
 		}

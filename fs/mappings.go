@@ -780,7 +780,8 @@ func (fsys *filesystem) notifyGone(path string, ino uint64) {
 		part, rest, more := strings.Cut(path, "/")
 		if !more {
 			if ch := dir.GetChild(part); ch != nil && ch.StableAttr().Ino == ino {
-				fsys.dropName(dir, part, ch)
+				dir.RmChild(part)
+				dir.NotifyDelete(part, ch)
 			}
 			return
 		}

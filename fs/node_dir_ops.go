@@ -413,7 +413,6 @@ func (d *dirNode) Tmpfile(ctx context.Context, flags uint32, mode uint32, out *f
 			seg.track(&h.handle, h)
 			seg.orphan.Store(true) // in no directory, as one whose last name went
 			d.fs.orphans.add(seg)
-			d.fs.orphans.addUnnamed(st.Ino) // held by the kernel until its FORGET
 			return nil
 		})
 	})
@@ -504,8 +503,8 @@ func (d *dirNode) nameGone(name string, ino uint64, last bool, uid uint32) {
 		d.fs.inodes.unlinked(ino, uid)
 	default:
 		d.fs.watches.unwatch(ino)
-		if ch := d.unnamedChild(name, ino); ch != nil {
-			if seg, ok := ch.Operations().(*segmentNode); ok {
+		if ch := d.GetChild(name); ch != nil {
+			if seg, ok := ch.Operations().(*segmentNode); ok && ch.StableAttr().Ino == ino {
 				seg.orphan.Store(true)
 				d.fs.orphans.add(seg) // journaled before the unlink is answered
 				d.fs.orphaned(seg)    // as tmpfs frees it: before the unlink is answered
@@ -514,20 +513,6 @@ func (d *dirNode) nameGone(name string, ino uint64, last bool, uid uint32) {
 		}
 		d.fs.inodes.gone(ino)
 	}
-}
-
-// unnamedChild returns the node of ino that the kernel holds as d's child
-// name, whose last name just went, and records it as one no name reaches
-// (journaled before the removal is answered) until the kernel forgets
-// it: a successor must know every node the kernel holds, and a FORGET may
-// reach it. Nil if the kernel holds no node of ino there.
-func (d *dirNode) unnamedChild(name string, ino uint64) *fusefs.Inode {
-	ch := d.GetChild(name)
-	if ch == nil || ch.StableAttr().Ino != ino {
-		return nil
-	}
-	d.fs.orphans.addUnnamed(ino)
-	return ch
 }
 
 // Unlink removes a name; the last name of a segment frees what its kind
@@ -564,7 +549,9 @@ func (d *dirNode) Rmdir(ctx context.Context, name string) syscall.Errno {
 		if rec != nil {
 			d.fs.cl.removedHere(path.Join(d.Path(nil), name), rec)
 		}
-		d.unnamedChild(name, ino) // a process may work in it
+		if ch := d.GetChild(name); ch != nil && ch.StableAttr().Ino == ino {
+			d.fs.orphans.addUnnamed(ino) // a process may work in it
+		}
 		return nil
 	})
 	return d.fs.errno("rmdir", &d.nodeBase, name, err)

@@ -46,7 +46,6 @@ var (
 // backing file the predecessor handed over becomes its segment again
 // (adoptOrphan); anything else a staleNode.
 func (r *rootNode) LookupNode(ctx context.Context, id uint64, out *fuse.EntryOut) (*fusefs.Inode, syscall.Errno) {
-	r.fs.orphans.addUnnamed(id) // for the next successor, until the kernel forgets it
 	if fd, ok := r.fs.orphans.take(id); ok {
 		n, err := r.fs.adoptOrphan(ctx, id, fd)
 		if err == nil {
@@ -54,7 +53,9 @@ func (r *rootNode) LookupNode(ctx context.Context, id uint64, out *fuse.EntryOut
 		}
 		r.fs.log.Warn("takeover: a segment open in no directory is stale", "node", id, "err", err)
 	}
-	return r.NewInode(ctx, &staleNode{fs: r.fs}, fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: id}), 0
+	n := r.NewInode(ctx, &staleNode{fs: r.fs}, fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: id})
+	r.fs.orphans.addUnnamed(id) // for the next successor
+	return n, 0
 }
 
 func (n *staleNode) Getattr(ctx context.Context, f fusefs.FileHandle, out *fuse.AttrOut) syscall.Errno {

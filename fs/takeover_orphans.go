@@ -66,16 +66,6 @@ func (o *orphans) forget(id uint64) {
 	}
 }
 
-// dropName takes name, whose node the kernel holds (ch), out of dir in
-// go-fuse's tree and the kernel's cache, as the daemon removes or
-// replaces it: the kernel holds ch, nameless, until it forgets it, which
-// a successor must know (orphans.addUnnamed, journaled first).
-func (fsys *filesystem) dropName(dir *fusefs.Inode, name string, ch *fusefs.Inode) {
-	fsys.orphans.addUnnamed(ch.StableAttr().Ino)
-	dir.RmChild(name)
-	dir.NotifyDelete(name, ch)
-}
-
 // held returns the node IDs of the unnamed nodes the kernel holds.
 func (o *orphans) held() []uint64 {
 	o.mu.Lock()
