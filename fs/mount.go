@@ -366,6 +366,9 @@ func takeOver(raw fuse.RawFileSystem, h *HandoverFS, t *Takeover, fsys *filesyst
 func (fsys *filesystem) receive(h *HandoverFS, t *Takeover, rec *Recovered) (dropped []Import) {
 	fsys.orphans.handed = t.Orphans
 	dropped = fsys.adoptImports(t.Imports, rec.imports, t.Crashed)
+	if !t.Crashed {
+		fsys.lateImports(rec)
+	}
 	h.gen = t.Gen
 	if t.Crashed {
 		t.State.Nodes = backingNodes(fsys.store.RootFd, fsys.log)

@@ -287,6 +287,30 @@ func (fsys *filesystem) adoptImports(handed map[Import]int, markers []alloc.Impo
 	return dropped
 }
 
+// lateImports adds to rec the markers of the imports a successor took
+// over from a live predecessor that its recovery did not see: those made
+// after it recovered the backing and before its predecessor froze. Else
+// no watch would wait for the last mapping of an UNLINK one whose last
+// close its predecessor had seen (keepUnlinkedImports), and it would keep
+// its sender's memory and descriptor until unmount.
+func (fsys *filesystem) lateImports(rec *Recovered) {
+	seen := map[string]bool{}
+	for _, mk := range rec.imports {
+		seen[mk.ID] = true
+	}
+	late := map[string]bool{}
+	fsys.imports.mu.RLock()
+	for id := range fsys.imports.m {
+		if !seen[id] {
+			late[id] = true
+		}
+	}
+	fsys.imports.mu.RUnlock()
+	if len(late) > 0 {
+		rec.imports = append(rec.imports, fsys.store.ImportMarkers(late)...)
+	}
+}
+
 // keepUnlinkedImports has a successor wait, once it serves, for the last
 // mapping by its sender of each UNLINK import it adopted that no handle it
 // inherited holds (held), as its predecessor waited, and then remove it

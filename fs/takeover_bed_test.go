@@ -135,21 +135,26 @@ func (b *handoverBed) crash(gen uint64) (*bedDaemon, State) {
 	t := &Takeover{Gen: gen, Crashed: true, State: State{Unnamed: keys(b.unnamed), Handles: slicesOf(b.handles)},
 		Orphans: dupFdMap(b.t, b.orphans), Imports: dupFdMap(b.t, b.imports)}
 	b.mu.Unlock()
-	return b.takeOver(t)
+	return b.takeOver(t, b.recover())
 }
 
 // restart starts the successor of generation gen of prev, which hands
-// its state over as Server.Handover does.
+// its mount over (handover).
 func (b *handoverBed) restart(prev *bedDaemon, gen uint64) (*bedDaemon, State) {
-	st := prev.raw.State(prev.fsys.root.EmbeddedInode())
-	st.Unnamed = prev.fsys.orphans.held()
-	return b.takeOver(&Takeover{Gen: gen, State: st, Orphans: prev.fsys.orphans.files(), Imports: prev.fsys.imports.files()})
+	return b.takeOver(b.handover(prev, gen), b.recover())
 }
 
-// takeOver starts a daemon that takes t over as takeOver does, the
-// backing recovered as for a successor first, and removes the UNLINK
-// segments no handle holds, as Mount does once it serves.
-func (b *handoverBed) takeOver(t *Takeover) (*bedDaemon, State) {
+// handover is what prev hands its successor of generation gen, as
+// Server.Handover has it.
+func (b *handoverBed) handover(prev *bedDaemon, gen uint64) *Takeover {
+	st := prev.raw.State(prev.fsys.root.EmbeddedInode())
+	st.Unnamed = prev.fsys.orphans.held()
+	return &Takeover{Gen: gen, State: st, Orphans: prev.fsys.orphans.files(), Imports: prev.fsys.imports.files()}
+}
+
+// recover recovers the backing as a successor does before it takes the
+// mount over.
+func (b *handoverBed) recover() *Recovered {
 	b.t.Helper()
 	var st unix.Stat_t
 	if err := unix.Fstat(b.store.RootFd, &st); err != nil {
@@ -159,6 +164,14 @@ func (b *handoverBed) takeOver(t *Takeover) (*bedDaemon, State) {
 	if err != nil {
 		b.t.Fatal(err)
 	}
+	return rec
+}
+
+// takeOver starts a daemon that takes t over as takeOver does, with what
+// its recovery found (rec), and removes the UNLINK segments no handle
+// holds, as Mount does once it serves.
+func (b *handoverBed) takeOver(t *Takeover, rec *Recovered) (*bedDaemon, State) {
+	b.t.Helper()
 	d := b.daemon(t.Gen, rec)
 	dropped := d.fsys.receive(d.raw, t, rec)
 	lost, unheld := d.fsys.adopt(d.raw, t.State, rec)

@@ -4,9 +4,12 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
 	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
 )
 
 // TestHandoverImports: an imported segment's bytes are its sender's
@@ -120,4 +123,56 @@ func dupFd(t *testing.T, f *os.File) int {
 		t.Fatal(err)
 	}
 	return fd
+}
+
+// TestHandoverLateImport: an import into a directory of UNLINK segments
+// made after the successor recovered the backing and before its
+// predecessor froze (a restart's window) is taken over, charged to its
+// sender, and goes once its sender maps it no more, as one recovery saw
+// does (keepUnlinkedImports): the successor found no marker for it, so
+// no watch waited, and it kept its sender's memory and descriptor until
+// unmount.
+func TestHandoverLateImport(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("the import is a user's: the test needs root")
+	}
+	b := newHandoverBed(t)
+	if err := os.Chmod(b.store.Dir, 0o1777); err != nil {
+		t.Fatal(err)
+	}
+	d := b.daemon(0, nil)
+	d.fsys.allowOther = true
+	dir := filepath.Join(b.store.Dir, "u")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(dir, int(ownerPeer.Uid), int(ownerPeer.Gid)); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Setxattr(dir, alloc.StoredName(alloc.AttrFlags), []byte("UNLINK"), 0); err != nil {
+		t.Fatal(err)
+	}
+	rec := b.recover() // the successor's, before the import
+	if err := (controlBackend{d.fsys}).Import(ownerPeer, "u/seg", memfd(t, "late"), "", ""); err != nil {
+		t.Fatal(err)
+	}
+	next, _ := b.takeOver(b.handover(d, 1), rec)
+	if got := next.fsys.handles.Held(ownerPeer.Uid); got != 1 {
+		t.Fatalf("the successor charges uid %d %d descriptors, want the import's", ownerPeer.Uid, got)
+	}
+	next.fsys.afterMount(filepath.Join(b.top, "mnt"), rec) // as Mount does once it serves
+	seg := filepath.Join(dir, "seg")
+	gone := func() bool {
+		_, err := os.Lstat(seg)
+		return err != nil && next.fsys.handles.Held(ownerPeer.Uid) == 0
+	}
+	for end := time.Now().Add(5 * time.Second); !gone() && time.Now().Before(end); {
+		time.Sleep(10 * time.Millisecond) // the watch's removal runs on its own
+	}
+	if _, err := os.Lstat(seg); err == nil {
+		t.Errorf("the UNLINK import its sender maps no more is still there")
+	}
+	if got := next.fsys.handles.Held(ownerPeer.Uid); got != 0 {
+		t.Errorf("uid %d is still charged %d descriptors once her UNLINK import went", ownerPeer.Uid, got)
+	}
 }
