@@ -1,7 +1,6 @@
 package fs
 
 import (
-	"io"
 	"log/slog"
 	"maps"
 	"os"
@@ -44,21 +43,12 @@ type bedDaemon struct {
 // newHandoverBed makes an empty backing.
 func newHandoverBed(t *testing.T) *handoverBed {
 	t.Helper()
-	top := t.TempDir()
-	os.Chmod(top, 0o700)
-	backing := filepath.Join(top, "backing")
-	os.Mkdir(backing, 0o755)
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	store, err := alloc.Open(alloc.Config{Backing: backing}, log)
-	if err != nil {
-		t.Fatal(err)
-	}
+	store, top, log := testStore(t)
 	b := &handoverBed{t: t, store: store, log: log, top: top, unnamed: map[uint64]bool{}, handles: map[uint64]Handle{},
 		orphans: map[uint64]int{}, imports: map[Import]int{}}
 	t.Cleanup(func() {
 		closeFds(b.orphans)
 		closeFds(b.imports)
-		store.Close()
 	})
 	return b
 }
