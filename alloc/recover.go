@@ -88,7 +88,7 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool, successor bool) (*Rec
 		case merr != nil:
 			s.log.Warn("recover: unreadable marker, keeping segment", "path", e.Tail(), "err", merr)
 		case m.Kind == Imported && successor:
-			rec.Imports = append(rec.Imports, ImportMarker{Rel: e.Rel(), Ino: st.Ino, ID: m.ID, Unlink: ferr == nil && f&Unlink != 0})
+			rec.Imports = append(rec.Imports, importMarker(e, m, f, ferr))
 			return nil
 		case m.Kind == Imported:
 			s.log.Info("recover: removing imported segment, its descriptor ended with the daemon", "path", e.Tail())
@@ -140,6 +140,40 @@ func (s *Store) Recover(mapped func(st *unix.Stat_t) bool, successor bool) (*Rec
 		return nil, err
 	}
 	return rec, nil
+}
+
+// importMarker is the marker m of the imported segment e, whose flags
+// are f (ferr: unreadable).
+func importMarker(e *Entry, m Marker, f Flags, ferr error) ImportMarker {
+	return ImportMarker{Rel: e.Rel(), Ino: e.Stat.Ino, ID: m.ID, Unlink: ferr == nil && f&Unlink != 0}
+}
+
+// ImportMarkers lists the markers of the imported segments below the
+// backing root whose ids are in ids, with a walk of the backing as
+// Recover's: a successor's, for those its predecessor made after its
+// recovery (fs.filesystem.lateImports).
+func (s *Store) ImportMarkers(ids map[string]bool) []ImportMarker {
+	var out []ImportMarker
+	err := Tree(s.RootFd, func(e *Entry) error {
+		if e.Stat.Mode&syscall.S_IFMT != syscall.S_IFREG {
+			return nil
+		}
+		ref, err := OpenRef(e.Dirfd, e.Name, e.Stat.Ino)
+		if err != nil {
+			return nil // gone since: no marker to watch
+		}
+		defer ref.Close()
+		p, _ := ref.Path()
+		if m, err := ReadMarker(p, &e.Stat); err == nil && m.Kind == Imported && ids[m.ID] {
+			f, ferr := ReadFlags(p)
+			out = append(out, importMarker(e, m, f, ferr))
+		}
+		return nil
+	})
+	if err != nil {
+		s.log.Warn("takeover: the walk for imports made during the handover stopped; an UNLINK one it did not reach stays until opened and closed again", "err", err)
+	}
+	return out
 }
 
 // spilled reports whether the backing file at path holds the bytes of a

@@ -253,9 +253,7 @@ func Mount(opts Options) (_ *Server, err error) {
 	} else {
 		fopts.MountOptions.PanicHandler = (&panicLog{log: fsys.log}).handle
 	}
-	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, 0)
-	raw.journal, raw.forgotten = opts.Journal, fsys.orphans.forget
-	fsys.orphans.journal, fsys.imports.journal = opts.Journal, opts.Journal
+	raw := fsys.handoverFS(fopts, opts.Journal)
 	gate := &gateFS{RawFileSystem: raw}
 	var srv *fuse.Server
 	var unheld map[uint64]bool
@@ -299,6 +297,16 @@ func Mount(opts Options) (_ *Server, err error) {
 	return s, nil
 }
 
+// handoverFS returns fsys's node bridge (fopts), its requests counted,
+// under a HandoverFS of generation 0 that, with fsys's orphans and
+// imports, sends journal every change a successor takes over.
+func (fsys *filesystem) handoverFS(fopts *fusefs.Options, journal func(Record)) *HandoverFS {
+	raw := NewHandoverFS(&countingFS{RawFileSystem: fusefs.NewNodeFS(fsys.root, fopts), c: &fsys.requests}, 0)
+	raw.journal, raw.forgotten = journal, fsys.orphans.forget
+	fsys.orphans.journal, fsys.imports.journal = journal, journal
+	return raw
+}
+
 // mount mounts raw at mountpoint and serves it.
 func mount(raw fuse.RawFileSystem, mountpoint string, mopts fuse.MountOptions) (*fuse.Server, error) {
 	srv, err := fuse.NewServer(raw, mountpoint, &mopts)
@@ -329,37 +337,56 @@ func takeOver(raw fuse.RawFileSystem, h *HandoverFS, t *Takeover, fsys *filesyst
 	if rec == nil {
 		rec = &Recovered{}
 	}
-	fsys.orphans.handed = t.Orphans
-	dropped := fsys.adoptImports(t.Imports, rec.imports, t.Crashed)
-	h.gen = t.Gen
-	if t.Crashed {
-		t.State.Nodes = backingNodes(fsys.store.RootFd, log)
-	}
+	dropped := fsys.receive(h, t, rec)
 	log.Info("taking the mount over", "nodes", len(t.State.Nodes), "handles", len(t.State.Handles), "generation", t.Gen, "crashed", t.Crashed)
 	srv, err := ServeConnection(raw, t.Fd, t.Init, mopts)
 	if err != nil {
 		return nil, nil, fmt.Errorf("takeover: %w", err)
 	}
-	lost := h.Adopt(t.State)
-	held := heldNodes(t.State.Handles, lost.Handles)
-	unheld := settleUnlinked(rec, held)
-	fsys.keepUnlinkedImports(rec, held)
-	fsys.settleOrphans()
+	lost, unheld := fsys.adopt(h, t.State, rec)
 	if len(lost.Nodes) > 0 || len(lost.Handles) > 0 {
 		log.Warn("takeover: what the kernel holds that the backing no longer has at its name, or that would not open again, fails", "nodes", len(lost.Nodes), "handles", len(lost.Handles))
 	}
 	if err := t.Handoff(); err != nil {
 		return nil, nil, fmt.Errorf("takeover: %w", err)
 	}
-	for _, imp := range dropped {
-		if fsys.imports.journal != nil { // the keeper holds this daemon's state now
-			fsys.imports.journal(Record{Unimport: &imp})
-		}
-	}
+	fsys.imports.forget(dropped) // the keeper holds this daemon's state now
 	if err := NotifyResend(); err != nil {
 		log.Warn("takeover: the kernel cannot resend the requests the predecessor left unanswered; they wait for ever", "err", err)
 	}
 	return srv, unheld, nil
+}
+
+// receive takes what the takeover t hands over before its connection is
+// served: the orphans' descriptors (for Adopt's lookups), the imports
+// (whose markers recovery kept, rec), t's generation into h, and, after
+// a crash, every object of the backing as t's nodes. It returns the
+// imports it dropped, for the journal to forget once the keeper holds
+// this daemon's state.
+func (fsys *filesystem) receive(h *HandoverFS, t *Takeover, rec *Recovered) (dropped []Import) {
+	fsys.orphans.handed = t.Orphans
+	dropped = fsys.adoptImports(t.Imports, rec.imports, t.Crashed)
+	if !t.Crashed {
+		fsys.lateImports(rec)
+	}
+	h.gen = t.Gen
+	if t.Crashed {
+		t.State.Nodes = backingNodes(fsys.store.RootFd, fsys.log)
+	}
+	return dropped
+}
+
+// adopt has h take st over (HandoverFS.Adopt) and settles, by the handles
+// it took over, what recovery kept (rec) and the orphans handed over. It
+// returns what it could not take over, and the UNLINK segments recovery
+// kept that no handle holds, for the caller to remove once it serves.
+func (fsys *filesystem) adopt(h *HandoverFS, st State, rec *Recovered) (lost State, unheld map[uint64]bool) {
+	lost = h.Adopt(st)
+	held := heldNodes(st.Handles, lost.Handles)
+	unheld = settleUnlinked(rec, held)
+	fsys.keepUnlinkedImports(rec, held)
+	fsys.settleOrphans()
+	return lost, unheld
 }
 
 // clusterConfig is cfg for a daemon that takes the mount over with t

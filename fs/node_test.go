@@ -25,6 +25,21 @@ import (
 // directly, or through go-fuse's bridge (ops_test.go).
 func testFS(t *testing.T) *filesystem {
 	t.Helper()
+	store, top, log := testStore(t)
+	fsys, err := newFilesystem(Options{Store: store, Log: log, Mountpoint: filepath.Join(top, "mnt")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(fsys.close)
+	fusefs.NewNodeFS(fsys.root, &fusefs.Options{})
+	return fsys
+}
+
+// testStore opens a store on an empty temporary backing, closed with
+// the test; it returns it with the directory the backing is in and a
+// logger that discards.
+func testStore(t *testing.T) (*alloc.Store, string, *slog.Logger) {
+	t.Helper()
 	top := t.TempDir()
 	os.Chmod(top, 0o700)
 	backing := filepath.Join(top, "backing")
@@ -35,13 +50,7 @@ func testFS(t *testing.T) *filesystem {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { store.Close() })
-	fsys, err := newFilesystem(Options{Store: store, Log: log, Mountpoint: filepath.Join(top, "mnt")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(fsys.close)
-	fusefs.NewNodeFS(fsys.root, &fusefs.Options{})
-	return fsys
+	return store, top, log
 }
 
 // callerCtx is the context of a FUSE request from uid.

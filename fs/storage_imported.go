@@ -245,6 +245,16 @@ func (im *imports) drop(in *importedFile) {
 	in.closeFd()
 }
 
+// forget journals the end of each import of dropped, which a successor
+// did not take over (adoptImports).
+func (im *imports) forget(dropped []Import) {
+	for _, imp := range dropped {
+		if im.journal != nil {
+			im.journal(Record{Unimport: &imp})
+		}
+	}
+}
+
 // adoptImports takes over the imports a predecessor handed over (handed,
 // whose descriptors it owns from then on), each charged to its sender as
 // its predecessor charged it (over her share, she keeps it), before any
@@ -275,6 +285,30 @@ func (fsys *filesystem) adoptImports(handed map[Import]int, markers []alloc.Impo
 		}
 	}
 	return dropped
+}
+
+// lateImports adds to rec the markers of the imports a successor took
+// over from a live predecessor that its recovery did not see: those made
+// after it recovered the backing and before its predecessor froze. Else
+// no watch would wait for the last mapping of an UNLINK one whose last
+// close its predecessor had seen (keepUnlinkedImports), and it would keep
+// its sender's memory and descriptor until unmount.
+func (fsys *filesystem) lateImports(rec *Recovered) {
+	seen := map[string]bool{}
+	for _, mk := range rec.imports {
+		seen[mk.ID] = true
+	}
+	late := map[string]bool{}
+	fsys.imports.mu.RLock()
+	for id := range fsys.imports.m {
+		if !seen[id] {
+			late[id] = true
+		}
+	}
+	fsys.imports.mu.RUnlock()
+	if len(late) > 0 {
+		rec.imports = append(rec.imports, fsys.store.ImportMarkers(late)...)
+	}
 }
 
 // keepUnlinkedImports has a successor wait, once it serves, for the last

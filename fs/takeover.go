@@ -477,11 +477,29 @@ func (f *HandoverFS) Forget(nodeid, nlookup uint64) {
 		f.srv.UnregisterBackingFd(id)
 	}
 	if !adopted {
-		f.RawFileSystem.Forget(nodeid, nlookup)
+		f.forgetBridge(nodeid, nlookup)
 	}
 	if f.forgotten != nil {
 		f.forgotten(nodeid) // the kernel evicted it: no successor needs it
 	}
+}
+
+// forgetBridge passes a FORGET on to the node bridge. That of a node the
+// bridge never had is nothing to forget: a successor meets it for a node
+// an earlier daemon gave the kernel whose last name went before the
+// handover (a file unlinked whose FORGET that daemon had not read when
+// it died or handed over), which no name, handle or journal record lets
+// it register. go-fuse panics on it before it changes anything; the
+// panic ends here, so that the rest of a BATCH_FORGET is served.
+func (f *HandoverFS) forgetBridge(nodeid, nlookup uint64) {
+	defer func() {
+		if v := recover(); v != nil {
+			if id, ok := unknownNode(v); !ok || id != nodeid {
+				panic(v)
+			}
+		}
+	}()
+	f.RawFileSystem.Forget(nodeid, nlookup)
 }
 
 func (f *HandoverFS) Open(cancel <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
