@@ -8,12 +8,17 @@ import (
 	"math"
 	"net"
 	"os"
+	"os/signal"
+	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/fdpass"
 )
 
 // maxInFlight bounds the requests a helper serves at once.
@@ -80,25 +85,152 @@ func HelperMain(args []string, stderr io.Writer, openCUDA func(index int) (Devic
 	}
 	defer dev.Close()
 
-	f := os.NewFile(3, "gpu-socket")
+	f := os.NewFile(3, "gpu-door")
 	c, err := net.FileConn(f)
 	f.Close()
 	if err != nil {
 		fmt.Fprintf(stderr, "gpu-helper: fd 3 is not the daemon's socket: %v\n", err)
 		return 1
 	}
-	conn, ok := c.(*net.UnixConn)
+	door, ok := c.(*net.UnixConn)
 	if !ok {
 		c.Close()
 		fmt.Fprintf(stderr, "gpu-helper: fd 3 is a %T, not a unix socket\n", c)
 		return 1
 	}
-	defer conn.Close()
-	if err := serve(conn, dev, stall); err != nil {
-		fmt.Fprintf(stderr, "gpu-helper: %v\n", err)
-		return 1
-	}
+	defer door.Close()
+	// The daemon that started the helper may be gone when it writes: a
+	// write to its closed output is EPIPE, not the end of the helper.
+	signal.Ignore(syscall.SIGPIPE)
+	newHelper(dev, stall, stderr).run(door)
 	return 0
+}
+
+// helper is a helper process: one device, its blocks, and the sessions
+// of the daemons that use it. It outlives a daemon (DESIGN.md §12): its
+// door, fd 3, is held by the daemon and by its keeper, and each daemon
+// opens a session of its own through it (Start, Attach). Blocks are the
+// helper's, not a session's: a successor claims them (Claim).
+type helper struct {
+	dev    Device
+	stall  map[uint8]time.Duration
+	stderr io.Writer
+
+	mu       sync.Mutex // guards the fields below
+	blocks   map[uint64]*owned
+	sessions map[*server]bool
+}
+
+// owned is a block the helper handed out, with the tag its daemon gave it.
+type owned struct {
+	block      Block
+	exportable bool
+	tag        []byte
+}
+
+func newHelper(dev Device, stall map[uint8]time.Duration, stderr io.Writer) *helper {
+	return &helper{dev: dev, stall: stall, stderr: stderr, blocks: map[uint64]*owned{}, sessions: map[*server]bool{}}
+}
+
+// run serves every session that comes through door until none is left
+// and either the last to end said goodbye (a clean Close) or the door is
+// closed (no daemon and no keeper holds it any more: nobody can come
+// back). A session that ends without a goodbye is a daemon that died:
+// its blocks stay for a successor.
+func (h *helper) run(door *net.UnixConn) {
+	conns := make(chan *net.UnixConn)
+	go func() {
+		defer close(conns)
+		for {
+			c, err := receiveConn(door)
+			if err != nil {
+				return
+			}
+			conns <- c
+		}
+	}()
+	ended := make(chan bool)
+	live := 0
+	for {
+		select {
+		case c, ok := <-conns:
+			if !ok {
+				if live == 0 {
+					return
+				}
+				conns = nil
+				continue
+			}
+			live++
+			go func() { ended <- h.session(c) }()
+		case bye := <-ended:
+			if live--; live == 0 && (bye || conns == nil) {
+				return
+			}
+		}
+	}
+}
+
+// receiveConn reads the next session from the door: a message carrying
+// one end of a SOCK_SEQPACKET socket pair.
+func receiveConn(door *net.UnixConn) (*net.UnixConn, error) {
+	for {
+		m, err := fdpass.Recv(door, 16, 1)
+		if err != nil {
+			return nil, err
+		}
+		if len(m.FDs) != 1 {
+			fdpass.Close(m.FDs)
+			continue
+		}
+		f := os.NewFile(uintptr(m.FDs[0]), "gpu-session")
+		c, err := net.FileConn(f)
+		f.Close()
+		if uc, ok := c.(*net.UnixConn); ok {
+			return uc, nil
+		}
+		if err == nil {
+			c.Close()
+		}
+	}
+}
+
+// session serves one daemon on c until it closes c or a successor claims
+// the device, and reports whether it said goodbye.
+func (h *helper) session(c *net.UnixConn) bool {
+	s := &server{h: h, conn: c, dev: h.dev, stall: h.stall, done: make(chan struct{})}
+	h.mu.Lock()
+	h.sessions[s] = true
+	h.mu.Unlock()
+	err := s.serve()
+	h.mu.Lock()
+	delete(h.sessions, s)
+	h.mu.Unlock()
+	c.Close()
+	close(s.done)
+	if err != nil && !s.cut.Load() {
+		fmt.Fprintf(h.stderr, "gpu-helper: session: %v\n", err)
+	}
+	return s.bye.Load()
+}
+
+// claim ends every session but s and waits until their requests in
+// flight are answered (to nobody): from then on s alone changes the
+// blocks, and they are what it lists.
+func (h *helper) claim(s *server) {
+	h.mu.Lock()
+	var others []*server
+	for o := range h.sessions {
+		if o != s {
+			others = append(others, o)
+		}
+	}
+	h.mu.Unlock()
+	for _, o := range others {
+		o.cut.Store(true)
+		o.conn.Close()
+		<-o.done
+	}
 }
 
 // SimStallEnv names the environment variable that makes a sim helper
@@ -142,23 +274,32 @@ func parseStall(v string) (map[uint8]time.Duration, error) {
 	return stall, nil
 }
 
-// server serves one connection.
+// server serves one session: one daemon's connection.
 type server struct {
+	h       *helper
 	conn    *net.UnixConn
 	dev     Device
 	staging []byte                  // the daemon's staging area, mapped shared
 	stall   map[uint8]time.Duration // how long to sleep before serving an op (tests)
+	done    chan struct{}           // closed once the session has ended
+	// bye is set by the daemon's goodbye (Close); cut when a successor
+	// claimed the device and ended this session.
+	bye, cut atomic.Bool
 }
 
 // Serve serves dev to the daemon at the other end of conn, a SOCK_SEQPACKET
 // socket, until the daemon closes it; requests run concurrently. It returns
 // nil once the daemon has closed the connection and every request is
 // answered. It neither closes conn nor dev.
-func Serve(conn *net.UnixConn, dev Device) error { return serve(conn, dev, nil) }
+func Serve(conn *net.UnixConn, dev Device) error {
+	h := newHelper(dev, nil, io.Discard)
+	return (&server{h: h, conn: conn, dev: dev}).serve()
+}
 
-// serve is Serve with each op in stall answered that much later.
-func serve(conn *net.UnixConn, dev Device, stall map[uint8]time.Duration) error {
-	s := &server{conn: conn, dev: dev, stall: stall}
+// serve answers the session's hello, then its requests, until the daemon
+// closes the connection.
+func (s *server) serve() error {
+	conn, dev := s.conn, s.dev
 	rx := newReceiver(conn)
 	m, fd, err := rx.receive()
 	if err != nil {
@@ -175,7 +316,15 @@ func serve(conn *net.UnixConn, dev Device, stall map[uint8]time.Duration) error 
 		reply.args = []int64{dev.Granularity()}
 		reply.data = []byte(dev.Name() + "\x00" + dev.Backend())
 	}
-	if serr := send(conn, reply, -1); err == nil {
+	// The hello's reply carries a pidfd of the helper: a daemon that did
+	// not start it (a successor) can still kill it, and see it exit.
+	pidfd, perr := unix.PidfdOpen(os.Getpid(), 0)
+	if perr != nil {
+		pidfd = -1
+	} else {
+		defer unix.Close(pidfd)
+	}
+	if serr := send(conn, reply, pidfd); err == nil {
 		err = serr
 	}
 	if err != nil {
@@ -193,17 +342,30 @@ func serve(conn *net.UnixConn, dev Device, stall map[uint8]time.Duration) error 
 	sem := make(chan struct{}, maxInFlight)
 	for {
 		m, fd, err := rx.receive()
-		if errors.Is(err, io.EOF) {
+		if errors.Is(err, io.EOF) || s.cut.Load() {
+			if fd >= 0 {
+				unix.Close(fd)
+			}
 			return nil
 		}
 		if err != nil {
 			return err
+		}
+		if m.op == opBye {
+			s.bye.Store(true)
+			continue
+		}
+		if m.op == opClaim { // no other request of this session is in flight
+			wg.Wait()
 		}
 		sem <- struct{}{}
 		wg.Go(func() {
 			defer func() { <-sem }()
 			s.handle(m, fd)
 		})
+		if m.op == opClaim {
+			wg.Wait()
+		}
 	}
 }
 
@@ -261,6 +423,7 @@ func (s *server) handle(m *message, fd int) {
 var requestArgs = map[uint8]int{
 	opAlloc: 1, opAllocExportable: 1, opFree: 2, opCopyIn: 5, opCopyOut: 5,
 	opCopyFromFile: 5, opCopyToFile: 5, opIPC: 2, opExport: 2, opStats: 0,
+	opTag: 2, opClaim: 0, opBlocks: 1,
 }
 
 // do runs a request and fills in reply; Export's file is returned, to be
@@ -281,9 +444,30 @@ func (s *server) do(m *message, fd int, reply *message) (*os.File, error) {
 		}
 		b, err := alloc(m.args[0])
 		reply.args = []int64{int64(b.ID), b.Size}
+		if err == nil {
+			s.h.mu.Lock()
+			s.h.blocks[b.ID] = &owned{block: b, exportable: m.op == opAllocExportable}
+			s.h.mu.Unlock()
+		}
 		return nil, err
 	case opFree:
-		return nil, s.dev.Free(m.block())
+		err := s.dev.Free(m.block())
+		if err == nil || errors.Is(err, ErrNoBlock) {
+			s.h.mu.Lock()
+			if o := s.h.blocks[m.block().ID]; o != nil && o.block == m.block() {
+				delete(s.h.blocks, o.block.ID)
+			}
+			s.h.mu.Unlock()
+		}
+		return nil, err
+	case opTag:
+		return nil, s.h.tag(m.block(), m.data)
+	case opClaim:
+		s.h.claim(s)
+		return nil, nil
+	case opBlocks:
+		reply.data = s.h.list(uint64(m.args[0]))
+		return nil, nil
 	case opCopyIn, opCopyOut:
 		so, k := m.args[3], m.args[4]
 		if so < 0 || k < 0 || so > int64(len(s.staging)) || k > int64(len(s.staging))-so {
@@ -313,6 +497,47 @@ func (s *server) do(m *message, fd int, reply *message) (*os.File, error) {
 		reply.args = []int64{int64(st.Blocks), st.BlockBytes, st.DeviceBytes}
 		return nil, nil
 	}
+}
+
+// maxTag bounds a block's tag.
+const maxTag = 256
+
+// tag gives block b the tag t, replacing the one it had.
+func (h *helper) tag(b Block, t []byte) error {
+	if len(t) > maxTag {
+		return fmt.Errorf("%w: a %d-byte tag (at most %d)", ErrInvalid, len(t), maxTag)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	o := h.blocks[b.ID]
+	if o == nil || o.block != b {
+		return fmt.Errorf("%w: block %d", ErrNoBlock, b.ID)
+	}
+	o.tag = append([]byte(nil), t...)
+	return nil
+}
+
+// list encodes the blocks whose IDs follow after, in ascending order, as
+// many as a reply holds (marshalOwned); none past the last.
+func (h *helper) list(after uint64) []byte {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	ids := make([]uint64, 0, len(h.blocks))
+	for id := range h.blocks {
+		if id > after {
+			ids = append(ids, id)
+		}
+	}
+	slices.Sort(ids)
+	var out []byte
+	for _, id := range ids {
+		e := marshalOwned(h.blocks[id])
+		if headerSize+len(out)+len(e) > maxMessage {
+			break
+		}
+		out = append(out, e...)
+	}
+	return out
 }
 
 // checkMappable returns nil if the file open at fd holds at least size
