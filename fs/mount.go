@@ -189,6 +189,9 @@ func Mount(opts Options) (_ *Server, err error) {
 		if t, err = opts.Takeover(); err != nil {
 			return nil, err
 		}
+		if fsys.gpu != nil {
+			fsys.claimDevices()
+		}
 	}
 	if opts.Cluster != nil {
 		if err := fsys.joinCluster(clusterConfig(*opts.Cluster, t, opts.Journal), opts.ClusterBounds); err != nil {
