@@ -388,9 +388,12 @@ func (r *remote) sessionEnded() error {
 	case <-r.exited:
 		return r.exitError()
 	case <-time.After(time.Second):
-		return fmt.Errorf("%w: the gpu helper ended this daemon's session: a successor took the device over", ErrUnavailable)
+		return errSuperseded
 	}
 }
+
+// errSuperseded is what calls get once a successor claimed the helper.
+var errSuperseded = fmt.Errorf("%w: the gpu helper ended this daemon's session: a successor took the device over", ErrUnavailable)
 
 // readLoop hands each reply to its call, until the connection ends.
 func (r *remote) readLoop(rx *receiver) {
@@ -438,7 +441,10 @@ func (r *remote) fail(cause error) {
 	if !ok {
 		return
 	}
-	if !closing {
+	switch {
+	case err == errSuperseded:
+		r.log.Info("a successor took the gpu helper over", "err", err)
+	case !closing:
 		r.log.Warn("gpu helper gone; GPU segments are unavailable", "err", err)
 	}
 	answer(pending, err)

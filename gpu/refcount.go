@@ -169,16 +169,6 @@ func KeepCounterDir(path string) (*CounterDir, error) {
 	}
 	d := &CounterDir{dir: dir, uid: 0, mounted: true}
 	d.log.Store(slog.Default())
-	names, err := d.names()
-	if err != nil {
-		dir.Close()
-		return nil, err
-	}
-	for _, name := range names {
-		if n, err := strconv.ParseUint(name, 10, 64); err == nil && n > d.last.Load() {
-			d.last.Store(n)
-		}
-	}
 	return d, nil
 }
 
@@ -207,7 +197,7 @@ func (d *CounterDir) Adopt(name string) (*Counter, error) {
 
 // RemoveUnadopted removes the counter files a predecessor left that no
 // segment of this daemon adopted: nothing they count protects memory any
-// more.
+// more. New counters are numbered after the last it kept.
 func (d *CounterDir) RemoveUnadopted(adopted map[string]bool) error {
 	names, err := d.names()
 	if err != nil {
@@ -215,6 +205,9 @@ func (d *CounterDir) RemoveUnadopted(adopted map[string]bool) error {
 	}
 	for _, name := range names {
 		if adopted[name] {
+			if n, err := strconv.ParseUint(name, 10, 64); err == nil && n > d.last.Load() {
+				d.last.Store(n)
+			}
 			continue
 		}
 		if err := unix.Unlinkat(int(d.dir.Fd()), name, 0); err != nil && !errors.Is(err, unix.ENOENT) {
