@@ -1211,10 +1211,11 @@ func TestGPUSpillRestore(t *testing.T) {
 	}, gtSim...)
 }
 
-// TestGPUCrash: after kill -9 the device contents are lost: each device
-// segment reads as zeros of its old size and the new daemon logs a
-// warning naming it; host segments keep their bytes. The helper dies
-// with the daemon.
+// TestGPUCrash: after kill -9 of the keeper (and so of its daemon) the
+// device contents are lost: each device segment reads as zeros of its old
+// size and the new daemon logs a warning naming it; host segments keep
+// their bytes. The helper dies with them (restart_gpu_test.go: a daemon
+// killed under its keeper keeps them).
 func TestGPUCrash(t *testing.T) {
 	t.Parallel()
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
