@@ -152,10 +152,17 @@ func newDevices(dev gpu.Device, store *alloc.Store, l *ledger.Ledger, handles *l
 		d.pending = restore
 	} else {
 		d.restoreAll(restore)
+		d.startCollecting()
 	}
+	return d, nil
+}
+
+// startCollecting starts the limbo collector (collect). A successor
+// starts it only once it has opened the handles it inherited, which hold
+// blocks in limbo too (Mount).
+func (d *devices) startCollecting() {
 	d.wg.Add(1)
 	go d.collect()
-	return d, nil
 }
 
 // restoreAll restores the segments whose backing files are files.

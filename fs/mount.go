@@ -264,6 +264,9 @@ func Mount(opts Options) (_ *Server, err error) {
 	var unheld map[uint64]bool
 	if t != nil {
 		srv, unheld, err = takeOver(gate, raw, t, fsys, opts.Recovered, fopts.MountOptions)
+		if err == nil && fsys.gpu != nil {
+			fsys.gpu.startCollecting()
+		}
 	} else {
 		srv, err = mount(gate, opts.Mountpoint, fopts.MountOptions)
 	}
