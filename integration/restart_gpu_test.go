@@ -103,11 +103,12 @@ func rgCrash(t *testing.T, m *mount) {
 
 // TestRestartGPUSegments: a GPU segment of user A, held open by A's
 // consumer (with its counter) and mapped by root's through the IPC
-// handle, and a removed one whose memory waits in limbo for its counter,
-// across tensorfs restart and a SIGKILL of the daemon: the bytes, the
-// handle and both consumers' views stay, a write through the mapping
-// shows in the file, limbo, stats' device memory and the ledger are
-// unchanged, and the counter still holds the limbo until it drops.
+// handle, a removed one whose memory waits in limbo for its counter, and
+// a shrunk one whose old block waits for A's open handle, across tensorfs
+// restart and a SIGKILL of the daemon: the bytes, the handle and both
+// consumers' views stay, a write through the mapping shows in the file,
+// limbo, stats' device memory and the ledger are unchanged, and the
+// handle and the counter still hold the limbo until they go.
 func TestRestartGPUSegments(t *testing.T) {
 	t.Parallel()
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
@@ -115,9 +116,9 @@ func TestRestartGPUSegments(t *testing.T) {
 		dir := m.path("gpu")
 		stickyDir(t, dir)
 		gtSetDevice(t, dir, "cuda:0")
-		seg, gone := filepath.Join(dir, "w"), filepath.Join(dir, "gone")
+		seg, gone, shrunk := filepath.Join(dir, "w"), filepath.Join(dir, "gone"), filepath.Join(dir, "shrunk")
 		const n = 3*gtMiB + 11
-		if out, err := runAs(t, userA, "/", "sh", "-c", fmt.Sprintf("head -c %d /dev/urandom >%s && truncate -s 2M %s", n, seg, gone)); err != nil {
+		if out, err := runAs(t, userA, "/", "sh", "-c", fmt.Sprintf("head -c %d /dev/urandom >%s && truncate -s 2M %s %s", n, seg, gone, shrunk)); err != nil {
 			t.Fatalf("user A writes GPU segments: %v\n%s", err, out)
 		}
 		gtWantDevice(t, seg, "cuda:0")
@@ -138,9 +139,16 @@ func TestRestartGPUSegments(t *testing.T) {
 			t.Fatalf("rm %s: %v\n%s", gone, err, out)
 		}
 		eventually(t, "the removed segment in limbo", gtLimboIs(t, m, 1, 2*gtMiB))
+		// A segment shrunk while user A holds it open, its IPC handle
+		// handed out: its old block waits in limbo for that handle alone.
+		opener := startPythonAs(t, userA, "user A's opener", "import os,sys\nf=os.open(sys.argv[1],os.O_RDONLY)\nprint('ready')\nsys.stdin.read()\n", shrunk)
+		opener.expect(t, "ready")
+		gtGetfattr(t, shrunk, gtIPCHandle)
+		run(t, "truncate", "-s", "1M", shrunk)
+		eventually(t, "the shrunk segment's old block in limbo", gtLimboIs(t, m, 2, 4*gtMiB))
 		want := rgStateOf(t, m, seg)
-		if want.limbo != 2*gtMiB || want.counters != 2 {
-			t.Fatalf("the ledger charges user A %d bytes of limbo and %d counters, want %d and 2", want.limbo, want.counters, 2*gtMiB)
+		if want.limbo != 4*gtMiB || want.counters != 2 {
+			t.Fatalf("the ledger charges user A %d bytes of limbo and %d counters, want %d and 2", want.limbo, want.counters, 4*gtMiB)
 		}
 
 		for i, handover := range []func(){func() { m.restart(t, "") }, func() { rgCrash(t, m) }} {
@@ -160,7 +168,7 @@ func TestRestartGPUSegments(t *testing.T) {
 			if got := mapper.do(t, "handle"); got != "handle "+want.handle {
 				t.Errorf("%s: the IPC handle is %q, want %s", what, got, want.handle)
 			}
-			gtStaysInLimbo(t, m, what+": the counter holds the limbo", 1, 2*gtMiB)
+			gtStaysInLimbo(t, m, what+": the counter and the open handle hold the limbo", 2, 4*gtMiB)
 			// A write through the consumer's mapping shows in the file.
 			mark := fmt.Sprintf("%02x%02x", 0xa0+i, 0x5b)
 			if got := mapper.do(t, "write 100 "+mark); got != "ok" {
@@ -177,6 +185,9 @@ func TestRestartGPUSegments(t *testing.T) {
 			}
 			want = rgStateOf(t, m, seg)
 		}
+		// The inherited handle still holds its block: at its close it goes.
+		opener.wait(t)
+		eventually(t, "the shrunk segment's old block freed at its last close", gtLimboIs(t, m, 1, 2*gtMiB))
 		// The adopted counter still counts: at 0 the limbo goes, and its
 		// charge with it.
 		goneHolder = startPythonAs(t, userA, "consumer of the removed segment", "import mmap,os,struct,sys\nf=os.open(sys.argv[1],os.O_RDWR)\nm=mmap.mmap(f,8)\nm[:8]=struct.pack('<q',0)\nprint('ok')\n", counterPath(t, m))
