@@ -2,6 +2,7 @@ package fs
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"maps"
 	"os"
@@ -42,7 +43,7 @@ func (fsys *filesystem) claimDevices() {
 	for _, o := range owned {
 		blocks[o.Block.ID] = o
 	}
-	c := &claims{d: d, counters: map[string]*gpu.Counter{}, ghosts: map[string]*devSeg{}}
+	c := &claims{d: d, counters: map[string]adopted{}, ghosts: map[string]*devSeg{}}
 	var restored, lost []*os.File
 	for _, f := range files {
 		if ok, err := c.segment(f, blocks); err != nil {
@@ -64,7 +65,7 @@ func (fsys *filesystem) claimDevices() {
 // removed segments whose blocks wait in limbo, by their counter's name.
 type claims struct {
 	d        *devices
-	counters map[string]*gpu.Counter
+	counters map[string]adopted
 	ghosts   map[string]*devSeg
 }
 
@@ -91,7 +92,7 @@ func (c *claims) segment(f *os.File, blocks map[uint64]gpu.Owned) (bool, error) 
 	seg.handedOut = true
 	seg.size.Store(ds.Size)
 	if t.Counter != "" {
-		if seg.counter = c.counter(t.Counter, t.UID); seg.counter != nil {
+		if seg.counter, _ = c.counter(t.Counter, t.UID); seg.counter != nil {
 			seg.counterUID = t.UID
 		}
 	}
@@ -133,46 +134,47 @@ func parseTag(b []byte) (blockTag, bool) {
 }
 
 // counter adopts the counter file name, charged to uid once, and returns
-// it; nil if it cannot.
-func (c *claims) counter(name string, uid uint32) *gpu.Counter {
-	if ctr, ok := c.counters[name]; ok {
-		return ctr
+// it: nil and no error if the file is gone (nothing it counted can hold
+// memory any more), nil and why if it could not be adopted.
+func (c *claims) counter(name string, uid uint32) (*gpu.Counter, error) {
+	if a, ok := c.counters[name]; ok {
+		return a.c, a.err
 	}
 	ctr, err := c.d.counters.Adopt(name)
-	if err != nil {
-		c.d.log.Warn("takeover: a consumer counter could not be taken over; the memory it guarded is freed when nothing else holds it", "counter", name, "err", err)
-		c.counters[name] = nil
-		return nil
+	switch {
+	case errors.Is(err, unix.ENOENT):
+		err = nil
+	case err != nil:
+		c.d.log.Warn("takeover: a consumer counter could not be taken over; the memory it guards stays in limbo until unmount", "counter", name, "err", err)
+	default:
+		c.d.owners.Add(uid, 1) // what the predecessor held, whatever the bound now
 	}
-	c.d.owners.Add(uid, 1) // what the predecessor held, whatever the bound now
-	c.counters[name] = ctr
-	return ctr
+	c.counters[name] = adopted{ctr, err}
+	return ctr, err
 }
 
-// rest puts the blocks no segment claimed in limbo, where their counter
-// still holds them: beside a live segment's block, or in a removed
-// segment's (a ghost, which holds its counter until its last block goes);
-// it frees the others, no consumer can count on, and returns how many.
+// adopted is a counter file's adoption: the counter, or why not.
+type adopted struct {
+	c   *gpu.Counter
+	err error
+}
+
+// rest puts the blocks no segment claimed in limbo, where what held them
+// still does: beside a live segment's block (its handles and counter),
+// or in a removed segment's stand-in (a ghost, which holds its counter
+// until its last block goes; one whose counter could not be adopted holds
+// its blocks until unmount). It frees the others, which no consumer can
+// count on (untagged, or their counter gone), and returns how many.
 func (c *claims) rest(blocks map[uint64]gpu.Owned) (freed int) {
 	for _, id := range slices.Sorted(maps.Keys(blocks)) {
 		o := blocks[id]
-		t, ok := parseTag(o.Tag)
-		var seg *devSeg
-		if ok {
-			c.d.mu.Lock()
-			seg = c.d.segs[t.Ino]
-			c.d.mu.Unlock()
-			if seg == nil && t.Counter != "" {
-				seg = c.ghost(t)
-			}
-		}
+		seg := c.holder(o.Tag)
 		if seg == nil {
 			c.d.dev.Free(o.Block)
 			freed++
 			continue
 		}
 		seg.mu.Lock()
-		seg.limboUID = t.UID
 		seg.retire(o.Block)
 		seg.mu.Unlock()
 	}
@@ -182,28 +184,66 @@ func (c *claims) rest(blocks map[uint64]gpu.Owned) (freed int) {
 	return freed
 }
 
-// ghost returns the removed segment whose blocks counter t.Counter
-// guards, nil if that counter is gone.
-func (c *claims) ghost(t blockTag) *devSeg {
+// holder returns the segment whose limbo a block tagged tag joins, with
+// the tag's uid as its limbo's; nil for none.
+func (c *claims) holder(tag []byte) *devSeg {
+	t, ok := parseTag(tag)
+	if !ok {
+		return nil
+	}
+	var ctr *gpu.Counter
+	var err error
+	if t.Counter != "" {
+		ctr, err = c.counter(t.Counter, t.UID)
+	}
+	c.d.mu.Lock()
+	seg := c.d.segs[t.Ino]
+	c.d.mu.Unlock()
+	if seg == nil || err != nil {
+		seg = c.ghost(t, ctr, err)
+	}
+	if seg == nil {
+		return nil
+	}
+	seg.mu.Lock()
+	seg.limboUID = t.UID
+	seg.cmu.Lock()
+	if seg.counter == nil && ctr != nil { // a live segment whose block's tag missed it
+		seg.counter, seg.counterUID = ctr, t.UID
+	}
+	seg.cmu.Unlock()
+	seg.mu.Unlock()
+	return seg
+}
+
+// ghost returns the stand-in of a removed segment whose blocks counter
+// ctr guards (err: it could not be adopted, and they are held), by the
+// counter's name; nil if the counter is gone.
+func (c *claims) ghost(t blockTag, ctr *gpu.Counter, err error) *devSeg {
 	if g, ok := c.ghosts[t.Counter]; ok {
 		return g
 	}
 	var g *devSeg
-	if ctr := c.counter(t.Counter, t.UID); ctr != nil {
+	if ctr != nil || err != nil {
 		g = &devSeg{d: c.d, ino: t.Ino, removed: true, counter: ctr, counterUID: t.UID, limboUID: t.UID}
+		if err != nil {
+			g.opens.Store(1) // never closed: held until unmount
+		}
 	}
-	c.ghosts[t.Counter] = g
+	if t.Counter != "" {
+		c.ghosts[t.Counter] = g
+	}
 	return g
 }
 
 // keepCounters removes the counter files of the predecessor's that no
-// segment adopted (counters, by name).
-func (d *devices) keepCounters(counters map[string]*gpu.Counter) {
-	adopted := map[string]bool{}
-	for name, c := range counters {
-		adopted[name] = c != nil
+// segment adopted (counters, by name), or tried to.
+func (d *devices) keepCounters(counters map[string]adopted) {
+	keep := map[string]bool{}
+	for name, a := range counters {
+		keep[name] = a.c != nil || a.err != nil
 	}
-	if err := d.counters.RemoveUnadopted(adopted); err != nil {
+	if err := d.counters.RemoveUnadopted(keep); err != nil {
 		d.log.Warn("takeover: the predecessor's unclaimed consumer counters not removed", "err", err)
 	}
 }
