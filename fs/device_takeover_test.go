@@ -75,8 +75,8 @@ func TestClaimDevicesLimbo(t *testing.T) {
 	}
 	block(&blockTag{Ino: 11, UID: uid, Counter: counted.Name()})
 	block(&blockTag{Ino: 12, UID: uid, Counter: "99"}) // counter gone
-	block(nil)                                          // untagged
-	block(&blockTag{Ino: 13, UID: uid, Counter: "7"})   // counter not adoptable
+	block(nil)                                         // untagged
+	block(&blockTag{Ino: 13, UID: uid, Counter: "7"})  // counter not adoptable
 	if n, err := unix.Pwrite(counterFd(t, counterPath), []byte{1, 0, 0, 0, 0, 0, 0, 0}, 0); n != 8 || err != nil {
 		t.Fatal(n, err)
 	}
