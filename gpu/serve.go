@@ -45,11 +45,12 @@ var openBackend = func(backend string, index int, openCUDA func(int) (Device, er
 
 // HelperMain is the helper process: `tensorfs gpu-helper --backend sim|cuda
 // --device N`, with args the arguments after "gpu-helper". It opens the
-// device and serves it on file descriptor 3, one end of the socket pair
-// Start made, until the daemon closes the socket. Errors go to stderr as
-// one line, which Start reports as the reason the GPU is unavailable. It
-// returns the exit status: 0 after a clean shutdown, 1 when the device or
-// the socket fails, 2 on bad arguments.
+// device and serves each session that comes through its door, file
+// descriptor 3 (one end of the socket pair Start made), until none is left
+// and nobody can come back (helper.run). Errors go to stderr as one line,
+// which Start reports as the reason the GPU is unavailable. It returns the
+// exit status: 0 after a clean shutdown, 1 when the device or the door
+// fails, 2 on bad arguments.
 //
 // For tests only, a sim helper reads SimStallEnv (see there) to answer
 // some requests late or never, as a hung driver would.
