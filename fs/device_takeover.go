@@ -16,9 +16,11 @@ import (
 
 // claimDevices restores the device segments of a mount this daemon took
 // over (DESIGN.md §12), once it has it: the predecessor's GPU helper
-// lives on, and each segment claims its block (gpu.Survivor.Claim) with
-// its bytes, IPC handle and consumer counter, as the backing file records
-// it (alloc.DeviceState.Block) and the block's tag confirms (blockTag).
+// lives on, this daemon claims it (gpu.Survivor.Claim; settle ends the
+// predecessor's session once this one serves), and each segment takes its
+// block with its bytes, IPC handle and consumer counter, as the backing
+// file records it (alloc.DeviceState.Block) and the block's tag confirms
+// (blockTag).
 // A segment whose block is gone is restored as after a crash. Blocks no
 // segment holds wait in limbo while their counter holds them (charged to
 // the uid their tag names); the rest are freed, in one log line. A claim
@@ -59,6 +61,17 @@ func (fsys *filesystem) claimDevices() {
 	freed := c.rest(blocks)
 	d.keepCounters(c.counters)
 	d.log.Info("takeover: device segments claimed their blocks of the GPU helper", "claimed", len(restored), "restored", len(lost), "limbo", len(blocks)-freed, "freed", freed)
+}
+
+// settle ends the GPU helper's sessions of other daemons, once this one
+// serves the mount it took over: until then a predecessor whose successor
+// fails gets the device back.
+func (d *devices) settle() {
+	if s, ok := d.dev.(gpu.Survivor); ok {
+		if err := s.Settle(); err != nil {
+			d.log.Warn("takeover: the predecessor's session of the GPU helper not ended", "err", err)
+		}
+	}
 }
 
 // claims is what claimDevices adopted: the counter files by name, and the

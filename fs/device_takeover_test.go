@@ -26,6 +26,8 @@ func (s *survivingSim) Tag(b gpu.Block, tag []byte) error {
 	return nil
 }
 
+func (s *survivingSim) Settle() error { return nil }
+
 func (s *survivingSim) Claim() ([]gpu.Owned, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -265,6 +265,7 @@ func Mount(opts Options) (_ *Server, err error) {
 	if t != nil {
 		srv, unheld, err = takeOver(gate, raw, t, fsys, opts.Recovered, fopts.MountOptions)
 		if err == nil && fsys.gpu != nil {
+			fsys.gpu.settle()
 			fsys.gpu.startCollecting()
 		}
 	} else {

@@ -743,15 +743,28 @@ type Survivor interface {
 	Device
 	// Tag gives b a tag of at most 256 bytes, in place of its last.
 	Tag(b Block, tag []byte) error
-	// Claim ends the sessions of every other daemon, once their calls in
-	// flight are answered (to nobody), and lists the helper's blocks with
-	// their tags: from then on this daemon alone changes them.
+	// Claim has the helper refuse the calls of every other daemon's
+	// session, once those in flight are answered, and lists its blocks
+	// with their tags: from then on this daemon alone changes them. Should
+	// this daemon's session end before Settle, the others are served again
+	// (a predecessor whose successor failed to take the mount over).
 	Claim() ([]Owned, error)
+	// Settle ends the other daemons' sessions, once this one serves the
+	// mount; their calls in flight are answered to nobody.
+	Settle() error
 }
 
 func (r *remote) Tag(b Block, tag []byte) error {
 	m := &message{op: opTag, args: []int64{int64(b.ID), b.Size}, data: tag}
 	_, fd, err := r.call(m, -1)
+	if fd >= 0 {
+		unix.Close(fd)
+	}
+	return err
+}
+
+func (r *remote) Settle() error {
+	_, fd, err := r.call(&message{op: opSettle}, -1)
 	if fd >= 0 {
 		unix.Close(fd)
 	}

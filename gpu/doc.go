@@ -40,9 +40,10 @@
 //
 // A helper outlives its daemon while its door is held (Door; the keeper
 // holds a duplicate): a successor opens a session of its own (Attach),
-// claims the helper (Survivor.Claim: the other sessions end once their
-// calls in flight are answered) and finds its segments' blocks by the tags
-// its predecessor gave them (Survivor.Tag). See DESIGN.md §12.
+// claims the helper (Survivor.Claim: the other sessions' calls are refused
+// once those in flight are answered), finds its segments' blocks by the
+// tags its predecessor gave them (Survivor.Tag), and ends the other
+// sessions once it serves (Survivor.Settle). See DESIGN.md §12.
 //
 // A helper that hangs cannot wedge the daemon either: every call has a
 // deadline, 10 s for a control call (Alloc, AllocExportable, Free, IPC,

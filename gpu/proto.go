@@ -33,10 +33,12 @@ import (
 // A helper serves several sessions, one per daemon: the daemon that
 // starts it gives it a door (fd 3), a socket on which each session comes
 // as one end of a new socket pair. Its blocks outlive a session: each
-// carries a tag its daemon gave it (opTag), and a successor ends the other
-// sessions (opClaim) before it lists them (opBlocks). opBye, unanswered,
-// says that the daemon closes the device: the helper exits once no
-// session is left.
+// carries a tag its daemon gave it (opTag). A successor claims the device
+// (opClaim: the other sessions' requests are refused, once those in flight
+// are answered) before it lists the blocks (opBlocks), and ends the other
+// sessions once it serves the mount (opSettle); should it end first, the
+// others are served again. opBye, unanswered, says that the daemon closes
+// the device: the helper exits once no session is left.
 const protoVersion = 4
 
 const (
@@ -52,7 +54,8 @@ const (
 	opExport                     // args: block id, size. reply fd: the export
 	opStats                      // reply args: the Stats fields in order
 	opTag                        // args: block id, size; data: the tag
-	opClaim                      // ends every other session, once their requests are answered
+	opClaim                      // refuses every other session's requests, once those in flight are answered
+	opSettle                     // ends every other session (after opClaim)
 	opBlocks                     // args: the last block id listed. reply data: the next blocks (marshalOwned)
 	opBye                        // no reply: the daemon closes the device
 )
@@ -62,7 +65,7 @@ var opNames = [...]string{
 	opHello: "hello", opAlloc: "Alloc", opAllocExportable: "AllocExportable", opFree: "Free",
 	opCopyIn: "CopyIn", opCopyOut: "CopyOut", opCopyFromFile: "CopyFromFile", opCopyToFile: "CopyToFile",
 	opIPC: "IPC", opExport: "Export", opStats: "Stats",
-	opTag: "Tag", opClaim: "Claim", opBlocks: "Blocks", opBye: "bye",
+	opTag: "Tag", opClaim: "Claim", opSettle: "Settle", opBlocks: "Blocks", opBye: "bye",
 }
 
 const (

@@ -120,6 +120,13 @@ type helper struct {
 	mu       sync.Mutex // guards the fields below
 	blocks   map[uint64]*owned
 	sessions map[*server]bool
+	// claimant is the session that claimed the device (claim) until it
+	// ends; the others' requests are refused meanwhile.
+	claimant *server
+
+	// serving is read-held by every request being served but a claim,
+	// which write-holds it to wait for them.
+	serving sync.RWMutex
 }
 
 // owned is a block the helper handed out, with the tag its daemon gave it.
@@ -196,8 +203,10 @@ func receiveConn(door *net.UnixConn) (*net.UnixConn, error) {
 	}
 }
 
-// session serves one daemon on c until it closes c or a successor claims
-// the device, and reports whether it said goodbye.
+// session serves one daemon on c until it closes c or a successor
+// settles the device, and reports whether it said goodbye. A claimant
+// that ends unsettled (it died, or failed to take the mount over) gives
+// the device back to the other sessions.
 func (h *helper) session(c *net.UnixConn) bool {
 	s := &server{h: h, conn: c, dev: h.dev, stall: h.stall, done: make(chan struct{})}
 	h.mu.Lock()
@@ -206,6 +215,9 @@ func (h *helper) session(c *net.UnixConn) bool {
 	err := s.serve()
 	h.mu.Lock()
 	delete(h.sessions, s)
+	if h.claimant == s {
+		h.claimant = nil
+	}
 	h.mu.Unlock()
 	c.Close()
 	close(s.done)
@@ -215,24 +227,65 @@ func (h *helper) session(c *net.UnixConn) bool {
 	return s.bye.Load()
 }
 
-// claim ends every session but s and waits until their requests in
-// flight are answered (to nobody): from then on s alone changes the
-// blocks, and they are what it lists.
-func (h *helper) claim(s *server) {
+// others returns the sessions but s.
+func (h *helper) others(s *server) []*server {
 	h.mu.Lock()
-	var others []*server
+	defer h.mu.Unlock()
+	var out []*server
 	for o := range h.sessions {
 		if o != s {
-			others = append(others, o)
+			out = append(out, o)
 		}
 	}
+	return out
+}
+
+// claim makes s the one session served: the others' requests are refused
+// from now on (refused), and claim returns once those in flight are
+// answered, so that s alone changes the blocks and they are what it lists.
+func (h *helper) claim(s *server) error {
+	h.mu.Lock()
+	if h.claimant != nil && h.claimant != s {
+		h.mu.Unlock()
+		return errClaimed
+	}
+	h.claimant = s
 	h.mu.Unlock()
-	for _, o := range others {
+	h.serving.Lock() // every request in flight is answered
+	h.serving.Unlock()
+	return nil
+}
+
+// settle ends every session but the claimant s, whose daemon now serves
+// the mount alone; their requests in flight are answered to nobody.
+func (h *helper) settle(s *server) error {
+	h.mu.Lock()
+	claimed := h.claimant == s
+	h.mu.Unlock()
+	if !claimed {
+		return fmt.Errorf("%w: settle without a claim", errProtocol)
+	}
+	for _, o := range h.others(s) {
 		o.cut.Store(true)
 		o.conn.Close()
 		<-o.done
 	}
+	return nil
 }
+
+// refused says why s may not be served now: another session claimed the
+// device; nil if s may.
+func (h *helper) refused(s *server) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.claimant != nil && h.claimant != s {
+		return errClaimed
+	}
+	return nil
+}
+
+// errClaimed refuses a session while another claims the device.
+var errClaimed = fmt.Errorf("%w: another daemon is taking the device over", ErrUnavailable)
 
 // SimStallEnv names the environment variable that makes a sim helper
 // stall, for tests of the daemon's deadlines only: a comma-separated list
@@ -284,7 +337,7 @@ type server struct {
 	stall   map[uint8]time.Duration // how long to sleep before serving an op (tests)
 	done    chan struct{}           // closed once the session has ended
 	// bye is set by the daemon's goodbye (Close); cut when a successor
-	// claimed the device and ended this session.
+	// settled the device and ended this session.
 	bye, cut atomic.Bool
 }
 
@@ -404,11 +457,8 @@ func (s *server) handle(m *message, fd int) {
 	if fd >= 0 {
 		defer unix.Close(fd)
 	}
-	if d, ok := s.stall[m.op]; ok {
-		time.Sleep(d)
-	}
 	reply := &message{op: m.op, id: m.id}
-	export, err := s.do(m, fd, reply)
+	export, err := s.execute(m, fd, reply)
 	if err != nil {
 		reply.setError(err)
 	}
@@ -420,11 +470,27 @@ func (s *server) handle(m *message, fd int) {
 	send(s.conn, reply, replyFD) // fails only when the daemon is gone
 }
 
+// execute runs a request (do) with serving read-held, a claim aside
+// (it waits for the others): the reply goes out after.
+func (s *server) execute(m *message, fd int, reply *message) (*os.File, error) {
+	if m.op != opClaim {
+		s.h.serving.RLock()
+		defer s.h.serving.RUnlock()
+		if err := s.h.refused(s); err != nil {
+			return nil, err
+		}
+	}
+	if d, ok := s.stall[m.op]; ok {
+		time.Sleep(d)
+	}
+	return s.do(m, fd, reply)
+}
+
 // requestArgs is the number of arguments of each request but hello.
 var requestArgs = map[uint8]int{
 	opAlloc: 1, opAllocExportable: 1, opFree: 2, opCopyIn: 5, opCopyOut: 5,
 	opCopyFromFile: 5, opCopyToFile: 5, opIPC: 2, opExport: 2, opStats: 0,
-	opTag: 2, opClaim: 0, opBlocks: 1,
+	opTag: 2, opClaim: 0, opSettle: 0, opBlocks: 1,
 }
 
 // do runs a request and fills in reply; Export's file is returned, to be
@@ -464,8 +530,9 @@ func (s *server) do(m *message, fd int, reply *message) (*os.File, error) {
 	case opTag:
 		return nil, s.h.tag(m.block(), m.data)
 	case opClaim:
-		s.h.claim(s)
-		return nil, nil
+		return nil, s.h.claim(s)
+	case opSettle:
+		return nil, s.h.settle(s)
 	case opBlocks:
 		reply.data = s.h.list(uint64(m.args[0]))
 		return nil, nil

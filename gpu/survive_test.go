@@ -3,6 +3,7 @@ package gpu
 import (
 	"bytes"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 )
@@ -62,9 +63,10 @@ func TestHelperOutlivesSession(t *testing.T) {
 	}
 }
 
-// TestHelperClaimEndsOtherSession checks that a successor's Claim ends a
-// live predecessor's session, after its call in flight, without ending
-// the helper: the predecessor's later calls fail with ErrUnavailable.
+// TestHelperClaimEndsOtherSession checks that a successor's Claim has
+// the helper refuse a live predecessor's calls, once its call in flight is
+// answered, that Settle ends the predecessor's session without ending the
+// helper, and that a claimant gone unsettled gives the device back.
 func TestHelperClaimEndsOtherSession(t *testing.T) {
 	t.Setenv(SimStallEnv, "stats=300ms")
 	d1 := startSim(t)
@@ -74,13 +76,33 @@ func TestHelperClaimEndsOtherSession(t *testing.T) {
 	}
 	defer door.Close()
 	b := alloc(t, d1, 10)
+
+	// A successor that claims, then fails before it settles.
+	failed, err := Attach(door, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := failed.(Survivor).Claim(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d1.Alloc(10); !errors.Is(err, ErrUnavailable) {
+		t.Errorf("predecessor's Alloc while a successor claims the device = %v, want ErrUnavailable", err)
+	}
+	failed.Close()
+	if b2, err := d1.Alloc(10); err != nil {
+		t.Errorf("predecessor's Alloc once the claimant is gone = %v", err)
+	} else if err := d1.Free(b2); err != nil {
+		t.Errorf("predecessor's Free = %v", err)
+	}
+
+	// A successor that claims and settles.
 	d2, err := Attach(door, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer d2.Close()
 	inFlight := make(chan Stats)
-	go func() { inFlight <- d1.Stats() }() // answered to nobody, or before the claim
+	go func() { inFlight <- d1.Stats() }() // answered before the claim returns
 	time.Sleep(50 * time.Millisecond)
 	start := time.Now()
 	owned, err := d2.(Survivor).Claim()
@@ -90,9 +112,14 @@ func TestHelperClaimEndsOtherSession(t *testing.T) {
 	if waited := time.Since(start); waited < 150*time.Millisecond {
 		t.Errorf("Claim returned after %v, before the predecessor's call in flight", waited)
 	}
-	<-inFlight
-	if _, err := d1.Alloc(10); !errors.Is(err, ErrUnavailable) {
-		t.Errorf("predecessor's Alloc after the claim = %v, want ErrUnavailable", err)
+	if st := <-inFlight; st.Blocks != 1 {
+		t.Errorf("the predecessor's Stats in flight at the claim = %+v, want its answer", st)
+	}
+	if err := d2.(Survivor).Settle(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d1.Alloc(10); !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "successor") {
+		t.Errorf("predecessor's Alloc after the settle = %v, want ErrUnavailable naming the successor", err)
 	}
 	if _, err := d2.Alloc(10); err != nil {
 		t.Errorf("successor's Alloc = %v", err)
