@@ -11,8 +11,10 @@ import (
 
 // A device segment's bytes live in GPU memory while it is mounted; its
 // backing file stays empty and records the device (attrDevice), the
-// segment's size (attrDevSize) and, after a clean unmount spilled the
-// bytes into the backing file, attrSpilled.
+// segment's size (attrDevSize: "SIZE", or "SIZE:BLOCK" while mounted,
+// BLOCK naming its block of the GPU helper's, for a successor: DESIGN.md
+// §12) and, after a clean unmount spilled the bytes into the backing
+// file, attrSpilled.
 var (
 	attrDevSize = internalAttr("devsize")
 	attrSpilled = internalAttr("spilled")
@@ -60,6 +62,9 @@ type DeviceState struct {
 	// Spilled is true when the backing file holds the bytes (a clean
 	// unmount); false after a crash, when they are lost.
 	Spilled bool
+	// Block is the ID of the segment's block of device memory while
+	// mounted (0 for none): a successor's to claim from the helper.
+	Block uint64
 }
 
 // ReadDeviceState reads the device segment state stored at path.
@@ -70,8 +75,14 @@ func ReadDeviceState(path string) (DeviceState, error) {
 		return ds, err
 	}
 	if v != "" {
-		if ds.Size, err = strconv.ParseInt(v, 10, 64); err != nil || ds.Size < 0 {
+		size, block, hasBlock := strings.Cut(v, ":")
+		if ds.Size, err = strconv.ParseInt(size, 10, 64); err != nil || ds.Size < 0 {
 			return ds, fmt.Errorf("%w: device segment size %q", ErrInvalid, v)
+		}
+		if hasBlock {
+			if ds.Block, err = strconv.ParseUint(block, 10, 64); err != nil {
+				return ds, fmt.Errorf("%w: device segment size %q", ErrInvalid, v)
+			}
 		}
 	}
 	v, err = readAttr(path, attrSpilled)
@@ -81,7 +92,11 @@ func ReadDeviceState(path string) (DeviceState, error) {
 
 // WriteDeviceState records a device segment's state at path.
 func WriteDeviceState(path string, ds DeviceState) error {
-	if err := unix.Setxattr(path, attrDevSize, []byte(strconv.FormatInt(ds.Size, 10)), 0); err != nil {
+	v := strconv.FormatInt(ds.Size, 10)
+	if ds.Block != 0 {
+		v += ":" + strconv.FormatUint(ds.Block, 10)
+	}
+	if err := unix.Setxattr(path, attrDevSize, []byte(v), 0); err != nil {
 		return err
 	}
 	if ds.Spilled {

@@ -1,6 +1,7 @@
 package fs
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -56,6 +57,10 @@ type devices struct {
 	// (by the segment's owner when its counter was made), removed ones a
 	// consumer still holds open or mapped too (gpu.Counter.Remove).
 	owners *ledger.Row
+
+	// pending are the backing files of the device segments a successor
+	// restores once it has taken the mount over (claimDevices).
+	pending []*os.File
 }
 
 // maxCountersPerUID bounds the consumer counters the segments of one user
@@ -118,12 +123,17 @@ type devSeg struct {
 // (in the state directory, which others may pass through but not list)
 // and restores the segments an earlier mount left, whose backing files
 // recovery found (it takes them over, and closes those it cannot
-// restore).
-func newDevices(dev gpu.Device, store *alloc.Store, l *ledger.Ledger, handles *ledger.Row, mountpoint string, restore []*os.File, log *slog.Logger) (*devices, error) {
+// restore). A successor (takeover) keeps the counters' tmpfs and restores
+// the segments once it has the mount (claimDevices).
+func newDevices(dev gpu.Device, store *alloc.Store, l *ledger.Ledger, handles *ledger.Row, mountpoint string, restore []*os.File, takeover bool, log *slog.Logger) (*devices, error) {
 	if err := alloc.MakeStateDir(); err != nil {
 		return nil, err
 	}
-	counters, err := gpu.OpenCounterDir(alloc.StatePath(mountpoint, ".refcounters"))
+	openCounters := gpu.OpenCounterDir
+	if takeover {
+		openCounters = gpu.KeepCounterDir
+	}
+	counters, err := openCounters(alloc.StatePath(mountpoint, ".refcounters"))
 	if err != nil {
 		return nil, err
 	}
@@ -138,15 +148,31 @@ func newDevices(dev gpu.Device, store *alloc.Store, l *ledger.Ledger, handles *l
 			PerUID: maxCountersPerUID, Total: 16 * maxCountersPerUID, Over: syscall.EMFILE, Full: syscall.ENFILE}),
 		limboShare: l.Row(ledger.Spec{Name: "GPU device memory in limbo", Unit: "byte",
 			PerUID: capacity / 16, Total: capacity, Over: syscall.ENOSPC, Full: syscall.ENOSPC})}
-	for _, f := range restore {
+	if takeover {
+		d.pending = restore
+	} else {
+		d.restoreAll(restore)
+		d.startCollecting()
+	}
+	return d, nil
+}
+
+// startCollecting starts the limbo collector (collect). A successor
+// starts it only once it has opened the handles it inherited, which hold
+// blocks in limbo too (Mount).
+func (d *devices) startCollecting() {
+	d.wg.Add(1)
+	go d.collect()
+}
+
+// restoreAll restores the segments whose backing files are files.
+func (d *devices) restoreAll(files []*os.File) {
+	for _, f := range files {
 		if err := d.restore(f); err != nil {
-			log.Warn("device segment not restored", "path", f.Name(), "err", err)
+			d.log.Warn("device segment not restored", "path", f.Name(), "err", err)
 			f.Close()
 		}
 	}
-	d.wg.Add(1)
-	go d.collect()
-	return d, nil
 }
 
 // restore brings the device segment whose backing file is open at f back
@@ -326,8 +352,17 @@ func (seg *devSeg) retire(b gpu.Block) {
 	}
 	seg.cmu.Lock()
 	seg.retired++
+	counter := ""
+	if seg.counter != nil {
+		counter = seg.counter.Name()
+	}
 	seg.cmu.Unlock()
 	n, uid := gpu.DeviceBytes(seg.d.dev, b.Size), seg.limboUID
+	if counter != "" { // a successor charges the block to uid too
+		if err := seg.tag(b, uid, counter); err != nil {
+			seg.d.log.Debug("a block bound for limbo keeps its tag", "err", err)
+		}
+	}
 	seg.d.limboBytes.Add(n)
 	seg.d.limboShare.Add(uid, n)
 	seg.d.limbo.Add(b, func() bool {
@@ -590,7 +625,7 @@ func (seg *devSeg) recordSize() error {
 	if seg.backing == nil {
 		return nil
 	}
-	return alloc.WriteDeviceState(alloc.FdPath(int(seg.backing.Fd())), alloc.DeviceState{Size: seg.size.Load()})
+	return alloc.WriteDeviceState(alloc.FdPath(int(seg.backing.Fd())), alloc.DeviceState{Size: seg.size.Load(), Block: seg.block.ID})
 }
 
 // alloc allocates a block (zeroed by the device), collecting the limbo
@@ -603,7 +638,48 @@ func (seg *devSeg) alloc(size int64) (gpu.Block, error) {
 	if errors.Is(err, gpu.ErrOutOfMemory) {
 		return b, fmt.Errorf("%w: device memory: %v", alloc.ErrNoSpace, err)
 	}
-	return b, err
+	if err != nil {
+		return b, err
+	}
+	return b, seg.tagNew(b)
+}
+
+// tagNew tags a block just allocated for the segment (tag), freeing it if
+// that fails.
+func (seg *devSeg) tagNew(b gpu.Block) error {
+	seg.cmu.Lock()
+	uid, counter := seg.uid, ""
+	if seg.counter != nil {
+		uid, counter = seg.counterUID, seg.counter.Name()
+	}
+	seg.cmu.Unlock()
+	if err := seg.tag(b, uid, counter); err != nil {
+		seg.d.dev.Free(b)
+		return err
+	}
+	return nil
+}
+
+// blockTag is what a block's tag in the GPU helper says
+// (gpu.Survivor.Tag), for a successor that claims it (claimDevices): the
+// segment it is of, by backing inode, the uid its device memory counts
+// against in limbo and its counter against, and the segment's consumer
+// counter file, if any.
+type blockTag struct {
+	Ino     uint64 `json:"ino"`
+	UID     uint32 `json:"uid"`
+	Counter string `json:"counter,omitempty"`
+}
+
+// tag gives b the segment's tag, with uid and counter, when the device's
+// blocks outlive the daemon.
+func (seg *devSeg) tag(b gpu.Block, uid uint32, counter string) error {
+	s, ok := seg.d.dev.(gpu.Survivor)
+	if !ok || b.Size == 0 {
+		return nil
+	}
+	t, _ := json.Marshal(blockTag{Ino: seg.ino, UID: uid, Counter: counter})
+	return s.Tag(b, t)
 }
 
 // zero clears bytes [from, to) of block b.
@@ -753,7 +829,11 @@ func (seg *devSeg) refCounter() (string, error) {
 		return "", err
 	}
 	seg.counter, seg.counterUID = c, st.Uid
-	if err := seg.followLocked(); err != nil {
+	err = seg.followLocked()
+	if err == nil { // a successor finds the counter by the block's tag
+		err = seg.tag(seg.block, st.Uid, c.Name())
+	}
+	if err != nil {
 		seg.counter = nil
 		c.Remove(seg.d.giveCounter(st.Uid))
 		return "", err
@@ -819,6 +899,9 @@ func (seg *devSeg) export() (*os.File, error) {
 func (seg *devSeg) moveExportable() error {
 	nb, err := seg.d.dev.AllocExportable(seg.size.Load())
 	if err != nil {
+		return err
+	}
+	if err := seg.tagNew(nb); err != nil {
 		return err
 	}
 	if err := seg.copyPrefix(nb, seg.size.Load()); err != nil {

@@ -23,7 +23,7 @@ import (
 // testDevices gives fsys a simulated device, as a mount with --gpu sim.
 func testDevices(t *testing.T, fsys *filesystem) {
 	t.Helper()
-	d, err := newDevices(gpu.NewSim(0, 1<<30), fsys.store, fsys.ledger, fsys.handles, filepath.Join(t.TempDir(), "mnt"), nil, fsys.log)
+	d, err := newDevices(gpu.NewSim(0, 1<<30), fsys.store, fsys.ledger, fsys.handles, filepath.Join(t.TempDir(), "mnt"), nil, false, fsys.log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -167,7 +167,7 @@ func (d *stallingDevice) CopyFromFile(b gpu.Block, off int64, fd int, fileOff, n
 func TestDeviceCopyLeavesStatFree(t *testing.T) {
 	fsys := testFS(t)
 	dev := &stallingDevice{Device: gpu.NewSim(0, 1<<30), started: make(chan struct{}), release: make(chan struct{})}
-	d, err := newDevices(dev, fsys.store, fsys.ledger, fsys.handles, filepath.Join(t.TempDir(), "mnt"), nil, fsys.log)
+	d, err := newDevices(dev, fsys.store, fsys.ledger, fsys.handles, filepath.Join(t.TempDir(), "mnt"), nil, false, fsys.log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -301,7 +301,7 @@ func (d *countingDevice) Alloc(size int64) (gpu.Block, error) {
 func TestDeviceWriteGrowthGeometric(t *testing.T) {
 	fsys := testFS(t)
 	dev := &countingDevice{Device: gpu.NewSim(0, 1<<30)}
-	d, err := newDevices(dev, fsys.store, fsys.ledger, fsys.handles, filepath.Join(t.TempDir(), "mnt"), nil, fsys.log)
+	d, err := newDevices(dev, fsys.store, fsys.ledger, fsys.handles, filepath.Join(t.TempDir(), "mnt"), nil, false, fsys.log)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/gpu"
 	"tensorfs/ledger"
 	"tensorfs/procfs"
 )
@@ -128,22 +129,19 @@ func newFilesystem(opts Options) (_ *filesystem, err error) {
 	fsys.pulled.fsys, fsys.pulled.fds.root = fsys, opts.Store.RootFd
 	fsys.pulled.restore(rec.pulled, opts.Cluster != nil)
 	if opts.GPU != nil && opts.GPU.Backend() != "none" {
-		if fsys.gpu, err = newDevices(opts.GPU, opts.Store, fsys.ledger, fsys.handles, opts.Mountpoint, rec.devices, fsys.log); err != nil {
+		if fsys.gpu, err = newDevices(opts.GPU, opts.Store, fsys.ledger, fsys.handles, opts.Mountpoint, rec.devices, opts.Takeover != nil, fsys.log); err != nil {
 			opts.GPU.Close()
 			closeFiles(rec.devices)
 			return nil, fmt.Errorf("GPU segments: %w", err)
 		}
 	} else {
+		why := fmt.Errorf("%w: this device segment needs a mount with --gpu; its bytes are kept for one", alloc.ErrNoDevice)
 		if opts.GPU != nil {
+			// A takeover's helper that died: its device memory is gone.
+			why = fmt.Errorf("%w: the GPU helper that held this device segment's memory is gone", gpu.ErrUnavailable)
 			opts.GPU.Close()
 		}
-		for _, f := range rec.devices {
-			var st unix.Stat_t
-			if unix.Fstat(int(f.Fd()), &st) == nil {
-				fsys.unrestored.add(st.Ino, fmt.Errorf("%w: this device segment needs a mount with --gpu; its bytes are kept for one", alloc.ErrNoDevice))
-			}
-			f.Close()
-		}
+		fsys.unrestore(rec.devices, why)
 	}
 	fd, err := unix.FcntlInt(uintptr(opts.Store.RootFd), unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
@@ -168,6 +166,18 @@ func (fsys *filesystem) close() {
 	fsys.dirs.closeIdle()
 	if fsys.root != nil {
 		unix.Close(fsys.root.fd)
+	}
+}
+
+// unrestore marks the device segments whose backing files are files as
+// unavailable for why, and closes the files.
+func (fsys *filesystem) unrestore(files []*os.File, why error) {
+	for _, f := range files {
+		var st unix.Stat_t
+		if unix.Fstat(int(f.Fd()), &st) == nil {
+			fsys.unrestored.add(st.Ino, why)
+		}
+		f.Close()
 	}
 }
 

@@ -189,6 +189,9 @@ func Mount(opts Options) (_ *Server, err error) {
 		if t, err = opts.Takeover(); err != nil {
 			return nil, err
 		}
+		if fsys.gpu != nil {
+			fsys.claimDevices()
+		}
 	}
 	if opts.Cluster != nil {
 		if err := fsys.joinCluster(clusterConfig(*opts.Cluster, t, opts.Journal), opts.ClusterBounds); err != nil {
@@ -259,6 +262,10 @@ func Mount(opts Options) (_ *Server, err error) {
 	var unheld map[uint64]bool
 	if t != nil {
 		srv, unheld, err = takeOver(gate, raw, t, fsys, opts.Recovered, fopts.MountOptions)
+		if err == nil && fsys.gpu != nil {
+			fsys.gpu.settle()
+			fsys.gpu.startCollecting()
+		}
 	} else {
 		srv, err = mount(gate, opts.Mountpoint, fopts.MountOptions)
 	}

@@ -16,6 +16,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"tensorfs/fdpass"
 	"tensorfs/gpu/internal/devmem"
 )
 
@@ -80,9 +81,12 @@ var errClosed = fmt.Errorf("%w: device closed", ErrUnavailable)
 // ("cuda" or "sim"), and returns a Device forwarding every call to it, so
 // that a CUDA failure takes down the helper and never the daemon. The
 // helper is `exe gpu-helper --backend B --device N` (see HelperMain), with
-// one end of a socket pair as file descriptor 3, its own process group
-// (a terminal's Ctrl-C reaches the daemon, which then closes the device),
-// and SIGKILL should the daemon die. Each call has a deadline (timeouts);
+// its door (one end of a socket pair, through which each daemon opens a
+// session: Attach) as file descriptor 3, and its own process group (a
+// terminal's Ctrl-C reaches the daemon, which then closes the device).
+// It outlives the daemon while someone holds the door (Door: a keeper,
+// for a successor), and exits once nobody does or the daemon closes the
+// device. Each call has a deadline (timeouts);
 // at the first one missed the helper is killed and the Device fails every
 // call with ErrUnavailable from then on. log receives the helper's output
 // at debug level, its death as a warning and a missed deadline as an
@@ -116,14 +120,66 @@ func Start(exe, backend string, index int, log *slog.Logger) (Device, error) {
 	return start(exe, []string{"gpu-helper", "--backend", backend, "--device", fmt.Sprint(index)}, log)
 }
 
+// Attach opens a session of its own with the helper whose door a daemon
+// that died or handed its mount over held (Door), and returns a Device
+// forwarding every call to it: the successor's. Its blocks are the
+// helper's, still allocated; Claim takes them over. door stays the
+// caller's.
+func Attach(door *os.File, log *slog.Logger) (_ Device, err error) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	fd, err := unix.FcntlInt(door.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("%w: the gpu helper's door: %v", ErrUnavailable, err)
+	}
+	r, err := newRemote(os.NewFile(uintptr(fd), "gpu-door"), log)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			r.release()
+		}
+	}()
+	if err := r.hello(); err != nil {
+		return nil, err
+	}
+	go func() {
+		for {
+			if _, err := unix.Poll([]unix.PollFd{{Fd: int32(r.pidfd), Events: unix.POLLIN}}, -1); err != unix.EINTR {
+				break
+			}
+		}
+		close(r.exited)
+	}()
+	return r.serve(), nil
+}
+
+// Door returns a duplicate of the door of dev's helper, for a successor
+// to Attach to; nil for a device without a helper.
+func Door(dev Device) (*os.File, error) {
+	r, ok := dev.(*remote)
+	if !ok {
+		return nil, nil
+	}
+	fd, err := unix.FcntlInt(r.door.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), "gpu-door"), nil
+}
+
 // remote is a Device served by a helper process.
 type remote struct {
 	log           *slog.Logger
+	door          *os.File // the helper's door, for Door
 	conn          *net.UnixConn
-	proc          *os.Process
+	proc          *os.Process // the helper, when this daemon started it; else nil
+	pidfd         int         // the helper's, from its hello; -1 before
 	out           *tail
 	exited        chan struct{}    // closed once the helper has exited and its output is read
-	state         *os.ProcessState // the helper's exit, set before exited is closed
+	state         *os.ProcessState // the helper's exit, set before exited is closed (proc only)
 	name, backend string
 	granularity   int64      // the helper's device's, from its hello
 	slots         chan int64 // offsets of the free staging slots
@@ -148,22 +204,28 @@ type reply struct {
 	err error
 }
 
-func start(exe string, args []string, log *slog.Logger) (_ Device, err error) {
+// newRemote opens a session through door, which it keeps: it sends the
+// helper one end of a new socket pair and talks on the other.
+func newRemote(door *os.File, log *slog.Logger) (*remote, error) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
+		door.Close()
 		return nil, fmt.Errorf("%w: socketpair: %v", ErrUnavailable, err)
 	}
+	defer unix.Close(fds[1])
 	ours := os.NewFile(uintptr(fds[0]), "gpu-socket")
-	theirs := os.NewFile(uintptr(fds[1]), "gpu-socket")
-	defer theirs.Close()
 	c, err := net.FileConn(ours)
 	ours.Close()
 	if err != nil {
+		unix.Close(fds[1])
+		door.Close()
 		return nil, fmt.Errorf("%w: socket: %v", ErrUnavailable, err)
 	}
 	r := &remote{
 		log:      log,
+		door:     door,
 		conn:     c.(*net.UnixConn),
+		pidfd:    -1,
 		out:      &tail{log: log},
 		exited:   make(chan struct{}),
 		slots:    make(chan int64, stagingSlots),
@@ -171,12 +233,58 @@ func start(exe string, args []string, log *slog.Logger) (_ Device, err error) {
 		pending:  make(map[uint32]chan reply),
 		gone:     make(chan struct{}),
 	}
+	dc, err := net.FileConn(door)
+	if err == nil {
+		err = fdpass.Send(dc.(*net.UnixConn), []byte{1}, fds[1])
+		dc.Close()
+	}
+	if err != nil {
+		r.conn.Close()
+		door.Close()
+		return nil, fmt.Errorf("%w: the gpu helper's door: %v", ErrUnavailable, err)
+	}
+	return r, nil
+}
+
+// serve readies r once its hello is answered: its staging slots and its
+// reader.
+func (r *remote) serve() *remote {
+	for i := range stagingSlots {
+		r.slots <- int64(i) * stagingSlot
+	}
+	go r.readLoop(newReceiver(r.conn))
+	return r
+}
+
+// release closes what a remote that never served holds.
+func (r *remote) release() {
+	r.conn.Close()
+	r.door.Close()
+	if r.staging != nil {
+		unix.Munmap(r.staging)
+	}
+	if r.pidfd >= 0 {
+		unix.Close(r.pidfd)
+	}
+}
+
+func start(exe string, args []string, log *slog.Logger) (_ Device, err error) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("%w: socketpair: %v", ErrUnavailable, err)
+	}
+	theirs := os.NewFile(uintptr(fds[1]), "gpu-door")
+	defer theirs.Close()
+	r, err := newRemote(os.NewFile(uintptr(fds[0]), "gpu-door"), log)
+	if err != nil {
+		return nil, err
+	}
 	cmd := exec.Command(exe, args...)
 	cmd.ExtraFiles = []*os.File{theirs}
 	cmd.Stdout, cmd.Stderr = r.out, r.out // cu's init failure goes to stdout
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	if err := cmd.Start(); err != nil {
-		r.conn.Close()
+		r.release()
 		return nil, fmt.Errorf("%w: start gpu helper: %v", ErrUnavailable, err)
 	}
 	r.proc = cmd.Process
@@ -189,10 +297,7 @@ func start(exe string, args []string, log *slog.Logger) (_ Device, err error) {
 		if err != nil {
 			r.kill()
 			<-r.exited
-			r.conn.Close()
-			if r.staging != nil {
-				unix.Munmap(r.staging)
-			}
+			r.release()
 		}
 	}()
 	theirs.Close()
@@ -200,12 +305,8 @@ func start(exe string, args []string, log *slog.Logger) (_ Device, err error) {
 	if err := r.hello(); err != nil {
 		return nil, err
 	}
-	for i := range stagingSlots {
-		r.slots <- int64(i) * stagingSlot
-	}
-	go r.readLoop(newReceiver(r.conn))
 	log.Debug("gpu helper started", "pid", r.proc.Pid, "device", r.name, "backend", r.backend)
-	return r, nil
+	return r.serve(), nil
 }
 
 // hello makes and maps the staging area, a sealed memfd that the helper
@@ -227,9 +328,7 @@ func (r *remote) hello() error {
 	r.conn.SetReadDeadline(time.Now().Add(helloTimeout))
 	m, rfd, err := newReceiver(r.conn).receive()
 	r.conn.SetReadDeadline(time.Time{})
-	if rfd >= 0 {
-		unix.Close(rfd)
-	}
+	r.pidfd = rfd
 	switch {
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		return fmt.Errorf("%w: gpu helper did not answer within %v", ErrUnavailable, helloTimeout)
@@ -241,7 +340,7 @@ func (r *remote) hello() error {
 		return fmt.Errorf("%w: gpu helper: %v", ErrUnavailable, m.err())
 	}
 	name, backend, ok := strings.Cut(string(m.data), "\x00")
-	if !ok || m.want(1) != nil || m.args[0] <= 0 || m.args[0]&(m.args[0]-1) != 0 {
+	if !ok || r.pidfd < 0 || m.want(1) != nil || m.args[0] <= 0 || m.args[0]&(m.args[0]-1) != 0 {
 		return fmt.Errorf("%w: %w: hello reply %v %q", ErrUnavailable, errProtocol, m.args, m.data)
 	}
 	r.name, r.backend, r.granularity = name, backend, m.args[0]
@@ -249,8 +348,12 @@ func (r *remote) hello() error {
 }
 
 // exitError waits for the helper to exit, killing it if it takes too
-// long, and says why it is gone.
+// long, and says why it is gone. Of a helper this daemon did not start,
+// it says only that.
 func (r *remote) exitError() error {
+	if r.proc == nil {
+		return fmt.Errorf("%w: gpu helper gone", ErrUnavailable)
+	}
 	select {
 	case <-r.exited:
 	case <-time.After(exitTimeout):
@@ -263,15 +366,34 @@ func (r *remote) exitError() error {
 	return fmt.Errorf("%w: gpu helper exited (%v)", ErrUnavailable, r.state)
 }
 
-// kill sends SIGKILL to the helper's process group (its own, from Start),
-// unless the helper has exited already.
+// kill sends SIGKILL to the helper, unless it has exited already: to its
+// process group (its own, from Start) when this daemon started it, else
+// through its pidfd.
 func (r *remote) kill() {
 	select {
 	case <-r.exited:
 	default:
-		syscall.Kill(-r.proc.Pid, syscall.SIGKILL)
+		if r.proc != nil {
+			syscall.Kill(-r.proc.Pid, syscall.SIGKILL)
+		} else {
+			unix.PidfdSendSignal(r.pidfd, unix.SIGKILL, nil, 0)
+		}
 	}
 }
+
+// sessionEnded says why the helper ended this daemon's session: it
+// exited, or it lives on for a successor that claimed it (Claim).
+func (r *remote) sessionEnded() error {
+	select {
+	case <-r.exited:
+		return r.exitError()
+	case <-time.After(time.Second):
+		return errSuperseded
+	}
+}
+
+// errSuperseded is what calls get once a successor claimed the helper.
+var errSuperseded = fmt.Errorf("%w: the gpu helper ended this daemon's session: a successor took the device over", ErrUnavailable)
 
 // readLoop hands each reply to its call, until the connection ends.
 func (r *remote) readLoop(rx *receiver) {
@@ -310,7 +432,7 @@ func (r *remote) fail(cause error) {
 	case closing:
 		err = errClosed
 	case errors.Is(cause, io.EOF) || errors.Is(cause, syscall.ECONNRESET):
-		err = r.exitError()
+		err = r.sessionEnded()
 	default:
 		r.kill()
 		err = fmt.Errorf("%w: %v", ErrUnavailable, cause)
@@ -319,7 +441,10 @@ func (r *remote) fail(cause error) {
 	if !ok {
 		return
 	}
-	if !closing {
+	switch {
+	case err == errSuperseded:
+		r.log.Info("a successor took the gpu helper over", "err", err)
+	case !closing:
 		r.log.Warn("gpu helper gone; GPU segments are unavailable", "err", err)
 	}
 	answer(pending, err)
@@ -563,8 +688,10 @@ func (r *remote) Stats() Stats {
 	return Stats{Blocks: int(m.args[0]), BlockBytes: m.args[1], DeviceBytes: m.args[2]}
 }
 
-// Close shuts the connection for writing, so that the helper answers what
-// it has, frees the device and exits; it is killed after exitTimeout.
+// Close says goodbye and shuts the connection for writing, so that the
+// helper answers what it has and ends the session; it exits (freeing the
+// device) once no other daemon's session is left. A helper this daemon
+// started gets exitTimeout to exit, and is killed after.
 func (r *remote) Close() error {
 	r.mu.Lock()
 	if r.closing {
@@ -573,22 +700,99 @@ func (r *remote) Close() error {
 	}
 	r.closing = true
 	r.mu.Unlock()
+	send(r.conn, &message{op: opBye}, -1)
 	r.conn.CloseWrite()
 	var err error
 	select {
-	case <-r.exited:
+	case <-r.gone: // every call has its answer
 	case <-time.After(exitTimeout):
 		r.kill()
-		<-r.exited
-		err = fmt.Errorf("gpu helper did not exit within %v; killed", exitTimeout)
+		<-r.gone
+		err = fmt.Errorf("gpu helper did not end the session within %v; killed", exitTimeout)
 	}
-	<-r.gone // every call has its answer
+	if r.proc != nil && err == nil {
+		select {
+		case <-r.exited:
+		case <-time.After(exitTimeout):
+			r.kill()
+			<-r.exited
+			err = fmt.Errorf("gpu helper did not exit within %v; killed", exitTimeout)
+		}
+	}
 	r.conn.Close()
+	r.door.Close()
 	r.stagingMu.Lock()
 	defer r.stagingMu.Unlock()
 	unix.Munmap(r.staging)
 	r.staging = nil
 	return err
+}
+
+// Owned is a block of a helper's, as Claim lists it: its tag is what the
+// daemon that made it said with Tag, nil before.
+type Owned struct {
+	Block      Block
+	Exportable bool
+	Tag        []byte
+}
+
+// Survivor is a Device whose blocks outlive its daemon (Start's, Attach's):
+// a daemon tags each block with what it needs to find it again, and its
+// successor claims them.
+type Survivor interface {
+	Device
+	// Tag gives b a tag of at most 256 bytes, in place of its last.
+	Tag(b Block, tag []byte) error
+	// Claim has the helper refuse the calls of every other daemon's
+	// session, once those in flight are answered, and lists its blocks
+	// with their tags: from then on this daemon alone changes them. Should
+	// this daemon's session end before Settle, the others are served again
+	// (a predecessor whose successor failed to take the mount over).
+	Claim() ([]Owned, error)
+	// Settle ends the other daemons' sessions, once this one serves the
+	// mount; their calls in flight are answered to nobody.
+	Settle() error
+}
+
+func (r *remote) Tag(b Block, tag []byte) error {
+	m := &message{op: opTag, args: []int64{int64(b.ID), b.Size}, data: tag}
+	_, fd, err := r.call(m, -1)
+	if fd >= 0 {
+		unix.Close(fd)
+	}
+	return err
+}
+
+func (r *remote) Settle() error {
+	_, fd, err := r.call(&message{op: opSettle}, -1)
+	if fd >= 0 {
+		unix.Close(fd)
+	}
+	return err
+}
+
+func (r *remote) Claim() ([]Owned, error) {
+	if _, fd, err := r.call(&message{op: opClaim}, -1); err != nil {
+		return nil, err
+	} else if fd >= 0 {
+		unix.Close(fd)
+	}
+	var all []Owned
+	for after := int64(0); ; {
+		m, fd, err := r.call(&message{op: opBlocks, args: []int64{after}}, -1)
+		if fd >= 0 {
+			unix.Close(fd)
+		}
+		if err != nil {
+			return nil, err
+		}
+		page, err := unmarshalOwned(m.data)
+		if err != nil || len(page) == 0 {
+			return all, err
+		}
+		all = append(all, page...)
+		after = int64(page[len(page)-1].Block.ID)
+	}
 }
 
 // tail is the helper's stdout and stderr: it logs each line and keeps the

@@ -38,6 +38,13 @@
 // output, and host segments go on. Start again for a new helper; blocks of
 // the old one are gone.
 //
+// A helper outlives its daemon while its door is held (Door; the keeper
+// holds a duplicate): a successor opens a session of its own (Attach),
+// claims the helper (Survivor.Claim: the other sessions' calls are refused
+// once those in flight are answered), finds its segments' blocks by the
+// tags its predecessor gave them (Survivor.Tag), and ends the other
+// sessions once it serves (Survivor.Settle). See DESIGN.md §12.
+//
 // A helper that hangs cannot wedge the daemon either: every call has a
 // deadline, 10 s for a control call (Alloc, AllocExportable, Free, IPC,
 // Export, Stats) and 10 s plus 1 s per 16 MiB for a copy (10.25 s for a
@@ -87,7 +94,8 @@
 //
 // Free a block only when no consumer can still reach it: its device memory
 // may be handed out again at once, to another segment. A Device's Block
-// values mean nothing to another Device, nor to a new helper.
+// values mean nothing to another Device, nor to a new helper (a session
+// attached to the same helper shares them).
 //
 // A copy from or to a file counts the file's time too: a file copy that
 // stalls on its file (a descriptor of a hung filesystem) past the deadline

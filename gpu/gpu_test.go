@@ -21,6 +21,11 @@ import (
 // device dies in Alloc with a last word on stderr.
 const helperEnv = "TENSORFS_GPU_TEST_HELPER"
 
+// cudaHelperEnv names a tensorfs-gpu built with -tags cuda that startSim
+// runs with --backend cuda instead of a sim helper: for
+// scripts/gpu-device-check.sh, on a machine with a GPU.
+const cudaHelperEnv = "TENSORFS_TEST_GPU_HELPER"
+
 const crashLine = "fake CUDA fault: an illegal memory access was encountered"
 
 func TestMain(m *testing.M) {
@@ -51,14 +56,19 @@ func (crashOnAlloc) Alloc(int64) (Block, error) {
 	panic("unreachable")
 }
 
-// startSim starts a sim helper from the test binary, closed at cleanup.
+// startSim starts a sim helper from the test binary (a cuda one, if
+// cudaHelperEnv names it), closed at cleanup.
 func startSim(t *testing.T) Device {
 	t.Helper()
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, err := Start(exe, "sim", 0, nil)
+	backend := "sim"
+	if helper := os.Getenv(cudaHelperEnv); helper != "" {
+		exe, backend = helper, "cuda"
+	}
+	d, err := Start(exe, backend, 0, nil)
 	if err != nil {
 		t.Fatalf("Start: %v", err)
 	}

@@ -26,9 +26,20 @@ import (
 // The first request is opHello, with the staging area attached: a memfd
 // that both processes map, split into slots of stagingSlot bytes, through
 // which CopyIn and CopyOut move their bytes (the socket carries only
-// offsets). CopyFromFile and CopyToFile carry the caller's file descriptor
-// and the reply to Export carries the exported one, as SCM_RIGHTS.
-const protoVersion = 3
+// offsets). Its reply carries a pidfd of the helper. CopyFromFile and
+// CopyToFile carry the caller's file descriptor and the reply to Export
+// carries the exported one, as SCM_RIGHTS.
+//
+// A helper serves several sessions, one per daemon: the daemon that
+// starts it gives it a door (fd 3), a socket on which each session comes
+// as one end of a new socket pair. Its blocks outlive a session: each
+// carries a tag its daemon gave it (opTag). A successor claims the device
+// (opClaim: the other sessions' requests are refused, once those in flight
+// are answered) before it lists the blocks (opBlocks), and ends the other
+// sessions once it serves the mount (opSettle); should it end first, the
+// others are served again. opBye, unanswered, says that the daemon closes
+// the device: the helper exits once no session is left.
+const protoVersion = 4
 
 const (
 	opHello           = 1 + iota // args: staging size; fd: staging memfd. reply args: granularity; data: name NUL backend
@@ -42,6 +53,11 @@ const (
 	opIPC                        // args: block id, size. reply data: mem handle, event handle
 	opExport                     // args: block id, size. reply fd: the export
 	opStats                      // reply args: the Stats fields in order
+	opTag                        // args: block id, size; data: the tag
+	opClaim                      // refuses every other session's requests, once those in flight are answered
+	opSettle                     // ends every other session (after opClaim)
+	opBlocks                     // args: the last block id listed. reply data: the next blocks (marshalOwned)
+	opBye                        // no reply: the daemon closes the device
 )
 
 // opNames name the requests, after the Device methods, for errors and logs.
@@ -49,6 +65,7 @@ var opNames = [...]string{
 	opHello: "hello", opAlloc: "Alloc", opAllocExportable: "AllocExportable", opFree: "Free",
 	opCopyIn: "CopyIn", opCopyOut: "CopyOut", opCopyFromFile: "CopyFromFile", opCopyToFile: "CopyToFile",
 	opIPC: "IPC", opExport: "Export", opStats: "Stats",
+	opTag: "Tag", opClaim: "Claim", opSettle: "Settle", opBlocks: "Blocks", opBye: "bye",
 }
 
 const (
@@ -195,4 +212,32 @@ func (r *receiver) receive() (*message, int, error) {
 		return nil, -1, err
 	}
 	return m, fd, nil
+}
+
+// marshalOwned encodes a block of the helper's for opBlocks: its ID and
+// size, 1 if exportable, the tag's length (2 bytes) and the tag.
+func marshalOwned(o *owned) []byte {
+	b := make([]byte, 19, 19+len(o.tag))
+	binary.LittleEndian.PutUint64(b, o.block.ID)
+	binary.LittleEndian.PutUint64(b[8:], uint64(o.block.Size))
+	if o.exportable {
+		b[16] = 1
+	}
+	binary.LittleEndian.PutUint16(b[17:], uint16(len(o.tag)))
+	return append(b, o.tag...)
+}
+
+// unmarshalOwned decodes the blocks of an opBlocks reply.
+func unmarshalOwned(b []byte) ([]Owned, error) {
+	var out []Owned
+	for len(b) > 0 {
+		if len(b) < 19 || len(b) < 19+int(binary.LittleEndian.Uint16(b[17:])) {
+			return nil, fmt.Errorf("%w: %d bytes of a block list", errProtocol, len(b))
+		}
+		n := int(binary.LittleEndian.Uint16(b[17:]))
+		out = append(out, Owned{Block: Block{ID: binary.LittleEndian.Uint64(b), Size: int64(binary.LittleEndian.Uint64(b[8:]))},
+			Exportable: b[16] == 1, Tag: append([]byte(nil), b[19:19+n]...)})
+		b = b[19+n:]
+	}
+	return out, nil
 }

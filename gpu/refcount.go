@@ -138,6 +138,85 @@ func OpenCounterDir(path string) (*CounterDir, error) {
 	return d, nil
 }
 
+// KeepCounterDir is OpenCounterDir for a daemon that takes a live mount
+// over (DESIGN.md §12): the counters' tmpfs a predecessor mounted at path
+// stays, counters and all, since consumers hold and map its files; the
+// caller adopts those its segments name (Adopt) and removes the rest
+// (RemoveUnadopted). Without such a tmpfs (no root, or none mounted) it is
+// OpenCounterDir.
+func KeepCounterDir(path string) (*CounterDir, error) {
+	path, err := filepath.Abs(path)
+	if err != nil {
+		return nil, err
+	}
+	if os.Geteuid() != 0 {
+		return OpenCounterDir(path)
+	}
+	dir, err := openOwnDir(path)
+	if errors.Is(err, unix.ENOENT) {
+		return OpenCounterDir(path)
+	}
+	if err != nil {
+		return nil, err
+	}
+	var stx unix.Statx_t
+	var fs unix.Statfs_t
+	if unix.Statx(int(dir.Fd()), "", unix.AT_EMPTY_PATH, unix.STATX_BASIC_STATS, &stx) != nil ||
+		stx.Attributes&stx.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT == 0 ||
+		unix.Fstatfs(int(dir.Fd()), &fs) != nil || fs.Type != unix.TMPFS_MAGIC {
+		dir.Close()
+		return OpenCounterDir(path)
+	}
+	d := &CounterDir{dir: dir, uid: 0, mounted: true}
+	d.log.Store(slog.Default())
+	return d, nil
+}
+
+// Adopt takes over the counter file name that a predecessor made: its
+// owner, group, mode and ACL as they are, until Follow changes them.
+func (d *CounterDir) Adopt(name string) (*Counter, error) {
+	if _, err := strconv.ParseUint(name, 10, 64); err != nil {
+		return nil, fmt.Errorf("%w: counter name %q", ErrInvalid, name)
+	}
+	fd, err := unix.Openat(int(d.dir.Fd()), name, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("adopt counter %s: %w", name, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Uid != d.uid {
+		unix.Close(fd)
+		return nil, fmt.Errorf("adopt counter %s: not a counter file of the daemon's (%v)", name, err)
+	}
+	c := &Counter{dir: d, name: name, fd: fd, gid: st.Gid, mode: st.Mode & 0o7777}
+	acl := make([]byte, 256)
+	if n, err := unix.Fgetxattr(fd, aclXattr, acl); err == nil {
+		c.acl = acl[:n]
+	}
+	return c, nil
+}
+
+// RemoveUnadopted removes the counter files a predecessor left that no
+// segment of this daemon adopted: nothing they count protects memory any
+// more. New counters are numbered after the last it kept.
+func (d *CounterDir) RemoveUnadopted(adopted map[string]bool) error {
+	names, err := d.names()
+	if err != nil {
+		return err
+	}
+	for _, name := range names {
+		if adopted[name] {
+			if n, err := strconv.ParseUint(name, 10, 64); err == nil && n > d.last.Load() {
+				d.last.Store(n)
+			}
+			continue
+		}
+		if err := unix.Unlinkat(int(d.dir.Fd()), name, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+			return fmt.Errorf("remove %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
 // openOwnDir opens the directory path, which must not be a symbolic link
 // and must belong to this process's user.
 func openOwnDir(path string) (*os.File, error) {
@@ -207,18 +286,7 @@ func (d *CounterDir) reopen(path string) error {
 func (d *CounterDir) SetLog(log *slog.Logger) { d.log.Store(log) }
 
 // empty removes every counter in the directory.
-func (d *CounterDir) empty() error {
-	names, err := d.names()
-	if err != nil {
-		return err
-	}
-	for _, name := range names {
-		if err := unix.Unlinkat(int(d.dir.Fd()), name, 0); err != nil && !errors.Is(err, unix.ENOENT) {
-			return fmt.Errorf("remove %s: %w", name, err)
-		}
-	}
-	return nil
-}
+func (d *CounterDir) empty() error { return d.RemoveUnadopted(nil) }
 
 // names lists the directory.
 func (d *CounterDir) names() ([]string, error) {
@@ -659,3 +727,6 @@ func counterACL(owner, uid, mode uint32) (acl []byte, fileMode uint32) {
 		aclEntry{aclOther, class(0o004), aclUndefinedID})
 	return encodeACL(entries), 0o660 | uint32(class(0o004))
 }
+
+// Name is the counter file's name in its CounterDir, for Adopt.
+func (c *Counter) Name() string { return c.name }

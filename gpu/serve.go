@@ -8,12 +8,17 @@ import (
 	"math"
 	"net"
 	"os"
+	"os/signal"
+	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/fdpass"
 )
 
 // maxInFlight bounds the requests a helper serves at once.
@@ -40,11 +45,12 @@ var openBackend = func(backend string, index int, openCUDA func(int) (Device, er
 
 // HelperMain is the helper process: `tensorfs gpu-helper --backend sim|cuda
 // --device N`, with args the arguments after "gpu-helper". It opens the
-// device and serves it on file descriptor 3, one end of the socket pair
-// Start made, until the daemon closes the socket. Errors go to stderr as
-// one line, which Start reports as the reason the GPU is unavailable. It
-// returns the exit status: 0 after a clean shutdown, 1 when the device or
-// the socket fails, 2 on bad arguments.
+// device and serves each session that comes through its door, file
+// descriptor 3 (one end of the socket pair Start made), until none is left
+// and nobody can come back (helper.run). Errors go to stderr as one line,
+// which Start reports as the reason the GPU is unavailable. It returns the
+// exit status: 0 after a clean shutdown, 1 when the device or the door
+// fails, 2 on bad arguments.
 //
 // For tests only, a sim helper reads SimStallEnv (see there) to answer
 // some requests late or never, as a hung driver would.
@@ -80,26 +86,206 @@ func HelperMain(args []string, stderr io.Writer, openCUDA func(index int) (Devic
 	}
 	defer dev.Close()
 
-	f := os.NewFile(3, "gpu-socket")
+	f := os.NewFile(3, "gpu-door")
 	c, err := net.FileConn(f)
 	f.Close()
 	if err != nil {
 		fmt.Fprintf(stderr, "gpu-helper: fd 3 is not the daemon's socket: %v\n", err)
 		return 1
 	}
-	conn, ok := c.(*net.UnixConn)
+	door, ok := c.(*net.UnixConn)
 	if !ok {
 		c.Close()
 		fmt.Fprintf(stderr, "gpu-helper: fd 3 is a %T, not a unix socket\n", c)
 		return 1
 	}
-	defer conn.Close()
-	if err := serve(conn, dev, stall); err != nil {
-		fmt.Fprintf(stderr, "gpu-helper: %v\n", err)
-		return 1
-	}
+	defer door.Close()
+	// The daemon that started the helper may be gone when it writes: a
+	// write to its closed output is EPIPE, not the end of the helper.
+	signal.Ignore(syscall.SIGPIPE)
+	newHelper(dev, stall, stderr).run(door)
 	return 0
 }
+
+// helper is a helper process: one device, its blocks, and the sessions
+// of the daemons that use it. It outlives a daemon (DESIGN.md §12): its
+// door, fd 3, is held by the daemon and by its keeper, and each daemon
+// opens a session of its own through it (Start, Attach). Blocks are the
+// helper's, not a session's: a successor claims them (Claim).
+type helper struct {
+	dev    Device
+	stall  map[uint8]time.Duration
+	stderr io.Writer
+
+	mu       sync.Mutex // guards the fields below
+	blocks   map[uint64]*owned
+	sessions map[*server]bool
+	// claimant is the session that claimed the device (claim) until it
+	// ends; the others' requests are refused meanwhile.
+	claimant *server
+
+	// serving is read-held by every request being served but a claim,
+	// which write-holds it to wait for them.
+	serving sync.RWMutex
+}
+
+// owned is a block the helper handed out, with the tag its daemon gave it.
+type owned struct {
+	block      Block
+	exportable bool
+	tag        []byte
+}
+
+func newHelper(dev Device, stall map[uint8]time.Duration, stderr io.Writer) *helper {
+	return &helper{dev: dev, stall: stall, stderr: stderr, blocks: map[uint64]*owned{}, sessions: map[*server]bool{}}
+}
+
+// run serves every session that comes through door until none is left
+// and either the last to end said goodbye (a clean Close) or the door is
+// closed (no daemon and no keeper holds it any more: nobody can come
+// back). A session that ends without a goodbye is a daemon that died:
+// its blocks stay for a successor.
+func (h *helper) run(door *net.UnixConn) {
+	conns := make(chan *net.UnixConn)
+	go func() {
+		defer close(conns)
+		for {
+			c, err := receiveConn(door)
+			if err != nil {
+				return
+			}
+			conns <- c
+		}
+	}()
+	ended := make(chan bool)
+	live := 0
+	for {
+		select {
+		case c, ok := <-conns:
+			if !ok {
+				if live == 0 {
+					return
+				}
+				conns = nil
+				continue
+			}
+			live++
+			go func() { ended <- h.session(c) }()
+		case bye := <-ended:
+			if live--; live == 0 && (bye || conns == nil) {
+				return
+			}
+		}
+	}
+}
+
+// receiveConn reads the next session from the door: a message carrying
+// one end of a SOCK_SEQPACKET socket pair.
+func receiveConn(door *net.UnixConn) (*net.UnixConn, error) {
+	for {
+		m, err := fdpass.Recv(door, 16, 1)
+		if err != nil {
+			return nil, err
+		}
+		if len(m.FDs) != 1 {
+			fdpass.Close(m.FDs)
+			continue
+		}
+		f := os.NewFile(uintptr(m.FDs[0]), "gpu-session")
+		c, err := net.FileConn(f)
+		f.Close()
+		if uc, ok := c.(*net.UnixConn); ok {
+			return uc, nil
+		}
+		if err == nil {
+			c.Close()
+		}
+	}
+}
+
+// session serves one daemon on c until it closes c or a successor
+// settles the device, and reports whether it said goodbye. A claimant
+// that ends unsettled (it died, or failed to take the mount over) gives
+// the device back to the other sessions.
+func (h *helper) session(c *net.UnixConn) bool {
+	s := &server{h: h, conn: c, dev: h.dev, stall: h.stall, done: make(chan struct{})}
+	h.mu.Lock()
+	h.sessions[s] = true
+	h.mu.Unlock()
+	err := s.serve()
+	h.mu.Lock()
+	delete(h.sessions, s)
+	if h.claimant == s {
+		h.claimant = nil
+	}
+	h.mu.Unlock()
+	c.Close()
+	close(s.done)
+	if err != nil && !s.cut.Load() {
+		fmt.Fprintf(h.stderr, "gpu-helper: session: %v\n", err)
+	}
+	return s.bye.Load()
+}
+
+// others returns the sessions but s.
+func (h *helper) others(s *server) []*server {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var out []*server
+	for o := range h.sessions {
+		if o != s {
+			out = append(out, o)
+		}
+	}
+	return out
+}
+
+// claim makes s the one session served: the others' requests are refused
+// from now on (refused), and claim returns once those in flight are
+// answered, so that s alone changes the blocks and they are what it lists.
+func (h *helper) claim(s *server) error {
+	h.mu.Lock()
+	if h.claimant != nil && h.claimant != s {
+		h.mu.Unlock()
+		return errClaimed
+	}
+	h.claimant = s
+	h.mu.Unlock()
+	h.serving.Lock() // every request in flight is answered
+	h.serving.Unlock()
+	return nil
+}
+
+// settle ends every session but the claimant s, whose daemon now serves
+// the mount alone; their requests in flight are answered to nobody.
+func (h *helper) settle(s *server) error {
+	h.mu.Lock()
+	claimed := h.claimant == s
+	h.mu.Unlock()
+	if !claimed {
+		return fmt.Errorf("%w: settle without a claim", errProtocol)
+	}
+	for _, o := range h.others(s) {
+		o.cut.Store(true)
+		o.conn.Close()
+		<-o.done
+	}
+	return nil
+}
+
+// refused says why s may not be served now: another session claimed the
+// device; nil if s may.
+func (h *helper) refused(s *server) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.claimant != nil && h.claimant != s {
+		return errClaimed
+	}
+	return nil
+}
+
+// errClaimed refuses a session while another claims the device.
+var errClaimed = fmt.Errorf("%w: another daemon is taking the device over", ErrUnavailable)
 
 // SimStallEnv names the environment variable that makes a sim helper
 // stall, for tests of the daemon's deadlines only: a comma-separated list
@@ -142,23 +328,32 @@ func parseStall(v string) (map[uint8]time.Duration, error) {
 	return stall, nil
 }
 
-// server serves one connection.
+// server serves one session: one daemon's connection.
 type server struct {
+	h       *helper
 	conn    *net.UnixConn
 	dev     Device
 	staging []byte                  // the daemon's staging area, mapped shared
 	stall   map[uint8]time.Duration // how long to sleep before serving an op (tests)
+	done    chan struct{}           // closed once the session has ended
+	// bye is set by the daemon's goodbye (Close); cut when a successor
+	// settled the device and ended this session.
+	bye, cut atomic.Bool
 }
 
 // Serve serves dev to the daemon at the other end of conn, a SOCK_SEQPACKET
 // socket, until the daemon closes it; requests run concurrently. It returns
 // nil once the daemon has closed the connection and every request is
 // answered. It neither closes conn nor dev.
-func Serve(conn *net.UnixConn, dev Device) error { return serve(conn, dev, nil) }
+func Serve(conn *net.UnixConn, dev Device) error {
+	h := newHelper(dev, nil, io.Discard)
+	return (&server{h: h, conn: conn, dev: dev}).serve()
+}
 
-// serve is Serve with each op in stall answered that much later.
-func serve(conn *net.UnixConn, dev Device, stall map[uint8]time.Duration) error {
-	s := &server{conn: conn, dev: dev, stall: stall}
+// serve answers the session's hello, then its requests, until the daemon
+// closes the connection.
+func (s *server) serve() error {
+	conn, dev := s.conn, s.dev
 	rx := newReceiver(conn)
 	m, fd, err := rx.receive()
 	if err != nil {
@@ -175,7 +370,15 @@ func serve(conn *net.UnixConn, dev Device, stall map[uint8]time.Duration) error 
 		reply.args = []int64{dev.Granularity()}
 		reply.data = []byte(dev.Name() + "\x00" + dev.Backend())
 	}
-	if serr := send(conn, reply, -1); err == nil {
+	// The hello's reply carries a pidfd of the helper: a daemon that did
+	// not start it (a successor) can still kill it, and see it exit.
+	pidfd, perr := unix.PidfdOpen(os.Getpid(), 0)
+	if perr != nil {
+		pidfd = -1
+	} else {
+		defer unix.Close(pidfd)
+	}
+	if serr := send(conn, reply, pidfd); err == nil {
 		err = serr
 	}
 	if err != nil {
@@ -193,17 +396,30 @@ func serve(conn *net.UnixConn, dev Device, stall map[uint8]time.Duration) error 
 	sem := make(chan struct{}, maxInFlight)
 	for {
 		m, fd, err := rx.receive()
-		if errors.Is(err, io.EOF) {
+		if errors.Is(err, io.EOF) || s.cut.Load() {
+			if fd >= 0 {
+				unix.Close(fd)
+			}
 			return nil
 		}
 		if err != nil {
 			return err
+		}
+		if m.op == opBye {
+			s.bye.Store(true)
+			continue
+		}
+		if m.op == opClaim { // no other request of this session is in flight
+			wg.Wait()
 		}
 		sem <- struct{}{}
 		wg.Go(func() {
 			defer func() { <-sem }()
 			s.handle(m, fd)
 		})
+		if m.op == opClaim {
+			wg.Wait()
+		}
 	}
 }
 
@@ -241,11 +457,8 @@ func (s *server) handle(m *message, fd int) {
 	if fd >= 0 {
 		defer unix.Close(fd)
 	}
-	if d, ok := s.stall[m.op]; ok {
-		time.Sleep(d)
-	}
 	reply := &message{op: m.op, id: m.id}
-	export, err := s.do(m, fd, reply)
+	export, err := s.execute(m, fd, reply)
 	if err != nil {
 		reply.setError(err)
 	}
@@ -257,10 +470,27 @@ func (s *server) handle(m *message, fd int) {
 	send(s.conn, reply, replyFD) // fails only when the daemon is gone
 }
 
+// execute runs a request (do) with serving read-held, a claim aside
+// (it waits for the others): the reply goes out after.
+func (s *server) execute(m *message, fd int, reply *message) (*os.File, error) {
+	if m.op != opClaim {
+		s.h.serving.RLock()
+		defer s.h.serving.RUnlock()
+		if err := s.h.refused(s); err != nil {
+			return nil, err
+		}
+	}
+	if d, ok := s.stall[m.op]; ok {
+		time.Sleep(d)
+	}
+	return s.do(m, fd, reply)
+}
+
 // requestArgs is the number of arguments of each request but hello.
 var requestArgs = map[uint8]int{
 	opAlloc: 1, opAllocExportable: 1, opFree: 2, opCopyIn: 5, opCopyOut: 5,
 	opCopyFromFile: 5, opCopyToFile: 5, opIPC: 2, opExport: 2, opStats: 0,
+	opTag: 2, opClaim: 0, opSettle: 0, opBlocks: 1,
 }
 
 // do runs a request and fills in reply; Export's file is returned, to be
@@ -281,9 +511,31 @@ func (s *server) do(m *message, fd int, reply *message) (*os.File, error) {
 		}
 		b, err := alloc(m.args[0])
 		reply.args = []int64{int64(b.ID), b.Size}
+		if err == nil {
+			s.h.mu.Lock()
+			s.h.blocks[b.ID] = &owned{block: b, exportable: m.op == opAllocExportable}
+			s.h.mu.Unlock()
+		}
 		return nil, err
 	case opFree:
-		return nil, s.dev.Free(m.block())
+		err := s.dev.Free(m.block())
+		if err == nil || errors.Is(err, ErrNoBlock) {
+			s.h.mu.Lock()
+			if o := s.h.blocks[m.block().ID]; o != nil && o.block == m.block() {
+				delete(s.h.blocks, o.block.ID)
+			}
+			s.h.mu.Unlock()
+		}
+		return nil, err
+	case opTag:
+		return nil, s.h.tag(m.block(), m.data)
+	case opClaim:
+		return nil, s.h.claim(s)
+	case opSettle:
+		return nil, s.h.settle(s)
+	case opBlocks:
+		reply.data = s.h.list(uint64(m.args[0]))
+		return nil, nil
 	case opCopyIn, opCopyOut:
 		so, k := m.args[3], m.args[4]
 		if so < 0 || k < 0 || so > int64(len(s.staging)) || k > int64(len(s.staging))-so {
@@ -313,6 +565,47 @@ func (s *server) do(m *message, fd int, reply *message) (*os.File, error) {
 		reply.args = []int64{int64(st.Blocks), st.BlockBytes, st.DeviceBytes}
 		return nil, nil
 	}
+}
+
+// maxTag bounds a block's tag.
+const maxTag = 256
+
+// tag gives block b the tag t, replacing the one it had.
+func (h *helper) tag(b Block, t []byte) error {
+	if len(t) > maxTag {
+		return fmt.Errorf("%w: a %d-byte tag (at most %d)", ErrInvalid, len(t), maxTag)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	o := h.blocks[b.ID]
+	if o == nil || o.block != b {
+		return fmt.Errorf("%w: block %d", ErrNoBlock, b.ID)
+	}
+	o.tag = append([]byte(nil), t...)
+	return nil
+}
+
+// list encodes the blocks whose IDs follow after, in ascending order, as
+// many as a reply holds (marshalOwned); none past the last.
+func (h *helper) list(after uint64) []byte {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	ids := make([]uint64, 0, len(h.blocks))
+	for id := range h.blocks {
+		if id > after {
+			ids = append(ids, id)
+		}
+	}
+	slices.Sort(ids)
+	var out []byte
+	for _, id := range ids {
+		e := marshalOwned(h.blocks[id])
+		if headerSize+len(out)+len(e) > maxMessage {
+			break
+		}
+		out = append(out, e...)
+	}
+	return out
 }
 
 // checkMappable returns nil if the file open at fd holds at least size

@@ -14,6 +14,7 @@ package integration
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -45,8 +46,11 @@ const (
 	gtMiB = 1 << 20
 )
 
-// gtSim is the mount option of every test here but the no-GPU ones.
-var gtSim = []string{"--gpu", "sim"}
+// gtSim is the mount option of every test here but the no-GPU ones:
+// --gpu sim, or the backend TENSORFS_TEST_GPU names (cuda, for
+// scripts/gpu-device-check.sh on a machine with a GPU; the daemon finds
+// tensorfs-gpu beside TENSORFS_BIN).
+var gtSim = []string{"--gpu", cmp.Or(os.Getenv("TENSORFS_TEST_GPU"), "sim")}
 
 // gtStaysInLimbo checks that the limbo holds exactly blocks blocks of
 // bytes bytes at every poll until the daemon's collections have found
@@ -349,7 +353,7 @@ func gtWantGone(t *testing.T, what string, pids []int) {
 func TestGPUDeviceXattr(t *testing.T) {
 	t.Parallel()
 	forEachMode(t, func(t *testing.T, m *mount) {
-		if got := gtGPUBackend(t, m); got != "sim" {
+		if got := gtGPUBackend(t, m); got != gtSim[1] {
 			t.Errorf("stats gpu backend = %q with --gpu sim, want sim", got)
 		}
 		src := gtRandom(t, "src", 3*gtMiB+17)
@@ -1207,10 +1211,11 @@ func TestGPUSpillRestore(t *testing.T) {
 	}, gtSim...)
 }
 
-// TestGPUCrash: after kill -9 the device contents are lost: each device
-// segment reads as zeros of its old size and the new daemon logs a
-// warning naming it; host segments keep their bytes. The helper dies
-// with the daemon.
+// TestGPUCrash: after kill -9 of the keeper (and so of its daemon) the
+// device contents are lost: each device segment reads as zeros of its old
+// size and the new daemon logs a warning naming it; host segments keep
+// their bytes. The helper dies with them (restart_gpu_test.go: a daemon
+// killed under its keeper keeps them).
 func TestGPUCrash(t *testing.T) {
 	t.Parallel()
 	forEachModeParallel(t, func(t *testing.T, m *mount) {

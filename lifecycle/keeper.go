@@ -51,6 +51,11 @@ const (
 // KeeperFd is the descriptor a kept daemon reaches its keeper on.
 const KeeperFd = 3
 
+// GPUDoorFd is the descriptor on which a successor gets the GPU helper's
+// door from its keeper, when the keeper holds one: the successor attaches
+// to the helper rather than start one (gpu.Attach, DESIGN.md §12).
+const GPUDoorFd = BinaryFd + 1
+
 const (
 	// startTries is how many new daemons in a row may be killed before
 	// they serve, after a crash, before the keeper gives up: the mount
@@ -87,6 +92,10 @@ type keeper struct {
 	// piece server's socket, which the first daemon sent with its hello.
 	lease    int64
 	listener *os.File
+	// door is the GPU helper's (gpu.Door), from the last hello that
+	// carried one: each successor attaches to the helper through it
+	// (GPUDoorFd), and the helper lives while it is held.
+	door *os.File
 	// unnamed are the other nodes the kernel holds that no name reaches
 	// (fs.State.Unnamed).
 	unnamed map[uint64]bool
@@ -277,7 +286,13 @@ func (k *keeper) start(binary *binary, fetch func() (*fs.Takeover, error)) (*dae
 	if fetch != nil {
 		args = append([]string{"mount", "--kept", "--takeover"}, k.args...)
 	}
-	d := &daemon{cmd: binary.command(child, args...), c: conn.(*net.UnixConn), exited: make(chan struct{}), hello: make(chan handoverHeader, 1), wants: make(chan struct{}, 1), goes: make(chan struct{}, 1), read: make(chan struct{}), out: &tailWriter{}, binary: binary}
+	cmd := binary.command(child, args...)
+	k.mu.Lock()
+	if fetch != nil && k.door != nil {
+		cmd.ExtraFiles = append(cmd.ExtraFiles, k.door) // GPUDoorFd
+	}
+	k.mu.Unlock()
+	d := &daemon{cmd: cmd, c: conn.(*net.UnixConn), exited: make(chan struct{}), hello: make(chan handoverHeader, 1), wants: make(chan struct{}, 1), goes: make(chan struct{}, 1), read: make(chan struct{}), out: &tailWriter{}, binary: binary}
 	d.cmd.Stderr = io.MultiWriter(os.Stderr, d.out)
 	// A daemon dies with its keeper: the mount is then as after a crash.
 	d.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
@@ -370,6 +385,13 @@ func (k *keeper) read(d *daemon) {
 			var h handoverHeader
 			json.Unmarshal(body, &h)
 			k.mu.Lock()
+			if h.GPU && len(m.FDs) == 1+btoi(h.Listener)+1 {
+				if k.door != nil {
+					k.door.Close()
+				}
+				k.door = os.NewFile(uintptr(m.FDs[len(m.FDs)-1]), "gpu door")
+				m.FDs = m.FDs[:len(m.FDs)-1]
+			}
 			if k.fd < 0 && len(m.FDs) == 1+btoi(h.Listener) {
 				k.fd, k.init = m.FDs[0], h.Init
 				if h.Listener {

@@ -132,7 +132,7 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	}
 	// The GPU helper starts before the mount, so it inherits nothing of it.
 	// fs.Mount owns it from the call on; failures before close it here.
-	dev := startGPU(cfg.GPU, log)
+	dev := startGPU(cfg.GPU, cfg.Takeover, log)
 	store, err := alloc.Open(alloc.Config{Mountpoint: mp, Backing: cfg.Backing, Capacity: cfg.Capacity, Inodes: cfg.Inodes, Disk: cfg.Disk}, log)
 	if err != nil {
 		closeGPU(dev)
@@ -179,7 +179,14 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	defer stop()
 	log.Info("mounted", "mountpoint", mp, "backing", store.Dir, "mode", srv.Mode(), "segments", segs, "bytes", bytes)
 	if keeper != nil {
-		if err := hello(keeper, srv); err != nil {
+		door, err := gpu.Door(dev)
+		if err == nil {
+			err = hello(keeper, srv, door)
+		}
+		if door != nil {
+			door.Close()
+		}
+		if err != nil {
 			return fmt.Errorf("the keeper: %w", err)
 		}
 	}
@@ -236,10 +243,26 @@ func raiseFileLimit() {
 
 // startGPU starts the device process for backend sim or cuda. When it
 // cannot start, the mount serves host segments and the log says why, in
-// one line.
-func startGPU(backend string, log *slog.Logger) gpu.Device {
+// one line. A successor (takeover) whose keeper holds the helper's door
+// (GPUDoorFd) attaches to that helper instead, whose blocks hold its
+// predecessor's segments; if that helper is gone, GPU segments fail with
+// EIO (gpu.Unavailable), and the log says why, in one line.
+func startGPU(backend string, takeover bool, log *slog.Logger) gpu.Device {
 	if backend == "none" {
 		return nil
+	}
+	if takeover {
+		if _, err := unix.FcntlInt(GPUDoorFd, unix.F_GETFD, 0); err == nil {
+			door := os.NewFile(GPUDoorFd, "gpu door")
+			defer door.Close()
+			dev, err := gpu.Attach(door, log)
+			if err != nil {
+				log.Error("the GPU helper was lost in the handover; GPU segments fail (EIO)", "err", err)
+				return gpu.Unavailable(err)
+			}
+			log.Info("GPU segments on, from the predecessor's helper", "backend", dev.Backend(), "device", dev.Name())
+			return dev
+		}
 	}
 	exe, err := selfExe, error(nil)
 	if backend == "cuda" {

@@ -46,8 +46,11 @@ type handoverHeader struct {
 	Lease    int64 `json:"lease,omitempty"`
 	Listener bool  `json:"listener,omitempty"`
 	// Mode is the daemon's ("passthrough" or "classic"), in a daemon's
-	// hello to its keeper.
+	// hello to its keeper; GPU says that its GPU helper's door follows
+	// the other descriptors (gpu.Door), which the keeper holds and gives
+	// each successor on GPUDoorFd.
 	Mode string `json:"mode,omitempty"`
+	GPU  bool   `json:"gpu,omitempty"`
 }
 
 const (
@@ -283,9 +286,9 @@ func journalTo(c *net.UnixConn) func(fs.Record) {
 }
 
 // hello tells the keeper on c that srv serves: its mode, and the
-// connection with its INIT, and a cluster node's piece server's socket,
-// which the keeper holds.
-func hello(c *net.UnixConn, srv *fs.Server) error {
+// connection with its INIT, a cluster node's piece server's socket and
+// the GPU helper's door (nil for none), which the keeper holds.
+func hello(c *net.UnixConn, srv *fs.Server, door *os.File) error {
 	fd, err := fs.ConnectionFd()
 	if err != nil {
 		return err
@@ -299,7 +302,10 @@ func hello(c *net.UnixConn, srv *fs.Server) error {
 		defer l.Close()
 		fds = append(fds, rawFd(l))
 	}
-	b, _ := json.Marshal(handoverHeader{Init: fs.InitBytes(srv.Server), Mode: srv.Mode(), Listener: l != nil})
+	if door != nil {
+		fds = append(fds, int(door.Fd()))
+	}
+	b, _ := json.Marshal(handoverHeader{Init: fs.InitBytes(srv.Server), Mode: srv.Mode(), Listener: l != nil, GPU: door != nil})
 	return fdpass.Send(c, append([]byte{msgHello}, b...), fds...)
 }
 

@@ -1,6 +1,6 @@
 // Command tensorfs-gpu is tensorfs's GPU helper process as a binary of its
 // own: `tensorfs-gpu gpu-helper --backend sim|cuda --device N`, started by
-// the daemon through gpu.Start with a socket as file descriptor 3.
+// the daemon through gpu.Start with its door (a socket) as file descriptor 3.
 //
 // It is the only command that imports the cuda backend (gpu/cuda). Build it
 // with -tags cuda for that backend (see scripts/cuda-sdk.sh); without the

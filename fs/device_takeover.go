@@ -1,0 +1,262 @@
+package fs
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"os"
+	"slices"
+
+	"golang.org/x/sys/unix"
+
+	"tensorfs/alloc"
+	"tensorfs/gpu"
+)
+
+// claimDevices restores the device segments of a mount this daemon took
+// over (DESIGN.md §12), once it has it: the predecessor's GPU helper
+// lives on, this daemon claims it (gpu.Survivor.Claim; settle ends the
+// predecessor's session once this one serves), and each segment takes its
+// block with its bytes, IPC handle and consumer counter, as the backing
+// file records it (alloc.DeviceState.Block) and the block's tag confirms
+// (blockTag).
+// A segment whose block is gone is restored as after a crash. Blocks no
+// segment holds wait in limbo while their counter holds them (charged to
+// the uid their tag names); the rest are freed, in one log line. A claim
+// that fails leaves every device segment EIO, in one log line.
+func (fsys *filesystem) claimDevices() {
+	d := fsys.gpu
+	files := d.pending
+	d.pending = nil
+	s, ok := d.dev.(gpu.Survivor)
+	if !ok {
+		d.restoreAll(files)
+		d.keepCounters(nil)
+		return
+	}
+	owned, err := s.Claim()
+	if err != nil {
+		d.log.Error("takeover: the GPU helper's blocks could not be claimed; device segments fail (EIO)", "err", err)
+		fsys.unrestore(files, fmt.Errorf("%w: the GPU helper was lost in the handover: %v", gpu.ErrUnavailable, err))
+		return
+	}
+	blocks := map[uint64]gpu.Owned{}
+	for _, o := range owned {
+		blocks[o.Block.ID] = o
+	}
+	c := &claims{d: d, counters: map[string]adopted{}, ghosts: map[string]*devSeg{}}
+	var restored, lost []*os.File
+	for _, f := range files {
+		if ok, err := c.segment(f, blocks); err != nil {
+			d.log.Warn("device segment not restored", "path", f.Name(), "err", err)
+			f.Close()
+		} else if ok {
+			restored = append(restored, f)
+		} else {
+			lost = append(lost, f)
+		}
+	}
+	d.restoreAll(lost)
+	freed := c.rest(blocks)
+	d.keepCounters(c.counters)
+	d.log.Info("takeover: device segments claimed their blocks of the GPU helper", "claimed", len(restored), "restored", len(lost), "limbo", len(blocks)-freed, "freed", freed)
+}
+
+// settle ends the GPU helper's sessions of other daemons, once this one
+// serves the mount it took over: until then a predecessor whose successor
+// fails gets the device back.
+func (d *devices) settle() {
+	if s, ok := d.dev.(gpu.Survivor); ok {
+		if err := s.Settle(); err != nil {
+			d.log.Warn("takeover: the predecessor's session of the GPU helper not ended", "err", err)
+		}
+	}
+}
+
+// claims is what claimDevices adopted: the counter files by name, and the
+// removed segments whose blocks wait in limbo, by their counter's name.
+type claims struct {
+	d        *devices
+	counters map[string]adopted
+	ghosts   map[string]*devSeg
+}
+
+// segment restores the device segment whose backing file is f with its
+// block of blocks, which it takes out; false, f kept, if it has none.
+func (c *claims) segment(f *os.File, blocks map[uint64]gpu.Owned) (bool, error) {
+	d := c.d
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return false, err
+	}
+	ds, err := alloc.ReadDeviceState(alloc.FdPath(int(f.Fd())))
+	if err != nil {
+		return false, err
+	}
+	o, t, ok := segmentBlock(blocks, st.Ino, ds)
+	if !ok {
+		return false, nil
+	}
+	delete(blocks, o.Block.ID)
+	seg := &devSeg{d: d, ino: st.Ino, block: o.Block, exportable: o.Exportable, backing: f, uid: st.Uid, limboUID: t.UID,
+		reserved: st.Blocks * 512}
+	// Whether its handle left the predecessor is not known: as if it did.
+	seg.handedOut = true
+	seg.size.Store(ds.Size)
+	if t.Counter != "" {
+		if seg.counter, _ = c.counter(t.Counter, t.UID); seg.counter != nil {
+			seg.counterUID = t.UID
+		}
+	}
+	if err := seg.reserve(gpu.DeviceBytes(d.dev, o.Block.Size)); err != nil {
+		d.log.Warn("device segment taken over without backing space for its next spill: a clean unmount may lose it", "path", f.Name(), "err", err)
+	}
+	d.handles.Add(st.Uid, 1) // what the predecessor held, whatever the bound now
+	d.mu.Lock()
+	d.segs[st.Ino] = seg
+	d.mu.Unlock()
+	seg.followAccess()
+	return true, nil
+}
+
+// segmentBlock returns the block of blocks that segment ino, whose
+// backing file records ds, owns: the one it records, or, should the
+// predecessor have died between a new block and its record, its newest
+// large enough. A block's tag must name the segment.
+func segmentBlock(blocks map[uint64]gpu.Owned, ino uint64, ds alloc.DeviceState) (gpu.Owned, blockTag, bool) {
+	if o, ok := blocks[ds.Block]; ok {
+		if t, ok := parseTag(o.Tag); ok && t.Ino == ino && o.Block.Size >= ds.Size {
+			return o, t, true
+		}
+	}
+	var best gpu.Owned
+	var bestTag blockTag
+	for _, o := range blocks {
+		if t, ok := parseTag(o.Tag); ok && t.Ino == ino && o.Block.Size >= ds.Size && ds.Size > 0 && o.Block.ID > best.Block.ID {
+			best, bestTag = o, t
+		}
+	}
+	return best, bestTag, best.Block.ID != 0
+}
+
+// parseTag decodes a block's tag; false for none or a malformed one.
+func parseTag(b []byte) (blockTag, bool) {
+	var t blockTag
+	return t, len(b) > 0 && json.Unmarshal(b, &t) == nil && t.Ino != 0
+}
+
+// counter adopts the counter file name, charged to uid once, and returns
+// it: nil and no error if the file is gone (nothing it counted can hold
+// memory any more), nil and why if it could not be adopted.
+func (c *claims) counter(name string, uid uint32) (*gpu.Counter, error) {
+	if a, ok := c.counters[name]; ok {
+		return a.c, a.err
+	}
+	ctr, err := c.d.counters.Adopt(name)
+	switch {
+	case errors.Is(err, unix.ENOENT):
+		err = nil
+	case err != nil:
+		c.d.log.Warn("takeover: a consumer counter could not be taken over; the memory it guards stays in limbo until unmount", "counter", name, "err", err)
+	default:
+		c.d.owners.Add(uid, 1) // what the predecessor held, whatever the bound now
+	}
+	c.counters[name] = adopted{ctr, err}
+	return ctr, err
+}
+
+// adopted is a counter file's adoption: the counter, or why not.
+type adopted struct {
+	c   *gpu.Counter
+	err error
+}
+
+// rest puts the blocks no segment claimed in limbo, where what held them
+// still does: beside a live segment's block (its handles and counter),
+// or in a removed segment's stand-in (a ghost, which holds its counter
+// until its last block goes; one whose counter could not be adopted holds
+// its blocks until unmount). It frees the others, which no consumer can
+// count on (untagged, or their counter gone), and returns how many.
+func (c *claims) rest(blocks map[uint64]gpu.Owned) (freed int) {
+	for _, id := range slices.Sorted(maps.Keys(blocks)) {
+		o := blocks[id]
+		seg := c.holder(o.Tag)
+		if seg == nil {
+			c.d.dev.Free(o.Block)
+			freed++
+			continue
+		}
+		seg.mu.Lock()
+		seg.retire(o.Block)
+		seg.mu.Unlock()
+	}
+	if freed > 0 {
+		c.d.log.Warn("takeover: freed the GPU helper's blocks that no segment or consumer counter claims", "blocks", freed)
+	}
+	return freed
+}
+
+// holder returns the segment whose limbo a block tagged tag joins, with
+// the tag's uid as its limbo's; nil for none.
+func (c *claims) holder(tag []byte) *devSeg {
+	t, ok := parseTag(tag)
+	if !ok {
+		return nil
+	}
+	var ctr *gpu.Counter
+	var err error
+	if t.Counter != "" {
+		ctr, err = c.counter(t.Counter, t.UID)
+	}
+	c.d.mu.Lock()
+	seg := c.d.segs[t.Ino]
+	c.d.mu.Unlock()
+	if seg == nil || err != nil {
+		seg = c.ghost(t, ctr, err)
+	}
+	if seg == nil {
+		return nil
+	}
+	seg.mu.Lock()
+	seg.limboUID = t.UID
+	seg.cmu.Lock()
+	if seg.counter == nil && ctr != nil { // a live segment whose block's tag missed it
+		seg.counter, seg.counterUID = ctr, t.UID
+	}
+	seg.cmu.Unlock()
+	seg.mu.Unlock()
+	return seg
+}
+
+// ghost returns the stand-in of a removed segment whose blocks counter
+// ctr guards (err: it could not be adopted, and they are held), by the
+// counter's name; nil if the counter is gone.
+func (c *claims) ghost(t blockTag, ctr *gpu.Counter, err error) *devSeg {
+	if g, ok := c.ghosts[t.Counter]; ok {
+		return g
+	}
+	var g *devSeg
+	if ctr != nil || err != nil {
+		g = &devSeg{d: c.d, ino: t.Ino, removed: true, counter: ctr, counterUID: t.UID, limboUID: t.UID}
+		if err != nil {
+			g.opens.Store(1) // never closed: held until unmount
+		}
+	}
+	if t.Counter != "" {
+		c.ghosts[t.Counter] = g
+	}
+	return g
+}
+
+// keepCounters removes the counter files of the predecessor's that no
+// segment adopted (counters, by name), or tried to.
+func (d *devices) keepCounters(counters map[string]adopted) {
+	keep := map[string]bool{}
+	for name, a := range counters {
+		keep[name] = a.c != nil || a.err != nil
+	}
+	if err := d.counters.RemoveUnadopted(keep); err != nil {
+		d.log.Warn("takeover: the predecessor's unclaimed consumer counters not removed", "err", err)
+	}
+}
