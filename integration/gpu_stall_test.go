@@ -19,7 +19,7 @@ import (
 // fail with EIO at once, and host segments are served as before.
 func TestGPUStalledHelper(t *testing.T) {
 	t.Parallel()
-	m := mountFSEnv(t, "passthrough", []string{gpu.SimStallEnv + "=copy"}, gtSim...)
+	m := mountFSEnv(t, "passthrough", []string{gpu.SimStallEnv + "=copy"}, gtSimAlways...)
 	helpers := gtHelperPIDs(m)
 	if len(helpers) != 1 {
 		t.Fatalf("the daemon has %d device helper processes (%v), want 1", len(helpers), helpers)

@@ -52,6 +52,14 @@ const (
 // tensorfs-gpu beside TENSORFS_BIN).
 var gtSim = []string{"--gpu", cmp.Or(os.Getenv("TENSORFS_TEST_GPU"), "sim")}
 
+// gtSimAlways is the mount option of the tests of what only the sim
+// shows whatever TENSORFS_TEST_GPU says: a helper told to stall
+// (gpu.SimStallEnv), and an export read as bytes (the sim exports a
+// memfd; CUDA exports a shareable handle, a /dev/nvidiactl descriptor a
+// consumer imports with cuMemImportFromShareableHandle and cannot read,
+// as an H100 run showed).
+var gtSimAlways = []string{"--gpu", "sim"}
+
 // gtStaysInLimbo checks that the limbo holds exactly blocks blocks of
 // bytes bytes at every poll until the daemon's collections have found
 // them still referenced gtCollections times (stats limbo "kept"), so that
@@ -1361,7 +1369,7 @@ func TestGPUExportKeepFD(t *testing.T) {
 		if target, _ := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", h.Fd())); strings.HasPrefix(target, "/memfd:") {
 			t.Errorf("a host KEEPFD segment exported %q", target)
 		}
-	}, gtSim...)
+	}, gtSimAlways...)
 }
 
 // gtText writes s to a file outside the mount and returns its path.
