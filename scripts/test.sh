@@ -84,8 +84,10 @@ finish_all() {
 # python3-venv: the Python tests pip-install the client into a venv; acl:
 # the GPU counter tests compare ACLs with getfacl; iproute2, openssl and
 # iperf3: the cluster test bed (scripts/cluster.sh, which would otherwise
-# install them in the middle of TestCluster).
-packages=(fuse3 attr acl fio python3-numpy python3-torch python3-venv iproute2 openssl iperf3)
+# install them in the middle of TestCluster); etcd-server: the etcd the
+# cluster tests and the test bed run (internal/etcdtest; compiling etcd's
+# embedded server with -race instead took a third of the compile).
+packages=(fuse3 attr acl fio python3-numpy python3-torch python3-venv iproute2 openssl iperf3 etcd-server)
 command -v gcc >/dev/null 2>&1 || packages+=(gcc libc6-dev) # go test -race needs cgo
 missing=()
 for p in "${packages[@]}"; do
