@@ -304,7 +304,14 @@ func (m *mount) remount(t *testing.T) *mount {
 // the other, each on its own fresh mount made with extraArgs.
 func forEachMode(t *testing.T, fn func(t *testing.T, m *mount), extraArgs ...string) {
 	t.Helper()
-	eachMode(t, false, fn, extraArgs)
+	eachMode(t, false, fn, nil, extraArgs)
+}
+
+// forEachModeEnv is forEachMode with env (KEY=VALUE) added to each
+// daemon's environment alone (mountFSEnv).
+func forEachModeEnv(t *testing.T, env []string, fn func(t *testing.T, m *mount), extraArgs ...string) {
+	t.Helper()
+	eachMode(t, false, fn, env, extraArgs)
 }
 
 // forEachModeParallel is forEachMode with the two subtests run in parallel,
@@ -314,19 +321,19 @@ func forEachMode(t *testing.T, fn func(t *testing.T, m *mount), extraArgs ...str
 // must do nothing after it that depends on them.
 func forEachModeParallel(t *testing.T, fn func(t *testing.T, m *mount), extraArgs ...string) {
 	t.Helper()
-	eachMode(t, true, fn, extraArgs)
+	eachMode(t, true, fn, nil, extraArgs)
 }
 
 // eachMode runs fn as subtests "passthrough" and "classic", in parallel
-// if told to, each on its own fresh mount made with extraArgs.
-func eachMode(t *testing.T, parallel bool, fn func(t *testing.T, m *mount), extraArgs []string) {
+// if told to, each on its own fresh mount made with env and extraArgs.
+func eachMode(t *testing.T, parallel bool, fn func(t *testing.T, m *mount), env, extraArgs []string) {
 	t.Helper()
 	for _, mode := range []string{"passthrough", "classic"} {
 		t.Run(mode, func(t *testing.T) {
 			if parallel {
 				t.Parallel()
 			}
-			fn(t, mountFS(t, mode, extraArgs...))
+			fn(t, mountFSEnv(t, mode, env, extraArgs...))
 		})
 	}
 }
