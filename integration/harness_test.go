@@ -13,12 +13,13 @@
 // temporary directory. A test stays serial (no t.Parallel, with a comment
 // saying why) when it depends on process-wide or machine-wide state (the
 // umask, the environment, the count of all tensorfs processes) or needs
-// the CPUs to itself. Serial tests run first, alone; the parallel ones run
+// the CPUs to itself. Serial tests run first, alone (a serial race whose
+// modes each leave a CPU idle runs the two at once); the parallel ones run
 // together, up to -parallel at a time (scripts/test.sh sets it: most of
 // their time is spent waiting on daemons and python children). Long tests
 // run their two modes in parallel too (forEachModeParallel), and a daemon
-// that needs a variable in its environment gets it alone (mountFSEnv), so
-// that its test need not be serial.
+// that needs a variable in its environment gets it alone (mountFSEnv,
+// forEachModeEnv), so that its test need not be serial.
 //
 // Without root or /dev/fuse, or when the binary cannot be built or mounted,
 // the tests skip with the reason; under CI=true (or TENSORFS_STRICT=1, which
