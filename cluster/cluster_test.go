@@ -400,8 +400,8 @@ func TestEtcdOutage(t *testing.T) {
 	p, files := pullAll(t, b, v)
 	waitFor(t, 10*time.Second, "a first piece", func() bool { return p.Progress().Bytes > 0 })
 
-	// Stopping embedded etcd waits for its streams to end (seconds); it
-	// refuses connections from its start.
+	// Stopping etcd waits for its streams to end; it refuses connections
+	// from its start.
 	stopped := make(chan struct{})
 	go func() {
 		tc.etcd.Stop()

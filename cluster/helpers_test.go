@@ -20,7 +20,7 @@ import (
 	"tensorfs/internal/testcerts"
 )
 
-// testCluster is an embedded etcd and the certificates of a cluster.
+// testCluster is an etcd (internal/etcdtest) and the certificates of a cluster.
 type testCluster struct {
 	t    *testing.T
 	etcd *etcdtest.Server

@@ -33,10 +33,11 @@ import (
 
 // The mount's side of a cluster (cluster.go, cluster_publish.go,
 // cluster_pull.go, storage_pulled.go), on filesystems made as testFS
-// makes them, each joined to one embedded etcd as Mount joins it
+// makes them, each joined to one etcd as Mount joins it
 // (joinCluster, then start), their piece servers on 127.0.0.1.
 
-// testCluster is an embedded etcd and the CA of a cluster's certificates.
+// testCluster is an etcd (internal/etcdtest) and the CA of a cluster's
+// certificates.
 type testCluster struct {
 	t    *testing.T
 	etcd *etcdtest.Server

@@ -200,7 +200,10 @@ func TestAttackForgedState(t *testing.T) {
 func TestAttackSymlinkRace(t *testing.T) {
 	// Serial: its flipper spins a CPU for the whole race; among parallel
 	// tests on two CPUs the 1500 rounds once starved past commandTimeout.
+	// Its two modes run at once: each waits on its daemon's locks more
+	// than it runs (alone, a mode kept one CPU busy of two).
 	forEachModeOnce(t, func(t *testing.T, mode string) {
+		t.Parallel()
 		m := attackMount(t, mode, true)
 		v := victim(t)
 		dir := m.path("shared/me")

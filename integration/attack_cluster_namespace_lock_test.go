@@ -99,18 +99,21 @@ func rootPublishWhile(t *testing.T, tb *testbed, what string, walk time.Duration
 	var wg sync.WaitGroup
 	defer wg.Wait()
 	defer stop.Store(true)
-	var done atomic.Int64
 	for range 16 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for !stop.Load() {
 				request()
-				done.Add(1)
 			}
 		}()
 	}
-	eventually(t, "alice's requests run", func() (bool, string) { return done.Load() >= 16, fmt.Sprint(done.Load()) })
+	// Her walks run one at a time: root publishes once 15 of her
+	// connections are open, one request in flight and the rest queued.
+	eventually(t, "alice's requests queue", func() (bool, string) {
+		n := ledgerRowOf(t, tb.node(1), "connections").ByUID[fmt.Sprint(userA)]
+		return n >= 15, fmt.Sprint(n, " of her connections open")
+	})
 	loaded := publish("loaded")
 	t.Logf("alice's request alone: %v; root's publish alone: %v, while 16 of hers run: %v", walk, alone, loaded)
 	if loaded > alone+8*walk {

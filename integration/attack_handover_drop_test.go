@@ -17,6 +17,7 @@ import (
 // successor, which then adopted a descriptor with no name. It must not
 // keep her memory and her descriptor for as long as it serves.
 func TestAttackHandoverDropImport(t *testing.T) {
+	t.Parallel()
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		reachable(t, m.dir)
 		sock := controlSocket(t, m)

@@ -36,6 +36,7 @@ sys.stdin.readline()
 // the successor must remove it and give back its descriptor, not keep
 // her memory, her descriptor and an inode for as long as it serves.
 func TestAttackRestartUnlinkImport(t *testing.T) {
+	t.Parallel()
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		reachable(t, m.dir)
 		sock := controlSocket(t, m)

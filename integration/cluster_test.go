@@ -26,8 +26,8 @@ import (
 // The cluster tests run real daemons on the test bed of scripts/cluster.sh:
 // each node's daemon in a network namespace of its own, etcd in another,
 // links shaped with tc, every mount visible from the host. One test bed
-// serves every step (bringing one up builds etcd's test server), so the
-// steps run in order and each leaves the cluster as the next expects.
+// serves every step (bringing one up takes seconds), so the steps run in
+// order and each leaves the cluster as the next expects.
 
 // clusterRate shapes the test bed's links: slow enough that a holder can
 // be killed in the middle of a pull, fast enough for a short test.

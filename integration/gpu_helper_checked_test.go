@@ -11,7 +11,7 @@ import (
 // uid 65534 owns (she could change what runs as root) mounts without GPU
 // segments; the log line says why, and the helper never ran.
 func TestGPUCudaHelperRefused(t *testing.T) {
-	// Serial: t.Setenv changes PATH for the whole process.
+	t.Parallel()
 	if _, err := os.Stat(filepath.Join(filepath.Dir(tensorfs), "tensorfs-gpu")); err == nil {
 		t.Skipf("a tensorfs-gpu lies beside %s (TENSORFS_BIN); this test needs the one on PATH", tensorfs)
 	}
@@ -25,8 +25,8 @@ func TestGPUCudaHelperRefused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Setenv("PATH", bin+string(filepath.ListSeparator)+gtPathWithout())
-	m := mountFS(t, "passthrough", "--gpu", "cuda")
+	path := "PATH=" + bin + string(filepath.ListSeparator) + gtPathWithout()
+	m := mountFSEnv(t, "passthrough", []string{path}, "--gpu", "cuda")
 	gtWantNoGPU(t, m)
 	if lines := gtOffLines(m); len(lines) != 1 || !strings.Contains(lines[0], "tensorfs-gpu belongs to uid 65534") {
 		t.Errorf("log lines with \"GPU segments off\": %q, want one saying the helper belongs to uid 65534\nlog:\n%s", lines, m.stderr.String())

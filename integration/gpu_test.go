@@ -1438,12 +1438,11 @@ func gtOffLines(m *mount) []string {
 // the binary or on PATH still mounts and serves host segments; the log
 // says "GPU segments off" once, with the reason.
 func TestGPUCudaNoHelper(t *testing.T) {
-	// Serial: t.Setenv changes PATH for the whole process.
+	t.Parallel()
 	if _, err := os.Stat(filepath.Join(filepath.Dir(tensorfs), "tensorfs-gpu")); err == nil {
 		t.Skipf("a tensorfs-gpu lies beside %s (TENSORFS_BIN); this test needs none", tensorfs)
 	}
-	t.Setenv("PATH", gtPathWithout())
-	forEachMode(t, func(t *testing.T, m *mount) {
+	forEachModeEnv(t, []string{"PATH=" + gtPathWithout()}, func(t *testing.T, m *mount) {
 		gtWantNoGPU(t, m)
 		lines := gtOffLines(m)
 		if len(lines) != 1 || !strings.Contains(lines[0], "tensorfs-gpu") {
@@ -1456,7 +1455,7 @@ func TestGPUCudaNoHelper(t *testing.T) {
 // CUDA (no GPU: here a stand-in tensorfs-gpu on PATH that fails the way
 // cuInit does) still mounts; the log line gives the helper's reason.
 func TestGPUCudaNoDevice(t *testing.T) {
-	// Serial: t.Setenv changes PATH for the whole process.
+	t.Parallel()
 	if _, err := os.Stat(filepath.Join(filepath.Dir(tensorfs), "tensorfs-gpu")); err == nil {
 		t.Skipf("a tensorfs-gpu lies beside %s (TENSORFS_BIN); this test needs the one on PATH", tensorfs)
 	}
@@ -1466,8 +1465,8 @@ func TestGPUCudaNoDevice(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(bin, "tensorfs-gpu"), []byte(script), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	t.Setenv("PATH", bin+string(filepath.ListSeparator)+gtPathWithout())
-	forEachMode(t, func(t *testing.T, m *mount) {
+	path := "PATH=" + bin + string(filepath.ListSeparator) + gtPathWithout()
+	forEachModeEnv(t, []string{path}, func(t *testing.T, m *mount) {
 		gtWantNoGPU(t, m)
 		lines := gtOffLines(m)
 		if len(lines) != 1 || !strings.Contains(lines[0], "CUDA_ERROR_NO_DEVICE") {

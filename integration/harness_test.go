@@ -13,12 +13,13 @@
 // temporary directory. A test stays serial (no t.Parallel, with a comment
 // saying why) when it depends on process-wide or machine-wide state (the
 // umask, the environment, the count of all tensorfs processes) or needs
-// the CPUs to itself. Serial tests run first, alone; the parallel ones run
+// the CPUs to itself. Serial tests run first, alone (a serial race whose
+// modes each leave a CPU idle runs the two at once); the parallel ones run
 // together, up to -parallel at a time (scripts/test.sh sets it: most of
 // their time is spent waiting on daemons and python children). Long tests
 // run their two modes in parallel too (forEachModeParallel), and a daemon
-// that needs a variable in its environment gets it alone (mountFSEnv), so
-// that its test need not be serial.
+// that needs a variable in its environment gets it alone (mountFSEnv,
+// forEachModeEnv), so that its test need not be serial.
 //
 // Without root or /dev/fuse, or when the binary cannot be built or mounted,
 // the tests skip with the reason; under CI=true (or TENSORFS_STRICT=1, which
@@ -304,7 +305,14 @@ func (m *mount) remount(t *testing.T) *mount {
 // the other, each on its own fresh mount made with extraArgs.
 func forEachMode(t *testing.T, fn func(t *testing.T, m *mount), extraArgs ...string) {
 	t.Helper()
-	eachMode(t, false, fn, extraArgs)
+	eachMode(t, false, fn, nil, extraArgs)
+}
+
+// forEachModeEnv is forEachMode with env (KEY=VALUE) added to each
+// daemon's environment alone (mountFSEnv).
+func forEachModeEnv(t *testing.T, env []string, fn func(t *testing.T, m *mount), extraArgs ...string) {
+	t.Helper()
+	eachMode(t, false, fn, env, extraArgs)
 }
 
 // forEachModeParallel is forEachMode with the two subtests run in parallel,
@@ -314,19 +322,19 @@ func forEachMode(t *testing.T, fn func(t *testing.T, m *mount), extraArgs ...str
 // must do nothing after it that depends on them.
 func forEachModeParallel(t *testing.T, fn func(t *testing.T, m *mount), extraArgs ...string) {
 	t.Helper()
-	eachMode(t, true, fn, extraArgs)
+	eachMode(t, true, fn, nil, extraArgs)
 }
 
 // eachMode runs fn as subtests "passthrough" and "classic", in parallel
-// if told to, each on its own fresh mount made with extraArgs.
-func eachMode(t *testing.T, parallel bool, fn func(t *testing.T, m *mount), extraArgs []string) {
+// if told to, each on its own fresh mount made with env and extraArgs.
+func eachMode(t *testing.T, parallel bool, fn func(t *testing.T, m *mount), env, extraArgs []string) {
 	t.Helper()
 	for _, mode := range []string{"passthrough", "classic"} {
 		t.Run(mode, func(t *testing.T) {
 			if parallel {
 				t.Parallel()
 			}
-			fn(t, mountFS(t, mode, extraArgs...))
+			fn(t, mountFSEnv(t, mode, env, extraArgs...))
 		})
 	}
 }

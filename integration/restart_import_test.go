@@ -32,6 +32,7 @@ print(s.recv(65536).decode())
 // userA removes them, the charge is given back and the keeper holds no
 // descriptor of them, after a crash as well.
 func TestRestartKeepsImports(t *testing.T) {
+	t.Parallel()
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		reachable(t, m.dir)
 		stickyDir(t, m.path("shared"))

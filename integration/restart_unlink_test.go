@@ -38,6 +38,7 @@ for line in sys.stdin:
 // mapped one's last unmapping leaves it, still open, in place; the last
 // close of each removes it, as it would have without a new daemon.
 func TestRestartKeepsUnlinkOpen(t *testing.T) {
+	t.Parallel()
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
 		reachable(t, m.dir)
 		err := os.Mkdir(m.path("shared"), 0o777)

@@ -222,6 +222,7 @@ func startTakeover(t *testing.T, role, dir, mnt string, fd3 *os.File) *lineChild
 // client's descriptor, working directory and new files work on, with no
 // error and no remount.
 func TestTakeoverExperiment(t *testing.T) {
+	t.Parallel()
 	requireEnvironment(t)
 	dir, mnt := t.TempDir(), t.TempDir()
 	if err := os.MkdirAll(filepath.Join(dir, "d"), 0o755); err != nil {

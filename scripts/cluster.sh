@@ -25,9 +25,10 @@
 # DIR receives: certs/ (a cluster CA made with openssl and a certificate
 # per node and for etcd, each naming its node and address), etcd/ (data),
 # etcd.log, bin/tensorfs (built from this checkout, or $TENSORFS_BIN if
-# set), bin/tensorfs-testbed ($TENSORFS_TESTBED_BIN if set: etcd's embedded server, and small clients the
-# tests use), nodeK/ (where node K's tensorfs is mounted) and testbed.env,
-# the variables that describe it (sourced by tests).
+# set), bin/tensorfs-testbed ($TENSORFS_TESTBED_BIN if set: it runs
+# etcd, Debian's etcd-server, and small clients the tests use), nodeK/
+# (where node K's tensorfs is mounted) and testbed.env, the variables that
+# describe it (sourced by tests).
 #
 # Each node's daemon runs in the node's network namespace, entered with
 # nsenter --net only: its mount is the host's, so the CLI works from the
@@ -74,6 +75,7 @@ ensure_packages() {
 	command -v openssl >/dev/null 2>&1 || missing+=(openssl)
 	command -v nsenter >/dev/null 2>&1 || missing+=(util-linux)
 	command -v iperf3 >/dev/null 2>&1 || missing+=(iperf3)
+	command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
 	if [ "${#missing[@]}" -gt 0 ]; then
 		echo "cluster.sh: installing ${missing[*]}" >&2
 		apt-get update -q >&2

@@ -84,8 +84,10 @@ finish_all() {
 # python3-venv: the Python tests pip-install the client into a venv; acl:
 # the GPU counter tests compare ACLs with getfacl; iproute2, openssl and
 # iperf3: the cluster test bed (scripts/cluster.sh, which would otherwise
-# install them in the middle of TestCluster).
-packages=(fuse3 attr acl fio python3-numpy python3-torch python3-venv iproute2 openssl iperf3)
+# install them in the middle of TestCluster); etcd-server: the etcd the
+# cluster tests and the test bed run (internal/etcdtest; compiling etcd's
+# embedded server with -race instead took a third of the compile).
+packages=(fuse3 attr acl fio python3-numpy python3-torch python3-venv iproute2 openssl iperf3 etcd-server)
 command -v gcc >/dev/null 2>&1 || packages+=(gcc libc6-dev) # go test -race needs cgo
 missing=()
 for p in "${packages[@]}"; do
@@ -194,6 +196,9 @@ go build -o "$work/bin/tensorfs" ./cmd/tensorfs
 export TENSORFS_BIN="$work/bin/tensorfs"
 
 if [ -n "${pids[apt]:-}" ]; then
+	# The test packages compile while apt may still unpack (go list
+	# -export builds without linking; go test below then only links).
+	go list -test -export -deps ./... >/dev/null
 	finish apt || exit 1 # the tests need what it installs
 fi
 
@@ -205,8 +210,9 @@ fi
 # wait on daemons, python children and polls; on two CPUs, 4 ran them
 # faster than 2 or 8. The integration tests, the longest, start at once,
 # the other packages beside them (one go test after the other spent a
-# minute compiling the unit tests' packages first).
-gotest=(go test -count=1 -timeout 30m -parallel 4 "$@")
+# minute compiling the unit tests' packages first). -vet=off: go vet ./...
+# above ran every analyzer go test would (its subset took 14 CPU-seconds).
+gotest=(go test -count=1 -timeout 30m -parallel 4 -vet=off "$@")
 mapfile -t units < <(go list ./... | grep -v -x tensorfs/integration)
 start unit "${gotest[@]}" "${units[@]}"
 echo "== go test ./integration"

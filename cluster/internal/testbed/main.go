@@ -1,6 +1,7 @@
 // Command tensorfs-testbed runs the parts of a cluster test bed
-// (scripts/cluster.sh) that are not the tensorfs daemon: etcd, and two
-// clients the tests use to play a hostile member or outsider.
+// (scripts/cluster.sh) that are not the tensorfs daemon: etcd (the etcd
+// binary on PATH, until SIGTERM), and two clients the tests use to play a
+// hostile member or outsider.
 //
 //	tensorfs-testbed etcd -dir DIR -listen HOST:PORT -ca F -cert F -key F
 //	tensorfs-testbed put -etcd URL -ca F -cert F -key F KEY VALUE...
@@ -72,11 +73,7 @@ func runEtcd(args []string) error {
 	if err != nil {
 		return err
 	}
-	log, err := zap.NewProduction(zap.IncreaseLevel(zap.WarnLevel))
-	if err != nil {
-		return err
-	}
-	s, err := etcdtest.Start(*dir, *listen, net.JoinHostPort(host, "2380"), etcdtest.TLS{CA: *ca, Cert: *cert, Key: *key}, log)
+	s, err := etcdtest.Start(*dir, *listen, net.JoinHostPort(host, "2380"), etcdtest.TLS{CA: *ca, Cert: *cert, Key: *key}, os.Stderr)
 	if err != nil {
 		return err
 	}
