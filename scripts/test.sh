@@ -104,6 +104,11 @@ apt_install() {
 	echo "test.sh: installing ${missing[*]}"
 	apt-get update -q
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${packages[@]}"
+	# etcd-server's package starts and enables a system etcd on
+	# 127.0.0.1:2379 where systemd runs; the tests start their own.
+	if [[ " ${missing[*]} " == *" etcd-server "* ]] && [ -d /run/systemd/system ]; then
+		systemctl disable --now etcd >/dev/null 2>&1 || true
+	fi
 	echo "test.sh: apt done, ${SECONDS}s after the start"
 }
 
