@@ -221,8 +221,6 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 	placed := c.placed[info.Dir]
 	c.placed[info.Dir] = true // before its path is walked: no rename moves it meanwhile
 	c.mu.Unlock()
-	var left []*conflict
-	defer func() { c.leftAlone(info, left) }()
 	top, err := c.openPath(info.Dir, ownerOf(v))
 	if err != nil && !placed {
 		c.mu.Lock()
@@ -230,13 +228,15 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 		c.mu.Unlock()
 	}
 	if cf := (*conflict)(nil); errors.As(err, &cf) {
-		left = append(left, cf)
+		c.leftAlone(info, []*conflict{cf})
 		return nil
 	}
 	if err != nil {
+		c.leftAlone(info, nil)
 		return err
 	}
 	defer unix.Close(top)
+	var left []*conflict
 	dirs := newDirCache(top)
 	defer dirs.close()
 	want := map[string]bool{}
@@ -289,6 +289,7 @@ func (c *clusterFS) materialize(info cluster.DirInfo, v *cluster.Version) error 
 	if err := alloc.MarkPublished(alloc.FdPath(top), rec); err != nil {
 		failed = cmpErr(failed, err)
 	}
+	c.leftAlone(info, left) // before made: whoever sees the version made sees what it left
 	c.mu.Lock()
 	c.made[info.Dir] = v
 	c.mu.Unlock()
