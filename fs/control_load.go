@@ -219,7 +219,7 @@ func (l *loader) segment(m *alloc.Ref, dirfd int, rel []string, n *segmentNode) 
 	if err != nil {
 		return err
 	}
-	seg := ctl.Segment{Name: path.Join(rel...), Size: st.Size}
+	seg := ctl.Segment{Name: path.Join(rel...), Size: st.Size, Links: uint64(st.Nlink)}
 	f, lay, err := l.b.fsys.segmentAttrs(s, m, n, seg.Name)
 	if err != nil {
 		return fmt.Errorf("%s: %w", display(rel), err)

@@ -6,9 +6,10 @@ Tensor.view(dtype), torch 1.13 and 2.x alike), with one exception named
 where it is used: the reducer torch.multiprocessing registers for tensors,
 which ours wraps.
 
-Segments are mapped with Python's mmap, so tensorfs knows, by the address
-of a tensor's storage, which segment (path) it maps and whether shared or
-copy-on-write. A tensor on such a mapping pickles through
+Segments are mapped with Python's mmap, or, for load_state_dict's small
+ones, side by side in one range under one storage (map_slab), so tensorfs
+knows, by the address of a tensor's storage (and in a range, of its data),
+which segment (path) it maps and whether shared or copy-on-write. A tensor on such a mapping pickles through
 multiprocessing's ForkingPickler (torch.multiprocessing queues, DataLoader
 workers, spawn and fork) as path + byte offset + layout; the receiving
 process maps the segment by path. No descriptor travels, under either

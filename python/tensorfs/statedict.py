@@ -237,7 +237,7 @@ def _undo(path, tmp, moved, old_attrs, created):
 
 # --- loading ----------------------------------------------------------------
 
-_Loaded = _collections.namedtuple("_Loaded", "name full meta fd")
+_Loaded = _collections.namedtuple("_Loaded", "name full meta fd links")  # links: 0 unknown
 _LAYOUT_ATTRS = (_tfs.XATTR_DTYPE, _tfs.XATTR_SHAPE, _tfs.XATTR_STRIDE, _tfs.XATTR_OFFSET)
 
 
@@ -274,7 +274,7 @@ def _listing(path, write):
                 m = metas.get(key)
                 if m is None:  # parsed once per layout: a model repeats a few
                     m = metas[key] = _tfs._meta_from(dict(zip(_LAYOUT_ATTRS, key)), seg["size"])
-                out.append(_Loaded(name if recorded else name.replace("/", "."), full, m, fd))
+                out.append(_Loaded(name if recorded else name.replace("/", "."), full, m, fd, seg.get("links", 0)))
     except OSError as e:
         _close_fds(out)
         if e.errno == _errno.ENOTCONN:
@@ -326,15 +326,19 @@ def _slab(entries, write):
     """{id(entry): tensor} for entries (open, small), their segments mapped side by side in one range.
 
     See _torch.map_slab. Names of one segment (hard links) share its
-    slot, and come back as one tensor.
+    slot, and come back as one tensor; a segment the daemon listed with
+    one name is not looked at (no fstat).
     """
     if not entries:
         return {}
     from ._torch import map_slab, view_on
     slot, segments, idents = {}, [], []
     for e in entries:
-        st = _os.fstat(e.fd)
-        ident = (st.st_dev, st.st_ino)
+        if e.links == 1:
+            ident = id(e)
+        else:
+            st = _os.fstat(e.fd)
+            ident = (st.st_dev, st.st_ino)
         if ident not in slot:
             slot[ident] = len(segments)
             segments.append((e.fd, e.meta.nbytes, e.full))
@@ -368,7 +372,9 @@ def load_state_dict(path: str, device: str = "cpu", mode: str = "r", *,
     as one tensor. The segments' descriptors and metadata come from the
     control socket's load request, one round trip per 253 segments, with
     the permission checks of open(2); imported and GPU segments are opened
-    through the mount. Names follow the module's rule; the order is the
+    through the mount. Segments up to 1 MiB are mapped side by side in one
+    range, their tensors views of one storage; the range is unmapped when
+    the last tensor on it is freed. Names follow the module's rule; the order is the
     saved state dict's, then by name. A segment without user.tensor.dtype
     or user.tensor.shape is skipped with a warning. device other than
     "cpu" copies each tensor there (tensor.to(device)). The tensors pickle

@@ -125,6 +125,21 @@ class _SlabTests:
             back[0] = -1
             self.assertEqual(got["b"][2].item(), -1)
 
+    def test_hard_links_share_a_slot(self):
+        d, _ = self.save()
+        os.link(os.path.join(d, "c"), os.path.join(d, "c2"))
+        with tensorfs.Client(self.mount.dir) as c:
+            links = {}
+            for seg, fd in c.load(os.path.relpath(d, self.mount.dir)):
+                links[seg["name"]] = seg.get("links")
+                os.close(fd)
+        self.assertEqual(links, {"a": 1, "b": 1, "c": 2, "c2": 2, "big": 1})
+        got = tensorfs.load_state_dict(d, mode="r+")
+        self.assertIs(got["c"], got["c2"])  # one inode: one slot, one tensor
+        self.assertIsNot(got["a"], got["b"])
+        got["c2"][0] = 8.0
+        self.assertEqual(tensorfs.load_state_dict(d)["c"][0].item(), 8.0)
+
     def test_layout_past_its_segment_is_refused(self):
         d, _ = self.save()
         fds = [os.open(os.path.join(d, n), os.O_RDONLY) for n in ("a", "c")]
