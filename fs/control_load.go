@@ -243,14 +243,20 @@ func (l *loader) segment(m *alloc.Ref, dirfd int, rel []string, n *segmentNode) 
 	return nil
 }
 
-// descriptor opens the segment m, whose storage is s, for the requester:
-// a host segment by its name in dirfd (alloc.Ref.OpenAt: no walk of
-// /proc/self/fd), another as its storage hands it out.
+// descriptor opens the segment m, found as name in dirfd, whose storage
+// is s, for the requester: a host segment by that name (alloc.Ref.OpenAt:
+// no walk of /proc/self/fd), or, where the name no longer reaches it
+// (renamed, replaced), through /proc/self/fd as every other open; another
+// kind as its storage hands it out.
 func (l *loader) descriptor(s storage, m *alloc.Ref, dirfd int, name string) (*os.File, error) {
 	if _, ok := s.(host); !ok {
 		return s.descriptor(m, l.write)
 	}
-	return segmentFile(m.OpenAt(dirfd, name, accessMode(l.write)))
+	fd, err := m.OpenAt(dirfd, name, accessMode(l.write))
+	if err != nil {
+		fd, err = m.Open(accessMode(l.write))
+	}
+	return segmentFile(fd, err)
 }
 
 // segmentAttrs returns the flags and tensor attributes of the segment m,
