@@ -9,14 +9,14 @@ which ours wraps.
 Segments are mapped with Python's mmap, or, for load_state_dict's small
 ones, side by side in one range under one storage (map_slab), so tensorfs
 knows, by the address of a tensor's storage (and in a range, of its data),
-which segment (path) it maps and whether shared or copy-on-write. A tensor on such a mapping pickles through
-multiprocessing's ForkingPickler (torch.multiprocessing queues, DataLoader
-workers, spawn and fork) as path + byte offset + layout; the receiving
-process maps the segment by path. No descriptor travels, under either
-sharing strategy, and the tensor never moves: torch's own reducer would
-copy a storage it did not allocate into new shared memory, taking the
-sender's tensor off the segment, or (for torch.from_file's storages) fail
-with EBADF.
+which segment (path) it maps and whether shared or copy-on-write. A
+tensor on such a mapping pickles through multiprocessing's ForkingPickler
+(torch.multiprocessing queues, DataLoader workers, spawn and fork) as
+path + byte offset + layout; the receiving process maps the segment by
+path. No descriptor travels, under either sharing strategy, and the
+tensor never moves: torch's own reducer would copy a storage it did not
+allocate into new shared memory, taking the sender's tensor off the
+segment, or (for torch.from_file's storages) fail with EBADF.
 """
 
 from __future__ import annotations
@@ -255,6 +255,7 @@ class _Slab:
 
 
 _libc = None
+_PAGE = _mmap.PAGESIZE
 _PROT_NONE, _PROT_RW = 0, _mmap.PROT_READ | _mmap.PROT_WRITE
 _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x10, 0x20, 0x4000
 _MAP_FAILED = _ctypes.c_void_p(-1).value
@@ -373,7 +374,6 @@ def _extent(shape, stride):
     return 1 + sum((d - 1) * s for d, s in zip(shape, stride))
 
 
-_PAGE = _mmap.PAGESIZE
 _PM_PRESENT, _PM_FILE = 1 << 63, 1 << 61
 
 

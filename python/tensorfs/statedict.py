@@ -374,8 +374,8 @@ def load_state_dict(path: str, device: str = "cpu", mode: str = "r", *,
     the permission checks of open(2); imported and GPU segments are opened
     through the mount. Segments up to 1 MiB are mapped side by side in one
     range, their tensors views of one storage; the range is unmapped when
-    the last tensor on it is freed. Names follow the module's rule; the order is the
-    saved state dict's, then by name. A segment without user.tensor.dtype
+    the last tensor on it is freed. Names follow the module's rule; the
+    order is the saved state dict's, then by name. A segment without user.tensor.dtype
     or user.tensor.shape is skipped with a warning. device other than
     "cpu" copies each tensor there (tensor.to(device)). The tensors pickle
     by path through torch.multiprocessing.
