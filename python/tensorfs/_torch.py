@@ -274,12 +274,15 @@ def _mman():
     return _libc
 
 
-def _mmap_at(libc, addr, length, flags, fd):
-    """mmap(2) of length bytes of fd (or anonymous, fd -1) read-write at addr (or anywhere, None)."""
+def _mmap_at(libc, addr, length, flags, fd, what):
+    """mmap(2) of length bytes of fd (or anonymous, fd -1) read-write at addr (or anywhere, None).
+
+    An OSError names what, the thing mapped.
+    """
     got = libc.mmap(addr, length, _PROT_NONE if fd < 0 else _PROT_RW, flags, fd, 0)
     if got in (None, _MAP_FAILED):
         e = _ctypes.get_errno()
-        raise OSError(e, "tensorfs: mmap: %s" % _os.strerror(e))
+        raise OSError(e, "tensorfs: mapping %s: %s" % (what, _os.strerror(e)))
     return got
 
 
@@ -300,11 +303,12 @@ def map_slab(segments, write):
         offsets.append(total)
         total += -(-nbytes // _PAGE) * _PAGE
     libc = _mman()
-    base = _mmap_at(libc, None, total, _mmap.MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1)
+    base = _mmap_at(libc, None, total, _mmap.MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1,
+                    "a range of %d bytes for %d segments" % (total, len(segments)))
     try:
         flags = (_mmap.MAP_SHARED if write else _mmap.MAP_PRIVATE) | _MAP_FIXED
-        for (fd, nbytes, _), off in zip(segments, offsets):
-            _mmap_at(libc, base + off, nbytes, flags, fd)
+        for (fd, nbytes, path), off in zip(segments, offsets):
+            _mmap_at(libc, base + off, nbytes, flags, fd, path)
         buf = (_ctypes.c_ubyte * total).from_address(base)
     except BaseException:
         libc.munmap(base, total)

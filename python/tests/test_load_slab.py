@@ -156,6 +156,29 @@ class _SlabTests:
                 tfs_torch.view_on(bases, 0, 20, past, "a")
 
 
+    def test_failed_mapping_names_the_segment_and_leaves_nothing_mapped(self):
+        d, _ = self.save()
+        paths = [os.path.join(d, n) for n in ("a", "c")]
+        fds = [os.open(paths[0], os.O_RDWR), os.open(paths[1], os.O_RDONLY)]
+
+        def left():
+            inodes = {str(os.fstat(fd).st_ino) for fd in fds}
+            with open("/proc/self/maps") as f:
+                return [line for line in f if line.split()[4] in inodes]
+        try:
+            bases, _ = tfs_torch.map_slab([(fds[0], 20, paths[0])], True)
+            self.assertEqual(len(left()), 1)  # the maps show the segment's inode
+            del bases
+            gc.collect()
+            with self.assertRaises(PermissionError) as cm:  # c's descriptor is read-only: no shared writable map
+                tfs_torch.map_slab([(fds[0], 20, paths[0]), (fds[1], 24, paths[1])], True)
+            self.assertIn(paths[1], str(cm.exception))
+            self.assertEqual(left(), [], "a's mapping is left after c's failed")
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
 class TestSlabPassthrough(_SlabTests, unittest.TestCase):
     MODE = "passthrough"
 
