@@ -320,3 +320,51 @@ func TestOpenNeverWaitsForLease(t *testing.T) {
 	}
 	unix.Close(fd)
 }
+
+// TestOpenAtReachesOnlyTheObject: OpenAt opens the object by its name,
+// without O_NONBLOCK, and only the object: another file, a FIFO (at once,
+// with no writer) or a symbolic link put at the name is refused.
+func TestOpenAtReachesOnlyTheObject(t *testing.T) {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "f")
+	os.WriteFile(p, []byte("x"), 0o600)
+	dirfd := openDir(t, dir)
+	r, err := OpenRef(dirfd, "f", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	fd, err := r.OpenAt(dirfd, "f", unix.O_RDWR)
+	if err != nil {
+		t.Fatalf("OpenAt of the object: %v", err)
+	}
+	var st unix.Stat_t
+	unix.Fstat(fd, &st)
+	fl, _ := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+	unix.Close(fd)
+	if st.Ino != r.Stat().Ino || fl&unix.O_ACCMODE != unix.O_RDWR || fl&unix.O_NONBLOCK != 0 {
+		t.Errorf("OpenAt opened inode %d with flags %#o; want inode %d, O_RDWR, no O_NONBLOCK", st.Ino, fl, r.Stat().Ino)
+	}
+	os.Link(p, filepath.Join(dir, "kept"))
+	planted := map[string]func() error{
+		"another file": func() error { return os.WriteFile(filepath.Join(dir, "other"), nil, 0o600) },
+		"a FIFO":       func() error { return unix.Mkfifo(filepath.Join(dir, "other"), 0o600) },
+		"a symlink":    func() error { return os.Symlink("kept", filepath.Join(dir, "other")) },
+	}
+	for what, plant := range planted {
+		if err := plant(); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(filepath.Join(dir, "other"), p); err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		fd, err := r.OpenAt(dirfd, "f", unix.O_RDONLY)
+		if err == nil {
+			unix.Close(fd)
+		}
+		if took := time.Since(start); !errors.Is(err, syscall.ESTALE) && !errors.Is(err, syscall.ELOOP) || took > 2*time.Second {
+			t.Errorf("OpenAt with %s at the name: %v after %v, want ESTALE or ELOOP at once", what, err, took)
+		}
+	}
+}

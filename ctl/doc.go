@@ -104,14 +104,16 @@
 // --purge" asks for). A load reply adds
 //
 //	"segments": [{"name":"layer/0/weight","size":2048,"fd":0,"flags":"SHAREDMEM",
-//	              "dtype":"float32","shape":"[16, 32]","stride":"","offset":""}, ...]
+//	              "dtype":"float32","shape":"[16, 32]","stride":"","offset":"","links":1}, ...]
 //	"more": true                   only when the listing goes on
 //
 // listing the regular files under the directory, depth first with the
 // entries of each directory in byte order (so names compare component by
 // component), name relative to the directory with "/" separators, size
 // in bytes, and the stored flags and tensor attributes in their canonical
-// spellings (absent or "" when unset). "fd" is the index of the
+// spellings (absent or "" when unset), and links, the number of names
+// of its inode when listed (1: no other name shares its bytes; a client
+// maps each inode once). "fd" is the index of the
 // segment's descriptor among those attached (O_RDONLY, or O_RDWR with
 // "write"), or -1 where the daemon hands out none: imported (FROMFD)
 // segments, whose bytes are their sender's file, and GPU segments; open

@@ -361,6 +361,7 @@ type Segment struct {
 	Shape  string `json:"shape,omitempty"`
 	Stride string `json:"stride,omitempty"`
 	Offset string `json:"offset,omitempty"`
+	Links  uint64 `json:"links,omitempty"` // names of the segment's inode when listed
 }
 
 // errorReply is the reply refusing a request with errno and reason msg.

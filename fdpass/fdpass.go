@@ -198,7 +198,12 @@ func reopen(fd, flags int, noWait bool) (int, error) {
 // regular files: O_NONBLOCK changes what an open of a FIFO or a device
 // does.
 func OpenNoWait(path string, flags int) (int, error) {
-	fd, err := unix.Open(path, flags|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	return OpenAtNoWait(unix.AT_FDCWD, path, flags)
+}
+
+// OpenAtNoWait is OpenNoWait of name in the directory open at dirfd.
+func OpenAtNoWait(dirfd int, name string, flags int) (int, error) {
+	fd, err := unix.Openat(dirfd, name, flags|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
 	switch {
 	case err == unix.EWOULDBLOCK:
 		return -1, ErrLeased

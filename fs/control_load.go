@@ -177,7 +177,7 @@ func (l *loader) entry(dirfd int, name string, rel []string, node *fusefs.Inode)
 		return nil
 	}
 	defer m.Close()
-	return l.segment(m, rel, cachedSegment(child, m.Stat().Ino))
+	return l.segment(m, dirfd, rel, cachedSegment(child, m.Stat().Ino))
 }
 
 // before reports whether the entry rel comes at or before the name to
@@ -208,10 +208,10 @@ func cachedSegment(i *fusefs.Inode, ino uint64) *segmentNode {
 	return n
 }
 
-// segment adds the segment m, whose components below the requested
-// directory are rel and whose node the kernel knows as n (nil if it does
-// not).
-func (l *loader) segment(m *alloc.Ref, rel []string, n *segmentNode) error {
+// segment adds the segment m, found in dirfd, whose components below the
+// requested directory are rel and whose node the kernel knows as n (nil
+// if it does not).
+func (l *loader) segment(m *alloc.Ref, dirfd int, rel []string, n *segmentNode) error {
 	if len(l.segs) == l.max {
 		return errFull
 	}
@@ -219,7 +219,7 @@ func (l *loader) segment(m *alloc.Ref, rel []string, n *segmentNode) error {
 	if err != nil {
 		return err
 	}
-	seg := ctl.Segment{Name: path.Join(rel...), Size: st.Size}
+	seg := ctl.Segment{Name: path.Join(rel...), Size: st.Size, Links: uint64(st.Nlink)}
 	f, lay, err := l.b.fsys.segmentAttrs(s, m, n, seg.Name)
 	if err != nil {
 		return fmt.Errorf("%s: %w", display(rel), err)
@@ -228,7 +228,7 @@ func (l *loader) segment(m *alloc.Ref, rel []string, n *segmentNode) error {
 		return fmt.Errorf("%w: %s is FROMFD (imported, read-only): load it without write", alloc.ErrReadOnly, display(rel))
 	}
 	seg.Flags, seg.Dtype, seg.Shape, seg.Stride, seg.Offset = f.String(), lay.Dtype, lay.Shape, lay.Stride, lay.Offset
-	file, err := s.descriptor(m, l.write)
+	file, err := l.descriptor(s, m, dirfd, rel[len(rel)-1])
 	if err == nil && file != nil && l.write {
 		err = l.b.fsys.frozen(m.Stat().Ino)
 	}
@@ -241,6 +241,22 @@ func (l *loader) segment(m *alloc.Ref, rel []string, n *segmentNode) error {
 	l.segs = append(l.segs, seg)
 	l.files = append(l.files, file)
 	return nil
+}
+
+// descriptor opens the segment m, found as name in dirfd, whose storage
+// is s, for the requester: a host segment by that name (alloc.Ref.OpenAt:
+// no walk of /proc/self/fd), or, where the name no longer reaches it
+// (renamed, replaced), through /proc/self/fd as every other open; another
+// kind as its storage hands it out.
+func (l *loader) descriptor(s storage, m *alloc.Ref, dirfd int, name string) (*os.File, error) {
+	if _, ok := s.(host); !ok {
+		return s.descriptor(m, l.write)
+	}
+	fd, err := m.OpenAt(dirfd, name, accessMode(l.write))
+	if err != nil {
+		fd, err = m.Open(accessMode(l.write))
+	}
+	return segmentFile(fd, err)
 }
 
 // segmentAttrs returns the flags and tensor attributes of the segment m,

@@ -59,11 +59,19 @@ func resizeFile(r *alloc.Ref, size int64) error {
 // openFile opens the regular file r for a control-socket peer: read-only,
 // or read-write when write is asked.
 func openFile(r *alloc.Ref, write bool) (*os.File, error) {
-	mode := unix.O_RDONLY
+	return segmentFile(r.Open(accessMode(write)))
+}
+
+// accessMode is the open flag of read-only, or read-write when write.
+func accessMode(write bool) int {
 	if write {
-		mode = unix.O_RDWR
+		return unix.O_RDWR
 	}
-	fd, err := r.Open(mode)
+	return unix.O_RDONLY
+}
+
+// segmentFile is a File of fd, an open's result.
+func segmentFile(fd int, err error) (*os.File, error) {
 	if err != nil {
 		return nil, err
 	}

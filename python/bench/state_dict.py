@@ -8,7 +8,8 @@ under MOUNT/bench-N, writes the same tensors as one safetensors file in
 return a dict of zero-copy tensors:
 
   load_state_dict   tensorfs.load_state_dict: the control socket's load
-                    (one request per 253 segments), then one mmap each
+                    (one request per 253 segments), then each segment
+                    mapped into one range, a view of it per tensor
   open_torch        tensorfs.open_torch on each segment's path (xattrs,
                     open and mmap through the mount: FUSE requests each)
   shm views         safetensors-style: parse the header, mmap the file

@@ -6,21 +6,25 @@ Tensor.view(dtype), torch 1.13 and 2.x alike), with one exception named
 where it is used: the reducer torch.multiprocessing registers for tensors,
 which ours wraps.
 
-Segments are mapped with Python's mmap, so tensorfs knows, by the address
-of a tensor's storage, which segment (path) it maps and whether shared or
-copy-on-write. A tensor on such a mapping pickles through
-multiprocessing's ForkingPickler (torch.multiprocessing queues, DataLoader
-workers, spawn and fork) as path + byte offset + layout; the receiving
-process maps the segment by path. No descriptor travels, under either
-sharing strategy, and the tensor never moves: torch's own reducer would
-copy a storage it did not allocate into new shared memory, taking the
-sender's tensor off the segment, or (for torch.from_file's storages) fail
-with EBADF.
+Segments are mapped with Python's mmap, or, for load_state_dict's small
+ones, side by side in one range under one storage (map_slab), so tensorfs
+knows, by the address of a tensor's storage (and in a range, of its data),
+which segment (path) it maps and whether shared or copy-on-write. A
+tensor on such a mapping pickles through multiprocessing's ForkingPickler
+(torch.multiprocessing queues, DataLoader workers, spawn and fork) as
+path + byte offset + layout; the receiving process maps the segment by
+path. No descriptor travels, under either sharing strategy, and the
+tensor never moves: torch's own reducer would copy a storage it did not
+allocate into new shared memory, taking the sender's tensor off the
+segment, or (for torch.from_file's storages) fail with EBADF.
 """
 
 from __future__ import annotations
 
 import array as _array
+import bisect as _bisect
+import ctypes as _ctypes
+import functools as _functools
 import mmap as _mmap
 import os as _os
 import threading as _threading
@@ -233,6 +237,120 @@ def publish(tensor: "torch.Tensor", path: str, *, mount: _typing.Optional[str] =
     return tensor
 
 
+# --- small segments side by side in one range ---------------------------
+
+class _Slab:
+    """A range of small segments' mappings, one after another: each one's address and _Mapping."""
+
+    __slots__ = ("starts", "maps", "ref")
+
+    def __init__(self, starts, maps):
+        self.starts, self.maps = starts, maps
+        self.ref = None
+
+    def find(self, addr):
+        """(start address, _Mapping) of the segment whose slot holds addr."""
+        i = _bisect.bisect_right(self.starts, addr) - 1
+        return self.starts[i], self.maps[i]
+
+
+_libc = None
+_PAGE = _mmap.PAGESIZE
+_PROT_NONE, _PROT_RW = 0, _mmap.PROT_READ | _mmap.PROT_WRITE
+_MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x10, 0x20, 0x4000
+_MAP_FAILED = _ctypes.c_void_p(-1).value
+
+
+def _mman():
+    """libc with mmap and munmap declared."""
+    global _libc
+    if _libc is None:
+        libc = _ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = _ctypes.c_void_p
+        libc.mmap.argtypes = [_ctypes.c_void_p, _ctypes.c_size_t, _ctypes.c_int, _ctypes.c_int, _ctypes.c_int,
+                              _ctypes.c_long]
+        libc.munmap.argtypes = [_ctypes.c_void_p, _ctypes.c_size_t]
+        _libc = libc
+    return _libc
+
+
+def _mmap_at(libc, addr, length, flags, fd, what):
+    """mmap(2) of length bytes of fd (or anonymous, fd -1) read-write at addr (or anywhere, None).
+
+    An OSError names what, the thing mapped.
+    """
+    got = libc.mmap(addr, length, _PROT_NONE if fd < 0 else _PROT_RW, flags, fd, 0)
+    if got in (None, _MAP_FAILED):
+        e = _ctypes.get_errno()
+        raise OSError(e, "tensorfs: mapping %s: %s" % (what, _os.strerror(e)))
+    return got
+
+
+def map_slab(segments, write):
+    """Map segments [(fd, nbytes, path)] side by side in one range; return (bases, each one's byte offset).
+
+    A range is reserved, then each segment's pages are mapped into it at
+    a page-aligned slot (MAP_FIXED): shared if write, else copy-on-write,
+    as mmap's ACCESS_WRITE and ACCESS_COPY. One storage covers the range,
+    so a segment's tensor is a view of it (view_on) rather than a mapping
+    and a storage of its own; bases holds a tensor of each dtype over the
+    whole range (uint8 at first). Each slot pickles by its segment's path.
+    The range is unmapped when the last tensor on it is freed.
+    """
+    torch = _torch()
+    offsets, total = [], 0
+    for _, nbytes, _ in segments:
+        offsets.append(total)
+        total += -(-nbytes // _PAGE) * _PAGE
+    libc = _mman()
+    base = _mmap_at(libc, None, total, _mmap.MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1,
+                    "a range of %d bytes for %d segments" % (total, len(segments)))
+    try:
+        flags = (_mmap.MAP_SHARED if write else _mmap.MAP_PRIVATE) | _MAP_FIXED
+        for (fd, nbytes, path), off in zip(segments, offsets):
+            _mmap_at(libc, base + off, nbytes, flags, fd, path)
+        buf = (_ctypes.c_ubyte * total).from_address(base)
+    except BaseException:
+        libc.munmap(base, total)
+        raise
+    slab = _Slab([base + off for off in offsets],
+                 [_Mapping(_os.path.abspath(path), write, nbytes, None, False) for _, nbytes, path in segments])
+
+    def unmap(_, base=base, total=total, slab=slab):
+        with _lock:
+            if _by_address.get(base) is slab:
+                del _by_address[base]
+        libc.munmap(base, total)
+
+    slab.ref = _weakref.ref(buf, unmap)
+    for m in slab.maps:
+        m.ref = slab.ref
+    with _lock:
+        _by_address[base] = slab
+    install_reductions()
+    return {torch.uint8: torch.frombuffer(buf, dtype=torch.uint8)}, offsets
+
+
+def view_on(bases, offset, nbytes, m, path):
+    """A tensor with TensorMeta m on the nbytes at byte offset of map_slab's bases, checked to stay in them."""
+    tdt, shape, stride, size, extent = _layout(m.dtype, m.shape, m.stride)
+    if m.storage_offset < 0 or (m.storage_offset + extent) * size > nbytes:
+        raise ValueError("tensorfs: %s: shape %r, stride %r and offset %d reach past its %d bytes"
+                         % (path, list(shape), list(stride), m.storage_offset, nbytes))
+    base = bases.get(tdt)
+    if base is None:
+        base = bases[tdt] = bases[_torch().uint8].view(tdt)
+    return base.as_strided(shape, stride, offset // size + m.storage_offset)
+
+
+@_functools.lru_cache(maxsize=256)
+def _layout(dtype, shape, stride):
+    """(torch dtype, shape, stride, element size, extent in elements) of a non-empty segment's layout."""
+    tdt, pack = torch_dtype(dtype)
+    shape, stride = _torch_layout(_tfs.TensorMeta(dtype, shape, stride, 0, 0), pack)
+    return tdt, shape, stride, _element_size(tdt), _extent(shape, stride)
+
+
 # --- pickling by path -------------------------------------------------------
 
 def _segment_of(t):
@@ -245,15 +363,21 @@ def _segment_of(t):
     start = t.data_ptr() - t.storage_offset() * size
     with _lock:
         m = _by_address.get(start)
+    if isinstance(m, _Slab):
+        start, m = m.find(t.data_ptr())
     if m is None or m.ref() is None:
         return None
-    extent = t.storage_offset() + 1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride()))
-    if extent * size > m.nbytes:
+    offset = t.data_ptr() - start
+    if offset + _extent(t.shape, t.stride()) * size > m.nbytes:
         return None
-    return m, t.storage_offset() * size
+    return m, offset
 
 
-_PAGE = _mmap.PAGESIZE
+def _extent(shape, stride):
+    """Elements from a non-empty strided tensor's first element to its last, both counted."""
+    return 1 + sum((d - 1) * s for d, s in zip(shape, stride))
+
+
 _PM_PRESENT, _PM_FILE = 1 << 63, 1 << 61
 
 
@@ -281,9 +405,7 @@ def _warn_if_diverged(t, m):
     """Warn, once per mapping, that a changed copy-on-write tensor travels as its segment's bytes."""
     if m.write or m.published or m.warned:
         return
-    size = t.element_size()
-    extent = (1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride()))) * size
-    if _diverged(t.data_ptr(), extent):
+    if _diverged(t.data_ptr(), _extent(t.shape, t.stride()) * t.element_size()):
         m.warned = True
         _warnings.warn(
             "tensorfs: a tensor of %s was loaded copy-on-write (mode 'r') and changed in place by this process; "

@@ -237,7 +237,8 @@ def _undo(path, tmp, moved, old_attrs, created):
 
 # --- loading ----------------------------------------------------------------
 
-_Loaded = _collections.namedtuple("_Loaded", "name full meta fd")
+_Loaded = _collections.namedtuple("_Loaded", "name full meta fd links")  # links: 0 unknown
+_LAYOUT_ATTRS = (_tfs.XATTR_DTYPE, _tfs.XATTR_SHAPE, _tfs.XATTR_STRIDE, _tfs.XATTR_OFFSET)
 
 
 def _listing(path, write):
@@ -251,7 +252,7 @@ def _listing(path, write):
     rel = _os.path.relpath(_os.path.abspath(path), mount)
     keys = _get_json(path, _KEYS_ATTR)
     recorded = keys is not None or any(_tfs._getxattr(path, a) is not None for a in _RECORDS[1:])
-    out = []
+    out, metas = [], {}
     try:
         with _tfs.Client(mount) as c:
             for seg, fd in c.load(rel, write):
@@ -269,14 +270,13 @@ def _listing(path, write):
                     _warnings.warn("tensorfs: skipping %s: it has no %s" % (full, " and no ".join(missing)),
                                    stacklevel=3)
                     continue
-                m = _tfs._meta_from({_tfs.XATTR_DTYPE: seg["dtype"], _tfs.XATTR_SHAPE: seg["shape"],
-                                     _tfs.XATTR_STRIDE: seg.get("stride"),
-                                     _tfs.XATTR_OFFSET: seg.get("offset")}, seg["size"])
-                out.append(_Loaded(name if recorded else name.replace("/", "."), full, m, fd))
+                key = (seg["dtype"], seg["shape"], seg.get("stride"), seg.get("offset"), seg["size"])
+                m = metas.get(key)
+                if m is None:  # parsed once per layout: a model repeats a few
+                    m = metas[key] = _tfs._meta_from(dict(zip(_LAYOUT_ATTRS, key)), seg["size"])
+                out.append(_Loaded(name if recorded else name.replace("/", "."), full, m, fd, seg.get("links", 0)))
     except OSError as e:
-        for entry in out:
-            if entry.fd is not None:
-                _os.close(entry.fd)
+        _close_fds(out)
         if e.errno == _errno.ENOTCONN:
             raise _tfs._explain(e, path, "tensorfs: loading %s" % path) from None
         raise
@@ -315,10 +315,50 @@ def _map_all(entries, write, with_mapping):
                                                   access=_mmap.ACCESS_WRITE if write else _mmap.ACCESS_COPY)
             results.append(with_mapping(e, mm, ident))
     finally:
-        for e in entries:
-            if e.fd is not None:
-                _os.close(e.fd)
+        _close_fds(entries)
     return results
+
+
+_SLAB_MAX = 1 << 20  # load_state_dict maps segments up to this size side by side in one range
+
+
+def _slab(entries, write):
+    """{id(entry): tensor} for entries (open, small), their segments mapped side by side in one range.
+
+    See _torch.map_slab. Names of one segment (hard links) share its
+    slot, and come back as one tensor; a segment the daemon listed with
+    one name is not looked at (no fstat).
+    """
+    if not entries:
+        return {}
+    from ._torch import map_slab, view_on
+    slot, segments, idents = {}, [], []
+    for e in entries:
+        if e.links == 1:
+            ident = id(e)
+        else:
+            st = _os.fstat(e.fd)
+            ident = (st.st_dev, st.st_ino)
+        if ident not in slot:
+            slot[ident] = len(segments)
+            segments.append((e.fd, e.meta.nbytes, e.full))
+        idents.append(ident)
+    bases, offsets = map_slab(segments, write)
+    made, out = {}, {}
+    for e, ident in zip(entries, idents):
+        i = slot[ident]
+        t = made.get((i, e.meta))
+        if t is None:
+            t = made[(i, e.meta)] = view_on(bases, offsets[i], segments[i][1], e.meta, e.full)
+        out[id(e)] = t
+    return out
+
+
+def _close_fds(entries):
+    """Close the descriptors of entries."""
+    for e in entries:
+        if e.fd is not None:
+            _os.close(e.fd)
 
 
 def load_state_dict(path: str, device: str = "cpu", mode: str = "r", *,
@@ -332,8 +372,10 @@ def load_state_dict(path: str, device: str = "cpu", mode: str = "r", *,
     as one tensor. The segments' descriptors and metadata come from the
     control socket's load request, one round trip per 253 segments, with
     the permission checks of open(2); imported and GPU segments are opened
-    through the mount. Names follow the module's rule; the order is the
-    saved state dict's, then by name. A segment without user.tensor.dtype
+    through the mount. Segments up to 1 MiB are mapped side by side in one
+    range, their tensors views of one storage; the range is unmapped when
+    the last tensor on it is freed. Names follow the module's rule; the
+    order is the saved state dict's, then by name. A segment without user.tensor.dtype
     or user.tensor.shape is skipped with a warning. device other than
     "cpu" copies each tensor there (tensor.to(device)). The tensors pickle
     by path through torch.multiprocessing.
@@ -352,14 +394,19 @@ def load_state_dict(path: str, device: str = "cpu", mode: str = "r", *,
         raise ValueError("tensorfs.load_state_dict: mode must be 'r' or 'r+', not %r" % (mode,))
     write = mode == "r+"
     entries = _listing(path, write)
+    small, rest = [], []
     for e in entries:
-        try:
+        (small if e.fd is not None and 0 < e.meta.nbytes <= _SLAB_MAX and _tfs._numel(e.meta.shape)
+         else rest).append(e)
+    try:
+        for e in entries:
             torch_dtype(e.meta.dtype)
-        except TypeError:
-            for x in entries:
-                if x.fd is not None:
-                    _os.close(x.fd)
-            raise
+        on_slab = _slab(small, write)
+    except BaseException:
+        _close_fds(rest)
+        raise
+    finally:
+        _close_fds(small)
     made = {}
 
     def tensor(e, mm, ident):
@@ -369,7 +416,8 @@ def load_state_dict(path: str, device: str = "cpu", mode: str = "r", *,
             t = made[key] = tensor_on(mm, e.meta, e.full, write and not (e.fd is None and _tfs._read_only(e.full)))
         return t
 
-    tensors = _map_all(entries, write, tensor)
+    mapped = iter(_map_all(rest, write, tensor))
+    tensors = [on_slab[id(e)] if id(e) in on_slab else next(mapped) for e in entries]
     out = {}
     moved = {}
     for e, t in zip(entries, tensors):
