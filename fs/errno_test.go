@@ -1,8 +1,11 @@
 package fs
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
+	"log/slog"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -44,5 +47,27 @@ func TestToErrno(t *testing.T) {
 		if got := toErrno(c.err); got != c.errno {
 			t.Errorf("toErrno(%v) = %v, want %v", c.err, got, c.errno)
 		}
+	}
+}
+
+// TestErrnoLogsRefusalsOnly: a refusal is logged with its reason; an
+// absent name or attribute, and a buffer too small for a value (ERANGE,
+// which every getxattr of a value larger than the caller's first guess
+// gets), are answers and are not.
+func TestErrnoLogsRefusalsOnly(t *testing.T) {
+	fsys := testFS(t)
+	var out bytes.Buffer
+	fsys.log = slog.New(slog.NewTextHandler(&out, nil))
+	for _, err := range []error{syscall.ENOENT, alloc.ErrNoAttr, syscall.ERANGE} {
+		if errno := fsys.errnoOf("getxattr", &fsys.root.nodeBase, err); errno == 0 {
+			t.Fatalf("errno(%v) = 0", err)
+		}
+	}
+	if out.Len() != 0 {
+		t.Errorf("answers were logged:\n%s", out.String())
+	}
+	fsys.errnoOf("setxattr", &fsys.root.nodeBase, alloc.ErrReadOnly)
+	if !strings.Contains(out.String(), "refused") {
+		t.Errorf("a refusal was not logged: %q", out.String())
 	}
 }

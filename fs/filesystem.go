@@ -214,8 +214,9 @@ func (fsys *filesystem) backingFlags(flags uint32) (int, bool) {
 // the reply to op on n (name: the entry the request names, if any) and
 // logs it. A request refused for a reason (permissions, flags, a bad
 // value, capacity) is logged once at Info with the reason; a name or
-// attribute that is absent is an answer, not a refusal, and is not
-// logged; an error no rule knows is logged at Error and answered EIO.
+// attribute that is absent, or a buffer too small for a value (ERANGE:
+// the caller asks again with the size), is an answer, not a refusal, and
+// is not logged; an error no rule knows is logged at Error and answered EIO.
 func (fsys *filesystem) errno(op string, n *nodeBase, name string, err error) syscall.Errno {
 	if err == nil {
 		return 0
@@ -227,7 +228,7 @@ func (fsys *filesystem) errno(op string, n *nodeBase, name string, err error) sy
 	switch {
 	case !known:
 		fsys.log.Error("unexpected error, answered EIO", "op", op, "path", alloc.EscapeText(n.path()), "err", err)
-	case errno == syscall.ENOENT, errno == syscall.ENODATA, errno == syscall.EEXIST && op == "create":
+	case errno == syscall.ENOENT, errno == syscall.ENODATA, errno == syscall.ERANGE, errno == syscall.EEXIST && op == "create":
 	default:
 		fsys.log.Info("refused", "op", op, "path", alloc.EscapeText(n.path()), "err", err)
 	}
