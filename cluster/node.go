@@ -113,7 +113,9 @@ type Node struct {
 	epoch      uint64               // counts leases: a write under an older one is void
 	closed     bool
 
-	last clientv3.LeaseID // the lease run held last, which Close revokes (run's; Close reads it once run has ended)
+	// last is the lease of run's last session, which Close revokes (run
+	// sets it as it ends: Close reads it once run has).
+	last clientv3.LeaseID
 
 	stats stats
 }
@@ -287,7 +289,8 @@ func (n *Node) Stats() Stats {
 func (n *Node) run() {
 	defer n.wg.Done()
 	prev := clientv3.LeaseID(n.cfg.Resume) // the last lease, which may outlive its session
-	defer func() { n.last = prev }()
+	var held clientv3.LeaseID              // the last lease this daemon had a session of
+	defer func() { n.last = held }()
 	s := n.resume(prev)
 	var lastErr string
 	for try := 0; n.ctx.Err() == nil; {
@@ -296,7 +299,7 @@ func (n *Node) run() {
 			s, err = n.join(prev)
 		}
 		if s != nil {
-			prev = s.Lease()
+			prev, held = s.Lease(), s.Lease()
 		}
 		if n.ctx.Err() != nil {
 			return // closing: a session joined meanwhile ends unused, and Close revokes its lease
