@@ -142,6 +142,8 @@ func TestClusterLifecycle(t *testing.T) {
 		}
 	})
 
+	t.Run("pull that races a publish", func(t *testing.T) { clusterPullRacesPublish(t, tb) })
+
 	// A pull whose daemon goes says what to do: run it again where a
 	// daemon serves the mount now (tensorfs restart: the successor), else
 	// mount it again first (its daemon and keeper killed); either way

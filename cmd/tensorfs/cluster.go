@@ -72,8 +72,9 @@ func daemonGone(name, mount, dir string, err error) error {
 	}
 	again := fmt.Sprintf("`tensorfs %s %s`", name, dir)
 	if mount == "" {
-		mount = "the mount holding " + dir
-	} else if pid := servingPid(mount); pid != 0 {
+		return fmt.Errorf("the daemon of the mount holding %s is gone (%w): mount it again with the flags it had (`tensorfs mount --cluster ... MOUNTPOINT`, which cleans up the dead mount), then run %s again", dir, err, again)
+	}
+	if pid := servingPid(mount); pid != 0 {
 		return fmt.Errorf("the daemon of %s went away (%w); daemon %d serves it now (a restart, or its keeper's after a crash): run %s again", mount, err, pid, again)
 	}
 	return fmt.Errorf("the daemon of %s is gone (%w) and nothing serves the mount: mount it again with the flags it had (`tensorfs mount --cluster ... %s`, which cleans up the dead mount), then run %s again", mount, err, mount, again)
