@@ -529,8 +529,8 @@ func TestNameInUse(t *testing.T) {
 	if _, err := second.Publish(ctx, "m", []LocalEntry{dirEntry(".")}, PublishOptions{}); !errors.Is(err, ErrNameInUse) {
 		t.Fatalf("publish from a second node-a: %v, want ErrNameInUse", err)
 	}
-	if err := second.Joined(); !errors.Is(err, ErrNameInUse) || !strings.Contains(err.Error(), "lease ends in") {
-		t.Fatalf("the second node-a says %v, want ErrNameInUse saying when the first one's lease ends", err)
+	if err := second.Joined(); !errors.Is(err, ErrNameInUse) || !strings.Contains(err.Error(), "lease ends in") || !strings.Contains(err.Error(), "another --node") {
+		t.Fatalf("the second node-a says %v, want ErrNameInUse saying when the first one's lease ends, and what to do", err)
 	}
 	first.Close()
 	waitFor(t, 10*time.Second, "the second node-a joins", func() bool {

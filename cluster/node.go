@@ -170,7 +170,7 @@ func Join(cfg Config) (*Node, error) {
 		etcd:       etcd,
 		tr:         cfg.Transport,
 		wake:       make(chan struct{}, 1),
-		sessErr:    fmt.Errorf("%w: node %s has not joined yet", ErrUnavailable, cfg.Node),
+		sessErr:    fmt.Errorf("%w: node %s has not joined yet (it joins in the background: tensorfs status says when it has)", ErrUnavailable, cfg.Node),
 		sessChange: make(chan struct{}),
 		held:       map[string]*held{},
 	}
@@ -431,7 +431,7 @@ func (n *Node) join(prev clientv3.LeaseID) (*concurrency.Session, error) {
 			if t, err := n.etcd.TimeToLive(ctx, owner); err == nil {
 				ttl = fmt.Sprintf("%ds", t.TTL)
 			}
-			return nil, fmt.Errorf("%w: node name %s is held by another live daemon (%s), whose lease ends in %s unless it is alive", ErrNameInUse, n.cfg.Node, kv.Value, ttl)
+			return nil, fmt.Errorf("%w: node name %s is held by another live daemon (%s), whose lease ends in %s unless it is alive: this node joins once it ends (a daemon of this node that died); if another node runs under this name, mount one of them with another --node", ErrNameInUse, n.cfg.Node, kv.Value, ttl)
 		}
 	}
 	if err != nil {

@@ -329,7 +329,7 @@ func (p *Pull) next() (task, bool) {
 			return t, true
 		}
 		if p.inFlights == 0 && time.Since(p.lastStep) > p.n.cfg.NoHolderWait {
-			p.err = fmt.Errorf("cluster: pull: %w: %s", ErrNoHolder, p.missingLocked())
+			p.err = fmt.Errorf("cluster: pull: %w: %s; pull again once a node that holds it (its publisher, or one that pulled it) is up", ErrNoHolder, p.missingLocked())
 			p.cancel()
 			return task{}, false
 		}
