@@ -44,7 +44,7 @@ for line in sys.stdin:
 // consumer reserves through it whenever the counters' tmpfs fills (trim).
 // A successor does not know its predecessor's retired counter files (they
 // are unlinked; only the predecessor held a descriptor): after a
-// tensorfs restart user A fills the counters' tmpfs through the counter
+// tensorfs restart (and a crash) user A fills the counters' tmpfs through the counter
 // she kept, nobody puts it back, and user B's segment can no longer get a
 // consumer counter. Held across restarts, and charged to nobody: so is
 // the counter of her segment of no bytes, which the successor removed
@@ -59,9 +59,11 @@ func TestAttackCounterRestartRetired(t *testing.T) {
 		if held := ledgerHeld(t, m, "GPU consumer counters", userA); held != 2 {
 			t.Fatalf("uid %d holds %d counters before the restart, want 2", userA, held)
 		}
-		m.restart(t, "")
-		if held := ledgerHeld(t, m, "GPU consumer counters", userA); held != 2 {
-			t.Errorf("uid %d holds %d counters after the restart, want the 2 she still holds", userA, held)
+		for i, handover := range []func(){func() { m.restart(t, "") }, func() { rgCrash(t, m) }} {
+			handover()
+			if held := ledgerHeld(t, m, "GPU consumer counters", userA); held != 2 {
+				t.Errorf("uid %d holds %d counters after %s, want the 2 she still holds", userA, held, []string{"tensorfs restart", "the daemon's SIGKILL"}[i])
+			}
 		}
 		got := a.do(t, "fill")
 		if !strings.HasPrefix(got, "filled ") {
