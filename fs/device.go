@@ -829,7 +829,10 @@ func (seg *devSeg) refCounter() (string, error) {
 		return "", err
 	}
 	seg.counter, seg.counterUID = c, st.Uid
-	err = seg.followLocked()
+	err = c.Charge(st.Uid) // for a successor that finds it retired
+	if err == nil {
+		err = seg.followLocked()
+	}
 	if err == nil { // a successor finds the counter by the block's tag
 		err = seg.tag(seg.block, st.Uid, c.Name())
 	}
