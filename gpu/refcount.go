@@ -105,6 +105,10 @@ const (
 	// (root only): 64 MiB and 16384 inodes, so 16383 counters of a 4 KiB
 	// page each, and a reader who grows a counter can take no more.
 	counterFSOptions = "size=64m,nr_inodes=16384,mode=0711"
+	// MaxCounters is how many counters the counters' tmpfs holds: its
+	// inodes but its root's. The daemon's ledger bounds them below it, so
+	// that users who all reach their share meet ENFILE, never a full tmpfs.
+	MaxCounters = 16384 - 1
 	// counterFSSource names the tmpfs in /proc/mounts.
 	counterFSSource = "tensorfs-counters"
 )

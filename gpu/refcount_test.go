@@ -58,6 +58,12 @@ func TestCounters(t *testing.T) {
 	if names, _ := os.ReadDir(path); len(names) != 0 {
 		t.Errorf("counters of an earlier daemon left: %v", names)
 	}
+	// The tmpfs holds MaxCounters counters, what the daemon's ledger
+	// bounds all users' counters by.
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil || st.Files != MaxCounters+1 {
+		t.Errorf("the counters' tmpfs has %d inodes (%v), want MaxCounters+1 = %d", st.Files, err, MaxCounters+1)
+	}
 
 	a, err := d.New()
 	if err != nil {
