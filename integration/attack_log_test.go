@@ -15,7 +15,8 @@ import (
 
 // attackLogScript makes a chain of 64 directories named by 250 bytes that
 // the log escapes (\x01, four bytes each), a file at its end, and is
-// refused a bad dtype on it for argv[2] seconds; it prints how many times.
+// refused a bad dtype on it argv[2] times (or for argv[3] seconds, if
+// that comes first); it prints how many times.
 const attackLogScript = `
 import os, sys, time
 os.chdir(sys.argv[1])
@@ -23,8 +24,8 @@ for _ in range(64):
     os.mkdir("\x01" * 250)
     os.chdir("\x01" * 250)
 open("f", "w").close()
-n, end = 0, time.time() + float(sys.argv[2])
-while time.time() < end:
+n, end = 0, time.time() + float(sys.argv[3])
+while n < int(sys.argv[2]) and time.time() < end:
     try:
         os.setxattr("f", "user.tensor.dtype", b"bogus")
     except OSError:
@@ -51,9 +52,13 @@ func TestAttackLogFlood(t *testing.T) {
 		if err := os.Chown(dir, userA, userA); err != nil {
 			t.Fatal(err)
 		}
-		const seconds = 1.0
+		// Enough refusals to write twice the bound of the longest run
+		// (a loaded machine is refused 10 times a second, an idle one
+		// hundreds).
+		const seconds = 20
+		need := 2*(lifecycle.LogBurst+seconds*lifecycle.LogRate+64<<10)/(64<<10) + 1
 		before, start := len(m.stderr.String()), time.Now()
-		out, err := runAs(t, userA, "/", systemPython, "-c", attackLogScript, dir, strconv.FormatFloat(seconds, 'f', -1, 64))
+		out, err := runAs(t, userA, "/", systemPython, "-c", attackLogScript, dir, strconv.Itoa(need), strconv.Itoa(seconds))
 		if err != nil {
 			t.Fatalf("uid %d: %v\n%s", userA, err, out)
 		}
@@ -68,7 +73,7 @@ func TestAttackLogFlood(t *testing.T) {
 			t.Fatalf("uid %d was refused %d times only: too few to flood the log", userA, refusals)
 		}
 		if grew > bound {
-			t.Errorf("uid %d's refusals grew the daemon's log by %d bytes in %.1f s, past the bound of %d", userA, grew, seconds, bound)
+			t.Errorf("uid %d's refusals grew the daemon's log by %d bytes in %.1f s, past the bound of %d", userA, grew, time.Since(start).Seconds(), bound)
 		}
 		// The next line that fits says how many were dropped.
 		eventually(t, "a line saying how many lines the log dropped", func() (bool, string) {
