@@ -61,6 +61,9 @@ type devices struct {
 	// pending are the backing files of the device segments a successor
 	// restores once it has taken the mount over (claimDevices).
 	pending []*os.File
+	// orphans are, in a successor until Adopt has run, the removed
+	// segments that open handles hold, by backing inode (claims.orphan).
+	orphans map[uint64]*devSeg
 }
 
 // maxCountersPerUID bounds the consumer counters the segments of one user
@@ -258,7 +261,9 @@ func (d *devices) segment(m *alloc.Ref) (*devSeg, error) {
 
 // drop removes a segment whose last name went: its memory goes to limbo,
 // where open handles keep reading and writing it until the last closes
-// and no consumer counter refers to it.
+// and no consumer counter refers to it. Its backing file stays open until
+// then too: it records the block, for a successor that takes the handles
+// over (claims.orphan).
 func (d *devices) drop(seg *devSeg) {
 	d.mu.Lock()
 	if d.segs[seg.ino] != seg {
@@ -282,9 +287,9 @@ func (d *devices) drop(seg *devSeg) {
 	if err := seg.reserve(0); err != nil {
 		d.log.Warn("backing space set aside for a device segment not given back", "file", seg.backing.Name(), "err", err)
 	}
-	seg.backing.Close()
-	seg.backing = nil
-	d.handles.Give(seg.uid, 1)
+	if seg.opens.Load() == 0 {
+		seg.closeBacking()
+	}
 	seg.cmu.Lock()
 	seg.removeCounterLocked()
 	seg.cmu.Unlock()
@@ -870,9 +875,38 @@ func (seg *devSeg) followAccess() {
 // opened and closed count the segment's open handles.
 func (seg *devSeg) opened() { seg.opens.Add(1) }
 
+// closed closes a removed segment's backing file at its last close.
 func (seg *devSeg) closed() {
-	seg.opens.Add(-1)
+	if seg.opens.Add(-1) == 0 {
+		seg.mu.Lock()
+		if seg.removed && seg.opens.Load() == 0 {
+			seg.closeBacking()
+		}
+		seg.mu.Unlock()
+	}
 	seg.d.limbo.Collect()
+}
+
+// closeBacking closes the backing file, if still open, and gives its
+// descriptor back to its owner's budget; mu is held.
+func (seg *devSeg) closeBacking() {
+	if seg.backing == nil {
+		return
+	}
+	seg.backing.Close()
+	seg.backing = nil
+	seg.d.handles.Give(seg.uid, 1)
+}
+
+// backingRef returns a reference to the backing file while it is open (a
+// removed segment's, while handles hold it).
+func (seg *devSeg) backingRef() (*alloc.Ref, error) {
+	seg.mu.Lock()
+	defer seg.mu.Unlock()
+	if seg.backing == nil {
+		return nil, fmt.Errorf("%w: the segment's attributes went with its last name", syscall.ENOENT)
+	}
+	return alloc.OpenRef(int(seg.backing.Fd()), "", 0)
 }
 
 // export returns a POSIX descriptor of the segment's device memory, for

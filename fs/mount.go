@@ -190,7 +190,7 @@ func Mount(opts Options) (_ *Server, err error) {
 			return nil, err
 		}
 		if fsys.gpu != nil {
-			fsys.claimDevices()
+			fsys.claimDevices(t.Orphans)
 		}
 	}
 	if opts.Cluster != nil {
