@@ -37,8 +37,8 @@ for line in sys.stdin:
 `
 
 // TestRestartGPUOrphan: user A's GPU segment, removed while A holds it
-// open, keeps its device bytes across tensorfs restart and a SIGKILL of
-// the daemon: A's descriptor reads them and writes into them, limbo and
+// open, keeps its device bytes across tensorfs restart (twice) and a
+// SIGKILL of the daemon: A's descriptor reads them and writes into them, limbo and
 // its charge to A stay, and at its close the block is freed.
 func TestRestartGPUOrphan(t *testing.T) {
 	t.Parallel()
@@ -67,8 +67,9 @@ func TestRestartGPUOrphan(t *testing.T) {
 		}
 		eventually(t, "the removed segment's block in limbo", gtLimboIs(t, m, 1, -n))
 		_, held := gtLimbo(t, m)
-		for i, handover := range []func(){func() { m.restart(t, "") }, func() { rgCrash(t, m) }} {
-			what := []string{"after tensorfs restart", "after the daemon's SIGKILL"}[i]
+		restart := func() { m.restart(t, "") }
+		for i, handover := range []func(){restart, restart, func() { rgCrash(t, m) }} {
+			what := []string{"after tensorfs restart", "after a second restart", "after the daemon's SIGKILL"}[i]
 			handover()
 			want := fmt.Sprintf("sha %x", sha256.Sum256(data))
 			if got := opener.do(t, fmt.Sprintf("read %d", n)); got != want {
