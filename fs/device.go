@@ -32,6 +32,14 @@ type devices struct {
 	// stop ends the limbo collector (spill closes it); wg waits for it.
 	stop chan struct{}
 	wg   sync.WaitGroup
+	// collectMu is held by the limbo collector while it collects; held
+	// says a handover holds it off (holdCollects).
+	collectMu sync.Mutex
+	held      bool
+	// taking is true in a successor until it serves the mount (settle):
+	// the blocks, counters and backing files are its predecessor's too,
+	// so a successor that fails spills nothing and removes no counter.
+	taking bool
 
 	// mu protects segs, every device segment by backing inode number.
 	mu   sync.Mutex
@@ -152,7 +160,7 @@ func newDevices(dev gpu.Device, store *alloc.Store, l *ledger.Ledger, handles *l
 		limboShare: l.Row(ledger.Spec{Name: "GPU device memory in limbo", Unit: "byte",
 			PerUID: capacity / 16, Total: capacity, Over: syscall.ENOSPC, Full: syscall.ENOSPC})}
 	if takeover {
-		d.pending = restore
+		d.pending, d.taking = restore, true
 	} else {
 		d.restoreAll(restore)
 		d.startCollecting()
@@ -305,20 +313,41 @@ func (d *devices) collect() {
 	for {
 		select {
 		case <-tick.C:
-			d.limbo.Collect()
-			d.counters.Sweep()
+			d.collectMu.Lock()
+			if !d.held {
+				d.limbo.Collect()
+				d.counters.Sweep()
+			}
+			d.collectMu.Unlock()
 		case <-d.stop:
 			return
 		}
 	}
 }
 
+// holdCollects holds the limbo collector off (hold) or lets it go on:
+// while a successor claims the GPU helper, this daemon's frees are
+// refused, and a block a refused free dropped from its limbo would stay
+// allocated should the successor fail.
+func (d *devices) holdCollects(hold bool) {
+	d.collectMu.Lock()
+	d.held = hold
+	d.collectMu.Unlock()
+}
+
 // spill copies every device segment into its backing file, for the next
 // mount to restore, stops the limbo collector and releases the device
-// and the counters.
+// and the counters. A successor that failed before it served (taking)
+// only ends its session of the GPU helper, which serves its predecessor
+// again: the segments, their backing files and counters are the
+// predecessor's.
 func (d *devices) spill() {
 	close(d.stop)
 	d.wg.Wait()
+	if d.taking {
+		d.dev.Close()
+		return
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for _, seg := range d.segs {

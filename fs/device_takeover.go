@@ -7,6 +7,7 @@ import (
 	"maps"
 	"os"
 	"slices"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -78,6 +79,7 @@ func (fsys *filesystem) claimDevices(orphans map[uint64]int) {
 // serves the mount it took over: until then a predecessor whose successor
 // fails gets the device back.
 func (d *devices) settle() {
+	d.taking = false
 	if s, ok := d.dev.(gpu.Survivor); ok {
 		if err := s.Settle(); err != nil {
 			d.log.Warn("takeover: the predecessor's session of the GPU helper not ended", "err", err)
@@ -356,4 +358,24 @@ func (d *devices) keepCounters(counters map[string]adopted) {
 	if err := d.counters.RemoveUnadopted(keep); err != nil {
 		d.log.Warn("takeover: the predecessor's unclaimed consumer counters not removed", "err", err)
 	}
+}
+
+// FailAfterClaimEnv names the environment variable that makes a
+// successor fail its takeover once it has claimed the GPU helper's
+// blocks, after the duration it gives (e.g. "2s"), for tests of a failed
+// restart only: the predecessor must serve on as it was.
+const FailAfterClaimEnv = "TENSORFS_TEST_FAIL_AFTER_CLAIM"
+
+// failAfterClaim is FailAfterClaimEnv's hook: nil when it is not set.
+func failAfterClaim() error {
+	v := os.Getenv(FailAfterClaimEnv)
+	if v == "" {
+		return nil
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil {
+		return fmt.Errorf("%s: %v", FailAfterClaimEnv, err)
+	}
+	time.Sleep(d)
+	return fmt.Errorf("failed after the GPU claim, as %s=%s asks", FailAfterClaimEnv, v)
 }

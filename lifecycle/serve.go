@@ -102,7 +102,8 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	if err != nil {
 		return err
 	}
-	defer removePid()
+	served := false
+	defer func() { removePid(served) }()
 	// Registered after the pid file, so that it runs once the mount and
 	// the store are closed, while the pid file still names this daemon.
 	var purge atomic.Bool
@@ -171,6 +172,7 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	if err != nil {
 		return err
 	}
+	served = true
 	defer srv.Close()
 	stop, err := listenHandover(mp, srv, log)
 	if err != nil {
