@@ -50,7 +50,7 @@ func TestRestartGPUFailedAfterClaim(t *testing.T) {
 			t.Fatalf("rm %s: %v\n%s", gone, err, out)
 		}
 		eventually(t, "the removed segment in limbo", gtLimboIs(t, m, 1, -1))
-		sha, pid := gtSha256(t, seg), m.daemonPid(t)
+		sha, pid, goneCounter := gtSha256(t, seg), m.daemonPid(t), counterPath(t, m)
 
 		failing := filepath.Join(t.TempDir(), "tensorfs-fails")
 		script := "#!/bin/sh\n" + fs.FailAfterClaimEnv + "=2s exec " + tensorfs + " \"$@\"\n"
@@ -67,8 +67,9 @@ func TestRestartGPUFailedAfterClaim(t *testing.T) {
 		eventually(t, "the new daemon's claim", func() (bool, string) {
 			return strings.Contains(m.stderr.String(), claimed), tail(m.stderr.String())
 		})
-		// While the new daemon holds the claim, the counter lets go.
-		if err := os.WriteFile(counterPath(t, m), make([]byte, 8), 0); err != nil {
+		// While the new daemon holds the claim (the mount frozen), the
+		// removed segment's counter lets go.
+		if err := os.WriteFile(goneCounter, make([]byte, 8), 0); err != nil {
 			t.Fatal(err)
 		}
 		if err := restart.Wait(); err == nil {
