@@ -12,9 +12,10 @@ import (
 // The sim group: the piece scheduler of package cluster on simulated
 // clusters (package cluster/sim), from one node pulling alone to
 // cfg.simNodes nodes pulling at once, each size as it is, with churn
-// (simLate of the nodes starting late and simDie dying mid-pull), and
-// with etcd keeping membership only (sim.Config.Membership). No root,
-// mount or network: it runs on a virtual clock.
+// (simLate of the nodes starting late and simDie dying mid-pull), with
+// etcd keeping membership only (sim.Config.Membership), and so with the
+// seeder super-seeding (sim.Config.SuperSeed). No root, mount or network:
+// it runs on a virtual clock.
 
 // Churn of the sim group's second run at each size.
 const (
@@ -45,7 +46,8 @@ func (b *bench) writeSim(w *strings.Builder) {
 		"the first row is one node pulling alone. etcd's load is what the code writes: a transaction per batch of changed holder keys, "+
 		"each key a watch event at every node pulling the content; the rows whose etcd keeps membership simulate the design of DESIGN.md §10 "+
 		"that the code does not have yet (a key per node per content written when its pull starts and ends; a puller learns the pieces of "+
-		"up to 32 pulling nodes from them, over the transport).\n\n",
+		"up to 32 pulling nodes from them, over the transport), and with super-seeding: the seeder sends each piece once before it sends any twice "+
+		"(asked for a piece, it sends the one it has sent least of those the asker lacks).\n\n",
 		fmtSize(c.Model), c.Files, fmtSize(c.PieceSize), c.Up*8/1e6, c.Latency, c.Etcd, 100*simLate, 100*simDie)
 	w.WriteString(b.simTable)
 }

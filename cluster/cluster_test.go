@@ -529,11 +529,16 @@ func TestNameInUse(t *testing.T) {
 	if _, err := second.Publish(ctx, "m", []LocalEntry{dirEntry(".")}, PublishOptions{}); !errors.Is(err, ErrNameInUse) {
 		t.Fatalf("publish from a second node-a: %v, want ErrNameInUse", err)
 	}
+	if err := second.Joined(); !errors.Is(err, ErrNameInUse) || !strings.Contains(err.Error(), "lease ends in") || !strings.Contains(err.Error(), "another --node") {
+		t.Fatalf("the second node-a says %v, want ErrNameInUse saying when the first one's lease ends, and what to do", err)
+	}
 	first.Close()
 	waitFor(t, 10*time.Second, "the second node-a joins", func() bool {
-		_, err := second.lease(ctx)
-		return err == nil
+		return second.Joined() == nil
 	})
+	if first.Joined() != ErrClosed {
+		t.Errorf("the first node-a, closed, says %v", first.Joined())
+	}
 }
 
 // TestRestartOffer restarts a publisher: it offers what it recovered, and

@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/client/v3/concurrency"
 	"go.uber.org/zap"
@@ -112,6 +113,10 @@ type Node struct {
 	epoch      uint64               // counts leases: a write under an older one is void
 	closed     bool
 
+	// last is the lease of run's last session, which Close revokes (run
+	// sets it as it ends: Close reads it once run has).
+	last clientv3.LeaseID
+
 	stats stats
 }
 
@@ -165,7 +170,7 @@ func Join(cfg Config) (*Node, error) {
 		etcd:       etcd,
 		tr:         cfg.Transport,
 		wake:       make(chan struct{}, 1),
-		sessErr:    fmt.Errorf("%w: node %s has not joined yet", ErrUnavailable, cfg.Node),
+		sessErr:    fmt.Errorf("%w: node %s has not joined yet (it joins in the background: tensorfs status says when it has)", ErrUnavailable, cfg.Node),
 		sessChange: make(chan struct{}),
 		held:       map[string]*held{},
 	}
@@ -279,16 +284,25 @@ func (n *Node) Stats() Stats {
 
 // run keeps the node joined: a lease, the node's key, and everything it
 // holds announced under that lease, renewed until Close; joined again when
-// the lease is lost.
+// the lease is lost. It leaves the last lease it held for Close to revoke
+// (Node.last).
 func (n *Node) run() {
 	defer n.wg.Done()
 	prev := clientv3.LeaseID(n.cfg.Resume) // the last lease, which may outlive its session
+	var held clientv3.LeaseID              // the last lease this daemon had a session of
+	defer func() { n.last = held }()
 	s := n.resume(prev)
 	var lastErr string
 	for try := 0; n.ctx.Err() == nil; {
 		var err error
 		if s == nil {
 			s, err = n.join(prev)
+		}
+		if s != nil {
+			prev, held = s.Lease(), s.Lease()
+		}
+		if n.ctx.Err() != nil {
+			return // closing: a session joined meanwhile ends unused, and Close revokes its lease
 		}
 		if err != nil {
 			n.setSession(nil, err)
@@ -300,21 +314,24 @@ func (n *Node) run() {
 			try++
 			continue
 		}
-		prev, lastErr, try = s.Lease(), "", 0
-		n.log.Info("cluster: joined", "node", n.cfg.Node, "addr", n.addr, "lease", fmt.Sprintf("%x", int64(s.Lease())))
+		lastErr, try = "", 0
 		if n.cfg.OnLease != nil {
 			n.cfg.OnLease(int64(s.Lease()))
 		}
 		n.setSession(s, nil)
+		n.log.Info("cluster: joined", "node", n.cfg.Node, "addr", n.addr, "lease", fmt.Sprintf("%x", int64(s.Lease())))
 		n.rewriteAll()
 		select {
 		case <-s.Done():
-			n.setSession(nil, fmt.Errorf("%w: node %s lost its etcd lease; joining again", ErrUnavailable, n.cfg.Node))
-			if n.ctx.Err() == nil {
-				n.log.Warn("cluster: lease lost; joining again", "node", n.cfg.Node)
-			}
 		case <-n.ctx.Done():
 		}
+		// Close ends the session too: only a session that ended while
+		// the node runs is a lost lease.
+		if n.ctx.Err() != nil {
+			return
+		}
+		n.setSession(nil, fmt.Errorf("%w: node %s lost its etcd lease; joining again", ErrUnavailable, n.cfg.Node))
+		n.log.Warn("cluster: lease lost; joining again", "node", n.cfg.Node)
 		s = nil
 	}
 }
@@ -351,6 +368,21 @@ func (n *Node) Lease() int64 {
 		return 0
 	}
 	return int64(n.sess.Lease())
+}
+
+// Joined returns nil while the node is joined (it can publish and
+// announce), else why it is not: ErrUnavailable, ErrNameInUse or
+// ErrClosed, with what to wait for.
+func (n *Node) Joined() error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	switch {
+	case n.closed:
+		return ErrClosed
+	case n.sess == nil:
+		return n.sessErr
+	}
+	return nil
 }
 
 // ListenerFile returns a duplicate of the piece server's socket, for a
@@ -394,23 +426,39 @@ func (n *Node) join(prev clientv3.LeaseID) (*concurrency.Session, error) {
 			}
 		}
 		if err == nil && !resp.Succeeded {
-			n.etcd.Revoke(ctx, grant.ID)
+			n.revoke(grant.ID)
 			ttl := "?"
 			if t, err := n.etcd.TimeToLive(ctx, owner); err == nil {
 				ttl = fmt.Sprintf("%ds", t.TTL)
 			}
-			return nil, fmt.Errorf("%w: node name %s is held by another live daemon (%s), whose lease ends in %s unless it is alive", ErrNameInUse, n.cfg.Node, kv.Value, ttl)
+			return nil, fmt.Errorf("%w: node name %s is held by another live daemon (%s), whose lease ends in %s unless it is alive: this node joins once it ends (a daemon of this node that died); if another node runs under this name, mount one of them with another --node", ErrNameInUse, n.cfg.Node, kv.Value, ttl)
 		}
 	}
 	if err != nil {
-		n.etcd.Revoke(ctx, grant.ID)
+		// The put may have committed even so (a timeout, or Close, cut the
+		// answer off): the lease's revoke deletes the key with it.
+		n.revoke(grant.ID)
 		return nil, n.etcdErr("register node "+n.cfg.Node, err)
 	}
 	s, err := concurrency.NewSession(n.etcd, concurrency.WithLease(grant.ID), concurrency.WithContext(n.ctx))
 	if err != nil {
+		n.revoke(grant.ID)
 		return nil, n.etcdErr("keep the lease alive", err)
 	}
 	return s, nil
+}
+
+// revoke revokes lease id, and with it the keys under it, in a call of its
+// own (Close ends the node's context first); a lease already gone is no
+// failure.
+func (n *Node) revoke(id clientv3.LeaseID) error {
+	ctx, cancel := context.WithTimeout(context.Background(), n.cfg.Timeout)
+	defer cancel()
+	_, err := n.etcd.Revoke(ctx, id)
+	if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+		return nil
+	}
+	return err
 }
 
 // setSession records the current session, or why there is none, and wakes
@@ -480,15 +528,10 @@ func (n *Node) Close() error {
 	n.mu.Unlock()
 	n.cancel()
 	n.wg.Wait()
-	n.mu.Lock()
-	s := n.sess
-	n.mu.Unlock()
-	if s != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), n.cfg.Timeout)
-		if _, err := n.etcd.Revoke(ctx, s.Lease()); err != nil {
-			n.log.Warn("cluster: revoking the lease failed; its keys go when it expires", "node", n.cfg.Node, "err", err)
+	if n.last != clientv3.NoLease {
+		if err := n.revoke(n.last); err != nil {
+			n.log.Warn("cluster: revoking the lease failed; its keys go when it expires", "node", n.cfg.Node, "lease", fmt.Sprintf("%x", int64(n.last)), "err", err)
 		}
-		cancel()
 	}
 	n.tr.Close()
 	return n.etcd.Close()

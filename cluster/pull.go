@@ -99,6 +99,7 @@ func (n *Node) Pull(ctx context.Context, jobs []Job) (*Pull, error) {
 			p.total += j.Content.Size
 		}
 		g.dsts = append(g.dsts, j.Dst)
+		g.wanted++
 		p.jobs = append(p.jobs, g)
 	}
 	var held []*group
@@ -151,6 +152,36 @@ func (n *Node) Pull(ctx context.Context, jobs []Job) (*Pull, error) {
 
 // Done returns a channel closed when job i is complete.
 func (p *Pull) Done(i int) <-chan struct{} { return p.jobs[i].done }
+
+// Drop stops fetching job i's content once no other job of the pull
+// wants it (its destination is no longer wanted: the segment was
+// replaced or removed), and reports whether it did: its Done never
+// closes, the pull ends without it, and what it holds of the content is
+// served no more. False for a job complete or copied from this node. Call
+// it once per job.
+func (p *Pull) Drop(i int) bool {
+	g := p.jobs[i]
+	p.mu.Lock()
+	g.wanted--
+	drop := g.wanted == 0 && g.left > 0 && g.local == nil
+	if drop {
+		g.dropped = true
+		for j := range g.c.Pieces() {
+			if !g.have.has(j) {
+				_, size := g.c.PieceRange(j)
+				p.total -= size
+			}
+		}
+		p.left -= g.left
+		g.left = 0
+		p.signalLocked()
+	}
+	p.mu.Unlock()
+	if drop {
+		p.n.endPull(g.c.ID(), false)
+	}
+	return drop
+}
 
 // Wait waits for the pull to end and returns why it failed, if it did.
 func (p *Pull) Wait() error {
@@ -219,7 +250,7 @@ func (p *Pull) run() {
 	}
 	for _, g := range p.groups {
 		if g.local == nil {
-			p.n.endPull(g.c.ID(), g.left == 0)
+			p.n.endPull(g.c.ID(), g.left == 0 && !g.dropped)
 		}
 	}
 	err := p.err
@@ -298,7 +329,7 @@ func (p *Pull) next() (task, bool) {
 			return t, true
 		}
 		if p.inFlights == 0 && time.Since(p.lastStep) > p.n.cfg.NoHolderWait {
-			p.err = fmt.Errorf("cluster: pull: %w: %s", ErrNoHolder, p.missingLocked())
+			p.err = fmt.Errorf("cluster: pull: %w: %s; pull again once a node that holds it (its publisher, or one that pulled it) is up", ErrNoHolder, p.missingLocked())
 			p.cancel()
 			return task{}, false
 		}
@@ -319,7 +350,7 @@ func (p *Pull) next() (task, bool) {
 func (p *Pull) missingLocked() string {
 	for _, g := range p.groups {
 		for i := range g.c.Pieces() {
-			if !g.have.has(i) {
+			if !g.have.has(i) && !g.dropped {
 				var holders []string
 				for node, h := range g.holders {
 					if h.bits.has(i) {
@@ -346,6 +377,10 @@ func (p *Pull) fetch(t task) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	defer p.signalLocked()
+	if g.dropped {
+		o = cancelled // its destination may be gone: nothing of it counts
+		err = nil
+	}
 	if o == cancelled && err != nil {
 		p.err = cmpErr(p.err, fmt.Errorf("cluster: pull: writing piece %d of %.12s: %w", t.i, id, err))
 		p.cancel()

@@ -103,6 +103,8 @@ type group struct {
 	bad     map[int][]string    // peers that sent a bad copy of a piece
 	left    int                 // pieces missing
 	done    chan struct{}       // closed when complete
+	wanted  int                 // the jobs that want it, less those dropped (Pull.Drop)
+	dropped bool                // no job wants it any more: it is not fetched, nor done
 
 	// availLocked's: the holders that may be asked now (avail), and
 	// whether a piece this node lacks is held by seeds alone (seedOnly).

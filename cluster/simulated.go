@@ -99,3 +99,20 @@ func (s *Scheduler) Left() int { return s.s.left }
 
 // InFlight returns the number of fetches in flight.
 func (s *Scheduler) InFlight() int { return s.s.inFlights }
+
+// Wants reports whether piece of content i is neither held nor in flight.
+func (s *Scheduler) Wants(i, piece int) bool {
+	g := s.s.groups[i]
+	return !g.have.has(piece) && !g.busy[piece]
+}
+
+// Substitute has t, in flight, fetch piece of content i instead (its
+// holder sends another piece than the one asked for): the piece must be
+// one Wants.
+func (s *Scheduler) Substitute(t SimTask, i, piece int) SimTask {
+	delete(t.t.g.busy, t.t.i)
+	t.t.g, t.t.i = s.s.groups[i], piece
+	t.t.g.busy[piece] = true
+	t.Content, t.Piece = i, piece
+	return t
+}

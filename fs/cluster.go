@@ -874,17 +874,21 @@ func (fsys *filesystem) clusterAttrs(d *dirNode) []string {
 }
 
 // clusterStats is the "cluster" member of user.tensorfs.stats: this
-// node's name and piece server, and what it has moved since it joined;
-// nil without a cluster.
+// node's name and piece server, whether it is joined (and why not), and
+// what it has moved since it joined; nil without a cluster.
 func (fsys *filesystem) clusterStats() map[string]any {
 	if fsys.cl == nil {
 		return nil
 	}
 	n := fsys.cl.node
 	st := n.Stats()
-	return map[string]any{"node": n.Name(), "addr": n.Addr(), "pulled_segments": fsys.pulled.n.Load(),
+	m := map[string]any{"node": n.Name(), "addr": n.Addr(), "joined": true, "pulled_segments": fsys.pulled.n.Load(),
 		"pieces_served": st.PiecesServed, "bytes_served": st.BytesServed, "pieces_fetched": st.PiecesFetched,
 		"bytes_fetched": st.BytesFetched, "bad_pieces": st.BadPieces, "failed_fetches": st.FailedFetches}
+	if err := n.Joined(); err != nil {
+		m["joined"], m["not_joined"] = false, err.Error()
+	}
+	return m
 }
 
 // maxOpenDirs bounds the directories a version being made keeps open.

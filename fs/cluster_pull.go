@@ -7,8 +7,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"path"
+	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -28,6 +30,10 @@ type pullItem struct {
 	cid   string
 	size  int64
 	mtime unix.Timespec
+	// led is its content's leader, while it leads it (clusterFS.busy).
+	led *leader
+	// opener is set where an open waits for the segment (pulled.await).
+	opener bool
 }
 
 // leader is a content being pulled into one segment's file; the other
@@ -60,7 +66,8 @@ func (c *clusterFS) fetch(items []pullItem) ([]*fill, *cluster.Pull) {
 		case c.fsys.pulled.located(it.cid):
 			copies = append(copies, it)
 		default:
-			c.busy[it.cid] = &leader{}
+			it.led = &leader{}
+			c.busy[it.cid] = it.led
 			jobs = append(jobs, it)
 		}
 	}
@@ -75,7 +82,8 @@ func (c *clusterFS) fetch(items []pullItem) ([]*fill, *cluster.Pull) {
 		if l := c.busy[it.cid]; l != nil {
 			l.followers = append(l.followers, it)
 		} else {
-			c.busy[it.cid] = &leader{}
+			it.led = &leader{}
+			c.busy[it.cid] = it.led
 			jobs = append(jobs, it)
 		}
 		c.mu.Unlock()
@@ -99,9 +107,15 @@ func (it *pullItem) begin() (*fill, bool) {
 		close(f.done)
 		return f, false
 	case p.fill != nil:
+		if it.opener {
+			p.fill.openers++
+		}
 		return p.fill, false
 	}
 	p.fill = &fill{done: make(chan struct{})}
+	if it.opener {
+		p.fill.openers = 1
+	}
 	it.cid, it.size = p.cid, p.size
 	return p.fill, true
 }
@@ -147,6 +161,11 @@ func (c *clusterFS) pull(jobs []pullItem) *cluster.Pull {
 		close(ended)
 	}()
 	for i, it := range started {
+		it.seg.mu.Lock()
+		if it.seg.fill != nil {
+			it.seg.fill.drop = func() { c.dropFill(it, pl, i) }
+		}
+		it.seg.mu.Unlock()
 		go func() {
 			defer c.wg.Done()
 			var err error
@@ -158,6 +177,12 @@ func (c *clusterFS) pull(jobs []pullItem) *cluster.Pull {
 				default:
 					err = pullErr
 				}
+			}
+			if err == nil && !isDone(pl.Done(i)) {
+				// Dropped (dropFill): no longer its content's leader.
+				c.finish(it, errDropped)
+				c.fsys.pulled.pulling(it.cid, -1)
+				return
 			}
 			if err == nil {
 				if err = c.complete(it); err != nil {
@@ -174,6 +199,32 @@ func (c *clusterFS) pull(jobs []pullItem) *cluster.Pull {
 	return pl
 }
 
+// errDropped ends the fill of a segment released during its pull.
+var errDropped = errors.New("the segment was replaced or removed during its pull")
+
+// dropFill stops pulling it, job i of pl, whose segment was released (a
+// new version replaced it, or it was removed), unless other segments wait
+// for its content: from then on another pull of the content leads it.
+func (c *clusterFS) dropFill(it pullItem, pl *cluster.Pull, i int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.busy[it.cid] != it.led || len(it.led.followers) > 0 || !pl.Drop(i) {
+		return
+	}
+	delete(c.busy, it.cid)
+	c.fsys.log.Info("cluster: a segment replaced or removed is pulled no more", "content", it.cid)
+}
+
+// isDone reports whether ch is closed.
+func isDone(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
 // serveFilled has the cluster serve the content it filled from where its
 // segment lies (not from the file the pull wrote), and copy it from there.
 func (c *clusterFS) serveFilled(it pullItem) {
@@ -187,11 +238,16 @@ func (c *clusterFS) serveFilled(it pullItem) {
 }
 
 // lead finishes the leader it of its content with err, then its
-// followers: copied from a copy this mount holds, or failed with err.
+// followers: copied from a copy this mount holds, or failed with err. One
+// dropped meanwhile (dropFill) has none.
 func (c *clusterFS) lead(it pullItem, err error) {
 	c.mu.Lock()
 	l := c.busy[it.cid]
-	delete(c.busy, it.cid)
+	if l == it.led {
+		delete(c.busy, it.cid)
+	} else {
+		l = nil // another pull leads the content now
+	}
 	c.mu.Unlock()
 	c.finish(it, err)
 	if l == nil {
@@ -213,7 +269,9 @@ func (c *clusterFS) finish(it pullItem, err error) {
 	if err != nil {
 		it.f.Truncate(0)
 		it.restoreTimes()
-		c.fsys.log.Warn("cluster: pull failed", "content", it.cid, "err", err)
+		if err != errDropped {
+			c.fsys.log.Warn("cluster: pull failed", "content", it.cid, "err", err)
+		}
 	}
 	it.f.Close()
 	markDone(it, err)
@@ -327,22 +385,61 @@ func (c *clusterFS) contentOf(cid string) (*cluster.Content, error) {
 // every directory below and read every segment pulled, and is charged
 // the backing files a batch holds open (EMFILE past its share). A
 // directory published that the watch has not made here yet (a pull
-// right after a publish elsewhere) is made first.
+// right after a publish elsewhere) is made first. A version made here
+// meanwhile at, above or below dir (a publish that raced the pull) is
+// pulled too, its segments walked again, and what failed of the one it
+// replaced is no failure: the pull ends with dir's current version here.
 func (c *clusterFS) pullDir(who ctl.Cred, dir string) (int64, error) {
+	var bytes int64
+	for round := 1; ; round++ {
+		was := c.versionsAt(dir)
+		n, err := c.pullOnce(who, dir)
+		bytes += n
+		now := c.versionsAt(dir)
+		if maps.Equal(was, now) {
+			if err == nil {
+				c.fsys.log.Info("pulled", "dir", alloc.EscapeText(dir), "bytes", bytes, "uid", who.Uid)
+			}
+			return bytes, err
+		}
+		if round == maxPullRounds {
+			return bytes, fmt.Errorf("%w: %s got a new version in each of %d rounds of its pull; pull it again", unix.EAGAIN, alloc.EscapeText(dir), round)
+		}
+		c.fsys.log.Info("cluster: a new version was made here during a pull; pulling it", "dir", alloc.EscapeText(dir), "versions", now, "err", err)
+	}
+}
+
+// maxPullRounds bounds how often a pull walks its directory again for a
+// version made here while it ran.
+const maxPullRounds = 3
+
+// pullOnce pulls, for who, the pulled segments below dir not complete
+// here (pullDir).
+func (c *clusterFS) pullOnce(who ctl.Cred, dir string) (int64, error) {
 	targets, err := c.madeTargets(who, dir)
 	if errors.Is(err, unix.ENOENT) || errors.Is(err, cluster.ErrNotPublished) {
 		if err = c.catchUp(dir); err == nil {
 			targets, err = c.madeTargets(who, dir)
 		}
 	}
-	var bytes int64
-	if err == nil {
-		bytes, err = c.pullAll(who, dir, targets)
+	if err != nil {
+		return 0, err
 	}
-	if err == nil {
-		c.fsys.log.Info("pulled", "dir", alloc.EscapeText(dir), "segments", len(targets), "bytes", bytes, "uid", who.Uid)
+	return c.pullAll(who, dir, targets)
+}
+
+// versionsAt returns the versions made here of the published directories
+// at, above or below the directory dir, by directory.
+func (c *clusterFS) versionsAt(dir string) map[string]string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	at := map[string]string{}
+	for d, v := range c.made {
+		if d == dir || strings.HasPrefix(d, dir+"/") || strings.HasPrefix(dir, d+"/") {
+			at[d] = v.ID
+		}
 	}
-	return bytes, err
+	return at
 }
 
 // prefetch pulls, for who, every pulled segment below the directory dir
@@ -372,10 +469,10 @@ func (c *clusterFS) pullAll(who ctl.Cred, dir string, targets []pullTarget) (int
 		}
 		n, err := c.pullBatch(dir, batch)
 		c.fsys.handles.Give(who.Uid, int64(len(batch)))
+		bytes += n
 		if err != nil {
 			return bytes, err
 		}
-		bytes += n
 	}
 	return bytes, nil
 }
@@ -534,6 +631,9 @@ func (c *clusterFS) pullBatch(dir string, batch []pullTarget) (int64, error) {
 	var err error
 	for i, f := range fills {
 		<-f.done
+		if f.err == errDropped {
+			continue // no longer below dir: nothing to pull
+		}
 		if f.err != nil {
 			err = cmpErr(err, f.err)
 			continue

@@ -76,7 +76,8 @@ type devices struct {
 
 // maxCountersPerUID bounds the consumer counters the segments of one user
 // hold, a quarter of what the counters' tmpfs has room for, so that no
-// user can take every counter (gpu.OpenCounterDir).
+// user can take every counter (gpu.OpenCounterDir); all users together
+// hold at most gpu.MaxCounters, root's reserve included.
 const maxCountersPerUID = 4096
 
 // devSeg is one device segment.
@@ -156,7 +157,7 @@ func newDevices(dev gpu.Device, store *alloc.Store, l *ledger.Ledger, handles *l
 	capacity := int64(st.Blocks) * st.Bsize
 	d := &devices{dev: dev, limbo: gpu.NewLimbo(dev), counters: counters, log: log, segs: map[uint64]*devSeg{}, stop: make(chan struct{}), store: store, handles: handles,
 		owners: l.Row(ledger.Spec{Name: "GPU consumer counters", Unit: "counter",
-			PerUID: maxCountersPerUID, Total: 16 * maxCountersPerUID, Over: syscall.EMFILE, Full: syscall.ENFILE}),
+			PerUID: maxCountersPerUID, Total: gpu.MaxCounters, Over: syscall.EMFILE, Full: syscall.ENFILE}),
 		limboShare: l.Row(ledger.Spec{Name: "GPU device memory in limbo", Unit: "byte",
 			PerUID: capacity / 16, Total: capacity, Over: syscall.ENOSPC, Full: syscall.ENOSPC})}
 	if takeover {
@@ -863,7 +864,10 @@ func (seg *devSeg) refCounter() (string, error) {
 		return "", err
 	}
 	seg.counter, seg.counterUID = c, st.Uid
-	err = seg.followLocked()
+	err = c.Charge(st.Uid) // for a successor that finds it retired
+	if err == nil {
+		err = seg.followLocked()
+	}
 	if err == nil { // a successor finds the counter by the block's tag
 		err = seg.tag(seg.block, st.Uid, c.Name())
 	}

@@ -349,13 +349,19 @@ func (c *claims) ghost(t blockTag, ctr *gpu.Counter, err error) *devSeg {
 }
 
 // keepCounters removes the counter files of the predecessor's that no
-// segment adopted (counters, by name), or tried to.
+// segment adopted (counters, by name), or tried to; those a consumer
+// still holds, and the predecessor's retired ones, it keeps retired,
+// charged to the uid each was made for until nobody holds it.
 func (d *devices) keepCounters(counters map[string]adopted) {
 	keep := map[string]bool{}
 	for name, a := range counters {
 		keep[name] = a.c != nil || a.err != nil
 	}
-	if err := d.counters.RemoveUnadopted(keep); err != nil {
+	charge := func(uid uint32) func() {
+		d.owners.Add(uid, 1) // what the predecessor held, whatever the bound now
+		return d.giveCounter(uid)
+	}
+	if err := d.counters.RemoveUnadopted(keep, charge); err != nil {
 		d.log.Warn("takeover: the predecessor's unclaimed consumer counters not removed", "err", err)
 	}
 }

@@ -39,10 +39,14 @@ type pulled struct {
 }
 
 // fill is one segment's pull: done is closed when it ends, err says why
-// it failed.
+// it failed; drop, once its pull from the cluster runs, stops it unless
+// opens wait for it (openers). The segment's pulled.mu guards drop and
+// openers.
 type fill struct {
-	done chan struct{}
-	err  error
+	done    chan struct{}
+	err     error
+	drop    func()
+	openers int
 }
 
 // errPublished refuses a change to a published segment.
@@ -94,9 +98,19 @@ func (*pulled) mapped(m *alloc.Ref) (fileID, uint32, bool) {
 
 func (*pulled) handle(m *alloc.Ref) (string, error) { return os.Readlink(alloc.FdPath(m.Fd())) }
 
-// release forgets the segment; the cluster stops serving its content
-// once no segment of this node has it.
+// release forgets the segment, and stops its fill from the cluster if
+// one runs (nothing will read what it would write); the cluster stops
+// serving its content once no segment of this node has it.
 func (p *pulled) release() error {
+	p.mu.Lock()
+	var drop func()
+	if p.fill != nil && p.fill.openers == 0 { // an open of it waits for its bytes
+		drop = p.fill.drop
+	}
+	p.mu.Unlock()
+	if drop != nil {
+		drop()
+	}
 	p.set.forget(p)
 	return nil
 }
@@ -126,6 +140,9 @@ func (p *pulled) content() string {
 func (p *pulled) await(m *alloc.Ref) error {
 	p.mu.Lock()
 	complete, f := p.complete, p.fill
+	if f != nil {
+		f.openers++
+	}
 	p.mu.Unlock()
 	if complete {
 		return nil
@@ -139,7 +156,7 @@ func (p *pulled) await(m *alloc.Ref) error {
 		if err != nil {
 			return err
 		}
-		fills, _ := c.fetch([]pullItem{{seg: p, f: os.NewFile(uintptr(fd), "pull")}})
+		fills, _ := c.fetch([]pullItem{{seg: p, f: os.NewFile(uintptr(fd), "pull"), opener: true}})
 		f = fills[0]
 	}
 	<-f.done

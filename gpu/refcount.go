@@ -81,10 +81,17 @@ type retiredCounter struct {
 	fd       int    // the daemon's read-write descriptor
 	name     string // its name before it was removed, for warnings
 	released func() // Remove's; nil for none
+	// linked is its retired name in the directory, where a successor
+	// finds it; "" once unlinked.
+	linked string
 }
 
-// release closes the retired counter file and reports that it is gone.
-func (r retiredCounter) release() {
+// release closes the retired counter file, unlinking its retired name in
+// dir, and reports that it is gone.
+func (r retiredCounter) release(dir int) {
+	if r.linked != "" {
+		unix.Unlinkat(dir, r.linked, 0)
+	}
 	unix.Close(r.fd)
 	if r.released != nil {
 		r.released()
@@ -98,6 +105,10 @@ const (
 	// (root only): 64 MiB and 16384 inodes, so 16383 counters of a 4 KiB
 	// page each, and a reader who grows a counter can take no more.
 	counterFSOptions = "size=64m,nr_inodes=16384,mode=0711"
+	// MaxCounters is how many counters the counters' tmpfs holds: its
+	// inodes but its root's. The daemon's ledger bounds them below it, so
+	// that users who all reach their share meet ENFILE, never a full tmpfs.
+	MaxCounters = 16384 - 1
 	// counterFSSource names the tmpfs in /proc/mounts.
 	counterFSSource = "tensorfs-counters"
 )
@@ -197,17 +208,28 @@ func (d *CounterDir) Adopt(name string) (*Counter, error) {
 
 // RemoveUnadopted removes the counter files a predecessor left that no
 // segment of this daemon adopted: nothing they count protects memory any
-// more. New counters are numbered after the last it kept.
-func (d *CounterDir) RemoveUnadopted(adopted map[string]bool) error {
+// more. New counters are numbered after the last it kept. With charge
+// (a successor's), a file a reader still holds, open or mapped, is not
+// let go but kept retired, as Remove keeps one, under its retired name
+// (retiredPrefix), its reader's access taken away, charged (charge) to
+// the uid it was made for (Charge) until Sweep finds nobody holds it: the
+// predecessor's retired files among them, which it kept by that name. A
+// file unlinked while a reader held it would keep what she reserves
+// through it (up to the whole tmpfs) where no trim can put it back, and
+// charged to nobody.
+func (d *CounterDir) RemoveUnadopted(adopted map[string]bool, charge func(uid uint32) (released func())) error {
 	names, err := d.names()
 	if err != nil {
 		return err
 	}
 	for _, name := range names {
+		if n, err := strconv.ParseUint(strings.TrimPrefix(name, retiredPrefix), 10, 64); err == nil && n > d.last.Load() {
+			d.last.Store(n) // no new counter takes a kept one's name, or its retired name
+		}
 		if adopted[name] {
-			if n, err := strconv.ParseUint(name, 10, 64); err == nil && n > d.last.Load() {
-				d.last.Store(n)
-			}
+			continue
+		}
+		if charge != nil && d.keepRetired(name, charge) {
 			continue
 		}
 		if err := unix.Unlinkat(int(d.dir.Fd()), name, 0); err != nil && !errors.Is(err, unix.ENOENT) {
@@ -215,6 +237,75 @@ func (d *CounterDir) RemoveUnadopted(adopted map[string]bool) error {
 		}
 	}
 	return nil
+}
+
+// retiredPrefix starts the name under which a removed counter file that
+// a reader still holds stays in the directory (retire), so that a
+// successor finds it (RemoveUnadopted).
+const retiredPrefix = "r"
+
+// chargeXattr records, on a counter file of a root daemon, the uid whose
+// bound of counters it counts against (Charge), for a successor that
+// keeps it retired; trusted.*, which no reader can set or remove.
+const chargeXattr = "trusted.tensorfs.charge"
+
+// Charge records uid as the user the counter counts against, for a
+// successor that finds it retired (RemoveUnadopted). Only a root
+// daemon's counters, which a successor keeps, record it.
+func (c *Counter) Charge(uid uint32) error {
+	if c.dir.uid != 0 {
+		return nil
+	}
+	return unix.Fsetxattr(c.fd, chargeXattr, []byte(strconv.FormatUint(uint64(uid), 10)), 0)
+}
+
+// chargedUID returns the uid the counter file open at fd records
+// (Charge); the daemon's user (root) for none.
+func chargedUID(fd int) uint32 {
+	b := make([]byte, 16)
+	n, err := unix.Fgetxattr(fd, chargeXattr, b)
+	if err != nil {
+		return 0
+	}
+	uid, err := strconv.ParseUint(string(b[:n]), 10, 32)
+	if err != nil {
+		return 0
+	}
+	return uint32(uid)
+}
+
+// keepRetired keeps the predecessor's counter file name retired if a
+// reader still holds it (see RemoveUnadopted) and reports whether it did;
+// false, for the caller to remove it, if nobody does or it is not a
+// counter file of the daemon's.
+func (d *CounterDir) keepRetired(name string, charge func(uid uint32) (released func())) bool {
+	fd, err := unix.Openat(int(d.dir.Fd()), name, unix.O_RDWR|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return false
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Uid != d.uid {
+		unix.Close(fd)
+		return false
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed || !d.held(fd) {
+		unix.Close(fd)
+		return false
+	}
+	orig := strings.TrimPrefix(name, retiredPrefix)
+	r := retiredCounter{fd: fd, name: orig, linked: name}
+	if name == orig {
+		r.linked = retiredPrefix + name
+		if err := unix.Renameat2(int(d.dir.Fd()), name, int(d.dir.Fd()), r.linked, unix.RENAME_NOREPLACE); err != nil {
+			unix.Close(fd)
+			return false
+		}
+	}
+	r.released = charge(chargedUID(fd))
+	d.retired = append(d.retired, r)
+	return true
 }
 
 // openOwnDir opens the directory path, which must not be a symbolic link
@@ -286,7 +377,7 @@ func (d *CounterDir) reopen(path string) error {
 func (d *CounterDir) SetLog(log *slog.Logger) { d.log.Store(log) }
 
 // empty removes every counter in the directory.
-func (d *CounterDir) empty() error { return d.RemoveUnadopted(nil) }
+func (d *CounterDir) empty() error { return d.RemoveUnadopted(nil, nil) }
 
 // names lists the directory.
 func (d *CounterDir) names() ([]string, error) {
@@ -353,6 +444,9 @@ func (d *CounterDir) trim(retry func() error) error {
 	err = unix.ENOSPC
 	var cut, cutRemoved []string
 	for _, name := range names {
+		if strings.HasPrefix(name, retiredPrefix) {
+			continue // retired: through its descriptor, below
+		}
 		if d.putBack(name) {
 			cut = append(cut, name)
 			if errors.Is(err, unix.ENOSPC) {
@@ -462,7 +556,7 @@ func (d *CounterDir) Sweep() {
 	d.retired = kept
 	d.mu.Unlock()
 	for _, r := range free {
-		r.release()
+		r.release(int(d.dir.Fd()))
 	}
 }
 
@@ -505,7 +599,8 @@ func (d *CounterDir) RemoveAll() error {
 	err := d.empty()
 	d.mu.Unlock()
 	for _, r := range free {
-		r.release()
+		r.linked = "" // empty removed it
+		r.release(int(d.dir.Fd()))
 	}
 	if err != nil {
 		return err
@@ -641,29 +736,42 @@ func (c *Counter) apply(st *unix.Stat_t) error {
 // away, and calls released (unless nil) once nobody holds it open or
 // mapped: at once if nobody does, else from the Sweep that first finds
 // so, or from RemoveAll. Until then the CounterDir keeps the file open,
-// retired, and trim puts back what a reader reserves through it. Readers
-// who mapped it keep their mappings.
+// retired, under its retired name, where a successor finds and keeps it
+// (RemoveUnadopted), and trim puts back what a reader reserves through
+// it. Readers who mapped it keep their mappings.
 func (c *Counter) Remove(released func()) error {
-	err := unix.Unlinkat(int(c.dir.dir.Fd()), c.name, 0)
-	if errors.Is(err, unix.ENOENT) {
-		err = nil // RemoveAll came first
-	}
-	c.dir.retire(retiredCounter{c.fd, c.name, released})
+	err := c.dir.retire(retiredCounter{fd: c.fd, name: c.name, released: released})
 	c.fd = -1
 	return err
 }
 
-// retire keeps the removed counter file r while a reader holds it, and
-// lets it go otherwise.
-func (d *CounterDir) retire(r retiredCounter) {
+// retire removes the counter file r and keeps it while a reader holds
+// it: under its retired name (retiredPrefix), which a successor finds,
+// not unlinked, so that what a reader reserves through it can be put
+// back by this daemon and any after it. It lets it go otherwise.
+func (d *CounterDir) retire(r retiredCounter) error {
+	dir := int(d.dir.Fd())
 	d.mu.Lock()
-	if !d.closed && d.held(r.fd) {
+	if !d.closed && d.held(r.fd) { // held took every reader's access away
+		r.linked = retiredPrefix + r.name
+		err := unix.Renameat2(dir, r.name, dir, r.linked, unix.RENAME_NOREPLACE)
+		if err != nil {
+			r.linked = ""
+			if err = unix.Unlinkat(dir, r.name, 0); errors.Is(err, unix.ENOENT) {
+				err = nil // RemoveAll came first
+			}
+		}
 		d.retired = append(d.retired, r)
 		d.mu.Unlock()
-		return
+		return err
 	}
 	d.mu.Unlock()
-	r.release()
+	err := unix.Unlinkat(dir, r.name, 0)
+	if errors.Is(err, unix.ENOENT) {
+		err = nil // RemoveAll came first
+	}
+	r.release(dir)
+	return err
 }
 
 // POSIX access ACLs as the kernel takes them in the system.posix_acl_access

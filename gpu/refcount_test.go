@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -56,6 +57,12 @@ func TestCounters(t *testing.T) {
 	}
 	if names, _ := os.ReadDir(path); len(names) != 0 {
 		t.Errorf("counters of an earlier daemon left: %v", names)
+	}
+	// The tmpfs holds MaxCounters counters, what the daemon's ledger
+	// bounds all users' counters by.
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil || st.Files != MaxCounters+1 {
+		t.Errorf("the counters' tmpfs has %d inodes (%v), want MaxCounters+1 = %d", st.Files, err, MaxCounters+1)
 	}
 
 	a, err := d.New()
@@ -994,4 +1001,92 @@ func counterDir(t *testing.T) (*CounterDir, *syncBuffer) {
 	logs := &syncBuffer{}
 	d.SetLog(slog.New(slog.NewTextHandler(logs, nil)))
 	return d, logs
+}
+
+// TestCounterRetiredKeptBySuccessor: a removed counter file a reader
+// still holds stays in the directory under its retired name, and a
+// successor (KeepCounterDir, RemoveUnadopted with a charge) keeps it
+// retired, charged to the uid Charge recorded: what the reader reserves
+// through it after the handover New puts back, the successor's new
+// counters never take its name, and once the reader (and the
+// predecessor) let go, Sweep gives the charge back and removes the name.
+// So does an unadopted counter a reader holds. Before, a successor knew
+// nothing of the predecessor's retired files (unlinked) and unlinked the
+// unadopted ones: a reader filled the tmpfs through one for good.
+func TestCounterRetiredKeptBySuccessor(t *testing.T) {
+	needRoot(t)
+	d, logs := counterDir(t)
+	dir := d.dir.Name()
+	var held []*os.File
+	c2fd := -1
+	for i, uid := range []uint32{1000, 1001} {
+		c, err := d.New()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := c.Charge(uid); err != nil {
+			t.Fatal(err)
+		}
+		f, err := os.OpenFile(c.Path(), os.O_RDWR, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		held = append(held, f)
+		if i == 0 {
+			if err := c.Remove(nil); err != nil {
+				t.Fatal(err)
+			}
+		} else {
+			c2fd = c.fd // the predecessor's, until it exits
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, retiredPrefix+"1")); err != nil {
+		t.Fatalf("the removed counter a reader holds: %v, want it under its retired name", err)
+	}
+	// The predecessor's descriptors go, as at its exit.
+	for _, r := range d.retired {
+		unix.Close(r.fd)
+	}
+	d.retired = nil
+	succ, err := KeepCounterDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	succ.SetLog(slog.New(slog.NewTextHandler(logs, nil)))
+	charged := map[uint32]int{}
+	if err := succ.RemoveUnadopted(nil, func(uid uint32) func() {
+		charged[uid]++
+		return func() { charged[uid]-- }
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if charged[1000] != 1 || charged[1001] != 1 || len(succ.retired) != 2 {
+		t.Fatalf("the successor charged %v and keeps %d retired, want uids 1000 and 1001 once each, 2 kept", charged, len(succ.retired))
+	}
+	fdKeepSizeFill(t, int(held[0].Fd()))
+	c, err := succ.New()
+	if err != nil {
+		t.Fatalf("the successor's New with the tmpfs filled through a counter retired by its predecessor: %v\n%s", err, logs.String())
+	}
+	if c.Name() != "3" {
+		t.Errorf("the successor's new counter is %q, want 3, after the retired ones", c.Name())
+	}
+	defer c.Remove(nil)
+	for _, f := range held {
+		f.Close()
+	}
+	succ.Sweep()
+	if charged[1000] != 0 || charged[1001] != 1 {
+		t.Errorf("the predecessor holds 2: charged %v, want 1001's alone", charged)
+	}
+	unix.Close(c2fd) // the predecessor exits
+	succ.Sweep()
+	if charged[1000] != 0 || charged[1001] != 0 || len(succ.retired) != 0 {
+		t.Errorf("after the readers let go: charged %v, %d retired, want none", charged, len(succ.retired))
+	}
+	names, _ := succ.names()
+	if !slices.Equal(names, []string{"3"}) {
+		t.Errorf("counters left: %q, want only 3", names)
+	}
 }

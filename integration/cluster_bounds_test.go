@@ -37,12 +37,11 @@ func TestClusterBounds(t *testing.T) {
 	for _, mode := range []string{"passthrough", "classic"} {
 		t.Run(mode, func(t *testing.T) {
 			for k := 1; k <= 2; k++ {
-				tb.must("unmount", tb.node(k))
 				flags := slices.Clone(boundsFlags[k])
 				if mode == "classic" {
 					flags = append(flags, "--no-passthrough")
 				}
-				tb.mount(k, flags...)
+				tb.remount(k, flags...)
 				if got := mountMode(t, tb.node(k)); got != mode {
 					t.Fatalf("node%d serves in mode %q, want %q", k, got, mode)
 				}

@@ -142,26 +142,48 @@ func TestClusterLifecycle(t *testing.T) {
 		}
 	})
 
-	t.Run("pull whose daemon dies", func(t *testing.T) {
-		writeModel(t, filepath.Join(n1, "big"), 0, modelFile{"w", 32 << 20, 30})
-		v := versionOf(t, tb.must("publish", filepath.Join(n1, "big")))
-		dir := filepath.Join(n3, "big")
-		waitVersion(t, dir, v)
-		cmd := exec.Command(tb.env["TESTBED_TENSORFS"], "pull", dir)
-		var out strings.Builder
-		cmd.Stdout, cmd.Stderr = &out, &out
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		eventually(t, "node3's pull under way", func() (bool, string) {
-			a, err := readClusterAttr(dir)
-			return err == nil && a.Pull != nil, fmt.Sprintf("%+v %v", a, err)
-		})
-		tb.kill(3)
-		err := cmd.Wait()
-		tb.mount(3)
-		if err == nil || !strings.Contains(out.String(), "the daemon of "+n3+" is gone") || !strings.Contains(out.String(), "tensorfs mount") {
-			t.Errorf("pull whose daemon died: %v %q; want it to say the daemon of %s is gone and to mount it again", err, out.String(), n3)
+	t.Run("pull that races a publish", func(t *testing.T) { clusterPullRacesPublish(t, tb) })
+
+	// A pull whose daemon goes says what to do: run it again where a
+	// daemon serves the mount now (tensorfs restart: the successor), else
+	// mount it again first (its daemon and keeper killed); either way
+	// the pull run again completes.
+	t.Run("pull whose daemon goes", func(t *testing.T) {
+		for i, how := range []string{"restart", "kill"} {
+			name := fmt.Sprintf("big-%s", how)
+			want := writeModel(t, filepath.Join(n1, name), 0, modelFile{"w", 48 << 20, uint64(30 + i)})
+			v := versionOf(t, tb.must("publish", filepath.Join(n1, name)))
+			dir := filepath.Join(n3, name)
+			waitVersion(t, dir, v)
+			cmd := exec.Command(tb.env["TESTBED_TENSORFS"], "pull", dir)
+			var out strings.Builder
+			cmd.Stdout, cmd.Stderr = &out, &out
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			eventually(t, "node3's pull under way", func() (bool, string) {
+				a, err := readClusterAttr(dir)
+				return err == nil && a.Pull != nil, fmt.Sprintf("%+v %v", a, err)
+			})
+			says := []string{"run `tensorfs pull " + dir + "` again"}
+			if how == "restart" {
+				tb.must("restart", n3)
+				says = append(says, fmt.Sprintf("daemon %d serves it now", daemonPid(t, n3)))
+			} else {
+				tb.kill(3)
+				says = append(says, "the daemon of "+n3+" is gone", "tensorfs mount --cluster")
+			}
+			err := cmd.Wait()
+			if how == "kill" {
+				tb.mount(3)
+			}
+			for _, s := range says {
+				if err == nil || !strings.Contains(out.String(), s) {
+					t.Errorf("pull whose daemon went (%s): %v %q; want it to say %q", how, err, out.String(), s)
+				}
+			}
+			tb.must("pull", dir)
+			sameFiles(t, dir, want)
 		}
 	})
 }

@@ -86,6 +86,8 @@ func TestClusterServedByPath(t *testing.T) {
 	}
 	if out, err := tb.tensorfs(0, "pull", dir(n3, "one")); err == nil {
 		t.Errorf("node3 pulled x's content from node2, where it was renamed: %s", out)
+	} else if !strings.Contains(out, "no node holds the piece") || !strings.Contains(out, "pull again once a node that holds it") {
+		t.Errorf("node3's pull that no node can serve: %s; want it to say so and what to do", out)
 	}
 	if fi, err := os.Stat(dir(n3, "one/x")); err != nil || fi.Size() != 1<<20 {
 		t.Errorf("node3's unpulled x: %v %v; want its published size", fi, err)

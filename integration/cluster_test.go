@@ -154,6 +154,43 @@ func (tb *testbed) mount(k int, flags ...string) {
 	}
 }
 
+// remount unmounts node k, mounts it again with flags added to the test
+// bed's and waits until its new daemon has joined the cluster. The unmount
+// must have freed the node's name in etcd (its lease revoked), so that the
+// new daemon joins at once rather than once that lease expires.
+func (tb *testbed) remount(k int, flags ...string) {
+	tb.t.Helper()
+	tb.must("unmount", tb.node(k))
+	key := fmt.Sprintf("/tensorfs/nodes/node%d", k)
+	if lease, ok := tb.nodeKeys(k)[key]; ok {
+		tb.t.Errorf("node%d's unmount left its key %s in etcd, under lease %s", k, key, lease)
+	}
+	tb.mount(k, flags...)
+	tb.waitJoined(k)
+}
+
+// waitJoined waits until the daemon that serves node k has joined the
+// cluster, as its stats say: from then on a publish from it goes through.
+func (tb *testbed) waitJoined(k int) {
+	tb.t.Helper()
+	eventually(tb.t, fmt.Sprintf("node%d joins the cluster", k), func() (bool, string) {
+		var st struct {
+			Cluster struct {
+				Joined    bool
+				NotJoined string `json:"not_joined"`
+			}
+		}
+		raw, err := getxattr(tb.node(k), statsXattr)
+		if err == nil {
+			err = json.Unmarshal(raw, &st)
+		}
+		if err != nil {
+			return false, err.Error()
+		}
+		return st.Cluster.Joined, st.Cluster.NotJoined
+	})
+}
+
 // kill SIGKILLs node k's keeper, and so its daemon, and waits for the
 // daemon, as a crash.
 func (tb *testbed) kill(k int) {

@@ -659,8 +659,13 @@ func (m *mount) finish(t *testing.T, purge bool) {
 	select {
 	case <-m.exited:
 	case <-time.After(wait):
+		holders := holdersOn(fuseID, st.Dev)
 		t.Errorf("daemon %d still running %v after unmount; files on the mount held by: %s; its goroutines follow (SIGQUIT)",
-			m.pid, wait, strings.Join(holdersOn(fuseID, st.Dev), ", "))
+			m.pid, wait, strings.Join(holders, ", "))
+		if self := strconv.Itoa(os.Getpid()) + " "; slices.ContainsFunc(holders, func(h string) bool { return strings.HasPrefix(h, self) }) {
+			buf := make([]byte, 4<<20)
+			t.Logf("this test process holds it; its goroutines:\n%s", buf[:runtime.Stack(buf, true)])
+		}
 		m.cmd.Process.Signal(syscall.SIGQUIT)
 		select {
 		case <-m.exited:
@@ -950,7 +955,8 @@ func holdersOn(mnt int, dev uint64) []string {
 		fds, _ := os.ReadDir(dir + "/fdinfo")
 		for _, fd := range fds {
 			if b, _ := os.ReadFile(dir + "/fdinfo/" + fd.Name()); strings.Contains(string(b), mntLine) {
-				out = append(out, who+" fd "+fd.Name())
+				target, _ := os.Readlink(dir + "/fd/" + fd.Name())
+				out = append(out, who+" fd "+fd.Name()+" ("+target+")")
 			}
 		}
 		if b, _ := os.ReadFile(dir + "/maps"); strings.Contains(string(b), devField) {

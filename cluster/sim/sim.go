@@ -28,6 +28,10 @@
 //     (a uniform sample: each new one replaces a random one with the
 //     sample's share of those heard of), which send it their bitmaps and
 //     then a message per piece they get, over the transport (Latency).
+//   - With SuperSeed, the seeder sends each piece once before it sends
+//     any twice: asked for a piece, it sends the one it has sent least of
+//     those the asker lacks (the request carries the asker's bitmap), and
+//     the asker's scheduler takes it in place of the one it asked for.
 //   - A node that dies breaks the fetches it serves at once (the pullers
 //     see the peer unreachable and back off, as Pull does); its keys go
 //     LeaseTTL later, and every pulling node hears of it then.
@@ -76,6 +80,11 @@ type Config struct {
 	// Membership simulates etcd keeping membership only, pullers
 	// learning what holders have from them (see the package comment).
 	Membership bool
+	// SuperSeed has the seeder send each piece once before it sends any
+	// twice: asked for a piece, it sends instead the one it has sent
+	// least of those the asker lacks and has not in flight (the request
+	// carries the asker's bitmap), if it has sent it fewer times.
+	SuperSeed bool
 }
 
 // Defaults returns a configuration for n nodes: a 1 GiB model in 4 files
@@ -98,6 +107,7 @@ type Result struct {
 	Completed int           // nodes that pulled the whole model
 	Died      int           // nodes that died
 	Seeded    float64       // the seeder's upload, in models
+	Resent    int           // pieces the seeder sent again while it had not sent some piece yet
 	Failed    int64         // fetches that failed (their holder died)
 	Refused   int64         // fetches refused by a holder sending its MaxUploads
 	// etcd's load.
@@ -111,16 +121,21 @@ type Result struct {
 
 // String formats a result on one line.
 func (r Result) String() string {
-	return fmt.Sprintf("nodes %d (%s): done %v (slowest %v), %d complete, %d died; seeder sent %.2f models; %d failed fetches, %d refused; "+
+	return fmt.Sprintf("nodes %d (%s): done %v (slowest %v), %d complete, %d died; seeder sent %.2f models (%d pieces again before every piece once); %d failed fetches, %d refused; "+
 		"etcd: %d holder keys, %d txns, %d puts, %d watch events, %d keys read; %d transport messages",
-		r.Nodes, r.design(), r.Done.Round(time.Millisecond), r.Slowest.Round(time.Millisecond), r.Completed, r.Died, r.Seeded, r.Failed, r.Refused,
+		r.Nodes, r.design(), r.Done.Round(time.Millisecond), r.Slowest.Round(time.Millisecond), r.Completed, r.Died, r.Seeded, r.Resent, r.Failed, r.Refused,
 		r.HolderKeys, r.Txns, r.Puts, r.Events, r.Reads, r.Messages)
 }
 
-// design names what etcd keeps.
+// design names what etcd keeps, and whether the seeder super-seeds.
 func (c Config) design() string {
-	if c.Membership {
+	switch {
+	case c.Membership && c.SuperSeed:
+		return "membership, super-seeding"
+	case c.Membership:
 		return "membership"
+	case c.SuperSeed:
+		return "holder keys, super-seeding"
 	}
 	return "holder keys"
 }
@@ -147,17 +162,17 @@ func Table(one Result, rs []Result) string {
 
 // Sweep runs, all at once on the machine's CPUs, one node pulling alone
 // and each of sizes as it is, with churn (late and die: Config.Late and
-// Config.Die) and with Membership; it returns the lone node's result and
-// the others in that order.
+// Config.Die), with Membership, and with Membership and SuperSeed; it
+// returns the lone node's result and the others in that order.
 func Sweep(sizes []int, late, die float64) (Result, []Result) {
 	cfgs := []Config{Defaults(1)}
 	for _, n := range sizes {
-		for _, run := range []struct{ churn, membership bool }{{false, false}, {true, false}, {false, true}} {
+		for _, run := range []struct{ churn, membership, super bool }{{false, false, false}, {true, false, false}, {false, true, false}, {false, true, true}} {
 			cfg := Defaults(n)
 			if run.churn {
 				cfg.Late, cfg.Die = late, die
 			}
-			cfg.Membership = run.membership
+			cfg.Membership, cfg.SuperSeed = run.membership, run.super
 			cfgs = append(cfgs, cfg)
 		}
 	}
@@ -282,6 +297,8 @@ type world struct {
 	byName   map[string]*node
 	seeder   *node
 	holders  []map[*node][]byte // etcd's holder keys, per content
+	seeded   [][]int            // the seeder's sends of each piece, per content
+	unsent   int                // pieces the seeder has not sent yet
 	now      time.Duration
 	seq      int64
 	queue    events
@@ -298,8 +315,9 @@ func Run(cfg Config) Result {
 		w.contents = append(w.contents, c)
 		w.pieces += int((c.Size + c.PieceSize - 1) / c.PieceSize)
 		w.holders = append(w.holders, map[*node][]byte{})
+		w.seeded = append(w.seeded, make([]int, (c.Size+c.PieceSize-1)/c.PieceSize))
 	}
-	w.res.Pieces = w.pieces
+	w.res.Pieces, w.unsent = w.pieces, w.pieces
 	w.seeder = &node{name: "seeder", alive: true}
 	w.byName[w.seeder.name] = w.seeder
 	for i, c := range w.contents {
@@ -503,10 +521,55 @@ func (w *world) begin(f *flow) {
 		w.push(&event{at: w.now + w.cfg.Latency, kind: evRefused, f: f})
 		return
 	}
+	if f.from == w.seeder {
+		w.seed(f)
+	}
 	f.at = w.now
 	f.from.up = append(f.from.up, f)
 	f.to.down = append(f.to.down, f)
 	w.reshare(f.from, f.to)
+}
+
+// seed counts the seeder's send of f's piece, which with SuperSeed it
+// chose (superSeed).
+func (w *world) seed(f *flow) {
+	if w.cfg.SuperSeed {
+		w.superSeed(f)
+	}
+	sent := &w.seeded[f.t.Content][f.t.Piece]
+	switch {
+	case *sent == 0:
+		w.unsent--
+	case w.unsent > 0:
+		w.res.Resent++
+	}
+	*sent++
+}
+
+// superSeed has the seeder send, for f, the piece it has sent least of
+// those f's puller wants, ties at random, if it sent it fewer times than
+// the piece asked for (Config.SuperSeed).
+func (w *world) superSeed(f *flow) {
+	bc, bp, ties := f.t.Content, f.t.Piece, 0
+	least := w.seeded[bc][bp]
+	for c, sent := range w.seeded {
+		for p, k := range sent {
+			if k > least || !f.to.s.Wants(c, p) {
+				continue
+			}
+			if k < least {
+				least, ties = k, 0
+			}
+			if ties++; w.rng.IntN(ties) == 0 {
+				bc, bp = c, p
+			}
+		}
+	}
+	if bc != f.t.Content || bp != f.t.Piece {
+		f.t = f.to.s.Substitute(f.t, bc, bp)
+		_, f.size = pieceRange(w.contents[bc], bp)
+		f.left = float64(f.size)
+	}
 }
 
 // reshare sets the rates of the flows a's uplink and b's downlink carry.

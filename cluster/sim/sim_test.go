@@ -86,3 +86,31 @@ func TestSimDeterministicLinks(t *testing.T) {
 		t.Fatalf("a pull at half the seeder's rate: %v, want about %v", r.Done, want)
 	}
 }
+
+// TestSimSuperSeed runs the membership design with the seeder
+// super-seeding: it sends no piece twice while it has not sent every piece
+// once (without, it does, asked for pieces others hold by pullers that see
+// 32 of them), every node that does not die gets the model, and 32 nodes
+// get it sooner, the seeder sending no more.
+func TestSimSuperSeed(t *testing.T) {
+	for _, n := range []int{24, 32} {
+		cfg := Defaults(n)
+		cfg.Membership = true
+		if n == 24 {
+			cfg.Late, cfg.Die = 0.2, 0.1
+		}
+		plain := Run(cfg)
+		cfg.SuperSeed = true
+		r := Run(cfg)
+		t.Logf("%v\n%v", plain, r)
+		if r.Completed+r.Died != n || r.Completed == 0 {
+			t.Fatalf("%d nodes: %v; every node that did not die should complete", n, r)
+		}
+		if r.Resent != 0 || plain.Resent == 0 {
+			t.Errorf("%d nodes: the seeder sent %d pieces again before it had sent every piece once (%d without super-seeding); want 0 (and some)", n, r.Resent, plain.Resent)
+		}
+		if n == 32 && (r.Done >= plain.Done || r.Seeded > plain.Seeded) {
+			t.Errorf("%d nodes: super-seeding took %v and the seeder sent %.2f models; without, %v and %.2f", n, r.Done, r.Seeded, plain.Done, plain.Seeded)
+		}
+	}
+}

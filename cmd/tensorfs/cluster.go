@@ -56,22 +56,47 @@ func runDirOp(name, argsHelp string, args []string, stdout, stderr io.Writer, op
 			return 0
 		}
 	}
-	fmt.Fprintf(stderr, "tensorfs %s: %s\n", name, alloc.EscapeText(daemonGone(mount, set.Arg(0), err).Error()))
+	fmt.Fprintf(stderr, "tensorfs %s: %s\n", name, alloc.EscapeText(daemonGone(name, mount, set.Arg(0), err).Error()))
 	return 1
 }
 
-// daemonGone says what to do when err shows that the daemon of the
-// mount (at mount, "" if unknown) holding dir is gone; other errors are
-// returned as they are.
-func daemonGone(mount, dir string, err error) error {
+// daemonGone says what to do when err shows that the daemon of the mount
+// (at mount, "" if unknown) holding dir went away during `tensorfs name
+// dir`: run it again where a daemon serves the mount now (a restart's, or
+// one its keeper started after a crash), else mount it again first. Other
+// errors are returned as they are.
+func daemonGone(name, mount, dir string, err error) error {
 	if !errors.Is(err, ctl.ErrDaemonGone) && !errors.Is(err, syscall.ECONNREFUSED) && !errors.Is(err, syscall.ENOTCONN) &&
 		!errors.Is(err, syscall.ECONNRESET) && !errors.Is(err, syscall.EPIPE) {
 		return err
 	}
+	again := fmt.Sprintf("`tensorfs %s %s`", name, dir)
 	if mount == "" {
-		mount = "the mount holding " + dir
+		return fmt.Errorf("the daemon of the mount holding %s is gone (%w): mount it again with the flags it had (`tensorfs mount --cluster ... MOUNTPOINT`, which cleans up the dead mount), then run %s again", dir, err, again)
 	}
-	return fmt.Errorf("the daemon of %s is gone (%w): unmount it and mount it again with `tensorfs mount` (README: \"Mounting\")", mount, err)
+	if pid := servingPid(mount); pid != 0 {
+		return fmt.Errorf("the daemon of %s went away (%w); daemon %d serves it now (a restart, or its keeper's after a crash): run %s again", mount, err, pid, again)
+	}
+	return fmt.Errorf("the daemon of %s is gone (%w) and nothing serves the mount: mount it again with the flags it had (`tensorfs mount --cluster ... %s`, which cleans up the dead mount), then run %s again", mount, err, mount, again)
+}
+
+// servingPid returns the pid of the daemon that answers on the control
+// socket of the mount at mount, 0 if none does.
+func servingPid(mount string) int {
+	sock, ok, _ := alloc.GetXattr(mount, alloc.AttrSocket)
+	if !ok {
+		return 0
+	}
+	c, err := ctl.Dial(string(sock))
+	if err != nil {
+		return 0
+	}
+	defer c.Close()
+	cred, err := c.Peer()
+	if err != nil {
+		return 0
+	}
+	return int(cred.Pid)
 }
 
 func runPull(args []string, stdout, stderr io.Writer) int {
@@ -86,7 +111,7 @@ func runPull(args []string, stdout, stderr io.Writer) int {
 	dir := set.Arg(0)
 	c, mount, rel, err := dialFor(dir)
 	if err != nil {
-		fmt.Fprintf(stderr, "tensorfs pull: %s\n", alloc.EscapeText(daemonGone(mount, dir, err).Error()))
+		fmt.Fprintf(stderr, "tensorfs pull: %s\n", alloc.EscapeText(daemonGone("pull", mount, dir, err).Error()))
 		return 1
 	}
 	defer c.Close()
@@ -103,7 +128,7 @@ func runPull(args []string, stdout, stderr io.Writer) int {
 	close(stop)
 	<-drawn
 	if err != nil {
-		fmt.Fprintf(stderr, "tensorfs pull: %s\n", alloc.EscapeText(daemonGone(mount, dir, err).Error()))
+		fmt.Fprintf(stderr, "tensorfs pull: %s\n", alloc.EscapeText(daemonGone("pull", mount, dir, err).Error()))
 		return 1
 	}
 	secs := time.Since(start).Seconds()

@@ -33,8 +33,9 @@ type mountStats struct {
 	Limbo    struct{ Bytes int64 } `json:"limbo"`
 	Requests map[string]int64      `json:"requests"`
 	Cluster  *struct {
-		Node string `json:"node"`
-		Addr string `json:"addr"`
+		Node      string `json:"node"`
+		Addr      string `json:"addr"`
+		NotJoined string `json:"not_joined"` // why the node is not joined, if it is not
 	} `json:"cluster"`
 	Daemon struct {
 		Pid      int   `json:"pid"`
@@ -172,6 +173,9 @@ func writeStatusTable(w io.Writer, reports []statusReport) {
 		cluster := "-"
 		if s.Cluster != nil {
 			cluster = s.Cluster.Node + " (" + s.Cluster.Addr + ")"
+			if s.Cluster.NotJoined != "" {
+				cluster += " not joined"
+			}
 		}
 		version := r.Version
 		if version == "" {

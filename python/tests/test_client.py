@@ -245,16 +245,21 @@ def sample_torch(dtype, shape=(3, 5)):
     return a.to(dt)
 
 
-class _ClientTests:
-    MODE = None
+class MountedTests:
+    """One mount for the test class (MODE, with ARGS) and, for each test, a
+    fresh directory on it (self.dir); the class is unavailable without the
+    modules it NEEDS."""
+
+    MODE = "passthrough"
+    ARGS = ()
+    NEEDS = ("torch",)
 
     @classmethod
     def setUpClass(cls):
-        if np is None:
-            unavailable("/usr/bin/python3 has no numpy (apt-get install python3-numpy)")
-        if torch is None:
-            unavailable("/usr/bin/python3 has no torch (apt-get install python3-torch)")
-        cls.mount = Mount(cls.MODE)
+        for name in cls.NEEDS:
+            if {"numpy": np, "torch": torch}[name] is None:
+                unavailable("/usr/bin/python3 has no %s (apt-get install python3-%s)" % (name, name))
+        cls.mount = Mount(cls.MODE, cls.ARGS)
 
     @classmethod
     def tearDownClass(cls):
@@ -264,6 +269,13 @@ class _ClientTests:
 
     def setUp(self):
         self.dir = tempfile.mkdtemp(dir=self.mount.dir, prefix=self._testMethodName + "-")
+
+
+class _ClientTests(MountedTests):
+    NEEDS = ("numpy", "torch")
+
+    def setUp(self):
+        super().setUp()
         self._strategy = torch_mp.get_sharing_strategy()
 
     def tearDown(self):

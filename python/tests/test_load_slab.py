@@ -5,10 +5,9 @@ Run: cd python && PYTHONPATH=$PWD /usr/bin/python3 -m unittest discover -s tests
 
 import gc
 import os
-import tempfile
 import unittest
 
-from test_client import Mount, torch, unavailable
+from test_client import MountedTests, torch
 
 import tensorfs
 from tensorfs import _torch as tfs_torch
@@ -33,23 +32,7 @@ def mapped(addr):
     return False
 
 
-class _SlabTests:
-    MODE = None
-
-    @classmethod
-    def setUpClass(cls):
-        if torch is None:
-            unavailable("/usr/bin/python3 has no torch (apt-get install python3-torch)")
-        cls.mount = Mount(cls.MODE)
-
-    @classmethod
-    def tearDownClass(cls):
-        problems = cls.mount.close()
-        if problems:
-            raise AssertionError("\n".join(problems))
-
-    def setUp(self):
-        self.dir = tempfile.mkdtemp(dir=self.mount.dir, prefix=self._testMethodName + "-")
+class _SlabTests(MountedTests):
 
     def save(self):
         """A state dict of small segments (sizes not whole pages) and one past the slab's bound."""

@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 import unittest
 
-from test_client import Mount, binary, torch, unavailable
+from test_client import MountedTests, binary, torch
 
 import tensorfs
 
@@ -39,21 +39,9 @@ if torch is not None:
             return self.lm_head(x)
 
 
-class TestMetaAndTies(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        if torch is None:
-            unavailable("/usr/bin/python3 has no torch (apt-get install python3-torch)")
-        cls.mount = Mount("passthrough")
-
-    @classmethod
-    def tearDownClass(cls):
-        problems = cls.mount.close()
-        if problems:
-            raise AssertionError("\n".join(problems))
-
+class TestMetaAndTies(MountedTests, unittest.TestCase):
     def setUp(self):
-        self.dir = tempfile.mkdtemp(dir=self.mount.dir, prefix=self._testMethodName + "-")
+        super().setUp()
         torch.manual_seed(0)
         self.src = HFStyle()
         self.model = os.path.join(self.dir, "model")

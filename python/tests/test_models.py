@@ -16,7 +16,7 @@ import textwrap
 import unittest
 import warnings
 
-from test_client import PYDIR, TIMEOUT, Mount, binary, np, torch, unavailable
+from test_client import PYDIR, TIMEOUT, Mount, MountedTests, binary, np, torch, unavailable
 
 import tensorfs
 
@@ -46,23 +46,7 @@ def pss(pid):
     raise AssertionError("no Pss for %d" % pid)
 
 
-class _ModelTests:
-    MODE = None
-
-    @classmethod
-    def setUpClass(cls):
-        if torch is None:
-            unavailable("/usr/bin/python3 has no torch (apt-get install python3-torch)")
-        cls.mount = Mount(cls.MODE)
-
-    @classmethod
-    def tearDownClass(cls):
-        problems = cls.mount.close()
-        if problems:
-            raise AssertionError("\n".join(problems))
-
-    def setUp(self):
-        self.dir = tempfile.mkdtemp(dir=self.mount.dir, prefix=self._testMethodName + "-")
+class _ModelTests(MountedTests):
 
     def path(self, *names):
         return os.path.join(self.dir, *names)

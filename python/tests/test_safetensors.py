@@ -16,7 +16,7 @@ import tempfile
 import unittest
 import warnings
 
-from test_client import PYDIR, REPO, TIMEOUT, Mount, binary, np, unavailable
+from test_client import PYDIR, REPO, TIMEOUT, MountedTests, binary, np, unavailable
 
 import tensorfs
 from tensorfs import safetensors as st
@@ -93,22 +93,18 @@ class TestSafetensorsOffline(unittest.TestCase):
                 st.parse_header(header, size)
 
 
-class _SafetensorsTests:
-    MODE = None
+class _SafetensorsTests(MountedTests):
+    NEEDS = ("numpy",)
 
     @classmethod
     def setUpClass(cls):
-        if np is None:
-            unavailable("/usr/bin/python3 has no numpy (apt-get install python3-numpy)")
-        cls.mount = Mount(cls.MODE)
+        super().setUpClass()
         cls.tmp = tempfile.mkdtemp(prefix="tensorfs-st-")
 
     @classmethod
     def tearDownClass(cls):
         shutil.rmtree(cls.tmp, ignore_errors=True)
-        problems = cls.mount.close()
-        if problems:
-            raise AssertionError("\n".join(problems))
+        super().tearDownClass()
 
     def file(self, name, data):
         p = os.path.join(self.tmp, name)

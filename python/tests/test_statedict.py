@@ -12,7 +12,7 @@ import textwrap
 import unittest
 import warnings
 
-from test_client import PYDIR, TIMEOUT, Mount, torch, unavailable
+from test_client import PYDIR, TIMEOUT, MountedTests, torch, unavailable
 
 import tensorfs
 
@@ -25,23 +25,7 @@ def requests(mount):
     return json.loads(os.getxattr(mount, "user.tensorfs.stats"))["requests"]
 
 
-class _StateDictTests:
-    MODE = None
-
-    @classmethod
-    def setUpClass(cls):
-        if torch is None:
-            unavailable("/usr/bin/python3 has no torch (apt-get install python3-torch)")
-        cls.mount = Mount(cls.MODE)
-
-    @classmethod
-    def tearDownClass(cls):
-        problems = cls.mount.close()
-        if problems:
-            raise AssertionError("\n".join(problems))
-
-    def setUp(self):
-        self.dir = tempfile.mkdtemp(dir=self.mount.dir, prefix=self._testMethodName + "-")
+class _StateDictTests(MountedTests):
 
     def sample(self):
         return {
@@ -249,21 +233,15 @@ except OSError as e:
 """
 
 
-class TestLoadPermissions(unittest.TestCase):
+class TestLoadPermissions(MountedTests, unittest.TestCase):
     """load_state_dict as another uid on an --allow-other mount: open(2)'s rules."""
+
+    ARGS = ("--allow-other",)
 
     @classmethod
     def setUpClass(cls):
-        if torch is None:
-            unavailable("/usr/bin/python3 has no torch (apt-get install python3-torch)")
-        cls.mount = Mount("passthrough", ["--allow-other"])
+        super().setUpClass()
         os.chmod(cls.mount.tmp, 0o755)
-
-    @classmethod
-    def tearDownClass(cls):
-        problems = cls.mount.close()
-        if problems:
-            raise AssertionError("\n".join(problems))
 
     def as_nobody(self, d, mode="r"):
         r = subprocess.run([sys.executable, "-c", LOAD_AS_USER, d, mode], capture_output=True, text=True,
