@@ -72,6 +72,11 @@ type devices struct {
 	// orphans are, in a successor until Adopt has run, the removed
 	// segments that open handles hold, by backing inode (claims.orphan).
 	orphans map[uint64]*devSeg
+	// adopted are, in a successor that claimed the device until it
+	// serves, the counter files it adopted, by name: settle removes the
+	// predecessor's others then (keepCounters), so that a successor that
+	// fails changes none.
+	adopted map[string]adopted
 }
 
 // maxCountersPerUID bounds the consumer counters the segments of one user

@@ -37,7 +37,7 @@ func (fsys *filesystem) claimDevices(orphans map[uint64]int) {
 	s, ok := d.dev.(gpu.Survivor)
 	if !ok {
 		d.restoreAll(files)
-		d.keepCounters(nil)
+		d.adopted = map[string]adopted{}
 		fsys.unrestore(removed, fmt.Errorf("%w: the GPU helper's blocks were not taken over", gpu.ErrUnavailable))
 		return
 	}
@@ -71,15 +71,20 @@ func (fsys *filesystem) claimDevices(orphans map[uint64]int) {
 		}
 	}
 	freed := c.rest(blocks)
-	d.keepCounters(c.counters)
+	d.adopted = c.counters // settle keeps them
 	d.log.Info("takeover: device segments claimed their blocks of the GPU helper", "claimed", len(restored), "restored", len(lost), "limbo", len(blocks)-freed, "freed", freed)
 }
 
 // settle ends the GPU helper's sessions of other daemons, once this one
-// serves the mount it took over: until then a predecessor whose successor
-// fails gets the device back.
+// serves the mount it took over, and removes the predecessor's counter
+// files no segment adopted (keepCounters): until then a predecessor whose
+// successor fails gets the device and its counters back.
 func (d *devices) settle() {
 	d.taking = false
+	if d.adopted != nil {
+		d.keepCounters(d.adopted)
+		d.adopted = nil
+	}
 	if s, ok := d.dev.(gpu.Survivor); ok {
 		if err := s.Settle(); err != nil {
 			d.log.Warn("takeover: the predecessor's session of the GPU helper not ended", "err", err)
