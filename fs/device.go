@@ -32,6 +32,14 @@ type devices struct {
 	// stop ends the limbo collector (spill closes it); wg waits for it.
 	stop chan struct{}
 	wg   sync.WaitGroup
+	// collectMu is held by the limbo collector while it collects; held
+	// says a handover holds it off (holdCollects).
+	collectMu sync.Mutex
+	held      bool
+	// taking is true in a successor until it serves the mount (settle):
+	// the blocks, counters and backing files are its predecessor's too,
+	// so a successor that fails spills nothing and removes no counter.
+	taking bool
 
 	// mu protects segs, every device segment by backing inode number.
 	mu   sync.Mutex
@@ -61,6 +69,14 @@ type devices struct {
 	// pending are the backing files of the device segments a successor
 	// restores once it has taken the mount over (claimDevices).
 	pending []*os.File
+	// orphans are, in a successor until Adopt has run, the removed
+	// segments that open handles hold, by backing inode (claims.orphan).
+	orphans map[uint64]*devSeg
+	// adopted are, in a successor that claimed the device until it
+	// serves, the counter files it adopted, by name: settle removes the
+	// predecessor's others then (keepCounters), so that a successor that
+	// fails changes none.
+	adopted map[string]adopted
 }
 
 // maxCountersPerUID bounds the consumer counters the segments of one user
@@ -150,7 +166,7 @@ func newDevices(dev gpu.Device, store *alloc.Store, l *ledger.Ledger, handles *l
 		limboShare: l.Row(ledger.Spec{Name: "GPU device memory in limbo", Unit: "byte",
 			PerUID: capacity / 16, Total: capacity, Over: syscall.ENOSPC, Full: syscall.ENOSPC})}
 	if takeover {
-		d.pending = restore
+		d.pending, d.taking = restore, true
 	} else {
 		d.restoreAll(restore)
 		d.startCollecting()
@@ -259,7 +275,9 @@ func (d *devices) segment(m *alloc.Ref) (*devSeg, error) {
 
 // drop removes a segment whose last name went: its memory goes to limbo,
 // where open handles keep reading and writing it until the last closes
-// and no consumer counter refers to it.
+// and no consumer counter refers to it. Its backing file stays open until
+// then too: it records the block, for a successor that takes the handles
+// over (claims.orphan).
 func (d *devices) drop(seg *devSeg) {
 	d.mu.Lock()
 	if d.segs[seg.ino] != seg {
@@ -283,9 +301,9 @@ func (d *devices) drop(seg *devSeg) {
 	if err := seg.reserve(0); err != nil {
 		d.log.Warn("backing space set aside for a device segment not given back", "file", seg.backing.Name(), "err", err)
 	}
-	seg.backing.Close()
-	seg.backing = nil
-	d.handles.Give(seg.uid, 1)
+	if seg.opens.Load() == 0 {
+		seg.closeBacking()
+	}
 	seg.cmu.Lock()
 	seg.removeCounterLocked()
 	seg.cmu.Unlock()
@@ -301,20 +319,41 @@ func (d *devices) collect() {
 	for {
 		select {
 		case <-tick.C:
-			d.limbo.Collect()
-			d.counters.Sweep()
+			d.collectMu.Lock()
+			if !d.held {
+				d.limbo.Collect()
+				d.counters.Sweep()
+			}
+			d.collectMu.Unlock()
 		case <-d.stop:
 			return
 		}
 	}
 }
 
+// holdCollects holds the limbo collector off (hold) or lets it go on:
+// while a successor claims the GPU helper, this daemon's frees are
+// refused, and a block a refused free dropped from its limbo would stay
+// allocated should the successor fail.
+func (d *devices) holdCollects(hold bool) {
+	d.collectMu.Lock()
+	d.held = hold
+	d.collectMu.Unlock()
+}
+
 // spill copies every device segment into its backing file, for the next
 // mount to restore, stops the limbo collector and releases the device
-// and the counters.
+// and the counters. A successor that failed before it served (taking)
+// only ends its session of the GPU helper, which serves its predecessor
+// again: the segments, their backing files and counters are the
+// predecessor's.
 func (d *devices) spill() {
 	close(d.stop)
 	d.wg.Wait()
+	if d.taking {
+		d.dev.Close()
+		return
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for _, seg := range d.segs {
@@ -874,9 +913,38 @@ func (seg *devSeg) followAccess() {
 // opened and closed count the segment's open handles.
 func (seg *devSeg) opened() { seg.opens.Add(1) }
 
+// closed closes a removed segment's backing file at its last close.
 func (seg *devSeg) closed() {
-	seg.opens.Add(-1)
+	if seg.opens.Add(-1) == 0 {
+		seg.mu.Lock()
+		if seg.removed && seg.opens.Load() == 0 {
+			seg.closeBacking()
+		}
+		seg.mu.Unlock()
+	}
 	seg.d.limbo.Collect()
+}
+
+// closeBacking closes the backing file, if still open, and gives its
+// descriptor back to its owner's budget; mu is held.
+func (seg *devSeg) closeBacking() {
+	if seg.backing == nil {
+		return
+	}
+	seg.backing.Close()
+	seg.backing = nil
+	seg.d.handles.Give(seg.uid, 1)
+}
+
+// backingRef returns a reference to the backing file while it is open (a
+// removed segment's, while handles hold it).
+func (seg *devSeg) backingRef() (*alloc.Ref, error) {
+	seg.mu.Lock()
+	defer seg.mu.Unlock()
+	if seg.backing == nil {
+		return nil, fmt.Errorf("%w: the segment's attributes went with its last name", syscall.ENOENT)
+	}
+	return alloc.OpenRef(int(seg.backing.Fd()), "", 0)
 }
 
 // export returns a POSIX descriptor of the segment's device memory, for

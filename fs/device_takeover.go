@@ -7,6 +7,7 @@ import (
 	"maps"
 	"os"
 	"slices"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -21,24 +22,29 @@ import (
 // block with its bytes, IPC handle and consumer counter, as the backing
 // file records it (alloc.DeviceState.Block) and the block's tag confirms
 // (blockTag).
-// A segment whose block is gone is restored as after a crash. Blocks no
-// segment holds wait in limbo while their counter holds them (charged to
-// the uid their tag names); the rest are freed, in one log line. A claim
-// that fails leaves every device segment EIO, in one log line.
-func (fsys *filesystem) claimDevices() {
+// A segment whose block is gone is restored as after a crash. A removed
+// segment that open handles hold (orphans: its backing file handed over,
+// by node ID) takes its block back too, in limbo until its last close
+// (claims.orphan); one whose block is gone fails, EIO. Blocks no segment
+// holds wait in limbo while their counter holds them (charged to the uid
+// their tag names); the rest are freed, in one log line. A claim that
+// fails leaves every device segment EIO, in one log line.
+func (fsys *filesystem) claimDevices(orphans map[uint64]int) {
 	d := fsys.gpu
 	files := d.pending
 	d.pending = nil
+	removed := d.deviceOrphans(orphans)
 	s, ok := d.dev.(gpu.Survivor)
 	if !ok {
 		d.restoreAll(files)
-		d.keepCounters(nil)
+		d.adopted = map[string]adopted{}
+		fsys.unrestore(removed, fmt.Errorf("%w: the GPU helper's blocks were not taken over", gpu.ErrUnavailable))
 		return
 	}
 	owned, err := s.Claim()
 	if err != nil {
 		d.log.Error("takeover: the GPU helper's blocks could not be claimed; device segments fail (EIO)", "err", err)
-		fsys.unrestore(files, fmt.Errorf("%w: the GPU helper was lost in the handover: %v", gpu.ErrUnavailable, err))
+		fsys.unrestore(append(files, removed...), fmt.Errorf("%w: the GPU helper was lost in the handover: %v", gpu.ErrUnavailable, err))
 		return
 	}
 	blocks := map[uint64]gpu.Owned{}
@@ -58,15 +64,27 @@ func (fsys *filesystem) claimDevices() {
 		}
 	}
 	d.restoreAll(lost)
+	for _, f := range removed {
+		if err := c.orphan(f, blocks); err != nil {
+			d.log.Warn("takeover: a removed device segment that open handles hold lost its device memory; they fail (EIO)", "node", f.Name(), "err", err)
+			fsys.unrestore([]*os.File{f}, fmt.Errorf("%w: the segment's device memory was lost in the handover: %v", gpu.ErrUnavailable, err))
+		}
+	}
 	freed := c.rest(blocks)
-	d.keepCounters(c.counters)
+	d.adopted = c.counters // settle keeps them
 	d.log.Info("takeover: device segments claimed their blocks of the GPU helper", "claimed", len(restored), "restored", len(lost), "limbo", len(blocks)-freed, "freed", freed)
 }
 
 // settle ends the GPU helper's sessions of other daemons, once this one
-// serves the mount it took over: until then a predecessor whose successor
-// fails gets the device back.
+// serves the mount it took over, and removes the predecessor's counter
+// files no segment adopted (keepCounters): until then a predecessor whose
+// successor fails gets the device and its counters back.
 func (d *devices) settle() {
+	d.taking = false
+	if d.adopted != nil {
+		d.keepCounters(d.adopted)
+		d.adopted = nil
+	}
 	if s, ok := d.dev.(gpu.Survivor); ok {
 		if err := s.Settle(); err != nil {
 			d.log.Warn("takeover: the predecessor's session of the GPU helper not ended", "err", err)
@@ -86,20 +104,67 @@ type claims struct {
 // block of blocks, which it takes out; false, f kept, if it has none.
 func (c *claims) segment(f *os.File, blocks map[uint64]gpu.Owned) (bool, error) {
 	d := c.d
+	seg, err := c.claim(f, blocks)
+	if seg == nil {
+		return false, err
+	}
+	if err := seg.reserve(gpu.DeviceBytes(d.dev, seg.block.Size)); err != nil {
+		d.log.Warn("device segment taken over without backing space for its next spill: a clean unmount may lose it", "path", f.Name(), "err", err)
+	}
+	d.mu.Lock()
+	d.segs[seg.ino] = seg
+	d.mu.Unlock()
+	seg.followAccess()
+	return true, nil
+}
+
+// orphan takes over the removed device segment whose backing file is f,
+// which open handles hold, with its block of blocks: the block waits in
+// limbo, as drop left it, until the last handle closes and its counter,
+// if any, is zero; the backing file is kept until that last close, for
+// the next successor. Adopt finds the segment by its node ID (orphan).
+func (c *claims) orphan(f *os.File, blocks map[uint64]gpu.Owned) error {
+	seg, err := c.claim(f, blocks)
+	if seg == nil {
+		if err == nil {
+			err = errors.New("the GPU helper has no block for it")
+		}
+		return err
+	}
+	d := c.d
+	seg.mu.Lock()
+	seg.cmu.Lock()
+	seg.removed = true
+	seg.cmu.Unlock()
+	seg.retire(seg.block)
+	seg.mu.Unlock()
+	d.mu.Lock()
+	if d.orphans == nil {
+		d.orphans = map[uint64]*devSeg{}
+	}
+	d.orphans[seg.ino] = seg
+	d.mu.Unlock()
+	return nil
+}
+
+// claim makes the device segment whose backing file is f, with its block
+// of blocks, which it takes out, and charges its backing file to its
+// owner; nil, f kept, if it has none.
+func (c *claims) claim(f *os.File, blocks map[uint64]gpu.Owned) (*devSeg, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return false, err
+		return nil, err
 	}
 	ds, err := alloc.ReadDeviceState(alloc.FdPath(int(f.Fd())))
 	if err != nil {
-		return false, err
+		return nil, err
 	}
 	o, t, ok := segmentBlock(blocks, st.Ino, ds)
 	if !ok {
-		return false, nil
+		return nil, nil
 	}
 	delete(blocks, o.Block.ID)
-	seg := &devSeg{d: d, ino: st.Ino, block: o.Block, exportable: o.Exportable, backing: f, uid: st.Uid, limboUID: t.UID,
+	seg := &devSeg{d: c.d, ino: st.Ino, block: o.Block, exportable: o.Exportable, backing: f, uid: st.Uid, limboUID: t.UID,
 		reserved: st.Blocks * 512}
 	// Whether its handle left the predecessor is not known: as if it did.
 	seg.handedOut = true
@@ -109,15 +174,54 @@ func (c *claims) segment(f *os.File, blocks map[uint64]gpu.Owned) (bool, error) 
 			seg.counterUID = t.UID
 		}
 	}
-	if err := seg.reserve(gpu.DeviceBytes(d.dev, o.Block.Size)); err != nil {
-		d.log.Warn("device segment taken over without backing space for its next spill: a clean unmount may lose it", "path", f.Name(), "err", err)
+	c.d.handles.Add(st.Uid, 1) // what the predecessor held, whatever the bound now
+	return seg, nil
+}
+
+// deviceOrphans returns a duplicate of each descriptor of orphans (the
+// backing files of segments in no directory, handed over by node ID)
+// whose file is a segment on this mount's device.
+func (d *devices) deviceOrphans(orphans map[uint64]int) []*os.File {
+	var files []*os.File
+	for id, fd := range orphans {
+		var st unix.Stat_t
+		if unix.Fstat(fd, &st) != nil {
+			continue
+		}
+		mk, err := alloc.ReadMarker(alloc.FdPath(fd), &st)
+		if err != nil || mk.Kind != alloc.Device || mk.Device != d.dev.Name() {
+			continue
+		}
+		if dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0); err == nil {
+			files = append(files, os.NewFile(uintptr(dup), fmt.Sprintf("node %d", id)))
+		}
 	}
-	d.handles.Add(st.Uid, 1) // what the predecessor held, whatever the bound now
+	return files
+}
+
+// orphan returns the removed segment of backing inode ino that
+// claimDevices took over, nil for none.
+func (d *devices) orphan(ino uint64) *devSeg {
 	d.mu.Lock()
-	d.segs[st.Ino] = seg
+	defer d.mu.Unlock()
+	return d.orphans[ino]
+}
+
+// settleOrphans ends Adopt for the removed segments taken over: one no
+// handle opened again lets its backing file go (its block goes from
+// limbo once its counter, if any, is zero).
+func (d *devices) settleOrphans() {
+	d.mu.Lock()
+	orphans := d.orphans
+	d.orphans = nil
 	d.mu.Unlock()
-	seg.followAccess()
-	return true, nil
+	for _, seg := range orphans {
+		seg.mu.Lock()
+		if seg.opens.Load() == 0 {
+			seg.closeBacking()
+		}
+		seg.mu.Unlock()
+	}
 }
 
 // segmentBlock returns the block of blocks that segment ino, whose
@@ -265,4 +369,24 @@ func (d *devices) keepCounters(counters map[string]adopted) {
 	if err := d.counters.RemoveUnadopted(keep, charge); err != nil {
 		d.log.Warn("takeover: the predecessor's unclaimed consumer counters not removed", "err", err)
 	}
+}
+
+// FailAfterClaimEnv names the environment variable that makes a
+// successor fail its takeover once it has claimed the GPU helper's
+// blocks, after the duration it gives (e.g. "2s"), for tests of a failed
+// restart only: the predecessor must serve on as it was.
+const FailAfterClaimEnv = "TENSORFS_TEST_FAIL_AFTER_CLAIM"
+
+// failAfterClaim is FailAfterClaimEnv's hook: nil when it is not set.
+func failAfterClaim() error {
+	v := os.Getenv(FailAfterClaimEnv)
+	if v == "" {
+		return nil
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil {
+		return fmt.Errorf("%s: %v", FailAfterClaimEnv, err)
+	}
+	time.Sleep(d)
+	return fmt.Errorf("failed after the GPU claim, as %s=%s asks", FailAfterClaimEnv, v)
 }

@@ -83,7 +83,7 @@ func TestClaimDevicesLimbo(t *testing.T) {
 		t.Fatal(n, err)
 	}
 
-	fsys.claimDevices()
+	fsys.claimDevices(nil)
 	want := 2 * gpu.DeviceBytes(dev, 1<<20)
 	if blocks, _ := d.limbo.Stats(); blocks != 2 || dev.Stats().Blocks != 2 {
 		t.Fatalf("limbo holds %d blocks, the device %d; want the two with a counter", blocks, dev.Stats().Blocks)

@@ -348,6 +348,4 @@ func (h *deviceHandle) truncate(size int64) error {
 	return h.seg.resize(size)
 }
 
-func (h *deviceHandle) attrRef() (*alloc.Ref, error) {
-	return nil, fmt.Errorf("%w: the segment's attributes went with its last name", syscall.ENOENT)
-}
+func (h *deviceHandle) attrRef() (*alloc.Ref, error) { return h.seg.backingRef() }

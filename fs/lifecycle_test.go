@@ -19,7 +19,7 @@ import (
 
 // TestLastNameReleasesKind: removing the last name of a segment frees
 // what its kind holds (a disk file, an import's descriptor, device
-// memory), and renaming a SHARED segment records its new path on its disk
+// memory and its backing file, at the last close of a segment open), and renaming a SHARED segment records its new path on its disk
 // file.
 func TestLastNameReleasesKind(t *testing.T) {
 	x := newOpsFS(t)
@@ -67,13 +67,17 @@ func TestLastNameReleasesKind(t *testing.T) {
 	}
 
 	gdir := x.parents["device"]
-	fh, _ := x.open("device")
+	var o fuse.OpenOut // released below, not at cleanup (x.open)
+	if st := x.raw.Open(nil, &fuse.OpenIn{InHeader: hdr(x.ids["device"]), Flags: unix.O_RDONLY}, &o); st != fuse.OK {
+		t.Fatal(st)
+	}
+	fh := o.Fh
 	held = x.fsys.handles.Held(0) // the open handle's, and the backing file's
 	if st := x.raw.Unlink(nil, ptr(hdr(gdir)), "device"); st != fuse.OK {
 		t.Fatal(st)
 	}
-	if x.fsys.handles.Held(0) != held-1 {
-		t.Errorf("after a device segment's last name went the daemon holds %d descriptors for uid 0, want %d: its backing file's given back", x.fsys.handles.Held(0), held-1)
+	if x.fsys.handles.Held(0) != held {
+		t.Errorf("after a device segment's last name went, open, the daemon holds %d descriptors for uid 0, want %d: its backing file's stays for its handle (a successor claims its block through it)", x.fsys.handles.Held(0), held)
 	}
 	if blocks, _ := x.fsys.gpu.limbo.Stats(); blocks != 1 {
 		t.Errorf("a device segment removed while open: limbo holds %d blocks, want 1", blocks)
@@ -84,6 +88,14 @@ func TestLastNameReleasesKind(t *testing.T) {
 		t.Errorf("read of a removed device segment: %v", st)
 	} else if b, _ := r.Bytes(buf); string(b) != "8 bytes!" {
 		t.Errorf("a removed device segment reads %q", b)
+	}
+	// At its last close, its backing file and its memory go.
+	x.raw.Release(nil, &fuse.ReleaseIn{InHeader: hdr(x.ids["device"]), Fh: fh})
+	if x.fsys.handles.Held(0) != held-2 {
+		t.Errorf("after a removed device segment's last close the daemon holds %d descriptors for uid 0, want %d", x.fsys.handles.Held(0), held-2)
+	}
+	if blocks, _ := x.fsys.gpu.limbo.Stats(); blocks != 0 {
+		t.Errorf("a removed device segment's last close: limbo holds %d blocks, want 0", blocks)
 	}
 }
 
@@ -344,7 +356,7 @@ func TestCreateInDeviceDirectoryWithoutGPU(t *testing.T) {
 
 // TestDeviceThroughHandles: a host segment copies into a device segment
 // in the device process; a device segment truncates through its handle,
-// and once unlinked its attributes are gone with its marker.
+// and once unlinked, its handle still open, its attributes stay.
 func TestDeviceThroughHandles(t *testing.T) {
 	x := newOpsFS(t)
 	src, _ := x.open("host")
@@ -367,8 +379,10 @@ func TestDeviceThroughHandles(t *testing.T) {
 	if st := x.raw.Unlink(nil, ptr(hdr(x.parents["device"])), "device"); st != fuse.OK {
 		t.Fatal(st)
 	}
-	if _, st := x.getxattr("device", "user.note"); st != fuse.ENOENT {
-		t.Errorf("a stored attribute of an unlinked device segment: %v, want ENOENT (its marker is gone)", st)
+	// Its backing file stays while the handle holds it, as a host
+	// segment's does: it records the block for a successor.
+	if v, st := x.getxattr("device", alloc.AttrDevice); st != fuse.OK || v != "cuda:0" {
+		t.Errorf("the device of an unlinked device segment still open: %q %v, want cuda:0", v, st)
 	}
 }
 

@@ -124,7 +124,13 @@ func (s *Server) Handover() (t Takeover, resume func(), err error) {
 	st := s.raw.State(s.fs.root.EmbeddedInode())
 	st.Unnamed = s.fs.orphans.held()
 	s.fs.imports.handing.Lock()
+	if s.fs.gpu != nil {
+		s.fs.gpu.holdCollects(true) // the successor claims the GPU helper
+	}
 	resume = func() {
+		if s.fs.gpu != nil {
+			s.fs.gpu.holdCollects(false)
+		}
 		s.fs.imports.handing.Unlock()
 		s.gate.thaw()
 	}
@@ -190,7 +196,10 @@ func Mount(opts Options) (_ *Server, err error) {
 			return nil, err
 		}
 		if fsys.gpu != nil {
-			fsys.claimDevices()
+			fsys.claimDevices(t.Orphans)
+			if err := failAfterClaim(); err != nil {
+				return nil, err
+			}
 		}
 	}
 	if opts.Cluster != nil {

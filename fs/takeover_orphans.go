@@ -83,7 +83,7 @@ func (o *orphans) held() []uint64 {
 func (o *orphans) add(n *segmentNode) {
 	fd, err := n.backingFd()
 	if err != nil {
-		return // no handle, or a kind with no file of its own (device, imported)
+		return // no handle, or a kind with no file of its own (imported)
 	}
 	id := n.StableAttr().Ino
 	o.mu.Lock()
@@ -154,6 +154,9 @@ func (fsys *filesystem) settleOrphans() {
 		unix.Close(fd)
 	}
 	o.handed = nil
+	if fsys.gpu != nil {
+		fsys.gpu.settleOrphans()
+	}
 	nodes := make([]*segmentNode, 0, len(o.nodes))
 	for _, n := range o.nodes {
 		nodes = append(nodes, n)
@@ -200,7 +203,7 @@ func (fsys *filesystem) adoptOrphan(ctx context.Context, id uint64, fd int) (*fu
 	if err != nil {
 		return nil, err
 	}
-	s, err := fsys.classify(r)
+	s, err := fsys.orphanKind(r)
 	if err != nil {
 		r.Close()
 		return nil, err
@@ -216,6 +219,17 @@ func (fsys *filesystem) adoptOrphan(ctx context.Context, id uint64, fd int) (*fu
 	fsys.orphans.nodes[id] = n
 	fsys.orphans.mu.Unlock()
 	return fsys.root.NewInode(ctx, n, fusefs.StableAttr{Mode: syscall.S_IFREG, Ino: id}), nil
+}
+
+// orphanKind is the storage of the orphan whose backing file is r: the
+// removed device segment claimDevices took over for it, or its kind.
+func (fsys *filesystem) orphanKind(r *alloc.Ref) (storage, error) {
+	if fsys.gpu != nil {
+		if seg := fsys.gpu.orphan(r.Stat().Ino); seg != nil {
+			return device{seg}, nil
+		}
+	}
+	return fsys.classify(r)
 }
 
 // heldNodes returns the nodes that the handles a successor took over

@@ -750,7 +750,8 @@ type Survivor interface {
 	// (a predecessor whose successor failed to take the mount over).
 	Claim() ([]Owned, error)
 	// Settle ends the other daemons' sessions, once this one serves the
-	// mount; their calls in flight are answered to nobody.
+	// mount; their calls in flight are answered to nobody. The claim ends
+	// with them, so that this daemon's successor can claim in turn.
 	Settle() error
 }
 

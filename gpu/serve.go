@@ -257,7 +257,8 @@ func (h *helper) claim(s *server) error {
 }
 
 // settle ends every session but the claimant s, whose daemon now serves
-// the mount alone; their requests in flight are answered to nobody.
+// the mount alone; their requests in flight are answered to nobody. The
+// claim ends with it, so that the next successor can claim the device.
 func (h *helper) settle(s *server) error {
 	h.mu.Lock()
 	claimed := h.claimant == s
@@ -270,6 +271,11 @@ func (h *helper) settle(s *server) error {
 		o.conn.Close()
 		<-o.done
 	}
+	h.mu.Lock()
+	if h.claimant == s {
+		h.claimant = nil
+	}
+	h.mu.Unlock()
 	return nil
 }
 

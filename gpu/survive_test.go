@@ -66,7 +66,8 @@ func TestHelperOutlivesSession(t *testing.T) {
 // TestHelperClaimEndsOtherSession checks that a successor's Claim has
 // the helper refuse a live predecessor's calls, once its call in flight is
 // answered, that Settle ends the predecessor's session without ending the
-// helper, and that a claimant gone unsettled gives the device back.
+// helper, and its claim (the next successor claims in turn), and that a
+// claimant gone unsettled gives the device back.
 func TestHelperClaimEndsOtherSession(t *testing.T) {
 	t.Setenv(SimStallEnv, "stats=300ms")
 	d1 := startSim(t)
@@ -126,5 +127,15 @@ func TestHelperClaimEndsOtherSession(t *testing.T) {
 	}
 	if err := d2.Free(b); err != nil {
 		t.Errorf("successor's Free of the predecessor's block = %v", err)
+	}
+
+	// The settled claim is over: the next successor claims in turn.
+	d3, err := Attach(door, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d3.Close()
+	if _, err := d3.(Survivor).Claim(); err != nil {
+		t.Errorf("the next successor's Claim after a settle = %v", err)
 	}
 }

@@ -6,8 +6,8 @@ package integration
 // an unprivileged user keeps its bytes, its IPC handle and its consumers'
 // views (an open handle, and a mapping of the sim's allocation through
 // its IPC stand-in, /proc/PID/fd/FD); limbo and its counter, stats'
-// device memory and the ledger's charges stay as they were. A helper that
-// dies during the handover makes GPU segments EIO, in one log line.
+// device memory and the ledger's charges stay as they were. A helper
+// that died is replaced by a new one at the next restart.
 
 import (
 	"encoding/hex"
@@ -220,9 +220,12 @@ func counterPath(t *testing.T, m *mount) string {
 	return ""
 }
 
-// TestRestartGPUHelperDies: a GPU helper that dies during the handover
-// leaves GPU segments EIO, said in one log line, while host segments
-// serve on.
+// TestRestartGPUHelperDies: after the GPU helper died, tensorfs restart
+// is the remedy: the successor starts a new helper (said in one log
+// line), GPU segments serve again with their sizes kept and their device
+// bytes lost (zeros, as after a crash), host segments serve on, and the
+// keeper holds the new helper's door, so that the next restart keeps
+// what is written meanwhile.
 func TestRestartGPUHelperDies(t *testing.T) {
 	t.Parallel()
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
@@ -237,15 +240,25 @@ func TestRestartGPUHelperDies(t *testing.T) {
 			t.Fatalf("kill the helper %d: %v", helper, err)
 		}
 		gtWantGone(t, "the helper", []int{helper})
-		m.restart(t, "")
 		if _, err := os.ReadFile(seg); err == nil || !strings.Contains(err.Error(), syscall.EIO.Error()) {
 			t.Errorf("read of a GPU segment whose helper died: %v, want EIO", err)
+		}
+		m.restart(t, "")
+		if b, err := os.ReadFile(seg); err != nil || len(b) != 1<<20 || strings.Trim(string(b), "\x00") != "" {
+			t.Errorf("read of a GPU segment after the restart: %d bytes, %v; want 1 MiB of zeros", len(b), err)
 		}
 		if b, err := os.ReadFile(m.path("host")); err != nil || string(b) != "host bytes" {
 			t.Errorf("host segment: %q %v", b, err)
 		}
-		if got := strings.Count(m.stderr.String(), "GPU helper was lost in the handover"); got != 1 {
-			t.Errorf("the log says %d times that the GPU helper was lost, want once:\n%s", got, tail(m.stderr.String()))
+		if got := strings.Count(m.stderr.String(), "the GPU helper was lost; a new one starts"); got != 1 {
+			t.Errorf("the log says %d times that a new GPU helper starts, want once:\n%s", got, tail(m.stderr.String()))
+		}
+		if err := os.WriteFile(seg, []byte("device bytes"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		m.restart(t, "")
+		if b, err := os.ReadFile(seg); err != nil || string(b) != "device bytes" {
+			t.Errorf("a GPU segment written after the new helper started, after another restart: %q %v", b, err)
 		}
 	}, gtSim...)
 }

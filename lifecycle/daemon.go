@@ -44,16 +44,23 @@ func isDaemon(pid int) bool {
 }
 
 // writePidFile says that this process serves mp, until the returned
-// function removes the file.
-func writePidFile(mp string) (remove func(), err error) {
+// function removes the file; or, for a process that never served
+// (served false), names again the one the file named before, if any (a
+// predecessor whose mount a failed takeover leaves it).
+func writePidFile(mp string) (remove func(served bool), err error) {
 	if err := alloc.MakeStateDir(); err != nil {
 		return nil, err
 	}
 	p := alloc.StatePath(mp, ".pid")
+	prev, _ := os.ReadFile(p)
 	if err := os.WriteFile(p, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
 		return nil, err
 	}
-	return func() { os.Remove(p) }, nil
+	return func(served bool) {
+		if served || len(prev) == 0 || os.WriteFile(p, prev, 0o644) != nil {
+			os.Remove(p)
+		}
+	}, nil
 }
 
 // waitExit waits up to timeout for the process pid to exit and reports

@@ -227,18 +227,28 @@ func TestIsDaemon(t *testing.T) {
 	}
 }
 
-// TestWritePidFile: the pid file names this process until removed.
+// TestWritePidFile: the pid file names this process until removed; one
+// that never served (a failed takeover) names its predecessor again.
 func TestWritePidFile(t *testing.T) {
 	mp := mountpoint(t)
+	p := alloc.StatePath(mp, ".pid")
+	writePid(t, mp, 1)
+	failed, err := writePidFile(mp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	failed(false)
+	if b, err := os.ReadFile(p); err != nil || string(b) != "1\n" {
+		t.Errorf("pid file after a failed takeover holds %q, %v; want the predecessor's", b, err)
+	}
 	remove, err := writePidFile(mp)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := alloc.StatePath(mp, ".pid")
 	if b, err := os.ReadFile(p); err != nil || string(b) != strconv.Itoa(os.Getpid())+"\n" {
 		t.Errorf("pid file holds %q, %v", b, err)
 	}
-	remove()
+	remove(true)
 	if _, err := os.Stat(p); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("pid file after remove: %v", err)
 	}

@@ -102,7 +102,8 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	if err != nil {
 		return err
 	}
-	defer removePid()
+	served := false
+	defer func() { removePid(served) }()
 	// Registered after the pid file, so that it runs once the mount and
 	// the store are closed, while the pid file still names this daemon.
 	var purge atomic.Bool
@@ -171,6 +172,7 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	if err != nil {
 		return err
 	}
+	served = true
 	defer srv.Close()
 	stop, err := listenHandover(mp, srv, log)
 	if err != nil {
@@ -245,21 +247,17 @@ func raiseFileLimit() {
 // cannot start, the mount serves host segments and the log says why, in
 // one line. A successor (takeover) whose keeper holds the helper's door
 // (GPUDoorFd) attaches to that helper instead, whose blocks hold its
-// predecessor's segments; if that helper is gone, GPU segments fail with
-// EIO (gpu.Unavailable), and the log says why, in one line.
+// predecessor's segments; if that helper is gone (it died), it starts a
+// new one, as a fresh mount does, whose door its hello gives the keeper:
+// the device bytes are lost, as after a crash, and the log says so.
 func startGPU(backend string, takeover bool, log *slog.Logger) gpu.Device {
 	if backend == "none" {
 		return nil
 	}
 	if takeover {
-		if _, err := unix.FcntlInt(GPUDoorFd, unix.F_GETFD, 0); err == nil {
-			door := os.NewFile(GPUDoorFd, "gpu door")
-			defer door.Close()
-			dev, err := gpu.Attach(door, log)
-			if err != nil {
-				log.Error("the GPU helper was lost in the handover; GPU segments fail (EIO)", "err", err)
-				return gpu.Unavailable(err)
-			}
+		if dev, err := attachGPU(log); err != nil {
+			log.Error("the GPU helper was lost; a new one starts, and GPU segments lose their device bytes", "err", err)
+		} else if dev != nil {
 			log.Info("GPU segments on, from the predecessor's helper", "backend", dev.Backend(), "device", dev.Name())
 			return dev
 		}
@@ -280,6 +278,17 @@ func startGPU(backend string, takeover bool, log *slog.Logger) gpu.Device {
 	}
 	log.Info("GPU segments on", "backend", dev.Backend(), "device", dev.Name())
 	return dev
+}
+
+// attachGPU attaches to the GPU helper whose door the keeper gave on
+// GPUDoorFd; nil and no error if it gave none.
+func attachGPU(log *slog.Logger) (gpu.Device, error) {
+	if _, err := unix.FcntlInt(GPUDoorFd, unix.F_GETFD, 0); err != nil {
+		return nil, nil
+	}
+	door := os.NewFile(GPUDoorFd, "gpu door")
+	defer door.Close()
+	return gpu.Attach(door, log)
 }
 
 // closeGPU stops the device process, if one was started.
