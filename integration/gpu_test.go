@@ -54,7 +54,8 @@ var gtSim = []string{"--gpu", cmp.Or(os.Getenv("TENSORFS_TEST_GPU"), "sim")}
 
 // gtSimAlways is the mount option of the tests of what only the sim
 // shows whatever TENSORFS_TEST_GPU says: a helper told to stall
-// (gpu.SimStallEnv), and an export read as bytes (the sim exports a
+// (gpu.SimStallEnv), a helper found by its pid in the sim's IPC handle
+// (the test kills it), and an export read as bytes (the sim exports a
 // memfd; CUDA exports a shareable handle, a /dev/nvidiactl descriptor a
 // consumer imports with cuMemImportFromShareableHandle and cannot read,
 // as an H100 run showed).

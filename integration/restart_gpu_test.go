@@ -260,5 +260,5 @@ func TestRestartGPUHelperDies(t *testing.T) {
 		if b, err := os.ReadFile(seg); err != nil || string(b) != "device bytes" {
 			t.Errorf("a GPU segment written after the new helper started, after another restart: %q %v", b, err)
 		}
-	}, gtSim...)
+	}, gtSimAlways...)
 }
