@@ -31,7 +31,7 @@
 //
 // The daemon never talks to CUDA itself. Start runs the backend in a
 // helper process and returns a Device that forwards each call over a
-// socket (Serve and HelperMain are the helper's side; proto.go describes
+// socket (HelperMain is the helper's side; proto.go describes
 // the protocol). A CUDA failure, even one that kills the process, costs
 // the helper and the device memory it held, never the daemon: calls then
 // fail with ErrUnavailable, whose text ends with the helper's last line of

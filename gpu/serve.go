@@ -25,8 +25,8 @@ import (
 const maxInFlight = 64
 
 // Pinner is implemented by devices that can page-lock host memory so that
-// copies from and to it run at DMA speed without further staging. Serve
-// pins the shared staging area with it.
+// copies from and to it run at DMA speed without further staging. A
+// helper's session pins the shared staging area with it.
 type Pinner interface {
 	Pin(mem []byte) (unpin func() error, err error)
 }
@@ -345,15 +345,6 @@ type server struct {
 	// bye is set by the daemon's goodbye (Close); cut when a successor
 	// settled the device and ended this session.
 	bye, cut atomic.Bool
-}
-
-// Serve serves dev to the daemon at the other end of conn, a SOCK_SEQPACKET
-// socket, until the daemon closes it; requests run concurrently. It returns
-// nil once the daemon has closed the connection and every request is
-// answered. It neither closes conn nor dev.
-func Serve(conn *net.UnixConn, dev Device) error {
-	h := newHelper(dev, nil, io.Discard)
-	return (&server{h: h, conn: conn, dev: dev}).serve()
 }
 
 // serve answers the session's hello, then its requests, until the daemon
