@@ -282,7 +282,7 @@ func (s lyingSource) Piece(p transport.Piece) ([]byte, error) {
 	return bad, err
 }
 
-// lyingTransport is a gRPC transport whose server lies (lyingSource).
+// lyingTransport is a Stream transport whose server lies (lyingSource).
 type lyingTransport struct{ transport.Transport }
 
 func (t lyingTransport) Start(src transport.Source) error { return t.Transport.Start(lyingSource{src}) }
@@ -293,7 +293,7 @@ func (t lyingTransport) Start(src transport.Source) error { return t.Transport.S
 func TestCorruptPieceRefetched(t *testing.T) {
 	tc := newTestCluster(t)
 	liar := tc.config("node-b")
-	tr, err := transport.NewGRPC(transport.Config{Listen: liar.Listen, Credentials: liar.Credentials})
+	tr, err := transport.NewStream(transport.Config{Listen: liar.Listen, Credentials: liar.Credentials})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -601,7 +601,7 @@ func TestServeOnlyVerified(t *testing.T) {
 	}
 	id := v.Entries[1].Content
 	creds := tc.creds("node-x")
-	tr, err := transport.NewGRPC(transport.Config{Credentials: creds, Log: tc.config("node-x").Log})
+	tr, err := transport.NewStream(transport.Config{Credentials: creds, Log: tc.config("node-x").Log})
 	if err != nil {
 		t.Fatal(err)
 	}

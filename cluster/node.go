@@ -17,6 +17,7 @@ import (
 	"go.etcd.io/etcd/client/v3/concurrency"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -70,7 +71,7 @@ type Config struct {
 	// (DefaultParallel if 0); PerPeer how many of them from one peer
 	// (DefaultPerPeer if 0).
 	Parallel, PerPeer int
-	// MaxUploads is how many pieces the GRPC piece server sends at once
+	// MaxUploads is how many pieces the Stream piece server sends at once
 	// (transport.DefaultMaxUploads if 0); it refuses more, and the peer
 	// asks another holder.
 	MaxUploads int
@@ -78,7 +79,7 @@ type Config struct {
 	// a holder of a piece it misses before it fails with ErrNoHolder
 	// (DefaultNoHolderWait if 0).
 	NoHolderWait time.Duration
-	// Transport moves pieces: a GRPC transport on Listen and Advertise
+	// Transport moves pieces: a Stream transport on Listen and Advertise
 	// over Credentials if nil. Join starts it and peers reach the node at
 	// its Addr; Join (when it fails) or Close closes it.
 	Transport transport.Transport
@@ -132,6 +133,14 @@ type nodeInfo struct {
 	Addr string `json:"addr"`
 }
 
+// etcdConnectParams bound gRPC's reconnection backoff to etcd to a few
+// seconds, so that etcd, back, is reached again at once, not after a
+// backoff grown to minutes.
+var etcdConnectParams = grpc.ConnectParams{
+	Backoff:           backoff.Config{BaseDelay: 250 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 2 * time.Second},
+	MinConnectTimeout: 5 * time.Second,
+}
+
 // Join makes this daemon a node of the cluster cfg names: it starts the
 // piece server and returns; the node registers itself, renews its lease and
 // announces what it holds in the background, and keeps trying while etcd
@@ -152,7 +161,7 @@ func Join(cfg Config) (*Node, error) {
 		DialKeepAliveTimeout: cfg.Timeout,
 		TLS:                  cfg.Credentials.ClientConfig(""),
 		Logger:               zap.NewNop(), // failures are logged here, with what they stop
-		DialOptions:          []grpc.DialOption{grpc.WithConnectParams(transport.ConnectParams())},
+		DialOptions:          []grpc.DialOption{grpc.WithConnectParams(etcdConnectParams)},
 	})
 	if err != nil {
 		cfg.Transport.Close()
@@ -237,7 +246,7 @@ func (cfg *Config) fill() error {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
 	if cfg.Transport == nil {
-		tr, err := transport.NewGRPC(transport.Config{Listen: cfg.Listen, Listener: cfg.Listener, Advertise: cfg.Advertise, Credentials: cfg.Credentials, MaxUploads: cfg.MaxUploads, Log: cfg.Log})
+		tr, err := transport.NewStream(transport.Config{Listen: cfg.Listen, Listener: cfg.Listener, Advertise: cfg.Advertise, Credentials: cfg.Credentials, MaxUploads: cfg.MaxUploads, Log: cfg.Log})
 		if err != nil {
 			return fmt.Errorf("%w: cluster: %v", ErrInvalid, err)
 		}

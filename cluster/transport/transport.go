@@ -6,13 +6,13 @@
 // a piece into the Dest it is given, at their offset. Which piece to ask
 // for, from whom, and whether the bytes are right is the cluster
 // package's business (it verifies every piece against its published hash,
-// reading it back from the destination).
+// as the bytes are written to the destination).
 //
-// Transport is the seam for other engines: GRPC is the implementation here
-// (mutual TLS with the cluster's CA, one HTTP/2 connection per peer, a
-// server stream per piece). An RDMA engine such as NIXL or Mooncake's
-// Transfer Engine fits the same interface: it owns its endpoint (Start,
-// Addr), registers the destination file (Dest.File, an *os.File in the
+// Transport is the seam for other engines: Stream is the implementation
+// here (mutual TLS with the cluster's CA, a minimal frame per piece on
+// connections kept open between fetches; frame.go has the protocol). An
+// RDMA engine such as NIXL or Mooncake's Transfer Engine fits the same
+// interface: it owns its endpoint (Start, Addr), registers the destination file (Dest.File, an *os.File in the
 // daemon) and has the peer write the piece's bytes straight into it.
 // Package fake is an in-memory one for tests.
 package transport

@@ -77,8 +77,8 @@ func certs(t testing.TB, names ...string) (map[string]*Credentials, *Credentials
 }
 
 // serve starts a transport with creds serving src on a loopback port.
-func serve(t testing.TB, creds *Credentials, src Source) (*GRPC, string) {
-	g, err := NewGRPC(Config{Listen: "127.0.0.1:0", Credentials: creds, Log: testLog(t)})
+func serve(t testing.TB, creds *Credentials, src Source) (*Stream, string) {
+	g, err := NewStream(Config{Listen: "127.0.0.1:0", Credentials: creds, Log: testLog(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -90,8 +90,8 @@ func serve(t testing.TB, creds *Credentials, src Source) (*GRPC, string) {
 }
 
 // client returns a transport with creds that only fetches.
-func client(t testing.TB, creds *Credentials) *GRPC {
-	g, err := NewGRPC(Config{Credentials: creds, Log: testLog(t)})
+func client(t testing.TB, creds *Credentials) *Stream {
+	g, err := NewStream(Config{Credentials: creds, Log: testLog(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,7 +120,7 @@ func randomBytes(t testing.TB, n int) []byte {
 	return b
 }
 
-func TestGRPCFetch(t *testing.T) {
+func TestStreamFetch(t *testing.T) {
 	creds, _ := certs(t, "node1", "node2")
 	src := &memSource{content: "c1", data: randomBytes(t, 5<<20+123), pieceSize: 2 << 20}
 	_, addr := serve(t, creds["node1"], src)
@@ -176,14 +176,14 @@ func (s stallSource) Piece(p Piece) ([]byte, error) {
 	return make([]byte, 1<<10), nil
 }
 
-// TestGRPCIdle checks that a fetch from a peer that sends nothing fails
+// TestStreamIdle checks that a fetch from a peer that sends nothing fails
 // with ErrUnreachable after the idle timeout.
-func TestGRPCIdle(t *testing.T) {
+func TestStreamIdle(t *testing.T) {
 	creds, _ := certs(t, "node1", "node2")
 	src := stallSource{release: make(chan struct{})}
 	defer close(src.release)
 	_, addr := serve(t, creds["node1"], src)
-	g, err := NewGRPC(Config{Credentials: creds["node2"], Idle: 200 * time.Millisecond, Log: testLog(t)})
+	g, err := NewStream(Config{Credentials: creds["node2"], Idle: 200 * time.Millisecond, Log: testLog(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -197,19 +197,19 @@ func TestGRPCIdle(t *testing.T) {
 	}
 }
 
-// TestGRPCConfig checks the configurations NewGRPC refuses.
-func TestGRPCConfig(t *testing.T) {
+// TestStreamConfig checks the configurations NewStream refuses.
+func TestStreamConfig(t *testing.T) {
 	creds, _ := certs(t, "node1")
 	for _, cfg := range []Config{
 		{Listen: "0.0.0.0:0", Credentials: creds["node1"]},
 		{Listen: ":7070", Credentials: creds["node1"]},
 		{Listen: "127.0.0.1:0"},
 	} {
-		if _, err := NewGRPC(cfg); err == nil {
-			t.Errorf("NewGRPC accepted listen %q, credentials %v", cfg.Listen, cfg.Credentials != nil)
+		if _, err := NewStream(cfg); err == nil {
+			t.Errorf("NewStream accepted listen %q, credentials %v", cfg.Listen, cfg.Credentials != nil)
 		}
 	}
-	g, err := NewGRPC(Config{Listen: "0.0.0.0:0", Advertise: "node1.example:7070", Credentials: creds["node1"]})
+	g, err := NewStream(Config{Listen: "0.0.0.0:0", Advertise: "node1.example:7070", Credentials: creds["node1"]})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -219,10 +219,10 @@ func TestGRPCConfig(t *testing.T) {
 	}
 }
 
-// TestGRPCRefusesOutsiders checks mutual TLS: a client without a
+// TestStreamRefusesOutsiders checks mutual TLS: a client without a
 // certificate of the cluster cannot fetch, a server without one cannot
 // offer, and a member cannot pass for another node.
-func TestGRPCRefusesOutsiders(t *testing.T) {
+func TestStreamRefusesOutsiders(t *testing.T) {
 	creds, foreign := certs(t, "node1", "node2")
 	src := &memSource{content: "c1", data: randomBytes(t, 1000), pieceSize: 1 << 20}
 	_, addr := serve(t, creds["node1"], src)
@@ -261,17 +261,17 @@ func TestCheckName(t *testing.T) {
 	}
 }
 
-// BenchmarkGRPCLoopback measures one stream of 8 MiB pieces over loopback
+// BenchmarkStreamLoopback measures one stream of 8 MiB pieces over loopback
 // with TLS: the transport's ceiling on this machine, and the CPU both
 // ends spend per GiB (cpu-s/GiB: the process's user and system time,
 // which a busy machine's other work does not inflate as it does the
 // time per piece).
-func BenchmarkGRPCLoopback(b *testing.B) {
+func BenchmarkStreamLoopback(b *testing.B) {
 	creds, _ := certs(b, "node1", "node2")
 	const pieceSize = 8 << 20
 	src := &memSource{content: "c1", data: randomBytes(b, pieceSize), pieceSize: pieceSize}
 	_, addr := serve(b, creds["node1"], src)
-	client, err := NewGRPC(Config{Credentials: creds["node2"]})
+	client, err := NewStream(Config{Credentials: creds["node2"]})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -297,13 +297,13 @@ func cpuTime(b *testing.B) time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-// TestGRPCBusy checks the bound on pieces sent at once: with one piece
+// TestStreamBusy checks the bound on pieces sent at once: with one piece
 // stalled in flight, a server of one slot refuses another with ErrBusy,
 // and serves again once the first is sent.
-func TestGRPCBusy(t *testing.T) {
+func TestStreamBusy(t *testing.T) {
 	creds, _ := certs(t, "node1", "node2")
 	src := stallSource{release: make(chan struct{}), reading: make(chan struct{}, 1)}
-	g, err := NewGRPC(Config{Listen: "127.0.0.1:0", Credentials: creds["node1"], MaxUploads: 1, Log: testLog(t)})
+	g, err := NewStream(Config{Listen: "127.0.0.1:0", Credentials: creds["node1"], MaxUploads: 1, Log: testLog(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
