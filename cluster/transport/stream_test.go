@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -328,5 +329,109 @@ func TestStreamBusy(t *testing.T) {
 	}
 	if _, err := c.Fetch(context.Background(), peer, piece, discard(1<<10)); err != nil {
 		t.Fatalf("a fetch once the slot is free: %v", err)
+	}
+}
+
+// countingListener counts the connections it accepts.
+type countingListener struct {
+	net.Listener
+	accepted chan struct{}
+}
+
+func (l countingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		l.accepted <- struct{}{}
+	}
+	return c, err
+}
+
+// TestStreamKeepsConnections checks that fetches from a peer share one
+// connection, and that a kept connection the peer closed meanwhile (a
+// daemon that restarted) is replaced, not an error.
+func TestStreamKeepsConnections(t *testing.T) {
+	creds, _ := certs(t, "node1", "node2")
+	src := &memSource{content: "c1", data: randomBytes(t, 3<<20), pieceSize: 1 << 20}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := countingListener{l, make(chan struct{}, 10)}
+	server, err := NewStream(Config{Listener: first, Credentials: creds["node1"], Log: testLog(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := server.Start(src); err != nil {
+		t.Fatal(err)
+	}
+	c := client(t, creds["node2"])
+	peer := Peer{Name: "node1", Addr: server.Addr()}
+	fetch := func(i int) {
+		t.Helper()
+		dst := make(memFile, src.pieceSize)
+		if n, err := c.Fetch(context.Background(), peer, Piece{Content: "c1", Index: i}, Dest{File: dst, Len: src.pieceSize}); err != nil || !bytes.Equal(dst[:n], src.data[int64(i)*src.pieceSize:][:src.pieceSize]) {
+			t.Fatalf("piece %d: %d bytes, %v", i, n, err)
+		}
+	}
+	for i := range 3 {
+		fetch(i)
+	}
+	if n := len(first.accepted); n != 1 {
+		t.Fatalf("3 fetches one after another took %d connections; want 1", n)
+	}
+	server.Close()
+	l2, err := net.Listen("tcp", peer.Addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	second := countingListener{l2, make(chan struct{}, 10)}
+	restarted, err := NewStream(Config{Listener: second, Credentials: creds["node1"], Log: testLog(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer restarted.Close()
+	if err := restarted.Start(src); err != nil {
+		t.Fatal(err)
+	}
+	fetch(1)
+	if n := len(second.accepted); n != 1 {
+		t.Fatalf("the restarted server accepted %d connections; want 1", n)
+	}
+}
+
+// TestStreamRefusesOtherProtocols checks that the server refuses a
+// member's connection that does not speak the piece protocol (a gRPC
+// peer of an earlier version: ALPN h2), ends one that sends a malformed
+// request, and serves the next.
+func TestStreamRefusesOtherProtocols(t *testing.T) {
+	creds, _ := certs(t, "node1", "node2")
+	src := &memSource{content: "c1", data: randomBytes(t, 1000), pieceSize: 1 << 20}
+	_, addr := serve(t, creds["node1"], src)
+	dial := func(proto string) (*tls.Conn, error) {
+		cfg := creds["node2"].ClientConfig("node1")
+		cfg.NextProtos = []string{proto}
+		return tls.Dial("tcp", addr, cfg)
+	}
+	if c, err := dial("h2"); err == nil {
+		err = c.Handshake()
+		c.Close()
+		if err == nil {
+			t.Fatal("a connection for h2 was accepted")
+		}
+	}
+	c, err := dial(Protocol)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write([]byte{0, 0, 0, 0, 0}); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := c.Read(make([]byte, 1)); err == nil {
+		t.Fatalf("a malformed request was answered (%d bytes)", n)
+	}
+	if _, err := client(t, creds["node2"]).Fetch(context.Background(), Peer{Name: "node1", Addr: addr}, Piece{Content: "c1"}, discard(1000)); err != nil {
+		t.Fatal(err)
 	}
 }
