@@ -38,7 +38,7 @@ type Config struct {
 	// Node is this node's name, unique among live nodes; Credentials'
 	// certificate must carry it as a DNS name.
 	Node string
-	// Listen is the host:port the gRPC piece server listens on (port 0
+	// Listen is the host:port the piece server listens on (port 0
 	// picks one). Default: DefaultPort on the address this host reaches
 	// the first endpoint from. Unused with another Transport.
 	Listen string
@@ -51,7 +51,7 @@ type Config struct {
 	Resume int64
 	// OnLease, if set, is told of every lease the node joins under.
 	OnLease func(lease int64)
-	// Advertise is the host:port peers reach the gRPC piece server at;
+	// Advertise is the host:port peers reach the piece server at;
 	// default the address Listen bound, which must then name a host.
 	Advertise string
 	// Credentials authenticate this node to etcd and to its peers, and
