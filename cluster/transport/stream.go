@@ -29,6 +29,9 @@ const (
 	// nothing; keptIdle, shorter, how long a client keeps one unused.
 	serverIdle = 2 * time.Minute
 	keptIdle   = time.Minute
+	// maxServed is how many connections the server holds at once; it
+	// closes more as it accepts them.
+	maxServed = 512
 	// sendSlice is how much of a piece one write sends (the write
 	// deadline is the idle timeout, for each).
 	sendSlice = 1 << 20
@@ -70,8 +73,9 @@ type Config struct {
 // goroutine itself.
 type Stream struct {
 	cfg    Config
-	server *tls.Config // with Protocol
-	slots  chan struct{}
+	server *tls.Config   // with Protocol
+	slots  chan struct{} // one per piece being sent
+	served chan struct{} // one per connection served
 
 	mu       sync.Mutex
 	src      Source                 // nil until Start
@@ -117,7 +121,7 @@ func NewStream(cfg Config) (*Stream, error) {
 	server := cfg.Credentials.ServerConfig()
 	server.NextProtos = []string{Protocol}
 	server.DynamicRecordSizingDisabled = true
-	return &Stream{cfg: cfg, server: server, slots: make(chan struct{}, cfg.MaxUploads),
+	return &Stream{cfg: cfg, server: server, slots: make(chan struct{}, cfg.MaxUploads), served: make(chan struct{}, maxServed),
 		idle: map[Peer][]*streamConn{}, open: map[net.Conn]bool{}}, nil
 }
 
@@ -184,7 +188,15 @@ func (s *Stream) accept(l net.Listener) {
 			time.Sleep(100 * time.Millisecond)
 			continue
 		}
+		select {
+		case s.served <- struct{}{}:
+		default:
+			s.cfg.Log.Warn("cluster: the piece server holds as many connections as it may; closed a new one", "remote", raw.RemoteAddr(), "max", maxServed)
+			raw.Close()
+			continue
+		}
 		if !s.track(raw) {
+			<-s.served
 			return
 		}
 		s.serving.Add(1)
@@ -197,6 +209,7 @@ func (s *Stream) accept(l net.Listener) {
 // transport closes.
 func (s *Stream) serve(raw net.Conn) {
 	defer s.serving.Done()
+	defer func() { <-s.served }()
 	defer s.untrack(raw)
 	bc := newBatchConn(raw, 4<<10)
 	c := tls.Server(bc, s.server)
@@ -411,31 +424,42 @@ func (s *Stream) conn(ctx context.Context, peer Peer) (c *streamConn, kept bool,
 	return &streamConn{Conn: tc, raw: raw}, false, nil
 }
 
-// kept returns a connection to peer kept idle for less than keptIdle, and
-// closes those kept longer; nil if none.
+// kept returns the connection to peer kept last, if any (one kept longer
+// than keptIdle fails before its reply begins at worst, and is replaced).
 func (s *Stream) kept(peer Peer) *streamConn {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for cs := s.idle[peer]; len(cs) > 0; cs = s.idle[peer] {
-		c := cs[len(cs)-1]
-		s.idle[peer] = cs[:len(cs)-1]
-		if time.Since(c.kept) < keptIdle {
-			return c
-		}
-		c.raw.Close()
-		delete(s.open, c.raw)
+	cs := s.idle[peer]
+	if len(cs) == 0 {
+		return nil
 	}
-	return nil
+	s.idle[peer] = cs[:len(cs)-1]
+	return cs[len(cs)-1]
 }
 
 // keep keeps c for the next fetch from peer, or closes it if the
-// transport is closed.
+// transport is closed; it closes the connections to any peer kept for
+// keptIdle or longer.
 func (s *Stream) keep(peer Peer, c *streamConn) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
 		c.raw.Close()
 		return
+	}
+	for p, cs := range s.idle {
+		fresh := cs[:0]
+		for _, k := range cs {
+			if time.Since(k.kept) < keptIdle {
+				fresh = append(fresh, k)
+			} else {
+				k.raw.Close()
+				delete(s.open, k.raw)
+			}
+		}
+		if s.idle[p] = fresh; len(fresh) == 0 {
+			delete(s.idle, p)
+		}
 	}
 	c.kept = time.Now()
 	s.idle[peer] = append(s.idle[peer], c)
