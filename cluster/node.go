@@ -109,9 +109,13 @@ type Node struct {
 	sessErr    error                // why not joined, while sess is nil
 	sessChange chan struct{}        // closed and replaced when sess changes
 	held       map[string]*held     // contents served, by ID
-	gen        uint64               // last generation given to a change of held
-	epoch      uint64               // counts leases: a write under an older one is void
-	closed     bool
+	// offered: the daemon has offered what it recovered (Offered), or
+	// takes over from none (Config.Resume 0); until then a content not
+	// held may be one not offered yet.
+	offered bool
+	gen     uint64 // last generation given to a change of held
+	epoch   uint64 // counts leases: a write under an older one is void
+	closed  bool
 
 	stats stats
 }
@@ -177,6 +181,7 @@ func Join(cfg Config) (*Node, error) {
 		sessErr:    fmt.Errorf("%w: node %s has not joined yet", ErrUnavailable, cfg.Node),
 		sessChange: make(chan struct{}),
 		held:       map[string]*held{},
+		offered:    cfg.Resume == 0,
 	}
 	n.ctx, n.cancel = context.WithCancel(context.Background())
 	if err := n.tr.Start(n); err != nil {

@@ -101,7 +101,8 @@ var (
 	// ErrNotServed is returned when the peer does not serve the piece.
 	ErrNotServed = errors.New("piece not served by this node")
 	// ErrBusy is returned when the peer sends as many pieces as it may
-	// at once (its MaxUploads): ask it again later, or ask another.
+	// at once (its MaxUploads), or is starting and does not know yet
+	// what it holds: ask it again later, or ask another.
 	ErrBusy = errors.New("peer busy")
 	// ErrUnreachable is returned when the peer cannot be reached, dies
 	// mid-stream, stalls, sends more than the piece, or refuses this
