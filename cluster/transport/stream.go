@@ -252,6 +252,9 @@ func (s *Stream) send(c *tls.Conn, bc *batchConn, raw net.Conn, p Piece) error {
 	b, err := s.src.Piece(p)
 	if err != nil {
 		s.cfg.Log.Info("cluster: refused a piece", "content", p.Content, "piece", p.Index, "err", err)
+		if errors.Is(err, ErrBusy) {
+			return refuse(c, statusBusy, err.Error())
+		}
 		return refuse(c, statusNotServed, err.Error())
 	}
 	bc.batch()

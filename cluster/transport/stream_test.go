@@ -435,3 +435,21 @@ func TestStreamRefusesOtherProtocols(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// busySource is starting: it cannot tell yet whether it serves a piece.
+type busySource struct{}
+
+func (busySource) Piece(p Piece) ([]byte, error) {
+	return nil, fmt.Errorf("piece %d of %s: %w (starting)", p.Index, p.Content, ErrBusy)
+}
+
+// TestStreamSourceBusy checks that a source's ErrBusy reaches the peer
+// as ErrBusy (ask again later), not as ErrNotServed.
+func TestStreamSourceBusy(t *testing.T) {
+	creds, _ := certs(t, "node1", "node2")
+	_, addr := serve(t, creds["node1"], busySource{})
+	_, err := client(t, creds["node2"]).Fetch(context.Background(), Peer{Name: "node1", Addr: addr}, Piece{Content: "c1"}, discard(1000))
+	if !errors.Is(err, ErrBusy) || errors.Is(err, ErrNotServed) {
+		t.Fatalf("a busy source: %v; want ErrBusy", err)
+	}
+}

@@ -43,7 +43,8 @@ type Source interface {
 	// is called once the server has a slot for the piece, so a server
 	// holds at most its bound on pieces sent at once. It returns an error
 	// (ErrNotServed, wrapped) for a piece the node does not serve: one
-	// not published, not held, or not verified.
+	// not published, not held, or not verified; ErrBusy for one it
+	// cannot tell yet (the peer asks again later).
 	Piece(p Piece) ([]byte, error)
 }
 
