@@ -153,11 +153,12 @@ func (bed *clusterBed) round(version string, model int64, copyDir string) error 
 		return err
 	}
 	b.res.add(mPullTime, seedsName, secs)
-	if secs, err = bed.pulls(version, []int{9}, func() error { return bed.kill(2) }); err != nil {
+	var killed int
+	if secs, err = bed.pulls(version, []int{9}, func() (err error) { killed, err = bed.kill(2); return err }); err != nil {
 		return err
 	}
 	b.res.add(mPullTime, killedName, secs)
-	if err := bed.mount(2); err != nil { // recovers what node2 held
+	if err := bed.awaitSuccessor(2, killed); err != nil { // it recovers what node2 held
 		return err
 	}
 
@@ -367,13 +368,29 @@ func (bed *clusterBed) daemon(k int) (pid int, cpu float64, err error) {
 	return st.Daemon.Pid, st.Daemon.CPUSeconds, nil
 }
 
-// kill SIGKILLs node k's daemon, as a crash.
-func (bed *clusterBed) kill(k int) error {
+// kill SIGKILLs node k's daemon, as a crash, and returns its pid.
+func (bed *clusterBed) kill(k int) (int, error) {
 	pid, _, err := bed.daemon(k)
 	if err != nil {
-		return err
+		return 0, err
 	}
-	return syscall.Kill(pid, syscall.SIGKILL)
+	return pid, syscall.Kill(pid, syscall.SIGKILL)
+}
+
+// awaitSuccessor waits until node k is served by a daemon other than pid:
+// the one its keeper starts when a daemon dies.
+func (bed *clusterBed) awaitSuccessor(k, pid int) error {
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		now, _, err := bed.daemon(k)
+		if err == nil && now != pid {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("node%d has no new daemon 30 s after its daemon %d was killed: %v", k, pid, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // cpuTimes returns the CPU seconds each node's daemon has spent, by node.

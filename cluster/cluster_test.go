@@ -282,7 +282,7 @@ func (s lyingSource) Piece(p transport.Piece) ([]byte, error) {
 	return bad, err
 }
 
-// lyingTransport is a gRPC transport whose server lies (lyingSource).
+// lyingTransport is a Stream transport whose server lies (lyingSource).
 type lyingTransport struct{ transport.Transport }
 
 func (t lyingTransport) Start(src transport.Source) error { return t.Transport.Start(lyingSource{src}) }
@@ -293,7 +293,7 @@ func (t lyingTransport) Start(src transport.Source) error { return t.Transport.S
 func TestCorruptPieceRefetched(t *testing.T) {
 	tc := newTestCluster(t)
 	liar := tc.config("node-b")
-	tr, err := transport.NewGRPC(transport.Config{Listen: liar.Listen, Credentials: liar.Credentials})
+	tr, err := transport.NewStream(transport.Config{Listen: liar.Listen, Credentials: liar.Credentials})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -587,6 +587,32 @@ func TestRestartOffer(t *testing.T) {
 	}
 }
 
+// TestTakeoverBusyUntilOffered checks that a daemon taking over from
+// another (Config.Resume) asks peers to come back (ErrBusy) for a content
+// it does not know, until it has offered what it recovered; then it
+// refuses it (ErrNotServed), as a node that took over from none does at
+// once.
+func TestTakeoverBusyUntilOffered(t *testing.T) {
+	tc := newTestCluster(t)
+	a := tc.join(tc.config("node-a"))
+	waitFor(t, 5*time.Second, "node-a's lease", func() bool { return a.Lease() != 0 })
+	p := transport.Piece{Content: hashID([]byte("never offered"))}
+	if _, err := a.Piece(p); !errors.Is(err, transport.ErrNotServed) {
+		t.Fatalf("a node that took over from none: %v; want ErrNotServed", err)
+	}
+	cfg := tc.config("node-a")
+	cfg.Resume = a.Lease()
+	a.Close()
+	a2 := tc.join(cfg)
+	if _, err := a2.Piece(p); !errors.Is(err, transport.ErrBusy) {
+		t.Fatalf("a successor before Offered: %v; want ErrBusy", err)
+	}
+	a2.Offered()
+	if _, err := a2.Piece(p); !errors.Is(err, transport.ErrNotServed) {
+		t.Fatalf("a successor after Offered: %v; want ErrNotServed", err)
+	}
+}
+
 // TestServeOnlyVerified checks what a node's piece server refuses: a
 // content it does not hold, and a piece it has not verified yet.
 func TestServeOnlyVerified(t *testing.T) {
@@ -606,7 +632,7 @@ func TestServeOnlyVerified(t *testing.T) {
 	}
 	id := v.Entries[1].Content
 	creds := tc.creds("node-x")
-	tr, err := transport.NewGRPC(transport.Config{Credentials: creds, Log: tc.config("node-x").Log})
+	tr, err := transport.NewStream(transport.Config{Credentials: creds, Log: tc.config("node-x").Log})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -64,6 +64,11 @@ func (n *Node) Piece(p transport.Piece) ([]byte, error) {
 	n.mu.Lock()
 	h := n.held[p.Content]
 	switch {
+	case h == nil && !n.offered || h != nil && !h.dropped && h.content == nil:
+		// A successor taking over from a daemon that died serves on
+		// its socket at once: a peer asks again later.
+		n.mu.Unlock()
+		return nil, fmt.Errorf("content %.12s: %w (this daemon is starting: what it holds is not known yet)", p.Content, transport.ErrBusy)
 	case h == nil || h.dropped || h.content == nil:
 		n.mu.Unlock()
 		return nil, fmt.Errorf("content %.12s: %w (not held here)", p.Content, transport.ErrNotServed)
@@ -119,6 +124,16 @@ func (n *Node) Offer(id string, src io.ReaderAt, size int64) error {
 	n.held[id] = &held{src: src, size: size, gen: n.nextGen()}
 	n.kick()
 	return nil
+}
+
+// Offered says the daemon has offered every content it recovered: from
+// now on the node refuses a piece of any other (ErrNotServed), where
+// before, taking over from an earlier daemon (Config.Resume), it asks the
+// peer to come back (ErrBusy).
+func (n *Node) Offered() {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.offered = true
 }
 
 // Drop stops serving a content (its segment is gone from this node) and

@@ -18,6 +18,7 @@ import (
 	"go.etcd.io/etcd/client/v3/concurrency"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -38,7 +39,7 @@ type Config struct {
 	// Node is this node's name, unique among live nodes; Credentials'
 	// certificate must carry it as a DNS name.
 	Node string
-	// Listen is the host:port the gRPC piece server listens on (port 0
+	// Listen is the host:port the piece server listens on (port 0
 	// picks one). Default: DefaultPort on the address this host reaches
 	// the first endpoint from. Unused with another Transport.
 	Listen string
@@ -51,7 +52,7 @@ type Config struct {
 	Resume int64
 	// OnLease, if set, is told of every lease the node joins under.
 	OnLease func(lease int64)
-	// Advertise is the host:port peers reach the gRPC piece server at;
+	// Advertise is the host:port peers reach the piece server at;
 	// default the address Listen bound, which must then name a host.
 	Advertise string
 	// Credentials authenticate this node to etcd and to its peers, and
@@ -71,7 +72,7 @@ type Config struct {
 	// (DefaultParallel if 0); PerPeer how many of them from one peer
 	// (DefaultPerPeer if 0).
 	Parallel, PerPeer int
-	// MaxUploads is how many pieces the GRPC piece server sends at once
+	// MaxUploads is how many pieces the Stream piece server sends at once
 	// (transport.DefaultMaxUploads if 0); it refuses more, and the peer
 	// asks another holder.
 	MaxUploads int
@@ -79,7 +80,7 @@ type Config struct {
 	// a holder of a piece it misses before it fails with ErrNoHolder
 	// (DefaultNoHolderWait if 0).
 	NoHolderWait time.Duration
-	// Transport moves pieces: a GRPC transport on Listen and Advertise
+	// Transport moves pieces: a Stream transport on Listen and Advertise
 	// over Credentials if nil. Join starts it and peers reach the node at
 	// its Addr; Join (when it fails) or Close closes it.
 	Transport transport.Transport
@@ -109,9 +110,13 @@ type Node struct {
 	sessErr    error                // why not joined, while sess is nil
 	sessChange chan struct{}        // closed and replaced when sess changes
 	held       map[string]*held     // contents served, by ID
-	gen        uint64               // last generation given to a change of held
-	epoch      uint64               // counts leases: a write under an older one is void
-	closed     bool
+	// offered: the daemon has offered what it recovered (Offered), or
+	// takes over from none (Config.Resume 0); until then a content not
+	// held may be one not offered yet.
+	offered bool
+	gen     uint64 // last generation given to a change of held
+	epoch   uint64 // counts leases: a write under an older one is void
+	closed  bool
 
 	// last is the lease of run's last session, which Close revokes (run
 	// sets it as it ends: Close reads it once run has).
@@ -137,6 +142,14 @@ type nodeInfo struct {
 	Addr string `json:"addr"`
 }
 
+// etcdConnectParams bound gRPC's reconnection backoff to etcd to a few
+// seconds, so that etcd, back, is reached again at once, not after a
+// backoff grown to minutes.
+var etcdConnectParams = grpc.ConnectParams{
+	Backoff:           backoff.Config{BaseDelay: 250 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: 2 * time.Second},
+	MinConnectTimeout: 5 * time.Second,
+}
+
 // Join makes this daemon a node of the cluster cfg names: it starts the
 // piece server and returns; the node registers itself, renews its lease and
 // announces what it holds in the background, and keeps trying while etcd
@@ -157,7 +170,7 @@ func Join(cfg Config) (*Node, error) {
 		DialKeepAliveTimeout: cfg.Timeout,
 		TLS:                  cfg.Credentials.ClientConfig(""),
 		Logger:               zap.NewNop(), // failures are logged here, with what they stop
-		DialOptions:          []grpc.DialOption{grpc.WithConnectParams(transport.ConnectParams())},
+		DialOptions:          []grpc.DialOption{grpc.WithConnectParams(etcdConnectParams)},
 	})
 	if err != nil {
 		cfg.Transport.Close()
@@ -173,6 +186,7 @@ func Join(cfg Config) (*Node, error) {
 		sessErr:    fmt.Errorf("%w: node %s has not joined yet (it joins in the background: tensorfs status says when it has)", ErrUnavailable, cfg.Node),
 		sessChange: make(chan struct{}),
 		held:       map[string]*held{},
+		offered:    cfg.Resume == 0,
 	}
 	n.ctx, n.cancel = context.WithCancel(context.Background())
 	if err := n.tr.Start(n); err != nil {
@@ -242,7 +256,7 @@ func (cfg *Config) fill() error {
 		cfg.Log = slog.New(slog.DiscardHandler)
 	}
 	if cfg.Transport == nil {
-		tr, err := transport.NewGRPC(transport.Config{Listen: cfg.Listen, Listener: cfg.Listener, Advertise: cfg.Advertise, Credentials: cfg.Credentials, MaxUploads: cfg.MaxUploads, Log: cfg.Log})
+		tr, err := transport.NewStream(transport.Config{Listen: cfg.Listen, Listener: cfg.Listener, Advertise: cfg.Advertise, Credentials: cfg.Credentials, MaxUploads: cfg.MaxUploads, Log: cfg.Log})
 		if err != nil {
 			return fmt.Errorf("%w: cluster: %v", ErrInvalid, err)
 		}

@@ -116,6 +116,7 @@ func (c *clusterFS) start() {
 	for cid, size := range c.fsys.pulled.served() {
 		c.node.Offer(cid, c.fsys.pulled.source(cid), size)
 	}
+	c.node.Offered()
 	c.wg.Add(1)
 	go func() {
 		defer c.wg.Done()

@@ -6,13 +6,13 @@
 // a piece into the Dest it is given, at their offset. Which piece to ask
 // for, from whom, and whether the bytes are right is the cluster
 // package's business (it verifies every piece against its published hash,
-// reading it back from the destination).
+// as the bytes are written to the destination).
 //
-// Transport is the seam for other engines: GRPC is the implementation here
-// (mutual TLS with the cluster's CA, one HTTP/2 connection per peer, a
-// server stream per piece). An RDMA engine such as NIXL or Mooncake's
-// Transfer Engine fits the same interface: it owns its endpoint (Start,
-// Addr), registers the destination file (Dest.File, an *os.File in the
+// Transport is the seam for other engines: Stream is the implementation
+// here (mutual TLS with the cluster's CA, a minimal frame per piece on
+// connections kept open between fetches; frame.go has the protocol). An
+// RDMA engine such as NIXL or Mooncake's Transfer Engine fits the same
+// interface: it owns its endpoint (Start, Addr), registers the destination file (Dest.File, an *os.File in the
 // daemon) and has the peer write the piece's bytes straight into it.
 // Package fake is an in-memory one for tests.
 package transport
@@ -43,7 +43,8 @@ type Source interface {
 	// is called once the server has a slot for the piece, so a server
 	// holds at most its bound on pieces sent at once. It returns an error
 	// (ErrNotServed, wrapped) for a piece the node does not serve: one
-	// not published, not held, or not verified.
+	// not published, not held, or not verified; ErrBusy for one it
+	// cannot tell yet (the peer asks again later).
 	Piece(p Piece) ([]byte, error)
 }
 
@@ -101,7 +102,8 @@ var (
 	// ErrNotServed is returned when the peer does not serve the piece.
 	ErrNotServed = errors.New("piece not served by this node")
 	// ErrBusy is returned when the peer sends as many pieces as it may
-	// at once (its MaxUploads): ask it again later, or ask another.
+	// at once (its MaxUploads), or is starting and does not know yet
+	// what it holds: ask it again later, or ask another.
 	ErrBusy = errors.New("peer busy")
 	// ErrUnreachable is returned when the peer cannot be reached, dies
 	// mid-stream, stalls, sends more than the piece, or refuses this

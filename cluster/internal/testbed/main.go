@@ -181,7 +181,7 @@ func runFetch(args []string) error {
 	if err != nil {
 		return err
 	}
-	tr, err := transport.NewGRPC(transport.Config{Credentials: c})
+	tr, err := transport.NewStream(transport.Config{Credentials: c})
 	if err != nil {
 		return err
 	}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -77,8 +78,8 @@ func certs(t testing.TB, names ...string) (map[string]*Credentials, *Credentials
 }
 
 // serve starts a transport with creds serving src on a loopback port.
-func serve(t testing.TB, creds *Credentials, src Source) (*GRPC, string) {
-	g, err := NewGRPC(Config{Listen: "127.0.0.1:0", Credentials: creds, Log: testLog(t)})
+func serve(t testing.TB, creds *Credentials, src Source) (*Stream, string) {
+	g, err := NewStream(Config{Listen: "127.0.0.1:0", Credentials: creds, Log: testLog(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -90,8 +91,8 @@ func serve(t testing.TB, creds *Credentials, src Source) (*GRPC, string) {
 }
 
 // client returns a transport with creds that only fetches.
-func client(t testing.TB, creds *Credentials) *GRPC {
-	g, err := NewGRPC(Config{Credentials: creds, Log: testLog(t)})
+func client(t testing.TB, creds *Credentials) *Stream {
+	g, err := NewStream(Config{Credentials: creds, Log: testLog(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,7 +121,7 @@ func randomBytes(t testing.TB, n int) []byte {
 	return b
 }
 
-func TestGRPCFetch(t *testing.T) {
+func TestStreamFetch(t *testing.T) {
 	creds, _ := certs(t, "node1", "node2")
 	src := &memSource{content: "c1", data: randomBytes(t, 5<<20+123), pieceSize: 2 << 20}
 	_, addr := serve(t, creds["node1"], src)
@@ -176,14 +177,14 @@ func (s stallSource) Piece(p Piece) ([]byte, error) {
 	return make([]byte, 1<<10), nil
 }
 
-// TestGRPCIdle checks that a fetch from a peer that sends nothing fails
+// TestStreamIdle checks that a fetch from a peer that sends nothing fails
 // with ErrUnreachable after the idle timeout.
-func TestGRPCIdle(t *testing.T) {
+func TestStreamIdle(t *testing.T) {
 	creds, _ := certs(t, "node1", "node2")
 	src := stallSource{release: make(chan struct{})}
 	defer close(src.release)
 	_, addr := serve(t, creds["node1"], src)
-	g, err := NewGRPC(Config{Credentials: creds["node2"], Idle: 200 * time.Millisecond, Log: testLog(t)})
+	g, err := NewStream(Config{Credentials: creds["node2"], Idle: 200 * time.Millisecond, Log: testLog(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -197,19 +198,19 @@ func TestGRPCIdle(t *testing.T) {
 	}
 }
 
-// TestGRPCConfig checks the configurations NewGRPC refuses.
-func TestGRPCConfig(t *testing.T) {
+// TestStreamConfig checks the configurations NewStream refuses.
+func TestStreamConfig(t *testing.T) {
 	creds, _ := certs(t, "node1")
 	for _, cfg := range []Config{
 		{Listen: "0.0.0.0:0", Credentials: creds["node1"]},
 		{Listen: ":7070", Credentials: creds["node1"]},
 		{Listen: "127.0.0.1:0"},
 	} {
-		if _, err := NewGRPC(cfg); err == nil {
-			t.Errorf("NewGRPC accepted listen %q, credentials %v", cfg.Listen, cfg.Credentials != nil)
+		if _, err := NewStream(cfg); err == nil {
+			t.Errorf("NewStream accepted listen %q, credentials %v", cfg.Listen, cfg.Credentials != nil)
 		}
 	}
-	g, err := NewGRPC(Config{Listen: "0.0.0.0:0", Advertise: "node1.example:7070", Credentials: creds["node1"]})
+	g, err := NewStream(Config{Listen: "0.0.0.0:0", Advertise: "node1.example:7070", Credentials: creds["node1"]})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -219,10 +220,10 @@ func TestGRPCConfig(t *testing.T) {
 	}
 }
 
-// TestGRPCRefusesOutsiders checks mutual TLS: a client without a
+// TestStreamRefusesOutsiders checks mutual TLS: a client without a
 // certificate of the cluster cannot fetch, a server without one cannot
 // offer, and a member cannot pass for another node.
-func TestGRPCRefusesOutsiders(t *testing.T) {
+func TestStreamRefusesOutsiders(t *testing.T) {
 	creds, foreign := certs(t, "node1", "node2")
 	src := &memSource{content: "c1", data: randomBytes(t, 1000), pieceSize: 1 << 20}
 	_, addr := serve(t, creds["node1"], src)
@@ -261,17 +262,17 @@ func TestCheckName(t *testing.T) {
 	}
 }
 
-// BenchmarkGRPCLoopback measures one stream of 8 MiB pieces over loopback
+// BenchmarkStreamLoopback measures one stream of 8 MiB pieces over loopback
 // with TLS: the transport's ceiling on this machine, and the CPU both
 // ends spend per GiB (cpu-s/GiB: the process's user and system time,
 // which a busy machine's other work does not inflate as it does the
 // time per piece).
-func BenchmarkGRPCLoopback(b *testing.B) {
+func BenchmarkStreamLoopback(b *testing.B) {
 	creds, _ := certs(b, "node1", "node2")
 	const pieceSize = 8 << 20
 	src := &memSource{content: "c1", data: randomBytes(b, pieceSize), pieceSize: pieceSize}
 	_, addr := serve(b, creds["node1"], src)
-	client, err := NewGRPC(Config{Credentials: creds["node2"]})
+	client, err := NewStream(Config{Credentials: creds["node2"]})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -297,13 +298,13 @@ func cpuTime(b *testing.B) time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
-// TestGRPCBusy checks the bound on pieces sent at once: with one piece
+// TestStreamBusy checks the bound on pieces sent at once: with one piece
 // stalled in flight, a server of one slot refuses another with ErrBusy,
 // and serves again once the first is sent.
-func TestGRPCBusy(t *testing.T) {
+func TestStreamBusy(t *testing.T) {
 	creds, _ := certs(t, "node1", "node2")
 	src := stallSource{release: make(chan struct{}), reading: make(chan struct{}, 1)}
-	g, err := NewGRPC(Config{Listen: "127.0.0.1:0", Credentials: creds["node1"], MaxUploads: 1, Log: testLog(t)})
+	g, err := NewStream(Config{Listen: "127.0.0.1:0", Credentials: creds["node1"], MaxUploads: 1, Log: testLog(t)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -328,5 +329,127 @@ func TestGRPCBusy(t *testing.T) {
 	}
 	if _, err := c.Fetch(context.Background(), peer, piece, discard(1<<10)); err != nil {
 		t.Fatalf("a fetch once the slot is free: %v", err)
+	}
+}
+
+// countingListener counts the connections it accepts.
+type countingListener struct {
+	net.Listener
+	accepted chan struct{}
+}
+
+func (l countingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		l.accepted <- struct{}{}
+	}
+	return c, err
+}
+
+// TestStreamKeepsConnections checks that fetches from a peer share one
+// connection, and that a kept connection the peer closed meanwhile (a
+// daemon that restarted) is replaced, not an error.
+func TestStreamKeepsConnections(t *testing.T) {
+	creds, _ := certs(t, "node1", "node2")
+	src := &memSource{content: "c1", data: randomBytes(t, 3<<20), pieceSize: 1 << 20}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := countingListener{l, make(chan struct{}, 10)}
+	server, err := NewStream(Config{Listener: first, Credentials: creds["node1"], Log: testLog(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := server.Start(src); err != nil {
+		t.Fatal(err)
+	}
+	c := client(t, creds["node2"])
+	peer := Peer{Name: "node1", Addr: server.Addr()}
+	fetch := func(i int) {
+		t.Helper()
+		dst := make(memFile, src.pieceSize)
+		if n, err := c.Fetch(context.Background(), peer, Piece{Content: "c1", Index: i}, Dest{File: dst, Len: src.pieceSize}); err != nil || !bytes.Equal(dst[:n], src.data[int64(i)*src.pieceSize:][:src.pieceSize]) {
+			t.Fatalf("piece %d: %d bytes, %v", i, n, err)
+		}
+	}
+	for i := range 3 {
+		fetch(i)
+	}
+	if n := len(first.accepted); n != 1 {
+		t.Fatalf("3 fetches one after another took %d connections; want 1", n)
+	}
+	server.Close()
+	l2, err := net.Listen("tcp", peer.Addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	second := countingListener{l2, make(chan struct{}, 10)}
+	restarted, err := NewStream(Config{Listener: second, Credentials: creds["node1"], Log: testLog(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer restarted.Close()
+	if err := restarted.Start(src); err != nil {
+		t.Fatal(err)
+	}
+	fetch(1)
+	if n := len(second.accepted); n != 1 {
+		t.Fatalf("the restarted server accepted %d connections; want 1", n)
+	}
+}
+
+// TestStreamRefusesOtherProtocols checks that the server refuses a
+// member's connection that does not speak the piece protocol (a gRPC
+// peer of an earlier version: ALPN h2), ends one that sends a malformed
+// request, and serves the next.
+func TestStreamRefusesOtherProtocols(t *testing.T) {
+	creds, _ := certs(t, "node1", "node2")
+	src := &memSource{content: "c1", data: randomBytes(t, 1000), pieceSize: 1 << 20}
+	_, addr := serve(t, creds["node1"], src)
+	dial := func(proto string) (*tls.Conn, error) {
+		cfg := creds["node2"].ClientConfig("node1")
+		cfg.NextProtos = []string{proto}
+		return tls.Dial("tcp", addr, cfg)
+	}
+	if c, err := dial("h2"); err == nil {
+		err = c.Handshake()
+		c.Close()
+		if err == nil {
+			t.Fatal("a connection for h2 was accepted")
+		}
+	}
+	c, err := dial(Protocol)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write([]byte{0, 0, 0, 0, 0}); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := c.Read(make([]byte, 1)); err == nil {
+		t.Fatalf("a malformed request was answered (%d bytes)", n)
+	}
+	if _, err := client(t, creds["node2"]).Fetch(context.Background(), Peer{Name: "node1", Addr: addr}, Piece{Content: "c1"}, discard(1000)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// busySource is starting: it cannot tell yet whether it serves a piece.
+type busySource struct{}
+
+func (busySource) Piece(p Piece) ([]byte, error) {
+	return nil, fmt.Errorf("piece %d of %s: %w (starting)", p.Index, p.Content, ErrBusy)
+}
+
+// TestStreamSourceBusy checks that a source's ErrBusy reaches the peer
+// as ErrBusy (ask again later), not as ErrNotServed.
+func TestStreamSourceBusy(t *testing.T) {
+	creds, _ := certs(t, "node1", "node2")
+	_, addr := serve(t, creds["node1"], busySource{})
+	_, err := client(t, creds["node2"]).Fetch(context.Background(), Peer{Name: "node1", Addr: addr}, Piece{Content: "c1"}, discard(1000))
+	if !errors.Is(err, ErrBusy) || errors.Is(err, ErrNotServed) {
+		t.Fatalf("a busy source: %v; want ErrBusy", err)
 	}
 }

@@ -1,0 +1,518 @@
+package transport
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"time"
+)
+
+// Defaults of Config.
+const (
+	// DefaultIdle is how long a fetch may receive nothing before it fails.
+	DefaultIdle = 10 * time.Second
+	// DefaultMaxUploads is how many pieces a node sends at once.
+	DefaultMaxUploads = 4
+)
+
+// Connection timeouts and buffers.
+const (
+	// handshakeTimeout bounds a TLS handshake, on either side.
+	handshakeTimeout = 10 * time.Second
+	// serverIdle is how long a server keeps a connection that asks for
+	// nothing; keptIdle, shorter, how long a client keeps one unused.
+	serverIdle = 2 * time.Minute
+	keptIdle   = time.Minute
+	// maxServed is how many connections the server holds at once; it
+	// closes more as it accepts them.
+	maxServed = 512
+	// sendSlice is how much of a piece one write sends (the write
+	// deadline is the idle timeout, for each).
+	sendSlice = 1 << 20
+	// readChunk is how much of a piece is read before it is written to
+	// its destination: small enough to stay in the CPU's cache between
+	// the two (the destination may hash it as it writes).
+	readChunk = 256 << 10
+)
+
+// Config says where a Stream transport listens and how it authenticates.
+type Config struct {
+	// Listen is the host:port to listen on (port 0 picks one); "" for a
+	// transport that only fetches.
+	Listen string
+	// Listener, if set, is the socket to serve on instead of a new one
+	// on Listen: an earlier daemon's, which its successor takes over.
+	Listener net.Listener
+	// Advertise is the host:port peers reach this node at; default the
+	// address Listen bound, which must then name a host.
+	Advertise string
+	// Credentials authenticate this node to its peers and them to it.
+	Credentials *Credentials
+	// Idle ends a fetch that has received nothing for this long
+	// (DefaultIdle if 0).
+	Idle time.Duration
+	// MaxUploads is how many pieces the server sends at once; it refuses
+	// more (ErrBusy to the peer). DefaultMaxUploads if 0.
+	MaxUploads int
+	// Log receives what the transport does (nothing if nil).
+	Log *slog.Logger
+}
+
+// Stream is the transport of tensorfs's nodes: the piece protocol
+// (Protocol, frame.go) over mutual-TLS connections with the cluster's
+// credentials, one fetch at a time on each, kept open between fetches.
+// The piece's bytes go from the server's buffer through TLS into the
+// client's destination with no framing but one header, written a batch
+// of records a system call (batchConn) and read by the fetching
+// goroutine itself.
+type Stream struct {
+	cfg    Config
+	server *tls.Config   // with Protocol
+	slots  chan struct{} // one per piece being sent
+	served chan struct{} // one per connection served
+
+	mu       sync.Mutex
+	src      Source                 // nil until Start
+	listener net.Listener           // nil until Start
+	addr     string                 // advertised address; "" until Start
+	idle     map[Peer][]*streamConn // client connections kept for the next fetch
+	open     map[net.Conn]bool      // every connection, either side, until closed
+	closed   bool
+	serving  sync.WaitGroup // the server's goroutines
+}
+
+var _ Transport = (*Stream)(nil)
+
+// streamConn is a client connection to a peer.
+type streamConn struct {
+	*tls.Conn
+	raw  net.Conn  // the TCP connection, closed to end a fetch at once
+	kept time.Time // when it was last kept idle
+}
+
+// NewStream returns a Stream transport configured by cfg. It refuses a
+// listen address that names no host (0.0.0.0, ::) without an Advertise
+// address.
+func NewStream(cfg Config) (*Stream, error) {
+	if cfg.Credentials == nil {
+		return nil, errors.New("transport: no credentials")
+	}
+	if cfg.Listen != "" && cfg.Advertise == "" {
+		host, _, err := net.SplitHostPort(cfg.Listen)
+		if ip := net.ParseIP(host); err != nil || host == "" || ip != nil && ip.IsUnspecified() {
+			return nil, fmt.Errorf("transport: the piece server listens on %s: set the address peers reach it at (Advertise)", cfg.Listen)
+		}
+	}
+	if cfg.Idle <= 0 {
+		cfg.Idle = DefaultIdle
+	}
+	if cfg.MaxUploads <= 0 {
+		cfg.MaxUploads = DefaultMaxUploads
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	server := cfg.Credentials.ServerConfig()
+	server.NextProtos = []string{Protocol}
+	server.DynamicRecordSizingDisabled = true
+	return &Stream{cfg: cfg, server: server, slots: make(chan struct{}, cfg.MaxUploads), served: make(chan struct{}, maxServed),
+		idle: map[Peer][]*streamConn{}, open: map[net.Conn]bool{}}, nil
+}
+
+// ListenerFile returns a duplicate of the socket the server listens on,
+// for a successor daemon to serve on (Config.Listener).
+func (s *Stream) ListenerFile() (*os.File, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	tl, ok := s.listener.(*net.TCPListener)
+	if !ok {
+		return nil, errors.New("transport: not listening on TCP")
+	}
+	return tl.File()
+}
+
+// Start implements Transport: it listens on Config.Listen.
+func (s *Stream) Start(src Source) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case s.closed:
+		return net.ErrClosed
+	case s.listener != nil:
+		return errors.New("transport: already started")
+	case s.cfg.Listen == "" && s.cfg.Listener == nil:
+		return errors.New("transport: no listen address")
+	}
+	l := s.cfg.Listener
+	if l == nil {
+		var err error
+		if l, err = net.Listen("tcp", s.cfg.Listen); err != nil {
+			return fmt.Errorf("transport: piece server: %w", err)
+		}
+	}
+	s.src, s.listener = src, l
+	s.addr = s.cfg.Advertise
+	if s.addr == "" {
+		s.addr = l.Addr().String()
+	}
+	s.serving.Add(1)
+	go s.accept(l)
+	return nil
+}
+
+// Addr implements Transport.
+func (s *Stream) Addr() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.addr
+}
+
+// accept serves the connections l accepts until it is closed.
+func (s *Stream) accept(l net.Listener) {
+	defer s.serving.Done()
+	for {
+		raw, err := l.Accept()
+		if err != nil {
+			if s.isClosed() || errors.Is(err, net.ErrClosed) {
+				return
+			}
+			// Out of descriptors, say: the connections served end and
+			// free some.
+			s.cfg.Log.Warn("cluster: the piece server cannot accept a connection", "addr", l.Addr(), "err", err)
+			time.Sleep(100 * time.Millisecond)
+			continue
+		}
+		select {
+		case s.served <- struct{}{}:
+		default:
+			s.cfg.Log.Warn("cluster: the piece server holds as many connections as it may; closed a new one", "remote", raw.RemoteAddr(), "max", maxServed)
+			raw.Close()
+			continue
+		}
+		if !s.track(raw) {
+			<-s.served
+			return
+		}
+		s.serving.Add(1)
+		go s.serve(raw)
+	}
+}
+
+// serve answers the requests of one connection until it ends: fails its
+// handshake, asks for nothing for serverIdle, breaks the protocol, or the
+// transport closes.
+func (s *Stream) serve(raw net.Conn) {
+	defer s.serving.Done()
+	defer func() { <-s.served }()
+	defer s.untrack(raw)
+	bc := newBatchConn(raw, 4<<10)
+	c := tls.Server(bc, s.server)
+	raw.SetDeadline(time.Now().Add(handshakeTimeout))
+	if err := c.Handshake(); err != nil {
+		s.cfg.Log.Info("cluster: refused a peer's connection", "remote", raw.RemoteAddr(), "err", err)
+		return
+	}
+	peer := c.ConnectionState().PeerCertificates[0].Subject.CommonName
+	for {
+		raw.SetDeadline(time.Now().Add(serverIdle))
+		p, err := readRequest(c)
+		if err != nil {
+			if !errors.Is(err, io.EOF) && !s.isClosed() {
+				s.cfg.Log.Info("cluster: ended a peer's connection", "peer", peer, "remote", raw.RemoteAddr(), "err", err)
+			}
+			return
+		}
+		if err := s.send(c, bc, raw, p); err != nil {
+			if !s.isClosed() {
+				s.cfg.Log.Info("cluster: sending a piece failed", "peer", peer, "content", p.Content, "piece", p.Index, "err", err)
+			}
+			return
+		}
+	}
+}
+
+// send answers the request for p on c: the piece's bytes, or a refusal
+// (statusBusy while every slot is taken, statusNotServed for a piece the
+// source does not serve). A peer that takes nothing for the idle timeout
+// fails it.
+func (s *Stream) send(c *tls.Conn, bc *batchConn, raw net.Conn, p Piece) error {
+	raw.SetDeadline(time.Now().Add(s.cfg.Idle))
+	select {
+	case s.slots <- struct{}{}:
+		defer func() { <-s.slots }()
+	default:
+		return refuse(c, statusBusy, "sending as many pieces as it may")
+	}
+	b, err := s.src.Piece(p)
+	if err != nil {
+		s.cfg.Log.Info("cluster: refused a piece", "content", p.Content, "piece", p.Index, "err", err)
+		if errors.Is(err, ErrBusy) {
+			return refuse(c, statusBusy, err.Error())
+		}
+		return refuse(c, statusNotServed, err.Error())
+	}
+	bc.batch()
+	defer bc.flush()
+	if _, err := c.Write(appendReplyHeader(nil, statusOK, int64(len(b)))); err != nil {
+		return err
+	}
+	for len(b) > 0 {
+		n := min(len(b), sendSlice)
+		raw.SetWriteDeadline(time.Now().Add(s.cfg.Idle))
+		if _, err := c.Write(b[:n]); err != nil {
+			return err
+		}
+		b = b[n:]
+	}
+	return bc.flush()
+}
+
+// refuse writes a refusal of status with msg (cut to maxMessage).
+func refuse(c *tls.Conn, status byte, msg string) error {
+	msg = msg[:min(len(msg), maxMessage)]
+	_, err := c.Write(append(appendReplyHeader(nil, status, int64(len(msg))), msg...))
+	return err
+}
+
+// Fetch implements Transport. A connection kept from an earlier fetch
+// that fails before the reply begins (the peer closed it while idle, or
+// restarted) is dropped and the request sent again on another.
+func (s *Stream) Fetch(ctx context.Context, peer Peer, p Piece, dst Dest) (int64, error) {
+	req, err := appendRequest(nil, p)
+	if err != nil {
+		return 0, fmt.Errorf("fetch piece %d of %.12s from %s: %w: %v", p.Index, p.Content, peer.Name, ErrNotServed, err)
+	}
+	for {
+		c, kept, err := s.conn(ctx, peer)
+		if err != nil {
+			return 0, s.fetchError(ctx, peer, p, err)
+		}
+		n, replied, err := s.fetchOn(ctx, c, req, dst)
+		if ctx.Err() == nil && (err == nil || errors.Is(err, ErrNotServed) || errors.Is(err, ErrBusy)) {
+			s.keep(peer, c)
+		} else {
+			s.untrack(c.raw)
+			if kept && !replied && ctx.Err() == nil {
+				continue
+			}
+		}
+		if err != nil {
+			return n, s.fetchError(ctx, peer, p, err)
+		}
+		return n, nil
+	}
+}
+
+// fetchOn sends req on c and places the piece it receives in dst. It
+// says whether the peer began its reply. A cancelled ctx closes c.
+func (s *Stream) fetchOn(ctx context.Context, c *streamConn, req []byte, dst Dest) (n int64, replied bool, err error) {
+	stop := context.AfterFunc(ctx, func() { c.raw.Close() })
+	defer func() {
+		if !stop() && err == nil {
+			err = ctx.Err() // closed: not to be kept
+		}
+	}()
+	c.raw.SetDeadline(time.Now().Add(s.cfg.Idle))
+	if _, err := c.Write(req); err != nil {
+		return 0, false, err
+	}
+	var h [replyHeaderSize]byte
+	if _, err := io.ReadFull(c, h[:]); err != nil {
+		return 0, false, err
+	}
+	status, length, err := parseReplyHeader(h)
+	if err != nil {
+		return 0, true, fmt.Errorf("%w: %w", ErrUnreachable, err)
+	}
+	if status != statusOK {
+		msg := make([]byte, length)
+		if _, err := io.ReadFull(c, msg); err != nil {
+			return 0, true, err
+		}
+		kind := ErrNotServed
+		if status == statusBusy {
+			kind = ErrBusy
+		}
+		return 0, true, fmt.Errorf("%w: %s", kind, msg)
+	}
+	if length > dst.Len {
+		return 0, true, fmt.Errorf("%w: the peer sends %d bytes for a piece of %d", ErrUnreachable, length, dst.Len)
+	}
+	n, err = s.receive(c, length, dst)
+	return n, true, err
+}
+
+// receive reads length bytes of a piece from c into dst, a readChunk at a
+// time, failing if nothing comes for the idle timeout.
+func (s *Stream) receive(c *streamConn, length int64, dst Dest) (int64, error) {
+	buf := readBufs.Get().(*[]byte)
+	defer readBufs.Put(buf)
+	var n int64
+	for n < length {
+		b := (*buf)[:min(int64(len(*buf)), length-n)]
+		for k := 0; k < len(b); {
+			c.raw.SetReadDeadline(time.Now().Add(s.cfg.Idle))
+			r, err := c.Read(b[k:])
+			k += r
+			if err == io.EOF {
+				return n, io.ErrUnexpectedEOF
+			}
+			if err != nil {
+				return n, err
+			}
+		}
+		w, err := dst.WriteAt(b, n)
+		n += int64(w)
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+// readBufs are the buffers a piece is received in.
+var readBufs = sync.Pool{New: func() any {
+	b := make([]byte, readChunk)
+	return &b
+}}
+
+// fetchError wraps err in ErrUnreachable unless it is one of Fetch's
+// errors already, or is the context's cause when the caller gave up.
+func (s *Stream) fetchError(ctx context.Context, peer Peer, p Piece, err error) error {
+	switch {
+	case ctx.Err() != nil:
+		err = context.Cause(ctx)
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		err = fmt.Errorf("%w: nothing received for %v", ErrUnreachable, s.cfg.Idle)
+	case !errors.Is(err, ErrNotServed) && !errors.Is(err, ErrBusy) && !errors.Is(err, ErrUnreachable) && !errors.Is(err, ErrDest):
+		err = fmt.Errorf("%w: %w", ErrUnreachable, err)
+	}
+	return fmt.Errorf("fetch piece %d of %.12s from %s (%s): %w", p.Index, p.Content, peer.Name, peer.Addr, err)
+}
+
+// conn returns a connection to peer: one kept from an earlier fetch
+// (kept), or a new one.
+func (s *Stream) conn(ctx context.Context, peer Peer) (c *streamConn, kept bool, err error) {
+	if c := s.kept(peer); c != nil {
+		return c, true, nil
+	}
+	d := net.Dialer{Timeout: handshakeTimeout}
+	raw, err := d.DialContext(ctx, "tcp", peer.Addr)
+	if err != nil {
+		return nil, false, err
+	}
+	if !s.track(raw) {
+		return nil, false, net.ErrClosed
+	}
+	cfg := s.cfg.Credentials.ClientConfig(peer.Name)
+	cfg.MinVersion = tls.VersionTLS13
+	cfg.NextProtos = []string{Protocol}
+	tc := tls.Client(newBatchConn(raw, batchSize), cfg)
+	hctx, cancel := context.WithTimeout(ctx, handshakeTimeout)
+	defer cancel()
+	if err := tc.HandshakeContext(hctx); err != nil {
+		s.untrack(raw)
+		return nil, false, err
+	}
+	if proto := tc.ConnectionState().NegotiatedProtocol; proto != Protocol {
+		s.untrack(raw)
+		return nil, false, fmt.Errorf("the peer speaks %q, not %s", proto, Protocol)
+	}
+	return &streamConn{Conn: tc, raw: raw}, false, nil
+}
+
+// kept returns the connection to peer kept last, if any (one kept longer
+// than keptIdle fails before its reply begins at worst, and is replaced).
+func (s *Stream) kept(peer Peer) *streamConn {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	cs := s.idle[peer]
+	if len(cs) == 0 {
+		return nil
+	}
+	s.idle[peer] = cs[:len(cs)-1]
+	return cs[len(cs)-1]
+}
+
+// keep keeps c for the next fetch from peer, or closes it if the
+// transport is closed; it closes the connections to any peer kept for
+// keptIdle or longer.
+func (s *Stream) keep(peer Peer, c *streamConn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		c.raw.Close()
+		return
+	}
+	for p, cs := range s.idle {
+		fresh := cs[:0]
+		for _, k := range cs {
+			if time.Since(k.kept) < keptIdle {
+				fresh = append(fresh, k)
+			} else {
+				k.raw.Close()
+				delete(s.open, k.raw)
+			}
+		}
+		if s.idle[p] = fresh; len(fresh) == 0 {
+			delete(s.idle, p)
+		}
+	}
+	c.kept = time.Now()
+	s.idle[peer] = append(s.idle[peer], c)
+}
+
+// track records c as open, so that Close closes it; false (and c closed)
+// if the transport is closed.
+func (s *Stream) track(c net.Conn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		c.Close()
+		return false
+	}
+	s.open[c] = true
+	return true
+}
+
+// untrack closes c and forgets it.
+func (s *Stream) untrack(c net.Conn) {
+	c.Close()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.open, c)
+}
+
+// isClosed reports whether Close was called.
+func (s *Stream) isClosed() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.closed
+}
+
+// Close implements Transport: it closes the listener and every
+// connection, and waits for the server's goroutines to end.
+func (s *Stream) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	if s.listener != nil {
+		s.listener.Close()
+	}
+	for c := range s.open {
+		c.Close()
+	}
+	s.open, s.idle = nil, nil
+	s.mu.Unlock()
+	s.serving.Wait()
+	return nil
+}
