@@ -29,11 +29,7 @@ func TestHandoverInheritedHandles(t *testing.T) {
 	for _, crashed := range []bool{false, true} {
 		t.Run(map[bool]string{true: "crash", false: "restart"}[crashed], func(t *testing.T) {
 			b := newHandoverBed(t)
-			if err := os.Chmod(b.store.Dir, 0o1777); err != nil {
-				t.Fatal(err)
-			}
-			d := b.daemon(0, nil)
-			d.fsys.allowOther = true
+			d := b.usersDaemon()
 			root := uint64(fuse.FUSE_ROOT_ID)
 			seg, segFh := d.create(t, root, "seg", bedUser, false)
 			d.write(t, seg, segFh, "hello")

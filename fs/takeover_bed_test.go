@@ -103,6 +103,19 @@ func (b *handoverBed) holds(node uint64) bool {
 	return false
 }
 
+// usersDaemon is the bed's first daemon, serving other users (as
+// --allow-other does) on a backing whose root is 1777, for the tests of
+// users' handles and imports.
+func (b *handoverBed) usersDaemon() *bedDaemon {
+	b.t.Helper()
+	if err := os.Chmod(b.store.Dir, 0o1777); err != nil {
+		b.t.Fatal(err)
+	}
+	d := b.daemon(0, nil)
+	d.fsys.allowOther = true
+	return d
+}
+
 // daemon starts the filesystem of generation gen on the backing, its
 // journal kept by b; rec is what recovery found (nil: nothing).
 func (b *handoverBed) daemon(gen uint64, rec *Recovered) *bedDaemon {

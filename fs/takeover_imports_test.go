@@ -26,11 +26,7 @@ func TestHandoverImports(t *testing.T) {
 	for _, crashed := range []bool{false, true} {
 		t.Run(map[bool]string{true: "crash", false: "restart"}[crashed], func(t *testing.T) {
 			b := newHandoverBed(t)
-			if err := os.Chmod(b.store.Dir, 0o1777); err != nil {
-				t.Fatal(err)
-			}
-			d := b.daemon(0, nil)
-			d.fsys.allowOther = true
+			d := b.usersDaemon()
 			imp := func(name string) Import {
 				t.Helper()
 				f := memfd(t, "tensor "+name)
@@ -137,11 +133,7 @@ func TestHandoverLateImport(t *testing.T) {
 		t.Skip("the import is a user's: the test needs root")
 	}
 	b := newHandoverBed(t)
-	if err := os.Chmod(b.store.Dir, 0o1777); err != nil {
-		t.Fatal(err)
-	}
-	d := b.daemon(0, nil)
-	d.fsys.allowOther = true
+	d := b.usersDaemon()
 	dir := filepath.Join(b.store.Dir, "u")
 	if err := os.Mkdir(dir, 0o755); err != nil {
 		t.Fatal(err)

@@ -31,10 +31,7 @@ import (
 func TestRestartGPUFailedAfterClaim(t *testing.T) {
 	t.Parallel()
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
-		reachable(t, m.dir)
-		dir := m.path("gpu")
-		stickyDir(t, dir)
-		gtSetDevice(t, dir, "cuda:0")
+		dir := usersGPUDir(t, m)
 		seg, gone := filepath.Join(dir, "w"), filepath.Join(dir, "gone")
 		if out, err := runAs(t, userA, "/", "sh", "-c", "head -c 1000003 /dev/urandom >"+seg+" && truncate -s 1M "+gone); err != nil {
 			t.Fatalf("user A writes GPU segments: %v\n%s", err, out)

@@ -43,10 +43,7 @@ for line in sys.stdin:
 func TestRestartGPUOrphan(t *testing.T) {
 	t.Parallel()
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
-		reachable(t, m.dir)
-		dir := m.path("gpu")
-		stickyDir(t, dir)
-		gtSetDevice(t, dir, "cuda:0")
+		dir := usersGPUDir(t, m)
 		seg := filepath.Join(dir, "orphan")
 		const n = gtMiB + 3
 		if out, err := runAs(t, userA, "/", "touch", seg); err != nil {

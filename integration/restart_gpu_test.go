@@ -101,6 +101,17 @@ func rgCrash(t *testing.T, m *mount) {
 	m.pid = m.daemonPid(t)
 }
 
+// usersGPUDir makes m's directory "gpu", sticky and open to every user
+// (the mount reachable by them too), for cuda:0 segments.
+func usersGPUDir(t *testing.T, m *mount) string {
+	t.Helper()
+	reachable(t, m.dir)
+	dir := m.path("gpu")
+	stickyDir(t, dir)
+	gtSetDevice(t, dir, "cuda:0")
+	return dir
+}
+
 // TestRestartGPUSegments: a GPU segment of user A, held open by A's
 // consumer (with its counter) and mapped by root's through the IPC
 // handle, a removed one whose memory waits in limbo for its counter, and
@@ -112,10 +123,7 @@ func rgCrash(t *testing.T, m *mount) {
 func TestRestartGPUSegments(t *testing.T) {
 	t.Parallel()
 	forEachModeParallel(t, func(t *testing.T, m *mount) {
-		reachable(t, m.dir)
-		dir := m.path("gpu")
-		stickyDir(t, dir)
-		gtSetDevice(t, dir, "cuda:0")
+		dir := usersGPUDir(t, m)
 		seg, gone, shrunk := filepath.Join(dir, "w"), filepath.Join(dir, "gone"), filepath.Join(dir, "shrunk")
 		const n = 3*gtMiB + 11
 		if out, err := runAs(t, userA, "/", "sh", "-c", fmt.Sprintf("head -c %d /dev/urandom >%s && truncate -s 2M %s %s", n, seg, gone, shrunk)); err != nil {
