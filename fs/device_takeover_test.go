@@ -49,6 +49,14 @@ func TestClaimDevicesLimbo(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// A successor that never served leaves the counters to its
+	// predecessor (spill); this one has none, so the test removes them
+	// (their tmpfs is mounted under /run/tensorfs, not in TempDir).
+	t.Cleanup(func() {
+		if err := d.counters.RemoveAll(); err != nil {
+			t.Errorf("counters: %v", err)
+		}
+	})
 	fsys.gpu = d
 	counted, err := d.counters.New() // a predecessor's counter of a removed segment
 	if err != nil {
