@@ -81,23 +81,33 @@ func daemonGone(name, mount, dir string, err error) error {
 }
 
 // servingPid returns the pid of the daemon that answers on the control
-// socket of the mount at mount, 0 if none does.
+// socket of the mount at mount, 0 if none does. A mount that answers
+// while its socket does not yet is being taken over (a successor serves
+// the mount a moment before it listens): its socket gets successorWait.
 func servingPid(mount string) int {
 	sock, ok, _ := alloc.GetXattr(mount, alloc.AttrSocket)
 	if !ok {
 		return 0
 	}
-	c, err := ctl.Dial(string(sock))
-	if err != nil {
-		return 0
+	for deadline := time.Now().Add(successorWait); ; time.Sleep(50 * time.Millisecond) {
+		c, err := ctl.Dial(string(sock))
+		if err == nil {
+			defer c.Close()
+			cred, err := c.Peer()
+			if err != nil {
+				return 0
+			}
+			return int(cred.Pid)
+		}
+		if time.Now().After(deadline) {
+			return 0
+		}
 	}
-	defer c.Close()
-	cred, err := c.Peer()
-	if err != nil {
-		return 0
-	}
-	return int(cred.Pid)
 }
+
+// successorWait is how long servingPid waits for the control socket of a
+// mount that answers.
+const successorWait = 5 * time.Second
 
 func runPull(args []string, stdout, stderr io.Writer) int {
 	set := flag.NewFlagSet("tensorfs pull", flag.ContinueOnError)
