@@ -441,6 +441,17 @@ def _write_all(fd, buf):
 
 
 def _unlink_quietly(path):
+    """Remove a temporary segment of ours, its space free when this returns.
+
+    It is truncated first: the unlink of a file just closed frees its
+    pages only once the kernel's release of it reaches the daemon, which
+    is after close returned, so a save right after a failed one could
+    find the mount still full.
+    """
+    try:
+        _os.truncate(path, 0)
+    except OSError:
+        pass
     try:
         _os.unlink(path)
     except FileNotFoundError:
