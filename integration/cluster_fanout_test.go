@@ -77,12 +77,21 @@ func testClusterFanOut(t *testing.T, tb *testbed) {
 		lines = append(lines, rel+" "+hex.EncodeToString(sum[:]))
 	}
 	sort.Strings(lines)
+	// A pull's line is logged after the bytes it fetched were served:
+	// count from the first open's, once it is there.
+	eventually(t, "node3's log of the first open's pull", func() (bool, string) {
+		last := lastLine(tb.log(3), "cluster: pull complete")
+		return strings.Contains(last, fmt.Sprintf("bytes=%d ", len(want["big"]))), last
+	})
 	pulls := strings.Count(tb.log(3), "cluster: pull complete")
 	step("a load of the directory", rest, func() {
 		out := pythonAs(t, userA, "/", fanLoadScript, filepath.Join(repoRoot, "python"), n3, "fan")
 		if got := strings.TrimSpace(out); got != strings.Join(lines, "\n") {
 			t.Fatalf("load of node3's fan as user A:\n%s\nwant:\n%s", got, strings.Join(lines, "\n"))
 		}
+	})
+	eventually(t, "node3's log of the load's pull", func() (bool, string) {
+		return strings.Count(tb.log(3), "cluster: pull complete") > pulls, lastLine(tb.log(3), "cluster: pull complete")
 	})
 	log := tb.log(3)
 	if n := strings.Count(log, "cluster: pull complete") - pulls; n != 1 {
