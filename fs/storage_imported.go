@@ -3,8 +3,10 @@ package fs
 import (
 	"cmp"
 	"fmt"
+	"maps"
 	"os"
 	"path"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -210,10 +212,7 @@ func (im *imports) put(id string, uid uint32, fd int, st *unix.Stat_t) *imported
 // the caller owns them.
 func (im *imports) files() map[Import]int {
 	im.mu.RLock()
-	all := make([]*importedFile, 0, len(im.m))
-	for _, in := range im.m {
-		all = append(all, in)
-	}
+	all := slices.Collect(maps.Values(im.m))
 	im.mu.RUnlock()
 	fds := map[Import]int{}
 	for _, in := range all {

@@ -2,6 +2,7 @@ package fs
 
 import (
 	"context"
+	"maps"
 	"slices"
 	"sync"
 	"syscall"
@@ -119,10 +120,7 @@ func (o *orphans) drop(n *segmentNode) {
 // handles open, by node ID, for a successor: the caller owns them.
 func (o *orphans) files() map[uint64]int {
 	o.mu.Lock()
-	nodes := make([]*segmentNode, 0, len(o.nodes))
-	for _, n := range o.nodes {
-		nodes = append(nodes, n)
-	}
+	nodes := slices.Collect(maps.Values(o.nodes))
 	o.mu.Unlock()
 	fds := map[uint64]int{}
 	for _, n := range nodes {
