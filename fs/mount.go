@@ -329,6 +329,10 @@ func mount(raw fuse.RawFileSystem, mountpoint string, mopts fuse.MountOptions) (
 	if err != nil {
 		return nil, fmt.Errorf("mount %s: %w", mountpoint, err)
 	}
+	if err := prefaultReads(srv); err != nil {
+		srv.Unmount()
+		return nil, err
+	}
 	go srv.Serve()
 	if err := srv.WaitMount(); err != nil {
 		srv.Unmount()

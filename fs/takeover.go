@@ -91,6 +91,9 @@ func ServeConnection(raw fuse.RawFileSystem, fd int, init []byte, opts fuse.Moun
 		unix.Close(pair[0])
 		return nil, fmt.Errorf("answer the INIT: %w", err)
 	}
+	if err := prefaultReads(srv); err != nil {
+		return nil, err
+	}
 	reply := make([]byte, 4096)
 	n, err := unix.Read(pair[1], reply)
 	if err != nil || n < 16 || *(*int32)(unsafe.Pointer(&reply[4])) != 0 {
