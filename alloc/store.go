@@ -259,8 +259,9 @@ func Purge(mountpoint string) error {
 		return err
 	}
 	// The daemon's state beside the backing goes too (a crashed daemon's
-	// and keeper's handover sockets with it); its log stays.
-	for _, ext := range []string{".refcounters", ".pid", ".handover", ".keeper"} {
+	// control socket, and its and its keeper's handover sockets, with
+	// it); its log stays.
+	for _, ext := range []string{".refcounters", ".pid", ".sock", ".handover", ".keeper"} {
 		p := StatePath(mountpoint, ext)
 		if isMountpoint(p) { // the counters' own tmpfs, left by a crashed daemon
 			if err := unix.Unmount(p, unix.MNT_DETACH); err != nil {

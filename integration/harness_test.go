@@ -702,6 +702,12 @@ func (m *mount) finishCrashed(t *testing.T) {
 		lazyUnmount(m.dir)
 	}
 	m.checkAddedGone(t)
+	for _, ext := range []string{".pid", ".sock", ".handover", ".keeper"} {
+		p := alloc.StatePath(m.dir, ext)
+		if _, err := os.Lstat(p); err == nil {
+			t.Errorf("%s survived tensorfs unmount --purge after a crash", p)
+		}
+	}
 }
 
 // checkLedger fails for every row of the daemon's ledger that was given
