@@ -259,21 +259,40 @@ func defaultErrno(err error) syscall.Errno {
 // to close (quota.release).
 const closingWait = 2 * time.Second
 
-// Close stops accepting, closes every connection (waiting group members
-// leave their groups), waits for their goroutines, and for the closes of
-// the descriptors peers sent at most closingWait, and removes the socket
-// file if it is still this server's. It is safe to call more than once.
+// drainWait bounds how long Close lets the requests being served finish.
+const drainWait = 2 * time.Second
+
+// Close stops accepting and ends every connection: it shuts their
+// reading down, so that an idle one ends at once (its client's next send
+// fails, EPIPE: nothing was read, so the client may send it again to a
+// successor), and the request being served, if any, is answered first.
+// After drainWait it closes the connections still served (their clients
+// see them end, as in a crash) and cancels their requests (waiting group
+// members leave their groups). Then it waits for the closes of the
+// descriptors peers sent at most closingWait, and removes the socket file
+// if it is still this server's. It is safe to call more than once.
 func (s *Server) Close() error {
 	s.closeOnce.Do(func() {
 		s.mu.Lock()
 		s.closed = true
 		for c := range s.conns {
-			c.Close()
+			c.CloseRead()
 		}
 		s.mu.Unlock()
-		s.cancel()
 		s.closeErr = s.ln.Close()
-		s.wg.Wait()
+		if !waitFor(&s.wg, drainWait) {
+			// Closed before cancelled, so that what the cut-off
+			// requests answer reaches no one: their clients see the
+			// connection end, as in a crash, and may send them again.
+			s.mu.Lock()
+			for c := range s.conns {
+				c.Close()
+			}
+			s.mu.Unlock()
+			s.cancel()
+			s.wg.Wait()
+		}
+		s.cancel()
 		if !s.quota.waitClosing(closingWait) {
 			s.cfg.Log.Warn("ctl: closing: descriptors that peers sent are still being closed (their filesystems do not answer); going on without them", "waited", closingWait)
 		}
@@ -287,6 +306,28 @@ func (s *Server) Close() error {
 	return s.closeErr
 }
 
+// closing reports whether Close has begun.
+func (s *Server) closing() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.closed
+}
+
+// waitFor waits for wg at most d, and reports whether it ended.
+func waitFor(wg *sync.WaitGroup, d time.Duration) bool {
+	done := make(chan struct{})
+	go func() {
+		wg.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return true
+	case <-time.After(d):
+		return false
+	}
+}
+
 // accept accepts connections until Close, backing off while the process
 // is out of descriptors.
 func (s *Server) accept() {
@@ -295,7 +336,7 @@ func (s *Server) accept() {
 	for {
 		c, err := s.ln.AcceptUnix()
 		if err != nil {
-			if s.ctx.Err() != nil {
+			if s.ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
 				return
 			}
 			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
@@ -347,7 +388,14 @@ func (s *Server) serve(c *net.UnixConn) {
 	msgs := make(chan message)
 	go func() {
 		defer close(msgs)
-		defer cancel()
+		defer func() {
+			// The client left: what it waits for stops. A server that
+			// is closing ended the reading itself: its request is
+			// answered first (Close).
+			if !s.closing() {
+				cancel()
+			}
+		}()
 		for {
 			msg, err := recvMsg(c, maxRequestFDs)
 			if err != nil {

@@ -873,3 +873,76 @@ func TestNoFDLeak(t *testing.T) {
 		t.Fatalf("%d descriptors before, %d after", before, after)
 	}
 }
+
+// TestCloseDrains: Close ends an idle connection at once, so that its
+// client's next request fails to send (EPIPE: the server read nothing,
+// so a client may send it again to a successor), answers the request
+// being served before it closes that connection, and closes one still
+// busy after drainWait (its answer then reaches no one).
+func TestCloseDrains(t *testing.T) {
+	b := newFakeBackend(t, map[string]string{"w": "weights"})
+	s, path := startServer(t, b, time.Second)
+	idle, busy := dial(t, path), dial(t, path)
+	if f, err := idle.Export("w", false); err != nil {
+		t.Fatal(err)
+	} else {
+		f.Close()
+	}
+	answered := make(chan error, 1)
+	go func() { _, err := busy.Export("slow", false); answered <- err }()
+	for { // busy's request is being served
+		b.mu.Lock()
+		n := len(b.creds)
+		b.mu.Unlock()
+		if n == 2 {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- s.Close() }()
+	deadline := time.Now().Add(drainWait)
+	for {
+		_, err := idle.Export("w", false)
+		if errors.Is(err, syscall.EPIPE) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("an idle connection's request during Close: %v, want EPIPE", err)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	b.slow <- struct{}{}
+	wantErrno(t, <-answered, syscall.EAGAIN) // the backend's answer, not a closed connection
+	if err := <-closed; err != nil {
+		t.Fatal(err)
+	}
+
+	// A request still served after drainWait is cut off.
+	b2 := newFakeBackend(t, nil)
+	s2, path2 := startServer(t, b2, time.Second)
+	stuck := dial(t, path2)
+	go func() { _, err := stuck.Export("slow", false); answered <- err }()
+	for {
+		b2.mu.Lock()
+		n := len(b2.creds)
+		b2.mu.Unlock()
+		if n == 1 {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	t0 := time.Now()
+	// Close waits for its handler to return, which this backend's does
+	// only when told.
+	go func() { time.Sleep(drainWait + 100*time.Millisecond); close(b2.slow) }()
+	if err := s2.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if d := time.Since(t0); d < drainWait || d > drainWait+5*time.Second {
+		t.Errorf("Close with a request served past drainWait took %v, want about %v", d, drainWait)
+	}
+	if err := <-answered; err == nil || errors.Is(err, syscall.EAGAIN) {
+		t.Errorf("the request cut off by Close: %v, want a closed connection", err)
+	}
+}

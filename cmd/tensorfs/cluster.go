@@ -49,9 +49,19 @@ func runDirOp(name, argsHelp string, args []string, stdout, stderr io.Writer, op
 	}
 	c, mount, rel, err := dialFor(set.Arg(0))
 	if err == nil {
-		defer c.Close()
 		var out string
-		if out, err = op(c, set.Arg(0), rel); err == nil {
+		out, err = op(c, set.Arg(0), rel)
+		c.Close()
+		// The daemon went away (tensorfs restart, or its keeper's after a
+		// crash): these ops do again what they would have done, so the
+		// one that serves the mount now is asked once more.
+		if wentAway(err) && mount != "" && servingPid(mount) != 0 {
+			if c, _, rel, err = dialFor(set.Arg(0)); err == nil {
+				out, err = op(c, set.Arg(0), rel)
+				c.Close()
+			}
+		}
+		if err == nil {
 			fmt.Fprintln(stdout, out)
 			return 0
 		}
@@ -66,8 +76,7 @@ func runDirOp(name, argsHelp string, args []string, stdout, stderr io.Writer, op
 // one its keeper started after a crash), else mount it again first. Other
 // errors are returned as they are.
 func daemonGone(name, mount, dir string, err error) error {
-	if !errors.Is(err, ctl.ErrDaemonGone) && !errors.Is(err, syscall.ECONNREFUSED) && !errors.Is(err, syscall.ENOTCONN) &&
-		!errors.Is(err, syscall.ECONNRESET) && !errors.Is(err, syscall.EPIPE) {
+	if !wentAway(err) {
 		return err
 	}
 	again := fmt.Sprintf("`tensorfs %s %s`", name, dir)
@@ -78,6 +87,13 @@ func daemonGone(name, mount, dir string, err error) error {
 		return fmt.Errorf("the daemon of %s went away (%w); daemon %d serves it now (a restart, or its keeper's after a crash): run %s again", mount, err, pid, again)
 	}
 	return fmt.Errorf("the daemon of %s is gone (%w) and nothing serves the mount: mount it again with the flags it had (`tensorfs mount --cluster ... %s`, which cleans up the dead mount), then run %s again", mount, err, mount, again)
+}
+
+// wentAway reports whether err shows the daemon's control connection
+// ended or refused.
+func wentAway(err error) bool {
+	return errors.Is(err, ctl.ErrDaemonGone) || errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOTCONN) ||
+		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
 }
 
 // servingPid returns the pid of the daemon that answers on the control
@@ -124,7 +140,6 @@ func runPull(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "tensorfs pull: %s\n", alloc.EscapeText(daemonGone("pull", mount, dir, err).Error()))
 		return 1
 	}
-	defer c.Close()
 	start := time.Now()
 	stop := make(chan struct{})
 	drawn := make(chan struct{})
@@ -135,6 +150,19 @@ func runPull(args []string, stdout, stderr io.Writer) int {
 		}
 	}()
 	n, err := c.Pull(rel)
+	c.Close()
+	// The daemon went away (tensorfs restart, or its keeper's after a
+	// crash): what it pulled is in the backing, and the one that serves
+	// the mount now pulls the rest.
+	if wentAway(err) {
+		if pid := servingPid(mount); pid != 0 {
+			fmt.Fprintf(stderr, "tensorfs pull: the daemon of %s went away (%v); daemon %d serves it now: pulling the rest\n", mount, err, pid)
+			if c, _, rel, err = dialFor(dir); err == nil {
+				n, err = c.Pull(rel)
+				c.Close()
+			}
+		}
+	}
 	close(stop)
 	<-drawn
 	if err != nil {

@@ -40,6 +40,7 @@ import json as _json
 import mmap as _mmap
 import os as _os
 import socket as _socket
+import time as _time
 import typing as _typing
 
 if _typing.TYPE_CHECKING:  # pragma: no cover
@@ -579,6 +580,20 @@ def _resolve(path, mount):
     return mount, rel
 
 
+# Requests a client sends again to the daemon that serves the mount now
+# when its connection ended before their reply (a daemon restarted, by
+# tensorfs restart or by its keeper after a crash): sending one again does
+# what it would have done. An import is sent again only if its send
+# failed (the daemon read nothing): once read, whether it was made is not
+# known, and its error says so.
+_RESENDABLE = frozenset({"export", "load", "all_gather", "broadcast", "purge", "pull", "publish", "unpublish"})
+_RECONNECT_WAIT = 5.0
+
+
+class _ConnectionLost(Exception):
+    """The control connection ended where its request may be sent again."""
+
+
 class Client:
     """One connection to a mount's control socket (requests go one at a time).
 
@@ -589,13 +604,39 @@ class Client:
 
     def __init__(self, path, timeout=None):
         self.mount = find_mount(path)
-        self.sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+        self.timeout = timeout
+        self.sock = self._connect_waiting()
+
+    def _connect(self):
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
         try:
-            self.sock.settimeout(timeout)
-            self.sock.connect(socket_path(self.mount))
+            sock.settimeout(self.timeout)
+            sock.connect(socket_path(self.mount))
         except BaseException:
-            self.sock.close()
+            sock.close()
             raise
+        return sock
+
+    def _reconnect(self):
+        """Connect again, to the daemon that serves the mount now."""
+        self.sock.close()
+        self.sock = self._connect_waiting()
+
+    def _connect_waiting(self):
+        """Connect, waiting up to _RECONNECT_WAIT seconds for a listener.
+
+        A daemon restarted (tensorfs restart, or its keeper after a crash)
+        ends its connections, and its successor listens a moment later.
+        """
+        deadline = _time.monotonic() + _RECONNECT_WAIT
+        while True:
+            try:
+                return self._connect()
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                if _time.monotonic() > deadline:
+                    raise type(e)(e.errno, "tensorfs: no daemon serves the control socket of %s (%s) within %g s"
+                                  % (self.mount, e.strerror, _RECONNECT_WAIT), socket_path(self.mount)) from None
+                _time.sleep(0.02)
 
     def close(self):
         self.sock.close()
@@ -613,20 +654,20 @@ class Client:
         expected, or None for whatever the reply announces.
         """
         msg = _json.dumps(dict(req, v=1)).encode()
-        if fds:
-            _socket.send_fds(self.sock, [msg], list(fds))
-        else:
-            self.sock.sendmsg([msg])
-        # Not socket.recv_fds: it ignores its flags (MSG_CMSG_CLOEXEC) before Python 3.12.
-        data, anc, flags, _ = self.sock.recvmsg(_MAX_MSG, _socket.CMSG_SPACE(_MAX_FDS * 4),
-                                                _socket.MSG_CMSG_CLOEXEC)
+        try:
+            data, anc, flags = self._exchange(msg, fds, req.get("op") in _RESENDABLE)
+        except _ConnectionLost:
+            self._reconnect()
+            data, anc, flags = self._exchange(msg, fds, False)
         got = []
         for level, typ, blob in anc:
             if level == _socket.SOL_SOCKET and typ == _socket.SCM_RIGHTS:
                 got.extend(_array.array("i", blob[:len(blob) - len(blob) % 4]))
         try:
             if not data:
-                raise ConnectionError("tensorfs: the daemon closed the control connection")
+                unknown = "; whether %s was imported is not known" % filename if req.get("op") == "import" else ""
+                raise ConnectionError("tensorfs %s: the daemon closed the control connection before it answered "
+                                      "(it was restarted or stopped)%s" % (req.get("op"), unknown))
             if flags & (_socket.MSG_CTRUNC | _socket.MSG_TRUNC):
                 raise OSError(_errno.EMSGSIZE, "tensorfs: reply truncated (out of descriptors?)")
             rep = _json.loads(data)
@@ -644,6 +685,30 @@ class Client:
                 _os.close(fd)
             raise
         return rep, got
+
+    def _exchange(self, msg, fds, resendable):
+        """Send msg with fds and return the reply's (data, ancillary data, flags).
+
+        Raises _ConnectionLost where msg may be sent again on a new
+        connection: its send failed (the daemon read nothing), or, if
+        resendable, the connection ended before a reply.
+        """
+        try:
+            if fds:
+                _socket.send_fds(self.sock, [msg], list(fds), _socket.MSG_NOSIGNAL)
+            else:
+                self.sock.sendmsg([msg], [], _socket.MSG_NOSIGNAL)
+        except (BrokenPipeError, ConnectionResetError):
+            raise _ConnectionLost from None
+        try:
+            # Not socket.recv_fds: it ignores its flags (MSG_CMSG_CLOEXEC) before Python 3.12.
+            data, anc, flags, _ = self.sock.recvmsg(_MAX_MSG, _socket.CMSG_SPACE(_MAX_FDS * 4),
+                                                    _socket.MSG_CMSG_CLOEXEC)
+        except ConnectionResetError:
+            data, anc, flags = b"", [], 0
+        if not data and not anc and resendable:
+            raise _ConnectionLost
+        return data, anc, flags
 
     def export(self, path, write=False):
         """Return a new fd of the KEEPFD segment at path (relative to the mount root)."""
