@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -18,6 +19,7 @@ import (
 
 	"tensorfs/fdpass"
 	"tensorfs/gpu/internal/devmem"
+	"tensorfs/procfs"
 )
 
 const (
@@ -123,51 +125,79 @@ func Start(exe, backend string, index int, log *slog.Logger) (Device, error) {
 // Attach opens a session of its own with the helper whose door a daemon
 // that died or handed its mount over held (Door), and returns a Device
 // forwarding every call to it: the successor's. Its blocks are the
-// helper's, still allocated; Claim takes them over. door stays the
-// caller's.
-func Attach(door *os.File, log *slog.Logger) (_ Device, err error) {
+// helper's, still allocated; Claim takes them over. door and pidfd (the
+// helper's, from Door; nil if the keeper gave none) stay the caller's.
+//
+// The helper is running, so its hello gets a control call's deadline, not
+// a cold start's. An attach that fails (no hello in time, a hello from
+// another process than pidfd's) kills the helper through pidfd and waits
+// for it to exit (killStuck), so that a new helper never shares the
+// device with a hung one.
+func Attach(door, pidfd *os.File, log *slog.Logger) (Device, error) {
+	return attach(door, pidfd, log, defaultTimeouts)
+}
+
+// attach is Attach with deadlines tm.
+func attach(door, pidfd *os.File, log *slog.Logger, tm timeouts) (_ Device, err error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	fd, err := unix.FcntlInt(door.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	d, err := dup(door.Fd(), "gpu-door")
 	if err != nil {
 		return nil, fmt.Errorf("%w: the gpu helper's door: %v", ErrUnavailable, err)
 	}
-	r, err := newRemote(os.NewFile(uintptr(fd), "gpu-door"), log)
+	r, err := newRemote(d, log)
 	if err != nil {
 		return nil, err
 	}
+	r.timeouts = tm
 	defer func() {
 		if err != nil {
+			r.killStuck(err)
 			r.release()
 		}
 	}()
-	if err := r.hello(); err != nil {
+	if pidfd != nil {
+		if r.pidfd, err = unix.FcntlInt(pidfd.Fd(), unix.F_DUPFD_CLOEXEC, 0); err != nil {
+			r.pidfd = -1
+			return nil, fmt.Errorf("%w: the gpu helper's pidfd: %v", ErrUnavailable, err)
+		}
+	}
+	if err := r.hello(tm.control); err != nil {
 		return nil, err
 	}
 	go func() {
-		for {
-			if _, err := unix.Poll([]unix.PollFd{{Fd: int32(r.pidfd), Events: unix.POLLIN}}, -1); err != unix.EINTR {
-				break
-			}
-		}
+		exitedWithin(r.pidfd, -1)
 		close(r.exited)
 	}()
 	return r.serve(), nil
 }
 
-// Door returns a duplicate of the door of dev's helper, for a successor
-// to Attach to; nil for a device without a helper.
-func Door(dev Device) (*os.File, error) {
+// Door returns duplicates of the door of dev's helper, for a successor to
+// Attach to, and of its pidfd (nil if unknown), for the successor to kill
+// it should it hang; nils for a device without a helper.
+func Door(dev Device) (door, pidfd *os.File, err error) {
 	r, ok := dev.(*remote)
 	if !ok {
-		return nil, nil
+		return nil, nil, nil
 	}
-	fd, err := unix.FcntlInt(r.door.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if door, err = dup(r.door.Fd(), "gpu-door"); err != nil || r.pidfd < 0 {
+		return door, nil, err
+	}
+	if pidfd, err = dup(uintptr(r.pidfd), "gpu-helper-pidfd"); err != nil {
+		door.Close()
+		return nil, nil, err
+	}
+	return door, pidfd, nil
+}
+
+// dup returns a duplicate of fd, close-on-exec, named name.
+func dup(fd uintptr, name string) (*os.File, error) {
+	d, err := unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0)
 	if err != nil {
 		return nil, err
 	}
-	return os.NewFile(uintptr(fd), "gpu-door"), nil
+	return os.NewFile(uintptr(d), name), nil
 }
 
 // remote is a Device served by a helper process.
@@ -176,7 +206,7 @@ type remote struct {
 	door          *os.File // the helper's door, for Door
 	conn          *net.UnixConn
 	proc          *os.Process // the helper, when this daemon started it; else nil
-	pidfd         int         // the helper's, from its hello; -1 before
+	pidfd         int         // the helper's: opened at its start, given to Attach or from its hello; -1 before
 	out           *tail
 	exited        chan struct{}    // closed once the helper has exited and its output is read
 	state         *os.ProcessState // the helper's exit, set before exited is closed (proc only)
@@ -288,6 +318,10 @@ func start(exe string, args []string, log *slog.Logger) (_ Device, err error) {
 		return nil, fmt.Errorf("%w: start gpu helper: %v", ErrUnavailable, err)
 	}
 	r.proc = cmd.Process
+	// An unreaped child: its pid cannot have been reused yet.
+	if fd, err := unix.PidfdOpen(r.proc.Pid, 0); err == nil {
+		r.pidfd = fd // else the hello's
+	}
 	go func() {
 		cmd.Wait()
 		r.state = cmd.ProcessState
@@ -302,7 +336,7 @@ func start(exe string, args []string, log *slog.Logger) (_ Device, err error) {
 	}()
 	theirs.Close()
 
-	if err := r.hello(); err != nil {
+	if err := r.hello(helloTimeout); err != nil {
 		return nil, err
 	}
 	log.Debug("gpu helper started", "pid", r.proc.Pid, "device", r.name, "backend", r.backend)
@@ -310,9 +344,9 @@ func start(exe string, args []string, log *slog.Logger) (_ Device, err error) {
 }
 
 // hello makes and maps the staging area, a sealed memfd that the helper
-// maps too, sends it to the helper and waits for the helper's name,
-// backend and granularity.
-func (r *remote) hello() error {
+// maps too, sends it to the helper and waits up to wait for the helper's
+// name, backend and granularity, with its pidfd (helloPidfd).
+func (r *remote) hello(wait time.Duration) error {
 	size := int64(stagingSlot * stagingSlots)
 	fd, err := sealedMemfd("tensorfs-gpu-staging", size)
 	if err != nil {
@@ -325,26 +359,103 @@ func (r *remote) hello() error {
 	if err := send(r.conn, &message{op: opHello, args: []int64{size}}, fd); err != nil {
 		return r.exitError()
 	}
-	r.conn.SetReadDeadline(time.Now().Add(helloTimeout))
-	m, rfd, err := newReceiver(r.conn).receive()
+	r.conn.SetReadDeadline(time.Now().Add(wait))
+	m, pidfd, err := newReceiver(r.conn).receive()
 	r.conn.SetReadDeadline(time.Time{})
-	r.pidfd = rfd
 	switch {
 	case errors.Is(err, os.ErrDeadlineExceeded):
-		return fmt.Errorf("%w: gpu helper did not answer within %v", ErrUnavailable, helloTimeout)
+		return fmt.Errorf("%w: gpu helper did not answer within %v", ErrUnavailable, wait)
 	case errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET):
 		return r.exitError()
 	case err != nil:
 		return fmt.Errorf("%w: %v", ErrUnavailable, err)
-	case m.err() != nil:
+	}
+	if err := r.helloPidfd(pidfd); err != nil {
+		return err
+	}
+	if m.err() != nil {
 		return fmt.Errorf("%w: gpu helper: %v", ErrUnavailable, m.err())
 	}
 	name, backend, ok := strings.Cut(string(m.data), "\x00")
-	if !ok || r.pidfd < 0 || m.want(1) != nil || m.args[0] <= 0 || m.args[0]&(m.args[0]-1) != 0 {
+	if !ok || m.want(1) != nil || m.args[0] <= 0 || m.args[0]&(m.args[0]-1) != 0 {
 		return fmt.Errorf("%w: %w: hello reply %v %q", ErrUnavailable, errProtocol, m.args, m.data)
 	}
 	r.name, r.backend, r.granularity = name, backend, m.args[0]
 	return nil
+}
+
+// helloPidfd takes pidfd, the one the helper's hello carries, as the
+// helper's, or closes it when r knows the helper's pidfd already (it
+// started the helper, or was given it): it must then be of the same
+// process, else the hello is not the helper's.
+func (r *remote) helloPidfd(pidfd int) error {
+	if pidfd < 0 {
+		return fmt.Errorf("%w: %w: hello without the helper's pidfd", ErrUnavailable, errProtocol)
+	}
+	if r.pidfd < 0 {
+		r.pidfd = pidfd
+		return nil
+	}
+	defer unix.Close(pidfd)
+	if got, want := pidOf(pidfd), pidOf(r.pidfd); got <= 0 || got != want {
+		return fmt.Errorf("%w: %w: the hello came from pid %d, not from the helper, pid %d", ErrUnavailable, errProtocol, got, want)
+	}
+	return nil
+}
+
+// pidOf returns the pid of the process of pidfd, as /proc/self/fdinfo
+// says: -1 once it has exited, 0 if unknown.
+func pidOf(pidfd int) int {
+	b, err := procfs.ReadFile(fmt.Sprintf("/proc/self/fdinfo/%d", pidfd))
+	if err != nil {
+		return 0
+	}
+	for line := range strings.Lines(string(b)) {
+		if v, ok := strings.CutPrefix(line, "Pid:"); ok {
+			pid, _ := strconv.Atoi(strings.TrimSpace(v))
+			return pid
+		}
+	}
+	return 0
+}
+
+// exitedWithin waits up to d (forever if d < 0) for the process of
+// pidfd to exit, and reports whether it has.
+func exitedWithin(pidfd int, d time.Duration) bool {
+	ms := -1
+	if d >= 0 {
+		ms = int(d.Milliseconds())
+	}
+	for {
+		n, err := unix.Poll([]unix.PollFd{{Fd: int32(pidfd), Events: unix.POLLIN}}, ms)
+		if err != unix.EINTR {
+			return err == nil && n > 0
+		}
+	}
+}
+
+// killStuck kills the helper through its pidfd after this daemon's
+// attach failed for why, and waits up to exitTimeout for it to exit, so
+// that its device memory is free before a new helper starts; one log line
+// says so. A helper that has exited already, or whose pidfd r lacks (a
+// keeper from before pidfds), is left alone. Never by pid: it may be
+// reused.
+func (r *remote) killStuck(why error) {
+	if r.pidfd < 0 || exitedWithin(r.pidfd, 0) {
+		return
+	}
+	pid := pidOf(r.pidfd)
+	err := unix.PidfdSendSignal(r.pidfd, unix.SIGKILL, nil, 0)
+	exited := err == nil && exitedWithin(r.pidfd, exitTimeout)
+	r.log.Error("the gpu helper failed this daemon's attach; killed it, so that a new one has its device memory", "pid", pid, "why", why, "exited", exited)
+}
+
+// pid returns the helper's pid, for the log.
+func (r *remote) pid() int {
+	if r.proc != nil {
+		return r.proc.Pid
+	}
+	return pidOf(r.pidfd)
 }
 
 // exitError waits for the helper to exit, killing it if it takes too
@@ -485,8 +596,9 @@ func (r *remote) expire(m *message, d time.Duration) {
 	if !ok {
 		return // answered meanwhile, or given up on already
 	}
+	pid := r.pid() // before it exits
 	r.kill()
-	r.log.Error("gpu helper stalled; killed it, GPU segments are off", "call", call, "args", m.args, "waited", d, "pid", r.proc.Pid)
+	r.log.Error("gpu helper stalled; killed it, GPU segments are off", "call", call, "args", m.args, "waited", d, "pid", pid)
 	answer(pending, err)
 }
 

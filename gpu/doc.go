@@ -39,7 +39,10 @@
 // the old one are gone.
 //
 // A helper outlives its daemon while its door is held (Door; the keeper
-// holds a duplicate): a successor opens a session of its own (Attach),
+// holds a duplicate, and of the helper's pidfd): a successor opens a
+// session of its own (Attach: a helper that does not answer it within a
+// control call's deadline is killed through the pidfd, and gone, before
+// Attach returns),
 // claims the helper (Survivor.Claim: the other sessions' calls are refused
 // once those in flight are answered), finds its segments' blocks by the
 // tags its predecessor gave them (Survivor.Tag), and ends the other
@@ -52,7 +55,8 @@
 // devmem.MaxLanes copies are in flight, one per lane of the helper, so a
 // copy's deadline measures its own work. A call unanswered at its
 // deadline is taken for a hung driver: the daemon kills the helper
-// (SIGKILL to its process group), logs one error line naming the call and
+// (SIGKILL to its process group, or through its pidfd if a predecessor
+// started it), logs one error line naming the call and
 // its wait, and that call, every call in flight and every later one fail
 // with ErrUnavailable, saying that GPU segments are off. Host segments go
 // on. The environment variable SimStallEnv makes a sim helper stall, for

@@ -123,6 +123,9 @@ type helper struct {
 	// claimant is the session that claimed the device (claim) until it
 	// ends; the others' requests are refused meanwhile.
 	claimant *server
+	// opened counts the sessions opened: the first is Start's, the
+	// others Attach's.
+	opened int
 
 	// serving is read-held by every request being served but a claim,
 	// which write-holds it to wait for them.
@@ -211,6 +214,8 @@ func (h *helper) session(c *net.UnixConn) bool {
 	s := &server{h: h, conn: c, dev: h.dev, stall: h.stall, done: make(chan struct{})}
 	h.mu.Lock()
 	h.sessions[s] = true
+	s.attached = h.opened > 0
+	h.opened++
 	h.mu.Unlock()
 	err := s.serve()
 	h.mu.Lock()
@@ -295,9 +300,11 @@ var errClaimed = fmt.Errorf("%w: another daemon is taking the device over", ErrU
 
 // SimStallEnv names the environment variable that makes a sim helper
 // stall, for tests of the daemon's deadlines only: a comma-separated list
-// of request kinds (alloc, free, copy, ipc, export, stats), each either
-// alone, to never answer such a request, or as KIND=DURATION, to answer it
-// that late (e.g. "copy" or "copy=2s,stats"). The cuda helper ignores it.
+// of request kinds (alloc, free, copy, ipc, export, stats, claim, and
+// attach: the hello of every session but the first, a successor's), each
+// either alone, to never answer such a request, or as KIND=DURATION, to
+// answer it that late (e.g. "copy" or "copy=2s,stats"). The cuda helper
+// ignores it.
 const SimStallEnv = "TENSORFS_GPU_SIM_STALL"
 
 // stallKinds are the request kinds SimStallEnv names, with their ops.
@@ -305,6 +312,7 @@ var stallKinds = map[string][]uint8{
 	"alloc": {opAlloc, opAllocExportable}, "free": {opFree},
 	"copy": {opCopyIn, opCopyOut, opCopyFromFile, opCopyToFile},
 	"ipc":  {opIPC}, "export": {opExport}, "stats": {opStats},
+	"claim": {opClaim}, "attach": {opHello},
 }
 
 // parseStall parses the value of SimStallEnv into how long each op
@@ -325,7 +333,7 @@ func parseStall(v string) (map[uint8]time.Duration, error) {
 		}
 		ops, ok := stallKinds[kind]
 		if !ok {
-			return nil, fmt.Errorf("%q: unknown kind (want alloc, free, copy, ipc, export or stats)", kind)
+			return nil, fmt.Errorf("%q: unknown kind (want alloc, free, copy, ipc, export, stats, claim or attach)", kind)
 		}
 		for _, op := range ops {
 			stall[op] = d
@@ -345,6 +353,8 @@ type server struct {
 	// bye is set by the daemon's goodbye (Close); cut when a successor
 	// settled the device and ended this session.
 	bye, cut atomic.Bool
+	// attached says the session is not the helper's first: a successor's.
+	attached bool
 }
 
 // serve answers the session's hello, then its requests, until the daemon
@@ -355,6 +365,9 @@ func (s *server) serve() error {
 	m, fd, err := rx.receive()
 	if err != nil {
 		return fmt.Errorf("no hello from the daemon: %w", err)
+	}
+	if s.attached {
+		s.stallOn(opHello)
 	}
 	unpin, err := s.hello(m, fd)
 	if fd >= 0 {
@@ -477,10 +490,15 @@ func (s *server) execute(m *message, fd int, reply *message) (*os.File, error) {
 			return nil, err
 		}
 	}
-	if d, ok := s.stall[m.op]; ok {
+	s.stallOn(m.op)
+	return s.do(m, fd, reply)
+}
+
+// stallOn sleeps as long as SimStallEnv says op stalls (tests).
+func (s *server) stallOn(op uint8) {
+	if d, ok := s.stall[op]; ok {
 		time.Sleep(d)
 	}
-	return s.do(m, fd, reply)
 }
 
 // requestArgs is the number of arguments of each request but hello.

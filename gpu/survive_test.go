@@ -14,11 +14,12 @@ import (
 // ends the first daemon's session.
 func TestHelperOutlivesSession(t *testing.T) {
 	d1 := startSim(t)
-	door, err := Door(d1)
-	if err != nil || door == nil {
-		t.Fatalf("Door = %v, %v", door, err)
+	door, pidfd, err := Door(d1)
+	if err != nil || door == nil || pidfd == nil {
+		t.Fatalf("Door = %v, %v, %v", door, pidfd, err)
 	}
 	defer door.Close()
+	defer pidfd.Close()
 	b := alloc(t, d1, 3<<20)
 	want := bytes.Repeat([]byte("tensor"), 1000)
 	if err := d1.CopyIn(b, 5, want); err != nil {
@@ -35,7 +36,7 @@ func TestHelperOutlivesSession(t *testing.T) {
 	// The first daemon dies: its session ends without a goodbye.
 	d1.(*remote).conn.CloseWrite()
 
-	d2, err := Attach(door, nil)
+	d2, err := Attach(door, pidfd, nil)
 	if err != nil {
 		t.Fatalf("Attach after the daemon's death = %v", err)
 	}
@@ -71,15 +72,16 @@ func TestHelperOutlivesSession(t *testing.T) {
 func TestHelperClaimEndsOtherSession(t *testing.T) {
 	t.Setenv(SimStallEnv, "stats=300ms")
 	d1 := startSim(t)
-	door, err := Door(d1)
+	door, pidfd, err := Door(d1)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer door.Close()
+	defer pidfd.Close()
 	b := alloc(t, d1, 10)
 
 	// A successor that claims, then fails before it settles.
-	failed, err := Attach(door, nil)
+	failed, err := Attach(door, pidfd, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -97,7 +99,7 @@ func TestHelperClaimEndsOtherSession(t *testing.T) {
 	}
 
 	// A successor that claims and settles.
-	d2, err := Attach(door, nil)
+	d2, err := Attach(door, pidfd, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -130,7 +132,7 @@ func TestHelperClaimEndsOtherSession(t *testing.T) {
 	}
 
 	// The settled claim is over: the next successor claims in turn.
-	d3, err := Attach(door, nil)
+	d3, err := Attach(door, pidfd, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -54,7 +54,12 @@ const KeeperFd = 3
 // GPUDoorFd is the descriptor on which a successor gets the GPU helper's
 // door from its keeper, when the keeper holds one: the successor attaches
 // to the helper rather than start one (gpu.Attach, DESIGN.md §12).
-const GPUDoorFd = BinaryFd + 1
+// GPUPidfdFd is the helper's pidfd, which comes with the door, so that the
+// successor can kill a helper that hangs.
+const (
+	GPUDoorFd  = BinaryFd + 1
+	GPUPidfdFd = GPUDoorFd + 1
+)
 
 const (
 	// startTries is how many new daemons in a row may be killed before
@@ -94,8 +99,9 @@ type keeper struct {
 	listener *os.File
 	// door is the GPU helper's (gpu.Door), from the last hello that
 	// carried one: each successor attaches to the helper through it
-	// (GPUDoorFd), and the helper lives while it is held.
-	door *os.File
+	// (GPUDoorFd), and the helper lives while it is held. gpuPidfd is the
+	// helper's pidfd that came with it (GPUPidfdFd); nil if none did.
+	door, gpuPidfd *os.File
 	// unnamed are the other nodes the kernel holds that no name reaches
 	// (fs.State.Unnamed).
 	unnamed map[uint64]bool
@@ -290,6 +296,9 @@ func (k *keeper) start(binary *binary, fetch func() (*fs.Takeover, error)) (*dae
 	k.mu.Lock()
 	if fetch != nil && k.door != nil {
 		cmd.ExtraFiles = append(cmd.ExtraFiles, k.door) // GPUDoorFd
+		if k.gpuPidfd != nil {
+			cmd.ExtraFiles = append(cmd.ExtraFiles, k.gpuPidfd) // GPUPidfdFd
+		}
 	}
 	k.mu.Unlock()
 	d := &daemon{cmd: cmd, c: conn.(*net.UnixConn), exited: make(chan struct{}), hello: make(chan handoverHeader, 1), wants: make(chan struct{}, 1), goes: make(chan struct{}, 1), read: make(chan struct{}), out: &tailWriter{}, binary: binary}
@@ -374,7 +383,7 @@ func (k *keeper) read(d *daemon) {
 	defer close(d.read)
 	defer d.c.Close()
 	for {
-		m, err := fdpass.Recv(d.c, chunk, 2)
+		m, err := fdpass.Recv(d.c, chunk, 4)
 		if err != nil || len(m.Data) == 0 {
 			fdpass.Close(m.FDs)
 			return
@@ -385,12 +394,9 @@ func (k *keeper) read(d *daemon) {
 			var h handoverHeader
 			json.Unmarshal(body, &h)
 			k.mu.Lock()
-			if h.GPU && len(m.FDs) == 1+btoi(h.Listener)+1 {
-				if k.door != nil {
-					k.door.Close()
-				}
-				k.door = os.NewFile(uintptr(m.FDs[len(m.FDs)-1]), "gpu door")
-				m.FDs = m.FDs[:len(m.FDs)-1]
+			if n := 1 + btoi(h.Listener); h.GPU && (len(m.FDs) == n+1 || len(m.FDs) == n+2) {
+				k.holdGPU(m.FDs[n:])
+				m.FDs = m.FDs[:n]
 			}
 			if k.fd < 0 && len(m.FDs) == 1+btoi(h.Listener) {
 				k.fd, k.init = m.FDs[0], h.Init
@@ -415,6 +421,20 @@ func (k *keeper) read(d *daemon) {
 		default:
 			fdpass.Close(m.FDs)
 		}
+	}
+}
+
+// holdGPU holds fds, a GPU helper's door and, if given, its pidfd, in
+// place of those held; mu is held.
+func (k *keeper) holdGPU(fds []int) {
+	for _, f := range []*os.File{k.door, k.gpuPidfd} {
+		if f != nil {
+			f.Close()
+		}
+	}
+	k.door, k.gpuPidfd = os.NewFile(uintptr(fds[0]), "gpu door"), nil
+	if len(fds) > 1 {
+		k.gpuPidfd = os.NewFile(uintptr(fds[1]), "gpu helper pidfd")
 	}
 }
 

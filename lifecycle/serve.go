@@ -10,6 +10,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime/debug"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -181,12 +182,14 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	defer stop()
 	log.Info("mounted", "mountpoint", mp, "backing", store.Dir, "mode", srv.Mode(), "segments", segs, "bytes", bytes)
 	if keeper != nil {
-		door, err := gpu.Door(dev)
+		door, pidfd, err := gpu.Door(dev)
 		if err == nil {
-			err = hello(keeper, srv, door)
+			err = hello(keeper, srv, door, pidfd)
 		}
-		if door != nil {
-			door.Close()
+		for _, f := range []*os.File{door, pidfd} {
+			if f != nil {
+				f.Close()
+			}
 		}
 		if err != nil {
 			return fmt.Errorf("the keeper: %w", err)
@@ -247,9 +250,11 @@ func raiseFileLimit() {
 // cannot start, the mount serves host segments and the log says why, in
 // one line. A successor (takeover) whose keeper holds the helper's door
 // (GPUDoorFd) attaches to that helper instead, whose blocks hold its
-// predecessor's segments; if that helper is gone (it died), it starts a
-// new one, as a fresh mount does, whose door its hello gives the keeper:
-// the device bytes are lost, as after a crash, and the log says so.
+// predecessor's segments; if that helper is gone (it died) or hangs (no
+// answer within a control call's deadline: it is killed through its pidfd,
+// GPUPidfdFd, first), it starts a new one, as a fresh mount does, whose
+// door its hello gives the keeper: the device bytes are lost, as after a
+// crash, and the log says so.
 func startGPU(backend string, takeover bool, log *slog.Logger) gpu.Device {
 	if backend == "none" {
 		return nil
@@ -281,14 +286,31 @@ func startGPU(backend string, takeover bool, log *slog.Logger) gpu.Device {
 }
 
 // attachGPU attaches to the GPU helper whose door the keeper gave on
-// GPUDoorFd; nil and no error if it gave none.
+// GPUDoorFd, with its pidfd on GPUPidfdFd if given; nil and no error if
+// it gave no door.
 func attachGPU(log *slog.Logger) (gpu.Device, error) {
-	if _, err := unix.FcntlInt(GPUDoorFd, unix.F_GETFD, 0); err != nil {
+	door := inherited(GPUDoorFd, "socket:", "gpu door")
+	if door == nil {
 		return nil, nil
 	}
-	door := os.NewFile(GPUDoorFd, "gpu door")
 	defer door.Close()
-	return gpu.Attach(door, log)
+	pidfd := inherited(GPUPidfdFd, "anon_inode:[pidfd]", "gpu helper pidfd")
+	if pidfd != nil {
+		defer pidfd.Close()
+	}
+	return gpu.Attach(door, pidfd, log)
+}
+
+// inherited returns descriptor fd, as a keeper passes it, if it is of the
+// kind its /proc/self/fd link starts with; else nil, and fd is left alone:
+// a keeper that passed nothing there leaves the number to whatever this
+// process opened since (the Go runtime's poller, say).
+func inherited(fd int, kind, name string) *os.File {
+	link, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", fd))
+	if err != nil || !strings.HasPrefix(link, kind) {
+		return nil
+	}
+	return os.NewFile(uintptr(fd), name)
 }
 
 // closeGPU stops the device process, if one was started.

@@ -47,8 +47,9 @@ type handoverHeader struct {
 	Listener bool  `json:"listener,omitempty"`
 	// Mode is the daemon's ("passthrough" or "classic"), in a daemon's
 	// hello to its keeper; GPU says that its GPU helper's door follows
-	// the other descriptors (gpu.Door), which the keeper holds and gives
-	// each successor on GPUDoorFd.
+	// the other descriptors (gpu.Door), then the helper's pidfd if the
+	// daemon has it, which the keeper holds and gives each successor on
+	// GPUDoorFd and GPUPidfdFd.
 	Mode string `json:"mode,omitempty"`
 	GPU  bool   `json:"gpu,omitempty"`
 }
@@ -286,9 +287,9 @@ func journalTo(c *net.UnixConn) func(fs.Record) {
 }
 
 // hello tells the keeper on c that srv serves: its mode, and the
-// connection with its INIT, a cluster node's piece server's socket and
-// the GPU helper's door (nil for none), which the keeper holds.
-func hello(c *net.UnixConn, srv *fs.Server, door *os.File) error {
+// connection with its INIT, a cluster node's piece server's socket, and
+// the GPU helper's door and pidfd (nil for none), which the keeper holds.
+func hello(c *net.UnixConn, srv *fs.Server, door, pidfd *os.File) error {
 	fd, err := fs.ConnectionFd()
 	if err != nil {
 		return err
@@ -304,6 +305,9 @@ func hello(c *net.UnixConn, srv *fs.Server, door *os.File) error {
 	}
 	if door != nil {
 		fds = append(fds, int(door.Fd()))
+		if pidfd != nil {
+			fds = append(fds, int(pidfd.Fd()))
+		}
 	}
 	b, _ := json.Marshal(handoverHeader{Init: fs.InitBytes(srv.Server), Mode: srv.Mode(), Listener: l != nil, GPU: door != nil})
 	return fdpass.Send(c, append([]byte{msgHello}, b...), fds...)
