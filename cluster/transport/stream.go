@@ -8,7 +8,9 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
+	"slices"
 	"sync"
 	"time"
 )
@@ -32,6 +34,12 @@ const (
 	// maxServed is how many connections the server holds at once; it
 	// closes more as it accepts them.
 	maxServed = 512
+	// maxPendingPerHost is how many connections from one host (an
+	// address; every loopback address is one host, an IPv6 /64 one) may
+	// be in their handshake at once: a new one past it ends the oldest.
+	// A process with no certificate that reaches the port holds that many
+	// of maxServed at most, and delays only handshakes from its own host.
+	maxPendingPerHost = 16
 	// sendSlice is how much of a piece one write sends (the write
 	// deadline is the idle timeout, for each).
 	sendSlice = 1 << 20
@@ -83,6 +91,7 @@ type Stream struct {
 	addr     string                 // advertised address; "" until Start
 	idle     map[Peer][]*streamConn // client connections kept for the next fetch
 	open     map[net.Conn]bool      // every connection, either side, until closed
+	pending  map[string][]net.Conn  // the server's connections in their handshake, by host, oldest first
 	closed   bool
 	serving  sync.WaitGroup // the server's goroutines
 }
@@ -122,7 +131,7 @@ func NewStream(cfg Config) (*Stream, error) {
 	server.NextProtos = []string{Protocol}
 	server.DynamicRecordSizingDisabled = true
 	return &Stream{cfg: cfg, server: server, slots: make(chan struct{}, cfg.MaxUploads), served: make(chan struct{}, maxServed),
-		idle: map[Peer][]*streamConn{}, open: map[net.Conn]bool{}}, nil
+		idle: map[Peer][]*streamConn{}, open: map[net.Conn]bool{}, pending: map[string][]net.Conn{}}, nil
 }
 
 // ListenerFile returns a duplicate of the socket the server listens on,
@@ -214,7 +223,10 @@ func (s *Stream) serve(raw net.Conn) {
 	bc := newBatchConn(raw, 4<<10)
 	c := tls.Server(bc, s.server)
 	raw.SetDeadline(time.Now().Add(handshakeTimeout))
-	if err := c.Handshake(); err != nil {
+	key := s.handshaking(raw)
+	err := c.Handshake()
+	s.handshook(key, raw)
+	if err != nil {
 		s.cfg.Log.Info("cluster: refused a peer's connection", "remote", raw.RemoteAddr(), "err", err)
 		return
 	}
@@ -234,6 +246,64 @@ func (s *Stream) serve(raw net.Conn) {
 			}
 			return
 		}
+	}
+}
+
+// hostKey returns the host a connection comes from, as the server
+// counts its handshakes: its address, every loopback address as one (a
+// local process may bind any of 127.0.0.0/8) and an IPv6 address by its
+// /64.
+func hostKey(a net.Addr) string {
+	ta, ok := a.(*net.TCPAddr)
+	if !ok {
+		return a.String()
+	}
+	ip, ok := netip.AddrFromSlice(ta.IP)
+	if !ok {
+		return ta.IP.String()
+	}
+	ip = ip.Unmap()
+	switch {
+	case ip.IsLoopback():
+		return "loopback"
+	case ip.Is6():
+		p, _ := ip.Prefix(64)
+		return p.String()
+	}
+	return ip.String()
+}
+
+// handshaking records raw as in its handshake, ending the oldest of its
+// host's past maxPendingPerHost, and returns its host's key.
+func (s *Stream) handshaking(raw net.Conn) string {
+	key := hostKey(raw.RemoteAddr())
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.pending == nil { // closed
+		return key
+	}
+	q := append(s.pending[key], raw)
+	if len(q) > maxPendingPerHost {
+		s.cfg.Log.Warn("cluster: the piece server ended the oldest handshake of a host that has as many under way as it may", "remote", q[0].RemoteAddr(), "max", maxPendingPerHost)
+		q[0].Close()
+		q = q[1:]
+	}
+	s.pending[key] = q
+	return key
+}
+
+// handshook forgets raw as in its handshake.
+func (s *Stream) handshook(key string, raw net.Conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	q := s.pending[key]
+	if i := slices.Index(q, raw); i >= 0 {
+		q = slices.Delete(q, i, i+1)
+	}
+	if len(q) == 0 {
+		delete(s.pending, key)
+	} else {
+		s.pending[key] = q
 	}
 }
 
@@ -511,7 +581,7 @@ func (s *Stream) Close() error {
 	for c := range s.open {
 		c.Close()
 	}
-	s.open, s.idle = nil, nil
+	s.open, s.idle, s.pending = nil, nil, nil
 	s.mu.Unlock()
 	s.serving.Wait()
 	return nil
