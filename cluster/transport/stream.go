@@ -39,7 +39,13 @@ const (
 	// be in their handshake at once: a new one past it ends the oldest.
 	// A process with no certificate that reaches the port holds that many
 	// of maxServed at most, and delays only handshakes from its own host.
-	maxPendingPerHost = 16
+	maxPendingPerHost = 64
+	// maxPerPeer is how many connections a node has to one peer at most:
+	// fetches past it wait for one (the peer sends at most MaxUploads
+	// pieces at once anyway). A server holds at most twice as many of
+	// one member's (a new one past it is closed): one member cannot take
+	// the maxServed of every other.
+	maxPerPeer = 8
 	// sendSlice is how much of a piece one write sends (the write
 	// deadline is the idle timeout, for each).
 	sendSlice = 1 << 20
@@ -92,6 +98,8 @@ type Stream struct {
 	idle     map[Peer][]*streamConn // client connections kept for the next fetch
 	open     map[net.Conn]bool      // every connection, either side, until closed
 	pending  map[string][]net.Conn  // the server's connections in their handshake, by host, oldest first
+	members  map[string]int         // the server's connections past their handshake, by peer
+	perPeer  map[Peer]chan struct{} // a token per connection to a peer (maxPerPeer), while a fetch uses it
 	closed   bool
 	serving  sync.WaitGroup // the server's goroutines
 }
@@ -131,7 +139,8 @@ func NewStream(cfg Config) (*Stream, error) {
 	server.NextProtos = []string{Protocol}
 	server.DynamicRecordSizingDisabled = true
 	return &Stream{cfg: cfg, server: server, slots: make(chan struct{}, cfg.MaxUploads), served: make(chan struct{}, maxServed),
-		idle: map[Peer][]*streamConn{}, open: map[net.Conn]bool{}, pending: map[string][]net.Conn{}}, nil
+		idle: map[Peer][]*streamConn{}, open: map[net.Conn]bool{}, pending: map[string][]net.Conn{},
+		members: map[string]int{}, perPeer: map[Peer]chan struct{}{}}, nil
 }
 
 // ListenerFile returns a duplicate of the socket the server listens on,
@@ -231,6 +240,11 @@ func (s *Stream) serve(raw net.Conn) {
 		return
 	}
 	peer := c.ConnectionState().PeerCertificates[0].Subject.CommonName
+	if !s.member(peer, 1) {
+		s.cfg.Log.Warn("cluster: the piece server holds as many of a peer's connections as it may; closed a new one", "peer", peer, "remote", raw.RemoteAddr(), "max", 2*maxPerPeer)
+		return
+	}
+	defer s.member(peer, -1)
 	for {
 		raw.SetDeadline(time.Now().Add(serverIdle))
 		p, err := readRequest(c)
@@ -307,6 +321,20 @@ func (s *Stream) handshook(key string, raw net.Conn) {
 	}
 }
 
+// member counts a connection of peer past its handshake (d 1) or its
+// end (d -1); false, and nothing counted, past 2*maxPerPeer.
+func (s *Stream) member(peer string, d int) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if d > 0 && s.members[peer] >= 2*maxPerPeer {
+		return false
+	}
+	if s.members[peer] += d; s.members[peer] <= 0 {
+		delete(s.members, peer)
+	}
+	return true
+}
+
 // send answers the request for p on c: the piece's bytes, or a refusal
 // (statusBusy while every slot is taken, statusNotServed for a piece the
 // source does not serve). A peer that takes nothing for the idle timeout
@@ -358,6 +386,11 @@ func (s *Stream) Fetch(ctx context.Context, peer Peer, p Piece, dst Dest) (int64
 	if err != nil {
 		return 0, fmt.Errorf("fetch piece %d of %.12s from %s: %w: %v", p.Index, p.Content, peer.Name, ErrNotServed, err)
 	}
+	release, err := s.acquire(ctx, peer)
+	if err != nil {
+		return 0, s.fetchError(ctx, peer, p, err)
+	}
+	defer release()
 	for {
 		c, kept, err := s.conn(ctx, peer)
 		if err != nil {
@@ -376,6 +409,30 @@ func (s *Stream) Fetch(ctx context.Context, peer Peer, p Piece, dst Dest) (int64
 			return n, s.fetchError(ctx, peer, p, err)
 		}
 		return n, nil
+	}
+}
+
+// acquire waits for one of the maxPerPeer connections to peer a node
+// has: a fetch holds its token while it uses the connection, and a kept
+// one is idle, so that no more than maxPerPeer are open (a new one is
+// dialled only where none is kept). The returned function gives it back.
+func (s *Stream) acquire(ctx context.Context, peer Peer) (func(), error) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil, net.ErrClosed
+	}
+	tokens := s.perPeer[peer]
+	if tokens == nil {
+		tokens = make(chan struct{}, maxPerPeer)
+		s.perPeer[peer] = tokens
+	}
+	s.mu.Unlock()
+	select {
+	case tokens <- struct{}{}:
+		return func() { <-tokens }, nil
+	case <-ctx.Done():
+		return nil, context.Cause(ctx)
 	}
 }
 
