@@ -3,6 +3,7 @@ package integration
 import (
 	"context"
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -177,4 +178,62 @@ func TestAttackClusterPullConnections(t *testing.T) {
 		t.Fatalf("node3's pull after the users' opens on node2: %v after %v\n%s", err, time.Since(start).Round(time.Millisecond), b)
 	}
 	sameFiles(t, filepath.Join(n3, "model"), want)
+}
+
+// TestAttackClusterRestartHeldOff: a handover waits 5 s at most for the
+// requests in flight, and an open of a published segment not here yet is
+// one until its pull ends: with no holder, after 30 s. alice publishes a
+// directory on node1 and removes it there (rm -r: node1 holds it no more,
+// the version stays), then opens its segment on node2, again each time
+// the open fails: every `tensorfs restart` of node2 by root fails
+// ("requests in flight did not finish within 5s"), and holds every
+// user's requests off for those 5 s, for as long as she goes on.
+// Such a wait is now outside the handover's gate: the handover goes on,
+// and the kernel sends the open again to the successor (FUSE 7.40).
+func TestAttackClusterRestartHeldOff(t *testing.T) {
+	t.Parallel()
+	tb := upCluster(t, 2)
+	stickyScratch(t, tb, 2, "scratch") // as /tmp: alice may remove what she made there
+	n1, n2 := filepath.Join(tb.node(1), "scratch"), filepath.Join(tb.node(2), "scratch")
+	userTree(t, filepath.Join(n1, "gone"), userA, 0)
+	writeModel(t, filepath.Join(n1, "gone"), userA, modelFile{"a", 1 << 20, 1})
+	out, err := tb.tensorfs(userA, "publish", filepath.Join(n1, "gone"))
+	if err != nil {
+		t.Fatalf("alice's publish: %v\n%s", err, out)
+	}
+	waitVersion(t, filepath.Join(n2, "gone"), versionOf(t, out))
+	if out, err := runAs(t, userA, "/", "rm", "-r", filepath.Join(n1, "gone")); err != nil {
+		t.Fatalf("alice's rm -r on node1: %v\n%s", err, out)
+	}
+
+	open := asUser(exec.Command("cat", filepath.Join(n2, "gone", "a")), userA)
+	if err := open.Start(); err != nil {
+		t.Fatal(err)
+	}
+	opened := make(chan error, 1)
+	go func() { opened <- open.Wait() }()
+	defer func() {
+		open.Process.Kill()
+		<-opened
+	}()
+	time.Sleep(time.Second)
+	start := time.Now()
+	b, err := exec.Command(tb.env["TESTBED_TENSORFS"], "restart", tb.node(2)).CombinedOutput()
+	if err != nil {
+		t.Fatalf("root's restart of node2 while alice's open waits for a pull with no holder: %v after %v\n%s", err, time.Since(start).Round(time.Millisecond), b)
+	}
+	t.Logf("the restart took %v: %s", time.Since(start).Round(time.Millisecond), strings.TrimSpace(string(b)))
+	// The successor answers her open: no holder, once its pull has waited.
+	select {
+	case err := <-opened:
+		if err == nil {
+			t.Error("alice's open of a segment no node holds read it")
+		}
+		opened <- err
+	case <-time.After(60 * time.Second):
+		t.Error("alice's open, sent again to the successor, had no answer in 60 s")
+	}
+	if _, err := os.Stat(filepath.Join(tb.node(2), "scratch")); err != nil {
+		t.Errorf("node2 after the restart: %v", err)
+	}
 }
