@@ -43,7 +43,8 @@ const (
 	// maxPerPeer is how many connections a node has to one peer at most:
 	// fetches past it wait for one (the peer sends at most MaxUploads
 	// pieces at once anyway). A server holds at most twice as many of
-	// one member's (a new one past it is closed): one member cannot take
+	// one member's (a new one past it ends its oldest, which a member
+	// that lost its network and came back has no use for): one member cannot take
 	// the maxServed of every other.
 	maxPerPeer = 8
 	// sendSlice is how much of a piece one write sends (the write
@@ -98,7 +99,7 @@ type Stream struct {
 	idle     map[Peer][]*streamConn // client connections kept for the next fetch
 	open     map[net.Conn]bool      // every connection, either side, until closed
 	pending  map[string][]net.Conn  // the server's connections in their handshake, by host, oldest first
-	members  map[string]int         // the server's connections past their handshake, by peer
+	members  map[string][]net.Conn  // the server's connections past their handshake, by peer, oldest first
 	perPeer  map[Peer]chan struct{} // a token per connection to a peer (maxPerPeer), while a fetch uses it
 	closed   bool
 	serving  sync.WaitGroup // the server's goroutines
@@ -140,7 +141,7 @@ func NewStream(cfg Config) (*Stream, error) {
 	server.DynamicRecordSizingDisabled = true
 	return &Stream{cfg: cfg, server: server, slots: make(chan struct{}, cfg.MaxUploads), served: make(chan struct{}, maxServed),
 		idle: map[Peer][]*streamConn{}, open: map[net.Conn]bool{}, pending: map[string][]net.Conn{},
-		members: map[string]int{}, perPeer: map[Peer]chan struct{}{}}, nil
+		members: map[string][]net.Conn{}, perPeer: map[Peer]chan struct{}{}}, nil
 }
 
 // ListenerFile returns a duplicate of the socket the server listens on,
@@ -240,11 +241,8 @@ func (s *Stream) serve(raw net.Conn) {
 		return
 	}
 	peer := c.ConnectionState().PeerCertificates[0].Subject.CommonName
-	if !s.member(peer, 1) {
-		s.cfg.Log.Warn("cluster: the piece server holds as many of a peer's connections as it may; closed a new one", "peer", peer, "remote", raw.RemoteAddr(), "max", 2*maxPerPeer)
-		return
-	}
-	defer s.member(peer, -1)
+	s.member(peer, raw)
+	defer s.memberGone(peer, raw)
 	for {
 		raw.SetDeadline(time.Now().Add(serverIdle))
 		p, err := readRequest(c)
@@ -321,18 +319,36 @@ func (s *Stream) handshook(key string, raw net.Conn) {
 	}
 }
 
-// member counts a connection of peer past its handshake (d 1) or its
-// end (d -1); false, and nothing counted, past 2*maxPerPeer.
-func (s *Stream) member(peer string, d int) bool {
+// member records raw as a connection of peer past its handshake, ending
+// the oldest of peer's past 2*maxPerPeer.
+func (s *Stream) member(peer string, raw net.Conn) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if d > 0 && s.members[peer] >= 2*maxPerPeer {
-		return false
+	if s.members == nil { // closed
+		return
 	}
-	if s.members[peer] += d; s.members[peer] <= 0 {
+	q := append(s.members[peer], raw)
+	if len(q) > 2*maxPerPeer {
+		s.cfg.Log.Warn("cluster: the piece server ended the oldest connection of a peer that has as many as it may", "peer", peer, "remote", q[0].RemoteAddr(), "max", 2*maxPerPeer)
+		q[0].Close()
+		q = q[1:]
+	}
+	s.members[peer] = q
+}
+
+// memberGone forgets raw as a connection of peer.
+func (s *Stream) memberGone(peer string, raw net.Conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	q := s.members[peer]
+	if i := slices.Index(q, raw); i >= 0 {
+		q = slices.Delete(q, i, i+1)
+	}
+	if len(q) == 0 {
 		delete(s.members, peer)
+	} else {
+		s.members[peer] = q
 	}
-	return true
 }
 
 // send answers the request for p on c: the piece's bytes, or a refusal
@@ -638,7 +654,7 @@ func (s *Stream) Close() error {
 	for c := range s.open {
 		c.Close()
 	}
-	s.open, s.idle, s.pending = nil, nil, nil
+	s.open, s.idle, s.pending, s.members = nil, nil, nil, nil
 	s.mu.Unlock()
 	s.serving.Wait()
 	return nil
