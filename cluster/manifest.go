@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"hash"
 	"io"
+	"math"
 	"path"
 	"runtime"
 	"strings"
@@ -172,7 +173,12 @@ func decodeContent(id string, b []byte) (*Content, error) {
 	if err := json.Unmarshal(b, c); err != nil {
 		return nil, fmt.Errorf("%w: content %s: %v", ErrCorrupt, id, err)
 	}
-	if c.Size < 0 || c.PieceSize <= 0 || len(c.Hashes) != c.Pieces()*sha256.Size {
+	// A piece is at most what pieceSizeFor makes of the largest base
+	// (a node serves a piece from a buffer of its size: a forged piece
+	// size would be memory a peer's request holds), and the pieces of a
+	// size are counted without overflow.
+	if c.Size < 0 || c.PieceSize <= 0 || c.Size > math.MaxInt64-c.PieceSize ||
+		c.PieceSize > pieceSizeFor(c.Size, DefaultPieceSize) || len(c.Hashes) != c.Pieces()*sha256.Size {
 		return nil, fmt.Errorf("%w: content %s: size %d, piece size %d, %d hash bytes", ErrCorrupt, id, c.Size, c.PieceSize, len(c.Hashes))
 	}
 	return c, nil
@@ -200,7 +206,7 @@ func validID(s string) bool {
 // pieceSizeFor returns the piece size of a content of size bytes: base,
 // doubled until the content has at most MaxPieces pieces.
 func pieceSizeFor(size, base int64) int64 {
-	for size > base*MaxPieces {
+	for base <= math.MaxInt64/MaxPieces/2 && size > base*MaxPieces {
 		base *= 2
 	}
 	return base

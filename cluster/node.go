@@ -240,8 +240,8 @@ func (cfg *Config) fill() error {
 	if cfg.PieceSize == 0 {
 		cfg.PieceSize = DefaultPieceSize
 	}
-	if cfg.PieceSize < 64<<10 {
-		return fmt.Errorf("%w: cluster: piece size %d is under 64 KiB", ErrInvalid, cfg.PieceSize)
+	if cfg.PieceSize < 64<<10 || cfg.PieceSize > DefaultPieceSize {
+		return fmt.Errorf("%w: cluster: piece size %d is under 64 KiB or over %d (peers refuse larger pieces than DefaultPieceSize makes)", ErrInvalid, cfg.PieceSize, DefaultPieceSize)
 	}
 	if cfg.Parallel <= 0 {
 		cfg.Parallel = DefaultParallel

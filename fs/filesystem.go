@@ -49,8 +49,13 @@ type filesystem struct {
 	// passthrough is true once opens are answered with FOPEN_PASSTHROUGH;
 	// it is decided after the kernel serves the mount.
 	passthrough atomic.Bool
-	requests    counters
-	started     time.Time
+	// gate is the mount's handover gate once it serves, where the kernel
+	// resends requests a daemon left unanswered (FUSE 7.40): a request
+	// that waits for what may take long (an open for a pull) leaves it
+	// meanwhile (parked), so that a handover need not wait for it.
+	gate     atomic.Pointer[gateFS]
+	requests counters
+	started  time.Time
 	// imports holds the imported (FROMFD) segments.
 	imports imports
 	// ledger charges what requests make the daemon hold to their uids

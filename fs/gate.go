@@ -26,6 +26,26 @@ func (f *gateFS) freeze(wait time.Duration) bool { return f.mu.freeze(wait) }
 // thaw serves requests again after freeze.
 func (f *gateFS) thaw() { f.mu.thaw() }
 
+// parked runs wait, a wait of a request in flight (the caller's) that
+// changes nothing (an open waiting for its segment's pull, a walk of a
+// subtree waiting for the caller's others and walking), outside the
+// gate where fsys has one: a handover goes on meanwhile rather than wait
+// for it, and the request, once wait returns, waits for the thaw of a
+// handover that failed; a handover that succeeds ends this daemon before
+// it answers, and the kernel sends the request again to its successor
+// (NotifyResend). A mount whose kernel does not resend has no gate, and
+// the handover waits for the request (up to handoverWait).
+func (f *filesystem) parked(wait func()) {
+	g := f.gate.Load()
+	if g == nil {
+		wait()
+		return
+	}
+	g.mu.RUnlock()
+	defer g.mu.RLock()
+	wait()
+}
+
 // gateBias is taken off gateLock.n while it is frozen.
 const gateBias = 1 << 40
 

@@ -297,6 +297,9 @@ func Mount(opts Options) (_ *Server, err error) {
 			fsys.removeUnlinkedNames(unheld) // serving: it tells the kernel
 		}
 	}
+	if srv.KernelSettings().Minor >= 40 { // FUSE_NOTIFY_RESEND: a successor has what was parked sent again
+		fsys.gate.Store(gate)
+	}
 	widenReadahead(opts.Mountpoint, fsys.log)
 	fsys.afterMount(opts.Mountpoint, opts.Recovered)
 	s := &Server{Server: srv, fs: fsys, gate: gate, raw: raw}

@@ -307,9 +307,11 @@ func (d *dirNode) Getxattr(ctx context.Context, attr string, dest []byte) (uint3
 	case attr == alloc.AttrDevice:
 		v, err = deviceAttr(d)
 	case attr == alloc.AttrRbytes || attr == alloc.AttrRsegments:
-		v, err = d.usageAttr(ctx, attr)
+		// Walks: each waits for the caller's others (usageWalks), outside
+		// the handover's gate.
+		d.fs.parked(func() { v, err = d.usageAttr(ctx, attr) })
 	case attr == alloc.AttrCluster:
-		v, err = d.fs.clusterAttr(fuseRequester(ctx), d)
+		d.fs.parked(func() { v, err = d.fs.clusterAttr(fuseRequester(ctx), d) })
 	default:
 		var sz int
 		sz, err = storedAttr(d, attr, dest)
@@ -371,7 +373,9 @@ func (d *dirNode) Removexattr(ctx context.Context, attr string) syscall.Errno {
 func (r *rootNode) Getxattr(ctx context.Context, attr string, dest []byte) (uint32, syscall.Errno) {
 	switch {
 	case attr == alloc.AttrStats:
-		st, err := r.fs.stats(caller(ctx).Uid)
+		var st map[string]any
+		var err error
+		r.fs.parked(func() { st, err = r.fs.stats(caller(ctx).Uid) }) // a walk, as rbytes
 		var b []byte
 		if err == nil {
 			b, err = json.Marshal(st)

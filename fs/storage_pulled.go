@@ -69,7 +69,13 @@ func (p *pulled) open(n *segmentNode, m *alloc.Ref, h handle, flags uint32) (seg
 	if h.writable || flags&unix.O_TRUNC != 0 {
 		return nil, errPublished
 	}
-	if err := p.await(m); err != nil {
+	var err error
+	if flags&openAdopted != 0 { // a takeover's, outside any request
+		err = p.await(m)
+	} else {
+		n.fs.parked(func() { err = p.await(m) })
+	}
+	if err != nil {
 		return nil, err
 	}
 	fd, err := m.Open(unix.O_RDONLY)

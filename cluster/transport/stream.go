@@ -8,7 +8,9 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
+	"slices"
 	"sync"
 	"time"
 )
@@ -32,6 +34,19 @@ const (
 	// maxServed is how many connections the server holds at once; it
 	// closes more as it accepts them.
 	maxServed = 512
+	// maxPendingPerHost is how many connections from one host (an
+	// address; every loopback address is one host, an IPv6 /64 one) may
+	// be in their handshake at once: a new one past it ends the oldest.
+	// A process with no certificate that reaches the port holds that many
+	// of maxServed at most, and delays only handshakes from its own host.
+	maxPendingPerHost = 64
+	// maxPerPeer is how many connections a node has to one peer at most:
+	// fetches past it wait for one (the peer sends at most MaxUploads
+	// pieces at once anyway). A server holds at most twice as many of
+	// one member's (a new one past it ends its oldest, which a member
+	// that lost its network and came back has no use for): one member cannot take
+	// the maxServed of every other.
+	maxPerPeer = 8
 	// sendSlice is how much of a piece one write sends (the write
 	// deadline is the idle timeout, for each).
 	sendSlice = 1 << 20
@@ -83,6 +98,9 @@ type Stream struct {
 	addr     string                 // advertised address; "" until Start
 	idle     map[Peer][]*streamConn // client connections kept for the next fetch
 	open     map[net.Conn]bool      // every connection, either side, until closed
+	pending  map[string][]net.Conn  // the server's connections in their handshake, by host, oldest first
+	members  map[string][]net.Conn  // the server's connections past their handshake, by peer, oldest first
+	perPeer  map[Peer]chan struct{} // a token per connection to a peer (maxPerPeer), while a fetch uses it
 	closed   bool
 	serving  sync.WaitGroup // the server's goroutines
 }
@@ -122,7 +140,8 @@ func NewStream(cfg Config) (*Stream, error) {
 	server.NextProtos = []string{Protocol}
 	server.DynamicRecordSizingDisabled = true
 	return &Stream{cfg: cfg, server: server, slots: make(chan struct{}, cfg.MaxUploads), served: make(chan struct{}, maxServed),
-		idle: map[Peer][]*streamConn{}, open: map[net.Conn]bool{}}, nil
+		idle: map[Peer][]*streamConn{}, open: map[net.Conn]bool{}, pending: map[string][]net.Conn{},
+		members: map[string][]net.Conn{}, perPeer: map[Peer]chan struct{}{}}, nil
 }
 
 // ListenerFile returns a duplicate of the socket the server listens on,
@@ -214,11 +233,16 @@ func (s *Stream) serve(raw net.Conn) {
 	bc := newBatchConn(raw, 4<<10)
 	c := tls.Server(bc, s.server)
 	raw.SetDeadline(time.Now().Add(handshakeTimeout))
-	if err := c.Handshake(); err != nil {
+	key := s.handshaking(raw)
+	err := c.Handshake()
+	s.handshook(key, raw)
+	if err != nil {
 		s.cfg.Log.Info("cluster: refused a peer's connection", "remote", raw.RemoteAddr(), "err", err)
 		return
 	}
 	peer := c.ConnectionState().PeerCertificates[0].Subject.CommonName
+	s.member(peer, raw)
+	defer s.memberGone(peer, raw)
 	for {
 		raw.SetDeadline(time.Now().Add(serverIdle))
 		p, err := readRequest(c)
@@ -234,6 +258,96 @@ func (s *Stream) serve(raw net.Conn) {
 			}
 			return
 		}
+	}
+}
+
+// hostKey returns the host a connection comes from, as the server
+// counts its handshakes: its address, every loopback address as one (a
+// local process may bind any of 127.0.0.0/8) and an IPv6 address by its
+// /64.
+func hostKey(a net.Addr) string {
+	ta, ok := a.(*net.TCPAddr)
+	if !ok {
+		return a.String()
+	}
+	ip, ok := netip.AddrFromSlice(ta.IP)
+	if !ok {
+		return ta.IP.String()
+	}
+	ip = ip.Unmap()
+	switch {
+	case ip.IsLoopback():
+		return "loopback"
+	case ip.Is6():
+		p, _ := ip.Prefix(64)
+		return p.String()
+	}
+	return ip.String()
+}
+
+// handshaking records raw as in its handshake, ending the oldest of its
+// host's past maxPendingPerHost, and returns its host's key.
+func (s *Stream) handshaking(raw net.Conn) string {
+	key := hostKey(raw.RemoteAddr())
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.pending == nil { // closed
+		return key
+	}
+	q := append(s.pending[key], raw)
+	if len(q) > maxPendingPerHost {
+		s.cfg.Log.Warn("cluster: the piece server ended the oldest handshake of a host that has as many under way as it may", "remote", q[0].RemoteAddr(), "max", maxPendingPerHost)
+		q[0].Close()
+		q = q[1:]
+	}
+	s.pending[key] = q
+	return key
+}
+
+// handshook forgets raw as in its handshake.
+func (s *Stream) handshook(key string, raw net.Conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	q := s.pending[key]
+	if i := slices.Index(q, raw); i >= 0 {
+		q = slices.Delete(q, i, i+1)
+	}
+	if len(q) == 0 {
+		delete(s.pending, key)
+	} else {
+		s.pending[key] = q
+	}
+}
+
+// member records raw as a connection of peer past its handshake, ending
+// the oldest of peer's past 2*maxPerPeer.
+func (s *Stream) member(peer string, raw net.Conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.members == nil { // closed
+		return
+	}
+	q := append(s.members[peer], raw)
+	if len(q) > 2*maxPerPeer {
+		s.cfg.Log.Warn("cluster: the piece server ended the oldest connection of a peer that has as many as it may", "peer", peer, "remote", q[0].RemoteAddr(), "max", 2*maxPerPeer)
+		q[0].Close()
+		q = q[1:]
+	}
+	s.members[peer] = q
+}
+
+// memberGone forgets raw as a connection of peer.
+func (s *Stream) memberGone(peer string, raw net.Conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	q := s.members[peer]
+	if i := slices.Index(q, raw); i >= 0 {
+		q = slices.Delete(q, i, i+1)
+	}
+	if len(q) == 0 {
+		delete(s.members, peer)
+	} else {
+		s.members[peer] = q
 	}
 }
 
@@ -288,6 +402,11 @@ func (s *Stream) Fetch(ctx context.Context, peer Peer, p Piece, dst Dest) (int64
 	if err != nil {
 		return 0, fmt.Errorf("fetch piece %d of %.12s from %s: %w: %v", p.Index, p.Content, peer.Name, ErrNotServed, err)
 	}
+	release, err := s.acquire(ctx, peer)
+	if err != nil {
+		return 0, s.fetchError(ctx, peer, p, err)
+	}
+	defer release()
 	for {
 		c, kept, err := s.conn(ctx, peer)
 		if err != nil {
@@ -306,6 +425,30 @@ func (s *Stream) Fetch(ctx context.Context, peer Peer, p Piece, dst Dest) (int64
 			return n, s.fetchError(ctx, peer, p, err)
 		}
 		return n, nil
+	}
+}
+
+// acquire waits for one of the maxPerPeer connections to peer a node
+// has: a fetch holds its token while it uses the connection, and a kept
+// one is idle, so that no more than maxPerPeer are open (a new one is
+// dialled only where none is kept). The returned function gives it back.
+func (s *Stream) acquire(ctx context.Context, peer Peer) (func(), error) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil, net.ErrClosed
+	}
+	tokens := s.perPeer[peer]
+	if tokens == nil {
+		tokens = make(chan struct{}, maxPerPeer)
+		s.perPeer[peer] = tokens
+	}
+	s.mu.Unlock()
+	select {
+	case tokens <- struct{}{}:
+		return func() { <-tokens }, nil
+	case <-ctx.Done():
+		return nil, context.Cause(ctx)
 	}
 }
 
@@ -511,7 +654,7 @@ func (s *Stream) Close() error {
 	for c := range s.open {
 		c.Close()
 	}
-	s.open, s.idle = nil, nil
+	s.open, s.idle, s.pending, s.members = nil, nil, nil, nil
 	s.mu.Unlock()
 	s.serving.Wait()
 	return nil
