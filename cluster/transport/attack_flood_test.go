@@ -14,6 +14,7 @@ import (
 // one) cannot take every connection the server holds: a member's fetch
 // from another host still succeeds while they are held.
 func TestStreamHandshakeFlood(t *testing.T) {
+	smallServer(t)
 	creds, _ := certs(t, "node1", "node2")
 	src := &memSource{content: "c1", data: randomBytes(t, 1000), pieceSize: 1 << 20}
 	server, addr := serve(t, creds["node1"], src)
@@ -64,6 +65,7 @@ func TestStreamHandshakeFlood(t *testing.T) {
 // after, and held the server's 512), and a server holds a few of one
 // member's connections (a hostile daemon dials as many as it likes).
 func TestStreamConnectionsPerPeer(t *testing.T) {
+	smallServer(t)
 	creds, _ := certs(t, "node1", "node2", "node3")
 	src := stallSource{release: make(chan struct{}), reading: make(chan struct{}, 1000)}
 	g, err := NewStream(Config{Listen: "127.0.0.1:0", Credentials: creds["node1"], MaxUploads: 1000, Log: testLog(t)})
@@ -76,7 +78,7 @@ func TestStreamConnectionsPerPeer(t *testing.T) {
 	}
 	peer := Peer{Name: "node1", Addr: g.Addr()}
 	node2 := client(t, creds["node2"])
-	const fetches = maxServed + 88
+	fetches := maxServed + 88
 	errs := make(chan error, fetches)
 	for range fetches {
 		go func() {
@@ -124,7 +126,17 @@ func TestStreamConnectionsPerPeer(t *testing.T) {
 	}
 	time.Sleep(200 * time.Millisecond)
 	node3 = client(t, creds["node3"])
+	ctx, cancel = context.WithTimeout(context.Background(), 5*time.Second) // the dials took their time
+	defer cancel()
 	if _, err := node3.Fetch(ctx, peer, Piece{Content: "c1"}, discard(1<<10)); err != nil {
 		t.Fatalf("node3's fetch while node2 holds %d connections: %v", len(held), err)
 	}
+}
+
+// smallServer has the servers t makes hold 128 connections rather than
+// 512: a flood past them takes a quarter of the handshakes.
+func smallServer(t *testing.T) {
+	old := maxServed
+	maxServed = 128
+	t.Cleanup(func() { maxServed = old })
 }

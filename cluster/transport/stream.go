@@ -31,9 +31,6 @@ const (
 	// nothing; keptIdle, shorter, how long a client keeps one unused.
 	serverIdle = 2 * time.Minute
 	keptIdle   = time.Minute
-	// maxServed is how many connections the server holds at once; it
-	// closes more as it accepts them.
-	maxServed = 512
 	// maxPendingPerHost is how many connections from one host (an
 	// address; every loopback address is one host, an IPv6 /64 one) may
 	// be in their handshake at once: a new one past it ends the oldest.
@@ -55,6 +52,10 @@ const (
 	// the two (the destination may hash it as it writes).
 	readChunk = 256 << 10
 )
+
+// maxServed is how many connections the server holds at once; it closes
+// more as it accepts them. A variable, so that tests flood a smaller one.
+var maxServed = 512
 
 // Config says where a Stream transport listens and how it authenticates.
 type Config struct {
