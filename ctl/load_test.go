@@ -22,7 +22,7 @@ func (b *loadBackend) name(i int) string {
 	return fmt.Sprintf("seg%03d", i) + strings.Repeat("x", b.pad)
 }
 
-func (b *loadBackend) Load(cred Cred, path string, write bool, after string, max int) ([]Segment, []*os.File, bool, error) {
+func (b *loadBackend) Load(cred Cred, path string, write bool, after string, max int, _ *any) ([]Segment, []*os.File, bool, error) {
 	b.asked = append(b.asked, after)
 	if path == "secret" {
 		return nil, nil, false, syscall.EACCES

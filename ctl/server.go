@@ -69,8 +69,11 @@ type Loader interface {
 	// Segment.FD is ignored), and whether more follow. Each file is
 	// read-only, or read-write if write; the whole request fails if a
 	// segment is not readable (or writable) by cred. ctl sends the files
-	// and then closes them.
-	Load(cred Cred, path string, write bool, after string, max int) ([]Segment, []*os.File, bool, error)
+	// and then closes them. cursor is the connection's: what Load kept
+	// there at the connection's last load (nil at first), for the next
+	// request of the same load; Load replaces it, and it goes with the
+	// connection.
+	Load(cred Cred, path string, write bool, after string, max int, cursor *any) ([]Segment, []*os.File, bool, error)
 }
 
 // A Publisher is a Backend that also serves publish, pull and unpublish: a daemon
@@ -367,13 +370,14 @@ func (s *Server) serve(c *net.UnixConn) {
 	}()
 	// The reader may be stuck closing descriptors over a limit (adopt):
 	// the connection ends with ctx all the same.
+	var cursor any // the backend's, between a load's requests
 	for {
 		select {
 		case m, ok := <-msgs:
 			if !ok {
 				return
 			}
-			s.handle(ctx, c, cred, m)
+			s.handle(ctx, c, cred, m, &cursor)
 		case <-ctx.Done():
 			return
 		}
@@ -449,8 +453,9 @@ func peerGroups(fd int) ([]uint32, error) {
 	}
 }
 
-// handle answers one request message, taking ownership of its fds.
-func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m message) {
+// handle answers one request message, taking ownership of its fds;
+// cursor is the connection's load cursor (Loader).
+func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m message, cursor *any) {
 	req, err := s.decode(m)
 	if err != nil {
 		s.quota.release(m.FDs...)
@@ -493,7 +498,7 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 	case opAllGather, opBroadcast:
 		s.collective(ctx, c, cred, &req, m.FDs)
 	case opLoad:
-		s.load(c, cred, &req)
+		s.load(c, cred, &req, cursor)
 	case opPurge:
 		s.purge(c, cred)
 	case opPublish, opPull, opUnpublish:
@@ -547,8 +552,8 @@ func (s *Server) purge(c *net.UnixConn, cred Cred) {
 
 // load answers a load request: as many segments as one reply can carry
 // (descriptors, bytes and the peer's descriptor limit allowing), "more"
-// when the listing goes on.
-func (s *Server) load(c *net.UnixConn, cred Cred, req *request) {
+// when the listing goes on. cursor is the connection's (Loader).
+func (s *Server) load(c *net.UnixConn, cred Cred, req *request, cursor *any) {
 	l, ok := s.cfg.Backend.(Loader)
 	if !ok {
 		s.refuse(c, cred, req.Op, protoErrorf(syscall.EOPNOTSUPP, "this backend does not serve load"))
@@ -560,7 +565,7 @@ func (s *Server) load(c *net.UnixConn, cred Cred, req *request) {
 		return
 	}
 	defer s.quota.give(cred.Uid, Limits{FDs: batch + backendFDs})
-	segs, files, more, err := l.Load(cred, req.Path, req.Write, req.After, batch)
+	segs, files, more, err := l.Load(cred, req.Path, req.Write, req.After, batch, cursor)
 	defer closeFiles(files) // after the reply: fds are their descriptors, not copies
 	var fds []int
 	for i, f := range files {

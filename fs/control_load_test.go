@@ -29,7 +29,7 @@ func TestControlLoadFromNodeCache(t *testing.T) {
 	b := controlBackend{x.fsys}
 	load := func(what string) ctl.Segment {
 		t.Helper()
-		segs, files, _, err := b.Load(rootPeer, "model", false, "", 10)
+		segs, files, _, err := b.Load(rootPeer, "model", false, "", 10, new(any))
 		closeFiles(files)
 		if err != nil || len(segs) != 1 {
 			t.Fatalf("load %s: %d segments, %v; want 1", what, len(segs), err)
@@ -77,12 +77,12 @@ func TestControlLoadNamesBounded(t *testing.T) {
 		x.segment(big, fmt.Sprintf("%0100d", i))
 	}
 	b := controlBackend{x.fsys}
-	_, files, _, err := b.Load(rootPeer, "big", false, "", 10)
+	_, files, _, err := b.Load(rootPeer, "big", false, "", 10, new(any))
 	closeFiles(files)
 	if !errors.Is(err, syscall.E2BIG) || !strings.Contains(err.Error(), "one at a time") {
 		t.Errorf("a load of 1000 long names past a bound of 64 KiB: %v; want E2BIG saying what to do", err)
 	}
-	segs, files, _, err := b.Load(rootPeer, "small", false, "", 10)
+	segs, files, _, err := b.Load(rootPeer, "small", false, "", 10, new(any))
 	closeFiles(files)
 	if err != nil || len(segs) != 1 {
 		t.Errorf("a load of one segment after the refused one: %d segments, %v", len(segs), err)

@@ -157,7 +157,7 @@ func TestControlLeaseNeverWaits(t *testing.T) {
 		f.Close()
 	}
 	start = time.Now()
-	_, files, _, err := b.Load(rootPeer, "pub", true, "", 10)
+	_, files, _, err := b.Load(rootPeer, "pub", true, "", 10, new(any))
 	if took := time.Since(start); toErrno(err) != syscall.EAGAIN || !strings.Contains(fmt.Sprint(err), "w") || took > 2*time.Second {
 		t.Errorf("write load of a directory with a leased segment: %v after %v, want EAGAIN at once", err, took)
 	}
@@ -268,10 +268,10 @@ func TestControlLoadCountsDirectories(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(deep, "w"), []byte("deep"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, _, err := b.Load(ownerPeer, "pub", false, "", 10); !errors.Is(err, syscall.EMFILE) {
+	if _, _, _, err := b.Load(ownerPeer, "pub", false, "", 10, new(any)); !errors.Is(err, syscall.EMFILE) {
 		t.Errorf("a load 5 directories deep with a share of 3 descriptors: %v, want EMFILE", err)
 	}
-	_, files, _, err := b.Load(rootPeer, "pub", false, "", 10)
+	_, files, _, err := b.Load(rootPeer, "pub", false, "", 10, new(any))
 	if err != nil || len(files) != 2 {
 		t.Errorf("root's load of the same directory: %d files, %v", len(files), err)
 	}

@@ -163,14 +163,14 @@ func TestSubtreeUsageAsCaller(t *testing.T) {
 func TestControlLoad(t *testing.T) {
 	x := newOpsFS(t)
 	// A segment this mount cannot serve fails a load with its reason.
-	if _, _, _, err := (controlBackend{x.fsys}).Load(rootPeer, ".", false, "", 100); !errors.Is(err, alloc.ErrNoDevice) {
+	if _, _, _, err := (controlBackend{x.fsys}).Load(rootPeer, ".", false, "", 100, new(any)); !errors.Is(err, alloc.ErrNoDevice) {
 		t.Errorf("load of a directory holding an unavailable segment: %v, want ErrNoDevice", err)
 	}
 	if st := x.raw.Unlink(nil, ptr(hdr(1)), "unavailable"); st != fuse.OK {
 		t.Fatal(st)
 	}
 	b := controlBackend{x.fsys}
-	segs, files, more, err := b.Load(rootPeer, ".", false, "", 100)
+	segs, files, more, err := b.Load(rootPeer, ".", false, "", 100, new(any))
 	if err != nil || more {
 		t.Fatalf("load: %v, more %v", err, more)
 	}
@@ -190,11 +190,13 @@ func TestControlLoad(t *testing.T) {
 			t.Errorf("load gives %s: listed %v, descriptor %v; want listed, descriptor %v", name, ok, has, fd)
 		}
 	}
-	first, _, more, err := b.Load(rootPeer, ".", false, "", 2)
+	cursor := new(any) // one connection's
+	first, firstFiles, more, err := b.Load(rootPeer, ".", false, "", 2, cursor)
+	closeFiles(firstFiles)
 	if err != nil || !more || len(first) != 2 {
 		t.Fatalf("a page of 2: %d segments, more %v, %v", len(first), more, err)
 	}
-	rest, restFiles, more, err := b.Load(rootPeer, ".", false, first[1].Name, 100)
+	rest, restFiles, more, err := b.Load(rootPeer, ".", false, first[1].Name, 100, cursor)
 	for _, f := range restFiles {
 		if f != nil {
 			f.Close()
@@ -203,11 +205,11 @@ func TestControlLoad(t *testing.T) {
 	if err != nil || more || len(rest) != len(segs)-2 {
 		t.Errorf("the rest after %s: %d segments, more %v, %v; want %d", first[1].Name, len(rest), more, err, len(segs)-2)
 	}
-	if _, _, _, err := b.Load(rootPeer, ".", true, "", 100); !errors.Is(err, alloc.ErrReadOnly) {
+	if _, _, _, err := b.Load(rootPeer, ".", true, "", 100, new(any)); !errors.Is(err, alloc.ErrReadOnly) {
 		t.Errorf("load with write of a directory holding a FROMFD segment: %v, want ErrReadOnly", err)
 	}
 	other := ctl.Cred{Pid: int32(os.Getpid()), Uid: 4321, Gid: 4321}
-	if _, _, _, err := b.Load(other, ".", false, "", 100); !errors.Is(err, syscall.EACCES) {
+	if _, _, _, err := b.Load(other, ".", false, "", 100, new(any)); !errors.Is(err, syscall.EACCES) {
 		t.Errorf("load by another user of a private mount: %v, want EACCES", err)
 	}
 }
