@@ -343,15 +343,22 @@ func (l *loader) descriptor(s storage, m *alloc.Ref, dirfd int, name string) (*o
 
 // segmentAttrs returns the flags and tensor attributes of the segment m,
 // whose storage is s: from the cache of n, its node, where the kernel
-// knows one (the first read fills it, as getxattr's does), else read from
-// storage. A tensor attribute stored that fails validation is left out and
-// logged (alloc.ReadLayout); name names the segment there.
+// knows one (the first read fills it, as getxattr's does), else, for a
+// host segment, from fsys.stored while m's inode has not changed, else
+// read from storage. A tensor attribute stored that fails validation is
+// left out and logged (alloc.ReadLayout); name names the segment there.
 func (fsys *filesystem) segmentAttrs(s storage, m *alloc.Ref, n *segmentNode, name string) (f alloc.Flags, l alloc.Layout, err error) {
 	if n != nil {
 		if f, err = n.flags(n); err == nil {
 			l, err = n.tensorLayout(n)
 		}
 		return f, l, err
+	}
+	_, cacheable := s.(host)
+	if cacheable {
+		if f, l, ok := fsys.stored.get(m.Stat()); ok {
+			return f, l, nil
+		}
 	}
 	err = s.attrs(m, func(a *alloc.Ref) error {
 		p, err := a.Path()
@@ -363,6 +370,9 @@ func (fsys *filesystem) segmentAttrs(s storage, m *alloc.Ref, n *segmentNode, na
 		}
 		return err
 	})
+	if err == nil && cacheable {
+		fsys.stored.put(m.Stat(), f, l)
+	}
 	return f, l, err
 }
 
