@@ -538,6 +538,11 @@ def find_mount(path: str) -> str:
 
     A mount whose daemon is gone is OSError ENOTCONN, saying so.
     """
+    return _find_socket(path)[0]
+
+
+def _find_socket(path):
+    """Return (root, control socket path) of the mount holding path; see find_mount."""
     d = _os.path.abspath(path)
     try:
         if not _os.path.isdir(d):
@@ -546,8 +551,9 @@ def find_mount(path: str) -> str:
         d = _os.path.dirname(d)
     while True:
         try:
-            if _getxattr(d, XATTR_SOCKET):
-                return d
+            s = _getxattr(d, XATTR_SOCKET)
+            if s:
+                return d, s
         except OSError as e:
             if e.errno == _errno.ENOTCONN:
                 raise _explain(e, d, "tensorfs: %s" % path) from None
@@ -588,11 +594,11 @@ class Client:
     """
 
     def __init__(self, path, timeout=None):
-        self.mount = find_mount(path)
+        self.mount, sock = _find_socket(path)
         self.sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
         try:
             self.sock.settimeout(timeout)
-            self.sock.connect(socket_path(self.mount))
+            self.sock.connect(sock)
         except BaseException:
             self.sock.close()
             raise
