@@ -65,15 +65,15 @@ type Loader interface {
 	// Load returns up to max segments under the directory path (every
 	// directory on the way searchable by cred, every directory listed
 	// readable), in walk order, after the segment named after ("": from
-	// the start), with a file for each (nil where none is handed out;
-	// Segment.FD is ignored), and whether more follow. Each file is
+	// the start), with a descriptor for each (-1 where none is handed
+	// out; Segment.FD is ignored), and whether more follow. Each is
 	// read-only, or read-write if write; the whole request fails if a
-	// segment is not readable (or writable) by cred. ctl sends the files
-	// and then closes them. cursor is the connection's: what Load kept
+	// segment is not readable (or writable) by cred. ctl sends the
+	// descriptors and then closes them. cursor is the connection's: what Load kept
 	// there at the connection's last load (nil at first), for the next
 	// request of the same load; Load replaces it, and it goes with the
 	// connection.
-	Load(cred Cred, path string, write bool, after string, max int, cursor *any) ([]Segment, []*os.File, bool, error)
+	Load(cred Cred, path string, write bool, after string, max int, cursor *any) ([]Segment, []int, bool, error)
 }
 
 // A Publisher is a Backend that also serves publish, pull and unpublish: a daemon
@@ -565,20 +565,14 @@ func (s *Server) load(c *net.UnixConn, cred Cred, req *request, cursor *any) {
 		return
 	}
 	defer s.quota.give(cred.Uid, Limits{FDs: batch + backendFDs})
-	segs, files, more, err := l.Load(cred, req.Path, req.Write, req.After, batch, cursor)
-	defer closeFiles(files) // after the reply: fds are their descriptors, not copies
+	segs, held, more, err := l.Load(cred, req.Path, req.Write, req.After, batch, cursor)
+	defer fdpass.Close(held) // after the reply: the backend's descriptors, not copies
 	var fds []int
-	for i, f := range files {
+	for i, fd := range held {
 		segs[i].FD = -1
-		if f == nil {
-			continue
-		}
-		fd, ferr := fdpass.Raw(f)
-		if ferr == nil {
+		if fd >= 0 {
 			segs[i].FD = len(fds)
 			fds = append(fds, fd)
-		} else if err == nil {
-			err = fmt.Errorf("backend's file: %w", ferr)
 		}
 	}
 	if err != nil {

@@ -18,6 +18,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/ctl"
+	"tensorfs/fdpass"
 )
 
 var _ = (ctl.Loader)(controlBackend{})
@@ -32,7 +33,7 @@ var _ = (ctl.Loader)(controlBackend{})
 // (after) a load of the same directory on the same connection takes the
 // directories' names its last request read from the cursor that one left
 // (loadCursor) rather than reading and sorting them again.
-func (b controlBackend) Load(cred ctl.Cred, dir string, write bool, after string, max int, cursor *any) ([]ctl.Segment, []*os.File, bool, error) {
+func (b controlBackend) Load(cred ctl.Cred, dir string, write bool, after string, max int, cursor *any) ([]ctl.Segment, []int, bool, error) {
 	dir = filepath.Clean(dir)
 	prev, _ := (*cursor).(*loadCursor)
 	*cursor = nil
@@ -54,14 +55,10 @@ func (b controlBackend) Load(cred ctl.Cred, dir string, write bool, after string
 		*cursor = &loadCursor{dir: dir, levels: l.kept}
 	}
 	if err != nil {
-		for _, f := range l.files {
-			if f != nil {
-				f.Close()
-			}
-		}
+		fdpass.Close(l.fds)
 		return nil, nil, false, fmt.Errorf("%s: %w", alloc.EscapeText(dir), err)
 	}
-	return l.segs, l.files, l.more, nil
+	return l.segs, l.fds, l.more, nil
 }
 
 // loadCursor is what a load request that did not reach the end leaves on
@@ -104,10 +101,10 @@ type loader struct {
 	after []string // components of the name to resume after; nil from the start
 	max   int
 
-	segs  []ctl.Segment
-	files []*os.File // nil for a segment without a descriptor
-	more  bool
-	held  int // bytes of the names of the directories the walk is in
+	segs []ctl.Segment
+	fds  []int // -1 for a segment without a descriptor
+	more bool
+	held int // bytes of the names of the directories the walk is in
 
 	prev map[string]*loadLevel // the last request's, by path (loadCursor); nil if none
 	kept map[string]*loadLevel // this request's, for the next
@@ -309,18 +306,16 @@ func (l *loader) segment(m *alloc.Ref, dirfd int, rel []string, n *segmentNode) 
 		return fmt.Errorf("%w: %s is FROMFD (imported, read-only): load it without write", alloc.ErrReadOnly, display(rel))
 	}
 	seg.Flags, seg.Dtype, seg.Shape, seg.Stride, seg.Offset = f.String(), lay.Dtype, lay.Shape, lay.Stride, lay.Offset
-	file, err := l.descriptor(s, m, dirfd, rel[len(rel)-1])
-	if err == nil && file != nil && l.write {
+	fd, err := l.descriptor(s, m, dirfd, rel[len(rel)-1])
+	if err == nil && fd >= 0 && l.write {
 		err = l.b.fsys.frozen(m.Stat().Ino)
 	}
 	if err != nil {
-		if file != nil {
-			file.Close()
-		}
+		fdpass.Close([]int{fd})
 		return fmt.Errorf("%s: %w", display(rel), err)
 	}
 	l.segs = append(l.segs, seg)
-	l.files = append(l.files, file)
+	l.fds = append(l.fds, fd)
 	l.cur.used = true
 	return nil
 }
@@ -329,16 +324,22 @@ func (l *loader) segment(m *alloc.Ref, dirfd int, rel []string, n *segmentNode) 
 // is s, for the requester: a host segment by that name (alloc.Ref.OpenAt:
 // no walk of /proc/self/fd), or, where the name no longer reaches it
 // (renamed, replaced), through /proc/self/fd as every other open; another
-// kind as its storage hands it out.
-func (l *loader) descriptor(s storage, m *alloc.Ref, dirfd int, name string) (*os.File, error) {
+// kind as its storage hands it out (-1 for none). A raw descriptor, not
+// an *os.File: no fcntl or finalizer for each of a load's hundreds.
+func (l *loader) descriptor(s storage, m *alloc.Ref, dirfd int, name string) (int, error) {
 	if _, ok := s.(host); !ok {
-		return s.descriptor(m, l.write)
+		f, err := s.descriptor(m, l.write)
+		if f == nil || err != nil {
+			return -1, err
+		}
+		defer f.Close()
+		return fdpass.Dup(f)
 	}
 	fd, err := m.OpenAt(dirfd, name, accessMode(l.write))
 	if err != nil {
 		fd, err = m.Open(accessMode(l.write))
 	}
-	return segmentFile(fd, err)
+	return fd, err
 }
 
 // segmentAttrs returns the flags and tensor attributes of the segment m,

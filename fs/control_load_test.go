@@ -14,6 +14,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/ctl"
+	"tensorfs/fdpass"
 )
 
 // TestControlLoadFromNodeCache: a load takes a segment's tensor
@@ -31,7 +32,7 @@ func TestControlLoadFromNodeCache(t *testing.T) {
 	load := func(what string) ctl.Segment {
 		t.Helper()
 		segs, files, _, err := b.Load(rootPeer, "model", false, "", 10, new(any))
-		closeFiles(files)
+		fdpass.Close(files)
 		if err != nil || len(segs) != 1 {
 			t.Fatalf("load %s: %d segments, %v; want 1", what, len(segs), err)
 		}
@@ -79,12 +80,12 @@ func TestControlLoadNamesBounded(t *testing.T) {
 	}
 	b := controlBackend{x.fsys}
 	_, files, _, err := b.Load(rootPeer, "big", false, "", 10, new(any))
-	closeFiles(files)
+	fdpass.Close(files)
 	if !errors.Is(err, syscall.E2BIG) || !strings.Contains(err.Error(), "one at a time") {
 		t.Errorf("a load of 1000 long names past a bound of 64 KiB: %v; want E2BIG saying what to do", err)
 	}
 	segs, files, _, err := b.Load(rootPeer, "small", false, "", 10, new(any))
-	closeFiles(files)
+	fdpass.Close(files)
 	if err != nil || len(segs) != 1 {
 		t.Errorf("a load of one segment after the refused one: %d segments, %v", len(segs), err)
 	}
@@ -112,7 +113,7 @@ func TestControlLoadStoredAttrs(t *testing.T) {
 	load := func(what, want string) {
 		t.Helper()
 		segs, files, _, err := b.Load(rootPeer, "model", false, "", 10, new(any))
-		closeFiles(files)
+		fdpass.Close(files)
 		if err != nil || len(segs) != 1 || segs[0].Shape != want {
 			t.Fatalf("load %s: %v, %v; want one segment of shape %s", what, segs, err, want)
 		}

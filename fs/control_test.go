@@ -14,6 +14,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/ctl"
+	"tensorfs/fdpass"
 )
 
 // Control requests come from these peers: root, the owner of the shared
@@ -161,9 +162,7 @@ func TestControlLeaseNeverWaits(t *testing.T) {
 	if took := time.Since(start); toErrno(err) != syscall.EAGAIN || !strings.Contains(fmt.Sprint(err), "w") || took > 2*time.Second {
 		t.Errorf("write load of a directory with a leased segment: %v after %v, want EAGAIN at once", err, took)
 	}
-	for _, f := range files {
-		f.Close()
-	}
+	fdpass.Close(files)
 	unix.FcntlInt(held.Fd(), unix.F_SETLEASE, unix.F_UNLCK)
 	if f, err = b.Export(rootPeer, "pub/w", true); err != nil {
 		t.Fatalf("write export once the lease is gone: %v", err)
@@ -275,11 +274,7 @@ func TestControlLoadCountsDirectories(t *testing.T) {
 	if err != nil || len(files) != 2 {
 		t.Errorf("root's load of the same directory: %d files, %v", len(files), err)
 	}
-	for _, f := range files {
-		if f != nil {
-			f.Close()
-		}
-	}
+	fdpass.Close(files)
 	if b.fsys.handles.Used() != 0 {
 		t.Errorf("after the loads the daemon counts %d descriptors, want 0", b.fsys.handles.Used())
 	}

@@ -19,6 +19,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/ctl"
+	"tensorfs/fdpass"
 	"tensorfs/gpu"
 )
 
@@ -176,12 +177,12 @@ func TestControlLoad(t *testing.T) {
 	}
 	got := map[string]bool{}
 	for i, s := range segs {
-		got[s.Name] = files[i] != nil
-		if f := files[i]; f != nil {
-			if fl, _ := unix.FcntlInt(f.Fd(), unix.F_GETFL, 0); fl&unix.O_ACCMODE != unix.O_RDONLY {
+		got[s.Name] = files[i] >= 0
+		if fd := files[i]; fd >= 0 {
+			if fl, _ := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0); fl&unix.O_ACCMODE != unix.O_RDONLY {
 				t.Errorf("%s: descriptor opened %#o, want read-only", s.Name, fl&unix.O_ACCMODE)
 			}
-			f.Close()
+			unix.Close(fd)
 		}
 	}
 	want := map[string]bool{"host": true, "imported": true, "sdir/shared": true, "gdir/device": false}
@@ -192,16 +193,12 @@ func TestControlLoad(t *testing.T) {
 	}
 	cursor := new(any) // one connection's
 	first, firstFiles, more, err := b.Load(rootPeer, ".", false, "", 2, cursor)
-	closeFiles(firstFiles)
+	fdpass.Close(firstFiles)
 	if err != nil || !more || len(first) != 2 {
 		t.Fatalf("a page of 2: %d segments, more %v, %v", len(first), more, err)
 	}
 	rest, restFiles, more, err := b.Load(rootPeer, ".", false, first[1].Name, 100, cursor)
-	for _, f := range restFiles {
-		if f != nil {
-			f.Close()
-		}
-	}
+	fdpass.Close(restFiles)
 	if err != nil || more || len(rest) != len(segs)-2 {
 		t.Errorf("the rest after %s: %d segments, more %v, %v; want %d", first[1].Name, len(rest), more, err, len(segs)-2)
 	}
