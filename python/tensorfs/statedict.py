@@ -242,7 +242,7 @@ _LAYOUT_ATTRS = (_tfs.XATTR_DTYPE, _tfs.XATTR_SHAPE, _tfs.XATTR_STRIDE, _tfs.XAT
 
 
 def _listing(path, write):
-    """[(name, full path, TensorMeta or None, fd or None)] of the segments under path.
+    """[(name, absolute path, TensorMeta or None, fd or None)] of the segments under path.
 
     One control-socket load per 253 segments. Names follow the module's
     naming rule; temporary entries are skipped, and so, with a warning,
@@ -252,10 +252,12 @@ def _listing(path, write):
         keys = _get_json(path, _KEYS_ATTR)
         recorded = keys is not None or any(_tfs._getxattr(path, a) is not None for a in _RECORDS[1:])
         out, metas = [], {}
+        top = _os.path.abspath(path)
+        prefix = _os.path.join(top, "")  # the daemon's names are clean: no join or abspath each
         try:
-            for seg, fd in c.load(_os.path.relpath(_os.path.abspath(path), c.mount), write):
+            for seg, fd in c.load(_os.path.relpath(top, c.mount), write):
                 name = seg["name"]
-                full = _os.path.join(path, name)
+                full = prefix + name
                 if name.split("/")[0].startswith(_TEMPORARY):
                     if fd is not None:
                         _os.close(fd)
