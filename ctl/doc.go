@@ -120,6 +120,14 @@
 // those through the mount. A reply carries at most 253 descriptors (fewer
 // when the peer's descriptor limit is lower) and fits in 65536 bytes;
 // with "more", send the request again with "after" set to the last name.
+// On the same connection (the next load request it sends, of the same
+// path), the daemon resumes from what the last request read of each
+// directory: the listing is each directory as that load first read it,
+// less the entries removed since, and a directory it listed segments from,
+// or was listing, that is another one now (renamed away and replaced)
+// fails the request with ESTALE rather than listing two directories as
+// one; load again from the start. On another connection "after" resumes
+// by name in the directories as they are.
 // Permissions are open(2)'s: search permission on every directory from
 // the root, read and search on every directory listed, read (and write
 // with "write") on every segment; one refusal refuses the request (EACCES,

@@ -2,11 +2,12 @@ package ctl
 
 import (
 	"fmt"
-	"os"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"tensorfs/fdpass"
 )
 
 // loadBackend serves load from n memfds named seg000, seg001..., the odd
@@ -22,28 +23,33 @@ func (b *loadBackend) name(i int) string {
 	return fmt.Sprintf("seg%03d", i) + strings.Repeat("x", b.pad)
 }
 
-func (b *loadBackend) Load(cred Cred, path string, write bool, after string, max int) ([]Segment, []*os.File, bool, error) {
+func (b *loadBackend) Load(cred Cred, path string, write bool, after string, max int, _ *any) ([]Segment, []int, bool, error) {
 	b.asked = append(b.asked, after)
 	if path == "secret" {
 		return nil, nil, false, syscall.EACCES
 	}
 	var segs []Segment
-	var files []*os.File
+	var fds []int
 	for i := 0; i < b.n; i++ {
 		if b.name(i) <= after {
 			continue
 		}
 		if len(segs) == max {
-			return segs, files, true, nil
+			return segs, fds, true, nil
 		}
 		segs = append(segs, Segment{Name: b.name(i), Size: 4, FD: 99, Dtype: "uint8", Shape: "[4]"})
-		var f *os.File
+		fd := -1
 		if i%2 == 0 {
-			f = memfd(b.t, fmt.Sprintf("%04d", i))
+			f := memfd(b.t, fmt.Sprintf("%04d", i))
+			var err error
+			if fd, err = fdpass.Dup(f); err != nil {
+				b.t.Fatal(err)
+			}
+			f.Close()
 		}
-		files = append(files, f)
+		fds = append(fds, fd)
 	}
-	return segs, files, false, nil
+	return segs, fds, false, nil
 }
 
 func TestLoad(t *testing.T) {

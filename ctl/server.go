@@ -65,12 +65,15 @@ type Loader interface {
 	// Load returns up to max segments under the directory path (every
 	// directory on the way searchable by cred, every directory listed
 	// readable), in walk order, after the segment named after ("": from
-	// the start), with a file for each (nil where none is handed out;
-	// Segment.FD is ignored), and whether more follow. Each file is
+	// the start), with a descriptor for each (-1 where none is handed
+	// out; Segment.FD is ignored), and whether more follow. Each is
 	// read-only, or read-write if write; the whole request fails if a
-	// segment is not readable (or writable) by cred. ctl sends the files
-	// and then closes them.
-	Load(cred Cred, path string, write bool, after string, max int) ([]Segment, []*os.File, bool, error)
+	// segment is not readable (or writable) by cred. ctl sends the
+	// descriptors and then closes them. cursor is the connection's: what Load kept
+	// there at the connection's last load (nil at first), for the next
+	// request of the same load; Load replaces it, and it goes with the
+	// connection.
+	Load(cred Cred, path string, write bool, after string, max int, cursor *any) ([]Segment, []int, bool, error)
 }
 
 // A Publisher is a Backend that also serves publish, pull and unpublish: a daemon
@@ -415,13 +418,14 @@ func (s *Server) serve(c *net.UnixConn) {
 	}()
 	// The reader may be stuck closing descriptors over a limit (adopt):
 	// the connection ends with ctx all the same.
+	var cursor any // the backend's, between a load's requests
 	for {
 		select {
 		case m, ok := <-msgs:
 			if !ok {
 				return
 			}
-			s.handle(ctx, c, cred, m)
+			s.handle(ctx, c, cred, m, &cursor)
 		case <-ctx.Done():
 			return
 		}
@@ -497,8 +501,9 @@ func peerGroups(fd int) ([]uint32, error) {
 	}
 }
 
-// handle answers one request message, taking ownership of its fds.
-func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m message) {
+// handle answers one request message, taking ownership of its fds;
+// cursor is the connection's load cursor (Loader).
+func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m message, cursor *any) {
 	req, err := s.decode(m)
 	if err != nil {
 		s.quota.release(m.FDs...)
@@ -541,7 +546,7 @@ func (s *Server) handle(ctx context.Context, c *net.UnixConn, cred Cred, m messa
 	case opAllGather, opBroadcast:
 		s.collective(ctx, c, cred, &req, m.FDs)
 	case opLoad:
-		s.load(c, cred, &req)
+		s.load(c, cred, &req, cursor)
 	case opPurge:
 		s.purge(c, cred)
 	case opPublish, opPull, opUnpublish:
@@ -595,8 +600,8 @@ func (s *Server) purge(c *net.UnixConn, cred Cred) {
 
 // load answers a load request: as many segments as one reply can carry
 // (descriptors, bytes and the peer's descriptor limit allowing), "more"
-// when the listing goes on.
-func (s *Server) load(c *net.UnixConn, cred Cred, req *request) {
+// when the listing goes on. cursor is the connection's (Loader).
+func (s *Server) load(c *net.UnixConn, cred Cred, req *request, cursor *any) {
 	l, ok := s.cfg.Backend.(Loader)
 	if !ok {
 		s.refuse(c, cred, req.Op, protoErrorf(syscall.EOPNOTSUPP, "this backend does not serve load"))
@@ -608,20 +613,14 @@ func (s *Server) load(c *net.UnixConn, cred Cred, req *request) {
 		return
 	}
 	defer s.quota.give(cred.Uid, Limits{FDs: batch + backendFDs})
-	segs, files, more, err := l.Load(cred, req.Path, req.Write, req.After, batch)
-	defer closeFiles(files) // after the reply: fds are their descriptors, not copies
+	segs, held, more, err := l.Load(cred, req.Path, req.Write, req.After, batch, cursor)
+	defer fdpass.Close(held) // after the reply: the backend's descriptors, not copies
 	var fds []int
-	for i, f := range files {
+	for i, fd := range held {
 		segs[i].FD = -1
-		if f == nil {
-			continue
-		}
-		fd, ferr := fdpass.Raw(f)
-		if ferr == nil {
+		if fd >= 0 {
 			segs[i].FD = len(fds)
 			fds = append(fds, fd)
-		} else if err == nil {
-			err = fmt.Errorf("backend's file: %w", ferr)
 		}
 	}
 	if err != nil {

@@ -226,9 +226,11 @@ func OpenAtNoWait(dirfd int, name string, flags int) (int, error) {
 // way; it wraps EAGAIN.
 var ErrLeased = fmt.Errorf("a lease on the file stands in the way; the daemon does not wait for it to break: %w", syscall.EAGAIN)
 
-// Close closes descriptors, ignoring errors.
+// Close closes descriptors, ignoring errors and skipping -1 (none).
 func Close(fds []int) {
 	for _, fd := range fds {
-		unix.Close(fd)
+		if fd >= 0 {
+			unix.Close(fd)
+		}
 	}
 }

@@ -1,6 +1,8 @@
 package fs
 
 import (
+	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -16,6 +18,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/ctl"
+	"tensorfs/fdpass"
 )
 
 var _ = (ctl.Loader)(controlBackend{})
@@ -26,31 +29,66 @@ var _ = (ctl.Loader)(controlBackend{})
 // way, read (to list) on every directory walked, read (and write if asked)
 // on every segment; one refusal refuses the request. Each descriptor is a
 // new open file description with the access asked for; a device segment
-// comes without one (open it through the mount).
-func (b controlBackend) Load(cred ctl.Cred, dir string, write bool, after string, max int) ([]ctl.Segment, []*os.File, bool, error) {
+// comes without one (open it through the mount). A request that goes on
+// (after) a load of the same directory on the same connection takes the
+// directories' names its last request read from the cursor that one left
+// (loadCursor) rather than reading and sorting them again.
+func (b controlBackend) Load(cred ctl.Cred, dir string, write bool, after string, max int, cursor *any) ([]ctl.Segment, []int, bool, error) {
+	dir = filepath.Clean(dir)
+	prev, _ := (*cursor).(*loadCursor)
+	*cursor = nil
 	if cl := b.fsys.cl; cl != nil && !write && b.fsys.pulled.n.Load() > 0 {
-		if err := cl.prefetch(cred, filepath.Clean(dir)); err != nil {
+		if err := cl.prefetch(cred, dir); err != nil {
 			return nil, nil, false, fmt.Errorf("%s: %w", alloc.EscapeText(dir), err)
 		}
 	}
-	l := &loader{b: b, who: cred, write: write, after: strings.Split(after, "/"), max: max}
+	l := &loader{b: b, who: cred, write: write, after: strings.Split(after, "/"), max: max, kept: map[string]*loadLevel{}}
 	if after == "" {
 		l.after = nil
+	} else if prev != nil && prev.dir == dir {
+		l.prev = prev.levels
 	}
-	node := b.fsys.inodeAt(filepath.Clean(dir))
+	node := b.fsys.inodeAt(dir)
 	err := l.b.walk(l.who, dir, func(parent int, name string) error { return l.dir(parent, name, nil, node) })
 	if err == errFull {
 		l.more, err = true, nil
+		*cursor = &loadCursor{dir: dir, levels: l.kept}
 	}
 	if err != nil {
-		for _, f := range l.files {
-			if f != nil {
-				f.Close()
-			}
-		}
+		fdpass.Close(l.fds)
 		return nil, nil, false, fmt.Errorf("%s: %w", alloc.EscapeText(dir), err)
 	}
-	return l.segs, l.files, l.more, nil
+	return l.segs, l.fds, l.more, nil
+}
+
+// loadCursor is what a load request that did not reach the end leaves on
+// its connection for the next: each directory it returned segments from
+// or was in when its reply filled, by its path below the requested
+// directory dir, as it found it (loadLevel). The next request walks
+// those directories again only if each is still the one found, so that a
+// load never lists two directories as one (ESTALE). It holds at most
+// what the request held (maxLoadNames), and a connection holds one.
+type loadCursor struct {
+	dir    string
+	levels map[string]*loadLevel
+}
+
+// loadLevel is a directory a load request walked: its identity and,
+// where the request stopped inside it, its sorted names.
+type loadLevel struct {
+	id    []byte   // dirIdentity
+	names []string // nil unless the reply filled while the walk was in it
+	used  bool     // a segment of it is in the reply
+}
+
+// dirIdentity returns what tells the directory fd from any other, even
+// one made later at the same inode number: its file handle (inode and
+// generation), else, where the backing gives none, its inode number.
+func dirIdentity(fd int, st *unix.Stat_t) []byte {
+	if h, _, err := unix.NameToHandleAt(fd, "", unix.AT_EMPTY_PATH); err == nil {
+		return append(binary.LittleEndian.AppendUint32(nil, uint32(h.Type())), h.Bytes()...)
+	}
+	return binary.LittleEndian.AppendUint64(nil, st.Ino)
 }
 
 // loader is one load request's walk: depth first, entries in byte order,
@@ -63,10 +101,14 @@ type loader struct {
 	after []string // components of the name to resume after; nil from the start
 	max   int
 
-	segs  []ctl.Segment
-	files []*os.File // nil for a segment without a descriptor
-	more  bool
-	held  int // bytes of the names of the directories the walk is in
+	segs []ctl.Segment
+	fds  []int // -1 for a segment without a descriptor
+	more bool
+	held int // bytes of the names of the directories the walk is in
+
+	prev map[string]*loadLevel // the last request's, by path (loadCursor); nil if none
+	kept map[string]*loadLevel // this request's, for the next
+	cur  *loadLevel            // the directory whose entries the walk is on
 }
 
 // maxLoadNames bounds the bytes of names one load holds: the sorted names
@@ -136,22 +178,58 @@ func (l *loader) dir(parentfd int, name string, rel []string, node *fusefs.Inode
 	if !permitted(&l.who, &st, 4|1) {
 		return fmt.Errorf("%w: %s: listing it needs read and search permission", syscall.EACCES, display(rel))
 	}
-	names, err := l.readNames(f, rel)
+	lvl := &loadLevel{id: dirIdentity(fd, &st)}
+	names, err := l.names(f, rel, lvl.id)
 	defer func() { l.held -= namesBytes(names) }()
 	if err != nil {
 		return err
 	}
-	slices.Sort(names)
+	err = l.entries(fd, names, rel, node, lvl)
+	if err == errFull {
+		lvl.names = names
+	}
+	if err == errFull || lvl.used {
+		l.kept[path.Join(rel...)] = lvl
+	}
+	return err
+}
+
+// entries walks the sorted names of the directory fd, rel below the
+// requested one, from where the request resumes; node is fd's inode as
+// the kernel knows it (nil if it does not), lvl fd's level.
+func (l *loader) entries(fd int, names []string, rel []string, node *fusefs.Inode, lvl *loadLevel) error {
 	for _, child := range names {
 		crel := append(slices.Clip(rel), child)
 		if l.before(crel) {
 			continue
 		}
+		l.cur = lvl
 		if err := l.entry(fd, child, crel, node); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// names returns the sorted names of the directory f, rel below the
+// requested one, whose identity is id, charged to l.held: those the
+// connection's last request of this load kept, if it walked this
+// directory there, else read now. A directory there that the last
+// request walked and that is another now fails the load, ESTALE.
+func (l *loader) names(f *os.File, rel []string, id []byte) ([]string, error) {
+	prev := l.prev[path.Join(rel...)]
+	switch {
+	case prev != nil && !bytes.Equal(prev.id, id):
+		return nil, fmt.Errorf("%w: %s was replaced during the load (renamed or removed, another in its place); load again", syscall.ESTALE, display(rel))
+	case prev != nil && prev.names != nil:
+		l.held += namesBytes(prev.names)
+		return prev.names, nil
+	}
+	names, err := l.readNames(f, rel)
+	if err == nil {
+		slices.Sort(names)
+	}
+	return names, err
 }
 
 // entry walks or adds the entry name in dirfd, whose components below
@@ -228,18 +306,17 @@ func (l *loader) segment(m *alloc.Ref, dirfd int, rel []string, n *segmentNode) 
 		return fmt.Errorf("%w: %s is FROMFD (imported, read-only): load it without write", alloc.ErrReadOnly, display(rel))
 	}
 	seg.Flags, seg.Dtype, seg.Shape, seg.Stride, seg.Offset = f.String(), lay.Dtype, lay.Shape, lay.Stride, lay.Offset
-	file, err := l.descriptor(s, m, dirfd, rel[len(rel)-1])
-	if err == nil && file != nil && l.write {
+	fd, err := l.descriptor(s, m, dirfd, rel[len(rel)-1])
+	if err == nil && fd >= 0 && l.write {
 		err = l.b.fsys.frozen(m.Stat().Ino)
 	}
 	if err != nil {
-		if file != nil {
-			file.Close()
-		}
+		fdpass.Close([]int{fd})
 		return fmt.Errorf("%s: %w", display(rel), err)
 	}
 	l.segs = append(l.segs, seg)
-	l.files = append(l.files, file)
+	l.fds = append(l.fds, fd)
+	l.cur.used = true
 	return nil
 }
 
@@ -247,29 +324,42 @@ func (l *loader) segment(m *alloc.Ref, dirfd int, rel []string, n *segmentNode) 
 // is s, for the requester: a host segment by that name (alloc.Ref.OpenAt:
 // no walk of /proc/self/fd), or, where the name no longer reaches it
 // (renamed, replaced), through /proc/self/fd as every other open; another
-// kind as its storage hands it out.
-func (l *loader) descriptor(s storage, m *alloc.Ref, dirfd int, name string) (*os.File, error) {
+// kind as its storage hands it out (-1 for none). A raw descriptor, not
+// an *os.File: no fcntl or finalizer for each of a load's hundreds.
+func (l *loader) descriptor(s storage, m *alloc.Ref, dirfd int, name string) (int, error) {
 	if _, ok := s.(host); !ok {
-		return s.descriptor(m, l.write)
+		f, err := s.descriptor(m, l.write)
+		if f == nil || err != nil {
+			return -1, err
+		}
+		defer f.Close()
+		return fdpass.Dup(f)
 	}
 	fd, err := m.OpenAt(dirfd, name, accessMode(l.write))
 	if err != nil {
 		fd, err = m.Open(accessMode(l.write))
 	}
-	return segmentFile(fd, err)
+	return fd, err
 }
 
 // segmentAttrs returns the flags and tensor attributes of the segment m,
 // whose storage is s: from the cache of n, its node, where the kernel
-// knows one (the first read fills it, as getxattr's does), else read from
-// storage. A tensor attribute stored that fails validation is left out and
-// logged (alloc.ReadLayout); name names the segment there.
+// knows one (the first read fills it, as getxattr's does), else, for a
+// host segment, from fsys.stored while m's inode has not changed, else
+// read from storage. A tensor attribute stored that fails validation is
+// left out and logged (alloc.ReadLayout); name names the segment there.
 func (fsys *filesystem) segmentAttrs(s storage, m *alloc.Ref, n *segmentNode, name string) (f alloc.Flags, l alloc.Layout, err error) {
 	if n != nil {
 		if f, err = n.flags(n); err == nil {
 			l, err = n.tensorLayout(n)
 		}
 		return f, l, err
+	}
+	_, cacheable := s.(host)
+	if cacheable {
+		if f, l, ok := fsys.stored.get(m.Stat()); ok {
+			return f, l, nil
+		}
 	}
 	err = s.attrs(m, func(a *alloc.Ref) error {
 		p, err := a.Path()
@@ -281,6 +371,9 @@ func (fsys *filesystem) segmentAttrs(s storage, m *alloc.Ref, n *segmentNode, na
 		}
 		return err
 	})
+	if err == nil && cacheable {
+		fsys.stored.put(m.Stat(), f, l)
+	}
 	return f, l, err
 }
 

@@ -14,6 +14,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/ctl"
+	"tensorfs/fdpass"
 )
 
 // Control requests come from these peers: root, the owner of the shared
@@ -157,13 +158,11 @@ func TestControlLeaseNeverWaits(t *testing.T) {
 		f.Close()
 	}
 	start = time.Now()
-	_, files, _, err := b.Load(rootPeer, "pub", true, "", 10)
+	_, files, _, err := b.Load(rootPeer, "pub", true, "", 10, new(any))
 	if took := time.Since(start); toErrno(err) != syscall.EAGAIN || !strings.Contains(fmt.Sprint(err), "w") || took > 2*time.Second {
 		t.Errorf("write load of a directory with a leased segment: %v after %v, want EAGAIN at once", err, took)
 	}
-	for _, f := range files {
-		f.Close()
-	}
+	fdpass.Close(files)
 	unix.FcntlInt(held.Fd(), unix.F_SETLEASE, unix.F_UNLCK)
 	if f, err = b.Export(rootPeer, "pub/w", true); err != nil {
 		t.Fatalf("write export once the lease is gone: %v", err)
@@ -268,18 +267,14 @@ func TestControlLoadCountsDirectories(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(deep, "w"), []byte("deep"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, _, err := b.Load(ownerPeer, "pub", false, "", 10); !errors.Is(err, syscall.EMFILE) {
+	if _, _, _, err := b.Load(ownerPeer, "pub", false, "", 10, new(any)); !errors.Is(err, syscall.EMFILE) {
 		t.Errorf("a load 5 directories deep with a share of 3 descriptors: %v, want EMFILE", err)
 	}
-	_, files, _, err := b.Load(rootPeer, "pub", false, "", 10)
+	_, files, _, err := b.Load(rootPeer, "pub", false, "", 10, new(any))
 	if err != nil || len(files) != 2 {
 		t.Errorf("root's load of the same directory: %d files, %v", len(files), err)
 	}
-	for _, f := range files {
-		if f != nil {
-			f.Close()
-		}
-	}
+	fdpass.Close(files)
 	if b.fsys.handles.Used() != 0 {
 		t.Errorf("after the loads the daemon counts %d descriptors, want 0", b.fsys.handles.Used())
 	}

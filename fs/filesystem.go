@@ -33,6 +33,8 @@ type filesystem struct {
 	store *alloc.Store
 	log   *slog.Logger
 	root  *rootNode
+	// stored caches the attributes of host segments no node caches.
+	stored storedAttrs
 	// socket is the control socket's path, "" if none.
 	socket string
 	// allowOther is true when users other than the daemon's may enter.

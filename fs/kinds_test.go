@@ -19,6 +19,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/ctl"
+	"tensorfs/fdpass"
 	"tensorfs/gpu"
 )
 
@@ -163,25 +164,25 @@ func TestSubtreeUsageAsCaller(t *testing.T) {
 func TestControlLoad(t *testing.T) {
 	x := newOpsFS(t)
 	// A segment this mount cannot serve fails a load with its reason.
-	if _, _, _, err := (controlBackend{x.fsys}).Load(rootPeer, ".", false, "", 100); !errors.Is(err, alloc.ErrNoDevice) {
+	if _, _, _, err := (controlBackend{x.fsys}).Load(rootPeer, ".", false, "", 100, new(any)); !errors.Is(err, alloc.ErrNoDevice) {
 		t.Errorf("load of a directory holding an unavailable segment: %v, want ErrNoDevice", err)
 	}
 	if st := x.raw.Unlink(nil, ptr(hdr(1)), "unavailable"); st != fuse.OK {
 		t.Fatal(st)
 	}
 	b := controlBackend{x.fsys}
-	segs, files, more, err := b.Load(rootPeer, ".", false, "", 100)
+	segs, files, more, err := b.Load(rootPeer, ".", false, "", 100, new(any))
 	if err != nil || more {
 		t.Fatalf("load: %v, more %v", err, more)
 	}
 	got := map[string]bool{}
 	for i, s := range segs {
-		got[s.Name] = files[i] != nil
-		if f := files[i]; f != nil {
-			if fl, _ := unix.FcntlInt(f.Fd(), unix.F_GETFL, 0); fl&unix.O_ACCMODE != unix.O_RDONLY {
+		got[s.Name] = files[i] >= 0
+		if fd := files[i]; fd >= 0 {
+			if fl, _ := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0); fl&unix.O_ACCMODE != unix.O_RDONLY {
 				t.Errorf("%s: descriptor opened %#o, want read-only", s.Name, fl&unix.O_ACCMODE)
 			}
-			f.Close()
+			unix.Close(fd)
 		}
 	}
 	want := map[string]bool{"host": true, "imported": true, "sdir/shared": true, "gdir/device": false}
@@ -190,24 +191,22 @@ func TestControlLoad(t *testing.T) {
 			t.Errorf("load gives %s: listed %v, descriptor %v; want listed, descriptor %v", name, ok, has, fd)
 		}
 	}
-	first, _, more, err := b.Load(rootPeer, ".", false, "", 2)
+	cursor := new(any) // one connection's
+	first, firstFiles, more, err := b.Load(rootPeer, ".", false, "", 2, cursor)
+	fdpass.Close(firstFiles)
 	if err != nil || !more || len(first) != 2 {
 		t.Fatalf("a page of 2: %d segments, more %v, %v", len(first), more, err)
 	}
-	rest, restFiles, more, err := b.Load(rootPeer, ".", false, first[1].Name, 100)
-	for _, f := range restFiles {
-		if f != nil {
-			f.Close()
-		}
-	}
+	rest, restFiles, more, err := b.Load(rootPeer, ".", false, first[1].Name, 100, cursor)
+	fdpass.Close(restFiles)
 	if err != nil || more || len(rest) != len(segs)-2 {
 		t.Errorf("the rest after %s: %d segments, more %v, %v; want %d", first[1].Name, len(rest), more, err, len(segs)-2)
 	}
-	if _, _, _, err := b.Load(rootPeer, ".", true, "", 100); !errors.Is(err, alloc.ErrReadOnly) {
+	if _, _, _, err := b.Load(rootPeer, ".", true, "", 100, new(any)); !errors.Is(err, alloc.ErrReadOnly) {
 		t.Errorf("load with write of a directory holding a FROMFD segment: %v, want ErrReadOnly", err)
 	}
 	other := ctl.Cred{Pid: int32(os.Getpid()), Uid: 4321, Gid: 4321}
-	if _, _, _, err := b.Load(other, ".", false, "", 100); !errors.Is(err, syscall.EACCES) {
+	if _, _, _, err := b.Load(other, ".", false, "", 100, new(any)); !errors.Is(err, syscall.EACCES) {
 		t.Errorf("load by another user of a private mount: %v, want EACCES", err)
 	}
 }

@@ -539,6 +539,11 @@ def find_mount(path: str) -> str:
 
     A mount whose daemon is gone is OSError ENOTCONN, saying so.
     """
+    return _find_socket(path)[0]
+
+
+def _find_socket(path):
+    """Return (root, control socket path) of the mount holding path; see find_mount."""
     d = _os.path.abspath(path)
     try:
         if not _os.path.isdir(d):
@@ -547,8 +552,9 @@ def find_mount(path: str) -> str:
         d = _os.path.dirname(d)
     while True:
         try:
-            if _getxattr(d, XATTR_SOCKET):
-                return d
+            s = _getxattr(d, XATTR_SOCKET)
+            if s:
+                return d, s
         except OSError as e:
             if e.errno == _errno.ENOTCONN:
                 raise _explain(e, d, "tensorfs: %s" % path) from None
@@ -603,7 +609,7 @@ class Client:
     """
 
     def __init__(self, path, timeout=None):
-        self.mount = find_mount(path)
+        self.mount, self._socket = _find_socket(path)
         self.timeout = timeout
         self.sock = self._connect_waiting()
 
@@ -611,7 +617,7 @@ class Client:
         sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
         try:
             sock.settimeout(self.timeout)
-            sock.connect(socket_path(self.mount))
+            sock.connect(self._socket)
         except BaseException:
             sock.close()
             raise
@@ -635,7 +641,7 @@ class Client:
             except (FileNotFoundError, ConnectionRefusedError) as e:
                 if _time.monotonic() > deadline:
                     raise type(e)(e.errno, "tensorfs: no daemon serves the control socket of %s (%s) within %g s"
-                                  % (self.mount, e.strerror, _RECONNECT_WAIT), socket_path(self.mount)) from None
+                                  % (self.mount, e.strerror, _RECONNECT_WAIT), self._socket) from None
                 _time.sleep(0.02)
 
     def close(self):

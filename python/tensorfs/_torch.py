@@ -287,7 +287,7 @@ def _mmap_at(libc, addr, length, flags, fd, what):
 
 
 def map_slab(segments, write):
-    """Map segments [(fd, nbytes, path)] side by side in one range; return (bases, each one's byte offset).
+    """Map segments [(fd, nbytes, absolute path)] side by side in one range; return (bases, each one's byte offset).
 
     A range is reserved, then each segment's pages are mapped into it at
     a page-aligned slot (MAP_FIXED): shared if write, else copy-on-write,
@@ -314,7 +314,7 @@ def map_slab(segments, write):
         libc.munmap(base, total)
         raise
     slab = _Slab([base + off for off in offsets],
-                 [_Mapping(_os.path.abspath(path), write, nbytes, None, False) for _, nbytes, path in segments])
+                 [_Mapping(path, write, nbytes, None, False) for _, nbytes, path in segments])
 
     def unmap(_, base=base, total=total, slab=slab):
         with _lock:

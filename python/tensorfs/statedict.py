@@ -242,22 +242,22 @@ _LAYOUT_ATTRS = (_tfs.XATTR_DTYPE, _tfs.XATTR_SHAPE, _tfs.XATTR_STRIDE, _tfs.XAT
 
 
 def _listing(path, write):
-    """[(name, full path, TensorMeta or None, fd or None)] of the segments under path.
+    """[(name, absolute path, TensorMeta or None, fd or None)] of the segments under path.
 
     One control-socket load per 253 segments. Names follow the module's
     naming rule; temporary entries are skipped, and so, with a warning,
     are segments without dtype or shape. The caller closes the fds.
     """
-    mount = _tfs.find_mount(path)
-    rel = _os.path.relpath(_os.path.abspath(path), mount)
-    keys = _get_json(path, _KEYS_ATTR)
-    recorded = keys is not None or any(_tfs._getxattr(path, a) is not None for a in _RECORDS[1:])
-    out, metas = [], {}
-    try:
-        with _tfs.Client(mount) as c:
-            for seg, fd in c.load(rel, write):
+    with _tfs.Client(path) as c:  # first: a path in no mount fails here, saying so
+        keys = _get_json(path, _KEYS_ATTR)
+        recorded = keys is not None or any(_tfs._getxattr(path, a) is not None for a in _RECORDS[1:])
+        out, metas = [], {}
+        top = _os.path.abspath(path)
+        prefix = _os.path.join(top, "")  # the daemon's names are clean: no join or abspath each
+        try:
+            for seg, fd in c.load(_os.path.relpath(top, c.mount), write):
                 name = seg["name"]
-                full = _os.path.join(path, name)
+                full = prefix + name
                 if name.split("/")[0].startswith(_TEMPORARY):
                     if fd is not None:
                         _os.close(fd)
@@ -275,11 +275,11 @@ def _listing(path, write):
                 if m is None:  # parsed once per layout: a model repeats a few
                     m = metas[key] = _tfs._meta_from(dict(zip(_LAYOUT_ATTRS, key)), seg["size"])
                 out.append(_Loaded(name if recorded else name.replace("/", "."), full, m, fd, seg.get("links", 0)))
-    except OSError as e:
-        _close_fds(out)
-        if e.errno == _errno.ENOTCONN:
-            raise _tfs._explain(e, path, "tensorfs: loading %s" % path) from None
-        raise
+        except OSError as e:
+            _close_fds(out)
+            if e.errno == _errno.ENOTCONN:
+                raise _tfs._explain(e, path, "tensorfs: loading %s" % path) from None
+            raise
     rank = {k: i for i, k in enumerate(keys or ())}
     out.sort(key=lambda e: (rank.get(e.name, len(rank)), e.name))
     return out
