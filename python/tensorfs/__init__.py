@@ -594,6 +594,7 @@ def _resolve(path, mount):
 # known, and its error says so.
 _RESENDABLE = frozenset({"export", "load", "all_gather", "broadcast", "purge", "pull", "publish", "unpublish"})
 _RECONNECT_WAIT = 5.0
+_RESENDS = 3  # a daemon may be restarted again while it serves the request sent again
 
 
 class _ConnectionLost(Exception):
@@ -660,11 +661,16 @@ class Client:
         expected, or None for whatever the reply announces.
         """
         msg = _json.dumps(dict(req, v=1)).encode()
-        try:
-            data, anc, flags = self._exchange(msg, fds, req.get("op") in _RESENDABLE)
-        except _ConnectionLost:
-            self._reconnect()
-            data, anc, flags = self._exchange(msg, fds, False)
+        resendable = req.get("op") in _RESENDABLE
+        for attempt in range(_RESENDS + 1):
+            try:
+                data, anc, flags = self._exchange(msg, fds, resendable and attempt < _RESENDS)
+                break
+            except _ConnectionLost:
+                self._reconnect()
+        else:
+            raise ConnectionError("tensorfs %s: the daemon of %s closed the control connection %d times in a row"
+                                  % (req.get("op"), self.mount, _RESENDS + 1))
         got = []
         for level, typ, blob in anc:
             if level == _socket.SOL_SOCKET and typ == _socket.SCM_RIGHTS:
