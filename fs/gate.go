@@ -28,7 +28,8 @@ func (f *gateFS) thaw() { f.mu.thaw() }
 
 // parked runs wait, a wait of a request in flight (the caller's) that
 // changes nothing (an open waiting for its segment's pull, a walk of a
-// subtree waiting for the caller's others and walking), outside the
+// subtree waiting for the caller's others and walking, a scan of every
+// process's mappings for refcount or holders), outside the
 // gate where fsys has one: a handover goes on meanwhile rather than wait
 // for it, and the request, once wait returns, waits for the thaw of a
 // handover that failed; a handover that succeeds ends this daemon before

@@ -431,9 +431,11 @@ func (n *segmentNode) Getxattr(ctx context.Context, attr string, dest []byte) (u
 	case attr == alloc.AttrDevice:
 		v, err = deviceAttr(n)
 	case attr == alloc.AttrRefcount:
-		v, err = n.refcount()
+		// Scans of every process's mappings: outside the handover's
+		// gate, as the walks are.
+		n.fs.parked(func() { v, err = n.refcount() })
 	case attr == alloc.AttrHolders:
-		v, err = n.holders()
+		n.fs.parked(func() { v, err = n.holders() })
 	case attr == alloc.AttrHandle:
 		v, err = n.handleAttr(ctx)
 	case onDevice && strings.HasPrefix(attr, "user.tensorfs.cuda."):
