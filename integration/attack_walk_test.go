@@ -102,21 +102,12 @@ func TestAttackWalkDescriptors(t *testing.T) {
 		if err := victim.Start(); err != nil {
 			t.Fatal(err)
 		}
-		done := make(chan error, 1)
-		go func() { done <- flood.Wait() }()
-		peak := base
-	sample:
-		for {
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Fatalf("uid %d's walks: %v\n%s", userA, err, floodOut.String())
-				}
-				break sample
-			default:
-				n, _ := daemonFDs(t, m.pid)
-				peak = max(peak, n)
-			}
+		var floodErr error
+		done := make(chan struct{})
+		go func() { floodErr = flood.Wait(); close(done) }()
+		peak := fdPeakUntil(t, m.pid, base, done)
+		if floodErr != nil {
+			t.Fatalf("uid %d's walks: %v\n%s", userA, floodErr, floodOut.String())
 		}
 		if err := victim.Wait(); err != nil {
 			t.Fatalf("uid %d: %v\n%s", userB, err, victimOut.String())
