@@ -179,6 +179,8 @@ class _StateDictTests(MountedTests):
                     sd = tensorfs.load_state_dict(os.path.dirname(path))
                     q.put(sd)
                     say("state dict", sorted(q.get(timeout=30)))
+                    q.close()   # its feeder thread ends before the next pair forks
+                    q.join_thread()
         """)
 
     def test_dataloader_and_queue_by_path(self):
