@@ -26,11 +26,18 @@ import (
 // "shared" at its root, as a machine's scratch space would have.
 func attackMount(t *testing.T, mode string, shared bool) *mount {
 	t.Helper()
+	return attackMountEnv(t, mode, shared, nil)
+}
+
+// attackMountEnv is attackMount with env added to the daemon's
+// environment (mountFSEnv).
+func attackMountEnv(t *testing.T, mode string, shared bool, env []string) *mount {
+	t.Helper()
 	var args []string
 	if shared {
 		args = append(args, "--allow-other")
 	}
-	m := mountFS(t, mode, args...)
+	m := mountFSEnv(t, mode, env, args...)
 	reachable(t, m.dir)
 	if err := os.Mkdir(m.path("shared"), 0o1777); err != nil {
 		t.Fatal(err)

@@ -4,8 +4,8 @@ import (
 	"fmt"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
-	"time"
 )
 
 // TestAttackClusterPullDescriptors: a pull opens the backing files of up
@@ -44,25 +44,17 @@ func TestAttackClusterPullDescriptors(t *testing.T) {
 		pid := daemonPid(t, n2)
 		base, _ := daemonFDs(t, pid)
 		share := descriptorShare(t, n2)
-		results := make(chan string, dirs)
+		said := make([]string, dirs)
+		var pulls sync.WaitGroup
 		for d := range dirs {
-			go func() {
+			pulls.Go(func() {
 				out, err := tb.tensorfs(userB, "pull", filepath.Join(n2, model, fmt.Sprintf("d%d", d)))
-				results <- fmt.Sprintf("d%d: %v %s", d, err, strings.TrimSpace(out))
-			}()
+				said[d] = fmt.Sprintf("d%d: %v %s", d, err, strings.TrimSpace(out))
+			})
 		}
-		peak, done := base, 0
-		var said []string
-		for done < dirs {
-			select {
-			case r := <-results:
-				said = append(said, r)
-				done++
-			case <-time.After(time.Millisecond):
-				n, _ := daemonFDs(t, pid)
-				peak = max(peak, n)
-			}
-		}
+		done := make(chan struct{})
+		go func() { pulls.Wait(); close(done) }()
+		peak := fdPeakUntil(t, pid, base, done)
 		t.Logf("bob's %d pulls: the daemon held %d descriptors at most, %d before (his share %d): %s", dirs, peak, base, share, strings.Join(said, "; "))
 		if peak-base > share+64 {
 			t.Errorf("bob's pulls made node2's daemon hold %d more descriptors, past his share of %d", peak-base, share)

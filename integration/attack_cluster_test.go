@@ -183,18 +183,11 @@ for i in range(int(sys.argv[1])):
     os.write(fd, b"%d" % i)
     os.close(fd)
 `, strconv.Itoa(n))
-		fds := func() int {
-			ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", st.Daemon.Pid))
-			if err != nil {
-				t.Fatal(err)
-			}
-			return len(ents)
-		}
-		was := fds()
+		was := openFDCount(t, st.Daemon.Pid)
 		if out, err := tb.tensorfs(userA, "publish", dir); err != nil {
 			t.Fatalf("alice's publish: %v\n%s", err, out)
 		}
-		now := fds()
+		now := openFDCount(t, st.Daemon.Pid)
 		if now-was > int(share) {
 			t.Errorf("alice's publish of %d segments left node1's daemon holding %d more descriptors (%d, was %d), past her share of %d, charged to no one", n, now-was, now, was, share)
 		}

@@ -464,10 +464,7 @@ func wantLog(t *testing.T, m *mount, want ...string) {
 // RLIMIT_NOFILE.
 func daemonFDs(t *testing.T, pid int) (int, int) {
 	t.Helper()
-	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
-	if err != nil {
-		t.Fatal(err)
-	}
+	n := openFDCount(t, pid)
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/limits", pid))
 	if err != nil {
 		t.Fatal(err)
@@ -478,11 +475,51 @@ func daemonFDs(t *testing.T, pid int) (int, int) {
 			if err != nil {
 				t.Fatalf("%q: %v", line, err)
 			}
-			return len(ents), limit
+			return n, limit
 		}
 	}
 	t.Fatalf("no Max open files in /proc/%d/limits", pid)
 	return 0, 0
+}
+
+// openFDCount returns how many descriptors process pid holds: the size
+// stat gives /proc/PID/fd (Linux 6.2 and later), one system call however
+// many it holds, so that a sampler can afford to call it every
+// millisecond; where that size is 0 (older kernels), the directory's
+// entries counted.
+func openFDCount(t *testing.T, pid int) int {
+	t.Helper()
+	dir := fmt.Sprintf("/proc/%d/fd", pid)
+	var st syscall.Stat_t
+	if err := syscall.Stat(dir, &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Size > 0 {
+		return int(st.Size)
+	}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
+
+// fdPeakUntil samples how many descriptors process pid holds every
+// millisecond until done is closed, and returns the most it saw, at
+// least from.
+func fdPeakUntil(t *testing.T, pid, from int, done <-chan struct{}) int {
+	t.Helper()
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	peak := from
+	for {
+		select {
+		case <-done:
+			return peak
+		case <-tick.C:
+			peak = max(peak, openFDCount(t, pid))
+		}
+	}
 }
 
 // ctlLoadScript connects to the socket argv[1], loads the directory

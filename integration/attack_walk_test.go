@@ -102,21 +102,12 @@ func TestAttackWalkDescriptors(t *testing.T) {
 		if err := victim.Start(); err != nil {
 			t.Fatal(err)
 		}
-		done := make(chan error, 1)
-		go func() { done <- flood.Wait() }()
-		peak := base
-	sample:
-		for {
-			select {
-			case err := <-done:
-				if err != nil {
-					t.Fatalf("uid %d's walks: %v\n%s", userA, err, floodOut.String())
-				}
-				break sample
-			default:
-				n, _ := daemonFDs(t, m.pid)
-				peak = max(peak, n)
-			}
+		var floodErr error
+		done := make(chan struct{})
+		go func() { floodErr = flood.Wait(); close(done) }()
+		peak := fdPeakUntil(t, m.pid, base, done)
+		if floodErr != nil {
+			t.Fatalf("uid %d's walks: %v\n%s", userA, floodErr, floodOut.String())
 		}
 		if err := victim.Wait(); err != nil {
 			t.Fatalf("uid %d: %v\n%s", userB, err, victimOut.String())
@@ -144,11 +135,12 @@ func descriptorShare(t *testing.T, dir string) int {
 // directory of 60000 long names, asked from 40 threads, made the daemon
 // hold 1.1 GB; nothing bounds how many requests ask at once. A walk now
 // reads a directory's names a batch at a time, and each level it holds is
-// one of the asker's descriptors: the daemon's memory stays put.
+// one of the asker's descriptors: the daemon's memory stays put. Its
+// daemon collects at its own GC target (daemonOwnGC).
 func TestAttackWalkMemory(t *testing.T) {
 	t.Parallel()
 	forEachModeOnce(t, func(t *testing.T, mode string) {
-		m := attackMount(t, mode, true)
+		m := attackMountEnv(t, mode, true, daemonOwnGC)
 		// Made in the backing directly, as fast as the kernel goes: the
 		// daemon counts what it finds there when it walks.
 		wide := filepath.Join(backingOf(t, m), "shared", "wide")

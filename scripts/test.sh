@@ -36,8 +36,10 @@ fi
 
 # Where the time goes on a fresh 2-CPU machine: apt (unpacking PyTorch),
 # compiling every package with -race once, and the integration tests. So
-# apt and the CUDA SDK's download run in the background from the start,
-# while vet compiles; every build is race-instrumented (GOFLAGS=-race: vet,
+# apt runs in the background from the start, while vet compiles, and the
+# CUDA SDK's download and -tags cuda builds once vet is done (begun beside
+# it, they compiled the standard library and the dependencies a second
+# time: 24 CPU-seconds); every build is race-instrumented (GOFLAGS=-race: vet,
 # the daemon, the tests, the Python tests' and the cluster test bed's
 # builds all reuse one compile); the unit tests and the Python tests run
 # beside the integration tests. A background
@@ -164,8 +166,6 @@ if [ "${#missing[@]}" -gt 0 ]; then
 		apt_install # the Go steps below need gcc (cgo)
 	fi
 fi
-start cuda cuda_build # go vet/build -tags cuda
-
 echo "== gofmt"
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
 	mapfile -t gofiles < <(git ls-files -co --exclude-standard -- '*.go')
@@ -183,6 +183,7 @@ fi
 
 echo "== go vet"
 go vet ./... # compiles every package, race-instrumented, for what follows
+start cuda cuda_build # go vet/build -tags cuda, from what vet compiled
 
 # The daemon never links CUDA (gorgonia.org/cu's init exits a process
 # without a GPU): only the helper gpu/cmd/tensorfs-gpu imports gpu/cuda.

@@ -144,6 +144,9 @@ class _StateDictTests(MountedTests):
 
     # --- crossing processes ------------------------------------------------
 
+    # One process tries every sharing strategy with both contexts (each
+    # import of torch costs a CPU-second; spawned workers start afresh
+    # all the same), the segment written anew before each.
     _DATALOADER = textwrap.dedent("""
         import os, sys, torch, tensorfs
         import torch.multiprocessing as mp
@@ -158,41 +161,44 @@ class _StateDictTests(MountedTests):
                 return {"row": tensorfs.open_torch(self.path, "r+")[i], "i": i}
 
         if __name__ == "__main__":
-            path, strategy, ctx = sys.argv[1:4]
-            mp.set_sharing_strategy(strategy)
-            before = len(os.listdir("/proc/self/fd"))
-            dl = DataLoader(Rows(path), batch_size=None, num_workers=2,
-                            multiprocessing_context=ctx, timeout=30)
-            rows = [b["row"] for b in dl]
-            print("rows", [r[0].item() for r in rows])
-            rows[3][1] = -5.0   # the same pages as the segment
-            print("stored", tensorfs.open_torch(path, "r")[3, 1].item())
-            q = mp.get_context(ctx).Queue()
-            q.put(tensorfs.open_torch(path)[2:4])
-            print("queue", q.get(timeout=30)[1].tolist())
-            sd = tensorfs.load_state_dict(os.path.dirname(path))
-            q.put(sd)
-            print("state dict", sorted(q.get(timeout=30)))
+            path = sys.argv[1]
+            for strategy in ("file_descriptor", "file_system"):
+                for ctx in ("fork", "spawn"):
+                    tensorfs.save(path, torch.arange(32, dtype=torch.float32).reshape(8, 4))
+                    mp.set_sharing_strategy(strategy)
+                    say = lambda *a: print(strategy, ctx, *a, flush=True)
+                    dl = DataLoader(Rows(path), batch_size=None, num_workers=2,
+                                    multiprocessing_context=ctx, timeout=30)
+                    rows = [b["row"] for b in dl]
+                    say("rows", [r[0].item() for r in rows])
+                    rows[3][1] = -5.0   # the same pages as the segment
+                    say("stored", tensorfs.open_torch(path, "r")[3, 1].item())
+                    q = mp.get_context(ctx).Queue()
+                    q.put(tensorfs.open_torch(path)[2:4])
+                    say("queue", q.get(timeout=30)[1].tolist())
+                    sd = tensorfs.load_state_dict(os.path.dirname(path))
+                    q.put(sd)
+                    say("state dict", sorted(q.get(timeout=30)))
+                    q.close()   # its feeder thread ends before the next pair forks
+                    q.join_thread()
         """)
 
     def test_dataloader_and_queue_by_path(self):
         p = os.path.join(self.dir, "rows")
-        tensorfs.save(p, torch.arange(32, dtype=torch.float32).reshape(8, 4))
         script = os.path.join(tempfile.mkdtemp(), "dl.py")  # spawn re-imports __main__ from a file
         with open(script, "w") as f:
             f.write(self._DATALOADER)
+        r = subprocess.run([sys.executable, script, p], capture_output=True,
+                           text=True, timeout=4 * TIMEOUT, env=dict(os.environ, PYTHONPATH=PYDIR))
+        lines = r.stdout.splitlines()
         for strategy in ("file_descriptor", "file_system"):
             for ctx in ("fork", "spawn"):
                 with self.subTest(strategy=strategy, ctx=ctx):
-                    tensorfs.save(p, torch.arange(32, dtype=torch.float32).reshape(8, 4))
-                    r = subprocess.run([sys.executable, script, p, strategy, ctx], capture_output=True,
-                                       text=True, timeout=TIMEOUT, env=dict(os.environ, PYTHONPATH=PYDIR))
-                    self.assertEqual(r.returncode, 0, r.stderr)
-                    lines = r.stdout.splitlines()
-                    self.assertEqual(lines[0], "rows [0.0, 4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0]")
-                    self.assertEqual(lines[1], "stored -5.0")
-                    self.assertEqual(lines[2], "queue [12.0, -5.0, 14.0, 15.0]")
-                    self.assertEqual(lines[3], "state dict ['rows']")
+                    said = [l[len(strategy + ctx) + 2:] for l in lines if l.startswith(strategy + " " + ctx + " ")]
+                    self.assertEqual(said, ["rows [0.0, 4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0]",
+                                            "stored -5.0", "queue [12.0, -5.0, 14.0, 15.0]",
+                                            "state dict ['rows']"], r.stderr)
+        self.assertEqual(r.returncode, 0, r.stderr)
 
     def test_reduction_sends_a_path(self):
         from multiprocessing.reduction import ForkingPickler
