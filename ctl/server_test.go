@@ -890,15 +890,7 @@ func TestCloseDrains(t *testing.T) {
 	}
 	answered := make(chan error, 1)
 	go func() { _, err := busy.Export("slow", false); answered <- err }()
-	for { // busy's request is being served
-		b.mu.Lock()
-		n := len(b.creds)
-		b.mu.Unlock()
-		if n == 2 {
-			break
-		}
-		time.Sleep(time.Millisecond)
-	}
+	b.waitRequests(2) // busy's request is being served
 	closed := make(chan error, 1)
 	go func() { closed <- s.Close() }()
 	deadline := time.Now().Add(drainWait)
@@ -923,15 +915,7 @@ func TestCloseDrains(t *testing.T) {
 	s2, path2 := startServer(t, b2, time.Second)
 	stuck := dial(t, path2)
 	go func() { _, err := stuck.Export("slow", false); answered <- err }()
-	for {
-		b2.mu.Lock()
-		n := len(b2.creds)
-		b2.mu.Unlock()
-		if n == 1 {
-			break
-		}
-		time.Sleep(time.Millisecond)
-	}
+	b2.waitRequests(1)
 	t0 := time.Now()
 	// Close waits for its handler to return, which this backend's does
 	// only when told.
@@ -944,5 +928,18 @@ func TestCloseDrains(t *testing.T) {
 	}
 	if err := <-answered; err == nil || errors.Is(err, syscall.EAGAIN) {
 		t.Errorf("the request cut off by Close: %v, want a closed connection", err)
+	}
+}
+
+// waitRequests waits until b has seen n requests.
+func (b *fakeBackend) waitRequests(n int) {
+	for {
+		b.mu.Lock()
+		seen := len(b.creds)
+		b.mu.Unlock()
+		if seen >= n {
+			return
+		}
+		time.Sleep(time.Millisecond)
 	}
 }

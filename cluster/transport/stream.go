@@ -309,14 +309,19 @@ func (s *Stream) handshaking(raw net.Conn) string {
 func (s *Stream) handshook(key string, raw net.Conn) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	q := s.pending[key]
+	forget(s.pending, key, raw)
+}
+
+// forget removes raw from conns[key], and the key once it has none.
+func forget(conns map[string][]net.Conn, key string, raw net.Conn) {
+	q := conns[key]
 	if i := slices.Index(q, raw); i >= 0 {
 		q = slices.Delete(q, i, i+1)
 	}
 	if len(q) == 0 {
-		delete(s.pending, key)
+		delete(conns, key)
 	} else {
-		s.pending[key] = q
+		conns[key] = q
 	}
 }
 
@@ -341,15 +346,7 @@ func (s *Stream) member(peer string, raw net.Conn) {
 func (s *Stream) memberGone(peer string, raw net.Conn) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	q := s.members[peer]
-	if i := slices.Index(q, raw); i >= 0 {
-		q = slices.Delete(q, i, i+1)
-	}
-	if len(q) == 0 {
-		delete(s.members, peer)
-	} else {
-		s.members[peer] = q
-	}
+	forget(s.members, peer, raw)
 }
 
 // send answers the request for p on c: the piece's bytes, or a refusal
