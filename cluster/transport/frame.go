@@ -27,9 +27,10 @@ import (
 // bytes). The connection then carries the next request. A watch:
 //
 //	kind (reqWatch), count (2 bytes, big-endian), then count times:
-//	content length (1 byte), content ID
+//	content length (1 byte), content ID (at most maxWatchedID bytes)
 //
-// subscribes to what the server holds of up to MaxWatched contents: the
+// subscribes to what the server holds of up to MaxWatched contents (a
+// request of at most 66 KiB, read as it arrives): the
 // server answers with frames of the same header, for as long as the
 // connection lasts (the client sends nothing more): statusBitmap (index:
 // the content's place in the request; length bytes of its bitmap, at
@@ -63,8 +64,10 @@ const (
 	maxMessage      = 1024 // longest message a refusal carries
 	// MaxBitmap is the longest bitmap a frame carries: 16384 pieces.
 	MaxBitmap = 2048
-	// MaxWatched is how many contents one watch names at most.
-	MaxWatched = 1024
+	// MaxWatched is how many contents one watch names at most, and
+	// maxWatchedID the longest content ID it names (a SHA-256 in hex).
+	MaxWatched   = 1024
+	maxWatchedID = 64
 )
 
 // errFrame is returned for a request or reply the protocol does not allow.
@@ -78,9 +81,10 @@ type request struct {
 	Watch  []string // non-nil for a watch
 }
 
-// appendContent appends a content ID, length first, to b.
-func appendContent(b []byte, id string) ([]byte, error) {
-	if len(id) == 0 || len(id) > maxContentID {
+// appendContent appends a content ID of at most max bytes, length
+// first, to b.
+func appendContent(b []byte, id string, max int) ([]byte, error) {
+	if len(id) == 0 || len(id) > max {
 		return nil, fmt.Errorf("%w: content ID %.80q", errFrame, id)
 	}
 	return append(append(b, byte(len(id))), id...), nil
@@ -92,7 +96,7 @@ func appendFetch(b []byte, p Piece, accept []byte) ([]byte, error) {
 	if p.Index < 0 || uint64(p.Index) > 1<<32-1 || len(accept) > MaxBitmap {
 		return nil, fmt.Errorf("%w: request for piece %d of %.80q accepting %d bytes", errFrame, p.Index, p.Content, len(accept))
 	}
-	b, err := appendContent(append(b, reqFetch), p.Content)
+	b, err := appendContent(append(b, reqFetch), p.Content, maxContentID)
 	if err != nil {
 		return nil, err
 	}
@@ -109,7 +113,7 @@ func appendWatch(b []byte, contents []string) ([]byte, error) {
 	b = binary.BigEndian.AppendUint16(append(b, reqWatch), uint16(len(contents)))
 	for _, id := range contents {
 		var err error
-		if b, err = appendContent(b, id); err != nil {
+		if b, err = appendContent(b, id, maxWatchedID); err != nil {
 			return nil, err
 		}
 	}
@@ -134,7 +138,7 @@ func readRequest(r io.Reader) (request, error) {
 
 // readFetch reads a fetch request after its kind.
 func readFetch(r io.Reader) (request, error) {
-	id, err := readContent(r)
+	id, err := readContent(r, maxContentID)
 	if err != nil {
 		return request{}, err
 	}
@@ -168,7 +172,7 @@ func readWatch(r io.Reader) (request, error) {
 	}
 	req := request{Watch: make([]string, 0, n)}
 	for range n {
-		id, err := readContent(r)
+		id, err := readContent(r, maxWatchedID)
 		if err != nil {
 			return request{}, err
 		}
@@ -177,14 +181,14 @@ func readWatch(r io.Reader) (request, error) {
 	return req, nil
 }
 
-// readContent reads a content ID, length first.
-func readContent(r io.Reader) (string, error) {
+// readContent reads a content ID of at most max bytes, length first.
+func readContent(r io.Reader, max int) (string, error) {
 	var n [1]byte
 	if _, err := io.ReadFull(r, n[:]); err != nil {
 		return "", fmt.Errorf("%w: request cut short: %w", errFrame, err)
 	}
-	if n[0] == 0 {
-		return "", fmt.Errorf("%w: empty content ID", errFrame)
+	if n[0] == 0 || int(n[0]) > max {
+		return "", fmt.Errorf("%w: a content ID of %d bytes", errFrame, n[0])
 	}
 	b := make([]byte, n[0])
 	if _, err := io.ReadFull(r, b); err != nil {

@@ -16,7 +16,7 @@ func TestFrames(t *testing.T) {
 	for _, req := range []request{
 		{Piece: Piece{Content: "c", Index: 0}},
 		{Piece: Piece{Content: long, Index: 1<<32 - 1}, Accept: make([]byte, MaxBitmap)},
-		{Watch: []string{"c", long}},
+		{Watch: []string{"c", long[:maxWatchedID]}},
 	} {
 		b, err := appendFetch(nil, req.Piece, req.Accept)
 		if req.Watch != nil {
@@ -38,7 +38,7 @@ func TestFrames(t *testing.T) {
 	if _, err := appendFetch(nil, Piece{Content: "c"}, make([]byte, MaxBitmap+1)); !errors.Is(err, errFrame) {
 		t.Errorf("a request accepting %d bytes: %v; want errFrame", MaxBitmap+1, err)
 	}
-	for _, ids := range [][]string{nil, make([]string, MaxWatched+1), {""}} {
+	for _, ids := range [][]string{nil, make([]string, MaxWatched+1), {""}, {long[:maxWatchedID+1]}} {
 		if _, err := appendWatch(nil, ids); !errors.Is(err, errFrame) {
 			t.Errorf("a watch of %d contents: %v; want errFrame", len(ids), err)
 		}
