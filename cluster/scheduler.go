@@ -133,9 +133,10 @@ func newGroup(c *Content) *group {
 		done: make(chan struct{})}
 }
 
-// task is one piece to fetch from one peer; from a seed, with the
-// pieces it may send in its place (accept: those neither held nor in
-// flight when it was claimed), of which a seed super-seeding sends one.
+// task is one piece to fetch from one peer; from the content's only
+// seed, with the pieces it may send in its place (accept: those neither
+// held nor in flight when it was claimed), of which it sends one
+// (super-seeding).
 type task struct {
 	g      *group
 	i      int
@@ -177,8 +178,8 @@ func (s *scheduler) claimLocked(now time.Time) (task, bool) {
 	t.g.busy[t.i] = true
 	s.stateLocked(t.peer.Name).inflight++
 	s.inFlights++
-	if t.g.holders[t.peer.Name].seed {
-		t.accept = t.g.acceptable()
+	if t.g.holders[t.peer.Name].seed && t.g.seeds == 1 {
+		t.accept = t.g.acceptable() // super-seeding: see Node.Piece
 	}
 	return t, true
 }
