@@ -74,8 +74,8 @@ func (h *held) complete() bool {
 // what is sent is what was verified. A piece whose bytes here no longer
 // match (its file was changed under the node) is not served, logged, and
 // no longer held. A node that holds every piece super-seeds: asked with
-// pieces accepted in place, it sends the one it has sent least of
-// (SuperSeed).
+// pieces accepted in place (a puller asks so of a content's only seed),
+// it sends the one it has sent least of (SuperSeed).
 func (n *Node) Piece(p transport.Piece, accept []byte) (int, []byte, error) {
 	n.mu.Lock()
 	h := n.held[p.Content]

@@ -28,13 +28,14 @@
 //     hears of to subscribe to (up to 32, a uniform sample), which send
 //     it their bitmaps and then a message per piece they get, over the
 //     transport (Latency; Scheduler.Told, ToldPiece).
-//   - With SuperSeed, a node that holds every piece (the seeder, and
-//     each node once complete) super-seeds as Node.Piece does: asked for
-//     a piece, it sends the one it has sent least of those the request
-//     accepts (cluster.SuperSeed; the scheduler's claim names the pieces
-//     it lacks and has not in flight), and the asker's scheduler takes
-//     it in place of the one it asked for (Scheduler.Substitute), unless
-//     it is taken meanwhile (the fetch then ends, as Pull's does).
+//   - With SuperSeed, a node that holds every piece super-seeds as
+//     Node.Piece does: asked for a piece with others accepted in its
+//     place (the scheduler's claim names the pieces it lacks and has not
+//     in flight, when it asks a content's only seed: the seeder, until a
+//     node completes), it sends the one it has sent least of them
+//     (cluster.SuperSeed), and the asker's scheduler takes it in place
+//     of the one it asked for (Scheduler.Substitute), unless it is taken
+//     meanwhile (the fetch then ends, as Pull's does).
 //   - A node that dies breaks the fetches it serves at once (the pullers
 //     see the peer unreachable and back off, as Pull does); its keys go
 //     LeaseTTL later, and every pulling node hears of it then.
