@@ -273,13 +273,13 @@ func TestPublishRefuses(t *testing.T) {
 // the node verified them: a holder that lies, or a corrupting link.
 type lyingSource struct{ transport.Source }
 
-func (s lyingSource) Piece(p transport.Piece) ([]byte, error) {
-	b, err := s.Source.Piece(p)
+func (s lyingSource) Piece(p transport.Piece, accept []byte) (int, []byte, error) {
+	i, b, err := s.Source.Piece(p, accept)
 	bad := bytes.Clone(b)
 	for i := range bad {
 		bad[i] ^= 0x5a
 	}
-	return bad, err
+	return i, bad, err
 }
 
 // lyingTransport is a Stream transport whose server lies (lyingSource).
@@ -463,13 +463,7 @@ func TestEtcdOutage(t *testing.T) {
 		if err != nil || len(resp.Kvs) == 0 {
 			return false
 		}
-		bits := bitmap(resp.Kvs[0].Value)
-		for i := range v.Contents[v.Entries[1].Content].Pieces() {
-			if !bits.has(i) {
-				return false
-			}
-		}
-		return true
+		return string(resp.Kvs[0].Value) == holderComplete
 	})
 	a.kill()
 	pc, filesC := pullAll(t, c, v)
@@ -582,7 +576,7 @@ func TestRestartOffer(t *testing.T) {
 	if !bytes.Equal(contents(t, files["w"]), data) {
 		t.Fatal("pulled bytes differ")
 	}
-	if _, err := a2.Piece(transport.Piece{Content: stranger}); !errors.Is(err, transport.ErrNotServed) {
+	if _, _, err := a2.Piece(transport.Piece{Content: stranger}, nil); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("a content never published is served: %v", err)
 	}
 }
@@ -597,18 +591,18 @@ func TestTakeoverBusyUntilOffered(t *testing.T) {
 	a := tc.join(tc.config("node-a"))
 	waitFor(t, 5*time.Second, "node-a's lease", func() bool { return a.Lease() != 0 })
 	p := transport.Piece{Content: hashID([]byte("never offered"))}
-	if _, err := a.Piece(p); !errors.Is(err, transport.ErrNotServed) {
+	if _, _, err := a.Piece(p, nil); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("a node that took over from none: %v; want ErrNotServed", err)
 	}
 	cfg := tc.config("node-a")
 	cfg.Resume = a.Lease()
 	a.Close()
 	a2 := tc.join(cfg)
-	if _, err := a2.Piece(p); !errors.Is(err, transport.ErrBusy) {
+	if _, _, err := a2.Piece(p, nil); !errors.Is(err, transport.ErrBusy) {
 		t.Fatalf("a successor before Offered: %v; want ErrBusy", err)
 	}
 	a2.Offered()
-	if _, err := a2.Piece(p); !errors.Is(err, transport.ErrNotServed) {
+	if _, _, err := a2.Piece(p, nil); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("a successor after Offered: %v; want ErrNotServed", err)
 	}
 }
@@ -643,14 +637,14 @@ func TestServeOnlyVerified(t *testing.T) {
 	}
 	p, _ := pullAll(t, b, v)
 	for i := range v.Contents[id].Pieces() {
-		if _, err := b.Piece(transport.Piece{Content: id, Index: i}); !errors.Is(err, transport.ErrNotServed) {
+		if _, _, err := b.Piece(transport.Piece{Content: id, Index: i}, nil); !errors.Is(err, transport.ErrNotServed) {
 			t.Fatalf("piece %d served before it was verified: %v", i, err)
 		}
 	}
 	if err := p.Wait(); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := b.Piece(transport.Piece{Content: id, Index: v.Contents[id].Pieces()}); !errors.Is(err, transport.ErrNotServed) {
+	if _, _, err := b.Piece(transport.Piece{Content: id, Index: v.Contents[id].Pieces()}, nil); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("a piece past the end is served: %v", err)
 	}
 	if n, err := tr.Fetch(ctx, transport.Peer{Name: "node-b", Addr: b.Addr()}, transport.Piece{Content: id, Index: 1}, transport.Dest{File: f, Len: 64 << 10}); err != nil || !bytes.Equal(contents(t, f), data[64<<10:128<<10]) {
@@ -701,7 +695,7 @@ func TestPullDiskFull(t *testing.T) {
 		resp, err := a.etcd.Get(ctx, a.keys.holder(id, "node-b"))
 		return err == nil && len(resp.Kvs) == 0
 	})
-	if _, err := b.Piece(transport.Piece{Content: id}); !errors.Is(err, transport.ErrNotServed) {
+	if _, _, err := b.Piece(transport.Piece{Content: id}, nil); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("node-b serves a piece of a failed pull: %v", err)
 	}
 }
@@ -849,7 +843,7 @@ func TestServeSwapsSource(t *testing.T) {
 	}
 	stranger := hashID([]byte("never held"))
 	a.Serve(stranger, bytes.NewReader(data))
-	if _, err := a.Piece(transport.Piece{Content: stranger}); !errors.Is(err, transport.ErrNotServed) {
+	if _, _, err := a.Piece(transport.Piece{Content: stranger}, nil); !errors.Is(err, transport.ErrNotServed) {
 		t.Fatalf("a content served without being held: %v", err)
 	}
 	p, files := pullAll(t, b, v)

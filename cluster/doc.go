@@ -38,10 +38,15 @@
 //	                      CID across paths and versions.
 //	P refs/CID/VID        "": version VID uses content CID. Written after VID's
 //	                      header and before the content.
-//	P holders/CID/NODE    bitmap (bit i of byte i/8 set: NODE holds piece i,
-//	                      verified). Tied to NODE's lease, so a dead node's
-//	                      entries vanish with it; written only in a transaction
-//	                      that checks NODE's key still carries that lease.
+//	P holders/CID/NODE    "complete" (NODE holds every piece of CID, verified) or
+//	                      "partial" (a member: it pulls CID, or lost a piece).
+//	                      Written when NODE begins to hold CID and when that
+//	                      changes, not as pieces arrive: which pieces a member
+//	                      holds, a puller learns from it over the transport
+//	                      (transport.Transport.Watch). Tied to NODE's lease, so
+//	                      a dead node's entries vanish with it; written only in
+//	                      a transaction that checks NODE's key still carries
+//	                      that lease; deleted when NODE drops CID.
 //
 // Versions, entries and contents are immutable and content-addressed:
 // rewriting one writes the same bytes. Publishing writes the version key,
@@ -61,6 +66,11 @@
 // pieces at once would contend on one key. Here each node writes only its
 // own key per content (its lease makes it vanish with the node), and the
 // compare in each transaction is on the node's ownership of its name.
+// The keys carry membership, not bitmaps: every puller watches a
+// content's holder keys, so a bitmap rewritten per piece was an event at
+// every puller, N² per piece in all. A puller subscribes instead to a
+// sample of up to 32 members (the scheduler's), which send it their
+// bitmaps and then each piece they get.
 //
 // # Failures
 //

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"math/bits"
+	"math/rand/v2"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/client/v3/concurrency"
@@ -42,6 +43,13 @@ func (b bitmap) fill(pieces int) {
 	}
 }
 
+// Holder key values (doc.go): the node holds every piece of the
+// content, or some (a member: pulling, or having lost a piece).
+const (
+	holderComplete = "complete"
+	holderPartial  = "partial"
+)
+
 // held is a content this node serves, and how much of it etcd knows.
 type held struct {
 	content *Content    // nil until an offered content is resolved
@@ -50,8 +58,14 @@ type held struct {
 	bits    bitmap      // pieces held and verified; nil until resolved
 	pulling bool        // a Pull is filling it
 	dropped bool        // to be deleted from etcd, then forgotten
-	gen     uint64      // Node.gen at the last change to bits or dropped
+	gen     uint64      // Node.gen at the last change to its holder key's value
 	written uint64      // gen that etcd has
+	sent    []int32     // times each piece was sent while complete (super-seeding); nil before
+}
+
+// complete reports whether h holds every piece of its content.
+func (h *held) complete() bool {
+	return h.content != nil && h.bits.count() == h.content.Pieces()
 }
 
 // Piece implements transport.Source: only pieces of published contents
@@ -59,8 +73,10 @@ type held struct {
 // verified there against its published hash as it is asked for, so that
 // what is sent is what was verified. A piece whose bytes here no longer
 // match (its file was changed under the node) is not served, logged, and
-// no longer announced.
-func (n *Node) Piece(p transport.Piece) ([]byte, error) {
+// no longer held. A node that holds every piece super-seeds: asked with
+// pieces accepted in place (a puller asks so of a content's only seed),
+// it sends the one it has sent least of (SuperSeed).
+func (n *Node) Piece(p transport.Piece, accept []byte) (int, []byte, error) {
 	n.mu.Lock()
 	h := n.held[p.Content]
 	switch {
@@ -68,36 +84,74 @@ func (n *Node) Piece(p transport.Piece) ([]byte, error) {
 		// A successor taking over from a daemon that died serves on
 		// its socket at once: a peer asks again later.
 		n.mu.Unlock()
-		return nil, fmt.Errorf("content %.12s: %w (this daemon is starting: what it holds is not known yet)", p.Content, transport.ErrBusy)
+		return 0, nil, fmt.Errorf("content %.12s: %w (this daemon is starting: what it holds is not known yet)", p.Content, transport.ErrBusy)
 	case h == nil || h.dropped || h.content == nil:
 		n.mu.Unlock()
-		return nil, fmt.Errorf("content %.12s: %w (not held here)", p.Content, transport.ErrNotServed)
+		return 0, nil, fmt.Errorf("content %.12s: %w (not held here)", p.Content, transport.ErrNotServed)
 	case !h.bits.has(p.Index) || p.Index >= h.content.Pieces():
 		n.mu.Unlock()
-		return nil, fmt.Errorf("piece %d of %.12s: %w (not held, or not verified yet)", p.Index, p.Content, transport.ErrNotServed)
+		return 0, nil, fmt.Errorf("piece %d of %.12s: %w (not held, or not verified yet)", p.Index, p.Content, transport.ErrNotServed)
+	}
+	i := p.Index
+	if h.complete() {
+		if h.sent == nil {
+			h.sent = make([]int32, h.content.Pieces())
+		}
+		if len(accept) > 0 {
+			i = SuperSeed(h.sent, i, accept, rand.IntN(len(h.sent)))
+		}
+		h.sent[i]++
 	}
 	c, src := h.content, h.src
 	n.mu.Unlock()
-	b, err := c.readPiece(src, p.Index)
+	b, err := c.readPiece(src, i)
 	if err != nil {
-		n.distrust(p.Content, src, p.Index, err)
-		return nil, fmt.Errorf("piece %d of %.12s: %w (it fails verification here)", p.Index, p.Content, transport.ErrNotServed)
+		n.distrust(p.Content, src, i, err)
+		return 0, nil, fmt.Errorf("piece %d of %.12s: %w (it fails verification here)", i, p.Content, transport.ErrNotServed)
 	}
 	n.stats.piecesServed.Add(1)
 	n.stats.bytesServed.Add(int64(len(b)))
-	return b, nil
+	return i, b, nil
+}
+
+// SuperSeed returns the piece a holder of every piece sends when asked
+// for piece asked by a puller that takes any of accept in its place
+// (bit i of byte i/8): of asked and those, the one it has sent least of
+// (sent, by piece), asked on a tie with it, else the first from piece
+// start on (a random start breaks ties at random). So no piece goes out
+// twice before every piece a puller asked or accepted went out once.
+func SuperSeed(sent []int32, asked int, accept []byte, start int) int {
+	best := asked
+	for k := range len(sent) {
+		i := (start + k) % len(sent)
+		if sent[i] < sent[best] && bitmap(accept).has(i) {
+			best = i
+		}
+	}
+	return best
 }
 
 // distrust stops serving piece i of content id from src, whose bytes
-// failed verification (err): it is logged, and the node's holder key
-// announces it no longer.
+// failed verification (err): it is logged, and the node no longer holds
+// it (its watchers are told; its holder key no longer says complete).
 func (n *Node) distrust(id string, src io.ReaderAt, i int, err error) {
 	n.log.Warn("cluster: a piece held here fails verification; it is not served", "content", id, "piece", i, "err", err)
 	n.stats.badPieces.Add(1)
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if h := n.held[id]; h != nil && h.src == src && h.bits.has(i) {
+		was := h.complete()
 		h.bits.clear(i)
+		n.changedLocked(id, h, was)
+	}
+}
+
+// changedLocked records a change to the pieces of content id held (h):
+// its watchers are told, and its holder key is written again if it no
+// longer says what it said (wasComplete). n.mu is held.
+func (n *Node) changedLocked(id string, h *held, wasComplete bool) {
+	n.tellLocked(id)
+	if h.complete() != wasComplete {
 		h.gen = n.nextGen()
 		n.kick()
 	}
@@ -145,6 +199,7 @@ func (n *Node) Drop(id string) {
 		h.dropped = true
 		h.src = nil
 		h.gen = n.nextGen()
+		n.tellLocked(id)
 		n.kick()
 	}
 }
@@ -173,18 +228,20 @@ func (n *Node) hold(c *Content, src io.ReaderAt, bits bitmap, pulling bool) erro
 		return fmt.Errorf("%w: content %.12s is served already", ErrInvalid, c.ID())
 	}
 	n.held[c.ID()] = &held{content: c, src: src, size: c.Size, bits: bits, pulling: pulling, gen: n.nextGen()}
+	n.tellLocked(c.ID())
 	n.kick()
 	return nil
 }
 
-// holdPiece marks piece i of a content held and announces it at once.
+// holdPiece marks piece i of a content held: its watchers are told at
+// once, and etcd once the node holds every piece.
 func (n *Node) holdPiece(id string, i int) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	if h := n.held[id]; h != nil && !h.dropped {
+		was := h.complete()
 		h.bits.set(i)
-		h.gen = n.nextGen()
-		n.kick()
+		n.changedLocked(id, h, was)
 	}
 }
 
@@ -272,10 +329,10 @@ func (n *Node) announce() {
 
 // pending is one holder key to write.
 type pending struct {
-	id     string
-	gen    uint64
-	bits   bitmap
-	delete bool // delete the key instead
+	id       string
+	gen      uint64
+	complete bool // it says holderComplete, else holderPartial
+	delete   bool // delete the key instead
 }
 
 // flush writes every changed holder key, maxTxnOps at a time.
@@ -293,7 +350,7 @@ func (n *Node) flush() error {
 			if h.gen == h.written || h.content == nil && !h.dropped {
 				continue
 			}
-			p := pending{id: id, gen: h.gen, bits: bytes.Clone(h.bits), delete: h.dropped}
+			p := pending{id: id, gen: h.gen, complete: h.complete(), delete: h.dropped}
 			if batch = append(batch, p); len(batch) == maxTxnOps {
 				break
 			}
@@ -318,8 +375,10 @@ func (n *Node) flush() error {
 	}
 }
 
-// writeHolders writes a batch of holder keys under s's lease, in one
-// transaction that checks this node's key still carries that lease.
+// writeHolders writes a batch of holder keys under s's lease (each says
+// whether this node holds the whole content: its membership, not which
+// pieces), in one transaction that checks this node's key still carries
+// that lease.
 func (n *Node) writeHolders(s *concurrency.Session, batch []pending) error {
 	ops := make([]clientv3.Op, 0, len(batch))
 	for _, p := range batch {
@@ -327,7 +386,11 @@ func (n *Node) writeHolders(s *concurrency.Session, batch []pending) error {
 		if p.delete {
 			ops = append(ops, clientv3.OpDelete(key))
 		} else {
-			ops = append(ops, clientv3.OpPut(key, string(p.bits), clientv3.WithLease(s.Lease())))
+			value := holderPartial
+			if p.complete {
+				value = holderComplete
+			}
+			ops = append(ops, clientv3.OpPut(key, value, clientv3.WithLease(s.Lease())))
 		}
 	}
 	ctx, cancel := n.timeout(n.ctx)
@@ -367,6 +430,7 @@ func (n *Node) resolveOffers() error {
 			h.content, h.bits = c, newBitmap(c.Pieces())
 			h.bits.fill(c.Pieces())
 			h.gen = n.nextGen()
+			n.tellLocked(id)
 			n.log.Info("cluster: serving a recovered content", "content", id, "bytes", c.Size)
 		case err == nil || errors.Is(err, ErrNotPublished) || errors.Is(err, ErrCorrupt):
 			if err == nil {
@@ -381,4 +445,67 @@ func (n *Node) resolveOffers() error {
 		n.mu.Unlock()
 	}
 	return nil
+}
+
+// watcher is a peer's watch of contents this node holds
+// (transport.Watcher); the transport bounds how many there are.
+type watcher struct {
+	n   *Node
+	ids []string
+	ch  chan struct{} // buffered, 1
+}
+
+// Holding implements transport.Source: a watcher told of every change to
+// the pieces held of ids.
+func (n *Node) Holding(ids []string) (transport.Watcher, error) {
+	w := &watcher{n: n, ids: ids, ch: make(chan struct{}, 1)}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.closed {
+		return nil, ErrClosed
+	}
+	for _, id := range ids {
+		if n.watchers[id] == nil {
+			n.watchers[id] = map[*watcher]bool{}
+		}
+		n.watchers[id][w] = true
+	}
+	return w, nil
+}
+
+// Bits implements transport.Watcher: the pieces of content i held and
+// verified, nil if none is served (not held, dropped, not resolved yet).
+func (w *watcher) Bits(i int) []byte {
+	w.n.mu.Lock()
+	defer w.n.mu.Unlock()
+	h := w.n.held[w.ids[i]]
+	if h == nil || h.dropped || h.content == nil {
+		return nil
+	}
+	return bytes.Clone(h.bits)
+}
+
+// Changed implements transport.Watcher.
+func (w *watcher) Changed() <-chan struct{} { return w.ch }
+
+// Stop implements transport.Watcher.
+func (w *watcher) Stop() {
+	w.n.mu.Lock()
+	defer w.n.mu.Unlock()
+	for _, id := range w.ids {
+		if delete(w.n.watchers[id], w); len(w.n.watchers[id]) == 0 {
+			delete(w.n.watchers, id)
+		}
+	}
+}
+
+// tellLocked tells the watchers of content id that it changed. n.mu is
+// held.
+func (n *Node) tellLocked(id string) {
+	for w := range n.watchers[id] {
+		select {
+		case w.ch <- struct{}{}:
+		default:
+		}
+	}
 }

@@ -106,10 +106,11 @@ type Node struct {
 	flushMu sync.Mutex    // one flush at a time
 
 	mu         sync.Mutex
-	sess       *concurrency.Session // nil while not joined
-	sessErr    error                // why not joined, while sess is nil
-	sessChange chan struct{}        // closed and replaced when sess changes
-	held       map[string]*held     // contents served, by ID
+	sess       *concurrency.Session         // nil while not joined
+	sessErr    error                        // why not joined, while sess is nil
+	sessChange chan struct{}                // closed and replaced when sess changes
+	held       map[string]*held             // contents served, by ID
+	watchers   map[string]map[*watcher]bool // peers' watches, by content ID
 	// offered: the daemon has offered what it recovered (Offered), or
 	// takes over from none (Config.Resume 0); until then a content not
 	// held may be one not offered yet.
@@ -186,6 +187,7 @@ func Join(cfg Config) (*Node, error) {
 		sessErr:    fmt.Errorf("%w: node %s has not joined yet (it joins in the background: tensorfs status says when it has)", ErrUnavailable, cfg.Node),
 		sessChange: make(chan struct{}),
 		held:       map[string]*held{},
+		watchers:   map[string]map[*watcher]bool{},
 		offered:    cfg.Resume == 0,
 	}
 	n.ctx, n.cancel = context.WithCancel(context.Background())

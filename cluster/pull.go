@@ -25,6 +25,11 @@ const (
 	DefaultNoHolderWait = 30 * time.Second
 )
 
+// errTaken fails a fetch whose peer sent, in place of the piece asked, a
+// piece this node got or began to fetch meanwhile (super-seeding): the
+// bytes are not taken, and the piece asked is free to be asked again.
+var errTaken = errors.New("the piece sent instead is taken meanwhile")
+
 // Job is one content to pull into a destination file.
 type Job struct {
 	// Content is what to fetch, from Version: every piece is checked
@@ -53,14 +58,21 @@ type Pull struct {
 	cancel context.CancelFunc
 	jobs   []*group // job i's group
 	done   chan struct{}
+	// watched are the groups fetched from peers (at most
+	// transport.MaxWatched: those past it learn of complete holders
+	// only), ids their content IDs: what a watch of a member asks for.
+	watched  []*group
+	ids      []string
+	watching sync.WaitGroup // the watches' goroutines
 
 	mu        sync.Mutex
-	scheduler               // what to fetch next, from whom; the groups
-	err       error         // why the pull failed
-	changed   chan struct{} // closed and replaced at every change
-	total     int64         // bytes of all groups
-	start     time.Time     // when the pull began
-	end       time.Time     // when it ended (zero until then)
+	scheduler                               // what to fetch next, from whom; the groups
+	err       error                         // why the pull failed
+	watches   map[string]context.CancelFunc // ends the watch of each member subscribed to
+	changed   chan struct{}                 // closed and replaced at every change
+	total     int64                         // bytes of all groups
+	start     time.Time                     // when the pull began
+	end       time.Time                     // when it ended (zero until then)
 }
 
 // Pull starts fetching jobs from the nodes that hold them and returns: Done
@@ -76,7 +88,7 @@ type Pull struct {
 // pulling one of the contents already.
 func (n *Node) Pull(ctx context.Context, jobs []Job) (*Pull, error) {
 	p := &Pull{
-		n: n, done: make(chan struct{}), changed: make(chan struct{}),
+		n: n, done: make(chan struct{}), changed: make(chan struct{}), watches: map[string]context.CancelFunc{},
 		scheduler: newScheduler(n.cfg.Node, n.cfg.PerPeer, rand.Uint64(), time.Now()), start: time.Now(),
 	}
 	byID := map[string]*group{}
@@ -117,6 +129,10 @@ func (n *Node) Pull(ctx context.Context, jobs []Job) (*Pull, error) {
 			return nil, fmt.Errorf("cluster: pull: %w", err)
 		}
 		held = append(held, g)
+		if len(p.watched) < transport.MaxWatched {
+			p.watched = append(p.watched, g)
+			p.ids = append(p.ids, g.c.ID())
+		}
 		p.left += g.left
 		if g.left == 0 {
 			close(g.done) // an empty file
@@ -241,6 +257,7 @@ func (p *Pull) run() {
 	}
 	wg.Wait()
 	p.cancel()
+	p.watching.Wait()
 	p.mu.Lock()
 	if p.err == nil && p.left > 0 {
 		p.err = fmt.Errorf("cluster: pull: %w", context.Cause(p.ctx))
@@ -366,12 +383,26 @@ func (p *Pull) missingLocked() string {
 }
 
 // fetch fetches one piece into the first destination, verifies it there,
-// copies it to the others and records the outcome.
+// copies it to the others and records the outcome. A seed may send
+// another piece of those t accepts (super-seeding): t becomes its fetch,
+// unless that piece is held or in flight meanwhile (errTaken).
 func (p *Pull) fetch(t task) {
 	g, id := t.g, t.g.c.ID()
 	off, size := g.c.PieceRange(t.i)
 	dst := newHashedDest(g.dsts[0], off)
-	got, err := p.n.tr.Fetch(p.ctx, t.peer, transport.Piece{Content: id, Index: t.i}, transport.Dest{File: dst, Off: off, Len: size})
+	d := transport.Dest{File: dst, Off: off, Len: size, Accept: t.accept}
+	d.For = func(i int) (transport.Dest, error) {
+		p.mu.Lock()
+		ok := p.substituteLocked(&t, i)
+		p.mu.Unlock()
+		if !ok {
+			return transport.Dest{}, fmt.Errorf("piece %d of %.12s: %w", i, id, errTaken)
+		}
+		off, size = g.c.PieceRange(i)
+		dst = newHashedDest(g.dsts[0], off)
+		return transport.Dest{File: dst, Off: off, Len: size}, nil
+	}
+	got, err := p.n.tr.Fetch(p.ctx, t.peer, transport.Piece{Content: id, Index: t.i}, d)
 	o, err := p.settle(t, dst, got, err)
 
 	p.mu.Lock()
@@ -420,7 +451,7 @@ func (p *Pull) settle(t task, dst *hashedDest, got int64, err error) (outcome, e
 	switch {
 	case errors.Is(err, transport.ErrDest):
 		return cancelled, err
-	case p.ctx.Err() != nil:
+	case p.ctx.Err() != nil || errors.Is(err, errTaken):
 		return cancelled, nil
 	case errors.Is(err, transport.ErrNotServed):
 		return notServed, err
@@ -480,7 +511,7 @@ func (p *Pull) load() error {
 			kvs := resp.Responses[i].GetResponseRange().Kvs
 			p.mu.Lock() // the watches of the groups before it run
 			for _, kv := range kvs {
-				p.setHolderLocked(g, strings.TrimPrefix(string(kv.Key), n.keys.holders(g.c.ID())), bitmap(kv.Value))
+				p.keyLocked(g, strings.TrimPrefix(string(kv.Key), n.keys.holders(g.c.ID())), kv.Value)
 			}
 			p.mu.Unlock()
 			go n.watchPrefix(p.ctx, n.keys.holders(g.c.ID()), revisions(kvs), resp.Header.Revision+1, func(ev *clientv3.Event) bool { return p.onHolder(g, ev) })
@@ -530,11 +561,69 @@ func (p *Pull) onHolder(g *group, ev *clientv3.Event) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if ev.Type == clientv3.EventTypeDelete {
-		p.dropHolderLocked(g, node)
+		p.unwatchLocked(p.unkeyLocked(g, node))
 	} else {
-		p.setHolderLocked(g, node, bitmap(ev.Kv.Value))
+		p.keyLocked(g, node, ev.Kv.Value)
 	}
 	p.lastStep = time.Now()
 	p.signalLocked()
 	return p.ctx.Err() == nil
+}
+
+// keyLocked applies node's holder key of g (its value), and starts and
+// ends the watches the scheduler asks for.
+func (p *Pull) keyLocked(g *group, node string, value []byte) {
+	sub, unsub := p.scheduler.keyLocked(g, node, string(value) == holderComplete)
+	p.unwatchLocked(unsub)
+	if sub != "" && len(p.ids) > 0 {
+		ctx, cancel := context.WithCancel(p.ctx)
+		p.watches[sub] = cancel
+		p.watching.Go(func() { p.watch(ctx, sub) })
+	}
+}
+
+// unwatchLocked ends the watch of node, if any ("" for none).
+func (p *Pull) unwatchLocked(node string) {
+	if cancel := p.watches[node]; cancel != nil {
+		cancel()
+		delete(p.watches, node)
+	}
+}
+
+// watch subscribes to what member node holds of the watched groups, and
+// hands the scheduler what it tells, until ctx ends: the watch is tried
+// again after Backoff when it fails or the node's address is not known
+// yet (a failure is logged once).
+func (p *Pull) watch(ctx context.Context, node string) {
+	logged := false
+	for try := 0; ctx.Err() == nil; try++ {
+		p.mu.Lock()
+		addr := p.peers[node]
+		p.mu.Unlock()
+		if addr != "" {
+			err := p.n.tr.Watch(ctx, transport.Peer{Name: node, Addr: addr}, p.ids, func(u transport.Update) { p.told(node, u) })
+			if err != nil && !logged && ctx.Err() == nil {
+				p.n.log.Info("cluster: watching what a peer holds failed; retrying", "peer", node, "err", err)
+				logged = true
+			}
+		}
+		sleep(ctx, Backoff(try))
+	}
+}
+
+// told applies update u from node to the scheduler.
+func (p *Pull) told(node string, u transport.Update) {
+	g := p.watched[u.Content]
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	switch {
+	case u.Gone:
+		p.toldLocked(g, node, nil)
+	case u.Bits != nil:
+		p.toldLocked(g, node, u.Bits)
+	default:
+		p.toldPieceLocked(g, node, u.Piece)
+	}
+	p.lastStep = time.Now()
+	p.signalLocked()
 }

@@ -29,8 +29,11 @@ const busyWait = 250 * time.Millisecond
 // holder, and keeps the books on the outcomes. It runs no goroutine, holds
 // no lock and reads no clock: Pull calls it under Pull.mu with time.Now;
 // the simulation (package cluster/sim, through Scheduler) calls it with a
-// virtual clock. What it knows of holders comes from etcd (Pull.load and
-// the watch), through setHolderLocked and dropHolderLocked.
+// virtual clock. What it knows of holders comes from their holder keys
+// in etcd (Pull.load and the watch, through keyLocked and unkeyLocked:
+// complete holders, and members, which hold some pieces), and from the
+// members it subscribes to (a sample, chosen here), which tell it which
+// pieces they hold over the transport (toldLocked, toldPieceLocked).
 type scheduler struct {
 	self      string                // this node's name
 	perPeer   int                   // fetches in flight from one peer, at most
@@ -45,6 +48,14 @@ type scheduler struct {
 	inFlights int                   // fetches in flight
 	cands     []candidate           // pickLocked's
 
+	// The members (holders of part of a content, by their holder keys)
+	// heard of: by node, of how many contents; those subscribed to (at
+	// most maxAvail, a uniform sample of those heard of); how many were
+	// heard of.
+	members map[string]int
+	subs    []string
+	heard   int
+
 	// After a pick that found nothing: nothing changed since (idle), the
 	// peers then, and when the first peer left alone comes back.
 	idle      bool
@@ -58,7 +69,7 @@ func newScheduler(self string, perPeer int, seed uint64, now time.Time) schedule
 	return scheduler{
 		self: self, perPeer: perPeer, rng: rand.New(rand.NewPCG(seed, 0)),
 		peers: map[string]string{}, state: map[string]*peerState{}, byPeer: map[string]int64{},
-		lastStep: now,
+		members: map[string]int{}, lastStep: now,
 	}
 }
 
@@ -80,13 +91,14 @@ func (s *scheduler) stateLocked(node string) *peerState {
 	return st
 }
 
-// holding is one holder of a group's content: its node, the pieces its
-// holder key says it has, and its record.
+// holding is one holder of a group's content: its node, the pieces it
+// has (by its holder key, or as it told), and its record.
 type holding struct {
-	node string
-	bits bitmap
-	seed bool // it has every piece (and is not this node)
-	st   *peerState
+	node  string
+	bits  bitmap
+	seed  bool // it has every piece (and is not this node)
+	keyed bool // its holder key says it has every piece
+	st    *peerState
 }
 
 // group is one distinct content of a pull and where it goes.
@@ -95,6 +107,7 @@ type group struct {
 	dsts    []*os.File
 	local   io.ReaderAt         // a complete copy this node holds already
 	holders map[string]*holding // by node
+	members map[string]bool     // nodes whose holder key says they hold part
 	order   []*holding          // the same, in the order availLocked samples them
 	seeds   int                 // holders other than this node that have every piece
 	counts  []int               // holders other than this node of each piece
@@ -115,16 +128,20 @@ type group struct {
 // newGroup returns the group of content c, nothing held yet.
 func newGroup(c *Content) *group {
 	pieces := c.Pieces()
-	return &group{c: c, holders: map[string]*holding{}, counts: make([]int, pieces),
+	return &group{c: c, holders: map[string]*holding{}, members: map[string]bool{}, counts: make([]int, pieces),
 		have: newBitmap(pieces), busy: map[int]bool{}, bad: map[int][]string{}, left: pieces,
 		done: make(chan struct{})}
 }
 
-// task is one piece to fetch from one peer.
+// task is one piece to fetch from one peer; from the content's only
+// seed, with the pieces it may send in its place (accept: those neither
+// held nor in flight when it was claimed), of which it sends one
+// (super-seeding).
 type task struct {
-	g    *group
-	i    int
-	peer transport.Peer
+	g      *group
+	i      int
+	peer   transport.Peer
+	accept bitmap
 }
 
 // outcome is how a fetch ended.
@@ -161,7 +178,38 @@ func (s *scheduler) claimLocked(now time.Time) (task, bool) {
 	t.g.busy[t.i] = true
 	s.stateLocked(t.peer.Name).inflight++
 	s.inFlights++
+	if t.g.holders[t.peer.Name].seed && t.g.seeds == 1 {
+		t.accept = t.g.acceptable() // super-seeding: see Node.Piece
+	}
 	return t, true
+}
+
+// acceptable returns the pieces of g neither held nor in flight; nil if none.
+func (g *group) acceptable() bitmap {
+	var b bitmap
+	for i := range g.c.Pieces() {
+		if !g.have.has(i) && !g.busy[i] {
+			if b == nil {
+				b = newBitmap(g.c.Pieces())
+			}
+			b.set(i)
+		}
+	}
+	return b
+}
+
+// substituteLocked has t, in flight, fetch piece i of its group instead
+// (its holder sends another piece than the one asked for): false if t
+// did not accept i, or i is held or in flight meanwhile.
+func (s *scheduler) substituteLocked(t *task, i int) bool {
+	g := t.g
+	if !t.accept.has(i) || g.have.has(i) || g.busy[i] {
+		return false
+	}
+	delete(g.busy, t.i)
+	g.busy[i] = true
+	t.i = i
+	return true
 }
 
 // pickLocked chooses the next piece and its holder: a holder first, then
@@ -369,6 +417,138 @@ func (s *scheduler) dropHolderLocked(g *group, node string) {
 	k := slices.Index(g.order, h)
 	g.order[k] = g.order[len(g.order)-1]
 	g.order = g.order[:len(g.order)-1]
+}
+
+// keyLocked applies node's holder key for g: it holds every piece
+// (complete: a seed), or some (a member, which may be subscribed to). It
+// returns the member to subscribe to, if any, and the one to unsubscribe
+// from ("" for none).
+func (s *scheduler) keyLocked(g *group, node string, complete bool) (sub, unsub string) {
+	if node == s.self {
+		return "", ""
+	}
+	if complete {
+		if g.members[node] {
+			delete(g.members, node)
+			unsub = s.leaveLocked(node)
+		}
+		bits := newBitmap(len(g.counts))
+		bits.fill(len(g.counts))
+		s.setHolderLocked(g, node, bits)
+		g.holders[node].keyed = true
+		return "", unsub
+	}
+	if h := g.holders[node]; h != nil && h.keyed {
+		s.dropHolderLocked(g, node) // no longer complete: it tells which pieces it has
+	}
+	if g.members[node] {
+		return "", ""
+	}
+	g.members[node] = true
+	return s.joinLocked(node)
+}
+
+// unkeyLocked forgets node as a holder of g (its key is gone), and
+// returns the member to unsubscribe from, if any.
+func (s *scheduler) unkeyLocked(g *group, node string) (unsub string) {
+	if g.members[node] {
+		delete(g.members, node)
+		unsub = s.leaveLocked(node)
+	}
+	s.dropHolderLocked(g, node)
+	return unsub
+}
+
+// joinLocked counts node a member of one content more. A member heard of
+// for the first time is subscribed to while fewer than maxAvail are,
+// then in place of a random one with the share maxAvail of those heard
+// of (reservoir sampling: the subscriptions are a uniform sample). It
+// returns whom to subscribe to and unsubscribe from ("" for none).
+func (s *scheduler) joinLocked(node string) (sub, unsub string) {
+	if s.members[node]++; s.members[node] > 1 {
+		return "", ""
+	}
+	s.heard++
+	if len(s.subs) < maxAvail {
+		s.subs = append(s.subs, node)
+		return node, ""
+	}
+	if s.rng.IntN(s.heard) >= maxAvail {
+		return "", ""
+	}
+	k := s.rng.IntN(len(s.subs))
+	unsub = s.subs[k]
+	s.subs[k] = node
+	s.forgetLocked(unsub)
+	return node, unsub
+}
+
+// leaveLocked counts node a member of one content fewer; at none, it is
+// unsubscribed from (returned, "" if it was not) and what it told is
+// forgotten.
+func (s *scheduler) leaveLocked(node string) string {
+	if s.members[node]--; s.members[node] > 0 {
+		return ""
+	}
+	delete(s.members, node)
+	k := slices.Index(s.subs, node)
+	if k < 0 {
+		return ""
+	}
+	s.subs = slices.Delete(s.subs, k, k+1)
+	s.forgetLocked(node)
+	return node
+}
+
+// forgetLocked forgets what node told of every group (not what its keys
+// say).
+func (s *scheduler) forgetLocked(node string) {
+	for _, g := range s.groups {
+		if h := g.holders[node]; h != nil && !h.keyed {
+			s.dropHolderLocked(g, node)
+		}
+	}
+}
+
+// toldLocked applies what node, subscribed to, told of g: the pieces in
+// bits (clipped to g's), or none (nil: it holds g no more). Ignored from
+// a node not subscribed to, or one whose key says it is complete.
+func (s *scheduler) toldLocked(g *group, node string, bits []byte) {
+	h := g.holders[node]
+	if !slices.Contains(s.subs, node) || h != nil && h.keyed {
+		return
+	}
+	if bits == nil {
+		s.dropHolderLocked(g, node)
+		return
+	}
+	b := newBitmap(len(g.counts))
+	copy(b, bits)
+	if r := len(g.counts) % 8; r != 0 {
+		b[len(b)-1] &= 1<<r - 1
+	}
+	s.setHolderLocked(g, node, b)
+}
+
+// toldPieceLocked applies that node, subscribed to, told it got piece i
+// of g.
+func (s *scheduler) toldPieceLocked(g *group, node string, i int) {
+	h := g.holders[node]
+	switch {
+	case !slices.Contains(s.subs, node) || i < 0 || i >= len(g.counts) || h != nil && (h.keyed || h.bits.has(i)):
+	case h == nil:
+		b := newBitmap(len(g.counts))
+		b.set(i)
+		s.setHolderLocked(g, node, b)
+	default:
+		s.tallyLocked(g, h, -1)
+		h.bits.set(i)
+		s.tallyLocked(g, h, 1)
+		g.counts[i]++
+		if !g.have.has(i) {
+			s.idle = false
+		}
+	}
 }
 
 // tallyLocked adds (d = 1) or takes away (d = -1) h as a seed of g if

@@ -16,10 +16,12 @@ type Scheduler struct{ s scheduler }
 type SimContent struct{ Size, PieceSize int64 }
 
 // SimTask is a piece to fetch: piece Piece of content Content (an index
-// of NewScheduler's contents) from node Peer.
+// of NewScheduler's contents) from node Peer, which, a seed, may send one
+// of Accept instead (super-seeding: SuperSeed, Substitute).
 type SimTask struct {
 	Content, Piece int
 	Peer           string
+	Accept         []byte
 	t              task
 }
 
@@ -44,7 +46,7 @@ func (s *Scheduler) Claim(now time.Time) (SimTask, bool) {
 	if !ok {
 		return SimTask{}, false
 	}
-	return SimTask{Content: s.index(t.g), Piece: t.i, Peer: t.peer.Name, t: t}, true
+	return SimTask{Content: s.index(t.g), Piece: t.i, Peer: t.peer.Name, Accept: t.accept, t: t}, true
 }
 
 // index returns the index of g among the contents.
@@ -71,6 +73,10 @@ func (s *Scheduler) Finish(t SimTask, ok bool, now time.Time) {
 // may (transport.ErrBusy).
 func (s *Scheduler) Refused(t SimTask, now time.Time) { s.s.finishLocked(t.t, busy, now) }
 
+// Taken records that t's peer sent a piece in its place that was taken
+// meanwhile (Substitute false): its bytes were not taken.
+func (s *Scheduler) Taken(t SimTask, now time.Time) { s.s.finishLocked(t.t, cancelled, now) }
+
 // SetPeer records a live node; DropPeer forgets a dead one.
 func (s *Scheduler) SetPeer(node string) {
 	if node != s.s.self {
@@ -81,14 +87,36 @@ func (s *Scheduler) SetPeer(node string) {
 // DropPeer forgets a node that died.
 func (s *Scheduler) DropPeer(node string) { delete(s.s.peers, node) }
 
-// SetHolder records node's holder key for content i: the pieces in bits,
-// which the scheduler keeps and the caller must not change.
+// SetHolder records that node holds the pieces in bits of content i
+// (the holder keys of the design before membership, which carried
+// bitmaps), which the scheduler keeps and the caller must not change.
 func (s *Scheduler) SetHolder(i int, node string, bits []byte) {
 	s.s.setHolderLocked(s.s.groups[i], node, bitmap(bits))
 }
 
-// DropHolder forgets node's holder key for content i.
+// DropHolder forgets node as a holder of content i.
 func (s *Scheduler) DropHolder(i int, node string) { s.s.dropHolderLocked(s.s.groups[i], node) }
+
+// Key applies node's holder key of content i (complete, or a member
+// that holds part), as Pull does: it returns the member to subscribe to
+// and the one to unsubscribe from ("" for none).
+func (s *Scheduler) Key(i int, node string, complete bool) (sub, unsub string) {
+	return s.s.keyLocked(s.s.groups[i], node, complete)
+}
+
+// Unkey applies that node's holder key of content i is gone: it returns
+// the member to unsubscribe from, if any.
+func (s *Scheduler) Unkey(i int, node string) (unsub string) {
+	return s.s.unkeyLocked(s.s.groups[i], node)
+}
+
+// Told applies the bitmap of content i a member subscribed to sent.
+func (s *Scheduler) Told(i int, node string, bits []byte) { s.s.toldLocked(s.s.groups[i], node, bits) }
+
+// ToldPiece applies a member's word that it got piece of content i.
+func (s *Scheduler) ToldPiece(i int, node string, piece int) {
+	s.s.toldPieceLocked(s.s.groups[i], node, piece)
+}
 
 // Have returns a copy of the pieces of content i held: what this node's
 // holder key says.
@@ -100,19 +128,13 @@ func (s *Scheduler) Left() int { return s.s.left }
 // InFlight returns the number of fetches in flight.
 func (s *Scheduler) InFlight() int { return s.s.inFlights }
 
-// Wants reports whether piece of content i is neither held nor in flight.
-func (s *Scheduler) Wants(i, piece int) bool {
-	g := s.s.groups[i]
-	return !g.have.has(piece) && !g.busy[piece]
-}
-
-// Substitute has t, in flight, fetch piece of content i instead (its
-// holder sends another piece than the one asked for): the piece must be
-// one Wants.
-func (s *Scheduler) Substitute(t SimTask, i, piece int) SimTask {
-	delete(t.t.g.busy, t.t.i)
-	t.t.g, t.t.i = s.s.groups[i], piece
-	t.t.g.busy[piece] = true
-	t.Content, t.Piece = i, piece
-	return t
+// Substitute has t, in flight, fetch piece of its content instead (its
+// holder sent another piece than the one asked for), as Pull does: false
+// if t did not accept it, or it is held or in flight meanwhile.
+func (s *Scheduler) Substitute(t SimTask, piece int) (SimTask, bool) {
+	if !s.s.substituteLocked(&t.t, piece) {
+		return t, false
+	}
+	t.Piece = piece
+	return t, true
 }

@@ -20,18 +20,22 @@
 //     Etcd, and reaches every node pulling the content (they watch its
 //     holders) after Etcd more. A node starting its pull reads every
 //     node key and every holder key of the model's contents.
-//   - Or, with Membership, the design DESIGN.md §10 proposes: etcd
-//     keeps membership only, one key per node per content, written when
-//     its pull starts (pulling) and when it ends (complete: a seed,
-//     which every pulling node then knows holds every piece). A pulling
-//     node subscribes to up to maxNbrs of the pulling nodes it hears of
-//     (a uniform sample: each new one replaces a random one with the
-//     sample's share of those heard of), which send it their bitmaps and
-//     then a message per piece they get, over the transport (Latency).
-//   - With SuperSeed, the seeder sends each piece once before it sends
-//     any twice: asked for a piece, it sends the one it has sent least of
-//     those the asker lacks (the request carries the asker's bitmap), and
-//     the asker's scheduler takes it in place of the one it asked for.
+//   - Or, with Membership, the design the real code runs (DESIGN.md
+//     §10): etcd keeps membership only, one key per node per content,
+//     written when its pull starts (partial) and when it ends (complete:
+//     a seed, which every pulling node then knows holds every piece).
+//     The scheduler (Scheduler.Key, Unkey) picks which of the members it
+//     hears of to subscribe to (up to 32, a uniform sample), which send
+//     it their bitmaps and then a message per piece they get, over the
+//     transport (Latency; Scheduler.Told, ToldPiece).
+//   - With SuperSeed, a node that holds every piece super-seeds as
+//     Node.Piece does: asked for a piece with others accepted in its
+//     place (the scheduler's claim names the pieces it lacks and has not
+//     in flight, when it asks a content's only seed: the seeder, until a
+//     node completes), it sends the one it has sent least of them
+//     (cluster.SuperSeed), and the asker's scheduler takes it in place
+//     of the one it asked for (Scheduler.Substitute), unless it is taken
+//     meanwhile (the fetch then ends, as Pull's does).
 //   - A node that dies breaks the fetches it serves at once (the pullers
 //     see the peer unreachable and back off, as Pull does); its keys go
 //     LeaseTTL later, and every pulling node hears of it then.
@@ -80,10 +84,9 @@ type Config struct {
 	// Membership simulates etcd keeping membership only, pullers
 	// learning what holders have from them (see the package comment).
 	Membership bool
-	// SuperSeed has the seeder send each piece once before it sends any
-	// twice: asked for a piece, it sends instead the one it has sent
-	// least of those the asker lacks and has not in flight (the request
-	// carries the asker's bitmap), if it has sent it fewer times.
+	// SuperSeed has every node that holds every piece send, asked for
+	// a piece, the one it has sent least of those the asker accepts in
+	// its place (cluster.SuperSeed), as the real code does.
 	SuperSeed bool
 }
 
@@ -190,10 +193,6 @@ func (c Config) Ideal() time.Duration {
 	return time.Duration(float64(c.Model) / min(c.Up, c.Down) * float64(time.Second))
 }
 
-// maxNbrs is how many pulling nodes a pulling node subscribes to, with
-// Membership: the scheduler's sample (cluster's maxAvail).
-const maxNbrs = 32
-
 // tick is how often an idle pull looks again (Pull.next's timer); batch
 // how long the watch events that reach a pull are gathered before it
 // looks at them.
@@ -217,11 +216,13 @@ type node struct {
 	up      []*flow       // flows it sends
 	down    []*flow       // flows it receives
 	sent    int64         // bytes it sent
-	// With Membership: the pulling nodes it subscribed to, those
-	// subscribed to it, and how many pulling nodes it heard of.
+	// With Membership: the members it subscribed to, and those
+	// subscribed to it.
 	nbrs []*node
 	subs []*node
-	seen int
+	// sends counts the pieces it sent of each content while it held
+	// every piece (super-seeding); nil before.
+	sends [][]int32
 	// announce: a write in flight, and contents changed since it began.
 	writing  bool
 	changed  map[int]bool
@@ -263,14 +264,16 @@ type event struct {
 	n    *node
 	f    *flow
 	ver  int
-	keys []key // evCommit, evNotify: the holder keys written; evHave: the bitmaps
-	from *node // evHave: the holder
+	keys []key // evCommit, evNotify: the holder keys written; evHave: what a member told
+	from *node // evHave: the member
 }
 
-// key is one holder key's new value: nil bits deletes it.
+// key is one holder key's new value (nil bits deletes it), or what a
+// member told: its bitmap, or with bits nil a piece it got.
 type key struct {
 	content int
 	bits    []byte
+	piece   int
 }
 
 type events []*event
@@ -297,7 +300,6 @@ type world struct {
 	byName   map[string]*node
 	seeder   *node
 	holders  []map[*node][]byte // etcd's holder keys, per content
-	seeded   [][]int            // the seeder's sends of each piece, per content
 	unsent   int                // pieces the seeder has not sent yet
 	now      time.Duration
 	seq      int64
@@ -315,7 +317,6 @@ func Run(cfg Config) Result {
 		w.contents = append(w.contents, c)
 		w.pieces += int((c.Size + c.PieceSize - 1) / c.PieceSize)
 		w.holders = append(w.holders, map[*node][]byte{})
-		w.seeded = append(w.seeded, make([]int, (c.Size+c.PieceSize-1)/c.PieceSize))
 	}
 	w.res.Pieces, w.unsent = w.pieces, w.pieces
 	w.seeder = &node{name: "seeder", alive: true}
@@ -411,10 +412,13 @@ func (w *world) handle(e *event) {
 		w.res.Puts += int64(len(w.contents))
 		for _, m := range w.nodes {
 			if m.pulling {
-				m.nbrs = without(m.nbrs, n)
 				m.s.DropPeer(n.name)
 				for i := range w.contents {
-					m.s.DropHolder(i, n.name)
+					if w.cfg.Membership {
+						w.act(m, "", m.s.Unkey(i, n.name))
+					} else {
+						m.s.DropHolder(i, n.name)
+					}
 				}
 				w.res.Events += int64(1 + len(w.contents))
 				w.soon(m)
@@ -427,9 +431,13 @@ func (w *world) handle(e *event) {
 		n.batching = false
 		w.wake(n)
 	case evHave:
-		if n.pulling && slices.Contains(n.nbrs, e.from) {
+		if n.pulling {
 			for _, k := range e.keys {
-				n.s.SetHolder(k.content, e.from.name, k.bits)
+				if k.bits != nil {
+					n.s.Told(k.content, e.from.name, k.bits)
+				} else {
+					n.s.ToldPiece(k.content, e.from.name, k.piece)
+				}
 			}
 			w.soon(n)
 		}
@@ -457,10 +465,10 @@ func (w *world) start(n *node) {
 			switch {
 			case !ok:
 				continue
-			case len(bits) > 0 || !w.cfg.Membership:
+			case w.cfg.Membership:
+				w.key(n, i, m, len(bits) > 0)
+			default:
 				n.s.SetHolder(i, m.name, bits)
-			case i == 0:
-				w.consider(n, m) // a pulling member
 			}
 			w.res.Reads++
 		}
@@ -521,8 +529,10 @@ func (w *world) begin(f *flow) {
 		w.push(&event{at: w.now + w.cfg.Latency, kind: evRefused, f: f})
 		return
 	}
-	if f.from == w.seeder {
-		w.seed(f)
+	if !w.serve(f) {
+		f.to.s.Taken(f.t, w.clock())
+		w.wake(f.to)
+		return
 	}
 	f.at = w.now
 	f.from.up = append(f.from.up, f)
@@ -530,46 +540,43 @@ func (w *world) begin(f *flow) {
 	w.reshare(f.from, f.to)
 }
 
-// seed counts the seeder's send of f's piece, which with SuperSeed it
-// chose (superSeed).
-func (w *world) seed(f *flow) {
-	if w.cfg.SuperSeed {
-		w.superSeed(f)
+// serve has f's holder send its piece, counting it if the holder holds
+// every piece, as Node.Piece does: with SuperSeed such a holder sends
+// the piece f accepts that it has sent least of (cluster.SuperSeed),
+// which f's puller takes in place of the one it asked for. False if the
+// puller no longer takes it (taken meanwhile).
+func (w *world) serve(f *flow) bool {
+	from := f.from
+	if from != w.seeder && from.s.Left() > 0 {
+		return true
 	}
-	sent := &w.seeded[f.t.Content][f.t.Piece]
-	switch {
-	case *sent == 0:
-		w.unsent--
-	case w.unsent > 0:
-		w.res.Resent++
-	}
-	*sent++
-}
-
-// superSeed has the seeder send, for f, the piece it has sent least of
-// those f's puller wants, ties at random, if it sent it fewer times than
-// the piece asked for (Config.SuperSeed).
-func (w *world) superSeed(f *flow) {
-	bc, bp, ties := f.t.Content, f.t.Piece, 0
-	least := w.seeded[bc][bp]
-	for c, sent := range w.seeded {
-		for p, k := range sent {
-			if k > least || !f.to.s.Wants(c, p) {
-				continue
-			}
-			if k < least {
-				least, ties = k, 0
-			}
-			if ties++; w.rng.IntN(ties) == 0 {
-				bc, bp = c, p
-			}
+	if from.sends == nil {
+		for _, c := range w.contents {
+			from.sends = append(from.sends, make([]int32, (c.Size+c.PieceSize-1)/c.PieceSize))
 		}
 	}
-	if bc != f.t.Content || bp != f.t.Piece {
-		f.t = f.to.s.Substitute(f.t, bc, bp)
-		_, f.size = pieceRange(w.contents[bc], bp)
-		f.left = float64(f.size)
+	sent := from.sends[f.t.Content]
+	if w.cfg.SuperSeed && len(f.t.Accept) > 0 {
+		if i := cluster.SuperSeed(sent, f.t.Piece, f.t.Accept, w.rng.IntN(len(sent))); i != f.t.Piece {
+			t, ok := f.to.s.Substitute(f.t, i)
+			if !ok {
+				return false
+			}
+			f.t = t
+			_, f.size = pieceRange(w.contents[t.Content], i)
+			f.left = float64(f.size)
+		}
 	}
+	if from == w.seeder {
+		switch {
+		case sent[f.t.Piece] == 0:
+			w.unsent--
+		case w.unsent > 0:
+			w.res.Resent++
+		}
+	}
+	sent[f.t.Piece]++
+	return true
 }
 
 // reshare sets the rates of the flows a's uplink and b's downlink carry.
@@ -625,7 +632,7 @@ func (w *world) end(f *flow) {
 		}
 	}
 	w.announce(n)
-	w.tell(n, f.t.Content)
+	w.tell(n, f.t.Content, f.t.Piece)
 	if n.s.Left() == 0 {
 		n.end, n.pulling = w.now, false
 		return
@@ -683,70 +690,54 @@ func (w *world) notify(n *node, keys []key) {
 			continue
 		}
 		w.res.Events += int64(len(keys))
-		if w.cfg.Membership && len(keys[0].bits) == 0 {
-			w.consider(m, n)
-			continue
-		}
-		if w.cfg.Membership {
-			w.unsubscribe(m, n)
-		}
 		for _, k := range keys {
-			m.s.SetHolder(k.content, n.name, k.bits)
+			if w.cfg.Membership {
+				w.key(m, k.content, n, len(k.bits) > 0)
+			} else {
+				m.s.SetHolder(k.content, n.name, k.bits)
+			}
 		}
 		w.soon(m)
 	}
 }
 
-// consider has n, which heard of the pulling node m, subscribe to it if
-// n has fewer than maxNbrs or, in place of a random one, with the share
-// maxNbrs of those heard of: a uniform sample (reservoir sampling).
-func (w *world) consider(n, m *node) {
-	if !n.pulling || n == m {
-		return
+// key has n's scheduler apply m's holder key of content i (complete, or
+// a member's), and n act on what it asks.
+func (w *world) key(n *node, i int, m *node, complete bool) {
+	sub, unsub := n.s.Key(i, m.name, complete)
+	w.act(n, sub, unsub)
+}
+
+// act has n subscribe to the member sub and unsubscribe from unsub, as
+// its scheduler asks ("" for none): a new subscription sends n the
+// member's bitmaps.
+func (w *world) act(n *node, sub, unsub string) {
+	if m := w.byName[unsub]; unsub != "" {
+		n.nbrs = without(n.nbrs, m)
+		m.subs = without(m.subs, n)
 	}
-	n.seen++
-	if len(n.nbrs) >= maxNbrs {
-		if w.rng.IntN(n.seen) >= maxNbrs {
-			return
+	if m := w.byName[sub]; sub != "" {
+		n.nbrs = append(n.nbrs, m)
+		m.subs = append(m.subs, n)
+		for i := range w.contents {
+			w.res.Messages++
+			w.push(&event{at: w.now + w.cfg.Latency, kind: evHave, n: n, from: m, keys: []key{{content: i, bits: m.s.Have(i)}}})
 		}
-		w.unsubscribe(n, n.nbrs[w.rng.IntN(len(n.nbrs))])
-	}
-	n.nbrs = append(n.nbrs, m)
-	m.subs = append(m.subs, n)
-	for i := range w.contents {
-		w.send(m, n, i)
 	}
 }
 
-// unsubscribe ends n's subscription to m, if any: n forgets what m holds.
-func (w *world) unsubscribe(n, m *node) {
-	if !slices.Contains(n.nbrs, m) {
-		return
-	}
-	n.nbrs = without(n.nbrs, m)
-	m.subs = without(m.subs, n)
-	for i := range w.contents {
-		n.s.DropHolder(i, m.name)
-	}
-}
-
-// tell sends, with Membership, n's bitmap of content i to the pulling
-// nodes subscribed to it.
-func (w *world) tell(n *node, i int) {
+// tell sends, with Membership, that n got piece of content i to the
+// pulling nodes subscribed to it.
+func (w *world) tell(n *node, i, piece int) {
 	if !w.cfg.Membership {
 		return
 	}
 	for _, m := range n.subs {
 		if m.pulling {
-			w.send(n, m, i)
+			w.res.Messages++
+			w.push(&event{at: w.now + w.cfg.Latency, kind: evHave, n: m, from: n, keys: []key{{content: i, piece: piece}}})
 		}
 	}
-}
-
-// send sends from's bitmap of content i to m over the transport.
-func (w *world) send(from, m *node, i int) {
-	w.res.Messages++
-	w.push(&event{at: w.now + w.cfg.Latency, kind: evHave, n: m, from: from, keys: []key{{content: i, bits: from.s.Have(i)}}})
 }
 
 // die kills n: the flows it sends fail, those it receives stop.

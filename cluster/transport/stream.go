@@ -3,6 +3,7 @@ package transport
 import (
 	"context"
 	"crypto/tls"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -51,6 +52,15 @@ const (
 	// its destination: small enough to stay in the CPU's cache between
 	// the two (the destination may hash it as it writes).
 	readChunk = 256 << 10
+	// maxWatches is how many watches the server serves at once, and
+	// maxPeerWatches how many of them one peer (by its certificate's
+	// name) holds; it refuses more (statusBusy). Each holds a connection
+	// (of maxServed), two goroutines and a copy of the bitmaps it told.
+	maxWatches     = 256
+	maxPeerWatches = 4
+	// watchAlive is how often a watch with nothing to tell says it is
+	// alive; a client that hears nothing for three times as long ends it.
+	watchAlive = 10 * time.Second
 )
 
 // maxServed is how many connections the server holds at once; it closes
@@ -92,6 +102,10 @@ type Stream struct {
 	server *tls.Config   // with Protocol
 	slots  chan struct{} // one per piece being sent
 	served chan struct{} // one per connection served
+
+	watchMu  sync.Mutex
+	watching map[string]int // watches served, by peer
+	watches  int            // watches served in all
 
 	mu       sync.Mutex
 	src      Source                 // nil until Start
@@ -141,7 +155,7 @@ func NewStream(cfg Config) (*Stream, error) {
 	server.NextProtos = []string{Protocol}
 	server.DynamicRecordSizingDisabled = true
 	return &Stream{cfg: cfg, server: server, slots: make(chan struct{}, cfg.MaxUploads), served: make(chan struct{}, maxServed),
-		idle: map[Peer][]*streamConn{}, open: map[net.Conn]bool{}, pending: map[string][]net.Conn{},
+		watching: map[string]int{}, idle: map[Peer][]*streamConn{}, open: map[net.Conn]bool{}, pending: map[string][]net.Conn{},
 		members: map[string][]net.Conn{}, perPeer: map[Peer]chan struct{}{}}, nil
 }
 
@@ -246,16 +260,22 @@ func (s *Stream) serve(raw net.Conn) {
 	defer s.memberGone(peer, raw)
 	for {
 		raw.SetDeadline(time.Now().Add(serverIdle))
-		p, err := readRequest(c)
+		req, err := readRequest(c)
 		if err != nil {
 			if !errors.Is(err, io.EOF) && !s.isClosed() {
 				s.cfg.Log.Info("cluster: ended a peer's connection", "peer", peer, "remote", raw.RemoteAddr(), "err", err)
 			}
 			return
 		}
-		if err := s.send(c, bc, raw, p); err != nil {
+		if req.Watch != nil {
+			if err := s.watch(c, raw, peer, req.Watch); err != nil && !s.isClosed() {
+				s.cfg.Log.Info("cluster: a peer's watch ended", "peer", peer, "err", err)
+			}
+			return
+		}
+		if err := s.send(c, bc, raw, req); err != nil {
 			if !s.isClosed() {
-				s.cfg.Log.Info("cluster: sending a piece failed", "peer", peer, "content", p.Content, "piece", p.Index, "err", err)
+				s.cfg.Log.Info("cluster: sending a piece failed", "peer", peer, "content", req.Piece.Content, "piece", req.Piece.Index, "err", err)
 			}
 			return
 		}
@@ -349,11 +369,99 @@ func (s *Stream) memberGone(peer string, raw net.Conn) {
 	forget(s.members, peer, raw)
 }
 
-// send answers the request for p on c: the piece's bytes, or a refusal
-// (statusBusy while every slot is taken, statusNotServed for a piece the
-// source does not serve). A peer that takes nothing for the idle timeout
-// fails it.
-func (s *Stream) send(c *tls.Conn, bc *batchConn, raw net.Conn, p Piece) error {
+// watch serves peer's watch of contents on c until the peer closes it, a
+// write fails, or the transport closes: the updates of what the source
+// holds (Updates), as they come, and statusAlive every watchAlive. It is
+// refused (statusBusy) past maxWatches, or maxPeerWatches of one peer.
+func (s *Stream) watch(c *tls.Conn, raw net.Conn, peer string, contents []string) error {
+	if !s.startWatch(peer) {
+		return refuse(c, statusBusy, "watched by as many peers as it may")
+	}
+	defer s.endWatch(peer)
+	w, err := s.src.Holding(contents)
+	if err != nil {
+		return refuse(c, statusBusy, err.Error())
+	}
+	defer w.Stop()
+	// The peer sends nothing more: a read returns once it closes.
+	gone := make(chan struct{})
+	raw.SetReadDeadline(time.Time{})
+	s.serving.Add(1)
+	go func() {
+		defer s.serving.Done()
+		c.Read(make([]byte, 1))
+		close(gone)
+	}()
+	defer raw.Close() // ends the read, if the peer did not
+	alive := time.NewTicker(watchAlive)
+	defer alive.Stop()
+	sent := make([][]byte, len(contents))
+	for {
+		b := appendUpdates(nil, Updates(w, sent))
+		if len(b) > 0 {
+			raw.SetWriteDeadline(time.Now().Add(s.cfg.Idle))
+			if _, err := c.Write(b); err != nil {
+				return err
+			}
+		}
+		select {
+		case <-w.Changed():
+		case <-alive.C:
+			raw.SetWriteDeadline(time.Now().Add(s.cfg.Idle))
+			if _, err := c.Write(appendReplyHeader(nil, replyHeader{status: statusAlive})); err != nil {
+				return err
+			}
+		case <-gone:
+			return nil
+		}
+	}
+}
+
+// startWatch takes a watch for peer; false past maxWatches, or
+// maxPeerWatches of peer's.
+func (s *Stream) startWatch(peer string) bool {
+	s.watchMu.Lock()
+	defer s.watchMu.Unlock()
+	if s.watches >= maxWatches || s.watching[peer] >= maxPeerWatches {
+		return false
+	}
+	s.watches++
+	s.watching[peer]++
+	return true
+}
+
+// endWatch gives back a watch of peer's.
+func (s *Stream) endWatch(peer string) {
+	s.watchMu.Lock()
+	defer s.watchMu.Unlock()
+	s.watches--
+	if s.watching[peer]--; s.watching[peer] == 0 {
+		delete(s.watching, peer)
+	}
+}
+
+// appendUpdates appends the frames of us to b.
+func appendUpdates(b []byte, us []Update) []byte {
+	for _, u := range us {
+		switch {
+		case u.Gone:
+			b = appendReplyHeader(b, replyHeader{status: statusGone, index: u.Content})
+		case u.Bits != nil:
+			b = append(appendReplyHeader(b, replyHeader{status: statusBitmap, index: u.Content, length: int64(len(u.Bits))}), u.Bits...)
+		default:
+			b = binary.BigEndian.AppendUint32(appendReplyHeader(b, replyHeader{status: statusHave, index: u.Content, length: 4}), uint32(u.Piece))
+		}
+	}
+	return b
+}
+
+// send answers the request on c: the piece's bytes (the one asked, or
+// one of those accepted in its place that the source chose), or a
+// refusal (statusBusy while every slot is taken, statusNotServed for a
+// piece the source does not serve). A peer that takes nothing for the
+// idle timeout fails it.
+func (s *Stream) send(c *tls.Conn, bc *batchConn, raw net.Conn, req request) error {
+	p := req.Piece
 	raw.SetDeadline(time.Now().Add(s.cfg.Idle))
 	select {
 	case s.slots <- struct{}{}:
@@ -361,7 +469,7 @@ func (s *Stream) send(c *tls.Conn, bc *batchConn, raw net.Conn, p Piece) error {
 	default:
 		return refuse(c, statusBusy, "sending as many pieces as it may")
 	}
-	b, err := s.src.Piece(p)
+	index, b, err := s.src.Piece(p, req.Accept)
 	if err != nil {
 		s.cfg.Log.Info("cluster: refused a piece", "content", p.Content, "piece", p.Index, "err", err)
 		if errors.Is(err, ErrBusy) {
@@ -371,7 +479,7 @@ func (s *Stream) send(c *tls.Conn, bc *batchConn, raw net.Conn, p Piece) error {
 	}
 	bc.batch()
 	defer bc.flush()
-	if _, err := c.Write(appendReplyHeader(nil, statusOK, int64(len(b)))); err != nil {
+	if _, err := c.Write(appendReplyHeader(nil, replyHeader{status: statusOK, index: index, length: int64(len(b))})); err != nil {
 		return err
 	}
 	for len(b) > 0 {
@@ -388,7 +496,7 @@ func (s *Stream) send(c *tls.Conn, bc *batchConn, raw net.Conn, p Piece) error {
 // refuse writes a refusal of status with msg (cut to maxMessage).
 func refuse(c *tls.Conn, status byte, msg string) error {
 	msg = msg[:min(len(msg), maxMessage)]
-	_, err := c.Write(append(appendReplyHeader(nil, status, int64(len(msg))), msg...))
+	_, err := c.Write(append(appendReplyHeader(nil, replyHeader{status: status, length: int64(len(msg))}), msg...))
 	return err
 }
 
@@ -396,7 +504,7 @@ func refuse(c *tls.Conn, status byte, msg string) error {
 // that fails before the reply begins (the peer closed it while idle, or
 // restarted) is dropped and the request sent again on another.
 func (s *Stream) Fetch(ctx context.Context, peer Peer, p Piece, dst Dest) (int64, error) {
-	req, err := appendRequest(nil, p)
+	req, err := appendFetch(nil, p, dst.Accept)
 	if err != nil {
 		return 0, fmt.Errorf("fetch piece %d of %.12s from %s: %w: %v", p.Index, p.Content, peer.Name, ErrNotServed, err)
 	}
@@ -410,7 +518,7 @@ func (s *Stream) Fetch(ctx context.Context, peer Peer, p Piece, dst Dest) (int64
 		if err != nil {
 			return 0, s.fetchError(ctx, peer, p, err)
 		}
-		n, replied, err := s.fetchOn(ctx, c, req, dst)
+		n, replied, err := s.fetchOn(ctx, c, req, p.Index, dst)
 		if ctx.Err() == nil && (err == nil || errors.Is(err, ErrNotServed) || errors.Is(err, ErrBusy)) {
 			s.keep(peer, c)
 		} else {
@@ -450,9 +558,10 @@ func (s *Stream) acquire(ctx context.Context, peer Peer) (func(), error) {
 	}
 }
 
-// fetchOn sends req on c and places the piece it receives in dst. It
-// says whether the peer began its reply. A cancelled ctx closes c.
-func (s *Stream) fetchOn(ctx context.Context, c *streamConn, req []byte, dst Dest) (n int64, replied bool, err error) {
+// fetchOn sends req, for piece asked, on c and places the piece it
+// receives in dst (or where dst.For says). It says whether the peer
+// began its reply. A cancelled ctx closes c.
+func (s *Stream) fetchOn(ctx context.Context, c *streamConn, req []byte, asked int, dst Dest) (n int64, replied bool, err error) {
 	stop := context.AfterFunc(ctx, func() { c.raw.Close() })
 	defer func() {
 		if !stop() && err == nil {
@@ -463,30 +572,123 @@ func (s *Stream) fetchOn(ctx context.Context, c *streamConn, req []byte, dst Des
 	if _, err := c.Write(req); err != nil {
 		return 0, false, err
 	}
-	var h [replyHeaderSize]byte
-	if _, err := io.ReadFull(c, h[:]); err != nil {
+	h, err := readReplyHeader(c)
+	if err != nil {
 		return 0, false, err
 	}
-	status, length, err := parseReplyHeader(h)
-	if err != nil {
-		return 0, true, fmt.Errorf("%w: %w", ErrUnreachable, err)
+	switch h.status {
+	case statusOK:
+	case statusNotServed, statusBusy:
+		return 0, true, readRefusal(c, h)
+	default:
+		return 0, true, fmt.Errorf("%w: %w: status %d answers a fetch", ErrUnreachable, errFrame, h.status)
 	}
-	if status != statusOK {
-		msg := make([]byte, length)
-		if _, err := io.ReadFull(c, msg); err != nil {
-			return 0, true, err
-		}
-		kind := ErrNotServed
-		if status == statusBusy {
-			kind = ErrBusy
-		}
-		return 0, true, fmt.Errorf("%w: %s", kind, msg)
+	if dst, err = dst.Place(asked, h.index); err != nil {
+		return 0, true, err
 	}
-	if length > dst.Len {
-		return 0, true, fmt.Errorf("%w: the peer sends %d bytes for a piece of %d", ErrUnreachable, length, dst.Len)
+	if h.length > dst.Len {
+		return 0, true, fmt.Errorf("%w: the peer sends %d bytes for a piece of %d", ErrUnreachable, h.length, dst.Len)
 	}
-	n, err = s.receive(c, length, dst)
+	n, err = s.receive(c, h.length, dst)
 	return n, true, err
+}
+
+// readReplyHeader reads and parses a reply header from c; a malformed
+// one is ErrUnreachable.
+func readReplyHeader(c io.Reader) (replyHeader, error) {
+	var b [replyHeaderSize]byte
+	if _, err := io.ReadFull(c, b[:]); err != nil {
+		return replyHeader{}, err
+	}
+	h, err := parseReplyHeader(b)
+	if err != nil {
+		return replyHeader{}, fmt.Errorf("%w: %w", ErrUnreachable, err)
+	}
+	return h, nil
+}
+
+// readRefusal reads the message of refusal h from c and returns it as
+// ErrNotServed or ErrBusy.
+func readRefusal(c io.Reader, h replyHeader) error {
+	msg := make([]byte, h.length)
+	if _, err := io.ReadFull(c, msg); err != nil {
+		return err
+	}
+	kind := ErrNotServed
+	if h.status == statusBusy {
+		kind = ErrBusy
+	}
+	return fmt.Errorf("%w: %s", kind, msg)
+}
+
+// Watch implements Transport, on a connection of its own that is never
+// kept for fetches.
+func (s *Stream) Watch(ctx context.Context, peer Peer, contents []string, update func(Update)) error {
+	req, err := appendWatch(nil, contents)
+	if err != nil {
+		return fmt.Errorf("watch %d contents of %s: %w", len(contents), peer.Name, err)
+	}
+	c, err := s.dial(ctx, peer)
+	if err == nil {
+		defer s.untrack(c.raw)
+		err = s.watchOn(ctx, c, req, len(contents), update)
+	}
+	if ctx.Err() != nil {
+		return nil
+	}
+	return fmt.Errorf("watch %d contents of %s (%s): %w", len(contents), peer.Name, peer.Addr, s.cause(ctx, err))
+}
+
+// watchOn sends the watch request req, of n contents, on c and hands
+// each update it receives to update until ctx ends or c fails.
+func (s *Stream) watchOn(ctx context.Context, c *streamConn, req []byte, n int, update func(Update)) error {
+	defer context.AfterFunc(ctx, func() { c.raw.Close() })()
+	c.raw.SetDeadline(time.Now().Add(s.cfg.Idle))
+	if _, err := c.Write(req); err != nil {
+		return err
+	}
+	for {
+		c.raw.SetReadDeadline(time.Now().Add(3 * watchAlive))
+		h, err := readReplyHeader(c)
+		if err != nil {
+			return err
+		}
+		u, err := readUpdate(c, h, n)
+		if err != nil {
+			return err
+		}
+		if h.status != statusAlive {
+			update(u)
+		}
+	}
+}
+
+// readUpdate reads the update that watch frame h begins from c, for a
+// watch of n contents: a refusal is its error, a frame a watch does not
+// carry ErrUnreachable.
+func readUpdate(c io.Reader, h replyHeader, n int) (Update, error) {
+	u := Update{Content: h.index}
+	switch {
+	case h.status == statusNotServed || h.status == statusBusy:
+		return u, readRefusal(c, h)
+	case h.status == statusAlive:
+		return u, nil
+	case h.status == statusOK || h.index >= n:
+		return u, fmt.Errorf("%w: %w: status %d for content %d of %d in a watch", ErrUnreachable, errFrame, h.status, h.index, n)
+	}
+	b := make([]byte, h.length)
+	if _, err := io.ReadFull(c, b); err != nil {
+		return u, err
+	}
+	switch h.status {
+	case statusBitmap:
+		u.Bits = b
+	case statusHave:
+		u.Piece = int(binary.BigEndian.Uint32(b))
+	case statusGone:
+		u.Gone = true
+	}
+	return u, nil
 }
 
 // receive reads length bytes of a piece from c into dst, a readChunk at a
@@ -523,9 +725,14 @@ var readBufs = sync.Pool{New: func() any {
 	return &b
 }}
 
-// fetchError wraps err in ErrUnreachable unless it is one of Fetch's
-// errors already, or is the context's cause when the caller gave up.
+// fetchError says which fetch failed, with why (cause).
 func (s *Stream) fetchError(ctx context.Context, peer Peer, p Piece, err error) error {
+	return fmt.Errorf("fetch piece %d of %.12s from %s (%s): %w", p.Index, p.Content, peer.Name, peer.Addr, s.cause(ctx, err))
+}
+
+// cause wraps err in ErrUnreachable unless it is one of Fetch's errors
+// already, or is the context's cause when the caller gave up.
+func (s *Stream) cause(ctx context.Context, err error) error {
 	switch {
 	case ctx.Err() != nil:
 		err = context.Cause(ctx)
@@ -534,7 +741,7 @@ func (s *Stream) fetchError(ctx context.Context, peer Peer, p Piece, err error) 
 	case !errors.Is(err, ErrNotServed) && !errors.Is(err, ErrBusy) && !errors.Is(err, ErrUnreachable) && !errors.Is(err, ErrDest):
 		err = fmt.Errorf("%w: %w", ErrUnreachable, err)
 	}
-	return fmt.Errorf("fetch piece %d of %.12s from %s (%s): %w", p.Index, p.Content, peer.Name, peer.Addr, err)
+	return err
 }
 
 // conn returns a connection to peer: one kept from an earlier fetch
@@ -543,13 +750,19 @@ func (s *Stream) conn(ctx context.Context, peer Peer) (c *streamConn, kept bool,
 	if c := s.kept(peer); c != nil {
 		return c, true, nil
 	}
+	c, err = s.dial(ctx, peer)
+	return c, false, err
+}
+
+// dial returns a new connection to peer.
+func (s *Stream) dial(ctx context.Context, peer Peer) (*streamConn, error) {
 	d := net.Dialer{Timeout: handshakeTimeout}
 	raw, err := d.DialContext(ctx, "tcp", peer.Addr)
 	if err != nil {
-		return nil, false, err
+		return nil, err
 	}
 	if !s.track(raw) {
-		return nil, false, net.ErrClosed
+		return nil, net.ErrClosed
 	}
 	cfg := s.cfg.Credentials.ClientConfig(peer.Name)
 	cfg.MinVersion = tls.VersionTLS13
@@ -559,13 +772,13 @@ func (s *Stream) conn(ctx context.Context, peer Peer) (c *streamConn, kept bool,
 	defer cancel()
 	if err := tc.HandshakeContext(hctx); err != nil {
 		s.untrack(raw)
-		return nil, false, err
+		return nil, err
 	}
 	if proto := tc.ConnectionState().NegotiatedProtocol; proto != Protocol {
 		s.untrack(raw)
-		return nil, false, fmt.Errorf("the peer speaks %q, not %s", proto, Protocol)
+		return nil, fmt.Errorf("the peer speaks %q, not %s", proto, Protocol)
 	}
-	return &streamConn{Conn: tc, raw: raw}, false, nil
+	return &streamConn{Conn: tc, raw: raw}, nil
 }
 
 // kept returns the connection to peer kept last, if any (one kept longer

@@ -25,13 +25,16 @@ type memSource struct {
 	pieceSize int64
 }
 
-func (s *memSource) Piece(p Piece) ([]byte, error) {
+func (s *memSource) Piece(p Piece, accept []byte) (int, []byte, error) {
 	off := int64(p.Index) * s.pieceSize
 	if p.Content != s.content || p.Index < 0 || off >= int64(len(s.data)) {
-		return nil, fmt.Errorf("piece %d of %s: %w", p.Index, p.Content, ErrNotServed)
+		return 0, nil, fmt.Errorf("piece %d of %s: %w", p.Index, p.Content, ErrNotServed)
 	}
-	return s.data[off:min(off+s.pieceSize, int64(len(s.data)))], nil
+	return p.Index, s.data[off:min(off+s.pieceSize, int64(len(s.data)))], nil
 }
+
+// Holding refuses: a memSource is not watched.
+func (s *memSource) Holding(contents []string) (Watcher, error) { return nil, ErrBusy }
 
 // testLog logs to the test.
 func testLog(t testing.TB) *slog.Logger {
@@ -168,14 +171,17 @@ func TestStreamFetch(t *testing.T) {
 // reading is not nil) when it is asked for one.
 type stallSource struct{ release, reading chan struct{} }
 
-func (s stallSource) Piece(p Piece) ([]byte, error) {
+func (s stallSource) Piece(p Piece, accept []byte) (int, []byte, error) {
 	select {
 	case s.reading <- struct{}{}:
 	default:
 	}
 	<-s.release
-	return make([]byte, 1<<10), nil
+	return p.Index, make([]byte, 1<<10), nil
 }
+
+// Holding refuses: a stallSource is not watched.
+func (s stallSource) Holding(contents []string) (Watcher, error) { return nil, ErrBusy }
 
 // TestStreamIdle checks that a fetch from a peer that sends nothing fails
 // with ErrUnreachable after the idle timeout.
@@ -425,7 +431,7 @@ func TestStreamRefusesOtherProtocols(t *testing.T) {
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(10 * time.Second))
-	if _, err := c.Write([]byte{0, 0, 0, 0, 0}); err != nil {
+	if _, err := c.Write([]byte{0, 0, 0, 0, 0, 0}); err != nil {
 		t.Fatal(err)
 	}
 	if n, err := c.Read(make([]byte, 1)); err == nil {
@@ -439,9 +445,11 @@ func TestStreamRefusesOtherProtocols(t *testing.T) {
 // busySource is starting: it cannot tell yet whether it serves a piece.
 type busySource struct{}
 
-func (busySource) Piece(p Piece) ([]byte, error) {
-	return nil, fmt.Errorf("piece %d of %s: %w (starting)", p.Index, p.Content, ErrBusy)
+func (busySource) Piece(p Piece, accept []byte) (int, []byte, error) {
+	return 0, nil, fmt.Errorf("piece %d of %s: %w (starting)", p.Index, p.Content, ErrBusy)
 }
+
+func (busySource) Holding(contents []string) (Watcher, error) { return nil, ErrBusy }
 
 // TestStreamSourceBusy checks that a source's ErrBusy reaches the peer
 // as ErrBusy (ask again later), not as ErrNotServed.

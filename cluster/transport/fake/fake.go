@@ -84,10 +84,8 @@ func (t *Transport) Fetch(ctx context.Context, peer transport.Peer, p transport.
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	defer context.AfterFunc(t.closing, cancel)()
-	t.net.mu.Lock()
-	server := t.net.serving[peer.Addr]
-	t.net.mu.Unlock()
-	if server == nil || server.name != peer.Name {
+	server := t.server(peer)
+	if server == nil {
 		return 0, fmt.Errorf("fetch piece %d of %.12s from %s (%s): %w", p.Index, p.Content, peer.Name, peer.Addr, transport.ErrUnreachable)
 	}
 	if server.slots != nil {
@@ -98,7 +96,10 @@ func (t *Transport) Fetch(ctx context.Context, peer transport.Peer, p transport.
 			return 0, fmt.Errorf("fetch piece %d of %.12s from %s: %w", p.Index, p.Content, peer.Name, transport.ErrBusy)
 		}
 	}
-	piece, err := server.src.Piece(p)
+	index, piece, err := server.src.Piece(p, dst.Accept)
+	if err == nil {
+		dst, err = dst.Place(p.Index, index)
+	}
 	if err != nil {
 		return 0, fmt.Errorf("fetch piece %d of %.12s from %s: %w", p.Index, p.Content, peer.Name, err)
 	}
@@ -118,6 +119,47 @@ func (t *Transport) Fetch(ctx context.Context, peer transport.Peer, p transport.
 		}
 	}
 	return done, nil
+}
+
+// Watch implements transport.Transport: the updates of the peer's source
+// (transport.Updates) as its Watcher changes, until ctx ends, either
+// transport closes (ErrUnreachable) or the peer's source refuses.
+func (t *Transport) Watch(ctx context.Context, peer transport.Peer, contents []string, update func(transport.Update)) error {
+	server := t.server(peer)
+	if server == nil {
+		return fmt.Errorf("watch %s: %w", peer.Name, transport.ErrUnreachable)
+	}
+	w, err := server.src.Holding(contents)
+	if err != nil {
+		return fmt.Errorf("watch %s: %w", peer.Name, err)
+	}
+	defer w.Stop()
+	sent := make([][]byte, len(contents))
+	for {
+		for _, u := range transport.Updates(w, sent) {
+			update(u)
+		}
+		select {
+		case <-w.Changed():
+		case <-ctx.Done():
+			return nil
+		case <-t.closing.Done():
+			return net.ErrClosed
+		case <-server.closing.Done():
+			return fmt.Errorf("watch %s: %w: it closed", peer.Name, transport.ErrUnreachable)
+		}
+	}
+}
+
+// server returns the transport serving peer, if it serves under its
+// address with its name (as a certificate would prove); nil if none.
+func (t *Transport) server(peer transport.Peer) *Transport {
+	t.net.mu.Lock()
+	defer t.net.mu.Unlock()
+	if s := t.net.serving[peer.Addr]; s != nil && s.name == peer.Name {
+		return s
+	}
+	return nil
 }
 
 // isClosed reports whether Close was called.
