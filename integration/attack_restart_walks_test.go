@@ -9,17 +9,19 @@ import (
 )
 
 // walkers is a user's program: threads that each read rbytes of a
-// directory again and again for secs seconds.
+// directory again and again until stdin ends (secs seconds at most).
 const walkers = `
 import os, sys, threading, time
 d, n, end = sys.argv[1], int(sys.argv[2]), time.time() + float(sys.argv[3])
-count = [0]
+count, stop = [0], threading.Event()
 def walk():
-    while time.time() < end:
+    while time.time() < end and not stop.is_set():
         os.getxattr(d, "user.tensorfs.rbytes")
         count[0] += 1
 ts = [threading.Thread(target=walk) for _ in range(n)]
 for t in ts: t.start()
+sys.stdin.read()
+stop.set()
 for t in ts: t.join()
 print(count[0], "walks")
 `
@@ -44,13 +46,20 @@ func TestAttackRestartWalks(t *testing.T) {
 			t.Fatal(err)
 		}
 		pythonAs(t, userA, "/", "import os, sys\nfor i in range(100):\n  d = os.path.join(sys.argv[1], str(i)); os.mkdir(d)\n  for j in range(100): os.close(os.open(os.path.join(d, str(j)), os.O_CREAT | os.O_WRONLY))", m.path("walk"))
+		// They walk until the restart is over: 3 s, then the 5 s a
+		// handover waited for them before, at most.
 		w := asUser(exec.Command(systemPython, "-c", walkers, m.path("walk"), "64", "12"), userA)
 		var said strings.Builder
 		w.Stdout, w.Stderr = &said, &said
+		stop, err := w.StdinPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
 		if err := w.Start(); err != nil {
 			t.Fatal(err)
 		}
 		defer func() {
+			stop.Close()
 			w.Wait()
 			t.Logf("her walkers: %s", strings.TrimSpace(said.String()))
 		}()
