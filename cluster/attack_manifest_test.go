@@ -6,6 +6,8 @@ import (
 	"errors"
 	"math"
 	"testing"
+
+	"tensorfs/cluster/transport"
 )
 
 // forge encodes a content as a member with a certificate may write it
@@ -50,5 +52,30 @@ func TestAttackForgedPieceSize(t *testing.T) {
 		if !c.ok && !errors.Is(err, ErrCorrupt) {
 			t.Errorf("%s (size %d, piece size %d, %d pieces): %v; want ErrCorrupt", c.name, c.size, c.pieceSize, c.pieces, err)
 		}
+	}
+}
+
+// TestAttackForgedPieceCount: a content's piece size is only bounded
+// above, so a member with a hostile daemon published one of small pieces,
+// more than MaxPieces of them (20000 of 64 KiB: its hashes, 625 KiB,
+// fit one etcd value): the bitmap of what a node holds of it is longer
+// than a piece protocol frame carries (transport.MaxBitmap, 2 KiB). A
+// node that pulled part of it sent that bitmap to every watch naming
+// it, and each watcher, refusing the frame, ended its watch, losing what
+// the member told of every other content of its pull, and dialled it
+// again; a puller asking the only seed for a piece with the others
+// accepted in place made a request it refuses to send (not served, for
+// every piece).
+func TestAttackForgedPieceCount(t *testing.T) {
+	id, b := forge(t, 20000<<16, 64<<10, 20000)
+	if _, err := decodeContent(id, b); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("a content of 20000 pieces (2500 bytes of bitmap): %v; want ErrCorrupt", err)
+	}
+	id, b = forge(t, MaxPieces<<16, 64<<10, MaxPieces)
+	if _, err := decodeContent(id, b); err != nil {
+		t.Fatalf("a content of MaxPieces pieces: %v", err)
+	}
+	if (MaxPieces+7)/8 != transport.MaxBitmap {
+		t.Fatalf("MaxPieces %d is not what a bitmap of transport.MaxBitmap (%d bytes) holds", MaxPieces, transport.MaxBitmap)
 	}
 }

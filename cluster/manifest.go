@@ -175,10 +175,13 @@ func decodeContent(id string, b []byte) (*Content, error) {
 	}
 	// A piece is at most what pieceSizeFor makes of the largest base
 	// (a node serves a piece from a buffer of its size: a forged piece
-	// size would be memory a peer's request holds), and the pieces of a
-	// size are counted without overflow.
+	// size would be memory a peer's request holds), the pieces of a
+	// size are counted without overflow, and they are at most MaxPieces,
+	// as every publish cuts them (a bitmap of them fits the piece
+	// protocol's frames: transport.MaxBitmap).
 	if c.Size < 0 || c.PieceSize <= 0 || c.Size > math.MaxInt64-c.PieceSize ||
-		c.PieceSize > pieceSizeFor(c.Size, DefaultPieceSize) || len(c.Hashes) != c.Pieces()*sha256.Size {
+		c.PieceSize > pieceSizeFor(c.Size, DefaultPieceSize) || c.Pieces() > MaxPieces ||
+		len(c.Hashes) != c.Pieces()*sha256.Size {
 		return nil, fmt.Errorf("%w: content %s: size %d, piece size %d, %d hash bytes", ErrCorrupt, id, c.Size, c.PieceSize, len(c.Hashes))
 	}
 	return c, nil

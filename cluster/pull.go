@@ -266,8 +266,10 @@ func (p *Pull) run() {
 		}
 	}
 	for _, g := range p.groups {
-		if g.local == nil {
-			p.n.endPull(g.c.ID(), g.left == 0 && !g.dropped)
+		// A dropped group's pull ended at its Drop: the content may be
+		// another pull's since (held anew), which is not to be ended.
+		if g.local == nil && !g.dropped {
+			p.n.endPull(g.c.ID(), g.left == 0)
 		}
 	}
 	err := p.err

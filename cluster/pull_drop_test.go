@@ -67,3 +67,67 @@ func TestPullDrop(t *testing.T) {
 		t.Error("node-b serves the dropped content")
 	}
 }
+
+// TestAttackDroppedJobEndsNextPull: a job dropped from a pull (its
+// segment replaced or removed during its fill) leaves its content to
+// the next pull of it (fs's dropFill: "from then on another pull of the
+// content leads it"), but the first pull, ending later (its other jobs),
+// ended the content's pull again: it stopped serving the second pull's
+// content and deleted its holder key, so the node that pulled it whole
+// never served it nor told its watchers.
+func TestAttackDroppedJobEndsNextPull(t *testing.T) {
+	tc := newTestCluster(t)
+	a := tc.join(tc.config("node-a"))
+	cfg := tc.config("node-b")
+	cfg.NoHolderWait = time.Minute
+	b := tc.join(cfg)
+	ctx := context.Background()
+	x, y := randomBytes(t, 300<<10), randomBytes(t, 200<<10)
+	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("x", x), fileEntry("y", y)}, PublishOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := b.Version(ctx, info.Version)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cx, cy := v.Contents[v.Entries[2].Content], v.Contents[v.Entries[1].Content] // "x", "y" (sorted: ".", "x", "y")
+	if cx.Size != int64(len(x)) {
+		cx, cy = cy, cx
+	}
+	a.Drop(cx.ID()) // no node serves either while the first pull runs
+	a.Drop(cy.ID())
+	ctx1, cancel1 := context.WithCancel(ctx)
+	defer cancel1()
+	p1, err := b.Pull(ctx1, []Job{{Content: cx, Dst: dst(t, cx.Size)}, {Content: cy, Dst: dst(t, cy.Size)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !p1.Drop(0) {
+		t.Fatal("the first pull did not drop x")
+	}
+	f2 := dst(t, cx.Size)
+	p2, err := b.Pull(ctx, []Job{{Content: cx, Dst: f2}})
+	if err != nil {
+		t.Fatalf("a pull of x once the first dropped it: %v", err)
+	}
+	cancel1() // the first pull ends (y: no holder)
+	p1.Wait()
+	if err := a.Offer(cx.ID(), bytes.NewReader(x), cx.Size); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-p2.Done(0):
+	case <-time.After(20 * time.Second):
+		t.Fatal("the second pull did not complete x")
+	}
+	if err := p2.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(contents(t, f2), x) {
+		t.Fatal("x pulled differs")
+	}
+	if b.completeSource(cx.ID()) == nil {
+		t.Fatal("node-b, which pulled x whole, does not serve it: the first pull's end dropped it")
+	}
+}

@@ -112,6 +112,7 @@ type group struct {
 	seeds   int                 // holders other than this node that have every piece
 	counts  []int               // holders other than this node of each piece
 	have    bitmap              // pieces written and verified
+	full    bitmap              // every piece: the bits of each holder whose key says complete (shared, never changed)
 	busy    map[int]bool        // pieces in flight
 	bad     map[int][]string    // peers that sent a bad copy of a piece
 	left    int                 // pieces missing
@@ -128,8 +129,10 @@ type group struct {
 // newGroup returns the group of content c, nothing held yet.
 func newGroup(c *Content) *group {
 	pieces := c.Pieces()
+	full := newBitmap(pieces)
+	full.fill(pieces)
 	return &group{c: c, holders: map[string]*holding{}, members: map[string]bool{}, counts: make([]int, pieces),
-		have: newBitmap(pieces), busy: map[int]bool{}, bad: map[int][]string{}, left: pieces,
+		have: newBitmap(pieces), full: full, busy: map[int]bool{}, bad: map[int][]string{}, left: pieces,
 		done: make(chan struct{})}
 }
 
@@ -432,9 +435,11 @@ func (s *scheduler) keyLocked(g *group, node string, complete bool) (sub, unsub 
 			delete(g.members, node)
 			unsub = s.leaveLocked(node)
 		}
-		bits := newBitmap(len(g.counts))
-		bits.fill(len(g.counts))
-		s.setHolderLocked(g, node, bits)
+		// One bitmap for all of them: a key of a few bytes (any holder
+		// of a cluster certificate writes as many as etcd takes, for
+		// nodes that do not exist) made a bitmap of the content's
+		// (2 KiB at 16384 pieces) at every node pulling it.
+		s.setHolderLocked(g, node, g.full)
 		g.holders[node].keyed = true
 		return "", unsub
 	}

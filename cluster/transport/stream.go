@@ -3,6 +3,7 @@ package transport
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -12,13 +13,15 @@ import (
 	"net/netip"
 	"os"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 )
 
 // Defaults of Config.
 const (
-	// DefaultIdle is how long a fetch may receive nothing before it fails.
+	// DefaultIdle is how long a fetch may receive nothing before it
+	// fails, or take to receive one readChunk of its piece.
 	DefaultIdle = 10 * time.Second
 	// DefaultMaxUploads is how many pieces a node sends at once.
 	DefaultMaxUploads = 4
@@ -80,11 +83,12 @@ type Config struct {
 	Advertise string
 	// Credentials authenticate this node to its peers and them to it.
 	Credentials *Credentials
-	// Idle ends a fetch that has received nothing for this long
-	// (DefaultIdle if 0).
+	// Idle ends a fetch that has received nothing for this long, or
+	// less than readChunk of its piece (DefaultIdle if 0).
 	Idle time.Duration
-	// MaxUploads is how many pieces the server sends at once; it refuses
-	// more (ErrBusy to the peer). DefaultMaxUploads if 0.
+	// MaxUploads is how many pieces the server sends at once, half of
+	// them (at least one) to one peer; it refuses more (ErrBusy to the
+	// peer). DefaultMaxUploads if 0.
 	MaxUploads int
 	// Log receives what the transport does (nothing if nil).
 	Log *slog.Logger
@@ -103,9 +107,10 @@ type Stream struct {
 	slots  chan struct{} // one per piece being sent
 	served chan struct{} // one per connection served
 
-	watchMu  sync.Mutex
-	watching map[string]int // watches served, by peer
-	watches  int            // watches served in all
+	watchMu   sync.Mutex
+	watching  map[string]int // watches served, by peer
+	watches   int            // watches served in all
+	uploading map[string]int // pieces being sent, by peer (a slot each)
 
 	mu       sync.Mutex
 	src      Source                 // nil until Start
@@ -116,6 +121,7 @@ type Stream struct {
 	pending  map[string][]net.Conn  // the server's connections in their handshake, by host, oldest first
 	members  map[string][]net.Conn  // the server's connections past their handshake, by peer, oldest first
 	perPeer  map[Peer]chan struct{} // a token per connection to a peer (maxPerPeer), while a fetch uses it
+	watchers map[Peer]chan struct{} // a token per watch of a peer (maxPeerWatches), while it runs
 	closed   bool
 	serving  sync.WaitGroup // the server's goroutines
 }
@@ -155,8 +161,8 @@ func NewStream(cfg Config) (*Stream, error) {
 	server.NextProtos = []string{Protocol}
 	server.DynamicRecordSizingDisabled = true
 	return &Stream{cfg: cfg, server: server, slots: make(chan struct{}, cfg.MaxUploads), served: make(chan struct{}, maxServed),
-		watching: map[string]int{}, idle: map[Peer][]*streamConn{}, open: map[net.Conn]bool{}, pending: map[string][]net.Conn{},
-		members: map[string][]net.Conn{}, perPeer: map[Peer]chan struct{}{}}, nil
+		watching: map[string]int{}, uploading: map[string]int{}, idle: map[Peer][]*streamConn{}, open: map[net.Conn]bool{}, pending: map[string][]net.Conn{},
+		members: map[string][]net.Conn{}, perPeer: map[Peer]chan struct{}{}, watchers: map[Peer]chan struct{}{}}, nil
 }
 
 // ListenerFile returns a duplicate of the socket the server listens on,
@@ -255,7 +261,7 @@ func (s *Stream) serve(raw net.Conn) {
 		s.cfg.Log.Info("cluster: refused a peer's connection", "remote", raw.RemoteAddr(), "err", err)
 		return
 	}
-	peer := c.ConnectionState().PeerCertificates[0].Subject.CommonName
+	peer := peerName(c.ConnectionState().PeerCertificates[0])
 	s.member(peer, raw)
 	defer s.memberGone(peer, raw)
 	for {
@@ -273,13 +279,27 @@ func (s *Stream) serve(raw net.Conn) {
 			}
 			return
 		}
-		if err := s.send(c, bc, raw, req); err != nil {
+		if err := s.send(c, bc, raw, peer, req); err != nil {
 			if !s.isClosed() {
 				s.cfg.Log.Info("cluster: sending a piece failed", "peer", peer, "content", req.Piece.Content, "piece", req.Piece.Index, "err", err)
 			}
 			return
 		}
 	}
+}
+
+// peerName returns the name of the member a client certificate is
+// issued to, as the server counts its connections and watches: its DNS
+// names, which name the node (Credentials.CheckName; a node checks a
+// peer's so), else its subject's common name. (The common name alone,
+// which a CA may leave empty or give every node alike, made every member
+// one peer: 16 connections and 4 watches for the whole cluster, each new
+// connection of one member ending another's.)
+func peerName(cert *x509.Certificate) string {
+	if len(cert.DNSNames) > 0 {
+		return strings.Join(cert.DNSNames, ",")
+	}
+	return cert.Subject.CommonName
 }
 
 // hostKey returns the host a connection comes from, as the server
@@ -440,6 +460,31 @@ func (s *Stream) endWatch(peer string) {
 	}
 }
 
+// startUpload takes one of the upload slots one peer may hold, half of
+// MaxUploads (at least one); false past them. A member that asked for
+// every slot and took each piece as slowly as the write deadlines let it
+// (a MiB per idle timeout), asking again as each ended, held them all:
+// the node sent nothing to any other, its publisher's content reached
+// no one.
+func (s *Stream) startUpload(peer string) bool {
+	s.watchMu.Lock()
+	defer s.watchMu.Unlock()
+	if s.uploading[peer] >= max(1, s.cfg.MaxUploads/2) {
+		return false
+	}
+	s.uploading[peer]++
+	return true
+}
+
+// endUpload gives back an upload slot of peer's.
+func (s *Stream) endUpload(peer string) {
+	s.watchMu.Lock()
+	defer s.watchMu.Unlock()
+	if s.uploading[peer]--; s.uploading[peer] == 0 {
+		delete(s.uploading, peer)
+	}
+}
+
 // appendUpdates appends the frames of us to b.
 func appendUpdates(b []byte, us []Update) []byte {
 	for _, u := range us {
@@ -455,14 +500,18 @@ func appendUpdates(b []byte, us []Update) []byte {
 	return b
 }
 
-// send answers the request on c: the piece's bytes (the one asked, or
+// send answers peer's request on c: the piece's bytes (the one asked, or
 // one of those accepted in its place that the source chose), or a
-// refusal (statusBusy while every slot is taken, statusNotServed for a
-// piece the source does not serve). A peer that takes nothing for the
-// idle timeout fails it.
-func (s *Stream) send(c *tls.Conn, bc *batchConn, raw net.Conn, req request) error {
+// refusal (statusBusy while every slot is taken, or half of them by
+// peer; statusNotServed for a piece the source does not serve). A peer
+// that takes nothing for the idle timeout fails it.
+func (s *Stream) send(c *tls.Conn, bc *batchConn, raw net.Conn, peer string, req request) error {
 	p := req.Piece
 	raw.SetDeadline(time.Now().Add(s.cfg.Idle))
+	if !s.startUpload(peer) {
+		return refuse(c, statusBusy, "sending a peer as many pieces as it may")
+	}
+	defer s.endUpload(peer)
 	select {
 	case s.slots <- struct{}{}:
 		defer func() { <-s.slots }()
@@ -508,7 +557,7 @@ func (s *Stream) Fetch(ctx context.Context, peer Peer, p Piece, dst Dest) (int64
 	if err != nil {
 		return 0, fmt.Errorf("fetch piece %d of %.12s from %s: %w: %v", p.Index, p.Content, peer.Name, ErrNotServed, err)
 	}
-	release, err := s.acquire(ctx, peer)
+	release, err := s.acquire(ctx, s.perPeer, maxPerPeer, peer)
 	if err != nil {
 		return 0, s.fetchError(ctx, peer, p, err)
 	}
@@ -534,25 +583,28 @@ func (s *Stream) Fetch(ctx context.Context, peer Peer, p Piece, dst Dest) (int64
 	}
 }
 
-// acquire waits for one of the maxPerPeer connections to peer a node
-// has: a fetch holds its token while it uses the connection, and a kept
-// one is idle, so that no more than maxPerPeer are open (a new one is
-// dialled only where none is kept). The returned function gives it back.
-func (s *Stream) acquire(ctx context.Context, peer Peer) (func(), error) {
+// acquire waits for one of the size tokens of peer in tokens (made on
+// first use): perPeer's are the maxPerPeer connections to peer a node has
+// for fetches (a fetch holds its token while it uses the connection, and
+// a kept one is idle, so that no more than maxPerPeer are open: a new one
+// is dialled only where none is kept), watchers' its maxPeerWatches
+// watches of peer, each on a connection of its own. The returned function
+// gives it back.
+func (s *Stream) acquire(ctx context.Context, tokens map[Peer]chan struct{}, size int, peer Peer) (func(), error) {
 	s.mu.Lock()
 	if s.closed {
 		s.mu.Unlock()
 		return nil, net.ErrClosed
 	}
-	tokens := s.perPeer[peer]
-	if tokens == nil {
-		tokens = make(chan struct{}, maxPerPeer)
-		s.perPeer[peer] = tokens
+	ch := tokens[peer]
+	if ch == nil {
+		ch = make(chan struct{}, size)
+		tokens[peer] = ch
 	}
 	s.mu.Unlock()
 	select {
-	case tokens <- struct{}{}:
-		return func() { <-tokens }, nil
+	case ch <- struct{}{}:
+		return func() { <-ch }, nil
 	case <-ctx.Done():
 		return nil, context.Cause(ctx)
 	}
@@ -622,13 +674,26 @@ func readRefusal(c io.Reader, h replyHeader) error {
 }
 
 // Watch implements Transport, on a connection of its own that is never
-// kept for fetches.
+// kept for fetches. A node runs at most maxPeerWatches watches of one
+// peer at once, as many as the peer serves it: one past them waits for
+// one of them to end. (Each pull watches the members it subscribes to:
+// a node's users' pulls made a connection each, past the 16 of its
+// connections the peer holds, so that each new one ended the node's
+// oldest, fetches in flight included; and the peer refused all but 4,
+// which were dialled again every 2 s.)
 func (s *Stream) Watch(ctx context.Context, peer Peer, contents []string, update func(Update)) error {
 	req, err := appendWatch(nil, contents)
 	if err != nil {
 		return fmt.Errorf("watch %d contents of %s: %w", len(contents), peer.Name, err)
 	}
-	c, err := s.dial(ctx, peer)
+	release, err := s.acquire(ctx, s.watchers, maxPeerWatches, peer)
+	if err == nil {
+		defer release()
+	}
+	var c *streamConn
+	if err == nil {
+		c, err = s.dial(ctx, peer)
+	}
 	if err == nil {
 		defer s.untrack(c.raw)
 		err = s.watchOn(ctx, c, req, len(contents), update)
@@ -692,15 +757,18 @@ func readUpdate(c io.Reader, h replyHeader, n int) (Update, error) {
 }
 
 // receive reads length bytes of a piece from c into dst, a readChunk at a
-// time, failing if nothing comes for the idle timeout.
+// time, failing if a chunk does not come whole within the idle timeout:
+// a peer that sends a byte now and then, each inside the timeout, holds
+// the piece in flight (asked of nobody else) for at most length/readChunk
+// timeouts, not for ever.
 func (s *Stream) receive(c *streamConn, length int64, dst Dest) (int64, error) {
 	buf := readBufs.Get().(*[]byte)
 	defer readBufs.Put(buf)
 	var n int64
 	for n < length {
 		b := (*buf)[:min(int64(len(*buf)), length-n)]
+		c.raw.SetReadDeadline(time.Now().Add(s.cfg.Idle))
 		for k := 0; k < len(b); {
-			c.raw.SetReadDeadline(time.Now().Add(s.cfg.Idle))
 			r, err := c.Read(b[k:])
 			k += r
 			if err == io.EOF {
@@ -737,7 +805,7 @@ func (s *Stream) cause(ctx context.Context, err error) error {
 	case ctx.Err() != nil:
 		err = context.Cause(ctx)
 	case errors.Is(err, os.ErrDeadlineExceeded):
-		err = fmt.Errorf("%w: nothing received for %v", ErrUnreachable, s.cfg.Idle)
+		err = fmt.Errorf("%w: nothing received for %v (or less than %d KiB of a piece)", ErrUnreachable, s.cfg.Idle, readChunk>>10)
 	case !errors.Is(err, ErrNotServed) && !errors.Is(err, ErrBusy) && !errors.Is(err, ErrUnreachable) && !errors.Is(err, ErrDest):
 		err = fmt.Errorf("%w: %w", ErrUnreachable, err)
 	}

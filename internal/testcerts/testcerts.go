@@ -61,6 +61,13 @@ func NewCA(dir, name string) (*CA, error) {
 // Issue makes a certificate for a node or server called name, valid for
 // client and server use, naming name as a DNS name and each of ips.
 func (ca *CA) Issue(name string, ips ...net.IP) (Files, error) {
+	return ca.IssueCN(name, name, ips...)
+}
+
+// IssueCN is Issue with cn as the subject's common name (a CA may give
+// every node's certificate the same one, or none: a node's name is its
+// certificate's DNS name).
+func (ca *CA) IssueCN(cn, name string, ips ...net.IP) (Files, error) {
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	if err != nil {
 		return Files{}, err
@@ -71,7 +78,7 @@ func (ca *CA) Issue(name string, ips ...net.IP) (Files, error) {
 	}
 	tmpl := &x509.Certificate{
 		SerialNumber: serial,
-		Subject:      pkix.Name{CommonName: name},
+		Subject:      pkix.Name{CommonName: cn},
 		DNSNames:     []string{name},
 		IPAddresses:  ips,
 		NotBefore:    time.Now().Add(-time.Hour),
