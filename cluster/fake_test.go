@@ -27,16 +27,12 @@ func TestPullBusyPublisher(t *testing.T) {
 		t.Fatalf("node-a's address %q: want its transport's", a.Addr())
 	}
 	ctx := context.Background()
-	data := randomBytes(t, 2<<20) // 32 pieces
-	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", data)}, PublishOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	data, vid := publishFile(t, a, 2<<20) // 32 pieces
 	var pulls []*Pull
 	var files []map[string]*os.File
 	for _, name := range []string{"node-b", "node-c", "node-d"} {
 		n := tc.join(cfg(name, 0))
-		v, err := n.Version(ctx, info.Version)
+		v, err := n.Version(ctx, vid)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -119,16 +119,12 @@ func testPullLearnsFromMembers(t *testing.T, newTr func(name string) transport.T
 	cfgA.Transport = gatedTransport{tr("node-a"), gate}
 	a := tc.join(cfgA)
 	ctx := context.Background()
-	data := randomBytes(t, 2<<20) // 32 pieces of 64 KiB: node-a sends 16 at first
-	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", data)}, PublishOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	data, vid := publishFile(t, a, 2<<20) // 32 pieces of 64 KiB: node-a sends 16 at first
 	pull := func(name string) (*Pull, map[string]*os.File, string) {
 		cfg := tc.config(name)
 		cfg.Transport = tr(name)
 		n := tc.join(cfg)
-		v, err := n.Version(ctx, info.Version)
+		v, err := n.Version(ctx, vid)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -221,11 +217,7 @@ func TestSuperSeed(t *testing.T) {
 	cfgA.Transport = gatedTransport{nw.New("node-a", 0), gate}
 	a := tc.join(cfgA)
 	ctx := context.Background()
-	data := randomBytes(t, 2<<20) // 32 pieces
-	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", data)}, PublishOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
+	data, vid := publishFile(t, a, 2<<20) // 32 pieces
 	var pulls []*Pull
 	var files []map[string]*os.File
 	for _, name := range []string{"node-b", "node-c", "node-d"} {
@@ -233,7 +225,7 @@ func TestSuperSeed(t *testing.T) {
 		cfg.Transport = hiddenTransport{nw.New(name, 0)}
 		cfg.Parallel, cfg.PerPeer = 1, 1 // each request accepts every piece its puller lacks
 		n := tc.join(cfg)
-		v, err := n.Version(ctx, info.Version)
+		v, err := n.Version(ctx, vid)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -306,12 +298,8 @@ func TestLyingMember(t *testing.T) {
 	b := tc.join(config("node-b", claimingTransport{nw.New("node-b", 0)}))
 	c := tc.join(config("node-c", nw.New("node-c", 0)))
 	ctx := context.Background()
-	data := randomBytes(t, 1<<20) // 16 pieces
-	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("w", data)}, PublishOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	v, err := b.Version(ctx, info.Version)
+	data, vid := publishFile(t, a, 1<<20) // 16 pieces
+	v, err := b.Version(ctx, vid)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -343,4 +331,16 @@ func TestLyingMember(t *testing.T) {
 	if c.Stats().FailedFetches == 0 || b.Stats().PiecesServed != 0 || !tc.logs.contains("cluster: peer does not serve a piece it announced; asking another") {
 		t.Errorf("node-c: %+v, node-b: %+v: want node-c to have asked node-b, node-b to have served nothing, and the refusals logged", c.Stats(), b.Stats())
 	}
+}
+
+// publishFile publishes on n a directory "m" of one file "w" of size
+// random bytes, and returns them and the version's ID.
+func publishFile(t *testing.T, n *Node, size int) ([]byte, string) {
+	t.Helper()
+	data := randomBytes(t, size)
+	info, err := n.Publish(context.Background(), "m", []LocalEntry{dirEntry("."), fileEntry("w", data)}, PublishOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return data, info.Version
 }

@@ -13,21 +13,8 @@ import (
 // ErrNoHolder once NoHolderWait has passed; the dropped content is not
 // served, and Drop of a complete job does nothing.
 func TestPullDrop(t *testing.T) {
-	tc := newTestCluster(t)
-	a := tc.join(tc.config("node-a"))
-	cfg := tc.config("node-b")
-	cfg.NoHolderWait = time.Minute
-	b := tc.join(cfg)
 	ctx := context.Background()
-	kept, gone := randomBytes(t, 300<<10), randomBytes(t, 200<<10)
-	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("kept", kept), fileEntry("gone", gone)}, PublishOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	v, err := b.Version(ctx, info.Version)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a, b, v, kept := dropBed(t, "kept", "gone")
 	var jobs []Job
 	for _, e := range v.Entries[1:] { // "gone", then "kept"
 		jobs = append(jobs, Job{Content: v.Contents[e.Content], Dst: dst(t, e.Size)})
@@ -76,21 +63,8 @@ func TestPullDrop(t *testing.T) {
 // content and deleted its holder key, so the node that pulled it whole
 // never served it nor told its watchers.
 func TestAttackDroppedJobEndsNextPull(t *testing.T) {
-	tc := newTestCluster(t)
-	a := tc.join(tc.config("node-a"))
-	cfg := tc.config("node-b")
-	cfg.NoHolderWait = time.Minute
-	b := tc.join(cfg)
 	ctx := context.Background()
-	x, y := randomBytes(t, 300<<10), randomBytes(t, 200<<10)
-	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry("x", x), fileEntry("y", y)}, PublishOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	v, err := b.Version(ctx, info.Version)
-	if err != nil {
-		t.Fatal(err)
-	}
+	a, b, v, x := dropBed(t, "x", "y")
 	cx, cy := v.Contents[v.Entries[2].Content], v.Contents[v.Entries[1].Content] // "x", "y" (sorted: ".", "x", "y")
 	if cx.Size != int64(len(x)) {
 		cx, cy = cy, cx
@@ -130,4 +104,27 @@ func TestAttackDroppedJobEndsNextPull(t *testing.T) {
 	if b.completeSource(cx.ID()) == nil {
 		t.Fatal("node-b, which pulled x whole, does not serve it: the first pull's end dropped it")
 	}
+}
+
+// dropBed publishes on node-a a directory of two files, big (300 KiB,
+// whose bytes it returns) and small (200 KiB), and returns node-a,
+// node-b (which waits a minute for a holder) and the version as node-b
+// reads it.
+func dropBed(t *testing.T, big, small string) (a, b *Node, v *Version, bigBytes []byte) {
+	t.Helper()
+	tc := newTestCluster(t)
+	a = tc.join(tc.config("node-a"))
+	cfg := tc.config("node-b")
+	cfg.NoHolderWait = time.Minute
+	b = tc.join(cfg)
+	ctx := context.Background()
+	bigBytes = randomBytes(t, 300<<10)
+	info, err := a.Publish(ctx, "m", []LocalEntry{dirEntry("."), fileEntry(big, bigBytes), fileEntry(small, randomBytes(t, 200<<10))}, PublishOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, err = b.Version(ctx, info.Version); err != nil {
+		t.Fatal(err)
+	}
+	return a, b, v, bigBytes
 }

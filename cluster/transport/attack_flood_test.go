@@ -68,14 +68,7 @@ func TestStreamConnectionsPerPeer(t *testing.T) {
 	smallServer(t)
 	creds, _ := certs(t, "node1", "node2", "node3")
 	src := stallSource{release: make(chan struct{}), reading: make(chan struct{}, 1000)}
-	g, err := NewStream(Config{Listen: "127.0.0.1:0", Credentials: creds["node1"], MaxUploads: 1000, Log: testLog(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
-	if err := g.Start(src); err != nil {
-		t.Fatal(err)
-	}
+	g := serveWith(t, Config{Credentials: creds["node1"], MaxUploads: 1000}, src)
 	peer := Peer{Name: "node1", Addr: g.Addr()}
 	node2 := client(t, creds["node2"])
 	fetches := maxServed + 88

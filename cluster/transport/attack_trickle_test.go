@@ -67,14 +67,7 @@ func TestAttackTrickledPiece(t *testing.T) {
 func TestAttackUploadSlotsOfOnePeer(t *testing.T) {
 	creds, _ := certs(t, "node1", "node2", "node3")
 	src := stallSource{release: make(chan struct{}), reading: make(chan struct{}, 100)}
-	g, err := NewStream(Config{Listen: "127.0.0.1:0", Credentials: creds["node1"], MaxUploads: 4, Log: testLog(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
-	if err := g.Start(src); err != nil {
-		t.Fatal(err)
-	}
+	g := serveWith(t, Config{Credentials: creds["node1"], MaxUploads: 4}, src)
 	peer := Peer{Name: "node1", Addr: g.Addr()}
 	hostile := client(t, creds["node2"])
 	errs := make(chan error, 4)

@@ -42,14 +42,7 @@ func TestAttackWatchRedials(t *testing.T) {
 		t.Fatal(err)
 	}
 	accepted := countingListener{l, make(chan struct{}, 100000)}
-	g, err := NewStream(Config{Listener: accepted, Credentials: creds["node1"], MaxUploads: 100, Log: testLog(t)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.Close()
-	if err := g.Start(src); err != nil {
-		t.Fatal(err)
-	}
+	g := serveWith(t, Config{Listener: accepted, Credentials: creds["node1"], MaxUploads: 100}, src)
 	peer := Peer{Name: "node1", Addr: g.Addr()}
 	node2 := client(t, creds["node2"])
 	errs := make(chan error, maxPerPeer)

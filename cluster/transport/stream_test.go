@@ -82,7 +82,20 @@ func certs(t testing.TB, names ...string) (map[string]*Credentials, *Credentials
 
 // serve starts a transport with creds serving src on a loopback port.
 func serve(t testing.TB, creds *Credentials, src Source) (*Stream, string) {
-	g, err := NewStream(Config{Listen: "127.0.0.1:0", Credentials: creds, Log: testLog(t)})
+	g := serveWith(t, Config{Credentials: creds}, src)
+	return g, g.Addr()
+}
+
+// serveWith starts a transport made with cfg serving src, on a fresh
+// loopback port unless cfg names a listener, logging to t; Close runs at
+// cleanup.
+func serveWith(t testing.TB, cfg Config, src Source) *Stream {
+	t.Helper()
+	if cfg.Listener == nil {
+		cfg.Listen = "127.0.0.1:0"
+	}
+	cfg.Log = testLog(t)
+	g, err := NewStream(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -90,7 +103,7 @@ func serve(t testing.TB, creds *Credentials, src Source) (*Stream, string) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { g.Close() })
-	return g, g.Addr()
+	return g
 }
 
 // client returns a transport with creds that only fetches.

@@ -47,24 +47,14 @@ func runDirOp(name, argsHelp string, args []string, stdout, stderr io.Writer, op
 		fmt.Fprintf(stderr, "tensorfs %s: want exactly one DIR\n", name)
 		return 2
 	}
-	c, mount, rel, err := dialFor(set.Arg(0))
-	if err == nil {
-		var out string
+	var out string
+	mount, err := onDaemon(set.Arg(0), func(string, int, error) {}, func(c *ctl.Client, rel string) (err error) {
 		out, err = op(c, set.Arg(0), rel)
-		c.Close()
-		// The daemon went away (tensorfs restart, or its keeper's after a
-		// crash): these ops do again what they would have done, so the
-		// one that serves the mount now is asked once more.
-		if wentAway(err) && mount != "" && servingPid(mount) != 0 {
-			if c, _, rel, err = dialFor(set.Arg(0)); err == nil {
-				out, err = op(c, set.Arg(0), rel)
-				c.Close()
-			}
-		}
-		if err == nil {
-			fmt.Fprintln(stdout, out)
-			return 0
-		}
+		return err
+	})
+	if err == nil {
+		fmt.Fprintln(stdout, out)
+		return 0
 	}
 	fmt.Fprintf(stderr, "tensorfs %s: %s\n", name, alloc.EscapeText(daemonGone(name, mount, set.Arg(0), err).Error()))
 	return 1
@@ -87,6 +77,33 @@ func daemonGone(name, mount, dir string, err error) error {
 		return fmt.Errorf("the daemon of %s went away (%w); daemon %d serves it now (a restart, or its keeper's after a crash): run %s again", mount, err, pid, again)
 	}
 	return fmt.Errorf("the daemon of %s is gone (%w) and nothing serves the mount: mount it again with the flags it had (`tensorfs mount --cluster ... %s`, which cleans up the dead mount), then run %s again", mount, err, mount, again)
+}
+
+// onDaemon runs op with a connection to the daemon of the mount that
+// holds dir, and returns that mount's root. If the daemon went away
+// meanwhile (tensorfs restart, or its keeper's after a crash), op runs
+// once more with the one that serves the mount now, told to retrying
+// first: the ops run so do again what they would have done.
+func onDaemon(dir string, retrying func(mount string, pid int, err error), op func(c *ctl.Client, rel string) error) (string, error) {
+	c, mount, rel, err := dialFor(dir)
+	if err != nil {
+		return mount, err
+	}
+	err = op(c, rel)
+	c.Close()
+	if !wentAway(err) || mount == "" {
+		return mount, err
+	}
+	pid := servingPid(mount)
+	if pid == 0 {
+		return mount, err
+	}
+	retrying(mount, pid, err)
+	if c, _, rel, err = dialFor(dir); err != nil {
+		return mount, err
+	}
+	defer c.Close()
+	return mount, op(c, rel)
 }
 
 // wentAway reports whether err shows the daemon's control connection
@@ -135,11 +152,6 @@ func runPull(args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	dir := set.Arg(0)
-	c, mount, rel, err := dialFor(dir)
-	if err != nil {
-		fmt.Fprintf(stderr, "tensorfs pull: %s\n", alloc.EscapeText(daemonGone("pull", mount, dir, err).Error()))
-		return 1
-	}
 	start := time.Now()
 	stop := make(chan struct{})
 	drawn := make(chan struct{})
@@ -149,20 +161,15 @@ func runPull(args []string, stdout, stderr io.Writer) int {
 			drawPullProgress(stderr, dir, stop)
 		}
 	}()
-	n, err := c.Pull(rel)
-	c.Close()
-	// The daemon went away (tensorfs restart, or its keeper's after a
-	// crash): what it pulled is in the backing, and the one that serves
-	// the mount now pulls the rest.
-	if wentAway(err) {
-		if pid := servingPid(mount); pid != 0 {
-			fmt.Fprintf(stderr, "tensorfs pull: the daemon of %s went away (%v); daemon %d serves it now: pulling the rest\n", mount, err, pid)
-			if c, _, rel, err = dialFor(dir); err == nil {
-				n, err = c.Pull(rel)
-				c.Close()
-			}
-		}
-	}
+	// What a daemon that went away pulled is in the backing: the one that
+	// serves the mount now pulls the rest.
+	var n int64
+	mount, err := onDaemon(dir, func(mount string, pid int, err error) {
+		fmt.Fprintf(stderr, "tensorfs pull: the daemon of %s went away (%v); daemon %d serves it now: pulling the rest\n", mount, err, pid)
+	}, func(c *ctl.Client, rel string) (err error) {
+		n, err = c.Pull(rel)
+		return err
+	})
 	close(stop)
 	<-drawn
 	if err != nil {
