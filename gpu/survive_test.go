@@ -33,8 +33,12 @@ func TestHelperOutlivesSession(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The first daemon dies: its session ends without a goodbye.
+	// The first daemon dies: its session ends without a goodbye, and the
+	// helper has seen it end before the successor comes (were the
+	// successor's goodbye first, the dead daemon's silence after would
+	// keep the helper for a successor of its own).
 	d1.(*remote).conn.CloseWrite()
+	<-d1.(*remote).gone
 
 	d2, err := Attach(door, pidfd, nil)
 	if err != nil {
