@@ -2,7 +2,9 @@ package fs
 
 import (
 	"os"
+	"runtime"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/hanwen/go-fuse/v2/fuse"
@@ -73,4 +75,37 @@ func notResident(t *testing.T, b []byte) int {
 		}
 	}
 	return out
+}
+
+// TestReadBuffersKept: a read buffer nothing refers to any more comes
+// back from the spares at the next get, with the alignment asked for and
+// its pages in memory, instead of a new one.
+func TestReadBuffersKept(t *testing.T) {
+	r := &readBuffers{size: 1 << 20, misalign: 80}
+	b := r.get().([]byte)
+	if len(b) != 1<<20 || uintptr(unsafe.Pointer(&b[0]))%readBufAlign != 80 {
+		t.Fatalf("get = %d bytes at %#x; want 1 MiB at 80 past a multiple of %d", len(b), uintptr(unsafe.Pointer(&b[0])), readBufAlign)
+	}
+	first := uintptr(unsafe.Pointer(&b[0]))
+	b = nil
+	for i := 0; i < 100 && spares(r) == 0; i++ {
+		runtime.GC()
+		time.Sleep(time.Millisecond) // the finalizer runs
+	}
+	if spares(r) != 1 {
+		t.Fatalf("%d spares after the buffer was dropped, want 1", spares(r))
+	}
+	again := r.get().([]byte)
+	if at := uintptr(unsafe.Pointer(&again[0])); at != first || len(again) != 1<<20 {
+		t.Errorf("get after the drop = %d bytes at %#x; want the dropped buffer at %#x", len(again), at, first)
+	}
+	if out := notResident(t, again); out > 0 {
+		t.Errorf("%d pages of the kept buffer not in memory", out)
+	}
+}
+
+func spares(r *readBuffers) int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.spare)
 }
