@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"bufio"
 	"os"
 	"os/exec"
 	"strings"
@@ -9,7 +10,8 @@ import (
 )
 
 // walkers is a user's program: threads that each read rbytes of a
-// directory again and again until stdin ends (secs seconds at most).
+// directory again and again until stdin ends (secs seconds at most); it
+// says "walking" once the first walk is done (the others queued behind).
 const walkers = `
 import os, sys, threading, time
 d, n, end = sys.argv[1], int(sys.argv[2]), time.time() + float(sys.argv[3])
@@ -18,6 +20,8 @@ def walk():
     while time.time() < end and not stop.is_set():
         os.getxattr(d, "user.tensorfs.rbytes")
         count[0] += 1
+        if count[0] == 1:
+            print("walking", flush=True)
 ts = [threading.Thread(target=walk) for _ in range(n)]
 for t in ts: t.start()
 sys.stdin.read()
@@ -45,12 +49,17 @@ func TestAttackRestartWalks(t *testing.T) {
 		if err := os.Chown(m.path("walk"), userA, userA); err != nil {
 			t.Fatal(err)
 		}
-		pythonAs(t, userA, "/", "import os, sys\nfor i in range(100):\n  d = os.path.join(sys.argv[1], str(i)); os.mkdir(d)\n  for j in range(100): os.close(os.open(os.path.join(d, str(j)), os.O_CREAT | os.O_WRONLY))", m.path("walk"))
-		// They walk until the restart is over: 3 s, then the 5 s a
-		// handover waited for them before, at most.
+		pythonAs(t, userA, "/", "import os, sys\nfor i in range(100):\n  d = os.path.join(sys.argv[1], str(i)); os.mkdir(d)\n  for j in range(100): os.mknod(os.path.join(d, str(j)))", m.path("walk"))
+		// They walk until the restart is over: from when the first walk
+		// is done (63 queued behind it), then the 5 s a handover waited
+		// for them before, at most.
 		w := asUser(exec.Command(systemPython, "-c", walkers, m.path("walk"), "64", "12"), userA)
 		var said strings.Builder
-		w.Stdout, w.Stderr = &said, &said
+		w.Stderr = &said
+		told, err := w.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
 		stop, err := w.StdinPipe()
 		if err != nil {
 			t.Fatal(err)
@@ -58,12 +67,18 @@ func TestAttackRestartWalks(t *testing.T) {
 		if err := w.Start(); err != nil {
 			t.Fatal(err)
 		}
+		lines := bufio.NewScanner(told)
 		defer func() {
 			stop.Close()
+			for lines.Scan() {
+				said.WriteString(lines.Text() + " ")
+			}
 			w.Wait()
 			t.Logf("her walkers: %s", strings.TrimSpace(said.String()))
 		}()
-		time.Sleep(3 * time.Second)
+		if !lines.Scan() || lines.Text() != "walking" {
+			t.Fatalf("her walkers did not start: %q", lines.Text())
+		}
 		start := time.Now()
 		out, err := exec.Command(tensorfs, "restart", m.dir).CombinedOutput()
 		if err != nil {
