@@ -54,7 +54,7 @@ func aliceSegments(t *testing.T, mnt string, n int) string {
 	t.Helper()
 	dir := filepath.Join(mnt, "alice-big")
 	userTree(t, dir, userA, 0)
-	if out, err := runAs(t, userA, dir, "/usr/bin/python3", "-c", fmt.Sprintf("for i in range(%d): open('f%%d' %% i, 'w').close()", n)); err != nil {
+	if out, err := runAs(t, userA, dir, "/usr/bin/python3", "-c", fmt.Sprintf("import os\nfor i in range(%d): os.mknod('f%%d' %% i)", n)); err != nil {
 		t.Fatalf("alice's segments: %v\n%s", err, out)
 	}
 	return dir

@@ -42,7 +42,7 @@ func TestAttackHandoverDropImport(t *testing.T) {
 		c.expect(t, "ready")
 		// Nodes the kernel holds, which the successor looks up one by one
 		// before it serves: the handover lasts long enough to be seen.
-		python(t, "import os, sys\nfor i in range(4000): os.close(os.open(os.path.join(sys.argv[1], str(i)), os.O_CREAT | os.O_WRONLY))", m.path("nodes"))
+		python(t, "import os, sys\nfor i in range(4000): os.mknod(os.path.join(sys.argv[1], str(i)))", m.path("nodes"))
 		restarted := make(chan error, 1)
 		go func() {
 			out, err := exec.Command(tensorfs, "restart", m.dir).CombinedOutput()
