@@ -102,10 +102,24 @@ done
 # old version beside a new dependency), without what they only recommend
 # (python3-torch recommends libtorch-dev, build-essential and Qt's share of
 # 46 packages the tests never use).
+# Nothing here reads manual pages or AppStream data: apt fetches no DEP-11
+# metadata, and man-db's index is not rebuilt for the new packages' pages
+# (its trigger took 6 CPU-seconds; its auto-update flag is put back after,
+# and its daily run indexes them).
 apt_install() {
 	echo "test.sh: installing ${missing[*]}"
-	apt-get update -q
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${packages[@]}"
+	apt-get update -q -o Acquire::IndexTargets::deb::DEP-11::DefaultEnabled=false
+	local mandb=/var/lib/man-db/auto-update rc=0
+	if [ -e "$mandb" ]; then
+		mv "$mandb" "$mandb.tensorfs-test"
+	fi
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${packages[@]}" || rc=$?
+	if [ -e "$mandb.tensorfs-test" ]; then
+		mv "$mandb.tensorfs-test" "$mandb"
+	fi
+	if [ "$rc" -ne 0 ]; then
+		return "$rc"
+	fi
 	# etcd-server's package starts and enables a system etcd on
 	# 127.0.0.1:2379 where systemd runs; the tests start their own.
 	if [[ " ${missing[*]} " == *" etcd-server "* ]] && [ -d /run/systemd/system ]; then

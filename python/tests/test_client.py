@@ -453,13 +453,36 @@ class _ClientTests(MountedTests):
 
     # --- publish ---------------------------------------------------------
 
+    # Another process that maps each segment it is sent by path, says what
+    # it sees, and again once told, then lets the mapping go. One per class
+    # (each import of torch costs a CPU-second), ended before the unmount.
     _CONSUMER = (
-        "import sys, tensorfs\n"
-        "t = tensorfs.open_torch(sys.argv[1])\n"
-        "print(t.dtype, list(t.shape), t.flatten()[:4].tolist(), flush=True)\n"
-        "sys.stdin.readline()\n"
-        "print(t.flatten()[:4].tolist(), flush=True)\n"
-        "sys.stdin.readline()\n")
+        "import gc, sys, tensorfs\n"
+        "while True:\n"
+        "    path = sys.stdin.readline().strip()\n"
+        "    if not path:\n"
+        "        break\n"
+        "    t = tensorfs.open_torch(path)\n"
+        "    print(t.dtype, list(t.shape), t.flatten()[:4].tolist(), flush=True)\n"
+        "    sys.stdin.readline()\n"
+        "    print(t.flatten()[:4].tolist(), flush=True)\n"
+        "    del t\n"
+        "    gc.collect()\n"
+        "    print('dropped', flush=True)\n")
+    _consumer = None
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls._consumer is not None:
+            cls._consumer.close()
+            cls._consumer = None
+        super().tearDownClass()
+
+    def consumer(self):
+        cls = type(self)
+        if cls._consumer is None:
+            cls._consumer = Child(self._CONSUMER)
+        return cls._consumer
 
     def check_published(self, x, p, strategy):
         flags = self.xattr(p, "user.tensorfs.flags").split("|")
@@ -479,15 +502,19 @@ class _ClientTests(MountedTests):
         np.testing.assert_array_equal(tensorfs.open(p), x.numpy())  # read-only by default
         np.testing.assert_array_equal(tensorfs.open(p, "r"), x.numpy())
 
-        c = Child(self._CONSUMER, p)
+        c = self.consumer()
         try:
+            c.send(p)
             first = c.line()
             self.assertEqual(first, "torch.float32 %s %s" % (list(x.shape), x.flatten()[:4].tolist()))
             x[(0,) * x.dim()] = 1234.5  # an in-place change to the original tensor
             c.send("again")
             second = c.line()
-        finally:
+            self.assertEqual(c.line(), "dropped")
+        except BaseException:
+            type(self)._consumer = None  # out of step: the next check starts another
             c.close()
+            raise
         want = x.flatten()[:4].tolist()
         self.classic_bug(second == str(want),
                          "%s: a store into the published tensor did not show in another process "
