@@ -117,7 +117,10 @@ var (
 func requireTorch(t *testing.T) {
 	t.Helper()
 	torchOnce.Do(func() {
-		out, err := runTimeout(commandTimeout, systemPython, "-c", "import torch, numpy")
+		// Found, not imported: an import of torch costs a CPU-second, and
+		// the tests' own children import it (and fail if it is broken).
+		out, err := runTimeout(commandTimeout, systemPython, "-c",
+			"import importlib.util as u, sys; sys.exit(0 if u.find_spec('torch') and u.find_spec('numpy') else 'no torch or numpy')")
 		if err != nil {
 			torchErr = fmt.Errorf("%s cannot import torch: %v %s", systemPython, err, out)
 		}
