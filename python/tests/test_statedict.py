@@ -167,7 +167,8 @@ class _StateDictTests(MountedTests):
                     tensorfs.save(path, torch.arange(32, dtype=torch.float32).reshape(8, 4))
                     mp.set_sharing_strategy(strategy)
                     say = lambda *a: print(strategy, ctx, *a, flush=True)
-                    dl = DataLoader(Rows(path), batch_size=None, num_workers=2,
+                    # Two forked workers; one spawned (each imports torch anew).
+                    dl = DataLoader(Rows(path), batch_size=None, num_workers=2 if ctx == "fork" else 1,
                                     multiprocessing_context=ctx, timeout=30)
                     rows = [b["row"] for b in dl]
                     say("rows", [r[0].item() for r in rows])
