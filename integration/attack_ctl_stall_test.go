@@ -244,7 +244,7 @@ func startBlockFlush(t *testing.T, sock, op string, n int) *lineChild {
 	bin := filepath.Join(dir, "attacker")
 	self, err := os.ReadFile("/proc/self/exe")
 	if err == nil {
-		err = os.WriteFile(bin, self, 0o755)
+		err = writeExecutable(bin, self)
 	}
 	mnt := filepath.Join(dir, "mnt")
 	if err == nil {

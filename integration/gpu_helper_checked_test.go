@@ -18,7 +18,7 @@ func TestGPUCudaHelperRefused(t *testing.T) {
 	bin := t.TempDir()
 	ran := filepath.Join(bin, "ran")
 	helper := filepath.Join(bin, "tensorfs-gpu")
-	err := os.WriteFile(helper, []byte("#!/bin/sh\ntouch "+ran+"\nexit 1\n"), 0o755)
+	err := writeExecutable(helper, []byte("#!/bin/sh\ntouch "+ran+"\nexit 1\n"))
 	if err == nil {
 		err = os.Chown(helper, 65534, 65534)
 	}

@@ -1463,7 +1463,7 @@ func TestGPUCudaNoDevice(t *testing.T) {
 	bin := t.TempDir()
 	const reason = "cuInit: CUDA_ERROR_NO_DEVICE: no CUDA-capable device is detected"
 	script := "#!/bin/sh\necho '" + reason + "'\nexit 1\n"
-	if err := os.WriteFile(filepath.Join(bin, "tensorfs-gpu"), []byte(script), 0o755); err != nil {
+	if err := writeExecutable(filepath.Join(bin, "tensorfs-gpu"), []byte(script)); err != nil {
 		t.Fatal(err)
 	}
 	path := "PATH=" + bin + string(filepath.ListSeparator) + gtPathWithout()

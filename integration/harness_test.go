@@ -584,6 +584,19 @@ func getxattr(path, name string) ([]byte, error) {
 	}
 }
 
+// writeExecutable writes data to path, mode 0755, through a child (sh):
+// a descriptor of the test process's open for writing would be inherited
+// by the children other tests fork meanwhile, and an exec of path failed
+// with ETXTBSY while one of them had not yet exec'd (Go issue 22315).
+func writeExecutable(path string, data []byte) error {
+	cmd := exec.Command("/bin/sh", "-c", `cat > "$1" && chmod 755 "$1"`, "sh", path)
+	cmd.Stdin = bytes.NewReader(data)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("write %s: %v: %s", path, err, out)
+	}
+	return nil
+}
+
 // pidfdExited waits up to d for the process of pidfd to exit and reports
 // whether it has (a poll interrupted by a signal, as the Go runtime's
 // preemption does, goes on waiting).

@@ -37,7 +37,7 @@ func TestRestartBinaryRefused(t *testing.T) {
 			err = os.Chown(d, dirUID, dirUID)
 		}
 		if err == nil {
-			err = os.WriteFile(p, bad, 0o755)
+			err = writeExecutable(p, bad)
 		}
 		if err == nil {
 			err = os.Chown(p, fileUID, fileUID)
@@ -70,7 +70,7 @@ func TestRestartBinaryRefused(t *testing.T) {
 	self, err := os.ReadFile(tensorfs)
 	good := filepath.Join(dir, "tensorfs-good")
 	if err == nil {
-		err = os.WriteFile(good, self, 0o755)
+		err = writeExecutable(good, self)
 	}
 	if err == nil {
 		err = os.Symlink(good, filepath.Join(dir, "link"))

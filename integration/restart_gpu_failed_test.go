@@ -51,7 +51,7 @@ func TestRestartGPUFailedAfterClaim(t *testing.T) {
 
 		failing := filepath.Join(t.TempDir(), "tensorfs-fails")
 		script := "#!/bin/sh\n" + fs.FailAfterClaimEnv + "=2s exec " + tensorfs + " \"$@\"\n"
-		if err := os.WriteFile(failing, []byte(script), 0o755); err != nil {
+		if err := writeExecutable(failing, []byte(script)); err != nil {
 			t.Fatal(err)
 		}
 		const claimed = "takeover: device segments claimed their blocks"

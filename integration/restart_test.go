@@ -106,10 +106,10 @@ func TestRestartCommand(t *testing.T) {
 		next, broken := filepath.Join(dir, "tensorfs-next"), filepath.Join(dir, "tensorfs-broken")
 		self, err := os.ReadFile(tensorfs)
 		if err == nil {
-			err = os.WriteFile(next, self, 0o755)
+			err = writeExecutable(next, self)
 		}
 		if err == nil {
-			err = os.WriteFile(broken, []byte("#!/bin/sh\necho this binary is broken >&2\nexit 1\n"), 0o755)
+			err = writeExecutable(broken, []byte("#!/bin/sh\necho this binary is broken >&2\nexit 1\n"))
 		}
 		if err != nil {
 			t.Fatal(err)
@@ -149,7 +149,7 @@ func TestKeeperSurvivesCrash(t *testing.T) {
 		dir := t.TempDir()
 		bin, fail, ran := filepath.Join(dir, "tensorfs-wrap"), filepath.Join(dir, "fail"), filepath.Join(dir, "ran")
 		wrapper := fmt.Sprintf("#!/bin/sh\nif [ -e %s ]; then echo this binary is broken >&2; exit 1; fi\nexec %s \"$@\"\n", fail, tensorfs)
-		if err := os.WriteFile(bin, []byte(wrapper), 0o755); err != nil {
+		if err := writeExecutable(bin, []byte(wrapper)); err != nil {
 			t.Fatal(err)
 		}
 		m.restart(t, bin)
@@ -169,7 +169,7 @@ func TestKeeperSurvivesCrash(t *testing.T) {
 		}
 
 		other := filepath.Join(dir, "other")
-		err := os.WriteFile(other, []byte("#!/bin/sh\ntouch "+ran+"\necho the replaced binary ran >&2\nexit 1\n"), 0o755)
+		err := writeExecutable(other, []byte("#!/bin/sh\ntouch "+ran+"\necho the replaced binary ran >&2\nexit 1\n"))
 		if err == nil {
 			err = os.Rename(other, bin)
 		}
