@@ -450,13 +450,7 @@ func TestAttackFillConnections(t *testing.T) {
 	m := mountFS(t, "passthrough", "--allow-other")
 	reachable(t, m.dir)
 	sock := controlSocket(t, m)
-	// The daemon's log reaches the test through a pipe, maybe after its
-	// ready line.
-	var sub []string
-	eventually(t, "the ctl limits in the daemon's log", func() (bool, string) {
-		sub = limitsLog.FindStringSubmatch(m.stderr.String())
-		return sub != nil, tail(m.stderr.String())
-	})
+	sub := m.logMatch(t, "the ctl limits", limitsLog)
 	perUID, _ := strconv.Atoi(sub[1])
 	total, _ := strconv.Atoi(sub[2])
 	reserve := 0

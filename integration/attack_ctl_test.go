@@ -343,11 +343,7 @@ var limitsLine = regexp.MustCompile(`ctl: listening.* conns_per_uid=(\d+) parked
 // descriptors free, and root's cat, ls and create on the mount, root's and
 // user B's requests, and A's connection from before all keep working.
 func attackFlood(t *testing.T, m *mount, sock string, private bool) {
-	var sub []string // the log reaches the test through a pipe, maybe after the ready line
-	eventually(t, "the ctl limits in the daemon's log", func() (bool, string) {
-		sub = limitsLine.FindStringSubmatch(m.stderr.String())
-		return sub != nil, tail(m.stderr.String())
-	})
+	sub := m.logMatch(t, "the ctl limits", limitsLine)
 	conns, _ := strconv.Atoi(sub[1])
 	parked, _ := strconv.Atoi(sub[2])
 	if err := os.WriteFile(m.path("plain"), []byte("still here"), 0o644); err != nil {

@@ -1,10 +1,8 @@
 package integration
 
 import (
-	"bufio"
 	"os"
 	"os/exec"
-	"strings"
 	"testing"
 	"time"
 )
@@ -53,32 +51,13 @@ func TestAttackRestartWalks(t *testing.T) {
 		// They walk until the restart is over: from when the first walk
 		// is done (63 queued behind it), then the 5 s a handover waited
 		// for them before, at most.
-		w := asUser(exec.Command(systemPython, "-c", walkers, m.path("walk"), "64", "12"), userA)
-		var said strings.Builder
-		w.Stderr = &said
-		told, err := w.StdoutPipe()
-		if err != nil {
-			t.Fatal(err)
-		}
-		stop, err := w.StdinPipe()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := w.Start(); err != nil {
-			t.Fatal(err)
-		}
-		lines := bufio.NewScanner(told)
+		w := startPythonAs(t, userA, "her walkers", walkers, m.path("walk"), "64", "12")
+		w.expect(t, "walking")
 		defer func() {
-			stop.Close()
-			for lines.Scan() {
-				said.WriteString(lines.Text() + " ")
-			}
-			w.Wait()
-			t.Logf("her walkers: %s", strings.TrimSpace(said.String()))
+			w.stdin.Close()
+			t.Logf("her walkers: %s", w.next(t))
+			w.wait(t)
 		}()
-		if !lines.Scan() || lines.Text() != "walking" {
-			t.Fatalf("her walkers did not start: %q", lines.Text())
-		}
 		start := time.Now()
 		out, err := exec.Command(tensorfs, "restart", m.dir).CombinedOutput()
 		if err != nil {

@@ -37,6 +37,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"runtime"
 	"runtime/debug"
 	"slices"
@@ -595,6 +596,19 @@ func writeExecutable(path string, data []byte) error {
 		return fmt.Errorf("write %s: %v: %s", path, err, out)
 	}
 	return nil
+}
+
+// logMatch waits for a line of the daemon's log that re matches and
+// returns re's submatches of it: the log reaches the test through a pipe
+// of its own, maybe after the ready line or a request's reply.
+func (m *mount) logMatch(t *testing.T, what string, re *regexp.Regexp) []string {
+	t.Helper()
+	var sub []string
+	eventually(t, what+" in the daemon's log", func() (bool, string) {
+		sub = re.FindStringSubmatch(m.stderr.String())
+		return sub != nil, tail(m.stderr.String())
+	})
+	return sub
 }
 
 // pidfdExited waits up to d for the process of pidfd to exit and reports
