@@ -67,7 +67,20 @@ if [ ! -e "$root/.complete" ]; then
 	# The build needs cuda.h and the stub alone: the other 2.7 GB of the
 	# package are not written (decompressing it is most of the time).
 	log "cuda.h and stubs/libcuda.so from $(basename "$deb") into $root"
-	dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$root" --wildcards './usr/include/cuda.h' './usr/lib/*/stubs/libcuda.so'
+	members=('./usr/include/cuda.h' './usr/lib/*/stubs/libcuda.so')
+	# Two blocks of its 2.7 GiB of tar (scripts/deb-extract.py) rather than
+	# all of them: 45 CPU-seconds saved; the usual way when it cannot.
+	rc=0
+	if command -v python3 >/dev/null 2>&1; then
+		python3 "$(dirname "$0")/deb-extract.py" "$deb" "$root" "${members[@]}" || rc=$?
+	else
+		rc=3
+	fi
+	if [ "$rc" -eq 3 ]; then
+		dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$root" --wildcards "${members[@]}"
+	elif [ "$rc" -ne 0 ]; then
+		exit "$rc"
+	fi
 	rm -rf "$apt" # the .deb and lists; the unpacked tree is the cache
 	touch "$root/.complete"
 fi
