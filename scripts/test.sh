@@ -88,8 +88,9 @@ finish_all() {
 # iperf3: the cluster test bed (scripts/cluster.sh, which would otherwise
 # install them in the middle of TestCluster); etcd-server: the etcd the
 # cluster tests and the test bed run (internal/etcdtest; compiling etcd's
-# embedded server with -race instead took a third of the compile).
-packages=(fuse3 attr acl fio python3-numpy python3-torch python3-venv iproute2 openssl iperf3 etcd-server)
+# embedded server with -race instead took a third of the compile); xz-utils:
+# the test of scripts/deb-extract.py makes its .debs with xz.
+packages=(fuse3 attr acl fio python3-numpy python3-torch python3-venv iproute2 openssl iperf3 etcd-server xz-utils)
 command -v gcc >/dev/null 2>&1 || packages+=(gcc libc6-dev) # go test -race needs cgo
 missing=()
 for p in "${packages[@]}"; do
@@ -140,7 +141,7 @@ export GOFLAGS="${GOFLAGS:+$GOFLAGS }-race -ldflags=-w"
 
 # The cuda backend (gpu/cuda, -tags cuda) cannot run here, but it must vet
 # and build: scripts/cuda-sdk.sh fetches CUDA's headers and libcuda stub from
-# Debian once (about 800 MB, a minute or two) into its cache
+# Debian once (an 800 MB package, of which it decodes two blocks) into its cache
 # ($TENSORFS_CUDA_SDK, else $HOME/.cache/tensorfs/cuda-sdk) and reuses it
 # after. The step is required: without the SDK it fails, unless
 # TENSORFS_STRICT=0 outside CI, which skips it with a warning. A subshell,
@@ -164,8 +165,10 @@ cuda_build() (
 	go test -c -tags cuda -o /dev/null ./gpu/cuda/
 )
 
-# python_tests runs the Python client's tests with the system python3.
+# python_tests runs the Python client's tests with the system python3,
+# after the test of the CUDA SDK's extractor (scripts/deb-extract.py).
 python_tests() (
+	/usr/bin/python3 scripts/deb-extract_test.py
 	cd python
 	rc=0
 	PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" /usr/bin/python3 -m unittest discover -s tests -v || rc=$?
@@ -228,16 +231,16 @@ if [ -d python/tests ]; then
 	start python python_tests
 fi
 
-# -parallel 4 (the default is one per CPU): the integration tests mostly
-# wait on daemons, python children and polls; on two CPUs, 4 ran them
-# faster than 2 or 8. (6 kept the CPU busy through the last half-minute,
-# where each test's modes wait queued behind every test, and ran a fresh
-# run in 367-371 s against 385-391, but the flood and restart tests then
-# timed out.) The integration tests, the longest, start at once,
-# the other packages beside them (one go test after the other spent a
-# minute compiling the unit tests' packages first). -vet=off: go vet ./...
-# above ran every analyzer go test would (its subset took 14 CPU-seconds).
-gotest=(go test -count=1 -timeout 30m -parallel 4 -vet=off "$@")
+# -parallel 6 (the default is one per CPU): the integration tests mostly
+# wait on daemons, python children, polls and the product's own deadlines
+# (a hung GPU helper's 10 s); on two CPUs, 4 left a CPU idle for a
+# half-minute in all, where each test's modes wait queued behind every
+# test (a warm run: 274 s with 4, 253 with 6). The integration tests, the
+# longest, start at once, the other packages beside them (one go test
+# after the other spent a minute compiling the unit tests' packages
+# first). -vet=off: go vet ./... above ran every analyzer go test would
+# (its subset took 14 CPU-seconds).
+gotest=(go test -count=1 -timeout 30m -parallel 6 -vet=off "$@")
 mapfile -t units < <(go list ./... | grep -v -x tensorfs/integration)
 start unit "${gotest[@]}" "${units[@]}"
 echo "== go test ./integration"
