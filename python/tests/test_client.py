@@ -174,13 +174,14 @@ def child(script, *args, stdin=None):
 
 
 class Child:
-    """A long-lived python child answering one line per line it is sent."""
+    """A long-lived python child answering one line per line it is sent;
+    popen's keywords (user, group, extra_groups) go to subprocess.Popen."""
 
-    def __init__(self, script, *args):
+    def __init__(self, script, *args, **popen):
         self.p = subprocess.Popen([sys.executable, "-c", script] + [str(a) for a in args],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True,
-                                  env=dict(os.environ, PYTHONPATH=PYDIR))
+                                  env=dict(os.environ, PYTHONPATH=PYDIR), **popen)
 
     def line(self):
         out = self.p.stdout.readline()

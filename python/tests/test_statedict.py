@@ -12,7 +12,7 @@ import textwrap
 import unittest
 import warnings
 
-from test_client import PYDIR, TIMEOUT, MountedTests, torch, unavailable
+from test_client import PYDIR, TIMEOUT, Child, MountedTests, torch, unavailable
 
 import tensorfs
 
@@ -230,13 +230,16 @@ if __name__ == "__main__":
     unittest.main()
 
 
+# Loads each directory and mode it is sent (a line "DIR\tMODE"), one
+# line of answer each: one process, one import of torch, for every load.
 LOAD_AS_USER = """
 import sys, tensorfs
-d, mode = sys.argv[1:3]
-try:
-    print("ok", " ".join(sorted(tensorfs.load_state_dict(d, mode=mode))))
-except OSError as e:
-    print("errno", e.errno, e)
+for line in sys.stdin:
+    d, mode = line.rstrip("\\n").split("\\t")
+    try:
+        print("ok", " ".join(sorted(tensorfs.load_state_dict(d, mode=mode))), flush=True)
+    except OSError as e:
+        print("errno", e.errno, e, flush=True)
 """
 
 
@@ -251,11 +254,11 @@ class TestLoadPermissions(MountedTests, unittest.TestCase):
         os.chmod(cls.mount.tmp, 0o755)
 
     def as_nobody(self, d, mode="r"):
-        r = subprocess.run([sys.executable, "-c", LOAD_AS_USER, d, mode], capture_output=True, text=True,
-                           timeout=TIMEOUT, env=dict(os.environ, PYTHONPATH=PYDIR), user="nobody",
-                           group="nogroup", extra_groups=[])
-        self.assertEqual(r.returncode, 0, r.stderr)
-        return r.stdout.strip()
+        if not hasattr(self, "_nobody"):
+            self._nobody = Child(LOAD_AS_USER, user="nobody", group="nogroup", extra_groups=[])
+            self.addCleanup(self._nobody.close)
+        self._nobody.send(d + "\t" + mode)
+        return self._nobody.line()
 
     def tree(self, name, modes):
         d = os.path.join(self.mount.dir, name)
