@@ -81,15 +81,6 @@ func TestAttackHandoverDropImport(t *testing.T) {
 		if restartErr != nil {
 			t.Fatalf("tensorfs restart: %v", restartErr)
 		}
-		eventually(t, "the UNLINK import goes with its sender's last mapping", func() (bool, string) {
-			_, err := os.Lstat(m.path(dir + "/seg"))
-			held := ledgerHeld(t, m, "descriptors", userA)
-			fds := procMemfds(t, m.daemonPid(t), name)
-			return err != nil && held == 0 && len(fds) == 0,
-				fmt.Sprintf("lstat: %v; uid %d charged %d descriptors; the daemon holds %v", err, userA, held, fds)
-		})
-		if fds := keeperMemfds(t, m, name); len(fds) > 0 {
-			t.Errorf("the keeper holds descriptors of a removed import: %v", fds)
-		}
+		waitUnlinkImportGone(t, m, "after the handover", dir+"/seg", name)
 	}, "--allow-other")
 }
