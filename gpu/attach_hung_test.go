@@ -139,3 +139,34 @@ func TestAttachHelloNotHelpers(t *testing.T) {
 		t.Errorf("the helper's own daemon after the failed attach: Alloc = %v", err)
 	}
 }
+
+// TestUnclaimedSuccessorDecidesNothing: a successor that attached but
+// never claimed the device, and died (no goodbye) after the helper's
+// first daemon closed cleanly, does not keep the helper up for a
+// successor of its own: it held nothing. (The helper went by the session
+// it saw end last, and stayed when that was the successor's, which the
+// order of two goroutines decided: TestAttachHelloNotHelpers failed so.)
+func TestUnclaimedSuccessorDecidesNothing(t *testing.T) {
+	r, _ := startStalling(t, "", defaultTimeouts)
+	door, pidfd := doorOf(t, r)
+	b, err := Attach(door, pidfd, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- r.Close() }()
+	<-r.gone                      // the helper ended the first daemon's session, with its goodbye
+	b.(*remote).conn.CloseWrite() // the successor dies: its session ends, no goodbye
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Fatalf("the first daemon's Close: %v", err)
+		}
+	case <-time.After(exitTimeout / 2):
+		t.Fatal("the helper stayed up for the successor that never claimed the device")
+	}
+	if !r.state.Success() {
+		t.Errorf("the helper's exit: %v, want 0", r.state)
+	}
+	b.Close()
+}

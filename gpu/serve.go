@@ -144,10 +144,14 @@ func newHelper(dev Device, stall map[uint8]time.Duration, stderr io.Writer) *hel
 }
 
 // run serves every session that comes through door until none is left
-// and either the last to end said goodbye (a clean Close) or the door is
-// closed (no daemon and no keeper holds it any more: nobody can come
-// back). A session that ends without a goodbye is a daemon that died:
-// its blocks stay for a successor.
+// and either the last to end that decides said goodbye (a clean Close)
+// or the door is closed (no daemon and no keeper holds it any more:
+// nobody can come back). A session that ends without a goodbye is a
+// daemon that died: its blocks stay for a successor. A successor that
+// ends before it ever claimed the device (a takeover that failed or
+// gave up) decides nothing: it held nothing, and how the helper ends
+// must not hang on whether it saw that end before or after its owner's
+// goodbye.
 func (h *helper) run(door *net.UnixConn) {
 	conns := make(chan *net.UnixConn)
 	go func() {
@@ -160,8 +164,8 @@ func (h *helper) run(door *net.UnixConn) {
 			conns <- c
 		}
 	}()
-	ended := make(chan bool)
-	live := 0
+	ended := make(chan sessionEnd)
+	live, bye := 0, false // bye: how the last session that decides ended
 	for {
 		select {
 		case c, ok := <-conns:
@@ -174,7 +178,10 @@ func (h *helper) run(door *net.UnixConn) {
 			}
 			live++
 			go func() { ended <- h.session(c) }()
-		case bye := <-ended:
+		case e := <-ended:
+			if e != endUnclaimed {
+				bye = e == endBye
+			}
 			if live--; live == 0 && (bye || conns == nil) {
 				return
 			}
@@ -206,11 +213,20 @@ func receiveConn(door *net.UnixConn) (*net.UnixConn, error) {
 	}
 }
 
+// sessionEnd is how a session ended, for run.
+type sessionEnd int
+
+const (
+	endDied      sessionEnd = iota // no goodbye: its daemon died
+	endBye                         // a goodbye: a clean Close
+	endUnclaimed                   // a successor's, which never claimed the device
+)
+
 // session serves one daemon on c until it closes c or a successor
-// settles the device, and reports whether it said goodbye. A claimant
-// that ends unsettled (it died, or failed to take the mount over) gives
-// the device back to the other sessions.
-func (h *helper) session(c *net.UnixConn) bool {
+// settles the device, and reports how it ended. A claimant that ends
+// unsettled (it died, or failed to take the mount over) gives the device
+// back to the other sessions.
+func (h *helper) session(c *net.UnixConn) sessionEnd {
 	s := &server{h: h, conn: c, dev: h.dev, stall: h.stall, done: make(chan struct{})}
 	h.mu.Lock()
 	h.sessions[s] = true
@@ -229,7 +245,13 @@ func (h *helper) session(c *net.UnixConn) bool {
 	if err != nil && !s.cut.Load() {
 		fmt.Fprintf(h.stderr, "gpu-helper: session: %v\n", err)
 	}
-	return s.bye.Load()
+	switch {
+	case s.attached && !s.claimed.Load():
+		return endUnclaimed
+	case s.bye.Load():
+		return endBye
+	}
+	return endDied
 }
 
 // others returns the sessions but s.
@@ -256,6 +278,7 @@ func (h *helper) claim(s *server) error {
 	}
 	h.claimant = s
 	h.mu.Unlock()
+	s.claimed.Store(true)
 	h.serving.Lock() // every request in flight is answered
 	h.serving.Unlock()
 	return nil
@@ -351,8 +374,9 @@ type server struct {
 	stall   map[uint8]time.Duration // how long to sleep before serving an op (tests)
 	done    chan struct{}           // closed once the session has ended
 	// bye is set by the daemon's goodbye (Close); cut when a successor
-	// settled the device and ended this session.
-	bye, cut atomic.Bool
+	// settled the device and ended this session; claimed once the session
+	// claimed the device.
+	bye, cut, claimed atomic.Bool
 	// attached says the session is not the helper's first: a successor's.
 	attached bool
 }
