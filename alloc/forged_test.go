@@ -85,7 +85,7 @@ func TestStoredNames(t *testing.T) {
 // (UNLINK), device, and tensor attributes that fail validation.
 func TestRecoverIgnoresForgedState(t *testing.T) {
 	needRoot(t)
-	backing := t.TempDir()
+	backing := tmpfsBacking(t)
 	s := openStore(t, backing)
 	victim, empty, temp := filepath.Join(backing, "victim"), filepath.Join(backing, "empty"), filepath.Join(backing, "temp")
 	os.WriteFile(victim, []byte("owner's bytes"), 0o666)
@@ -176,7 +176,7 @@ func TestReadLayoutValidates(t *testing.T) {
 // with its bytes, not restored to a device.
 func TestRecoverOldBacking(t *testing.T) {
 	needRoot(t)
-	backing := t.TempDir()
+	backing := tmpfsBacking(t)
 	s := openStore(t, backing)
 	temp, spill := filepath.Join(backing, "temp"), filepath.Join(backing, "spill")
 	os.WriteFile(temp, []byte("kept"), 0o644)

@@ -85,6 +85,10 @@ func Open(cfg Config, log *slog.Logger) (*Store, error) {
 	if s.RootFd, err = unix.Open(s.Dir, unix.O_PATH|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0); err != nil {
 		return nil, fmt.Errorf("open backing %s: %w", s.Dir, err)
 	}
+	if err := checkTmpfs(s.RootFd, s.Dir); err != nil {
+		unix.Close(s.RootFd)
+		return nil, err
+	}
 	if s.Disk != "" {
 		if err := os.MkdirAll(s.Disk, 0o700); err != nil {
 			unix.Close(s.RootFd)
@@ -123,6 +127,33 @@ func checkPrivateParent(dir string) error {
 			dir, parent.Uid, parent.Mode&0o7777, euid)
 	}
 	return nil
+}
+
+// checkTmpfs refuses a backing, open at fd, that is not on a tmpfs. The
+// kernel knows each file by its backing inode's number (fs, ExternalNodeID),
+// which a tmpfs never gives out twice; ext4, xfs and most others give a
+// removed file's number to the next new one, which a kernel still holding
+// the removed one would take for it. SHAREDMEM is shared memory, too.
+func checkTmpfs(fd int, dir string) error {
+	var st unix.Statfs_t
+	if err := unix.Fstatfs(fd, &st); err != nil {
+		return fmt.Errorf("backing %s: %w", dir, err)
+	}
+	if st.Type == unix.TMPFS_MAGIC {
+		return nil
+	}
+	name := fmt.Sprintf("a filesystem of type %#x", st.Type)
+	switch st.Type {
+	case unix.EXT4_SUPER_MAGIC:
+		name = "ext2/3/4"
+	case unix.XFS_SUPER_MAGIC:
+		name = "xfs"
+	case unix.BTRFS_SUPER_MAGIC:
+		name = "btrfs"
+	case unix.OVERLAYFS_SUPER_MAGIC:
+		name = "overlayfs"
+	}
+	return fmt.Errorf("backing %s is on %s, not a tmpfs: the kernel knows each segment by its backing inode's number, which only a tmpfs never reuses (and SHAREDMEM is shared memory); give a directory on a tmpfs, or no --backing for a private one", dir, name)
 }
 
 // openPrivateDir opens the directory dir for the daemon's use alone: it

@@ -72,7 +72,7 @@ func TestResizeReservesPages(t *testing.T) {
 }
 
 func TestRecoverRemovesUnlinkSegmentsAndRestoresShared(t *testing.T) {
-	backing, disk := t.TempDir(), t.TempDir()
+	backing, disk := tmpfsBacking(t), t.TempDir()
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	s, err := Open(Config{Backing: backing, Disk: disk}, log)
 	if err != nil {
@@ -123,7 +123,7 @@ func TestRecoverRemovesUnlinkSegmentsAndRestoresShared(t *testing.T) {
 // (one of them stale) both go beside it, name.shared-<id>: recovery does
 // not pick one to give the name; a path only one records is its own.
 func TestRecoverContestedSharedPath(t *testing.T) {
-	backing, disk := t.TempDir(), t.TempDir()
+	backing, disk := tmpfsBacking(t), t.TempDir()
 	s, err := Open(Config{Backing: backing, Disk: disk}, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
@@ -165,7 +165,7 @@ func TestRecoverContestedSharedPath(t *testing.T) {
 // TestRecoverKeepsMappedUnlinkSegments: an UNLINK segment that the
 // predicate reports mapped stays; the others go.
 func TestRecoverKeepsMappedUnlinkSegments(t *testing.T) {
-	backing := t.TempDir()
+	backing := tmpfsBacking(t)
 	s := openStore(t, backing)
 	mapped, unmapped := filepath.Join(backing, "mapped"), filepath.Join(backing, "unmapped")
 	for _, p := range []string{mapped, unmapped} {
@@ -201,7 +201,7 @@ func TestRecoverKeepsMappedUnlinkSegments(t *testing.T) {
 // segments no process maps and the imports' markers, and lists them; a
 // mount's removes both.
 func TestRecoverForSuccessor(t *testing.T) {
-	backing := t.TempDir()
+	backing := tmpfsBacking(t)
 	s := openStore(t, backing)
 	unlink, imported := filepath.Join(backing, "unlink"), filepath.Join(backing, "imported")
 	os.WriteFile(unlink, []byte("abc"), 0o644)
@@ -245,7 +245,7 @@ func TestRecoverForSuccessor(t *testing.T) {
 // an incomplete one is emptied (its pull starts over), and one frozen for
 // a publish that never finished is a host segment again.
 func TestRecoverPulled(t *testing.T) {
-	backing := t.TempDir()
+	backing := tmpfsBacking(t)
 	s := openStore(t, backing)
 	cid := strings.Repeat("0f", 32)
 	for name, m := range map[string]Marker{
@@ -334,4 +334,59 @@ func openStore(t *testing.T, backing string) *Store {
 	}
 	t.Cleanup(func() { s.Close() })
 	return s
+}
+
+// tmpfsBacking returns a new backing directory on a tmpfs (/dev/shm), in
+// a directory of mode 0700 (checkPrivateParent), removed at cleanup: a
+// backing must be on a tmpfs (checkTmpfs).
+func tmpfsBacking(t *testing.T) string {
+	t.Helper()
+	top := tmpfsDir(t)
+	backing := filepath.Join(top, "backing")
+	if err := os.Mkdir(backing, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return backing
+}
+
+// tmpfsDir returns a new directory of mode 0700 on the tmpfs at /dev/shm,
+// removed at cleanup.
+func tmpfsDir(t *testing.T) string {
+	t.Helper()
+	var st unix.Statfs_t
+	if err := unix.Statfs("/dev/shm", &st); err != nil || st.Type != unix.TMPFS_MAGIC {
+		t.Fatalf("no tmpfs at /dev/shm (%v), where the tests put their backings: a backing must be on a tmpfs", err)
+	}
+	dir, err := os.MkdirTemp("/dev/shm", "tensorfs-alloc-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
+// TestOpenRefusesBackingNotOnTmpfs: a backing on another filesystem (one
+// that reuses inode numbers) is refused, saying why and what to do.
+func TestOpenRefusesBackingNotOnTmpfs(t *testing.T) {
+	top := t.TempDir()
+	var st unix.Statfs_t
+	if err := unix.Statfs(top, &st); err != nil || st.Type == unix.TMPFS_MAGIC {
+		t.Skipf("the test's temporary directory %s is on a tmpfs (%v): no other filesystem to try", top, err)
+	}
+	os.Chmod(top, 0o700)
+	backing := filepath.Join(top, "backing")
+	if err := os.Mkdir(backing, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Open(Config{Backing: backing}, slog.New(slog.DiscardHandler))
+	if err == nil {
+		s.Close()
+		t.Fatalf("Open of a backing on filesystem type %#x succeeded", st.Type)
+	}
+	if !strings.Contains(err.Error(), "not a tmpfs") || !strings.Contains(err.Error(), "no --backing") {
+		t.Errorf("Open of a backing on filesystem type %#x: %v; want it to say it is not a tmpfs and what to do", st.Type, err)
+	}
+	if entries, _ := os.ReadDir(backing); len(entries) != 0 {
+		t.Errorf("the refused backing holds %d entries", len(entries))
+	}
 }

@@ -249,7 +249,7 @@ func TestClusterRepublishCollects(t *testing.T) {
 // recounted from its backing when it restarts.
 func TestClusterBoundsNode(t *testing.T) {
 	tc := newTestCluster(t)
-	top := t.TempDir()
+	top := tmpfsDir(t)
 	os.Chmod(top, 0o700)
 	backing := map[string]string{}
 	for _, n := range []string{"a", "b"} {

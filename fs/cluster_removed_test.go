@@ -65,7 +65,7 @@ func exists(fsys *filesystem) bool {
 // the record. The publisher keeps serving it to other nodes.
 func TestClusterRemovedHere(t *testing.T) {
 	tc := newTestCluster(t)
-	top := t.TempDir()
+	top := tmpfsDir(t)
 	a := tc.openNode("node-a", mkBacking(t, top, "a"))
 	bDir := mkBacking(t, top, "b")
 	b := tc.openNode("node-b", bDir)
@@ -144,7 +144,7 @@ func mkBacking(t *testing.T, top, name string) string {
 // it joins again; a local segment a user made inside is left alone.
 func TestClusterUnpublish(t *testing.T) {
 	tc := newTestCluster(t)
-	top := t.TempDir()
+	top := tmpfsDir(t)
 	a := tc.openNode("node-a", mkBacking(t, top, "a"))
 	b := tc.openNode("node-b", mkBacking(t, top, "b"))
 	cDir := mkBacking(t, top, "c")
@@ -204,7 +204,7 @@ func TestClusterUnpublish(t *testing.T) {
 // be the only copy); a node that pulled it removes it.
 func TestClusterUnpublishMissedByPublisher(t *testing.T) {
 	tc := newTestCluster(t)
-	top := t.TempDir()
+	top := tmpfsDir(t)
 	aDir, bDir := mkBacking(t, top, "a"), mkBacking(t, top, "b")
 	a, b := tc.openNode("node-a", aDir), tc.openNode("node-b", bDir)
 	files := makeModel(t, a.fsys)

@@ -906,7 +906,7 @@ func (tc *testCluster) openNode(name, backing string) restartable {
 // once the publisher has left.
 func TestClusterRestartServes(t *testing.T) {
 	tc := newTestCluster(t)
-	top := t.TempDir()
+	top := tmpfsDir(t)
 	os.Chmod(top, 0o700)
 	backings := map[string]string{}
 	for _, n := range []string{"a", "b", "c"} {

@@ -218,7 +218,7 @@ func TestDeviceSpillRestore(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("device segments keep their state in trusted attributes: root only")
 	}
-	top := t.TempDir()
+	top := tmpfsDir(t)
 	os.Chmod(top, 0o700)
 	backing := filepath.Join(top, "backing")
 	os.Mkdir(backing, 0o755)

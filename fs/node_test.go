@@ -54,16 +54,16 @@ func testStore(t *testing.T) (*alloc.Store, string, *slog.Logger) {
 }
 
 // tmpfsDir returns a new directory on a tmpfs (/dev/shm), removed at
-// cleanup, as the daemon's backing is: node IDs are the backing's inode
-// numbers, which a tmpfs never reuses; t.TempDir's ext4 gave a new file
-// the number of a directory removed a moment before, which a successor had
-// adopted by node ID (TestHandoverForgetOfRemovedNode failed so, now and
-// then). Without a tmpfs at /dev/shm, t.TempDir.
+// cleanup, for a backing: a backing must be on a tmpfs (alloc.Open), as
+// node IDs are its inode numbers, which a tmpfs never reuses; t.TempDir's
+// ext4 gave a new file the number of a directory removed a moment before,
+// which a successor had adopted by node ID (TestHandoverForgetOfRemovedNode
+// failed so, now and then).
 func tmpfsDir(t *testing.T) string {
 	t.Helper()
 	var st unix.Statfs_t
-	if unix.Statfs("/dev/shm", &st) != nil || st.Type != unix.TMPFS_MAGIC {
-		return t.TempDir()
+	if err := unix.Statfs("/dev/shm", &st); err != nil || st.Type != unix.TMPFS_MAGIC {
+		t.Fatalf("no tmpfs at /dev/shm (%v), where the tests put their backings: a backing must be on a tmpfs", err)
 	}
 	dir, err := os.MkdirTemp("/dev/shm", "tensorfs-fs-test-")
 	if err != nil {
@@ -325,7 +325,7 @@ func TestHandleBudgetShare(t *testing.T) {
 // not only the root's. It counts the process's descriptors of the
 // backing only: tests running beside it open and close others.
 func TestCloseClosesDirectoryDescriptors(t *testing.T) {
-	top := t.TempDir()
+	top := tmpfsDir(t)
 	os.Chmod(top, 0o700)
 	backing := filepath.Join(top, "backing")
 	os.Mkdir(backing, 0o755)

@@ -93,7 +93,7 @@ func newOpsFSAs(t *testing.T, who fuse.Owner) *opsFS {
 	if os.Geteuid() != 0 {
 		t.Skip("the operation matrix sets owners and trusted attributes: it needs root")
 	}
-	top := t.TempDir()
+	top := tmpfsDir(t)
 	os.Chmod(top, 0o700)
 	backing := filepath.Join(top, "backing")
 	os.Mkdir(backing, 0o755)
