@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/internal/tmpfstest"
 )
 
 func openDir(t testing.TB, dir string) int {
@@ -83,7 +85,7 @@ func FuzzRecover(f *testing.F) {
 	f.Add([]byte("d\x00a\x00l\x00a/b\x00D\x00fedcba9876543210\x00path\x00a/b/c\x00"))
 	f.Add([]byte("f\x00u\x00flags\x00UNLINK\x00l\x00v\x00D\x00aaaaaaaaaaaaaaaa\x00path\x00/v\x00"))
 	f.Fuzz(func(t *testing.T, data []byte) {
-		top := tmpfsDir(t)
+		top := tmpfstest.Dir(t)
 		os.Chmod(top, 0o700)
 		backing, disk, outside := filepath.Join(top, "backing"), filepath.Join(top, "disk"), filepath.Join(top, "outside")
 		for _, d := range []string{backing, disk, outside} {

@@ -10,6 +10,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"tensorfs/internal/tmpfstest"
 )
 
 func setAttrRaw(path, name, value string) error {
@@ -341,28 +343,12 @@ func openStore(t *testing.T, backing string) *Store {
 // backing must be on a tmpfs (checkTmpfs).
 func tmpfsBacking(t *testing.T) string {
 	t.Helper()
-	top := tmpfsDir(t)
+	top := tmpfstest.Dir(t)
 	backing := filepath.Join(top, "backing")
 	if err := os.Mkdir(backing, 0o755); err != nil {
 		t.Fatal(err)
 	}
 	return backing
-}
-
-// tmpfsDir returns a new directory of mode 0700 on the tmpfs at /dev/shm,
-// removed at cleanup.
-func tmpfsDir(t *testing.T) string {
-	t.Helper()
-	var st unix.Statfs_t
-	if err := unix.Statfs("/dev/shm", &st); err != nil || st.Type != unix.TMPFS_MAGIC {
-		t.Fatalf("no tmpfs at /dev/shm (%v), where the tests put their backings: a backing must be on a tmpfs", err)
-	}
-	dir, err := os.MkdirTemp("/dev/shm", "tensorfs-alloc-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	return dir
 }
 
 // TestOpenRefusesBackingNotOnTmpfs: a backing on another filesystem (one

@@ -17,6 +17,7 @@ import (
 	"tensorfs/alloc"
 	"tensorfs/cluster"
 	"tensorfs/ctl"
+	"tensorfs/internal/tmpfstest"
 )
 
 // Per-user cluster bounds (cluster_bounds.go): what a user's published
@@ -249,7 +250,7 @@ func TestClusterRepublishCollects(t *testing.T) {
 // recounted from its backing when it restarts.
 func TestClusterBoundsNode(t *testing.T) {
 	tc := newTestCluster(t)
-	top := tmpfsDir(t)
+	top := tmpfstest.Dir(t)
 	os.Chmod(top, 0o700)
 	backing := map[string]string{}
 	for _, n := range []string{"a", "b"} {

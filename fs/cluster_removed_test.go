@@ -12,6 +12,7 @@ import (
 	"tensorfs/alloc"
 	"tensorfs/cluster"
 	"tensorfs/ctl"
+	"tensorfs/internal/tmpfstest"
 )
 
 // rmTree removes rel (below the root) and everything below it through
@@ -65,7 +66,7 @@ func exists(fsys *filesystem) bool {
 // the record. The publisher keeps serving it to other nodes.
 func TestClusterRemovedHere(t *testing.T) {
 	tc := newTestCluster(t)
-	top := tmpfsDir(t)
+	top := tmpfstest.Dir(t)
 	a := tc.openNode("node-a", mkBacking(t, top, "a"))
 	bDir := mkBacking(t, top, "b")
 	b := tc.openNode("node-b", bDir)
@@ -144,7 +145,7 @@ func mkBacking(t *testing.T, top, name string) string {
 // it joins again; a local segment a user made inside is left alone.
 func TestClusterUnpublish(t *testing.T) {
 	tc := newTestCluster(t)
-	top := tmpfsDir(t)
+	top := tmpfstest.Dir(t)
 	a := tc.openNode("node-a", mkBacking(t, top, "a"))
 	b := tc.openNode("node-b", mkBacking(t, top, "b"))
 	cDir := mkBacking(t, top, "c")
@@ -204,7 +205,7 @@ func TestClusterUnpublish(t *testing.T) {
 // be the only copy); a node that pulled it removes it.
 func TestClusterUnpublishMissedByPublisher(t *testing.T) {
 	tc := newTestCluster(t)
-	top := tmpfsDir(t)
+	top := tmpfstest.Dir(t)
 	aDir, bDir := mkBacking(t, top, "a"), mkBacking(t, top, "b")
 	a, b := tc.openNode("node-a", aDir), tc.openNode("node-b", bDir)
 	files := makeModel(t, a.fsys)

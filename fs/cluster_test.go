@@ -29,6 +29,7 @@ import (
 	"tensorfs/cluster/transport"
 	"tensorfs/internal/etcdtest"
 	"tensorfs/internal/testcerts"
+	"tensorfs/internal/tmpfstest"
 )
 
 // The mount's side of a cluster (cluster.go, cluster_publish.go,
@@ -906,7 +907,7 @@ func (tc *testCluster) openNode(name, backing string) restartable {
 // once the publisher has left.
 func TestClusterRestartServes(t *testing.T) {
 	tc := newTestCluster(t)
-	top := tmpfsDir(t)
+	top := tmpfstest.Dir(t)
 	os.Chmod(top, 0o700)
 	backings := map[string]string{}
 	for _, n := range []string{"a", "b", "c"} {

@@ -21,6 +21,7 @@ import (
 	"tensorfs/ctl"
 	"tensorfs/fdpass"
 	"tensorfs/gpu"
+	"tensorfs/internal/tmpfstest"
 )
 
 // TestVirtualAttributes: every name listxattr gives, on every kind of
@@ -218,7 +219,7 @@ func TestDeviceSpillRestore(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("device segments keep their state in trusted attributes: root only")
 	}
-	top := tmpfsDir(t)
+	top := tmpfstest.Dir(t)
 	os.Chmod(top, 0o700)
 	backing := filepath.Join(top, "backing")
 	os.Mkdir(backing, 0o755)

@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/internal/tmpfstest"
 	"tensorfs/ledger"
 )
 
@@ -40,7 +41,11 @@ func testFS(t *testing.T) *filesystem {
 // logger that discards.
 func testStore(t *testing.T) (*alloc.Store, string, *slog.Logger) {
 	t.Helper()
-	top := tmpfsDir(t)
+	// On a tmpfs, as a backing must be: node IDs are its inode numbers.
+	// (t.TempDir's ext4 gave a new file the number of a directory removed
+	// a moment before, which a successor had adopted by node ID:
+	// TestHandoverForgetOfRemovedNode failed so, now and then.)
+	top := tmpfstest.Dir(t)
 	os.Chmod(top, 0o700)
 	backing := filepath.Join(top, "backing")
 	os.Mkdir(backing, 0o755)
@@ -51,26 +56,6 @@ func testStore(t *testing.T) (*alloc.Store, string, *slog.Logger) {
 	}
 	t.Cleanup(func() { store.Close() })
 	return store, top, log
-}
-
-// tmpfsDir returns a new directory on a tmpfs (/dev/shm), removed at
-// cleanup, for a backing: a backing must be on a tmpfs (alloc.Open), as
-// node IDs are its inode numbers, which a tmpfs never reuses; t.TempDir's
-// ext4 gave a new file the number of a directory removed a moment before,
-// which a successor had adopted by node ID (TestHandoverForgetOfRemovedNode
-// failed so, now and then).
-func tmpfsDir(t *testing.T) string {
-	t.Helper()
-	var st unix.Statfs_t
-	if err := unix.Statfs("/dev/shm", &st); err != nil || st.Type != unix.TMPFS_MAGIC {
-		t.Fatalf("no tmpfs at /dev/shm (%v), where the tests put their backings: a backing must be on a tmpfs", err)
-	}
-	dir, err := os.MkdirTemp("/dev/shm", "tensorfs-fs-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	return dir
 }
 
 // callerCtx is the context of a FUSE request from uid.
@@ -325,7 +310,7 @@ func TestHandleBudgetShare(t *testing.T) {
 // not only the root's. It counts the process's descriptors of the
 // backing only: tests running beside it open and close others.
 func TestCloseClosesDirectoryDescriptors(t *testing.T) {
-	top := tmpfsDir(t)
+	top := tmpfstest.Dir(t)
 	os.Chmod(top, 0o700)
 	backing := filepath.Join(top, "backing")
 	os.Mkdir(backing, 0o755)

@@ -19,6 +19,7 @@ import (
 	"tensorfs/alloc"
 	"tensorfs/ctl"
 	"tensorfs/gpu"
+	"tensorfs/internal/tmpfstest"
 )
 
 // The operation matrix: every request go-fuse can route to a
@@ -93,7 +94,7 @@ func newOpsFSAs(t *testing.T, who fuse.Owner) *opsFS {
 	if os.Geteuid() != 0 {
 		t.Skip("the operation matrix sets owners and trusted attributes: it needs root")
 	}
-	top := tmpfsDir(t)
+	top := tmpfstest.Dir(t)
 	os.Chmod(top, 0o700)
 	backing := filepath.Join(top, "backing")
 	os.Mkdir(backing, 0o755)
