@@ -38,6 +38,7 @@ func TestMain(m *testing.M) {
 //	idle   say "up", then wait for stdin to close
 //	ctl    listen on mp's control socket, say "up", say "purge asked"
 //	       for each purge request, and wait for stdin to close
+//	latectl  as ctl, but say "up" 300 ms before it listens
 //	ready  print a ready line and exit
 //	fail   write a reason to stderr and exit 1
 func fakeDaemonMain(mode, mp string) int {
@@ -48,7 +49,11 @@ func fakeDaemonMain(mode, mp string) int {
 	case "fail":
 		fmt.Fprintln(os.Stderr, "lifecycle test: the backing is on fire")
 		return 1
-	case "ctl":
+	case "ctl", "latectl":
+		if mode == "latectl" {
+			fmt.Println("up")
+			time.Sleep(300 * time.Millisecond)
+		}
 		s, err := ctl.Listen(ctl.Config{Path: alloc.StatePath(mp, ".sock"), Backend: noSegments{}, Owner: uint32(os.Geteuid()),
 			Purge: func() error { fmt.Println("purge asked"); return nil }})
 		if err != nil {
@@ -56,6 +61,10 @@ func fakeDaemonMain(mode, mp string) int {
 			return 1
 		}
 		defer s.Close()
+		if mode == "latectl" {
+			io.Copy(io.Discard, os.Stdin)
+			return 0
+		}
 	case "idle":
 	default:
 		return 2
@@ -407,6 +416,23 @@ func TestUnmountPurgeServed(t *testing.T) {
 	}
 	if !mountedAt(mp) {
 		t.Error("a refused purge unmounted")
+	}
+}
+
+// TestUnmountPurgeSocketLate: a daemon that serves but listens on its
+// control socket a moment after its pid file is written (a crash's
+// successor) is asked to purge once it listens, not refused: the
+// refusal failed tensorfs unmount --purge run right after a crash.
+func TestUnmountPurgeSocketLate(t *testing.T) {
+	mp := mountpoint(t)
+	fillBacking(t, mp)
+	d := startFake(t, "latectl", mp)
+	writePid(t, mp, d.pid)
+	if res, err := Unmount(mp, true); err != nil || res != (Unmounted{Pid: d.pid, Busy: true}) {
+		t.Errorf("Unmount(purge) of a daemon that listens 300 ms late = %+v, %v; want busy, served by %d", res, err, d.pid)
+	}
+	if line := d.next(t); line != "purge asked" {
+		t.Errorf("the daemon heard %q, want one purge request", line)
 	}
 }
 
