@@ -8,6 +8,7 @@ import (
 	"os"
 	"sync"
 	"syscall"
+	"time"
 
 	"tensorfs/fdpass"
 )
@@ -26,6 +27,22 @@ func Dial(path string) (*Client, error) {
 		return nil, fmt.Errorf("ctl: %w", err)
 	}
 	return &Client{conn: conn}, nil
+}
+
+// DialServing connects to the control socket at path of a daemon that
+// serves, dialing again every 50 ms, for wait at most, while the dial
+// fails and alive (if not nil) holds: a successor (a restart's, a
+// crash's) serves the mount and writes its pid file a moment before its
+// control socket listens.
+func DialServing(path string, wait time.Duration, alive func() bool) (*Client, error) {
+	deadline := time.Now().Add(wait)
+	for {
+		c, err := Dial(path)
+		if err == nil || time.Now().After(deadline) || alive != nil && !alive() {
+			return c, err
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 // Close closes the connection. A group request waiting on it leaves its

@@ -61,15 +61,13 @@ func fakeDaemonMain(mode, mp string) int {
 			return 1
 		}
 		defer s.Close()
-		if mode == "latectl" {
-			io.Copy(io.Discard, os.Stdin)
-			return 0
-		}
 	case "idle":
 	default:
 		return 2
 	}
-	fmt.Println("up")
+	if mode != "latectl" {
+		fmt.Println("up")
+	}
 	io.Copy(io.Discard, os.Stdin)
 	return 0
 }

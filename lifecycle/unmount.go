@@ -7,7 +7,6 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -90,17 +89,10 @@ const purgeDialWait = 2 * time.Second
 // askPurge asks the daemon pid, which serves mp, to purge its backing
 // when it exits. A daemon just started (a restart's or a crash's
 // successor) writes its pid file a moment before its control socket
-// listens: while pid lives, a refused or missing socket is dialed again,
-// for purgeDialWait at most.
+// listens: the socket is dialed again while pid lives, for purgeDialWait
+// at most.
 func askPurge(mp string, pid int) error {
-	path := alloc.StatePath(mp, ".sock")
-	deadline := time.Now().Add(purgeDialWait)
-	c, err := ctl.Dial(path)
-	for err != nil && (errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT)) &&
-		time.Now().Before(deadline) && unix.Kill(pid, 0) == nil {
-		time.Sleep(20 * time.Millisecond)
-		c, err = ctl.Dial(path)
-	}
+	c, err := ctl.DialServing(alloc.StatePath(mp, ".sock"), purgeDialWait, func() bool { return unix.Kill(pid, 0) == nil })
 	if err != nil {
 		return fmt.Errorf("ask daemon %d to purge: %w", pid, err)
 	}

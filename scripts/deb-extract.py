@@ -178,6 +178,7 @@ def find(tar, patterns):
     found = {}
     for i in ends_first(len(tar.blocks)):
         data, base = tar.decoded(i), tar.blocks[i][2]
+        matched = False
         for pos in range(0, len(data), TAR_BLOCK):
             h = header_at(data, pos)
             if not h:
@@ -185,7 +186,9 @@ def find(tar, patterns):
             for p in patterns:
                 if p not in found and fnmatch.fnmatchcase(h[0], p):
                     found[p] = (h[0], base + pos + TAR_BLOCK, h[1])
-        tar.cache = {}  # one block's memory at a time
+                    matched = True
+        if not matched:
+            del tar.cache[i]  # kept only where a member starts, to read it from
         if len(found) == len(patterns):
             break
     return found

@@ -122,20 +122,16 @@ func servingPid(mount string) int {
 	if !ok {
 		return 0
 	}
-	for deadline := time.Now().Add(successorWait); ; time.Sleep(50 * time.Millisecond) {
-		c, err := ctl.Dial(string(sock))
-		if err == nil {
-			defer c.Close()
-			cred, err := c.Peer()
-			if err != nil {
-				return 0
-			}
-			return int(cred.Pid)
-		}
-		if time.Now().After(deadline) {
-			return 0
-		}
+	c, err := ctl.DialServing(string(sock), successorWait, nil)
+	if err != nil {
+		return 0
 	}
+	defer c.Close()
+	cred, err := c.Peer()
+	if err != nil {
+		return 0
+	}
+	return int(cred.Pid)
 }
 
 // successorWait is how long servingPid waits for the control socket of a
