@@ -149,9 +149,13 @@ func (f *countingFS) Writev(cancel <-chan struct{}, in *fuse.WriteIn, data [][]b
 	return f.RawFileSystem.Writev(cancel, in, data)
 }
 
+// Release counts a RELEASE once it is served, not as it comes: the kernel
+// awaits no answer to it, so a count that has gone up is how a client
+// learns that the handle it closed is gone from the daemon (and from the
+// ledger).
 func (f *countingFS) Release(cancel <-chan struct{}, in *fuse.ReleaseIn) {
-	f.c.add(opRELEASE)
 	f.RawFileSystem.Release(cancel, in)
+	f.c.add(opRELEASE)
 }
 
 func (f *countingFS) Flush(cancel <-chan struct{}, in *fuse.FlushIn) fuse.Status {

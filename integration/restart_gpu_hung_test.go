@@ -81,10 +81,12 @@ func TestRestartGPUHelperHung(t *testing.T) {
 	eachMode(t, true, func(t *testing.T, m *mount) {
 		seg := filepath.Join(usersGPUDir(t, m), "w")
 		const size = 1000003
-		if out, err := runAs(t, userA, "/", "sh", "-c", fmt.Sprintf("head -c %d /dev/urandom >%s", size, seg)); err != nil {
-			t.Fatalf("user A writes a GPU segment: %v\n%s", err, out)
-		}
-		ledger := ledgerOf(t, m, userA)
+		gtReleasing(t, m, "the release of user A's write", func() {
+			if out, err := runAs(t, userA, "/", "sh", "-c", fmt.Sprintf("head -c %d /dev/urandom >%s", size, seg)); err != nil {
+				t.Fatalf("user A writes a GPU segment: %v\n%s", err, out)
+			}
+		})
+		ledger := ledgerOf(t, m, userA) // with the write's handle gone
 
 		hung := gtHelperPIDs(m)
 		if len(hung) != 1 {
