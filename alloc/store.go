@@ -67,8 +67,12 @@ func Open(cfg Config, log *slog.Logger) (*Store, error) {
 			return nil, fmt.Errorf("create backing %s: %w", s.Dir, err)
 		}
 		if os.Geteuid() == 0 {
-			if err := mountTmpfs(s.Dir, cfg.Capacity, cfg.Inodes); err != nil {
+			hugeRefused, err := mountTmpfs(s.Dir, cfg.Capacity, cfg.Inodes)
+			if err != nil {
 				return nil, err
+			}
+			if hugeRefused {
+				log.Info("the kernel refused huge pages on the backing tmpfs (no transparent huge pages): segments use 4 KiB pages", "backing", s.Dir)
 			}
 			s.Private = true
 		} else if cfg.Capacity > 0 {
@@ -243,9 +247,14 @@ func StatePath(mountpoint, ext string) string {
 }
 
 // mountTmpfs mounts a tmpfs of the given size at dir, or resizes the one
-// already there (left by an earlier daemon). Either way it is nosuid and
-// nodev.
-func mountTmpfs(dir string, capacity, inodes int64) error {
+// already there (left by an earlier daemon, whose options it keeps).
+// Either way it is nosuid and nodev. A new one is mounted
+// huge=within_size: a segment's whole 2 MiB ranges (its size set first, as
+// truncate, save and import do) are huge pages, which a mapping faults in
+// 512 times fewer, and never a page past a file's size, so a segment
+// holds no more memory than without (DESIGN.md §2). hugeRefused says the
+// kernel has no huge pages for tmpfs, and the tmpfs was mounted without.
+func mountTmpfs(dir string, capacity, inodes int64) (hugeRefused bool, err error) {
 	var sized []string
 	if capacity > 0 {
 		sized = append(sized, "size="+strconv.FormatInt(capacity, 10))
@@ -255,15 +264,22 @@ func mountTmpfs(dir string, capacity, inodes int64) error {
 	}
 	if isMountpoint(dir) {
 		if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV, strings.Join(sized, ",")); err != nil {
-			return fmt.Errorf("remount backing tmpfs %s: %w", dir, err)
+			return false, fmt.Errorf("remount backing tmpfs %s: %w", dir, err)
 		}
-		return nil
+		return false, nil
 	}
-	opts := strings.Join(append([]string{"mode=0755"}, sized...), ",")
-	if err := unix.Mount("tensorfs-backing", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, opts); err != nil {
-		return fmt.Errorf("mount backing tmpfs at %s: %w", dir, err)
+	mount := func(opts ...string) error {
+		opts = append(append([]string{"mode=0755"}, sized...), opts...)
+		return unix.Mount("tensorfs-backing", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, strings.Join(opts, ","))
 	}
-	return nil
+	err = mount("huge=within_size")
+	if hugeRefused = err == unix.EINVAL; hugeRefused {
+		err = mount()
+	}
+	if err != nil {
+		return false, fmt.Errorf("mount backing tmpfs at %s: %w", dir, err)
+	}
+	return hugeRefused, nil
 }
 
 // isMountpoint reports whether dir is the root of a mount.

@@ -2,12 +2,15 @@ package alloc
 
 import (
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -28,7 +31,7 @@ func smallTmpfs(t *testing.T, size int64) string {
 		t.Skip("needs root to mount a tmpfs")
 	}
 	dir := t.TempDir()
-	if err := mountTmpfs(dir, size, 0); err != nil {
+	if _, err := mountTmpfs(dir, size, 0); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
@@ -375,4 +378,84 @@ func TestOpenRefusesBackingNotOnTmpfs(t *testing.T) {
 	if entries, _ := os.ReadDir(backing); len(entries) != 0 {
 		t.Errorf("the refused backing holds %d entries", len(entries))
 	}
+}
+
+// TestBackingHugePages: the private backing is mounted huge=within_size,
+// so a segment sized before it is written is mapped in 2 MiB pages, and
+// takes no more memory than its size.
+func TestBackingHugePages(t *testing.T) {
+	if _, err := os.Stat("/sys/kernel/mm/transparent_hugepage/shmem_enabled"); err != nil {
+		t.Skip("this kernel has no transparent huge pages for tmpfs")
+	}
+	dir := smallTmpfs(t, 16<<20)
+	if opts := mountOptions(t, dir); !strings.Contains(","+opts+",", ",huge=within_size,") {
+		t.Fatalf("the backing's options: %s, want huge=within_size", opts)
+	}
+	f, err := os.Create(filepath.Join(dir, "seg"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	const size = 4<<20 + 4096 // two huge pages and a small one
+	if err := Resize(int(f.Fd()), size); err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil || st.Blocks*512 != size {
+		t.Errorf("the segment holds %d bytes (%v), want its size, %d", st.Blocks*512, err, size)
+	}
+	b, err := unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(b)
+	var sum byte
+	for i := 0; i < size; i += 4096 {
+		sum += b[i]
+	}
+	if pmd := smapsField(t, uintptr(unsafe.Pointer(&b[0])), "ShmemPmdMapped"); pmd != 4<<10 {
+		t.Errorf("the mapping's ShmemPmdMapped: %d kB, want 4096 (two huge pages; sum %d)", pmd, sum)
+	}
+}
+
+// mountOptions returns the superblock options of the mount at dir.
+func mountOptions(t *testing.T, dir string) string {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.Lines(string(b)) {
+		f := strings.Fields(line)
+		if len(f) >= 10 && f[4] == dir {
+			return f[len(f)-1]
+		}
+	}
+	t.Fatalf("%s is not in /proc/self/mountinfo", dir)
+	return ""
+}
+
+// smapsField returns the field (in kB) of the mapping that starts at addr,
+// from /proc/self/smaps.
+func smapsField(t *testing.T, addr uintptr, field string) int64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/smaps")
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := fmt.Sprintf("%x-", addr)
+	in := false
+	for line := range strings.Lines(string(b)) {
+		if f := strings.Fields(line); len(f) > 0 && strings.Contains(f[0], "-") && !strings.HasSuffix(f[0], ":") {
+			in = strings.HasPrefix(f[0], start)
+		} else if in && len(f) >= 2 && f[0] == field+":" {
+			n, err := strconv.ParseInt(f[1], 10, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+	}
+	t.Fatalf("no mapping at %#x with %s in /proc/self/smaps", addr, field)
+	return 0
 }
