@@ -31,6 +31,8 @@ type Config struct {
 	// Inodes is the private tmpfs's inodes (nr_inodes); 0 keeps the
 	// kernel default.
 	Inodes int64
+	// HugePages mounts the private tmpfs huge=within_size (DESIGN.md §2).
+	HugePages bool
 	// Disk is where SHARED segments live; empty disables SHARED.
 	Disk string
 }
@@ -67,12 +69,12 @@ func Open(cfg Config, log *slog.Logger) (*Store, error) {
 			return nil, fmt.Errorf("create backing %s: %w", s.Dir, err)
 		}
 		if os.Geteuid() == 0 {
-			hugeRefused, err := mountTmpfs(s.Dir, cfg.Capacity, cfg.Inodes)
+			hugeRefused, err := mountTmpfs(s.Dir, cfg.Capacity, cfg.Inodes, cfg.HugePages)
 			if err != nil {
 				return nil, err
 			}
 			if hugeRefused {
-				log.Info("the kernel refused huge pages on the backing tmpfs (no transparent huge pages): segments use 4 KiB pages", "backing", s.Dir)
+				log.Warn("--huge-pages: the kernel has no transparent huge pages for tmpfs; segments use 4 KiB pages", "backing", s.Dir)
 			}
 			s.Private = true
 		} else if cfg.Capacity > 0 {
@@ -247,37 +249,36 @@ func StatePath(mountpoint, ext string) string {
 }
 
 // mountTmpfs mounts a tmpfs of the given size at dir, or resizes the one
-// already there (left by an earlier daemon, whose options it keeps).
-// Either way it is nosuid and nodev. A new one is mounted
-// huge=within_size: a segment's whole 2 MiB ranges (its size set first, as
-// truncate, save and import do) are huge pages, which a mapping faults in
-// 512 times fewer, and never a page past a file's size, so a segment
-// holds no more memory than without (DESIGN.md §2). hugeRefused says the
-// kernel has no huge pages for tmpfs, and the tmpfs was mounted without.
-func mountTmpfs(dir string, capacity, inodes int64) (hugeRefused bool, err error) {
-	var sized []string
+// already there (left by an earlier daemon). Either way it is nosuid and
+// nodev, and with huge huge=within_size, else huge=never: a segment's whole
+// 2 MiB ranges (its size set first, as truncate, save and import do) are
+// then huge pages, which a mapping faults in 512 times fewer, and never a
+// page past a file's size (DESIGN.md §2). hugeRefused says the kernel has
+// no huge pages for tmpfs, and the tmpfs was mounted without.
+func mountTmpfs(dir string, capacity, inodes int64, huge bool) (hugeRefused bool, err error) {
+	opts := []string{"huge=never"}
+	if huge {
+		opts[0] = "huge=within_size"
+	}
 	if capacity > 0 {
-		sized = append(sized, "size="+strconv.FormatInt(capacity, 10))
+		opts = append(opts, "size="+strconv.FormatInt(capacity, 10))
 	}
 	if inodes > 0 {
-		sized = append(sized, "nr_inodes="+strconv.FormatInt(inodes, 10))
+		opts = append(opts, "nr_inodes="+strconv.FormatInt(inodes, 10))
 	}
+	flags, source, what := uintptr(unix.MS_NOSUID|unix.MS_NODEV), "tensorfs-backing", "mount"
 	if isMountpoint(dir) {
-		if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_REMOUNT|unix.MS_NOSUID|unix.MS_NODEV, strings.Join(sized, ",")); err != nil {
-			return false, fmt.Errorf("remount backing tmpfs %s: %w", dir, err)
-		}
-		return false, nil
+		flags, source, what = flags|unix.MS_REMOUNT, "tmpfs", "remount"
+	} else {
+		opts = append(opts, "mode=0755")
 	}
-	mount := func(opts ...string) error {
-		opts = append(append([]string{"mode=0755"}, sized...), opts...)
-		return unix.Mount("tensorfs-backing", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, strings.Join(opts, ","))
-	}
-	err = mount("huge=within_size")
-	if hugeRefused = err == unix.EINVAL; hugeRefused {
-		err = mount()
+	mount := func(opts []string) error { return unix.Mount(source, dir, "tmpfs", flags, strings.Join(opts, ",")) }
+	err = mount(opts)
+	if err == unix.EINVAL && huge { // a kernel without transparent huge pages
+		hugeRefused, err = true, mount(opts[1:])
 	}
 	if err != nil {
-		return false, fmt.Errorf("mount backing tmpfs at %s: %w", dir, err)
+		return false, fmt.Errorf("%s backing tmpfs at %s: %w", what, dir, err)
 	}
 	return hugeRefused, nil
 }

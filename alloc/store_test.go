@@ -31,7 +31,7 @@ func smallTmpfs(t *testing.T, size int64) string {
 		t.Skip("needs root to mount a tmpfs")
 	}
 	dir := t.TempDir()
-	if _, err := mountTmpfs(dir, size, 0); err != nil {
+	if _, err := mountTmpfs(dir, size, 0, false); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
@@ -380,14 +380,21 @@ func TestOpenRefusesBackingNotOnTmpfs(t *testing.T) {
 	}
 }
 
-// TestBackingHugePages: the private backing is mounted huge=within_size,
-// so a segment sized before it is written is mapped in 2 MiB pages, and
-// takes no more memory than its size.
+// TestBackingHugePages: the private backing has no huge pages, or with
+// --huge-pages is mounted huge=within_size, where a segment sized before it is written
+// is mapped in 2 MiB pages and takes no more memory than its size.
 func TestBackingHugePages(t *testing.T) {
+	if opts := mountOptions(t, smallTmpfs(t, 16<<20)); strings.Contains(opts, "huge=") {
+		t.Errorf("the default backing's options: %s, want no huge pages", opts)
+	}
 	if _, err := os.Stat("/sys/kernel/mm/transparent_hugepage/shmem_enabled"); err != nil {
 		t.Skip("this kernel has no transparent huge pages for tmpfs")
 	}
-	dir := smallTmpfs(t, 16<<20)
+	dir := t.TempDir()
+	if refused, err := mountTmpfs(dir, 16<<20, 0, true); err != nil || refused {
+		t.Fatalf("mount with huge pages: refused %v, %v", refused, err)
+	}
+	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
 	if opts := mountOptions(t, dir); !strings.Contains(","+opts+",", ",huge=within_size,") {
 		t.Fatalf("the backing's options: %s, want huge=within_size", opts)
 	}
@@ -415,6 +422,12 @@ func TestBackingHugePages(t *testing.T) {
 	}
 	if pmd := smapsField(t, uintptr(unsafe.Pointer(&b[0])), "ShmemPmdMapped"); pmd != 4<<10 {
 		t.Errorf("the mapping's ShmemPmdMapped: %d kB, want 4096 (two huge pages; sum %d)", pmd, sum)
+	}
+	if _, err := mountTmpfs(dir, 32<<20, 0, false); err != nil { // a successor without --huge-pages
+		t.Fatal(err)
+	}
+	if opts := mountOptions(t, dir); strings.Contains(opts, "huge=") || !strings.Contains(opts, "size=32768k") {
+		t.Errorf("the backing's options after a remount without huge pages: %s, want no huge= and the new size", opts)
 	}
 }
 

@@ -32,6 +32,8 @@ type Config struct {
 	Backing string
 	// Capacity sizes the private tmpfs in bytes; 0 for the default.
 	Capacity int64
+	// HugePages backs segments with 2 MiB pages (alloc.Config.HugePages).
+	HugePages bool
 	// Inodes is the private tmpfs's inodes; 0 for the default.
 	Inodes int64
 	// Disk is where SHARED segments live; "" for none.
@@ -138,7 +140,7 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 	// The GPU helper starts before the mount, so it inherits nothing of it.
 	// fs.Mount owns it from the call on; failures before close it here.
 	dev := startGPU(cfg.GPU, cfg.Takeover, log)
-	store, err := alloc.Open(alloc.Config{Mountpoint: mp, Backing: cfg.Backing, Capacity: cfg.Capacity, Inodes: cfg.Inodes, Disk: cfg.Disk}, log)
+	store, err := alloc.Open(alloc.Config{Mountpoint: mp, Backing: cfg.Backing, Capacity: cfg.Capacity, Inodes: cfg.Inodes, HugePages: cfg.HugePages, Disk: cfg.Disk}, log)
 	if err != nil {
 		closeGPU(dev)
 		return err

@@ -63,10 +63,10 @@ func mountOptions(list string) ([]string, error) {
 				return nil, fmt.Errorf("option cluster needs an etcd endpoint, as in cluster=https://10.0.0.1:2379")
 			}
 			endpoints = append(endpoints, val)
-		case (key == "allow_other" || key == "debug" || key == "no_passthrough") && !hasVal:
+		case (key == "allow_other" || key == "debug" || key == "no_passthrough" || key == "huge_pages") && !hasVal:
 			flags = append(flags, "--"+strings.ReplaceAll(key, "_", "-"))
 		default:
-			return nil, fmt.Errorf("unknown option %q (tensorfs takes capacity, backing, disk, gpu, allow_other, no_passthrough, debug, "+
+			return nil, fmt.Errorf("unknown option %q (tensorfs takes capacity, backing, disk, gpu, allow_other, no_passthrough, huge_pages, debug, "+
 				"cluster, node, cluster_ca, cluster_cert, cluster_key, cluster_listen, etcd_quota, cluster_user_bytes, cluster_user_entries, "+
 				"cluster_user_dirs, cluster_keep, cluster_node_inodes, cluster_node_bytes)", opt)
 		}

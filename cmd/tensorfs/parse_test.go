@@ -27,8 +27,8 @@ func TestParseSize(t *testing.T) {
 }
 
 func TestMountOptions(t *testing.T) {
-	got, err := mountOptions("rw,nofail,x-systemd.automount,capacity=8G,disk=/data/t,allow_other,no_passthrough,,defaults")
-	want := []string{"--capacity", "8G", "--disk", "/data/t", "--allow-other", "--no-passthrough"}
+	got, err := mountOptions("rw,nofail,x-systemd.automount,capacity=8G,disk=/data/t,allow_other,no_passthrough,huge_pages,,defaults")
+	want := []string{"--capacity", "8G", "--disk", "/data/t", "--allow-other", "--no-passthrough", "--huge-pages"}
 	if err != nil || !slices.Equal(got, want) {
 		t.Errorf("mountOptions = %q, %v; want %q", got, err, want)
 	}
@@ -38,7 +38,7 @@ func TestMountOptions(t *testing.T) {
 	if err != nil || !slices.Equal(got, want) {
 		t.Errorf("mountOptions(cluster) = %q, %v; want %q", got, err, want)
 	}
-	for _, bad := range []string{"bogus", "capacity", "allow_other=1", "gpu", "cluster", "cluster_foo=1"} {
+	for _, bad := range []string{"bogus", "capacity", "allow_other=1", "huge_pages=1", "gpu", "cluster", "cluster_foo=1"} {
 		_, err := mountOptions(bad)
 		if err == nil || !strings.Contains(err.Error(), "option") {
 			t.Errorf("mountOptions(%q) = %v; want an error naming the option", bad, err)
