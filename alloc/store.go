@@ -49,7 +49,10 @@ type Store struct {
 	DiskFd int
 	// Private is true when the store mounted its own tmpfs at Dir.
 	Private bool
-	log     *slog.Logger
+	// HugePages is true when that tmpfs is in huge pages (Config.HugePages,
+	// and the kernel has them).
+	HugePages bool
+	log       *slog.Logger
 }
 
 // Open prepares the backing directory described by cfg, mounting a private
@@ -76,7 +79,7 @@ func Open(cfg Config, log *slog.Logger) (*Store, error) {
 			if hugeRefused {
 				log.Warn("--huge-pages: the kernel has no transparent huge pages for tmpfs; segments use 4 KiB pages", "backing", s.Dir)
 			}
-			s.Private = true
+			s.Private, s.HugePages = true, cfg.HugePages && !hugeRefused
 		} else if cfg.Capacity > 0 {
 			log.Warn("--capacity needs root to mount a private tmpfs; segments share /dev/shm's limit", "backing", s.Dir)
 		}

@@ -392,20 +392,21 @@ func (fsys *filesystem) stats(uid uint32) (map[string]any, error) {
 	unix.Getrusage(unix.RUSAGE_SELF, &ru)
 	rss, peak := memoryUse()
 	return map[string]any{
-		"mode":      fsys.mode(),
-		"segments":  segs,
-		"bytes":     bytes,
-		"capacity":  int64(sfs.Blocks) * sfs.Bsize,
-		"used":      int64(sfs.Blocks-sfs.Bfree) * sfs.Bsize,
-		"backing":   fsys.store.Dir,
-		"limbo":     fsys.limboStats(),
-		"gpu":       fsys.gpuStats(),
-		"requests":  fsys.requests.snapshot(),
-		"dir_fds":   fsys.dirs.stats(),
-		"cluster":   fsys.clusterStats(),
-		"ledger":    ledgerFor(fsys.ledger.Usage(), uid),
-		"daemon":    map[string]any{"pid": os.Getpid(), "cpu_seconds": cpuSeconds(&ru), "rss_bytes": rss, "max_rss_bytes": peak, "goroutines": runtime.NumGoroutine()},
-		"uptime_ns": strconv.FormatInt(int64(time.Since(fsys.started)), 10),
+		"mode":       fsys.mode(),
+		"huge_pages": fsys.store.HugePages,
+		"segments":   segs,
+		"bytes":      bytes,
+		"capacity":   int64(sfs.Blocks) * sfs.Bsize,
+		"used":       int64(sfs.Blocks-sfs.Bfree) * sfs.Bsize,
+		"backing":    fsys.store.Dir,
+		"limbo":      fsys.limboStats(),
+		"gpu":        fsys.gpuStats(),
+		"requests":   fsys.requests.snapshot(),
+		"dir_fds":    fsys.dirs.stats(),
+		"cluster":    fsys.clusterStats(),
+		"ledger":     ledgerFor(fsys.ledger.Usage(), uid),
+		"daemon":     map[string]any{"pid": os.Getpid(), "cpu_seconds": cpuSeconds(&ru), "rss_bytes": rss, "max_rss_bytes": peak, "goroutines": runtime.NumGoroutine()},
+		"uptime_ns":  strconv.FormatInt(int64(time.Since(fsys.started)), 10),
 	}, nil
 }
 

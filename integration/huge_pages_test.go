@@ -51,6 +51,9 @@ func TestMountHugePages(t *testing.T) {
 		if !huge && (kb != "0" || strings.Contains(opts, "huge=")) {
 			t.Errorf("without --huge-pages: user A's load maps %s kB in 2 MiB pages, want 0; the backing's options %s, want no huge=", kb, opts)
 		}
+		if said := strings.Contains(run(t, tensorfs, "status", m.dir), "passthrough, huge pages"); said != huge {
+			t.Errorf("tensorfs status of a mount with huge pages %v: says \"huge pages\" %v", huge, said)
+		}
 		m.unmount(t, true)
 	}
 	refused := map[string][]string{

@@ -185,7 +185,7 @@ func Serve(cfg Config, log *slog.Logger, ready func(mode string)) error {
 		return fmt.Errorf("handover socket: %w", err)
 	}
 	defer stop()
-	log.Info("mounted", "mountpoint", mp, "backing", store.Dir, "mode", srv.Mode(), "segments", segs, "bytes", bytes)
+	log.Info("mounted", "mountpoint", mp, "backing", store.Dir, "mode", srv.Mode(), "huge_pages", store.HugePages, "segments", segs, "bytes", bytes)
 	if keeper != nil {
 		door, pidfd, err := gpu.Door(dev)
 		if err == nil {

@@ -25,14 +25,15 @@ import (
 // mountStats is the part of user.tensorfs.stats that status shows; Raw
 // keeps all of it for --json.
 type mountStats struct {
-	Mode     string                `json:"mode"`
-	Segments int64                 `json:"segments"`
-	Bytes    int64                 `json:"bytes"`
-	Capacity int64                 `json:"capacity"`
-	Used     int64                 `json:"used"`
-	Limbo    struct{ Bytes int64 } `json:"limbo"`
-	Requests map[string]int64      `json:"requests"`
-	Cluster  *struct {
+	Mode      string                `json:"mode"`
+	HugePages bool                  `json:"huge_pages"`
+	Segments  int64                 `json:"segments"`
+	Bytes     int64                 `json:"bytes"`
+	Capacity  int64                 `json:"capacity"`
+	Used      int64                 `json:"used"`
+	Limbo     struct{ Bytes int64 } `json:"limbo"`
+	Requests  map[string]int64      `json:"requests"`
+	Cluster   *struct {
 		Node      string `json:"node"`
 		Addr      string `json:"addr"`
 		NotJoined string `json:"not_joined"` // why the node is not joined, if it is not
@@ -177,11 +178,15 @@ func writeStatusTable(w io.Writer, reports []statusReport) {
 				cluster += " not joined"
 			}
 		}
+		mode := s.Mode
+		if s.HugePages {
+			mode += ", huge pages"
+		}
 		version := r.Version
 		if version == "" {
 			version = "-"
 		}
-		row := []string{alloc.Escape(r.Mountpoint), alloc.EscapeText(s.Mode), humanSize(s.Used), humanSize(s.Capacity),
+		row := []string{alloc.Escape(r.Mountpoint), alloc.EscapeText(mode), humanSize(s.Used), humanSize(s.Capacity),
 			strconv.FormatInt(s.Segments, 10), humanSize(s.Limbo.Bytes), strconv.FormatInt(requests, 10),
 			strconv.Itoa(s.Daemon.Pid), humanSize(s.Daemon.RSSBytes), alloc.EscapeText(version), alloc.EscapeText(cluster)}
 		fmt.Fprintln(tw, strings.Join(row, "\t"))
