@@ -72,14 +72,14 @@ func Open(cfg Config, log *slog.Logger) (*Store, error) {
 			return nil, fmt.Errorf("create backing %s: %w", s.Dir, err)
 		}
 		if os.Geteuid() == 0 {
-			hugeRefused, err := mountTmpfs(s.Dir, cfg.Capacity, cfg.Inodes, cfg.HugePages)
+			huge, err := mountTmpfs(s.Dir, cfg.Capacity, cfg.Inodes, cfg.HugePages)
 			if err != nil {
 				return nil, err
 			}
-			if hugeRefused {
+			if cfg.HugePages && !huge {
 				log.Warn("--huge-pages: the kernel has no transparent huge pages for tmpfs; segments use 4 KiB pages", "backing", s.Dir)
 			}
-			s.Private, s.HugePages = true, cfg.HugePages && !hugeRefused
+			s.Private, s.HugePages = true, huge
 		} else if cfg.Capacity > 0 {
 			log.Warn("--capacity needs root to mount a private tmpfs; segments share /dev/shm's limit", "backing", s.Dir)
 		}
@@ -256,9 +256,9 @@ func StatePath(mountpoint, ext string) string {
 // nodev, and with huge huge=within_size, else huge=never: a segment's whole
 // 2 MiB ranges (its size set first, as truncate, save and import do) are
 // then huge pages, which a mapping faults in 512 times fewer, and never a
-// page past a file's size (DESIGN.md §2). hugeRefused says the kernel has
-// no huge pages for tmpfs, and the tmpfs was mounted without.
-func mountTmpfs(dir string, capacity, inodes int64, huge bool) (hugeRefused bool, err error) {
+// page past a file's size (DESIGN.md §2). It returns whether the tmpfs is
+// in huge pages: a kernel without them for tmpfs gets it mounted without.
+func mountTmpfs(dir string, capacity, inodes int64, huge bool) (bool, error) {
 	opts := []string{"huge=never"}
 	if huge {
 		opts[0] = "huge=within_size"
@@ -276,14 +276,14 @@ func mountTmpfs(dir string, capacity, inodes int64, huge bool) (hugeRefused bool
 		opts = append(opts, "mode=0755")
 	}
 	mount := func(opts []string) error { return unix.Mount(source, dir, "tmpfs", flags, strings.Join(opts, ",")) }
-	err = mount(opts)
+	err := mount(opts)
 	if err == unix.EINVAL && huge { // a kernel without transparent huge pages
-		hugeRefused, err = true, mount(opts[1:])
+		huge, err = false, mount(opts[1:])
 	}
 	if err != nil {
 		return false, fmt.Errorf("%s backing tmpfs at %s: %w", what, dir, err)
 	}
-	return hugeRefused, nil
+	return huge, nil
 }
 
 // isMountpoint reports whether dir is the root of a mount.

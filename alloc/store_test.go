@@ -12,6 +12,7 @@ import (
 	"testing"
 	"unsafe"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
 	"tensorfs/internal/tmpfstest"
@@ -391,8 +392,8 @@ func TestBackingHugePages(t *testing.T) {
 		t.Skip("this kernel has no transparent huge pages for tmpfs")
 	}
 	dir := t.TempDir()
-	if refused, err := mountTmpfs(dir, 16<<20, 0, true); err != nil || refused {
-		t.Fatalf("mount with huge pages: refused %v, %v", refused, err)
+	if huge, err := mountTmpfs(dir, 16<<20, 0, true); err != nil || !huge {
+		t.Fatalf("mount with huge pages: in huge pages %v, %v", huge, err)
 	}
 	t.Cleanup(func() { unix.Unmount(dir, unix.MNT_DETACH) })
 	if opts := mountOptions(t, dir); !strings.Contains(","+opts+",", ",huge=within_size,") {
@@ -434,18 +435,11 @@ func TestBackingHugePages(t *testing.T) {
 // mountOptions returns the superblock options of the mount at dir.
 func mountOptions(t *testing.T, dir string) string {
 	t.Helper()
-	b, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		t.Fatal(err)
+	mounts, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(dir))
+	if err != nil || len(mounts) == 0 {
+		t.Fatalf("%s is not in /proc/self/mountinfo (%v)", dir, err)
 	}
-	for line := range strings.Lines(string(b)) {
-		f := strings.Fields(line)
-		if len(f) >= 10 && f[4] == dir {
-			return f[len(f)-1]
-		}
-	}
-	t.Fatalf("%s is not in /proc/self/mountinfo", dir)
-	return ""
+	return mounts[len(mounts)-1].VFSOptions
 }
 
 // smapsField returns the field (in kB) of the mapping that starts at addr,

@@ -45,6 +45,22 @@ func DialServing(path string, wait time.Duration, alive func() bool) (*Client, e
 	}
 }
 
+// ServingPid returns the pid of the daemon that answers on the control
+// socket at path (dialed as DialServing does, for wait at most), 0 if none
+// does.
+func ServingPid(path string, wait time.Duration) int {
+	c, err := DialServing(path, wait, nil)
+	if err != nil {
+		return 0
+	}
+	defer c.Close()
+	cred, err := c.Peer()
+	if err != nil {
+		return 0
+	}
+	return int(cred.Pid)
+}
+
 // Close closes the connection. A group request waiting on it leaves its
 // group.
 func (c *Client) Close() error { return c.conn.Close() }

@@ -23,16 +23,7 @@ func serving(mp string) int {
 	if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && pid > 0 && isDaemon(pid) {
 		return pid
 	}
-	c, err := ctl.Dial(alloc.StatePath(mp, ".sock"))
-	if err != nil {
-		return 0
-	}
-	defer c.Close()
-	cred, err := c.Peer()
-	if err != nil {
-		return 0
-	}
-	return int(cred.Pid)
+	return ctl.ServingPid(alloc.StatePath(mp, ".sock"), 0)
 }
 
 // isDaemon reports whether pid runs "tensorfs mount", so that a pid file

@@ -122,16 +122,7 @@ func servingPid(mount string) int {
 	if !ok {
 		return 0
 	}
-	c, err := ctl.DialServing(string(sock), successorWait, nil)
-	if err != nil {
-		return 0
-	}
-	defer c.Close()
-	cred, err := c.Peer()
-	if err != nil {
-		return 0
-	}
-	return int(cred.Pid)
+	return ctl.ServingPid(string(sock), successorWait)
 }
 
 // successorWait is how long servingPid waits for the control socket of a
