@@ -343,6 +343,41 @@ def view_on(bases, offset, nbytes, m, path):
     return base.as_strided(shape, stride, offset // size + m.storage_offset)
 
 
+def views_on(mm, path, write, items):
+    """[tensor] for items [(TensorMeta, byte offset)] on mm, the mmap of the segment at path (a pack).
+
+    Each tensor is a view of one storage over the whole mapping, checked
+    to stay in its nbytes and to start on a whole element; they pickle by
+    path and offset, and the mapping lives while any of them does. An
+    empty tensor is a tensor of its own.
+    """
+    torch = _torch()
+    base = _register(mm, path, write, None)
+    bases, layouts, out = {}, {}, []
+    for m, at in items:
+        lay = layouts.get(m)
+        if lay is None:
+            tdt, pack = torch_dtype(m.dtype)
+            if not _tfs._numel(m.shape):
+                lay = layouts[m] = (None, _torch_layout(m, pack)[0], tdt)
+            else:
+                tdt, shape, stride, size, extent = _layout(m.dtype, m.shape, m.stride)
+                if (m.storage_offset + extent) * size > m.nbytes:
+                    raise ValueError("tensorfs: %s: shape %r, stride %r and offset %d reach past its %d bytes"
+                                     % (path, list(shape), list(stride), m.storage_offset, m.nbytes))
+                if tdt not in bases:
+                    bases[tdt] = base[:len(mm) // size * size].view(tdt)
+                lay = layouts[m] = (bases[tdt], shape, stride, size, m.storage_offset)
+        if lay[0] is None:
+            out.append(torch.zeros(lay[1], dtype=lay[2]))
+            continue
+        on, shape, stride, size, offset = lay
+        if at % size:
+            raise ValueError("tensorfs: %s: a tensor at byte %d is not on a whole %d-byte element" % (path, at, size))
+        out.append(on.as_strided(shape, stride, at // size + offset))
+    return out
+
+
 @_functools.lru_cache(maxsize=256)
 def _layout(dtype, shape, stride):
     """(torch dtype, shape, stride, element size, extent in elements) of a non-empty segment's layout."""

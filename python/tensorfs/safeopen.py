@@ -57,10 +57,16 @@ class safe_open:
             self._open_file(filename)
 
     def _open_dir(self, path):
-        entries = _sd._listing(path, False)
-        got = _sd._map_all(entries, False, lambda e, mm, ident: (e, mm, ident))
-        for e, mm, ident in got:
-            self._entries[e.name] = _Entry(mm, 0, e.meta, e.full, ident)
+        entries, pack = _sd._listing(path, False)
+        packed = [e for e in entries if e.at is not None]
+        try:
+            got = _sd._map_all([e for e in entries if e.at is None], False, lambda e, mm, ident: (e, mm, ident))
+        finally:
+            mm = pack and _sd._map_pack(pack, False)
+        for e, mm_, ident in got:
+            self._entries[e.name] = _Entry(mm_, 0, e.meta, e.full, ident)
+        for e in packed:
+            self._entries[e.name] = _Entry(mm, e.at, e.meta, e.full, None)
         meta = _tfs.metadata(path)
         self._metadata = meta or None
 

@@ -36,6 +36,7 @@ with open(_os.path.join(_os.path.dirname(__file__), "dtypes.json")) as _f:
     _RANK = {st: i for i, st in enumerate(_json.load(_f)["safetensors_order"])}
 _FROM_ST = {e["safetensors"]: name for name, e in _tfs.DTYPES.items() if e["safetensors"]}
 _TO_ST = {name: st for st, name in _FROM_ST.items()}
+_BITS = {st: _tfs.DTYPES[name]["bits"] for st, name in _FROM_ST.items()}
 
 
 def _bad(msg):
@@ -50,11 +51,10 @@ def _nbytes(st, shape):
 
 
 def _pairs(pairs):
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise _bad("key %r appears twice" % k)
-        d[k] = v
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        raise _bad("key %r appears twice" % next(k for k, _ in pairs if k in seen or seen.add(k)))
     return d
 
 
@@ -81,12 +81,19 @@ def parse_header(raw, data_size):
             st, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise _bad("tensor %r needs dtype, shape and data_offsets [begin, end]" % name) from None
-        if st not in _FROM_ST:
+        bits = _BITS.get(st) if type(st) is str else None
+        if bits is None:
             raise _bad("tensor %r: unknown dtype %r" % (name, st))
-        if not isinstance(shape, list) or end < begin or not all(
-                type(d) is int and d >= 0 for d in shape + [begin, end]):
+        numel = 1
+        ok = type(shape) is list and type(begin) is int and type(end) is int and 0 <= begin <= end
+        for d in shape if ok else ():
+            if type(d) is not int or d < 0:
+                ok = False
+                break
+            numel *= d
+        if not ok:
             raise _bad("tensor %r: bad shape %r or data_offsets [%r, %r]" % (name, shape, begin, end))
-        if end - begin != _nbytes(st, shape):
+        if (end - begin) * 8 != numel * bits:
             raise _bad("tensor %r: %d bytes in data_offsets, %s %s needs %d"
                        % (name, end - begin, st, shape, _nbytes(st, shape)))
         tensors.append((name, st, shape, begin, end))
@@ -249,12 +256,15 @@ def _rollback(path, tmp, moved, created):
 
 
 def _segments(path):
-    """{name: (file, dtype, shape, byte offset)} of the exportable segments under path.
+    """{name: (file, dtype, shape, byte offset, identity)} of the exportable tensors under path.
 
-    The name is the path relative to path. A file without dtype or shape
-    is skipped with a warning naming it.
+    The name is the path relative to path, or a packed tensor's name in
+    path/packed.safetensors; names of one identity are one segment (a
+    tie). A file without dtype or shape is skipped with a warning naming
+    it, and so is a packed tensor that has a segment of its name.
     """
-    segs = {}
+    from . import statedict as _sd
+    segs, pack = {}, None
     for top, dirs, files in _os.walk(path):
         if top == path:
             dirs[:] = [d for d in dirs if not d.startswith(_IMPORT_TMP)]
@@ -264,6 +274,9 @@ def _segments(path):
             if not _os.path.isfile(full) or _os.path.islink(full):
                 continue
             missing = [a for a in (_tfs.XATTR_DTYPE, _tfs.XATTR_SHAPE) if _tfs._getxattr(full, a) is None]
+            if len(missing) == 2 and top == path and fn == _sd.PACK_NAME:
+                pack = full
+                continue
             if missing:
                 _warnings.warn("tensorfs.export_safetensors: skipping %s: it has no %s"
                                % (full, " and no ".join(missing)), stacklevel=3)
@@ -282,6 +295,20 @@ def _segments(path):
                                  % (full, m.nbytes, m.dtype, list(m.shape), off))
             ino = _os.stat(full)
             segs[_os.path.relpath(full, path)] = (full, st, list(m.shape), off, (ino.st_dev, ino.st_ino))
+    if pack is not None:
+        fd = _os.open(pack, _os.O_RDONLY | _os.O_CLOEXEC)
+        try:
+            entries = _sd._pack_entries(fd, _os.fstat(fd).st_size)
+        except ValueError as e:
+            raise ValueError("tensorfs.export_safetensors: %s is not a valid pack of tensors: %s" % (pack, e)) from None
+        finally:
+            _os.close(fd)
+        for name, st, shape, at, _ in entries:
+            if name in segs:
+                _warnings.warn("tensorfs.export_safetensors: skipping %r of %s: a segment has that name"
+                               % (name, pack), stacklevel=3)
+            else:
+                segs[name] = (pack, st, list(shape), at, (pack, name))  # never a tie
     return segs
 
 

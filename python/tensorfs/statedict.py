@@ -14,6 +14,13 @@ are stored once: the first name is the segment, the others hard links to
 it, and they load back as one tensor under every name. The state dict's
 string metadata is the directory's user.safetensors.meta.KEY attributes,
 its key order user.safetensors.keys.
+
+With save_state_dict's pack_below, small tensors are instead stored
+together in one segment, DIR/packed.safetensors (PACK_NAME): a safetensors
+file, with no dtype or shape of its own, whose every tensor is a tensor of
+the directory. Loading it takes one descriptor and one mapping, not one of
+each per tensor. Readers take a segment of the same name over a packed
+entry.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ _ST_PREFIX = "user.safetensors."
 _KEYS_ATTR = _ST_PREFIX + "keys"
 _RECORDS = (_KEYS_ATTR, _ST_PREFIX + "order", _ST_PREFIX + "shards")
 _TEMPORARY = (".import-", _tfs._SAVE_PREFIX)
+PACK_NAME = "packed.safetensors"  # the segment that holds a directory's packed tensors
 
 
 def _check_name(name):
@@ -50,6 +58,9 @@ def _check_name(name):
     if parts[0].startswith(_TEMPORARY):
         raise ValueError("tensorfs.save_state_dict: name %r starts with a prefix tensorfs keeps for "
                          "temporary names (%s)" % (name, ", ".join(_TEMPORARY)))
+    if name == PACK_NAME:
+        raise ValueError("tensorfs.save_state_dict: name %r is the segment that holds a directory's packed "
+                         "tensors" % (name,))
     return str(name)
 
 
@@ -88,7 +99,7 @@ def _rename2(src, dst, flags):
 
 def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
                     metadata: _typing.Optional[_typing.Mapping[str, str]] = None, *,
-                    allow_outside: bool = False) -> None:
+                    pack_below: int = 0, allow_outside: bool = False) -> None:
     """Write every tensor (or NumPy array) of state_dict under the directory path, all or nothing.
 
     The tensor "a.b.c" becomes the segment path/a.b.c, a contiguous copy
@@ -100,6 +111,16 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
     user.safetensors.keys, and what an earlier import recorded is removed,
     since it describes another file.
 
+    pack_below (bytes) stores each tensor of fewer bytes, tied to no other
+    name, in one segment instead: path/packed.safetensors, a safetensors
+    file whose tensors load_state_dict, load_into, safe_open and export
+    read as the directory's (one descriptor and one mapping for all of
+    them, where a segment each costs one of each). Packed tensors are not
+    files of their own: no getfattr, open or mmap by their names. The
+    entries of an earlier pack that this save does not name stay in it; a
+    name saved now as a segment leaves the pack, and one packed now
+    replaces its segment.
+
     Everything is written under a hidden temporary directory in path
     first, then moved into place (an existing segment is exchanged, and
     exchanged back if a later step fails): on any error, a full mount
@@ -109,6 +130,8 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
     (OSError ENOENT) unless allow_outside.
     """
     _tfs._check_inside(path, allow_outside, "tensorfs.save_state_dict")
+    if type(pack_below) is not int or pack_below < 0:
+        raise ValueError("tensorfs.save_state_dict: pack_below must be a number of bytes, not %r" % (pack_below,))
     names = [_check_name(k) for k in state_dict]
     files = set(names)
     for n in names:
@@ -127,13 +150,14 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
         if _os.path.isdir(_os.path.join(path, n)):
             raise IsADirectoryError(_errno.EISDIR, "tensorfs.save_state_dict: %s is a directory, "
                                     "tensor %r cannot replace it" % (_os.path.join(path, n), n))
-    tmp, moved, old_attrs = None, [], None
+    ties = _collections.Counter(k for k in map(_tie_key, state_dict.values()) if k is not None)
+    tmp, moved, old_attrs, old_pack = None, [], None, None
     try:
         try:
             tmp = _mkdtemp(path)
         except OSError as e:
             raise _tfs._explain(e, path, "tensorfs.save_state_dict: %s" % path) from None
-        first = {}
+        first, packed = {}, []
         for name, value in state_dict.items():
             dst = _os.path.join(tmp, name)
             if "/" in name:
@@ -145,12 +169,20 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
             if key is not None:
                 first[key] = name
             buf, dtype, shape = _tfs._as_bytes_source(value)
+            if memoryview(buf).nbytes < pack_below and ties[key] < 2 and _packable(dtype):
+                packed.append((name, dtype, shape, buf))
+                continue
             seg = _tfs._write_temp(_os.path.join(path, name), buf, dtype, shape,
                                    "tensorfs.save_state_dict: tensor %r" % name, _os.path.dirname(dst))
             _os.rename(seg, dst)
+        old_pack = _open_pack(_os.path.join(path, PACK_NAME))
+        pack = _write_pack(path, tmp, old_pack, packed, files)
         old_attrs = _replace_attrs(path, metadata, list(state_dict))
-        for name in state_dict:
+        gone = [n for n, _, _, _ in packed] + ([PACK_NAME] if pack is _REMOVE else [])
+        for name in list(state_dict) + ([PACK_NAME] if pack is _WRITE else []):
             src, dst = _os.path.join(tmp, name), _os.path.join(path, name)
+            if not _os.path.lexists(src):  # packed
+                continue
             if "/" in name:
                 _os.makedirs(_os.path.dirname(dst), exist_ok=True)
             try:
@@ -162,10 +194,109 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
                     moved.append((name, False))
             except OSError as e:
                 raise _tfs._explain(e, dst, "tensorfs.save_state_dict: tensor %r" % name) from None
+        for i, name in enumerate(gone):  # segments whose names are packed now, or an emptied pack
+            dst = _os.path.join(path, name)
+            if _os.path.lexists(dst):
+                aside = ".gone-%d" % i
+                _rename2(dst, _os.path.join(tmp, aside), _RENAME_NOREPLACE)
+                moved.append((name, aside))
     except BaseException:
         _undo(path, tmp, moved, old_attrs, created)
         raise
+    finally:
+        if old_pack is not None:
+            _os.close(old_pack[0])
     _shutil.rmtree(tmp, ignore_errors=True)  # the replaced segments
+
+
+# --- packs ------------------------------------------------------------------
+
+_WRITE, _REMOVE = "write", "remove"  # what a save does to the directory's pack
+
+
+def _packable(dtype):
+    """Whether tensors of dtype can go into a pack: a safetensors dtype of whole bytes."""
+    from .safetensors import _TO_ST
+    return dtype in _TO_ST and _tfs.DTYPES[dtype]["bits"] % 8 == 0
+
+
+def _open_pack(full):
+    """(fd, [(name, safetensors dtype, shape, byte offset in the file, nbytes)]) of the pack at full, or None.
+
+    ValueError for a file there that is a tensor's segment or not a
+    valid safetensors file: a save that went on would lose it.
+    """
+    try:
+        fd = _os.open(full, _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise _tfs._explain(e, full, "tensorfs.save_state_dict: reading the pack %s" % full) from None
+    try:
+        if any(_tfs._getxattr(full, a) is not None for a in (_tfs.XATTR_DTYPE, _tfs.XATTR_SHAPE)):
+            raise ValueError("tensorfs.save_state_dict: %s has a dtype or shape, so it is a tensor's segment, "
+                             "not a pack: rename it to save here" % full)
+        try:
+            entries = _pack_entries(fd, _os.fstat(fd).st_size)
+        except ValueError as e:
+            raise ValueError("tensorfs.save_state_dict: %s is not a valid pack (%s): remove it, or move it "
+                             "aside, to save here" % (full, e)) from None
+        return fd, entries
+    except BaseException:
+        _os.close(fd)
+        raise
+
+
+_MAX_PACK_HEADER = 100_000_000  # the format's own limit
+
+
+def _pack_entries(fd, size):
+    """[(name, safetensors dtype, shape, byte offset, nbytes)] of the pack of size bytes open at fd.
+
+    ValueError, saying why, for bytes that are not a safetensors file.
+    """
+    from .safetensors import _bad, parse_header
+    n = int.from_bytes(_os.pread(fd, 8, 0), "little") if size >= 8 else -1
+    if n < 0 or n > size - 8 or n > _MAX_PACK_HEADER:
+        raise _bad("no header that fits in its %d bytes" % size)
+    tensors, _ = parse_header(_os.pread(fd, n, 8), size - 8 - n)
+    return [(name, st, tuple(shape), 8 + n + begin, end - begin) for name, st, shape, begin, end in tensors]
+
+
+def _write_pack(path, tmp, old, packed, saving):
+    """Write tmp/PACK_NAME: the old pack's entries not in saving, then packed [(name, dtype, shape, buffer)].
+
+    Returns _WRITE when there is a new pack to move into place, _REMOVE
+    when the old pack is left with no entry, None when it stays as it
+    is. Tensors go in the order of their element sizes, largest first,
+    so that each starts on a multiple of its own.
+    """
+    from .safetensors import _FROM_ST, _TO_ST, encode_header
+    kept = [] if old is None else [(name, st, shape, (off, nbytes)) for name, st, shape, off, nbytes in old[1]
+                                   if name not in saving]
+    if not packed and (old is None or len(kept) == len(old[1])):
+        return None
+    if not packed and not kept:
+        return _REMOVE
+    tensors = kept + [(name, _TO_ST[dtype], shape, buf) for name, dtype, shape, buf in packed]
+    tensors.sort(key=lambda t: (-_tfs.DTYPES[_FROM_ST[t[1]]]["bits"], t[0].encode()))
+    header, placed = encode_header([t[:3] for t in tensors], None)
+    full = _os.path.join(path, PACK_NAME)
+    total = 8 + len(header) + (placed[-1][4] if placed else 0)
+    what = "tensorfs.save_state_dict: packing %d tensors into %s" % (len(tensors), full)
+    fd = _os.open(_os.path.join(tmp, PACK_NAME), _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_CLOEXEC, 0o644)
+    try:
+        _os.ftruncate(fd, total)
+        _tfs._write_all(fd, len(header).to_bytes(8, "little") + header)
+        for _, _, _, source in tensors:
+            if isinstance(source, tuple):  # an entry of the old pack: its bytes
+                source = _os.pread(old[0], source[1], source[0])
+            _tfs._write_all(fd, source)
+    except OSError as e:
+        raise _tfs._explain(e, full, "%s (%s)" % (what, _tfs._human(total)), need=total) from None
+    finally:
+        _os.close(fd)
+    return _WRITE
 
 
 def _mkdtemp(path):
@@ -214,20 +345,22 @@ def _undo(path, tmp, moved, old_attrs, created):
     if created:
         _shutil.rmtree(path, ignore_errors=True)
         return
-    for name, exchanged in reversed(moved):
+    for name, how in reversed(moved):  # how: exchanged, moved in (False) or set aside under a name in tmp
         src, dst = _os.path.join(tmp, name), _os.path.join(path, name)
         try:
-            _rename2(src if exchanged else dst, dst if exchanged else src,
-                     _RENAME_EXCHANGE if exchanged else _RENAME_NOREPLACE)
+            if isinstance(how, str):
+                _rename2(_os.path.join(tmp, how), dst, _RENAME_NOREPLACE)
+            else:
+                _rename2(src if how else dst, dst if how else src, _RENAME_EXCHANGE if how else _RENAME_NOREPLACE)
         except OSError:
             pass  # best effort: the error that brought us here is what the caller sees
     if old_attrs is not None:
         _restore_attrs(path, old_attrs)
     if tmp is not None:
         _shutil.rmtree(tmp, ignore_errors=True)
-    for name, exchanged in moved:  # directories made for names with "/" that are empty again
+    for name, how in moved:  # directories made for names with "/" that are empty again
         d = _os.path.dirname(name)
-        while d and not exchanged:
+        while d and how is False:
             try:
                 _os.rmdir(_os.path.join(path, d))
             except OSError:
@@ -237,21 +370,25 @@ def _undo(path, tmp, moved, old_attrs, created):
 
 # --- loading ----------------------------------------------------------------
 
-_Loaded = _collections.namedtuple("_Loaded", "name full meta fd links")  # links: 0 unknown
+# links: 0 unknown; at: the byte offset of a packed tensor in its pack, None for a segment
+_Loaded = _collections.namedtuple("_Loaded", "name full meta fd links at", defaults=(None,))
+_Pack = _collections.namedtuple("_Pack", "full fd size")
 _LAYOUT_ATTRS = (_tfs.XATTR_DTYPE, _tfs.XATTR_SHAPE, _tfs.XATTR_STRIDE, _tfs.XATTR_OFFSET)
 
 
 def _listing(path, write):
-    """[(name, absolute path, TensorMeta or None, fd or None)] of the segments under path.
+    """([_Loaded], _Pack or None) of the segments and packed tensors under path.
 
     One control-socket load per 253 segments. Names follow the module's
     naming rule; temporary entries are skipped, and so, with a warning,
-    are segments without dtype or shape. The caller closes the fds.
+    are segments without dtype or shape, and packed tensors that have a
+    segment of the same name. The entries are in the saved order, then
+    by name. The caller closes the fds, the pack's included.
     """
     with _tfs.Client(path) as c:  # first: a path in no mount fails here, saying so
         keys = _get_json(path, _KEYS_ATTR)
         recorded = keys is not None or any(_tfs._getxattr(path, a) is not None for a in _RECORDS[1:])
-        out, metas = [], {}
+        out, metas, pack = [], {}, None
         top = _os.path.abspath(path)
         prefix = _os.path.join(top, "")  # the daemon's names are clean: no join or abspath each
         try:
@@ -261,6 +398,11 @@ def _listing(path, write):
                 if name.split("/")[0].startswith(_TEMPORARY):
                     if fd is not None:
                         _os.close(fd)
+                    continue
+                if not seg.get("dtype") and not seg.get("shape") and name == PACK_NAME:
+                    if fd is None:  # imported: through the mount
+                        fd = _os.open(full, (_os.O_RDWR if write else _os.O_RDONLY) | _os.O_CLOEXEC)
+                    pack = _Pack(full, fd, seg["size"])
                     continue
                 if not seg.get("dtype") or not seg.get("shape"):
                     if fd is not None:
@@ -275,14 +417,45 @@ def _listing(path, write):
                 if m is None:  # parsed once per layout: a model repeats a few
                     m = metas[key] = _tfs._meta_from(dict(zip(_LAYOUT_ATTRS, key)), seg["size"])
                 out.append(_Loaded(name if recorded else name.replace("/", "."), full, m, fd, seg.get("links", 0)))
-        except OSError as e:
+            if pack is not None:
+                out += _packed(pack, set(e.name for e in out))
+        except BaseException as e:
             _close_fds(out)
-            if e.errno == _errno.ENOTCONN:
+            if pack is not None:
+                _os.close(pack.fd)
+            if isinstance(e, OSError) and e.errno == _errno.ENOTCONN:
                 raise _tfs._explain(e, path, "tensorfs: loading %s" % path) from None
             raise
     rank = {k: i for i, k in enumerate(keys or ())}
     out.sort(key=lambda e: (rank.get(e.name, len(rank)), e.name))
+    return out, pack
+
+
+def _packed(pack, segments):
+    """[_Loaded] of the tensors in pack, but for the names in segments (warned of)."""
+    from .safetensors import _FROM_ST
+    try:
+        entries = _pack_entries(pack.fd, pack.size)
+    except ValueError as e:
+        raise ValueError("tensorfs: %s is not a valid pack of tensors: %s" % (pack.full, e)) from None
+    out, metas = [], {}
+    for name, st, shape, at, nbytes in entries:
+        if name in segments:
+            _warnings.warn("tensorfs: skipping %r of %s: a segment has that name" % (name, pack.full), stacklevel=4)
+            continue
+        m = metas.get((st, shape))
+        if m is None:
+            m = metas[(st, shape)] = _tfs.TensorMeta(_FROM_ST[st], shape, None, 0, nbytes)
+        out.append(_Loaded(name, pack.full, m, None, 1, at))
     return out
+
+
+def _map_pack(pack, write):
+    """The pack's mmap (shared if write, else copy-on-write); closes its fd."""
+    try:
+        return _mmap.mmap(pack.fd, pack.size, access=_mmap.ACCESS_WRITE if write else _mmap.ACCESS_COPY)
+    finally:
+        _os.close(pack.fd)
 
 
 def _get_json(path, name):
@@ -389,24 +562,31 @@ def load_state_dict(path: str, device: str = "cpu", mode: str = "r", *,
     key. Ties the directory recorded (hard links, as an import makes from
     the metadata entries safetensors' save_model writes) need no argument.
     """
-    from ._torch import tensor_on, torch_dtype
+    from ._torch import tensor_on, torch_dtype, views_on
     if mode not in ("r", "r+"):
         raise ValueError("tensorfs.load_state_dict: mode must be 'r' or 'r+', not %r" % (mode,))
     write = mode == "r+"
-    entries = _listing(path, write)
-    small, rest = [], []
+    entries, pack = _listing(path, write)
+    small, packed, rest = [], [], []
     for e in entries:
-        (small if e.fd is not None and 0 < e.meta.nbytes <= _SLAB_MAX and _tfs._numel(e.meta.shape)
+        (packed if e.at is not None else
+         small if e.fd is not None and 0 < e.meta.nbytes <= _SLAB_MAX and _tfs._numel(e.meta.shape)
          else rest).append(e)
     try:
         for e in entries:
             torch_dtype(e.meta.dtype)
         on_slab = _slab(small, write)
+        if pack is not None:
+            p, pack = pack, None  # _map_pack closes its fd
+            mm = _map_pack(p, write)
+            on_slab.update(zip(map(id, packed), views_on(mm, p.full, write, [(e.meta, e.at) for e in packed])))
     except BaseException:
         _close_fds(rest)
         raise
     finally:
         _close_fds(small)
+        if pack is not None:
+            _os.close(pack.fd)
     made = {}
 
     def tensor(e, mm, ident):
