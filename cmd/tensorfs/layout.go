@@ -2,7 +2,8 @@ package main
 
 // tensorfs set DTYPE SHAPE PATH... and tensorfs show PATH|DIR...: a segment's
 // tensor layout, its user.tensor.* attributes, with the daemon's rules
-// checked here first so that a refusal says why.
+// checked here first so that a refusal says why; show also lists the
+// tensors of a pack (transfer.PackName).
 
 import (
 	"errors"
@@ -17,6 +18,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/safetensors"
+	"tensorfs/safetensors/transfer"
 )
 
 func runSet(args []string, stdout, stderr io.Writer) int {
@@ -152,13 +155,15 @@ func runShow(args []string, stdout, stderr io.Writer) int {
 			status = 1
 		}
 		for _, seg := range segs {
-			line, err := showLayout(seg)
+			lines, err := showLayout(seg, seg == path || filepath.Dir(seg) == filepath.Clean(path))
 			if err != nil {
 				fmt.Fprintf(stderr, "tensorfs show: %s\n", alloc.EscapeText(err.Error()))
 				status = 1
 				continue
 			}
-			fmt.Fprintln(stdout, line)
+			for _, line := range lines {
+				fmt.Fprintln(stdout, line)
+			}
 		}
 	}
 	return status
@@ -191,14 +196,16 @@ func segmentsUnder(path string) ([]string, error) {
 // showLayout describes a segment's tensor in one line:
 // "PATH: float32 [4096, 1024] (16.0M; contiguous)", with a stride and
 // storage offset when set, and what is wrong when the attributes do not
-// describe a tensor that fits.
-func showLayout(path string) (string, error) {
+// describe a tensor that fits. When path is a pack and mayPack is set
+// (path is the file given, or one directly in the directory given), it
+// describes the pack as showPack does.
+func showLayout(path string, mayPack bool) ([]string, error) {
 	fi, err := os.Stat(path)
 	if err != nil {
-		return "", err
+		return nil, err
 	}
 	if !fi.Mode().IsRegular() {
-		return "", fmt.Errorf("%s is not a segment", path)
+		return nil, fmt.Errorf("%s is not a segment", path)
 	}
 	get := func(name string) (string, bool, error) {
 		v, ok, err := alloc.GetXattr(path, name)
@@ -209,7 +216,7 @@ func showLayout(path string) (string, error) {
 	}
 	dt, hasDtype, err := get(alloc.AttrDtype)
 	if err != nil {
-		return "", err
+		return nil, err
 	}
 	shape, hasShape, _ := get(alloc.AttrShape)
 	stride, hasStride, _ := get(alloc.AttrStride)
@@ -217,8 +224,11 @@ func showLayout(path string) (string, error) {
 	var b strings.Builder
 	fmt.Fprintf(&b, "%s: ", alloc.Escape(path))
 	if !hasDtype && !hasShape {
+		if mayPack && filepath.Base(path) == transfer.PackName {
+			return showPack(path, fi.Size())
+		}
 		fmt.Fprintf(&b, "no dtype or shape (%s; tensorfs set DTYPE SHAPE %s gives it one)", byteCount(fi.Size()), alloc.Escape(path))
-		return b.String(), nil
+		return []string{b.String()}, nil
 	}
 	fmt.Fprintf(&b, "%s %s (%s", or(dt, hasDtype, "no dtype"), or(shape, hasShape, "no shape"), byteCount(fi.Size()))
 	if hasStride {
@@ -231,7 +241,29 @@ func showLayout(path string) (string, error) {
 		b.WriteString("; contiguous")
 	}
 	b.WriteString(")")
-	return b.String(), nil
+	return []string{b.String()}, nil
+}
+
+// showPack describes the pack at path, of size bytes: "PATH: a pack of N
+// tensors (SIZE)", then a line per tensor it holds, in its order, as
+// showLayout describes a segment's, with where it is: "DIR/NAME: float32
+// [64, 64] (16.0K; contiguous; in packed.safetensors at byte 1234)".
+func showPack(path string, size int64) ([]string, error) {
+	h, dataAt, err := transfer.ReadPack(path)
+	if err != nil {
+		return nil, err
+	}
+	plural := "s"
+	if len(h.Tensors) == 1 {
+		plural = ""
+	}
+	lines := []string{fmt.Sprintf("%s: a pack of %d tensor%s (%s)", alloc.Escape(path), len(h.Tensors), plural, byteCount(size))}
+	for _, t := range h.Tensors {
+		dt, _ := safetensors.TensorfsDtype(t.Dtype)
+		lines = append(lines, fmt.Sprintf("%s: %s %s (%s; contiguous; in %s at byte %d)", alloc.Escape(filepath.Dir(path)+"/"+t.Name),
+			dt, alloc.FormatShape(t.Shape), byteCount(t.Size()), transfer.PackName, dataAt+t.Begin))
+	}
+	return lines, nil
 }
 
 // or returns the escaped value v, or missing when it is absent.

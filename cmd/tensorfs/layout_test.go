@@ -2,14 +2,19 @@ package main
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
+	"tensorfs/safetensors"
+	"tensorfs/safetensors/transfer"
 )
 
 // TestSetShow: set gives a segment a dtype and a contiguous shape, show
@@ -72,5 +77,92 @@ func TestSetShow(t *testing.T) {
 		p + ": bfloat16 [24] (48 bytes; contiguous)\n"
 	if code, out, errOut := runCLI("show", "--allow-outside", dir); code != 0 || out != want {
 		t.Errorf("show of a directory: %d\n%s%s\nwant\n%s", code, out, errOut, want)
+	}
+}
+
+// TestShowLsPack: show prints a pack directly in the directory shown, or
+// given itself, as a line for the pack and one per tensor it holds, and
+// ls a row per tensor under the pack's; a packed.safetensors in a
+// subdirectory is an ordinary file. A pack whose header is not valid is an
+// error line naming it and exit 1, the other lines printed still.
+func TestShowLsPack(t *testing.T) {
+	dir := t.TempDir()
+	embed := filepath.Join(dir, "embed")
+	if err := os.WriteFile(embed, make([]byte, 8), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Setxattr(embed, alloc.AttrDtype, []byte("float32"), 0); errors.Is(err, unix.ENOTSUP) {
+		t.Skipf("no user xattrs on %s", dir)
+	}
+	if err := unix.Setxattr(embed, alloc.AttrShape, []byte("[2]"), 0); err != nil {
+		t.Fatal(err)
+	}
+	h := &safetensors.Header{Tensors: []safetensors.Tensor{
+		{Name: "ids", Dtype: "I64", Shape: []int64{2}},
+		{Name: "w", Dtype: "F32", Shape: []int64{4, 4}},
+		{Name: "h/0.bias", Dtype: "F16", Shape: []int64{3}},
+	}} // the reference writer's order, as the Python client writes a pack
+	if err := h.Pack(); err != nil {
+		t.Fatal(err)
+	}
+	header := h.Encode()
+	pack := filepath.Join(dir, transfer.PackName)
+	content := slices.Concat(safetensors.AppendPrefix(nil, header), header, make([]byte, h.DataSize()))
+	if err := os.WriteFile(pack, content, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	sub := filepath.Join(dir, "sub", transfer.PackName)
+	if err := os.Mkdir(filepath.Dir(sub), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(sub, content, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	at := safetensors.PrefixSize + len(header)
+	packLines := fmt.Sprintf("%s: a pack of 3 tensors (%d bytes)\n", pack, len(content)) +
+		fmt.Sprintf("%s/ids: int64 [2] (16 bytes; contiguous; in packed.safetensors at byte %d)\n", dir, at) +
+		fmt.Sprintf("%s/w: float32 [4, 4] (64 bytes; contiguous; in packed.safetensors at byte %d)\n", dir, at+16) +
+		fmt.Sprintf("%s/h/0.bias: float16 [3] (6 bytes; contiguous; in packed.safetensors at byte %d)\n", dir, at+80)
+	embedLine := embed + ": float32 [2] (8 bytes; contiguous)\n"
+	subLine := fmt.Sprintf("%s: no dtype or shape (%d bytes; tensorfs set DTYPE SHAPE %s gives it one)\n", sub, len(content), sub)
+	if code, out, errOut := runCLI("show", "--allow-outside", dir); code != 0 || out != embedLine+packLines+subLine {
+		t.Errorf("show of a directory with a pack: %d\n%s%s\nwant\n%s", code, out, errOut, embedLine+packLines+subLine)
+	}
+	if code, out, errOut := runCLI("show", "--allow-outside", pack); code != 0 || out != packLines {
+		t.Errorf("show of a pack: %d\n%s%s\nwant\n%s", code, out, errOut, packLines)
+	}
+	wantRows := [][]string{
+		{"embed", "8", "-", "-", "-", "float32", "[2]"},
+		{transfer.PackName, strconv.Itoa(len(content)), "-", "-", "-", "-", "-"},
+		{"ids", "16", "-", "-", "-", "int64", "[2]"},
+		{"w", "64", "-", "-", "-", "float32", "[4,", "4]"},
+		{"h/0.bias", "6", "-", "-", "-", "float16", "[3]"},
+		{"sub/", "-", "-", "-", "-", "-", "-"},
+	}
+	code, out, errOut := runCLI("ls", "-R", "--allow-outside", dir)
+	blocks := strings.Split(out, "\n\n")
+	lines := strings.Split(blocks[0], "\n")[2:]
+	if code != 0 || errOut != "" || len(blocks) != 2 || len(lines) != len(wantRows) {
+		t.Fatalf("ls -R of a directory with a pack: %d %q\n%s", code, errOut, out)
+	}
+	for i, want := range wantRows {
+		if got := strings.Fields(lines[i]); !slices.Equal(got, want) {
+			t.Errorf("ls row %d: %q, want %q", i, lines[i], want)
+		}
+	}
+	if strings.Count(blocks[1], "\n") != 3 {
+		t.Errorf("ls -R listed the tensors of sub/%s:\n%s", transfer.PackName, blocks[1])
+	}
+
+	if err := os.WriteFile(pack, content[:len(content)-1], 0o644); err != nil {
+		t.Fatal(err)
+	}
+	wantErr := "tensorfs show: pack " + pack + ": "
+	if code, out, errOut := runCLI("show", "--allow-outside", dir); code != 1 || out != embedLine+subLine || !strings.HasPrefix(errOut, wantErr) || strings.Count(errOut, "\n") != 1 {
+		t.Errorf("show of a directory with a truncated pack: %d\n%s%s\nwant 1, the other lines, and one line on stderr starting %q", code, out, errOut, wantErr)
+	}
+	wantErr = "tensorfs ls: pack " + pack + ": "
+	if code, out, errOut := runCLI("ls", "--allow-outside", dir); code != 1 || strings.Count(out, "\n") != 5 || !strings.HasPrefix(errOut, wantErr) || strings.Count(errOut, "\n") != 1 {
+		t.Errorf("ls of a directory with a truncated pack: %d\n%s%s\nwant 1, the entries, and one line on stderr starting %q", code, out, errOut, wantErr)
 	}
 }

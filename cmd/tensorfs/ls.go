@@ -8,7 +8,10 @@ package main
 // for its whole subtree, and a table of its entries (subdirectories show
 // as NAME/ with their subtree's bytes; -R lists each in a block too). Hidden names
 // are listed too: a segment uses memory whatever its name. An attribute
-// that is absent, or a file outside tensorfs, shows "-".
+// that is absent, or a file outside tensorfs, shows "-". A pack
+// (transfer.PackName) named on the command line or directly in a
+// directory named there is followed by a row for each tensor it holds,
+// its name indented, with its size, dtype and shape.
 //
 // Names and values are anyone's bytes: each is escaped (alloc.Escape for
 // names and holders, alloc.EscapeText for values) before it reaches the
@@ -26,6 +29,8 @@ import (
 	"text/tabwriter"
 
 	"tensorfs/alloc"
+	"tensorfs/safetensors"
+	"tensorfs/safetensors/transfer"
 )
 
 func runLs(args []string, stdout, stderr io.Writer) int {
@@ -60,11 +65,13 @@ func runLs(args []string, stdout, stderr io.Writer) int {
 	}
 	l := lister{w: stdout, stderr: stderr, long: *long, recursive: *recursive}
 	if len(files) > 0 {
-		writeTable(stdout, *long, files, func(p string) string { return p })
+		if !l.table(files, func(p string) string { return p }, true) {
+			status = 1
+		}
 		l.blocks++
 	}
 	for _, dir := range dirs {
-		if !l.dir(dir) {
+		if !l.dir(dir, true) {
 			status = 1
 		}
 	}
@@ -79,9 +86,11 @@ type lister struct {
 }
 
 // dir prints dir's block: a summary line "DIR  <rbytes>  <rsegments>
-// segments" and a table of its entries; with -R, then each subdirectory's
-// block. It reports whether every directory could be read.
-func (l *lister) dir(dir string) bool {
+// segments" and a table of its entries, with the tensors of its pack when
+// top is set (dir was named on the command line); with -R, then each
+// subdirectory's block. It reports whether every directory and pack could
+// be read.
+func (l *lister) dir(dir string, top bool) bool {
 	names, err := readDirNames(dir)
 	if err != nil {
 		fmt.Fprintf(l.stderr, "tensorfs ls: %s\n", alloc.EscapeText(err.Error()))
@@ -102,52 +111,81 @@ func (l *lister) dir(dir string) bool {
 	for i, name := range names {
 		entries[i] = filepath.Join(dir, name)
 	}
-	writeTable(l.w, l.long, entries, filepath.Base)
-	ok := true
+	ok := l.table(entries, filepath.Base, top)
 	if l.recursive {
 		for _, p := range entries {
 			if fi, err := os.Lstat(p); err == nil && fi.IsDir() {
-				ok = l.dir(p) && ok
+				ok = l.dir(p, false) && ok
 			}
 		}
 	}
 	return ok
 }
 
-// writeTable prints one row per path that is a regular file or a
-// directory, named by name(path).
-func writeTable(w io.Writer, long bool, paths []string, name func(string) string) {
-	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+// table prints one row per path that is a regular file or a directory,
+// named by name(path); with packs, a pack among them is followed by the
+// rows of its tensors (packRows). It reports whether every pack could be
+// read.
+func (l *lister) table(paths []string, name func(string) string, packs bool) bool {
+	tw := tabwriter.NewWriter(l.w, 0, 0, 2, ' ', 0)
 	header := "NAME\tSIZE\tDEVICE\tFLAGS\tREFS\tDTYPE\tSHAPE"
-	if long {
+	if l.long {
 		header += "\tHOLDERS"
 	}
 	fmt.Fprintln(tw, header)
+	ok := true
 	for _, p := range paths {
 		fi, err := os.Lstat(p)
 		if err != nil {
 			continue // gone since it was listed
 		}
 		var row []string
+		pack := false
 		switch {
 		case fi.Mode().IsRegular():
+			dtype, shape := attrOr(p, alloc.AttrDtype), attrOr(p, alloc.AttrShape)
 			row = []string{alloc.Escape(name(p)), humanSize(fi.Size()), attrOr(p, alloc.AttrDevice), attrOr(p, alloc.AttrFlags),
-				attrOr(p, alloc.AttrRefcount), attrOr(p, alloc.AttrDtype), attrOr(p, alloc.AttrShape)}
-			if long {
+				attrOr(p, alloc.AttrRefcount), dtype, shape}
+			if l.long {
 				row = append(row, holders(p))
 			}
+			pack = packs && filepath.Base(p) == transfer.PackName && dtype == "-" && shape == "-"
 		case fi.IsDir():
 			row = []string{alloc.Escape(name(p)) + "/", humanAttr(p, alloc.AttrRbytes), attrOr(p, alloc.AttrDevice),
 				attrOr(p, alloc.AttrFlags), "-", "-", "-"}
-			if long {
+			if l.long {
 				row = append(row, "-")
 			}
 		default:
 			continue
 		}
 		fmt.Fprintln(tw, strings.Join(row, "\t"))
+		if pack {
+			ok = l.packRows(tw, p) && ok
+		}
 	}
 	tw.Flush()
+	return ok
+}
+
+// packRows prints a row for each tensor of the pack at path, in its
+// order: its name indented, its size, dtype and shape. It reports whether
+// the pack could be read.
+func (l *lister) packRows(tw io.Writer, path string) bool {
+	h, _, err := transfer.ReadPack(path)
+	if err != nil {
+		fmt.Fprintf(l.stderr, "tensorfs ls: %s\n", alloc.EscapeText(err.Error()))
+		return false
+	}
+	for _, t := range h.Tensors {
+		dt, _ := safetensors.TensorfsDtype(t.Dtype)
+		row := []string{"  " + alloc.Escape(t.Name), humanSize(t.Size()), "-", "-", "-", dt, alloc.FormatShape(t.Shape)}
+		if l.long {
+			row = append(row, "-")
+		}
+		fmt.Fprintln(tw, strings.Join(row, "\t"))
+	}
+	return true
 }
 
 // attrOr returns the attribute as escaped text, or "-" when it cannot be

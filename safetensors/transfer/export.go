@@ -42,6 +42,11 @@ import (
 // its segment written, as transformers' save_pretrained drops the names in
 // a model's tied-weights list.
 //
+// A pack (PackName) directly in dir adds its tensors under their header
+// names, each copied from its place in the pack; a segment file of the
+// same name wins over a packed tensor, with a line to opt.Warn, and a pack
+// whose header is not valid is an error naming it.
+//
 // Every file goes through a temporary file in its directory, renamed into
 // place once all are complete and synced. Files with only one of dtype and
 // shape are skipped, each with a line to opt.Warn. Once ctx is done it
@@ -512,23 +517,61 @@ func (e *exportJob) queue(c *copier, tmp *os.File, f *outFile) error {
 	return nil
 }
 
-// segment is one exportable segment found under the export directory.
-type segment struct {
-	path   string
-	id     fileID             // the inode: names of one segment are a tie
-	tensor safetensors.Tensor // name, dtype and shape; no offsets
-	offset int64              // byte offset of the tensor in the segment
+// PackName is the name of a pack: a regular file directly in a
+// state-dict directory, with neither user.tensor.dtype nor
+// user.tensor.shape, whose bytes are a safetensors file holding small
+// tensors of the directory together, each named by its header name, as
+// the Python client's save_state_dict(pack_below=N) writes it. A file of
+// this name with a dtype or a shape is an ordinary segment, and one in a
+// subdirectory is an ordinary file.
+const PackName = "packed.safetensors"
+
+// ReadPack reads and validates the header of the pack at path. The bytes
+// of a tensor t of h are [dataAt+t.Begin, dataAt+t.End) in the file. An
+// invalid header is an error naming path.
+func ReadPack(path string) (h *safetensors.Header, dataAt int64, err error) {
+	f, err := openRegular(path)
+	if err != nil {
+		return nil, 0, err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, 0, err
+	}
+	h, raw, err := safetensors.ReadHeader(f, fi.Size())
+	if err != nil {
+		return nil, 0, fmt.Errorf("pack %s: %w", path, err)
+	}
+	return h, safetensors.PrefixSize + int64(len(raw)), nil
 }
 
-// fileID tells one file from another: device and inode.
-type fileID struct{ dev, ino uint64 }
+// segment is one exportable tensor found under the export directory: a
+// segment file, or a tensor of a pack.
+type segment struct {
+	path   string
+	id     fileID             // names of one id are a tie
+	tensor safetensors.Tensor // name, dtype and shape; no offsets
+	offset int64              // byte offset of the tensor in the file
+}
+
+// fileID tells one tensor from another: the device and inode of its file
+// (names of one segment file, hard links, are one tensor) and, for a
+// tensor of a pack, its name there (tensors of one pack are not ties).
+type fileID struct {
+	dev, ino uint64
+	packed   string
+}
 
 // scanSegments finds every regular file under dir that has a dtype and a
-// shape, keyed by its path relative to dir, with '/' separators.
-// Temporary entries of imports and of the Python client's saves (names
-// starting with .import- or .save- at the top) are skipped.
+// shape, keyed by its path relative to dir, with '/' separators, and the
+// tensors of the pack at the top, keyed by their names unless a segment
+// file has the name. Temporary entries of imports and of the Python
+// client's saves (names starting with .import- or .save- at the top) are
+// skipped.
 func scanSegments(dir string, warn func(string)) (map[string]*segment, error) {
 	segs := map[string]*segment{}
+	var packed []*segment
 	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
@@ -554,6 +597,10 @@ func scanSegments(dir string, warn func(string)) (map[string]*segment, error) {
 		if err != nil {
 			return err
 		}
+		if !hasDtype && !hasShape && rel == PackName {
+			packed, err = packSegments(path)
+			return err
+		}
 		if !hasDtype || !hasShape {
 			if warn != nil {
 				warn(fmt.Sprintf("skipping %s: it needs both %s and %s", alloc.Escape(path), alloc.AttrDtype, alloc.AttrShape))
@@ -568,7 +615,38 @@ func scanSegments(dir string, warn func(string)) (map[string]*segment, error) {
 		segs[s.tensor.Name] = s
 		return nil
 	})
-	return segs, err
+	if err != nil {
+		return nil, err
+	}
+	for _, s := range packed {
+		if seg, ok := segs[s.tensor.Name]; ok {
+			if warn != nil {
+				warn(fmt.Sprintf("skipping %s in %s: the segment %s has that name",
+					alloc.Escape(s.tensor.Name), alloc.Escape(s.path), alloc.Escape(seg.path)))
+			}
+			continue
+		}
+		segs[s.tensor.Name] = s
+	}
+	return segs, nil
+}
+
+// packSegments returns the tensors of the pack at path.
+func packSegments(path string) ([]*segment, error) {
+	h, dataAt, err := ReadPack(path)
+	if err != nil {
+		return nil, err
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return nil, err
+	}
+	segs := make([]*segment, len(h.Tensors))
+	for i, t := range h.Tensors {
+		segs[i] = &segment{path: path, id: fileID{st.Dev, st.Ino, t.Name},
+			tensor: safetensors.Tensor{Name: t.Name, Dtype: t.Dtype, Shape: t.Shape}, offset: dataAt + t.Begin}
+	}
+	return segs, nil
 }
 
 // readSegment checks that a segment holds a contiguous tensor the format
@@ -623,7 +701,7 @@ func readSegment(path, dtype, shape string) (*segment, error) {
 		return nil, fmt.Errorf("%d-byte segment is too short for %s %s at byte %d (%d bytes)",
 			fst.Size, d.Name, alloc.FormatShape(dims), off, n)
 	}
-	return &segment{path: path, id: fileID{fst.Dev, fst.Ino}, tensor: safetensors.Tensor{Dtype: st, Shape: dims}, offset: off}, nil
+	return &segment{path: path, id: fileID{dev: fst.Dev, ino: fst.Ino}, tensor: safetensors.Tensor{Dtype: st, Shape: dims}, offset: off}, nil
 }
 
 // contiguous reports whether stride is the row-major stride of shape,

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -411,7 +412,7 @@ func TestExportOrderAsReferenceWriter(t *testing.T) {
 // another name of its segment kept, recorded or not; a listed name that
 // is no tie, is missing, or is every name of its segment is refused.
 func TestUntieTied(t *testing.T) {
-	wte, other := &segment{id: fileID{1, 1}}, &segment{id: fileID{1, 2}}
+	wte, other := &segment{id: fileID{dev: 1, ino: 1}}, &segment{id: fileID{dev: 1, ino: 2}}
 	segs := map[string]*segment{"lm_head.weight": wte, "transformer.wte.weight": wte, "transformer.h.0.w": other}
 	kept, ties, err := untie(segs, nil, nil)
 	if err != nil || kept["lm_head.weight"] != wte || ties["transformer.wte.weight"] != "lm_head.weight" {
@@ -433,5 +434,141 @@ func TestUntieTied(t *testing.T) {
 		if _, _, err := untie(segs, nil, c.tied); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("untie with tied %q: %v, want an error saying %q", c.tied, err, c.want)
 		}
+	}
+}
+
+// writePack writes a pack of tensors into dir, in the reference writer's
+// layout, and returns each tensor's bytes by name.
+func writePack(t *testing.T, dir string, tensors []safetensors.Tensor) map[string][]byte {
+	t.Helper()
+	h := &safetensors.Header{Tensors: sortedTensors(tensors)}
+	if err := h.Pack(); err != nil {
+		t.Fatal(err)
+	}
+	header := h.Encode()
+	data := pattern(int(h.DataSize()))
+	b := slices.Concat(safetensors.AppendPrefix(nil, header), header, data)
+	if err := os.WriteFile(filepath.Join(dir, PackName), b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string][]byte{}
+	for _, tn := range h.Tensors {
+		want[tn.Name] = data[tn.Begin:tn.End]
+	}
+	return want
+}
+
+// writeSegment writes a segment file with data, dtype and shape.
+func writeSegment(t *testing.T, path string, data []byte, dtype, shape string) {
+	t.Helper()
+	if err := os.WriteFile(path, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for name, v := range map[string]string{alloc.AttrDtype: dtype, alloc.AttrShape: shape} {
+		if err := unix.Setxattr(path, name, []byte(v), 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// exported reads the safetensors file path and returns each tensor's
+// bytes by name, and its header.
+func exported(t *testing.T, path string) (map[string][]byte, *safetensors.Header) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := readHeader(t, path)
+	dataAt := int64(len(b)) - h.DataSize()
+	got := map[string][]byte{}
+	for _, tn := range h.Tensors {
+		got[tn.Name] = b[dataAt+tn.Begin : dataAt+tn.End]
+	}
+	return got, h
+}
+
+// TestExportPack: the tensors of a pack are exported with the segment
+// files, each its own tensor (two empty ones at one offset are no tie);
+// a segment file wins over a packed tensor of its name, with a warning;
+// a packed.safetensors in a subdirectory, or with a dtype and shape, is
+// an ordinary file; a pack with an invalid header is an error naming it,
+// and no file is written.
+func TestExportPack(t *testing.T) {
+	dir := fakeMount(t)
+	want := writePack(t, dir, []safetensors.Tensor{
+		{Name: "ln_f.weight", Dtype: "F16", Shape: []int64{5}},
+		{Name: "h/0.attn.bias", Dtype: "BOOL", Shape: []int64{1, 3}},
+		{Name: "position_ids", Dtype: "I64", Shape: []int64{3}},
+		{Name: "empty.a", Dtype: "F32", Shape: []int64{0}},
+		{Name: "empty.b", Dtype: "F32", Shape: []int64{2, 0}},
+	})
+	embed := slices.Repeat([]byte{7}, 48)
+	writeSegment(t, filepath.Join(dir, "embed.weight"), embed, "float32", "[4, 3]")
+	want["embed.weight"] = embed
+	if err := os.Mkdir(filepath.Join(dir, "sub"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	writePack(t, filepath.Join(dir, "sub"), []safetensors.Tensor{{Name: "x", Dtype: "U8", Shape: []int64{1}}})
+
+	var warnings []string
+	warn := func(msg string) { warnings = append(warnings, msg) }
+	out := filepath.Join(t.TempDir(), "out.safetensors")
+	sum, err := Export(context.Background(), dir, out, Options{Warn: warn})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, h := exported(t, out)
+	if sum.Tensors != len(want) || sum.Links != 0 || len(got) != len(want) || h.Metadata != nil {
+		t.Errorf("Export = %+v, tensors %q, metadata %v; want the %d tensors and no ties", sum, slices.Sorted(maps.Keys(got)), h.Metadata, len(want))
+	}
+	for name, b := range want {
+		if !bytes.Equal(got[name], b) {
+			t.Errorf("%s: exported %v, want %v", name, got[name], b)
+		}
+	}
+	if len(warnings) != 1 || !strings.Contains(warnings[0], "skipping "+filepath.Join(dir, "sub", PackName)) {
+		t.Errorf("warnings %q, want one skipping sub/%s", warnings, PackName)
+	}
+
+	// A segment file of a packed tensor's name wins.
+	ids := []byte{1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0}
+	writeSegment(t, filepath.Join(dir, "position_ids"), ids, "int64", "[3]")
+	warnings = nil
+	if _, err := Export(context.Background(), dir, out, Options{Warn: warn}); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := exported(t, out); !bytes.Equal(got["position_ids"], ids) || len(got) != len(want) {
+		t.Errorf("position_ids exported as %v of %d tensors, want the segment file's %v", got["position_ids"], len(got), ids)
+	}
+	packPath := filepath.Join(dir, PackName)
+	if len(warnings) != 2 || !strings.Contains(warnings[1], "skipping position_ids in "+packPath+": the segment "+filepath.Join(dir, "position_ids")) {
+		t.Errorf("warnings %q, want the sub/%s one and one skipping position_ids in the pack", warnings, PackName)
+	}
+
+	// An invalid header: an error naming the pack, and no file.
+	b, err := os.ReadFile(packPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(packPath, b[:len(b)-1], 0o644); err != nil {
+		t.Fatal(err)
+	}
+	outDir := t.TempDir()
+	_, err = Export(context.Background(), dir, filepath.Join(outDir, "bad.safetensors"), Options{Warn: warn})
+	if err == nil || !strings.Contains(err.Error(), "pack "+packPath+": ") || !errors.Is(err, safetensors.ErrInvalid) {
+		t.Errorf("Export with a truncated pack = %v, want an error naming %s", err, packPath)
+	}
+	if got := tree(t, outDir); len(got) != 0 {
+		t.Errorf("Export with a truncated pack wrote %q", got)
+	}
+
+	// With a dtype and a shape it is an ordinary segment.
+	writeSegment(t, packPath, b[:8], "uint8", "[8]")
+	if _, err := Export(context.Background(), dir, out, Options{Warn: warn}); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := exported(t, out); !bytes.Equal(got[PackName], b[:8]) || len(got) != 3 {
+		t.Errorf("with a dtype and shape, exported %q, want %s, embed.weight and position_ids", slices.Sorted(maps.Keys(got)), PackName)
 	}
 }
