@@ -10,6 +10,9 @@ return a dict of zero-copy tensors:
   load_state_dict   tensorfs.load_state_dict: the control socket's load
                     (one request per 253 segments), then each segment
                     mapped into one range, a view of it per tensor
+  packed            the same of a directory saved with pack_below=1 MiB:
+                    one segment, packed.safetensors, mapped once, a view
+                    of it per tensor
   open_torch        tensorfs.open_torch on each segment's path (xattrs,
                     open and mmap through the mount: FUSE requests each)
   shm views         safetensors-style: parse the header, mmap the file
@@ -69,9 +72,13 @@ def main():
         d = os.path.join(mount, "bench-%d" % n)
         shutil.rmtree(d, ignore_errors=True)
         tensorfs.save_state_dict(d, sd)
+        dp = d + "-packed"
+        shutil.rmtree(dp, ignore_errors=True)
+        tensorfs.save_state_dict(dp, sd, pack_below=1 << 20)
         shm = "/dev/shm/tensorfs-bench-%d.safetensors" % n
         st.export_safetensors(d, shm)
         ways = [("load_state_dict", lambda: tensorfs.load_state_dict(d)),
+                ("packed", lambda: tensorfs.load_state_dict(dp)),
                 ("open_torch", lambda: by_path(d, sd)),
                 ("shm views", lambda: shm_views(shm))]
         try:
@@ -87,6 +94,7 @@ def main():
         finally:
             os.unlink(shm)
             shutil.rmtree(d, ignore_errors=True)
+            shutil.rmtree(dp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,8 @@ def parse_header(raw, data_size):
         obj = _json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
     except (UnicodeDecodeError, _json.JSONDecodeError) as e:
         raise _bad("bad JSON header: %s" % e) from None
+    except RecursionError:
+        raise _bad("JSON header nested too deep") from None
     meta = obj.pop(_METADATA, None)
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise _bad("%s is not an object of strings" % _METADATA)

@@ -342,6 +342,26 @@ class TestFullMount(unittest.TestCase):
             tensorfs.save_state_dict(new, {"c": torch.ones(30 * mib)})
         self.assertFalse(os.path.exists(new))  # the directory it made is gone too
 
+    def test_save_state_dict_packed_full(self):
+        d = os.path.join(self.mount.dir, "packed")
+        old = {"s.%d" % i: torch.full((256,), float(i)) for i in range(8)}
+        tensorfs.save_state_dict(d, old, pack_below=4096)
+        pack = os.path.join(d, "packed.safetensors")
+        with open(pack, "rb") as f:
+            before, bytes_before = self.entries(), f.read()
+        with self.assertRaises(OSError) as cm:  # 30 MiB of small tensors into a 24 MiB mount
+            tensorfs.save_state_dict(d, {"t.%d" % i: torch.ones(1 << 16) for i in range(120)}, pack_below=1 << 20)
+        e = cm.exception
+        self.assertEqual(e.errno, errno.ENOSPC)
+        self.assertIn("packing 128 tensors into %s" % pack, str(e))
+        self.assertIn("it needs ", str(e))
+        self.assertEqual(self.entries(), before)  # no temporary names
+        with open(pack, "rb") as f:
+            self.assertEqual(f.read(), bytes_before)
+        got = tensorfs.load_state_dict(d)
+        self.assertEqual(list(got), list(old))
+        self.assertTrue(all(torch.equal(got[k], t) for k, t in old.items()))
+
     def test_save_full(self):
         p = os.path.join(self.mount.dir, "w")
         tensorfs.save(p, torch.arange(4.0))

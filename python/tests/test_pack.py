@@ -35,6 +35,12 @@ for line in sys.stdin:
 """
 
 
+def read(path):
+    """The bytes of the file at path."""
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def header(path):
     """The safetensors header of the file at path, as a dict."""
     with open(path, "rb") as f:
@@ -77,7 +83,7 @@ class _PackTests(MountedTests):
         h = header(pack)
         self.assertEqual(sorted(h), sorted(set(sd) - {"embed", "tied.a", "tied.b"}))
         self.assertEqual(h["layer.1.weight"]["dtype"], "BF16")
-        data = 8 + struct.unpack("<Q", open(pack, "rb").read(8))[0]
+        data = 8 + struct.unpack("<Q", read(pack)[:8])[0]
         for name, e in h.items():  # each tensor on a whole element of its own dtype
             size = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2}.get(e["dtype"], 1)
             self.assertEqual((data + e["data_offsets"][0]) % size, 0, name)
@@ -166,7 +172,7 @@ class _PackTests(MountedTests):
         d = os.path.join(self.dir, "m")
         tensorfs.save_state_dict(d, {"a": torch.ones(4), "w": torch.ones(300)}, pack_below=1024)
         pack = os.path.join(d, PACK)
-        good = open(pack, "rb").read()
+        good = read(pack)
         n = struct.unpack("<Q", good[:8])[0]
         for bad, why in [(b"\xff" * 8 + good[8:], "no header"),
                          (good[:8] + b"[" + good[9:], "does not start"),
@@ -184,7 +190,7 @@ class _PackTests(MountedTests):
                 tensorfs.save_state_dict(d, {"b": torch.ones(2)}, pack_below=1024)
             self.assertIn("not a valid pack", str(cm.exception))
             self.assertEqual(sorted(os.listdir(d)), [PACK, "w"])
-            self.assertEqual(open(pack, "rb").read(), bad)
+            self.assertEqual(read(pack), bad)
         with open(pack, "wb") as f:
             f.write(good)
         with self.assertRaises(ValueError) as cm:
@@ -224,6 +230,38 @@ class _PackTests(MountedTests):
         n = sum(after.values()) - sum(before.values())
         self.assertLess(n, 20, "FUSE requests during load_state_dict: %s" % {
             k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)})
+
+
+class TestPackHeader(unittest.TestCase):
+    """The header parser every pack goes through, on bytes anyone who may write the pack chose."""
+
+    def test_mutated_headers_are_value_errors(self):
+        import random
+        raw, placed = st.encode_header([("a", "F32", [4, 4]), ("b.c", "BF16", [3]), ("d", "BOOL", [0])], {"k": "v"})
+        size = placed[-1][4]
+        self.assertEqual(len(st.parse_header(raw, size)[0]), 3)
+        rng = random.Random(28)
+        alphabet = b'{}[]",:0123456789-.eE ntrufalsF32BOOL\\'
+        for i in range(3000):
+            b = bytearray(raw)
+            for _ in range(rng.randint(1, 4)):
+                at = rng.randrange(len(b))
+                op = rng.randrange(3)
+                if op == 0:
+                    b[at] = rng.choice(alphabet)
+                elif op == 1:
+                    del b[at]
+                else:
+                    b.insert(at, rng.choice(alphabet))
+            try:
+                st.parse_header(bytes(b), size + rng.choice((0, 0, 2, -2)))
+            except ValueError:
+                pass
+        for bad in (b"[" * 100000, b'{"a": ' + b"[" * 100000, b'{"a":{"dtype":"F32","shape":[1],"data_offsets":["x",4]}}',
+                    b'{"a":{"dtype":[],"shape":[1],"data_offsets":[0,4]}}', b'{"a":{"dtype":"F32","shape":[true],'
+                    b'"data_offsets":[0,4]}}', b'{"a":{"dtype":"F32","shape":[1.0],"data_offsets":[0,4]}}'):
+            with self.assertRaises(ValueError):
+                st.parse_header(b"{" + bad[1:] if bad.startswith(b"[") else bad, 4)
 
 
 class TestPackPassthrough(_PackTests, unittest.TestCase):

@@ -267,6 +267,19 @@ class TestLoadPermissions(MountedTests, unittest.TestCase):
             os.chmod(os.path.join(d, k), m)
         return d
 
+    def test_pack_checks_like_open(self):
+        if PYDIR.startswith("/root") or os.stat(PYDIR).st_mode & 0o005 != 0o005:
+            unavailable("%s is not readable by other users" % PYDIR)
+        d = os.path.join(self.mount.dir, "packed")
+        tensorfs.save_state_dict(d, {"a": torch.ones(2), "b": torch.ones(3), "c": torch.ones(64)}, pack_below=64)
+        pack = os.path.join(d, "packed.safetensors")
+        self.assertEqual(self.as_nobody(d), "ok a b c")
+        out = self.as_nobody(d, "r+")  # the pack is 0644: not for another uid to write
+        self.assertTrue(out.startswith("errno 13") and "read and write" in out, out)
+        os.chmod(pack, 0o600)
+        out = self.as_nobody(d)
+        self.assertTrue(out.startswith("errno 13") and "packed.safetensors: no read permission" in out, out)
+
     def test_load_checks_like_open(self):
         if PYDIR.startswith("/root") or os.stat(PYDIR).st_mode & 0o005 != 0o005:
             unavailable("%s is not readable by other users" % PYDIR)
