@@ -211,7 +211,10 @@ def meta(path: str) -> TensorMeta:
     A missing dtype reads as uint8 and a missing shape as one dimension
     spanning the whole segment.
     """
-    nbytes = _os.stat(path).st_size
+    try:
+        nbytes = _os.stat(path).st_size
+    except FileNotFoundError as e:
+        raise _not_found(e, path) from None
     attrs = {n: _getxattr(path, n) for n in (XATTR_DTYPE, XATTR_SHAPE, XATTR_STRIDE, XATTR_OFFSET)}
     return _meta_from(attrs, nbytes)
 
@@ -254,7 +257,31 @@ def _flags(path):
 
 def _read_only(path):
     """True for a FROMFD segment or one this process may not write."""
-    return "FROMFD" in _flags(path) or not _os.access(path, _os.W_OK)
+    try:
+        return "FROMFD" in _flags(path) or not _os.access(path, _os.W_OK)
+    except FileNotFoundError as e:
+        raise _not_found(e, path) from None
+
+
+def _not_found(err, path):
+    """err, or, for a tensor packed in its directory's pack, a FileNotFoundError that says so."""
+    from . import statedict
+    d, name = _os.path.split(_os.path.abspath(path))
+    pack = _os.path.join(d, statedict.PACK_NAME)
+    try:
+        fd = _os.open(pack, _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NOFOLLOW)
+    except OSError:
+        return err
+    try:
+        names = [e[0] for e in statedict._pack_entries(fd, _os.fstat(fd).st_size)]
+    except (OSError, ValueError):
+        return err
+    finally:
+        _os.close(fd)
+    if name not in names:
+        return err
+    return FileNotFoundError(_errno.ENOENT, "tensorfs: %s is a tensor packed in %s, not a file of its own: "
+                             "load_state_dict(%r) or safe_open(%r) has it" % (path, pack, d, d), path)
 
 
 def _open_fd(path, write):

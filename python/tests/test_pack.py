@@ -88,6 +88,13 @@ class _PackTests(MountedTests):
             size = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2}.get(e["dtype"], 1)
             self.assertEqual((data + e["data_offsets"][0]) % size, 0, name)
         self.assertEqual(tensorfs.metadata(d), {"format": "pt"})
+        for open_ in (tensorfs.open, tensorfs.open_torch):  # a packed name is no file, and the error says where it is
+            with self.assertRaises(FileNotFoundError) as cm:
+                open_(os.path.join(d, "layer.0.bias"))
+            self.assertIn("packed in %s" % pack, str(cm.exception))
+        with self.assertRaises(FileNotFoundError) as cm:
+            tensorfs.open_torch(os.path.join(d, "nothing"))
+        self.assertNotIn("packed", str(cm.exception))
         got = tensorfs.load_state_dict(d)
         self.assert_same(got, sd)
         self.assertIs(got["tied.a"], got["tied.b"])
