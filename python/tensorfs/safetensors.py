@@ -164,7 +164,7 @@ def _copy(src, src_off, dst, dst_off, n):
         src_off, dst_off, n = src_off + k, dst_off + k, n - k
 
 
-def import_safetensors(file: str, path: str) -> int:
+def import_safetensors(file: str, path: str, *, pack_below: int = 0) -> int:
     """Import the safetensors file into the new or empty directory path, all or nothing.
 
     Returns the number of tensors. Each tensor becomes a segment named as
@@ -174,8 +174,13 @@ def import_safetensors(file: str, path: str) -> int:
     hard link to that tensor's segment; the
     metadata, the tensor order and, unless export would rebuild it, the
     original header are kept on the directory, so that export_safetensors
-    (or `tensorfs export`) writes the file back byte-identical.
+    (or `tensorfs export`) writes the file back byte-identical. pack_below
+    puts each tensor of fewer bytes that no such entry names in one
+    segment, path/packed.safetensors, as save_state_dict's pack_below does.
     """
+    from . import statedict as _sd
+    if type(pack_below) is not int or pack_below < 0:
+        raise ValueError("tensorfs.import_safetensors: pack_below must be a number of bytes, not %r" % (pack_below,))
     with open(file, "rb") as f:
         size = _os.fstat(f.fileno()).st_size
         prefix = f.read(8)
@@ -207,7 +212,14 @@ def import_safetensors(file: str, path: str) -> int:
         tmp = moved = None
         try:
             tmp = _tempfile.mkdtemp(prefix=_IMPORT_TMP, dir=path)
+            packed = [(name, _FROM_ST[st], tuple(shape), _os.pread(f.fileno(), end - begin, 8 + n + begin))
+                      for name, st, shape, begin, end in tensors
+                      if end - begin < pack_below and name not in links.values() and _sd._packable(_FROM_ST[st])]
+            _sd._write_pack(path, tmp, None, packed, (), "tensorfs.import_safetensors")
+            in_pack = {t[0] for t in packed}
             for name, st, shape, begin, end in sorted(tensors, key=lambda t: t[3]):
+                if name in in_pack:
+                    continue
                 seg = _os.path.join(tmp, name)
                 _os.makedirs(_os.path.dirname(seg), exist_ok=True)
                 fd = _os.open(seg, _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_CLOEXEC, 0o644)

@@ -263,7 +263,7 @@ def _pack_entries(fd, size):
     return [(name, st, tuple(shape), 8 + n + begin, end - begin) for name, st, shape, begin, end in tensors]
 
 
-def _write_pack(path, tmp, old, packed, saving):
+def _write_pack(path, tmp, old, packed, saving, caller="tensorfs.save_state_dict"):
     """Write tmp/PACK_NAME: the old pack's entries not in saving, then packed [(name, dtype, shape, buffer)].
 
     Returns _WRITE when there is a new pack to move into place, _REMOVE
@@ -283,7 +283,7 @@ def _write_pack(path, tmp, old, packed, saving):
     header, placed = encode_header([t[:3] for t in tensors], None)
     full = _os.path.join(path, PACK_NAME)
     total = 8 + len(header) + (placed[-1][4] if placed else 0)
-    what = "tensorfs.save_state_dict: packing %d tensors into %s" % (len(tensors), full)
+    what = "%s: packing %d tensors into %s" % (caller, len(tensors), full)
     fd = _os.open(_os.path.join(tmp, PACK_NAME), _os.O_WRONLY | _os.O_CREAT | _os.O_EXCL | _os.O_CLOEXEC, 0o644)
     try:
         _os.ftruncate(fd, total)

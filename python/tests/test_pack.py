@@ -130,6 +130,28 @@ class _PackTests(MountedTests):
             self.assertEqual(sorted(got), sorted(sd))
             self.assertTrue(all(torch.equal(got[n], t) for n, t in sd.items()))
 
+    def test_import_packed_and_export_identical(self):
+        sd = self.sample()
+        d = os.path.join(self.dir, "src")
+        tensorfs.save_state_dict(d, sd)
+        os.link(os.path.join(d, "ids"), os.path.join(d, "ids.tied"))  # a tie: a metadata entry in the file
+        src = "/tmp/tensorfs-pack-test-%d.safetensors" % os.getpid()
+        back = src + ".back"
+        self.addCleanup(lambda: [os.unlink(p) for p in (src, back) if os.path.exists(p)])
+        st.export_safetensors(d, src)
+        imp = os.path.join(self.dir, "imp")
+        self.assertEqual(st.import_safetensors(src, imp, pack_below=1024), len(sd))
+        self.assertEqual(sorted(os.listdir(imp)), ["embed", "ids", "ids.tied", PACK])
+        self.assertEqual(sorted(header(os.path.join(imp, PACK))), sorted(set(sd) - {"embed", "ids"}))
+        got = tensorfs.load_state_dict(imp)
+        self.assertIs(got["ids"], got["ids.tied"])
+        self.assertTrue(all(torch.equal(got[n], t) for n, t in sd.items()))
+        st.export_safetensors(imp, back)  # the recorded header: the same file back
+        self.assertEqual(read(back), read(src))
+        r = subprocess.run([binary(), "export", imp, back], capture_output=True, text=True, timeout=TIMEOUT)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(read(back), read(src))
+
     def test_shared_and_private(self):
         d = os.path.join(self.dir, "m")
         tensorfs.save_state_dict(d, {"a": torch.zeros(8), "b": torch.zeros(4, 4)}, pack_below=4096)
