@@ -61,8 +61,11 @@ class safe_open:
         packed = [e for e in entries if e.at is not None]
         try:
             got = _sd._map_all([e for e in entries if e.at is None], False, lambda e, mm, ident: (e, mm, ident))
-        finally:
-            mm = pack and _sd._map_pack(pack, False)
+        except BaseException:
+            if pack is not None:
+                _os.close(pack.fd)
+            raise
+        mm = pack and _sd._map_pack(pack, False)
         for e, mm_, ident in got:
             self._entries[e.name] = _Entry(mm_, 0, e.meta, e.full, ident)
         for e in packed:

@@ -175,7 +175,7 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
             seg = _tfs._write_temp(_os.path.join(path, name), buf, dtype, shape,
                                    "tensorfs.save_state_dict: tensor %r" % name, _os.path.dirname(dst))
             _os.rename(seg, dst)
-        old_pack = _open_pack(_os.path.join(path, PACK_NAME))
+        old_pack = _open_pack(_os.path.join(path, PACK_NAME), bool(packed))
         pack = _write_pack(path, tmp, old_pack, packed, files)
         old_attrs = _replace_attrs(path, metadata, list(state_dict))
         gone = [n for n, _, _, _ in packed] + ([PACK_NAME] if pack is _REMOVE else [])
@@ -220,11 +220,11 @@ def _packable(dtype):
     return dtype in _TO_ST and _tfs.DTYPES[dtype]["bits"] % 8 == 0
 
 
-def _open_pack(full):
+def _open_pack(full, packing):
     """(fd, [(name, safetensors dtype, shape, byte offset in the file, nbytes)]) of the pack at full, or None.
 
-    ValueError for a file there that is a tensor's segment or not a
-    valid safetensors file: a save that went on would lose it.
+    ValueError for a file there that is not a valid safetensors file, or,
+    when packing, a tensor's segment: a save that went on would lose it.
     """
     try:
         fd = _os.open(full, _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NOFOLLOW)
@@ -234,8 +234,11 @@ def _open_pack(full):
         raise _tfs._explain(e, full, "tensorfs.save_state_dict: reading the pack %s" % full) from None
     try:
         if any(_tfs._getxattr(full, a) is not None for a in (_tfs.XATTR_DTYPE, _tfs.XATTR_SHAPE)):
+            if not packing:
+                _os.close(fd)
+                return None
             raise ValueError("tensorfs.save_state_dict: %s has a dtype or shape, so it is a tensor's segment, "
-                             "not a pack: rename it to save here" % full)
+                             "not a pack: rename it to pack tensors here" % full)
         try:
             entries = _pack_entries(fd, _os.fstat(fd).st_size)
         except ValueError as e:

@@ -228,6 +228,16 @@ class _PackTests(MountedTests):
         for bad in (-1, 1.5, "4k"):
             with self.assertRaises(ValueError):
                 tensorfs.save_state_dict(d, {"b": torch.ones(2)}, pack_below=bad)
+        # A tensor's segment of that name (tensorfs.save made it) is no pack: saves go on, packing ones refuse.
+        other = os.path.join(self.dir, "other")
+        os.mkdir(other)
+        tensorfs.save(os.path.join(other, PACK), torch.ones(3))
+        tensorfs.save_state_dict(other, {"x": torch.ones(2)})
+        with self.assertRaises(ValueError) as cm:
+            tensorfs.save_state_dict(other, {"y": torch.ones(2)}, pack_below=64)
+        self.assertIn("is a tensor's segment", str(cm.exception))
+        self.assertEqual(sorted(os.listdir(other)), ["packed.safetensors", "x"])
+        self.assertEqual(sorted(tensorfs.load_state_dict(other)), ["packed.safetensors", "x"])
         # A segment named as a packed tensor wins over it, with a warning.
         tensorfs.save(os.path.join(d, "a"), torch.full((2,), 8.0))
         with warnings.catch_warnings(record=True) as w:
