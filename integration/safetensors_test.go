@@ -280,6 +280,20 @@ func TestSafetensorsImportExport(t *testing.T) {
 		stOK(t, "export", dir, back)
 		run(t, "cmp", ref, back)
 
+		// Packed: every tensor is under 64 bytes, so DIR holds the pack
+		// alone, with no dtype or shape, and exports the same bytes.
+		kdir := m.path("packed")
+		stOK(t, "import", "--pack-below", "64", ref, kdir)
+		if got := stTree(t, kdir); !slices.Equal(got, []string{"packed.safetensors"}) {
+			t.Errorf("import --pack-below 64 made %q, want just packed.safetensors", got)
+		}
+		if names := stAttrNames(t, filepath.Join(kdir, "packed.safetensors")); slices.Contains(names, "user.tensor.dtype") || slices.Contains(names, "user.tensor.shape") {
+			t.Errorf("the pack has attributes %q, want no dtype or shape", names)
+		}
+		kback := filepath.Join(t.TempDir(), "packed-back.safetensors")
+		stOK(t, "export", kdir, kback)
+		run(t, "cmp", ref, kback)
+
 		// Another layout: the original header is kept and reused.
 		pdir := m.path("pretty")
 		stOK(t, "import", pretty, pdir)
@@ -373,9 +387,9 @@ func TestSafetensorsRefused(t *testing.T) {
 	if err := os.Mkdir(m.path("empty"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	check := func(t *testing.T, file, target, mention string) {
+	check := func(t *testing.T, file, target, mention string, flags ...string) {
 		t.Helper()
-		stdout, stderr, code := stTensorfs(t, "import", file, target)
+		stdout, stderr, code := stTensorfs(t, slices.Concat([]string{"import"}, flags, []string{file, target})...)
 		if code != 1 {
 			t.Errorf("import %s: exit %d, want 1\nstdout: %q\nstderr: %q", filepath.Base(file), code, stdout, stderr)
 		}
@@ -412,10 +426,12 @@ func TestSafetensorsRefused(t *testing.T) {
 	t.Run("mount-full", func(t *testing.T) {
 		// 48 MiB of tensors into a 32 MiB mount: the second one fails,
 		// saying what it needed and what was free, and naming a directory
-		// to look at that the cleanup left in place.
+		// to look at that the cleanup left in place. So does the pack of
+		// both (each 24 MiB is under 26 MB).
 		for target, hint := range map[string]string{m.path("new/model"): m.dir, m.path("empty"): m.path("empty")} {
 			check(t, big, target, "the import needs 48.0 MiB and the mount had ")
 			check(t, big, target, "free when it began: see df -h "+hint+"; ")
+			check(t, big, target, " in packed.safetensors: the tensorfs mount is full: the import needs 48.0 MiB", "--pack-below", "26MB")
 			if _, err := os.Stat(hint); err != nil {
 				t.Errorf("the hint's directory: %v", err)
 			}

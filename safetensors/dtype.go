@@ -53,6 +53,30 @@ func FromTensorfsDtype(name string) (string, bool) {
 	return "", false
 }
 
+// Bits returns the bits of one element of a safetensors dtype (16 for
+// "BF16", 4 for "F4"), and false for a dtype this package does not know.
+func Bits(st string) (int64, bool) {
+	d, ok := dtypes[st]
+	return d.bits, ok
+}
+
+// SortByElementSize sorts tensors as a tensorfs pack orders them (the
+// Python client's save_state_dict with pack_below, tensorfs import
+// --pack-below): by the bits of one element, largest first, then by
+// name, byte-wise. Laid out back to back from offset 0 in this order,
+// tensors of whole-byte dtypes each start on a whole element. Unknown
+// dtypes sort last.
+func SortByElementSize(tensors []Tensor) {
+	slices.SortStableFunc(tensors, func(a, b Tensor) int {
+		ba, _ := Bits(a.Dtype)
+		bb, _ := Bits(b.Dtype)
+		if ba != bb {
+			return cmpInt(bb, ba)
+		}
+		return strings.Compare(a.Name, b.Name)
+	})
+}
+
 // SortTensors sorts tensors as the reference writer (serialize) does
 // before laying them out: by dtype, descending in Order (so that wider
 // elements come first and stay aligned), then by name, byte-wise. Unknown

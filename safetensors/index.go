@@ -336,26 +336,27 @@ func Split(sizes []int64, maxSize int64) [][]int {
 // ParseShardSize reads a largest shard size as huggingface_hub's
 // parse_size_to_int does: a number and a unit of TB, GB, MB or KB (powers
 // of 1000, case-insensitive), "5GB" or "1.5 GB"; or a plain number of
-// bytes.
+// bytes. tensorfs reads its other sizes in bytes (import's --pack-below)
+// the same way.
 func ParseShardSize(s string) (int64, error) {
 	s = strings.TrimSpace(s)
 	if n, err := strconv.ParseInt(s, 10, 64); err == nil {
 		if n <= 0 {
-			return 0, fmt.Errorf("shard size %q is not positive", s)
+			return 0, fmt.Errorf("size %q is not positive", s)
 		}
 		return n, nil
 	}
 	units := map[string]float64{"TB": 1e12, "GB": 1e9, "MB": 1e6, "KB": 1e3}
 	if len(s) < 3 {
-		return 0, fmt.Errorf("shard size %q: want a number of bytes or a number and TB, GB, MB or KB", s)
+		return 0, fmt.Errorf("size %q: want a number of bytes or a number and TB, GB, MB or KB", s)
 	}
 	mult, ok := units[strings.ToUpper(s[len(s)-2:])]
 	if !ok {
-		return 0, fmt.Errorf("shard size %q: unit %q is not TB, GB, MB or KB", s, s[len(s)-2:])
+		return 0, fmt.Errorf("size %q: unit %q is not TB, GB, MB or KB", s, s[len(s)-2:])
 	}
 	v, err := strconv.ParseFloat(strings.TrimSpace(s[:len(s)-2]), 64)
 	if err != nil || v*mult < 1 || v*mult > math.MaxInt64/2 {
-		return 0, fmt.Errorf("shard size %q is not a positive size", s)
+		return 0, fmt.Errorf("%q is not a positive size", s)
 	}
 	return int64(v * mult), nil
 }

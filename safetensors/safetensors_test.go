@@ -298,6 +298,44 @@ func TestSortTensors(t *testing.T) {
 	}
 }
 
+// TestSortByElementSize checks a pack's order: element bits descending,
+// then name byte-wise, so that F16, BF16 and I16 mix by name; unknown
+// dtypes last. Packed in this order, every tensor of a whole-byte dtype
+// starts on a whole element.
+func TestSortByElementSize(t *testing.T) {
+	ts := []Tensor{
+		{Name: "b", Dtype: "F16", Shape: []int64{3}}, {Name: "a", Dtype: "I16", Shape: []int64{1}},
+		{Name: "c", Dtype: "BF16", Shape: []int64{1}}, {Name: "y", Dtype: "U64", Shape: []int64{1}},
+		{Name: "x", Dtype: "BOOL", Shape: []int64{3}}, {Name: "w", Dtype: "F32", Shape: []int64{}},
+		{Name: "v", Dtype: "I32", Shape: []int64{0}}, {Name: "u", Dtype: "C64", Shape: []int64{1}},
+		{Name: "q", Dtype: "NOPE"},
+	}
+	SortByElementSize(ts)
+	var got []string
+	for _, t := range ts {
+		got = append(got, t.Dtype+":"+t.Name)
+	}
+	want := "C64:u U64:y I32:v F32:w I16:a F16:b BF16:c BOOL:x NOPE:q"
+	if strings.Join(got, " ") != want {
+		t.Errorf("SortByElementSize = %s\nwant                %s", strings.Join(got, " "), want)
+	}
+	h := &Header{Tensors: ts[:len(ts)-1]}
+	if err := h.Pack(); err != nil {
+		t.Fatal(err)
+	}
+	for _, tn := range h.Tensors {
+		if bits, _ := Bits(tn.Dtype); tn.Begin%(bits/8) != 0 {
+			t.Errorf("%s %s starts at byte %d, not on a whole element", tn.Dtype, tn.Name, tn.Begin)
+		}
+	}
+	if b, ok := Bits("F4"); !ok || b != 4 {
+		t.Errorf("Bits(F4) = %d, %v; want 4, true", b, ok)
+	}
+	if _, ok := Bits("NOPE"); ok {
+		t.Error("Bits knows NOPE")
+	}
+}
+
 // FuzzParseHeader: ParseHeader never panics, and what it accepts is valid,
 // re-encodes to a header that parses to the same thing, and encodes the
 // same way again. The seed corpus is in testdata/fuzz/FuzzParseHeader.

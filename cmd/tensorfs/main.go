@@ -21,7 +21,9 @@ const usage = `usage:
   tensorfs status [--json] [MOUNTPOINT...]
                                         each mount's mode, capacity and use, segments, limbo, requests, daemon
   tensorfs ls [-l] [-R] PATH...         segments: size, device, flags, refs, dtype, shape (-l: holders, -R: subdirectories)
-  tensorfs import FILE|INDEX|DIR DIR    a .safetensors file or sharded checkpoint into DIR (new or empty), one segment per tensor
+  tensorfs import [--pack-below SIZE] FILE|INDEX|DIR DIR
+                                        a .safetensors file or sharded checkpoint into DIR (new or empty), one segment per
+                                        tensor (--pack-below: those under SIZE together in DIR/packed.safetensors)
   tensorfs export [--max-shard-size SIZE] [--tied NAME]... DIR FILE|DIR
                                         the tensors under DIR into a .safetensors file, or shards with an index
   tensorfs set DTYPE SHAPE PATH...      give segments a dtype and a (contiguous) shape

@@ -3,8 +3,10 @@ package main
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -14,6 +16,7 @@ import (
 
 	"tensorfs/alloc"
 	"tensorfs/safetensors"
+	"tensorfs/safetensors/transfer"
 )
 
 // runCLI runs the command line args in-process.
@@ -34,10 +37,14 @@ func TestRunUsage(t *testing.T) {
 	}{
 		{nil, 2, "", "usage:"},
 		{[]string{"frobnicate"}, 2, "", `unknown command "frobnicate"`},
-		{[]string{"help"}, 0, "tensorfs import FILE|INDEX|DIR DIR", ""},
+		{[]string{"help"}, 0, "tensorfs import [--pack-below SIZE] FILE|INDEX|DIR DIR", ""},
 		{[]string{"--help"}, 0, "usage:", ""},
 		{[]string{"import", "-h"}, 0, "usage: tensorfs import", ""},
-		{[]string{"import", "a.safetensors"}, 2, "", "tensorfs import: want FILE.safetensors|INDEX.json|CHECKPOINT-DIR DIR"},
+		{[]string{"import", "a.safetensors"}, 2, "", "tensorfs import: want [--pack-below SIZE] FILE.safetensors|INDEX.json|CHECKPOINT-DIR DIR"},
+		{[]string{"import", "--pack-below", "xy", "a", "b"}, 2, "", `tensorfs import: --pack-below: size "xy": want a number of bytes or a number and TB, GB, MB or KB`},
+		{[]string{"import", "--pack-below", "-1", "a", "b"}, 2, "", `tensorfs import: --pack-below: size "-1" is not positive`},
+		{[]string{"import", "--pack-below", "1MiB", "a", "b"}, 2, "", `tensorfs import: --pack-below: size "1MiB": unit "iB"`},
+		{[]string{"export", "--max-shard-size", "0", "a", "b"}, 2, "", `tensorfs export: --max-shard-size: size "0" is not positive`},
 		{[]string{"export", "a", "b", "c"}, 2, "", "tensorfs export: want [--max-shard-size SIZE] [--tied NAME]... DIR FILE.safetensors|OUT-DIR"},
 		{[]string{"import", "--bogus", "a", "b"}, 2, "", "flag provided but not defined: -bogus"},
 		{[]string{"mount"}, 2, "", "want exactly one MOUNTPOINT"},
@@ -89,8 +96,9 @@ func TestRunLs(t *testing.T) {
 
 // TestRunImportExport: import and export round trip a file through a
 // directory that passes for one in a mount (it has user.tensorfs.flags,
-// which every directory of a mount answers); a FIFO and a directory
-// outside a mount are refused with one line and exit 1.
+// which every directory of a mount answers), with --pack-below too; a
+// FIFO and a directory outside a mount are refused with one line and exit
+// 1.
 func TestRunImportExport(t *testing.T) {
 	mnt := t.TempDir()
 	err := unix.Setxattr(mnt, alloc.AttrFlags, []byte("SHAREDMEM"), 0)
@@ -118,21 +126,34 @@ func TestRunImportExport(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	dir := filepath.Join(mnt, "model")
-	code, stdout, stderr := runCLI("import", src, dir)
-	if code != 0 || stderr != "" || stdout != "imported 2 tensors (19 bytes) from "+src+" into "+dir+"\n" {
-		t.Fatalf("import = %d\nstdout %q\nstderr %q", code, stdout, stderr)
-	}
-	if b, err := os.ReadFile(filepath.Join(dir, "layers/0/b")); err != nil || string(b) != "XYZ" {
-		t.Errorf("segment layers/0/b = %q, %v; want XYZ", b, err)
-	}
-	out := filepath.Join(tmp, "back.safetensors")
-	code, stdout, stderr = runCLI("export", dir, out)
-	if code != 0 || stderr != "" || stdout != "exported 2 tensors (19 bytes) from "+dir+" to "+out+"\n" {
-		t.Fatalf("export = %d\nstdout %q\nstderr %q", code, stdout, stderr)
-	}
-	if back, err := os.ReadFile(out); err != nil || !bytes.Equal(back, content) {
-		t.Errorf("export differs from the imported file (%v)", err)
+	for _, c := range []struct {
+		flags  []string
+		packed bool // layers/0/b, 3 bytes, goes into the pack
+	}{
+		{nil, false},
+		{[]string{"--pack-below", "0"}, false},
+		{[]string{"--pack-below", "4"}, true},
+		{[]string{"--pack-below=1KB"}, true},
+	} {
+		dir := filepath.Join(mnt, fmt.Sprint("model", c.flags))
+		code, stdout, stderr := runCLI(slices.Concat([]string{"import"}, c.flags, []string{src, dir})...)
+		if code != 0 || stderr != "" || stdout != "imported 2 tensors (19 bytes) from "+src+" into "+dir+"\n" {
+			t.Fatalf("import %q = %d\nstdout %q\nstderr %q", c.flags, code, stdout, stderr)
+		}
+		if b, err := os.ReadFile(filepath.Join(dir, "layers/0/b")); c.packed != (err != nil) || !c.packed && string(b) != "XYZ" {
+			t.Errorf("import %q: segment layers/0/b = %q, %v; want it packed: %v", c.flags, b, err, c.packed)
+		}
+		if _, err := os.Stat(filepath.Join(dir, transfer.PackName)); c.packed != (err == nil) {
+			t.Errorf("import %q: %s: %v; want it packed: %v", c.flags, transfer.PackName, err, c.packed)
+		}
+		out := filepath.Join(tmp, "back.safetensors")
+		code, stdout, stderr = runCLI("export", dir, out)
+		if code != 0 || stderr != "" || stdout != "exported 2 tensors (19 bytes) from "+dir+" to "+out+"\n" {
+			t.Fatalf("export = %d\nstdout %q\nstderr %q", code, stdout, stderr)
+		}
+		if back, err := os.ReadFile(out); err != nil || !bytes.Equal(back, content) {
+			t.Errorf("import %q: export differs from the imported file (%v)", c.flags, err)
+		}
 	}
 
 	fifo := filepath.Join(tmp, "fifo")

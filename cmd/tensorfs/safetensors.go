@@ -1,9 +1,9 @@
 package main
 
-// tensorfs import FILE|INDEX|DIR DIR and tensorfs export [--max-shard-size
-// SIZE] DIR FILE|DIR: safetensors files and sharded checkpoints in and out
-// of a mount (package safetensors/transfer), with a progress line on a
-// terminal.
+// tensorfs import [--pack-below SIZE] FILE|INDEX|DIR DIR and tensorfs
+// export [--max-shard-size SIZE] DIR FILE|DIR: safetensors files and
+// sharded checkpoints in and out of a mount (package safetensors/transfer),
+// with a progress line on a terminal.
 
 import (
 	"context"
@@ -30,7 +30,7 @@ import (
 const progressMin = 64 << 20
 
 func runImport(args []string, stdout, stderr io.Writer) int {
-	return runTransfer("import", "FILE.safetensors|INDEX.json|CHECKPOINT-DIR DIR   (DIR: new or empty, inside a tensorfs mount)", "into",
+	return runTransfer("import", "[--pack-below SIZE] FILE.safetensors|INDEX.json|CHECKPOINT-DIR DIR   (DIR: new or empty, inside a tensorfs mount)", "into",
 		transfer.Import, args, stdout, stderr)
 }
 
@@ -45,23 +45,21 @@ func runExport(args []string, stdout, stderr io.Writer) int {
 func runTransfer(op, synopsis, into string, do func(ctx context.Context, from, to string, opt transfer.Options) (transfer.Summary, error),
 	args []string, stdout, stderr io.Writer) int {
 	set := flag.NewFlagSet("tensorfs "+op, flag.ContinueOnError)
-	var maxShard *string
 	var tied names
 	if op == "export" {
-		maxShard = set.String("max-shard-size", "", "split into shards of at most SIZE (5GB, 500MB, or bytes) with an index, as transformers' save_pretrained")
+		set.String("max-shard-size", "", "split into shards of at most SIZE (5GB, 500MB, or bytes) with an index, as transformers' save_pretrained")
 		set.Var(&tied, "tied", "leave out NAME, which shares its segment with a name that is written, with no metadata entry, as save_pretrained drops a model's tied weights (repeat it, or NAME,NAME)")
+	} else {
+		set.String("pack-below", "0", "put each tensor of fewer than `SIZE` bytes (1MB, 500KB, or bytes; 0: none), tied to no other name, of a whole-byte dtype, into DIR/"+transfer.PackName+" instead of a segment of its own, as the Python client's save_state_dict(pack_below=N)")
 	}
 	if code, ok := parseFlags(set, args, synopsis, stdout, stderr); !ok {
 		return code
 	}
-	var maxShardSize int64
-	if maxShard != nil && *maxShard != "" {
-		n, err := safetensors.ParseShardSize(*maxShard)
-		if err != nil {
-			fmt.Fprintf(stderr, "tensorfs %s: --max-shard-size: %v\n", op, err)
-			return 2
-		}
-		maxShardSize = n
+	maxShardSize, err1 := sizeFlag(set, "max-shard-size")
+	packBelow, err2 := sizeFlag(set, "pack-below")
+	if err := errors.Join(err1, err2); err != nil {
+		fmt.Fprintf(stderr, "tensorfs %s: %v\n", op, err)
+		return 2
 	}
 	if set.NArg() != 2 {
 		fmt.Fprintf(stderr, "tensorfs %s: want %s\n", op, synopsis)
@@ -76,6 +74,7 @@ func runTransfer(op, synopsis, into string, do func(ctx context.Context, from, t
 		Warn:         func(msg string) { fmt.Fprintf(stderr, "tensorfs %s: %s\n", op, msg) },
 		MaxShardSize: maxShardSize,
 		Tied:         tied,
+		PackBelow:    packBelow,
 	})
 	p.finish()
 	if err != nil {
@@ -91,6 +90,21 @@ func runTransfer(op, synopsis, into string, do func(ctx context.Context, from, t
 	}
 	fmt.Fprintf(stdout, "%sed %d tensors (%s%s) from %s %s %s\n", op, sum.Tensors, byteCount(sum.Bytes), extra, from, into, to)
 	return 0
+}
+
+// sizeFlag reads the SIZE given to the flag name of set as
+// safetensors.ParseShardSize does: 0 when the command has no such flag or
+// it keeps its default ("" or "0").
+func sizeFlag(set *flag.FlagSet, name string) (int64, error) {
+	f := set.Lookup(name)
+	if f == nil || f.Value.String() == f.DefValue {
+		return 0, nil
+	}
+	n, err := safetensors.ParseShardSize(f.Value.String())
+	if err != nil {
+		return 0, fmt.Errorf("--%s: %v", name, err)
+	}
+	return n, nil
 }
 
 // names is a flag that may be given many times, each a comma-separated

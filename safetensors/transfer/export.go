@@ -521,9 +521,9 @@ func (e *exportJob) queue(c *copier, tmp *os.File, f *outFile) error {
 // state-dict directory, with neither user.tensor.dtype nor
 // user.tensor.shape, whose bytes are a safetensors file holding small
 // tensors of the directory together, each named by its header name, as
-// the Python client's save_state_dict(pack_below=N) writes it. A file of
-// this name with a dtype or a shape is an ordinary segment, and one in a
-// subdirectory is an ordinary file.
+// the Python client's save_state_dict(pack_below=N) and Import with
+// Options.PackBelow write it. A file of this name with a dtype or a shape
+// is an ordinary segment, and one in a subdirectory is an ordinary file.
 const PackName = "packed.safetensors"
 
 // ReadPack reads and validates the header of the pack at path. The bytes

@@ -31,16 +31,27 @@ import (
 // shards, or a name in two shards is refused. Ties the reference writer
 // recorded in metadata (a name that is not a tensor mapped to one that
 // is, as safetensors' save_model and huggingface_hub write them) become
-// hard links: one segment under both names. It refuses a source that is
-// not a regular file before opening it. Once ctx is done it stops,
-// removes what it wrote and returns an error saying it was interrupted.
+// hard links: one segment under both names.
+//
+// With opt.PackBelow > 0, every tensor of fewer bytes that is tied to no
+// other name and whose dtype has whole bytes goes into DIR's pack
+// (PackName) instead of a segment of its own, as the Python client's
+// save_state_dict(pack_below=N) writes it: a safetensors file with no
+// dtype or shape of its own and no metadata, its tensors ordered by
+// element size, largest first, then by name (safetensors.SortByElementSize),
+// so that each starts on a whole element. A name that would be the pack,
+// or a directory in its place, is then refused.
+//
+// It refuses a source that is not a regular file before opening it. Once
+// ctx is done it stops, removes what it wrote and returns an error saying
+// it was interrupted.
 func Import(ctx context.Context, src, dir string, opt Options) (Summary, error) {
 	job := &importJob{dir: dir}
 	defer job.closeSources()
 	if err := job.open(src); err != nil {
 		return Summary{}, err
 	}
-	if err := job.plan(); err != nil {
+	if err := job.plan(opt.PackBelow); err != nil {
 		return Summary{}, fmt.Errorf("%s: %w", src, err)
 	}
 	if err := job.prepareDir(); err != nil {
@@ -98,6 +109,10 @@ type importJob struct {
 	links   map[string]string // tie name -> the tensor whose segment it shares
 	attrs   map[string][]byte // what to set on dir
 	summary Summary
+
+	packHead []byte           // the pack's length prefix and header, nil when nothing is packed
+	packSize int64            // the pack's bytes
+	packed   map[string]int64 // a packed tensor -> the offset of its bytes in the pack
 
 	room    room     // what the mount had free when the import began
 	created string   // topmost directory the import created, "" if none
@@ -221,8 +236,9 @@ func baseNames(paths []string) []string {
 // plan checks everything that can be checked before writing: that the
 // index and the shards agree, tensor names that make valid paths and
 // appear once, dtypes and shapes tensorfs accepts, metadata that fits
-// extended attributes. It fills in what run sets.
-func (j *importJob) plan() error {
+// extended attributes. It fills in what run sets, and plans the pack of
+// the tensors under packBelow bytes.
+func (j *importJob) plan(packBelow int64) error {
 	owner := map[string]*source{}
 	for _, s := range j.srcs {
 		for _, t := range s.h.Tensors {
@@ -262,6 +278,9 @@ func (j *importJob) plan() error {
 			}
 		}
 	}
+	if err := j.planPack(packBelow); err != nil {
+		return err
+	}
 	names := map[string]bool{}
 	for name := range owner {
 		names[name] = true
@@ -273,6 +292,9 @@ func (j *importJob) plan() error {
 		if err := checkTensorName(name); err != nil {
 			return err
 		}
+		if first, _, _ := strings.Cut(name, "/"); j.packHead != nil && first == PackName {
+			return fmt.Errorf("tensor %q: %s is the name of the pack of the small tensors: import it without packing", name, PackName)
+		}
 		for i := range len(name) {
 			if name[i] == '/' && names[name[:i]] {
 				return fmt.Errorf("tensor %q is also the directory of tensor %q", name[:i], name)
@@ -281,6 +303,46 @@ func (j *importJob) plan() error {
 	}
 	j.summary.Links, j.summary.Files = len(j.links), len(j.srcs)
 	return j.planAttrs()
+}
+
+// planPack lays out the pack: every tensor of fewer than packBelow bytes
+// (0: none) that no tie names and whose dtype has whole bytes.
+func (j *importJob) planPack(packBelow int64) error {
+	if packBelow <= 0 {
+		return nil
+	}
+	tied := map[string]bool{}
+	for _, name := range j.links {
+		tied[name] = true
+	}
+	h := &safetensors.Header{}
+	for _, s := range j.srcs {
+		for _, t := range s.h.Tensors {
+			if bits, _ := safetensors.Bits(t.Dtype); t.Size() < packBelow && !tied[t.Name] && bits%8 == 0 {
+				h.Tensors = append(h.Tensors, safetensors.Tensor{Name: t.Name, Dtype: t.Dtype, Shape: t.Shape})
+			}
+		}
+	}
+	if len(h.Tensors) == 0 {
+		return nil
+	}
+	safetensors.SortByElementSize(h.Tensors)
+	if err := h.Pack(); err != nil {
+		return err
+	}
+	header := h.Encode()
+	j.packHead = append(safetensors.AppendPrefix(nil, header), header...)
+	j.packSize = int64(len(j.packHead)) + h.DataSize()
+	j.packed = map[string]int64{}
+	for _, t := range h.Tensors {
+		j.packed[t.Name] = int64(len(j.packHead)) + t.Begin
+	}
+	return nil
+}
+
+// need is the bytes the import writes: the tensors' and the pack's header.
+func (j *importJob) need() int64 {
+	return j.summary.Bytes + int64(len(j.packHead))
 }
 
 // metadatas returns every metadata object of the sources, the index's
@@ -424,7 +486,7 @@ func (j *importJob) prepareDir() error {
 		if len(ents) > 0 {
 			return fmt.Errorf("%s is not empty (it holds %q): import into a new or empty directory", j.dir, ents[0])
 		}
-		j.room = measureRoom(j.dir, j.summary.Bytes)
+		j.room = measureRoom(j.dir, j.need())
 		return nil
 	case !errors.Is(err, fs.ErrNotExist):
 		return err
@@ -438,7 +500,7 @@ func (j *importJob) prepareDir() error {
 			if err := checkTensorfs(parent); err != nil {
 				return err
 			}
-			j.room = measureRoom(parent, j.summary.Bytes)
+			j.room = measureRoom(parent, j.need())
 			break
 		}
 		top = parent
@@ -456,14 +518,19 @@ func checkTensorfs(path string) error {
 	return nil
 }
 
-// run writes every segment into a temporary directory inside dir, then
-// records the attributes on dir and renames the segments into place.
+// run writes every segment, and the pack, into a temporary directory
+// inside dir, then records the attributes on dir and renames them into
+// place.
 func (j *importJob) run(ctx context.Context, progress func(done, total int64)) error {
 	tmp, err := os.MkdirTemp(j.dir, importPrefix)
 	if err != nil {
 		return err
 	}
 	j.tmp = tmp
+	pack, err := j.createPack()
+	if err != nil {
+		return fmt.Errorf("%s: %w", PackName, err)
+	}
 	c := newCopier(ctx, j.summary.Bytes, progress)
 	for _, s := range j.srcs {
 		for _, i := range s.h.DataOrder() { // each source is read front to back
@@ -471,6 +538,10 @@ func (j *importJob) run(ctx context.Context, progress func(done, total int64)) e
 				break
 			}
 			ref := tensorRef{src: s, t: s.h.Tensors[i]}
+			if at, ok := j.packed[ref.t.Name]; ok {
+				c.add(pack, at, s.f, s.dataAt+ref.t.Begin, ref.t.Size(), j.finish(ref.t.Name, nil))
+				continue
+			}
 			ref.dtype, _ = safetensors.TensorfsDtype(ref.t.Dtype)
 			ref.shape = alloc.FormatShape(ref.t.Shape)
 			if err := j.startTensor(c, ref); err != nil {
@@ -478,7 +549,13 @@ func (j *importJob) run(ctx context.Context, progress func(done, total int64)) e
 			}
 		}
 	}
-	if err := c.wait(); err != nil {
+	err = c.wait()
+	if pack != nil {
+		if cerr := pack.Close(); err == nil && cerr != nil {
+			err = fmt.Errorf("%s: %w", PackName, j.orFull(cerr))
+		}
+	}
+	if err != nil {
 		return err
 	}
 	for _, name := range slices.Sorted(maps.Keys(j.links)) {
@@ -548,41 +625,87 @@ func (j *importJob) startTensor(c *copier, ref tensorRef) error {
 		f.Close()
 		return err
 	}
-	c.add(f, 0, ref.src.f, ref.src.dataAt+t.Begin, t.Size(), func(err error) error {
-		if errors.Is(err, unix.ENOSPC) {
-			err = j.room.full()
-		}
-		if cerr := f.Close(); err == nil {
-			err = cerr
+	c.add(f, 0, ref.src.f, ref.src.dataAt+t.Begin, t.Size(), j.finish(t.Name, f))
+	return nil
+}
+
+// finish is what runs once the copy of the tensor name is done: it closes
+// its segment f (nil for a packed tensor: run closes the pack) and says
+// what failed, a full mount as errFull.
+func (j *importJob) finish(name string, f *os.File) func(error) error {
+	return func(err error) error {
+		where := ""
+		if f != nil {
+			if cerr := f.Close(); err == nil {
+				err = cerr
+			}
+		} else {
+			where = " in " + PackName
 		}
 		if err != nil {
-			return fmt.Errorf("tensor %q: %w", t.Name, err)
+			return fmt.Errorf("tensor %q%s: %w", name, where, j.orFull(err))
 		}
 		return nil
-	})
-	return nil
+	}
+}
+
+// orFull returns errFull for ENOSPC (the mount is full), else err.
+func (j *importJob) orFull(err error) error {
+	if errors.Is(err, unix.ENOSPC) {
+		return j.room.full()
+	}
+	return err
+}
+
+// createPack creates the pack in the temporary directory, sized on a
+// device, with its header written, and returns it open for the copies
+// of its tensors; nil when nothing is packed. It gets no dtype or shape.
+func (j *importJob) createPack() (*os.File, error) {
+	if j.packHead == nil {
+		return nil, nil
+	}
+	f, err := os.OpenFile(filepath.Join(j.tmp, PackName), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	if err = reserve(f, j.packSize, j.room); err == nil {
+		_, err = f.WriteAt(j.packHead, 0)
+	}
+	if err != nil {
+		f.Close()
+		return nil, j.orFull(err)
+	}
+	return f, nil
 }
 
 // prepareSegment sets a tensor's dtype and shape on its new segment f,
 // and sizes a device segment.
 func prepareSegment(f *os.File, ref tensorRef, r room) error {
-	// A host segment gets its pages as its bytes are written, as a full
-	// mount says with ENOSPC; reserving them first would clear every
-	// page once more. A device segment is sized at once, so that its
-	// memory is allocated once rather than grown write by write.
-	if n := ref.t.Size(); n > 0 && onDevice(f) {
-		if err := f.Truncate(n); err != nil {
-			if errors.Is(err, unix.ENOSPC) {
-				return fmt.Errorf("reserving %d bytes: %w", n, r.full())
-			}
-			return err
-		}
+	if err := reserve(f, ref.t.Size(), r); err != nil {
+		return err
 	}
 	if err := unix.Fsetxattr(int(f.Fd()), alloc.AttrDtype, []byte(ref.dtype), 0); err != nil {
 		return fmt.Errorf("setting %s=%s: %w", alloc.AttrDtype, ref.dtype, err)
 	}
 	if err := unix.Fsetxattr(int(f.Fd()), alloc.AttrShape, []byte(ref.shape), 0); err != nil {
 		return fmt.Errorf("setting %s=%s: %w", alloc.AttrShape, ref.shape, err)
+	}
+	return nil
+}
+
+// reserve sizes the new file f to n bytes at once if it lives in device
+// memory. A host file gets its pages as its bytes are written, as a full
+// mount says with ENOSPC; reserving them first would clear every page
+// once more. A device file is sized at once, so that its memory is
+// allocated once rather than grown write by write.
+func reserve(f *os.File, n int64, r room) error {
+	if n > 0 && onDevice(f) {
+		if err := f.Truncate(n); err != nil {
+			if errors.Is(err, unix.ENOSPC) {
+				return fmt.Errorf("reserving %d bytes: %w", n, r.full())
+			}
+			return err
+		}
 	}
 	return nil
 }

@@ -190,6 +190,30 @@ func TestShardedRoundTrip(t *testing.T) {
 	}
 }
 
+// TestShardedPackRoundTrip: the small tensors of every shard go into one
+// pack, and the checkpoint still comes back byte-identical.
+func TestShardedPackRoundTrip(t *testing.T) {
+	src := t.TempDir()
+	files := writeRefCheckpoint(t, src, refTensors, 9000, nil)
+	dir := filepath.Join(fakeMount(t), "model")
+	sum, err := Import(context.Background(), filepath.Join(src, "model"+safetensors.IndexSuffix), dir, Options{PackBelow: 1024})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sum.Tensors != len(refTensors) || sum.Files != 3 {
+		t.Errorf("Import = %+v, want %d tensors from 3 files", sum, len(refTensors))
+	}
+	want := []string{"h.0.attn.c_attn.weight", "h.0.mlp.c_fc.weight", "h.1.attn.c_attn.weight", "h.1.mlp.c_fc.weight", PackName, "wte.weight"}
+	if got := tree(t, dir); !slices.Equal(got, want) {
+		t.Errorf("imported %q, want %q", got, want)
+	}
+	out := filepath.Join(t.TempDir(), "out")
+	if _, err := Export(context.Background(), dir, out, Options{}); err != nil {
+		t.Fatal(err)
+	}
+	sameFiles(t, src, out, files)
+}
+
 // TestTies: a name the reference writer dropped for a shared tensor
 // (save_model's metadata entry "dropped": "kept") comes back as a hard
 // link, and export drops it again the same way.

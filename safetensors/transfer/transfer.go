@@ -3,7 +3,9 @@
 //
 // Import writes one segment per tensor under DIR (a name "a/b" becomes the
 // segment b in the directory a) with user.tensor.dtype and
-// user.tensor.shape set, and records on DIR what a segment cannot hold:
+// user.tensor.shape set, or, with Options.PackBelow, the small tensors
+// together in DIR's pack (PackName), and records on DIR what a segment
+// cannot hold:
 //
 //	user.safetensors.meta.KEY  each "__metadata__" entry
 //	user.safetensors.order     the tensor names in header order, a JSON list
@@ -99,7 +101,7 @@ func mib(n int64) string {
 	return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
 }
 
-// Options are what Import and Export may report as they go.
+// Options tune Import and Export, and say what they report as they go.
 type Options struct {
 	// Progress, if not nil, is called as bytes are copied with the bytes
 	// copied so far and the total, from one goroutine at a time.
@@ -113,6 +115,10 @@ type Options struct {
 	// because each shares its segment with a name that is written (a
 	// model's tied weights, which save_pretrained drops so).
 	Tied []string
+	// PackBelow, when > 0, makes Import write each tensor of fewer bytes
+	// that is tied to no other name and whose dtype has whole bytes into
+	// the directory's pack (PackName) instead of a segment of its own.
+	PackBelow int64
 }
 
 // Summary says what an import or an export moved.

@@ -203,7 +203,8 @@ func TestImportKeepsHeader(t *testing.T) {
 }
 
 // TestImportRefused: a malformed file, a directory outside a mount, a
-// non-empty directory and an interrupted import leave nothing behind.
+// non-empty directory and an interrupted import, packing or not, leave
+// nothing behind.
 func TestImportRefused(t *testing.T) {
 	src, content := testFile(t, nil)
 	truncated := filepath.Join(t.TempDir(), "truncated.safetensors")
@@ -219,15 +220,17 @@ func TestImportRefused(t *testing.T) {
 	for _, c := range []struct {
 		name, src, dir string
 		ctx            context.Context
+		packBelow      int64
 		want           string
 	}{
-		{"truncated", truncated, filepath.Join(mnt, "new/model"), context.Background(), "truncated"},
-		{"not a mount", src, filepath.Join(t.TempDir(), "model"), context.Background(), "not inside a tensorfs mount"},
-		{"not empty", src, mnt, context.Background(), "not empty"},
-		{"interrupted", src, filepath.Join(mnt, "new/model"), canceled, "interrupted"},
+		{"truncated", truncated, filepath.Join(mnt, "new/model"), context.Background(), 0, "truncated"},
+		{"not a mount", src, filepath.Join(t.TempDir(), "model"), context.Background(), 0, "not inside a tensorfs mount"},
+		{"not empty", src, mnt, context.Background(), 0, "not empty"},
+		{"interrupted", src, filepath.Join(mnt, "new/model"), canceled, 0, "interrupted"},
+		{"interrupted packing", src, filepath.Join(mnt, "new/model"), canceled, 1024, "interrupted"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			_, err := Import(c.ctx, c.src, c.dir, Options{})
+			_, err := Import(c.ctx, c.src, c.dir, Options{PackBelow: c.packBelow})
 			if err == nil || !strings.Contains(err.Error(), c.want) {
 				t.Errorf("Import = %v, want an error saying %q", err, c.want)
 			}
@@ -571,4 +574,150 @@ func TestExportPack(t *testing.T) {
 	if got, _ := exported(t, out); !bytes.Equal(got[PackName], b[:8]) || len(got) != 3 {
 		t.Errorf("with a dtype and shape, exported %q, want %s, embed.weight and position_ids", slices.Sorted(maps.Keys(got)), PackName)
 	}
+}
+
+// packTensors are the tensors of TestImportPack's file; those named s.*
+// or s/* are under its 64-byte PackBelow and go into the pack.
+var packTensors = []safetensors.Tensor{
+	{Name: "big", Dtype: "F32", Shape: []int64{8, 8}},     // 256 bytes: a segment
+	{Name: "edge", Dtype: "U8", Shape: []int64{64}},       // exactly PackBelow: a segment
+	{Name: "a", Dtype: "F32", Shape: []int64{4}},          // small, but "b" is tied to it
+	{Name: "f4", Dtype: "F4", Shape: []int64{4}},          // small, but no whole bytes
+	{Name: "s.f64", Dtype: "F64", Shape: []int64{2}},      // 16 bytes
+	{Name: "s.bf16", Dtype: "BF16", Shape: []int64{3}},    // 6 bytes
+	{Name: "s/bool", Dtype: "BOOL", Shape: []int64{2, 3}}, // 6 bytes, in a directory
+	{Name: "s.empty", Dtype: "I32", Shape: []int64{0, 4}}, // 0 bytes
+	{Name: "s.u8", Dtype: "U8", Shape: []int64{5}},        // 5 bytes
+	{Name: "s.scalar", Dtype: "F32", Shape: []int64{}},    // 4 bytes
+}
+
+// TestImportPack: with PackBelow, the small untied tensors of whole-byte
+// dtypes go into DIR's pack, laid out as the Python client lays one out
+// (element size descending, then name; no metadata; header padded to 8),
+// each starting on a whole element, with the source's bytes; the others
+// are segments, the tie hard links; the pack has no dtype or shape, and
+// export gives back the file byte-identical. Without PackBelow nothing is
+// packed, and with a tensor named as the pack the import is refused.
+func TestImportPack(t *testing.T) {
+	src := filepath.Join(t.TempDir(), "model.safetensors")
+	writeRefFile(t, src, packTensors, map[string]string{"format": "pt", "b": "a"})
+	content, err := os.ReadFile(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srcBytes, _ := exported(t, src)
+	mnt := fakeMount(t)
+	dir := filepath.Join(mnt, "model")
+	sum, err := Import(context.Background(), src, dir, Options{PackBelow: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sum.Tensors != len(packTensors) || sum.Links != 1 {
+		t.Errorf("Import = %+v, want %d tensors and 1 tie", sum, len(packTensors))
+	}
+	if got, want := tree(t, dir), []string{"a", "b", "big", "edge", "f4", PackName}; !slices.Equal(got, want) {
+		t.Errorf("imported tree %q, want %q", got, want)
+	}
+	if a, b := stat(t, filepath.Join(dir, "a")), stat(t, filepath.Join(dir, "b")); !os.SameFile(a, b) {
+		t.Error("the tie b is not a hard link of a")
+	}
+	pack := filepath.Join(dir, PackName)
+	for _, attr := range []string{alloc.AttrDtype, alloc.AttrShape} {
+		if v, ok, err := alloc.GetXattr(pack, attr); ok || err != nil {
+			t.Errorf("the pack has %s = %q (%v)", attr, v, err)
+		}
+	}
+	h, dataAt, err := ReadPack(pack)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, tn := range h.Tensors {
+		names = append(names, tn.Name)
+		bits, _ := safetensors.Bits(tn.Dtype)
+		if tn.Begin%(bits/8) != 0 {
+			t.Errorf("packed %s (%s) starts at byte %d, not on a whole element", tn.Name, tn.Dtype, tn.Begin)
+		}
+	}
+	if want := []string{"s.f64", "s.empty", "s.scalar", "s.bf16", "s.u8", "s/bool"}; !slices.Equal(names, want) || h.Metadata != nil {
+		t.Errorf("pack holds %q, metadata %v; want %q and no metadata", names, h.Metadata, want)
+	}
+	// Its bytes: the header as the reference writer encodes it, then the
+	// source's bytes of each tensor.
+	b, err := os.ReadFile(pack)
+	if err != nil {
+		t.Fatal(err)
+	}
+	header := h.Encode()
+	if !bytes.Equal(b[:dataAt], append(safetensors.AppendPrefix(nil, header), header...)) || dataAt%8 != 0 {
+		t.Errorf("pack header %q, want %q", b[:dataAt], header)
+	}
+	packed, _ := exported(t, pack)
+	for name, got := range packed {
+		if !bytes.Equal(got, srcBytes[name]) {
+			t.Errorf("packed %s = %v, want the source's %v", name, got, srcBytes[name])
+		}
+	}
+
+	out := filepath.Join(t.TempDir(), "back.safetensors")
+	if _, err := Export(context.Background(), dir, out, Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if back, err := os.ReadFile(out); err != nil || !bytes.Equal(back, content) {
+		t.Errorf("export differs from the imported file (%v)", err)
+	}
+
+	// Without PackBelow: a segment per tensor.
+	plain := filepath.Join(mnt, "plain")
+	if _, err := Import(context.Background(), src, plain, Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if got := tree(t, plain); slices.Contains(got, PackName) || len(got) != len(packTensors)+2 { // + b and s/
+		t.Errorf("import without PackBelow: %q", got)
+	}
+
+	// A tensor that would be the pack.
+	clash := filepath.Join(t.TempDir(), "clash.safetensors")
+	writeRefFile(t, clash, []safetensors.Tensor{{Name: PackName, Dtype: "U8", Shape: []int64{100}}, {Name: "x", Dtype: "U8", Shape: []int64{1}}}, nil)
+	if _, err := Import(context.Background(), clash, filepath.Join(mnt, "clash"), Options{PackBelow: 64}); err == nil || !strings.Contains(err.Error(), "the name of the pack") {
+		t.Errorf("Import of a tensor named %s with PackBelow = %v, want an error saying it is the name of the pack", PackName, err)
+	}
+	if _, err := os.Stat(filepath.Join(mnt, "clash")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the refused import left %s (%v)", filepath.Join(mnt, "clash"), err)
+	}
+}
+
+// TestImportPackKeepsHeader: a header not in the reference layout is kept
+// with packed tensors too, and export gives back the same bytes.
+func TestImportPackKeepsHeader(t *testing.T) {
+	raw := `{"b": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, "a": {"dtype": "I16", "shape": [1], "data_offsets": [2, 4]}}`
+	content := append(append(safetensors.AppendPrefix(nil, []byte(raw)), raw...), 1, 2, 3, 4)
+	src := filepath.Join(t.TempDir(), "pretty.safetensors")
+	if err := os.WriteFile(src, content, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	dir := fakeMount(t)
+	if _, err := Import(context.Background(), src, dir, Options{PackBelow: 1 << 20}); err != nil {
+		t.Fatal(err)
+	}
+	if got := tree(t, dir); !slices.Equal(got, []string{PackName}) {
+		t.Errorf("imported tree %q, want just the pack", got)
+	}
+	out := filepath.Join(t.TempDir(), "back.safetensors")
+	if _, err := Export(context.Background(), dir, out, Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if back, _ := os.ReadFile(out); !bytes.Equal(back, content) {
+		t.Errorf("export = %q, want %q", back, content)
+	}
+}
+
+// stat is os.Stat, failing the test on an error.
+func stat(t *testing.T, path string) os.FileInfo {
+	t.Helper()
+	fi, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fi
 }
