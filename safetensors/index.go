@@ -347,12 +347,13 @@ func ParseShardSize(s string) (int64, error) {
 		return n, nil
 	}
 	units := map[string]float64{"TB": 1e12, "GB": 1e9, "MB": 1e6, "KB": 1e3}
-	if len(s) < 3 {
-		return 0, fmt.Errorf("size %q: want a number of bytes or a number and TB, GB, MB or KB", s)
+	var mult float64
+	if len(s) >= 3 {
+		mult = units[strings.ToUpper(s[len(s)-2:])]
 	}
-	mult, ok := units[strings.ToUpper(s[len(s)-2:])]
-	if !ok {
-		return 0, fmt.Errorf("size %q: unit %q is not TB, GB, MB or KB", s, s[len(s)-2:])
+	if mult == 0 {
+		return 0, fmt.Errorf("size %q: want a number of bytes, or a number and TB, GB, MB or KB (powers of 1000, "+
+			"as huggingface_hub reads them: 5GB, 500KB)", s)
 	}
 	v, err := strconv.ParseFloat(strings.TrimSpace(s[:len(s)-2]), 64)
 	if err != nil || v*mult < 1 || v*mult > math.MaxInt64/2 {
