@@ -24,6 +24,7 @@ from __future__ import annotations
 import array as _array
 import bisect as _bisect
 import ctypes as _ctypes
+import errno as _errno
 import functools as _functools
 import mmap as _mmap
 import os as _os
@@ -101,12 +102,13 @@ def _torch_layout(m, pack):
 class _Mapping:
     """A segment mapped by this process: its path, whether shared and writable, its size."""
 
-    __slots__ = ("path", "write", "nbytes", "ref", "ident", "published", "warned")
+    __slots__ = ("path", "write", "nbytes", "ref", "ident", "published", "warned", "pack")
 
-    def __init__(self, path, write, nbytes, ident, published):
+    def __init__(self, path, write, nbytes, ident, published, pack=None):
         self.path, self.write, self.nbytes = path, write, nbytes
         self.ident = ident  # (st_dev, st_ino, st_size) of path when mapped, or None
         self.published = published  # a publish()ed memfd: readers map the read-only segment
+        self.pack = pack  # a pack's (st_ino, st_size): its tensors are at offsets that only it has
         self.ref = None
         self.warned = False  # the copy-on-write divergence warning was given
 
@@ -116,12 +118,12 @@ _by_address = {}  # storage address -> _Mapping, while its mmap lives
 _by_path = {}  # (path, write) -> _Mapping, to reuse a mapping when rebuilding
 
 
-def _register(mm, path, write, ident, published=False):
+def _register(mm, path, write, ident, published=False, pack=None):
     """Remember mm as a mapping of path; return a uint8 tensor on all of it."""
     torch = _torch()
     base = torch.frombuffer(mm, dtype=torch.uint8)
     addr = base.data_ptr()
-    m = _Mapping(_os.path.abspath(path), write, len(mm), ident, published)
+    m = _Mapping(_os.path.abspath(path), write, len(mm), ident, published, pack)
 
     def forget(_, addr=addr, m=m):
         with _lock:
@@ -343,16 +345,18 @@ def view_on(bases, offset, nbytes, m, path):
     return base.as_strided(shape, stride, offset // size + m.storage_offset)
 
 
-def views_on(mm, path, write, items):
-    """[tensor] for items [(TensorMeta, byte offset)] on mm, the mmap of the segment at path (a pack).
+def views_on(mm, path, write, items, pack):
+    """[tensor] for items [(TensorMeta, byte offset)] on mm, the mmap of the pack at path, whose (st_ino, st_size) is pack.
 
     Each tensor is a view of one storage over the whole mapping, checked
     to stay in its nbytes and to start on a whole element; they pickle by
-    path and offset, and the mapping lives while any of them does. An
-    empty tensor is a tensor of its own.
+    path and offset, with pack, which the receiver checks (a save that
+    packs writes a new pack, where the offsets hold other tensors), and
+    the mapping lives while any of them does. An empty tensor is a tensor
+    of its own.
     """
     torch = _torch()
-    base = _register(mm, path, write, None)
+    base = _register(mm, path, write, None, pack=pack)
     bases, layouts, out = {}, {}, []
     for m, at in items:
         lay = layouts.get(m)
@@ -457,22 +461,31 @@ def _reduce_tensor(t):
     _warn_if_diverged(t, m)
     return (_rebuild_tensor, (m.path, m.write and not m.published, str(t.dtype).split(".")[-1], tuple(t.shape),
                               tuple(t.stride()), offset, t.requires_grad,
-                              isinstance(t, _torch().nn.Parameter)))
+                              isinstance(t, _torch().nn.Parameter), m.pack))
 
 
-def _rebuild_tensor(path, write, dtype, shape, stride, offset, requires_grad, parameter):
-    """Unpickle a tensor sent by _reduce_tensor: map its segment by path."""
+def _rebuild_tensor(path, write, dtype, shape, stride, offset, requires_grad, parameter, pack=None):
+    """Unpickle a tensor sent by _reduce_tensor: map its segment by path (a pack only if it is the one sent from)."""
     torch = _torch()
     tdt = getattr(torch, dtype)
     ident = _ident(path)
     with _lock:
         m = _by_path.get((path, write))
-        mm = m.ref() if m is not None and m.ident == ident else None
+        mm = m.ref() if m is not None and m.ident == ident and pack is None else None
     if mm is not None:  # this process maps the segment already
         base = torch.frombuffer(mm, dtype=torch.uint8)
     else:
-        mm = _tfs._map(path, write)
-        base = _register(mm, path, write, ident)
+        fd = _tfs._open_fd(path, write)
+        try:
+            st = _os.fstat(fd)
+            if pack is not None and (st.st_ino, st.st_size) != tuple(pack):
+                raise OSError(_errno.ESTALE, "tensorfs: a tensor of %s was sent, and that file was replaced since "
+                              "(a save that packs writes a new pack, its tensors at other offsets): load it again and "
+                              "send a tensor of that load" % path, path)
+            mm = _mmap.mmap(fd, st.st_size, access=_mmap.ACCESS_WRITE if write else _mmap.ACCESS_COPY)
+        finally:
+            _os.close(fd)
+        base = _register(mm, path, write, (st.st_dev, st.st_ino, st.st_size))
     size = _element_size(tdt)
     t = base[:len(mm) // size * size].view(tdt).as_strided(shape, stride, offset // size)
     if parameter:

@@ -36,6 +36,7 @@ class _Entry(_typing.NamedTuple):
     meta: _tfs.TensorMeta
     path: str
     ident: tuple
+    pack: _typing.Optional[tuple] = None  # a file of many tensors' (st_ino, st_size), which a pickled tensor is checked against
 
 
 class safe_open:
@@ -65,11 +66,11 @@ class safe_open:
             if pack is not None:
                 _os.close(pack.fd)
             raise
-        mm = pack and _sd._map_pack(pack, False)
+        mm, pack_ident = _sd._map_pack(pack, False) if pack is not None else (None, None)
         for e, mm_, ident in got:
             self._entries[e.name] = _Entry(mm_, 0, e.meta, e.full, ident)
         for e in packed:
-            self._entries[e.name] = _Entry(mm, e.at, e.meta, e.full, None)
+            self._entries[e.name] = _Entry(mm, e.at, e.meta, e.full, None, pack_ident)
         meta = _tfs.metadata(path)
         self._metadata = meta or None
 
@@ -86,7 +87,8 @@ class safe_open:
         self._metadata = meta
         for name, dt, shape, begin, end in tensors:
             m = _tfs.TensorMeta(_st._FROM_ST[dt], tuple(shape), None, 0, end - begin)
-            self._entries[name] = _Entry(mm, 8 + n + begin, m, path, (st.st_dev, st.st_ino, st.st_size))
+            self._entries[name] = _Entry(mm, 8 + n + begin, m, path, (st.st_dev, st.st_ino, st.st_size),
+                                         (st.st_ino, st.st_size))
 
     def __enter__(self) -> "safe_open":
         return self
@@ -140,7 +142,7 @@ class safe_open:
         if e.at % size:  # misaligned in the file: the one case that copies
             base = torch.frombuffer(e.mm, dtype=torch.uint8)
             return base[e.at:e.at + e.meta.nbytes].clone().view(tdt).reshape(shape)
-        base = _register(e.mm, e.path, False, e.ident)
+        base = _register(e.mm, e.path, False, e.ident, pack=e.pack)
         return base[:len(e.mm) // size * size].view(tdt).as_strided(shape, _tfs._contiguous(shape), e.at // size)
 
     def _numpy(self, e):

@@ -58,6 +58,21 @@ def _pairs(pairs):
     return d
 
 
+def _utf8(s):
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _no_constant(name):
+    raise _bad("%s is not JSON" % name)
+
+
+_MAX_INT = (1 << 63) - 1  # what a shape's dim or an offset may be, as the Go reader and PyTorch take them
+
+
 def parse_header(raw, data_size):
     """Parse and validate a header (its JSON bytes) as the reference does.
 
@@ -69,7 +84,7 @@ def parse_header(raw, data_size):
     if not raw.startswith(b"{"):
         raise _bad("header does not start with '{'")
     try:
-        obj = _json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
+        obj = _json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs, parse_constant=_no_constant)
     except (UnicodeDecodeError, _json.JSONDecodeError) as e:
         raise _bad("bad JSON header: %s" % e) from None
     except RecursionError:
@@ -87,9 +102,9 @@ def parse_header(raw, data_size):
         if bits is None:
             raise _bad("tensor %r: unknown dtype %r" % (name, st))
         numel = 1
-        ok = type(shape) is list and type(begin) is int and type(end) is int and 0 <= begin <= end
+        ok = type(shape) is list and type(begin) is int and type(end) is int and 0 <= begin <= end <= _MAX_INT
         for d in shape if ok else ():
-            if type(d) is not int or d < 0:
+            if type(d) is not int or not 0 <= d <= _MAX_INT:
                 ok = False
                 break
             numel *= d
@@ -99,6 +114,10 @@ def parse_header(raw, data_size):
             raise _bad("tensor %r: %d bytes in data_offsets, %s %s needs %d"
                        % (name, end - begin, st, shape, _nbytes(st, shape)))
         tensors.append((name, st, shape, begin, end))
+    try:
+        "".join(obj).encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad("tensor name %r is not UTF-8 (a lone surrogate)" % next(n for n in obj if not _utf8(n))) from None
     at = 0
     for name, _, _, begin, end in sorted(tensors, key=lambda t: (t[3], t[4])):
         if begin != at:
@@ -194,6 +213,9 @@ def import_safetensors(file: str, path: str, *, pack_below: int = 0) -> int:
             parts = name.split("/")
             if any(p in ("", ".", "..") or "\0" in p for p in parts) or parts[0].startswith(_IMPORT_TMP):
                 raise ValueError("tensorfs.import_safetensors: tensor name %r is not a path" % name)
+            if pack_below and parts[0] == _sd.PACK_NAME:
+                raise ValueError("tensorfs.import_safetensors: tensor %r: %s is the name of the pack of the small "
+                                 "tensors: import without pack_below" % (name, _sd.PACK_NAME))
             for i in range(1, len(parts)):
                 if "/".join(parts[:i]) in names:
                     raise ValueError("tensor %r is also the directory of tensor %r" % ("/".join(parts[:i]), name))

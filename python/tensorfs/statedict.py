@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import collections as _collections
 import collections.abc  # noqa: F401  (_collections.abc)
+import contextlib as _contextlib
 import ctypes as _ctypes
 import errno as _errno
+import fcntl as _fcntl
 import json as _json
 import mmap as _mmap
 import os as _os
 import shutil as _shutil
+import stat as _stat
 import typing as _typing
 import warnings as _warnings
 import weakref as _weakref
@@ -49,19 +52,25 @@ _TEMPORARY = (".import-", _tfs._SAVE_PREFIX)
 PACK_NAME = "packed.safetensors"  # the segment that holds a directory's packed tensors
 
 
-def _check_name(name):
-    parts = str(name).split("/")
+def _name_problem(name):
+    """Why name is not a tensor name of a directory, or None: the rule of saves, imports and packs."""
+    parts = name.split("/")
     for p in parts:
         if p in ("", ".", "..") or "\0" in p or len(p.encode()) > 255:
-            raise ValueError("tensorfs.save_state_dict: name %r does not make a path "
-                             "(empty component, '.', '..', NUL or over 255 bytes)" % (name,))
+            return "does not make a path (empty component, '.', '..', NUL or over 255 bytes)"
     if parts[0].startswith(_TEMPORARY):
-        raise ValueError("tensorfs.save_state_dict: name %r starts with a prefix tensorfs keeps for "
-                         "temporary names (%s)" % (name, ", ".join(_TEMPORARY)))
-    if name == PACK_NAME:
-        raise ValueError("tensorfs.save_state_dict: name %r is the segment that holds a directory's packed "
-                         "tensors" % (name,))
-    return str(name)
+        return "starts with a prefix tensorfs keeps for temporary names (%s)" % ", ".join(_TEMPORARY)
+    if parts[0] == PACK_NAME:
+        return "is the segment that holds a directory's packed tensors"
+    return None
+
+
+def _check_name(name):
+    name = str(name)
+    problem = _name_problem(name)
+    if problem:
+        raise ValueError("tensorfs.save_state_dict: name %r %s" % (name, problem))
+    return name
 
 
 def _tie_key(x):
@@ -119,7 +128,11 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
     files of their own: no getfattr, open or mmap by their names. The
     entries of an earlier pack that this save does not name stay in it; a
     name saved now as a segment leaves the pack, and one packed now
-    replaces its segment.
+    replaces its segment. A save that packs writes a new pack: tensors
+    loaded from the old one keep its pages (with mode "r+", their stores
+    no longer reach the directory), and one sent to another process then
+    fails to unpickle, saying so. Saves into one directory take turns (a
+    lock on it), so that none drops another's packed tensors.
 
     Everything is written under a hidden temporary directory in path
     first, then moved into place (an existing segment is exchanged, and
@@ -146,13 +159,21 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
             _os.makedirs(path)
         except OSError as e:
             raise _tfs._explain(e, path, "tensorfs.save_state_dict: %s" % path) from None
+    with _locked(path):
+        _save_locked(path, state_dict, metadata, pack_below, names, files, created)
+
+
+def _save_locked(path, state_dict, metadata, pack_below, names, files, created):
+    """save_state_dict's work, under the directory's lock."""
     for n in names:
         if _os.path.isdir(_os.path.join(path, n)):
             raise IsADirectoryError(_errno.EISDIR, "tensorfs.save_state_dict: %s is a directory, "
                                     "tensor %r cannot replace it" % (_os.path.join(path, n), n))
     ties = _collections.Counter(k for k in map(_tie_key, state_dict.values()) if k is not None)
-    tmp, moved, old_attrs, old_pack = None, [], None, None
+    tmp, moved, old_attrs = None, [], None
+    old_pack = _open_pack(_os.path.join(path, PACK_NAME))
     try:
+        _check_prefixes(path, files, () if old_pack is None else [e[0] for e in old_pack[1]])
         try:
             tmp = _mkdtemp(path)
         except OSError as e:
@@ -175,7 +196,9 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
             seg = _tfs._write_temp(_os.path.join(path, name), buf, dtype, shape,
                                    "tensorfs.save_state_dict: tensor %r" % name, _os.path.dirname(dst))
             _os.rename(seg, dst)
-        old_pack = _open_pack(_os.path.join(path, PACK_NAME), bool(packed))
+        if packed and old_pack is None and _os.path.lexists(_os.path.join(path, PACK_NAME)):
+            raise ValueError("tensorfs.save_state_dict: %s is not a pack (a tensor's segment, or not a regular "
+                             "file): rename it to pack tensors here" % _os.path.join(path, PACK_NAME))
         pack = _write_pack(path, tmp, old_pack, packed, files)
         old_attrs = _replace_attrs(path, metadata, list(state_dict))
         gone = [n for n, _, _, _ in packed] + ([PACK_NAME] if pack is _REMOVE else [])
@@ -209,6 +232,47 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
     _shutil.rmtree(tmp, ignore_errors=True)  # the replaced segments
 
 
+@_contextlib.contextmanager
+def _locked(path):
+    """Hold the directory path's lock (flock): saves into one directory take turns.
+
+    A save reads the directory's pack and writes it back with its own
+    tensors added; two at once would each drop the other's.
+    """
+    try:
+        fd = _os.open(path, _os.O_RDONLY | _os.O_DIRECTORY | _os.O_CLOEXEC)
+    except OSError as e:
+        raise _tfs._explain(e, path, "tensorfs.save_state_dict: %s" % path) from None
+    try:
+        _fcntl.flock(fd, _fcntl.LOCK_EX)
+        yield
+    finally:
+        _os.close(fd)
+
+
+def _check_prefixes(path, saving, packed):
+    """ValueError where a name saved now and one that stays would be a tensor and the other's directory.
+
+    packed: the names in the directory's pack, which stay unless saved now.
+    """
+    staying = set(packed) - saving
+    for n in saving:
+        parts = n.split("/")
+        for i in range(1, len(parts)):
+            p = "/".join(parts[:i])
+            if p in saving:
+                continue  # refused earlier, as one state dict's
+            if p in staying or (_os.path.lexists(_os.path.join(path, p)) and not _os.path.isdir(_os.path.join(path, p))):
+                raise ValueError("tensorfs.save_state_dict: %r is a tensor in %s and would be the directory of %r"
+                                 % (p, path, n))
+    for k in staying:
+        parts = k.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in saving:
+                raise ValueError("tensorfs.save_state_dict: %r would be a tensor and the directory of %r, which "
+                                 "%s holds in its pack" % ("/".join(parts[:i]), k, path))
+
+
 # --- packs ------------------------------------------------------------------
 
 _WRITE, _REMOVE = "write", "remove"  # what a save does to the directory's pack
@@ -220,27 +284,29 @@ def _packable(dtype):
     return dtype in _TO_ST and _tfs.DTYPES[dtype]["bits"] % 8 == 0
 
 
-def _open_pack(full, packing):
+def _open_pack(full):
     """(fd, [(name, safetensors dtype, shape, byte offset in the file, nbytes)]) of the pack at full, or None.
 
-    ValueError for a file there that is not a valid safetensors file, or,
-    when packing, a tensor's segment: a save that went on would lose it.
+    None where there is no pack: nothing of that name, or something
+    that is not a regular file (opened without blocking, so a FIFO there
+    cannot hold a save), or a tensor's segment (with a dtype or shape).
+    ValueError for a pack that is not a valid safetensors file: a save
+    that went on would lose its tensors.
     """
     try:
-        fd = _os.open(full, _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return None
+        fd = _os.open(full, _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NOFOLLOW | _os.O_NONBLOCK)
     except OSError as e:
+        if e.errno in (_errno.ENOENT, _errno.ELOOP, _errno.ENXIO):
+            return None  # no file, a symbolic link, a socket
         raise _tfs._explain(e, full, "tensorfs.save_state_dict: reading the pack %s" % full) from None
     try:
-        if any(_tfs._getxattr(full, a) is not None for a in (_tfs.XATTR_DTYPE, _tfs.XATTR_SHAPE)):
-            if not packing:
-                _os.close(fd)
-                return None
-            raise ValueError("tensorfs.save_state_dict: %s has a dtype or shape, so it is a tensor's segment, "
-                             "not a pack: rename it to pack tensors here" % full)
+        st = _os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode) or any(
+                _tfs._getxattr(full, a) is not None for a in (_tfs.XATTR_DTYPE, _tfs.XATTR_SHAPE)):
+            _os.close(fd)
+            return None
         try:
-            entries = _pack_entries(fd, _os.fstat(fd).st_size)
+            entries = _pack_entries(fd, st.st_size)
         except ValueError as e:
             raise ValueError("tensorfs.save_state_dict: %s is not a valid pack (%s): remove it, or move it "
                              "aside, to save here" % (full, e)) from None
@@ -263,6 +329,12 @@ def _pack_entries(fd, size):
     if n < 0 or n > size - 8 or n > _MAX_PACK_HEADER:
         raise _bad("no header that fits in its %d bytes" % size)
     tensors, _ = parse_header(_os.pread(fd, n, 8), size - 8 - n)
+    for name, _, _, _, _ in tensors:
+        if ("/" in name or len(name) > 63 or name in ("", ".", "..") or name.startswith(_TEMPORARY)
+                or name == PACK_NAME or "\0" in name):  # else a name that is fine: most, cheaply
+            problem = _name_problem(name)
+            if problem:
+                raise _bad("tensor name %r %s" % (name, problem))
     return [(name, st, tuple(shape), 8 + n + begin, end - begin) for name, st, shape, begin, end in tensors]
 
 
@@ -441,7 +513,7 @@ def _packed(pack, segments):
         entries = _pack_entries(pack.fd, pack.size)
     except ValueError as e:
         raise ValueError("tensorfs: %s is not a valid pack of tensors: %s" % (pack.full, e)) from None
-    out, metas = [], {}
+    out, metas, sizes = [], {}, {}
     for name, st, shape, at, nbytes in entries:
         if name in segments:
             _warnings.warn("tensorfs: skipping %r of %s: a segment has that name" % (name, pack.full), stacklevel=4)
@@ -449,14 +521,21 @@ def _packed(pack, segments):
         m = metas.get((st, shape))
         if m is None:
             m = metas[(st, shape)] = _tfs.TensorMeta(_FROM_ST[st], shape, None, 0, nbytes)
+        size = sizes.get(st) or sizes.setdefault(st, _tfs._itemsize(m.dtype) or 1)
+        if at % size:
+            raise ValueError("tensorfs: %s: tensor %r (%s) starts at byte %d, not on a whole %d-byte element, "
+                             "and a pack's tensors are views of it: write the pack again (save_state_dict or "
+                             "tensorfs import with a pack)" % (pack.full, name, m.dtype, at, size))
         out.append(_Loaded(name, pack.full, m, None, 1, at))
     return out
 
 
 def _map_pack(pack, write):
-    """The pack's mmap (shared if write, else copy-on-write); closes its fd."""
+    """(mmap, (st_ino, st_size)) of the pack (shared if write, else copy-on-write); closes its fd."""
     try:
-        return _mmap.mmap(pack.fd, pack.size, access=_mmap.ACCESS_WRITE if write else _mmap.ACCESS_COPY)
+        st = _os.fstat(pack.fd)
+        return (_mmap.mmap(pack.fd, pack.size, access=_mmap.ACCESS_WRITE if write else _mmap.ACCESS_COPY),
+                (st.st_ino, st.st_size))
     finally:
         _os.close(pack.fd)
 
@@ -581,8 +660,8 @@ def load_state_dict(path: str, device: str = "cpu", mode: str = "r", *,
         on_slab = _slab(small, write)
         if pack is not None:
             p, pack = pack, None  # _map_pack closes its fd
-            mm = _map_pack(p, write)
-            on_slab.update(zip(map(id, packed), views_on(mm, p.full, write, [(e.meta, e.at) for e in packed])))
+            mm, ident = _map_pack(p, write)
+            on_slab.update(zip(map(id, packed), views_on(mm, p.full, write, [(e.meta, e.at) for e in packed], ident)))
     except BaseException:
         _close_fds(rest)
         raise

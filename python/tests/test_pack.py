@@ -3,8 +3,10 @@
 Run: cd python && PYTHONPATH=$PWD /usr/bin/python3 -m unittest discover -s tests -v
 """
 
+import errno
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -151,6 +153,13 @@ class _PackTests(MountedTests):
         r = subprocess.run([binary(), "export", imp, back], capture_output=True, text=True, timeout=TIMEOUT)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(read(back), read(src))
+        raw, placed = st.encode_header([(PACK, "F32", [1])], None)  # a tensor of the pack's name
+        with open(src, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw + bytes(placed[-1][4]))
+        with self.assertRaises(ValueError) as cm:
+            st.import_safetensors(src, os.path.join(self.dir, "imp2"), pack_below=1024)
+        self.assertIn("name of the pack", str(cm.exception))
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "imp2")))
 
     def test_shared_and_private(self):
         d = os.path.join(self.dir, "m")
@@ -235,7 +244,7 @@ class _PackTests(MountedTests):
         tensorfs.save_state_dict(other, {"x": torch.ones(2)})
         with self.assertRaises(ValueError) as cm:
             tensorfs.save_state_dict(other, {"y": torch.ones(2)}, pack_below=64)
-        self.assertIn("is a tensor's segment", str(cm.exception))
+        self.assertIn("is not a pack", str(cm.exception))
         self.assertEqual(sorted(os.listdir(other)), ["packed.safetensors", "x"])
         self.assertEqual(sorted(tensorfs.load_state_dict(other)), ["packed.safetensors", "x"])
         # A segment named as a packed tensor wins over it, with a warning.
@@ -245,6 +254,87 @@ class _PackTests(MountedTests):
             got = tensorfs.load_state_dict(d)
         self.assertEqual(got["a"].tolist(), [8.0, 8.0])
         self.assertTrue(any("a segment has that name" in str(x.message) for x in w), [str(x.message) for x in w])
+
+    def test_a_sent_tensor_of_a_rewritten_pack_is_refused(self):
+        d = os.path.join(self.dir, "m")
+        tensorfs.save_state_dict(d, {"m": torch.tensor([1.0, 2, 3]), "n": torch.tensor([4.0, 5, 6])}, pack_below=100)
+        loaded = tensorfs.load_state_dict(d, mode="r+")
+        before = bytes(ForkingPickler.dumps(loaded["n"]))
+        self.assertEqual(ForkingPickler.loads(before).tolist(), [4.0, 5, 6])  # the pack it was loaded from
+        tensorfs.save_state_dict(d, {"a": torch.tensor([-7.0, -8, -9])}, pack_below=100)  # a new pack: offsets move
+        with self.assertRaises(OSError) as cm:
+            ForkingPickler.loads(before)
+        self.assertEqual(cm.exception.errno, errno.ESTALE)
+        self.assertIn("was replaced since", str(cm.exception))
+        again = tensorfs.load_state_dict(d)["n"]
+        self.assertEqual(ForkingPickler.loads(bytes(ForkingPickler.dumps(again))).tolist(), [4.0, 5, 6])
+
+    def test_concurrent_saves_keep_every_tensor(self):
+        d = os.path.join(self.dir, "m")
+        os.mkdir(d)
+        script = textwrap.dedent("""
+            import sys, torch, tensorfs
+            d, who = sys.argv[1:3]
+            for i in range(10):
+                tensorfs.save_state_dict(d, {"%s.%d" % (who, i): torch.full((4,), float(i))}, pack_below=100)
+            """)
+        procs = [subprocess.Popen([sys.executable, "-c", script, d, w], env=dict(os.environ, PYTHONPATH=PYDIR))
+                 for w in "abc"]
+        self.assertEqual([p.wait(TIMEOUT) for p in procs], [0, 0, 0])
+        got = tensorfs.load_state_dict(d)
+        self.assertEqual(sorted(got), sorted("%s.%d" % (w, i) for w in "abc" for i in range(10)))
+        self.assertEqual(os.listdir(d), [PACK])
+
+    def test_what_is_not_a_pack_does_not_block(self):
+        d = os.path.join(self.dir, "m")
+        os.mkdir(d)
+        os.mkfifo(os.path.join(d, PACK))  # another user's FIFO under the pack's name: opened, it would block
+        signal.alarm(30)
+        self.addCleanup(signal.alarm, 0)
+        tensorfs.save_state_dict(d, {"x": torch.ones(1000)})
+        with self.assertRaises(ValueError) as cm:
+            tensorfs.save_state_dict(d, {"y": torch.ones(2)}, pack_below=100)
+        self.assertIn("is not a pack", str(cm.exception))
+        with self.assertRaises(FileNotFoundError):
+            tensorfs.open_torch(os.path.join(d, "z"))
+        self.assertEqual(sorted(tensorfs.load_state_dict(d)), ["x"])
+        self.assertEqual(sorted(os.listdir(d)), [PACK, "x"])
+
+    def test_a_pack_of_names_no_save_writes_is_refused(self):
+        d = os.path.join(self.dir, "m")
+        os.mkdir(d)
+        pack = os.path.join(d, PACK)
+        for bad in ("", "../../etc/x", "/abs", ".save-x", PACK, "a//b"):
+            raw, placed = st.encode_header([("ok", "F32", [1]), (bad, "F32", [1])], None)
+            with open(pack, "wb") as f:
+                f.write(len(raw).to_bytes(8, "little") + raw + bytes(placed[-1][4]))
+            for load in (tensorfs.load_state_dict, tensorfs.safe_open):
+                with self.assertRaises(ValueError) as cm:
+                    load(d)
+                self.assertIn(pack, str(cm.exception))
+                self.assertIn(repr(bad), str(cm.exception))
+        # A tensor not on a whole element of its dtype: named, as views must be aligned.
+        raw = b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"b":{"dtype":"F32","shape":[1],"data_offsets":[1,5]}}'
+        raw += b" " * (-len(raw) % 8)
+        with open(pack, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw + bytes(5))
+        with self.assertRaises(ValueError) as cm:
+            tensorfs.load_state_dict(d)
+        self.assertIn("tensor 'b' (float32) starts at byte", str(cm.exception))
+
+    def test_a_packed_name_is_no_directory(self):
+        d = os.path.join(self.dir, "m")
+        tensorfs.save_state_dict(d, {"x": torch.ones(1), "p/q": torch.ones(1)}, pack_below=100)
+        for sd in ({"x/y": torch.ones(100)}, {"x/y": torch.ones(1)}, {"p": torch.ones(1)}):
+            with self.assertRaises(ValueError) as cm:
+                tensorfs.save_state_dict(d, sd, pack_below=100)
+            self.assertIn("directory of", str(cm.exception))
+        tensorfs.save(os.path.join(d, "seg"), torch.ones(2))
+        with self.assertRaises(ValueError):
+            tensorfs.save_state_dict(d, {"seg/y": torch.ones(1)}, pack_below=100)
+        self.assertEqual(sorted(tensorfs.load_state_dict(d)), ["p/q", "seg", "x"])
+        tensorfs.save_state_dict(d, {"x": torch.ones(3)}, pack_below=100)  # the name itself, again: fine
+        self.assertEqual(tensorfs.load_state_dict(d)["x"].tolist(), [1.0, 1.0, 1.0])
 
     def test_load_into_a_meta_model(self):
         torch.manual_seed(0)
@@ -298,7 +388,12 @@ class TestPackHeader(unittest.TestCase):
                 pass
         for bad in (b"[" * 100000, b'{"a": ' + b"[" * 100000, b'{"a":{"dtype":"F32","shape":[1],"data_offsets":["x",4]}}',
                     b'{"a":{"dtype":[],"shape":[1],"data_offsets":[0,4]}}', b'{"a":{"dtype":"F32","shape":[true],'
-                    b'"data_offsets":[0,4]}}', b'{"a":{"dtype":"F32","shape":[1.0],"data_offsets":[0,4]}}'):
+                    b'"data_offsets":[0,4]}}', b'{"a":{"dtype":"F32","shape":[1.0],"data_offsets":[0,4]}}',
+                    b'{"a":{"dtype":"F32","shape":[NaN],"data_offsets":[0,4]}}',  # not JSON
+                    b'{"\\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',  # a lone surrogate
+                    b'{"a":{"dtype":"F32","shape":[0,1180591620717411303424],"data_offsets":[0,0]},'
+                    b'"b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',  # a dim past int64
+                    b'{"a":{"dtype":"F32","dtype":"I32","shape":[1],"data_offsets":[0,4]}}'):  # a key twice
             with self.assertRaises(ValueError):
                 st.parse_header(b"{" + bad[1:] if bad.startswith(b"[") else bad, 4)
 
