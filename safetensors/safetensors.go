@@ -248,12 +248,12 @@ func ParseHeader(raw []byte, dataSize int64) (*Header, error) {
 	return h, nil
 }
 
-// tensorJSON is one tensor entry as it appears in the JSON header. Fields
+// tensorJSON is one tensor entry as it appears in the JSON header. Keys
 // other than these three are ignored, as by the reference implementation.
 type tensorJSON struct {
-	Dtype       *string   `json:"dtype"`
-	Shape       *[]uint64 `json:"shape"`
-	DataOffsets *[]uint64 `json:"data_offsets"`
+	Dtype       *string
+	Shape       *[]uint64
+	DataOffsets *[]uint64
 }
 
 // decode reads the JSON object, keeping the order of its keys.
@@ -268,18 +268,10 @@ func decode(raw []byte) (*Header, error) {
 	h := &Header{}
 	seen := map[string]bool{}
 	for dec.More() {
-		tok, err := dec.Token()
+		key, err := objectKey(dec, seen)
 		if err != nil {
 			return nil, bad("%v", err)
 		}
-		key, ok := tok.(string)
-		if !ok {
-			return nil, bad("object key %v is not a string", tok)
-		}
-		if seen[key] {
-			return nil, bad("key %q appears twice", key)
-		}
-		seen[key] = true
 		if key == MetadataKey {
 			var meta map[string]string
 			if err := dec.Decode(&meta); err != nil {
@@ -288,8 +280,8 @@ func decode(raw []byte) (*Header, error) {
 			h.Metadata = meta
 			continue
 		}
-		var tj tensorJSON
-		if err := dec.Decode(&tj); err != nil {
+		tj, err := decodeTensor(dec)
+		if err != nil {
 			return nil, bad("tensor %q: %v", key, err)
 		}
 		t, err := tj.tensor(key)
@@ -306,6 +298,29 @@ func decode(raw []byte) (*Header, error) {
 		return nil, bad("trailing data after the object")
 	}
 	return h, nil
+}
+
+// decodeTensor reads one tensor entry key by key. Keys match exactly, as
+// in the reference implementation and the Python client, not in any case
+// as encoding/json matches struct fields: an entry's "DTYPE" is not its
+// dtype. A key may not repeat.
+func decodeTensor(dec *json.Decoder) (tensorJSON, error) {
+	var tj tensorJSON
+	err := decodeObject(dec, func(key string) error {
+		var v any
+		switch key {
+		case "dtype":
+			v = &tj.Dtype
+		case "shape":
+			v = &tj.Shape
+		case "data_offsets":
+			v = &tj.DataOffsets
+		default:
+			v = new(json.RawMessage)
+		}
+		return dec.Decode(v)
+	})
+	return tj, err
 }
 
 // tensor checks the fields of one entry and converts them.

@@ -201,6 +201,11 @@ func TestMalformed(t *testing.T) {
 		{"trailing bytes", file("{"+okTensor+"}", append(eight, 0)), "cover 8 bytes"},
 		{"metadata not strings", file(`{"__metadata__":{"a":1}}`, nil), "__metadata__"},
 		{"metadata not object", file(`{"__metadata__":"x"}`, nil), "__metadata__"},
+		{"duplicate dtype", file(`{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"dtype":"F32"}}`, eight), `tensor "w": key "dtype" appears twice`},
+		{"duplicate ignored key", file(`{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1,"x":2}}`, eight), `key "x" appears twice`},
+		{"only DTYPE", file(`{"w":{"DTYPE":"F32","shape":[2],"data_offsets":[0,8]}}`, eight), "no dtype"},
+		{"only Shape", file(`{"w":{"dtype":"F32","Shape":[2],"data_offsets":[0,8]}}`, eight), "no shape"},
+		{"entry null", file(`{"w":null}`, nil), "tensor \"w\""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h, _, err := ReadHeader(bytes.NewReader(tc.file), int64(len(tc.file)))
@@ -215,6 +220,41 @@ func TestMalformed(t *testing.T) {
 			}
 			if strings.Contains(err.Error(), "\n") {
 				t.Errorf("error %q is more than one line", err)
+			}
+		})
+	}
+}
+
+// TestEntryKeys: a tensor entry's keys match exactly, as in the reference
+// implementation and the Python client; keys of other case, or unknown,
+// are ignored, and "__metadata__" is read as before.
+func TestEntryKeys(t *testing.T) {
+	for _, tc := range []struct {
+		name, header string
+		want         Tensor
+		meta         map[string]string
+	}{
+		{"DTYPE after dtype", `{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"DTYPE":"I32"}}`,
+			Tensor{Name: "w", Dtype: "F32", Shape: []int64{1}, End: 4}, nil},
+		{"DTYPE before dtype", `{"w":{"DTYPE":"I32","dtype":"F32","shape":[1],"data_offsets":[0,4]}}`,
+			Tensor{Name: "w", Dtype: "F32", Shape: []int64{1}, End: 4}, nil},
+		{"Shape ignored", `{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"Shape":[2,2]}}`,
+			Tensor{Name: "w", Dtype: "F32", Shape: []int64{1}, End: 4}, nil},
+		{"Data_Offsets ignored", `{"w":{"Data_Offsets":[4,8],"dtype":"U8","shape":[4],"data_offsets":[0,4]}}`,
+			Tensor{Name: "w", Dtype: "U8", Shape: []int64{4}, End: 4}, nil},
+		{"unknown keys ignored", `{"w":{"dtype":"F32","x":{"y":[1,"z"]},"shape":[1],"data_offsets":[0,4],"__metadata__":1}}`,
+			Tensor{Name: "w", Dtype: "F32", Shape: []int64{1}, End: 4}, nil},
+		{"__metadata__ unaffected", `{"__metadata__":{"dtype":"I32","DTYPE":"U8","Shape":"[2]"},"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}`,
+			Tensor{Name: "w", Dtype: "F32", Shape: []int64{1}, End: 4}, map[string]string{"dtype": "I32", "DTYPE": "U8", "Shape": "[2]"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h, err := ParseHeader([]byte(tc.header), 4)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := &Header{Tensors: []Tensor{tc.want}, Metadata: tc.meta}
+			if !reflect.DeepEqual(h, want) {
+				t.Errorf("ParseHeader = %+v, want %+v", h, want)
 			}
 		})
 	}

@@ -166,3 +166,35 @@ func TestShowLsPack(t *testing.T) {
 		t.Errorf("ls of a directory with a truncated pack: %d\n%s%s\nwant 1, the entries, and one line on stderr starting %q", code, out, errOut, wantErr)
 	}
 }
+
+// TestShowLsPackBadName: a pack holding a name that no writer gives a
+// tensor (a path that leaves the directory, a temporary entry, the
+// pack's own name...) is an error line naming the pack and the name, as
+// one with an invalid header is, for show of the pack, of its directory,
+// and for ls.
+func TestShowLsPackBadName(t *testing.T) {
+	for _, name := range []string{"../x", "a//b", "a\x00b", ".save-1/w", ".import-1", transfer.PackName, transfer.PackName + "/x"} {
+		dir := t.TempDir()
+		h := &safetensors.Header{Tensors: []safetensors.Tensor{
+			{Name: "good.tensor", Dtype: "F32", Shape: []int64{2}},
+			{Name: name, Dtype: "U8", Shape: []int64{1}},
+		}}
+		if err := h.Pack(); err != nil {
+			t.Fatal(err)
+		}
+		header := h.Encode()
+		pack := filepath.Join(dir, transfer.PackName)
+		if err := os.WriteFile(pack, slices.Concat(safetensors.AppendPrefix(nil, header), header, make([]byte, h.DataSize())), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		quoted := alloc.EscapeText(strconv.Quote(name))
+		for _, args := range [][]string{{"show", "--allow-outside", pack}, {"show", "--allow-outside", dir}, {"ls", "--allow-outside", dir}} {
+			wantErr := "tensorfs " + args[0] + ": pack " + pack + ": "
+			code, out, errOut := runCLI(args...)
+			if code != 1 || !strings.HasPrefix(errOut, wantErr) || !strings.Contains(errOut, quoted) || strings.Count(errOut, "\n") != 1 || strings.Contains(out, "good.tensor") {
+				t.Errorf("%s of a pack holding %q: %d\n%s%s\nwant 1 and one line on stderr starting %q and naming %s",
+					args[0], name, code, out, errOut, wantErr, quoted)
+			}
+		}
+	}
+}

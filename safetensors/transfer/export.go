@@ -45,7 +45,8 @@ import (
 // A pack (PackName) directly in dir adds its tensors under their header
 // names, each copied from its place in the pack; a segment file of the
 // same name wins over a packed tensor, with a line to opt.Warn, and a pack
-// whose header is not valid is an error naming it.
+// that ReadPack refuses (an invalid header, a name that is no path of the
+// directory's) is an error naming it.
 //
 // Every file goes through a temporary file in its directory, renamed into
 // place once all are complete and synced. Files with only one of dtype and
@@ -188,15 +189,16 @@ func untie(segs map[string]*segment, recorded map[string]bool, drop []string) (m
 	kept, ties := map[string]*segment{}, map[string]string{}
 	for _, names := range groups {
 		slices.Sort(names)
-		keep := ""
-		for _, n := range names {
-			if !dropped[n] && (keep == "" || recorded[n] && !recorded[keep]) {
-				keep = n
+		k := -1 // the index in names of the name kept; -1: none yet
+		for i, n := range names {
+			if !dropped[n] && (k < 0 || recorded[n] && !recorded[names[k]]) {
+				k = i
 			}
 		}
-		if keep == "" {
+		if k < 0 {
 			return nil, nil, fmt.Errorf("tied names %q are every name of one segment: keep one of them", names)
 		}
+		keep := names[k]
 		kept[keep] = segs[keep]
 		for _, n := range names {
 			if n != keep && !dropped[n] {
@@ -528,7 +530,11 @@ const PackName = "packed.safetensors"
 
 // ReadPack reads and validates the header of the pack at path. The bytes
 // of a tensor t of h are [dataAt+t.Begin, dataAt+t.End) in the file. An
-// invalid header is an error naming path.
+// invalid header is an error naming path, and so is a tensor name that no
+// writer of packs gives a tensor and that would mislead as a path in the
+// directory: one Import refuses, one whose first component starts with
+// ".save-" (the Python client's temporary entries, which readers skip),
+// and PackName or a name under it.
 func ReadPack(path string) (h *safetensors.Header, dataAt int64, err error) {
 	f, err := openRegular(path)
 	if err != nil {
@@ -542,6 +548,11 @@ func ReadPack(path string) (h *safetensors.Header, dataAt int64, err error) {
 	h, raw, err := safetensors.ReadHeader(f, fi.Size())
 	if err != nil {
 		return nil, 0, fmt.Errorf("pack %s: %w", path, err)
+	}
+	for _, t := range h.Tensors {
+		if err := checkPackedName(t.Name); err != nil {
+			return nil, 0, fmt.Errorf("pack %s: %w", path, err)
+		}
 	}
 	return h, safetensors.PrefixSize + int64(len(raw)), nil
 }

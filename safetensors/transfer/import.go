@@ -292,8 +292,10 @@ func (j *importJob) plan(packBelow int64) error {
 		if err := checkTensorName(name); err != nil {
 			return err
 		}
-		if first, _, _ := strings.Cut(name, "/"); j.packHead != nil && first == PackName {
-			return fmt.Errorf("tensor %q: %s is the name of the pack of the small tensors: import it without packing", name, PackName)
+		if j.packHead != nil {
+			if err := checkNotPack(name); err != nil {
+				return fmt.Errorf("%w: import it without packing", err)
+			}
 		}
 		for i := range len(name) {
 			if name[i] == '/' && names[name[:i]] {
@@ -453,6 +455,28 @@ func checkTensorName(name string) error {
 	}
 	if strings.HasPrefix(parts[0], importPrefix) {
 		return fmt.Errorf("tensor name %q starts with %q, which import keeps for its temporary directory", name, importPrefix)
+	}
+	return nil
+}
+
+// checkPackedName refuses a name that a pack may not hold: what
+// checkTensorName refuses, a first component starting with savePrefix,
+// and what checkNotPack refuses.
+func checkPackedName(name string) error {
+	if err := checkTensorName(name); err != nil {
+		return err
+	}
+	if first, _, _ := strings.Cut(name, "/"); strings.HasPrefix(first, savePrefix) {
+		return fmt.Errorf("tensor name %q starts with %q, which the Python client keeps for its temporary entries", name, savePrefix)
+	}
+	return checkNotPack(name)
+}
+
+// checkNotPack refuses PackName and a name under it, whose place in the
+// directory the pack takes.
+func checkNotPack(name string) error {
+	if first, _, _ := strings.Cut(name, "/"); first == PackName {
+		return fmt.Errorf("tensor %q: %s is the name of the pack of the small tensors", name, PackName)
 	}
 	return nil
 }

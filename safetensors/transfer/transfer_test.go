@@ -440,6 +440,74 @@ func TestUntieTied(t *testing.T) {
 	}
 }
 
+// TestUntieEmptyName: the empty name is a name like any other, not "none
+// chosen yet": first in byte order, it is kept.
+func TestUntieEmptyName(t *testing.T) {
+	s := &segment{id: fileID{dev: 1, ino: 1}}
+	segs := map[string]*segment{"": s, "a": s}
+	kept, ties, err := untie(segs, nil, nil)
+	if err != nil || len(kept) != 1 || kept[""] != s || len(ties) != 1 || ties["a"] != "" {
+		t.Errorf("untie = %v, %v, %v; want \"\" kept and a tied to it", kept, ties, err)
+	}
+	kept, ties, err = untie(segs, nil, []string{"a"})
+	if err != nil || len(kept) != 1 || kept[""] != s || len(ties) != 0 {
+		t.Errorf("untie with tied a = %v, %v, %v; want \"\" kept and no entry", kept, ties, err)
+	}
+	kept, ties, err = untie(segs, map[string]bool{"a": true}, nil)
+	if err != nil || len(kept) != 1 || kept["a"] != s || ties[""] != "a" {
+		t.Errorf("untie with a recorded = %v, %v, %v; want a kept", kept, ties, err)
+	}
+}
+
+// TestReadPackNames: a pack holding a name that no writer gives a tensor
+// and that would mislead as a path is an error naming the pack and the
+// name, from ReadPack and from Export; names that merely look alike are
+// read.
+func TestReadPackNames(t *testing.T) {
+	for _, name := range []string{
+		"", "/a", "a/", "a//b", ".", "..", "a/../b", "a/./b", "a\x00b", strings.Repeat("x", 256) + "/a",
+		".import-1", ".import-1/x", ".save-1", ".save-w-1234/x", PackName, PackName + "/x",
+	} {
+		dir := fakeMount(t)
+		writePack(t, dir, []safetensors.Tensor{{Name: "ok", Dtype: "U8", Shape: []int64{2}}, {Name: name, Dtype: "F32", Shape: []int64{1}}})
+		pack := filepath.Join(dir, PackName)
+		quoted := fmt.Sprintf("%q", name)
+		if len(name) > nameMax {
+			quoted = fmt.Sprintf("%.40q", name)
+		}
+		if _, _, err := ReadPack(pack); err == nil || !strings.HasPrefix(err.Error(), "pack "+pack+": ") || !strings.Contains(err.Error(), quoted) {
+			t.Errorf("ReadPack of a pack holding %q = %v, want an error naming %s and the name", name, err, pack)
+		}
+		outDir := t.TempDir()
+		_, err := Export(context.Background(), dir, filepath.Join(outDir, "out.safetensors"), Options{})
+		if err == nil || !strings.Contains(err.Error(), "pack "+pack+": ") || !strings.Contains(err.Error(), quoted) {
+			t.Errorf("Export of a pack holding %q = %v, want an error naming %s and the name", name, err, pack)
+		}
+		if got := tree(t, outDir); len(got) != 0 {
+			t.Errorf("Export of a pack holding %q wrote %q", name, got)
+		}
+	}
+
+	good := []string{"a/.save-x", "a/.import-x", "a/" + PackName, PackName + ".x", "x" + PackName, ".savex", ".hidden", "ä/b", strings.Repeat("x", 255)}
+	dir := fakeMount(t)
+	var tensors []safetensors.Tensor
+	for _, name := range good {
+		tensors = append(tensors, safetensors.Tensor{Name: name, Dtype: "U8", Shape: []int64{1}})
+	}
+	want := writePack(t, dir, tensors)
+	h, _, err := ReadPack(filepath.Join(dir, PackName))
+	if err != nil || len(h.Tensors) != len(good) {
+		t.Fatalf("ReadPack of a pack holding %q = %v", good, err)
+	}
+	out := filepath.Join(t.TempDir(), "out.safetensors")
+	if _, err := Export(context.Background(), dir, out, Options{}); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := exported(t, out); !maps.EqualFunc(got, want, bytes.Equal) {
+		t.Errorf("exported %q, want %q", got, want)
+	}
+}
+
 // writePack writes a pack of tensors into dir, in the reference writer's
 // layout, and returns each tensor's bytes by name.
 func writePack(t *testing.T, dir string, tensors []safetensors.Tensor) map[string][]byte {
