@@ -211,8 +211,9 @@ def import_safetensors(file: str, path: str, *, pack_below: int = 0) -> int:
         names = {t[0] for t in tensors}
         for name in names:
             parts = name.split("/")
-            if any(p in ("", ".", "..") or "\0" in p for p in parts) or parts[0].startswith(_IMPORT_TMP):
-                raise ValueError("tensorfs.import_safetensors: tensor name %r is not a path" % name)
+            if any(p in ("", ".", "..") or "\0" in p for p in parts) or parts[0].startswith((_IMPORT_TMP, _tfs._SAVE_PREFIX)):
+                raise ValueError("tensorfs.import_safetensors: tensor name %r is not a path, or one tensorfs keeps for "
+                                 "temporary entries" % name)
             if pack_below and parts[0] == _sd.PACK_NAME:
                 raise ValueError("tensorfs.import_safetensors: tensor %r: %s is the name of the pack of the small "
                                  "tensors: import without pack_below" % (name, _sd.PACK_NAME))

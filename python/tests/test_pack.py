@@ -153,13 +153,14 @@ class _PackTests(MountedTests):
         r = subprocess.run([binary(), "export", imp, back], capture_output=True, text=True, timeout=TIMEOUT)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertEqual(read(back), read(src))
-        raw, placed = st.encode_header([(PACK, "F32", [1])], None)  # a tensor of the pack's name
-        with open(src, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little") + raw + bytes(placed[-1][4]))
-        with self.assertRaises(ValueError) as cm:
-            st.import_safetensors(src, os.path.join(self.dir, "imp2"), pack_below=1024)
-        self.assertIn("name of the pack", str(cm.exception))
-        self.assertFalse(os.path.exists(os.path.join(self.dir, "imp2")))
+        for name, why in ((PACK, "name of the pack"), (".save-x", "temporary entries")):
+            raw, placed = st.encode_header([(name, "F32", [1])], None)  # a name no load would show as it is
+            with open(src, "wb") as f:
+                f.write(len(raw).to_bytes(8, "little") + raw + bytes(placed[-1][4]))
+            with self.assertRaises(ValueError) as cm:
+                st.import_safetensors(src, os.path.join(self.dir, "imp2"), pack_below=1024)
+            self.assertIn(why, str(cm.exception))
+            self.assertFalse(os.path.exists(os.path.join(self.dir, "imp2")))
 
     def test_shared_and_private(self):
         d = os.path.join(self.dir, "m")

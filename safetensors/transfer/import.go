@@ -456,18 +456,17 @@ func checkTensorName(name string) error {
 	if strings.HasPrefix(parts[0], importPrefix) {
 		return fmt.Errorf("tensor name %q starts with %q, which import keeps for its temporary directory", name, importPrefix)
 	}
+	if strings.HasPrefix(parts[0], savePrefix) {
+		return fmt.Errorf("tensor name %q starts with %q, which the Python client keeps for its temporary entries", name, savePrefix)
+	}
 	return nil
 }
 
 // checkPackedName refuses a name that a pack may not hold: what
-// checkTensorName refuses, a first component starting with savePrefix,
-// and what checkNotPack refuses.
+// checkTensorName and checkNotPack refuse.
 func checkPackedName(name string) error {
 	if err := checkTensorName(name); err != nil {
 		return err
-	}
-	if first, _, _ := strings.Cut(name, "/"); strings.HasPrefix(first, savePrefix) {
-		return fmt.Errorf("tensor name %q starts with %q, which the Python client keeps for its temporary entries", name, savePrefix)
 	}
 	return checkNotPack(name)
 }

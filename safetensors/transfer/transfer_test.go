@@ -301,7 +301,7 @@ func TestCheckTensorName(t *testing.T) {
 			t.Errorf("checkTensorName(%q) = %v", name, err)
 		}
 	}
-	for _, name := range []string{"", "/a", "a/", "a//b", "..", "a/../b", ".", "a\x00b", ".import-1/x", strings.Repeat("x", 256)} {
+	for _, name := range []string{"", "/a", "a/", "a//b", "..", "a/../b", ".", "a\x00b", ".import-1/x", ".save-1", ".save-w-1/x", strings.Repeat("x", 256)} {
 		if err := checkTensorName(name); err == nil {
 			t.Errorf("checkTensorName(%q) accepted", name)
 		}
