@@ -329,9 +329,12 @@ def _pack_entries(fd, size):
     if n < 0 or n > size - 8 or n > _MAX_PACK_HEADER:
         raise _bad("no header that fits in its %d bytes" % size)
     tensors, _ = parse_header(_os.pread(fd, n, 8), size - 8 - n)
-    for name, _, _, _, _ in tensors:
-        if ("/" in name or len(name) > 63 or name in ("", ".", "..") or name.startswith(_TEMPORARY)
-                or name == PACK_NAME or "\0" in name):  # else a name that is fine: most, cheaply
+    names = [t[0] for t in tensors]
+    joined = "\0%s\0" % "\0".join(names)  # what could be wrong with a name, looked for in all at once
+    if (joined.count("\0") != len(names) + 1 or "/" in joined or "\0\0" in joined or "\0.\0" in joined
+            or "\0..\0" in joined or any("\0" + p in joined for p in _TEMPORARY + (PACK_NAME + "\0",))
+            or max(map(len, names), default=0) > 63):
+        for name in names:
             problem = _name_problem(name)
             if problem:
                 raise _bad("tensor name %r %s" % (name, problem))

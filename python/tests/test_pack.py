@@ -305,7 +305,7 @@ class _PackTests(MountedTests):
         d = os.path.join(self.dir, "m")
         os.mkdir(d)
         pack = os.path.join(d, PACK)
-        for bad in ("", "../../etc/x", "/abs", ".save-x", PACK, "a//b"):
+        for bad in ("", "../../etc/x", "/abs", ".save-x", PACK, "a//b", "a\0b", "..", "x" * 256):
             raw, placed = st.encode_header([("ok", "F32", [1]), (bad, "F32", [1])], None)
             with open(pack, "wb") as f:
                 f.write(len(raw).to_bytes(8, "little") + raw + bytes(placed[-1][4]))
