@@ -349,11 +349,11 @@ def views_on(mm, path, write, items, pack):
     """[tensor] for items [(TensorMeta, byte offset)] on mm, the mmap of the pack at path, whose (st_ino, st_size) is pack.
 
     Each tensor is a view of one storage over the whole mapping, checked
-    to stay in its nbytes and to start on a whole element; they pickle by
-    path and offset, with pack, which the receiver checks (a save that
-    packs writes a new pack, where the offsets hold other tensors), and
-    the mapping lives while any of them does. An empty tensor is a tensor
-    of its own.
+    to stay in its nbytes (the caller checked that its offset is on a
+    whole element: statedict._packed); they pickle by path and offset,
+    with pack, which the receiver checks (a save that packs writes a new
+    pack, where the offsets hold other tensors), and the mapping lives
+    while any of them does. An empty tensor is a tensor of its own.
     """
     torch = _torch()
     base = _register(mm, path, write, None, pack=pack)
@@ -376,8 +376,6 @@ def views_on(mm, path, write, items, pack):
             out.append(torch.zeros(lay[1], dtype=lay[2]))
             continue
         on, shape, stride, size, offset = lay
-        if at % size:
-            raise ValueError("tensorfs: %s: a tensor at byte %d is not on a whole %d-byte element" % (path, at, size))
         out.append(on.as_strided(shape, stride, at // size + offset))
     return out
 
