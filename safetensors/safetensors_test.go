@@ -328,14 +328,19 @@ func TestSortTensors(t *testing.T) {
 		{Name: "x", Dtype: "BOOL"}, {Name: "w", Dtype: "F8_E4M3FNUZ"}, {Name: "v", Dtype: "F8_E8M0"},
 	}
 	SortTensors(ts)
-	var got []string
-	for _, t := range ts {
-		got = append(got, t.Dtype+":"+t.Name)
-	}
 	want := "U64:y BF16:c F16:B F16:b I16:a F8_E4M3FNUZ:w F8_E8M0:v F4:z BOOL:x"
-	if strings.Join(got, " ") != want {
-		t.Errorf("SortTensors = %s\nwant          %s", strings.Join(got, " "), want)
+	if got := dtypesAndNames(ts); got != want {
+		t.Errorf("SortTensors = %s\nwant          %s", got, want)
 	}
+}
+
+// dtypesAndNames lists tensors as "DTYPE:NAME", in their order.
+func dtypesAndNames(ts []Tensor) string {
+	var out []string
+	for _, t := range ts {
+		out = append(out, t.Dtype+":"+t.Name)
+	}
+	return strings.Join(out, " ")
 }
 
 // TestSortByElementSize checks a pack's order: element bits descending,
@@ -351,13 +356,9 @@ func TestSortByElementSize(t *testing.T) {
 		{Name: "q", Dtype: "NOPE"},
 	}
 	SortByElementSize(ts)
-	var got []string
-	for _, t := range ts {
-		got = append(got, t.Dtype+":"+t.Name)
-	}
 	want := "C64:u U64:y I32:v F32:w I16:a F16:b BF16:c BOOL:x NOPE:q"
-	if strings.Join(got, " ") != want {
-		t.Errorf("SortByElementSize = %s\nwant                %s", strings.Join(got, " "), want)
+	if got := dtypesAndNames(ts); got != want {
+		t.Errorf("SortByElementSize = %s\nwant                %s", got, want)
 	}
 	h := &Header{Tensors: ts[:len(ts)-1]}
 	if err := h.Pack(); err != nil {
