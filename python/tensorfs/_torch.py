@@ -361,9 +361,9 @@ def views_on(mm, path, write, items, pack):
     for m, at in items:
         lay = layouts.get(m)
         if lay is None:
-            tdt, pack = torch_dtype(m.dtype)
+            tdt, per = torch_dtype(m.dtype)
             if not _tfs._numel(m.shape):
-                lay = layouts[m] = (None, _torch_layout(m, pack)[0], tdt)
+                lay = layouts[m] = (None, _torch_layout(m, per)[0], tdt)
             else:
                 tdt, shape, stride, size, extent = _layout(m.dtype, m.shape, m.stride)
                 if (m.storage_offset + extent) * size > m.nbytes:
