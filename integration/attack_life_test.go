@@ -10,6 +10,7 @@ import (
 	"io/fs"
 	"maps"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -315,4 +316,43 @@ func TestAttackLifeForgedHolder(t *testing.T) {
 	if ents, err := os.ReadDir(pub); err != nil || len(ents) != 1 || ents[0].Name() != name {
 		t.Errorf("pub holds %v (%v), want only %q", ents, err, name)
 	}
+}
+
+// TestUnmountHeldInAnotherNamespace: a mount namespace made while the
+// mount existed (unshare -m, a container) keeps a copy of it, and with it
+// the daemon's connection, after the mount here is gone. tensorfs unmount
+// says so, naming a process of that namespace, rather than only that the
+// daemon did not exit; the daemon exits once that namespace is gone.
+func TestUnmountHeldInAnotherNamespace(t *testing.T) {
+	t.Parallel()
+	m := mountFS(t, "passthrough")
+	holder := exec.Command("unshare", "-m", "--propagation", "private", "sleep", "60")
+	if err := holder.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Process.Kill()
+	self, _ := os.Readlink("/proc/self/ns/mnt")
+	eventually(t, "unshare made its mount namespace", func() (bool, string) {
+		ns, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/mnt", holder.Process.Pid))
+		return err == nil && ns != self, ns
+	})
+	_, errs, code := stTensorfs(t, "unmount", m.dir)
+	want := fmt.Sprintf("still mounted in another mount namespace (a container's, or one unshare made), that of pid %d (sleep)",
+		holder.Process.Pid)
+	if code != 1 || !strings.Contains(errs, want) {
+		t.Errorf("tensorfs unmount of a mount another namespace holds: exit %d, %q; want 1 and %q", code, errs, want)
+	}
+	if isMounted(m.dir) {
+		t.Errorf("%s still mounted here", m.dir)
+	}
+	holder.Process.Kill()
+	holder.Wait()
+	eventually(t, "the daemon exited once the namespace was gone", func() (bool, string) {
+		select {
+		case <-m.exited:
+			return true, ""
+		default:
+			return false, "the daemon still runs"
+		}
+	})
 }

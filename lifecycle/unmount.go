@@ -41,7 +41,8 @@ type Unmounted struct {
 // has exited, or if none served mp, Unmount purges it itself.
 func Unmount(mp string, purge bool) (Unmounted, error) {
 	pid := serving(mp)
-	mounted := mountedAt(mp)
+	dev := mountDev(mp)
+	mounted := dev != 0
 	if !mounted && pid == 0 && !purge {
 		return Unmounted{}, fmt.Errorf("%s is %w", mp, ErrNotMounted)
 	}
@@ -70,6 +71,11 @@ func Unmount(mp string, purge bool) (Unmounted, error) {
 		case res.Busy:
 			return res, nil
 		default:
+			if held := mountedElsewhere(dev, 3); held != "" {
+				return Unmounted{}, fmt.Errorf("%s is unmounted here, but daemon %d serves on: the filesystem is "+
+					"still mounted in another mount namespace (a container's, or one unshare made), that of %s; "+
+					"the daemon exits once it is unmounted there or those processes end", mp, pid, held)
+			}
 			return Unmounted{}, fmt.Errorf("daemon %d did not exit after the unmount", pid)
 		}
 	}
@@ -145,6 +151,43 @@ func holdingProcesses(mp string) int {
 		}
 	}
 	return n
+}
+
+// mountedElsewhere names up to limit processes ("pid 12 (sleep)") whose
+// mount namespace, not this process's, has the filesystem of device dev
+// mounted: a copy of the mount that namespace took when it was made,
+// which keeps the connection, and so the daemon, alive after the mount
+// here is gone. "" when there are none, or dev is 0, or /proc says no.
+func mountedElsewhere(dev uint64, limit int) string {
+	self, err := os.Readlink("/proc/self/ns/mnt")
+	if dev == 0 || err != nil {
+		return ""
+	}
+	want := fmt.Sprintf("%d:%d", unix.Major(dev), unix.Minor(dev))
+	seen := map[string]bool{self: true}
+	var held []string
+	procs, _ := os.ReadDir("/proc")
+	for _, p := range procs {
+		pid, err := strconv.Atoi(p.Name())
+		if err != nil || len(held) == limit {
+			continue
+		}
+		ns, err := os.Readlink("/proc/" + p.Name() + "/ns/mnt")
+		if err != nil || seen[ns] {
+			continue
+		}
+		seen[ns] = true
+		info, _ := procfs.ReadFile("/proc/" + p.Name() + "/mountinfo")
+		// "ID PARENT MAJOR:MINOR ROOT MOUNTPOINT ...": the device is the third field.
+		for _, line := range strings.Split(string(info), "\n") {
+			if f := strings.SplitN(line, " ", 4); len(f) == 4 && f[2] == want {
+				comm, _ := procfs.ReadFile("/proc/" + p.Name() + "/comm")
+				held = append(held, fmt.Sprintf("pid %d (%s)", pid, alloc.EscapeText(strings.TrimSpace(string(comm)))))
+				break
+			}
+		}
+	}
+	return strings.Join(held, ", ")
 }
 
 // detach unmounts mp; a busy mount is detached lazily, so that it goes
