@@ -1,6 +1,7 @@
 package lifecycle
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"os"
@@ -9,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
 	"tensorfs/alloc"
@@ -163,13 +165,15 @@ func mountedElsewhere(dev uint64, limit int) string {
 	if dev == 0 || err != nil {
 		return ""
 	}
-	want := fmt.Sprintf("%d:%d", unix.Major(dev), unix.Minor(dev))
+	ofDev := func(m *mountinfo.Info) (skip, stop bool) {
+		return unix.Mkdev(uint32(m.Major), uint32(m.Minor)) != dev, false
+	}
 	seen := map[string]bool{self: true}
 	var held []string
 	procs, _ := os.ReadDir("/proc")
 	for _, p := range procs {
 		pid, err := strconv.Atoi(p.Name())
-		if err != nil || len(held) == limit {
+		if err != nil {
 			continue
 		}
 		ns, err := os.Readlink("/proc/" + p.Name() + "/ns/mnt")
@@ -178,11 +182,10 @@ func mountedElsewhere(dev uint64, limit int) string {
 		}
 		seen[ns] = true
 		info, _ := procfs.ReadFile("/proc/" + p.Name() + "/mountinfo")
-		// "ID PARENT MAJOR:MINOR ROOT MOUNTPOINT ...": the device is the third field.
-		for _, line := range strings.Split(string(info), "\n") {
-			if f := strings.SplitN(line, " ", 4); len(f) == 4 && f[2] == want {
-				comm, _ := procfs.ReadFile("/proc/" + p.Name() + "/comm")
-				held = append(held, fmt.Sprintf("pid %d (%s)", pid, alloc.EscapeText(strings.TrimSpace(string(comm)))))
+		if mounts, err := mountinfo.GetMountsFromReader(bytes.NewReader(info), ofDev); err == nil && len(mounts) > 0 {
+			comm, _ := procfs.ReadFile("/proc/" + p.Name() + "/comm")
+			held = append(held, fmt.Sprintf("pid %d (%s)", pid, alloc.EscapeText(strings.TrimSpace(string(comm)))))
+			if len(held) == limit {
 				break
 			}
 		}

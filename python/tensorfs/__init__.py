@@ -40,7 +40,6 @@ import json as _json
 import mmap as _mmap
 import os as _os
 import socket as _socket
-import stat as _stat
 import time as _time
 import typing as _typing
 
@@ -270,14 +269,14 @@ def _not_found(err, path):
     d, name = _os.path.split(_os.path.abspath(path))
     pack = _os.path.join(d, statedict.PACK_NAME)
     try:
-        fd = _os.open(pack, _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NOFOLLOW | _os.O_NONBLOCK)
+        opened = statedict._open_regular(pack)
     except OSError:
         return err
+    if opened is None:
+        return err
+    fd, size = opened
     try:
-        st = _os.fstat(fd)
-        if not _stat.S_ISREG(st.st_mode):
-            return err
-        names = [e[0] for e in statedict._pack_entries(fd, st.st_size)]
+        names = [e[0] for e in statedict._pack_entries(fd, size)]
     except (OSError, ValueError):
         return err
     finally:

@@ -217,14 +217,14 @@ def import_safetensors(file: str, path: str, *, pack_below: int = 0) -> int:
             if pack_below and parts[0] == _sd.PACK_NAME:
                 raise ValueError("tensorfs.import_safetensors: tensor %r: %s is the name of the pack of the small "
                                  "tensors: import without pack_below" % (name, _sd.PACK_NAME))
-            for i in range(1, len(parts)):
-                if "/".join(parts[:i]) in names:
-                    raise ValueError("tensor %r is also the directory of tensor %r" % ("/".join(parts[:i]), name))
+            for d in _sd._prefixes(name):
+                if d in names:
+                    raise ValueError("tensor %r is also the directory of tensor %r" % (d, name))
         links = {k: v for k, v in (meta or {}).items() if k not in names and v in names}
         for k in list(links):
             parts = k.split("/")
             if any(p in ("", ".", "..") or "\0" in p for p in parts) or parts[0].startswith(_IMPORT_TMP) \
-                    or any("/".join(parts[:i]) in names for i in range(1, len(parts))):
+                    or any(d in names for d in _sd._prefixes(k)):
                 del links[k]
         created = not _os.path.exists(path)
         _tfs.find_mount(path)
@@ -332,10 +332,11 @@ def _segments(path):
                                  % (full, m.nbytes, m.dtype, list(m.shape), off))
             ino = _os.stat(full)
             segs[_os.path.relpath(full, path)] = (full, st, list(m.shape), off, (ino.st_dev, ino.st_ino))
-    if pack is not None:
-        fd = _os.open(pack, _os.O_RDONLY | _os.O_CLOEXEC)
+    opened = pack and _sd._open_regular(pack)
+    if opened:
+        fd, size = opened
         try:
-            entries = _sd._pack_entries(fd, _os.fstat(fd).st_size)
+            entries = _sd._pack_entries(fd, size)
         except ValueError as e:
             raise ValueError("tensorfs.export_safetensors: %s is not a valid pack of tensors: %s" % (pack, e)) from None
         finally:

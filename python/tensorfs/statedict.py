@@ -65,6 +65,12 @@ def _name_problem(name):
     return None
 
 
+def _prefixes(name):
+    """The directories a tensor name makes: "a", "a/b" of "a/b/c"."""
+    parts = name.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def _check_name(name):
     name = str(name)
     problem = _name_problem(name)
@@ -148,11 +154,9 @@ def save_state_dict(path: str, state_dict: _typing.Mapping[str, _typing.Any],
     names = [_check_name(k) for k in state_dict]
     files = set(names)
     for n in names:
-        parts = n.split("/")
-        for i in range(1, len(parts)):
-            if "/".join(parts[:i]) in files:
-                raise ValueError("tensorfs.save_state_dict: %r is a tensor and the directory of %r"
-                                 % ("/".join(parts[:i]), n))
+        for p in _prefixes(n):
+            if p in files:
+                raise ValueError("tensorfs.save_state_dict: %r is a tensor and the directory of %r" % (p, n))
     created = not _os.path.isdir(path)
     if created:
         try:
@@ -257,20 +261,17 @@ def _check_prefixes(path, saving, packed):
     """
     staying = set(packed) - saving
     for n in saving:
-        parts = n.split("/")
-        for i in range(1, len(parts)):
-            p = "/".join(parts[:i])
+        for p in _prefixes(n):
             if p in saving:
                 continue  # refused earlier, as one state dict's
             if p in staying or (_os.path.lexists(_os.path.join(path, p)) and not _os.path.isdir(_os.path.join(path, p))):
                 raise ValueError("tensorfs.save_state_dict: %r is a tensor in %s and would be the directory of %r"
                                  % (p, path, n))
     for k in staying:
-        parts = k.split("/")
-        for i in range(1, len(parts)):
-            if "/".join(parts[:i]) in saving:
+        for p in _prefixes(k):
+            if p in saving:
                 raise ValueError("tensorfs.save_state_dict: %r would be a tensor and the directory of %r, which "
-                                 "%s holds in its pack" % ("/".join(parts[:i]), k, path))
+                                 "%s holds in its pack" % (p, k, path))
 
 
 # --- packs ------------------------------------------------------------------
@@ -284,29 +285,47 @@ def _packable(dtype):
     return dtype in _TO_ST and _tfs.DTYPES[dtype]["bits"] % 8 == 0
 
 
-def _open_pack(full):
-    """(fd, [(name, safetensors dtype, shape, byte offset in the file, nbytes)]) of the pack at full, or None.
+def _open_regular(full):
+    """(fd, size) of the regular file at full, opened read-only; None where there is none.
 
-    None where there is no pack: nothing of that name, or something
-    that is not a regular file (opened without blocking, so a FIFO there
-    cannot hold a save), or a tensor's segment (with a dtype or shape).
-    ValueError for a pack that is not a valid safetensors file: a save
-    that went on would lose its tensors.
+    No symbolic link is followed, and a FIFO or socket there is not
+    waited on (O_NONBLOCK): another user may have put one at a name a
+    reader looks for. Other errors are raised.
     """
     try:
         fd = _os.open(full, _os.O_RDONLY | _os.O_CLOEXEC | _os.O_NOFOLLOW | _os.O_NONBLOCK)
     except OSError as e:
         if e.errno in (_errno.ENOENT, _errno.ELOOP, _errno.ENXIO):
             return None  # no file, a symbolic link, a socket
-        raise _tfs._explain(e, full, "tensorfs.save_state_dict: reading the pack %s" % full) from None
+        raise
+    st = _os.fstat(fd)
+    if not _stat.S_ISREG(st.st_mode):
+        _os.close(fd)
+        return None
+    return fd, st.st_size
+
+
+def _open_pack(full):
+    """(fd, [(name, safetensors dtype, shape, byte offset in the file, nbytes)]) of the pack at full, or None.
+
+    None where there is no pack: nothing of that name, or something
+    that is not a regular file (_open_regular), or a tensor's segment
+    (with a dtype or shape). ValueError for a pack that is not a valid
+    safetensors file: a save that went on would lose its tensors.
+    """
     try:
-        st = _os.fstat(fd)
-        if not _stat.S_ISREG(st.st_mode) or any(
-                _tfs._getxattr(full, a) is not None for a in (_tfs.XATTR_DTYPE, _tfs.XATTR_SHAPE)):
+        opened = _open_regular(full)
+    except OSError as e:
+        raise _tfs._explain(e, full, "tensorfs.save_state_dict: reading the pack %s" % full) from None
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        if any(_tfs._getxattr(fd, a) is not None for a in (_tfs.XATTR_DTYPE, _tfs.XATTR_SHAPE)):
             _os.close(fd)
             return None
         try:
-            entries = _pack_entries(fd, st.st_size)
+            entries = _pack_entries(fd, size)
         except ValueError as e:
             raise ValueError("tensorfs.save_state_dict: %s is not a valid pack (%s): remove it, or move it "
                              "aside, to save here" % (full, e)) from None
